@@ -1,0 +1,81 @@
+"""What every model family gives the engine, and the decorator that registers it.
+
+The server never names a model class: it asks a family for a module built from a config, the
+per-sample input spec, and the losses that fit. Families register themselves with
+:func:`register_model`; ``models/__init__.py`` imports each family file so the decorators run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import nn
+
+from psgrad._errors import InvalidModelSpec, UnknownModel
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one sample (no batch dimension); ``high`` bounds integer inputs."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    high: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
+        if self.high is not None:
+            out["high"] = self.high
+        return out
+
+
+class ModelFamily:
+    """A family of models: a builder from a config dict with usable defaults."""
+
+    name: ClassVar[str] = ""
+    default_config: ClassVar[dict[str, Any]] = {}
+    default_loss: ClassVar[str] = "cross_entropy"
+    losses: ClassVar[tuple[str, ...]] = ("cross_entropy",)
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        raise NotImplementedError
+
+    def input_spec(self, config: dict[str, Any]) -> TensorSpec:
+        raise NotImplementedError
+
+    def loss_info(self, config: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        """The default loss and the accepted losses (a family may derive them from the config)."""
+        return self.default_loss, self.losses
+
+    def config(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The default config updated with ``overrides``; unknown keys are refused."""
+        overrides = overrides or {}
+        unknown = sorted(set(overrides) - set(self.default_config))
+        if unknown:
+            raise InvalidModelSpec(
+                f"unknown config keys for '{self.name}': {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(self.default_config)) or '(none)'}",
+                architecture=self.name,
+            )
+        return {**copy.deepcopy(self.default_config), **overrides}
+
+
+ZOO: dict[str, ModelFamily] = {}
+
+
+def register_model(cls: type[ModelFamily]) -> type[ModelFamily]:
+    """Class decorator: add a family to the zoo under its ``name``."""
+    ZOO[cls.name] = cls()
+    return cls
+
+
+def get_family(name: str) -> ModelFamily:
+    try:
+        return ZOO[name]
+    except KeyError:
+        raise UnknownModel(
+            f"unknown architecture '{name}'; known: {', '.join(sorted(ZOO))}",
+            known=sorted(ZOO),
+        ) from None

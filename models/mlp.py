@@ -1,0 +1,71 @@
+"""Multi-layer perceptrons: a classifier and a value network for TD(0)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from psgrad._errors import InvalidModelSpec
+from models.base import ModelFamily, TensorSpec, register_model
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
+}
+
+
+def mlp_layers(sizes: list[int], activation: str) -> nn.Sequential:
+    """``fc1, act1, fc2, ...``: Linear layers between ``sizes``, no activation after the last."""
+    if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise InvalidModelSpec(f"sizes must list at least two positive integers; got {sizes}")
+    if activation not in ACTIVATIONS:
+        raise InvalidModelSpec(
+            f"unknown activation '{activation}'; known: {', '.join(sorted(ACTIVATIONS))}"
+        )
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:]), start=1):
+        layers[f"fc{i}"] = nn.Linear(n_in, n_out)
+        if i < len(sizes) - 1:
+            layers[f"act{i}"] = ACTIVATIONS[activation]()
+    return nn.Sequential(layers)
+
+
+@register_model
+class MLPFamily(ModelFamily):
+    name = "mlp"
+    default_config: dict[str, Any] = {"sizes": [784, 512, 512, 10], "activation": "relu"}
+    default_loss = "cross_entropy"
+    losses = ("cross_entropy", "mse")
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        return mlp_layers(config["sizes"], config["activation"])
+
+    def input_spec(self, config: dict[str, Any]) -> TensorSpec:
+        return TensorSpec((config["sizes"][0],))
+
+
+class ValueMLP(nn.Module):
+    """V(s): an MLP with one output, squeezed to one scalar per state."""
+
+    def __init__(self, sizes: list[int], activation: str) -> None:
+        super().__init__()
+        self.net = mlp_layers([*sizes, 1], activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+
+@register_model
+class ValueMLPFamily(ModelFamily):
+    name = "value-mlp"
+    default_config: dict[str, Any] = {"sizes": [8, 64, 64], "activation": "tanh"}
+    default_loss = "td0"
+    losses = ("td0", "mse")
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        return ValueMLP(config["sizes"], config["activation"])
+
+    def input_spec(self, config: dict[str, Any]) -> TensorSpec:
+        return TensorSpec((config["sizes"][0],))

@@ -1,0 +1,202 @@
+"""The wire formats of the HTTP contract, shared by the client and the server (numpy only).
+
+A request or a result is a flat dict: plain JSON values, numpy arrays, and dicts of arrays keyed
+by parameter name (``weights``, ``reference``, ``grads``, ``mean``, ...). Two encodings:
+
+- JSON: an array is nested lists, or ``{"dtype", "shape", "data": base64 little-endian bytes}``.
+- safetensors: arrays are tensors (a dict of arrays becomes ``<field>/<param>``) and the other
+  fields are a JSON string under one metadata key (``request`` or ``response``).
+
+Nothing here unpickles, and every size is checked before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from psgrad._errors import BadRequest, TooLarge
+
+DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_NDIM = 8
+
+REQUEST_KEY = "request"
+RESPONSE_KEY = "response"
+
+SAFETENSORS = "application/x-safetensors"
+JSON = "application/json"
+
+
+def array_from_json(value: Any, *, name: str, max_elements: int) -> np.ndarray:
+    """Decode one JSON tensor (nested lists or the base64 form), refusing anything malformed."""
+    if isinstance(value, dict):
+        return _array_from_b64(value, name=name, max_elements=max_elements)
+    if isinstance(value, (bool, int, float)):
+        return np.asarray(value)
+    if not isinstance(value, list):
+        raise BadRequest(
+            f"'{name}' must be nested lists of numbers or a {{dtype, shape, data}} object; "
+            f"got {type(value).__name__}",
+            field=name,
+        )
+    shape = _nested_shape(value, name)
+    if math.prod(shape) > max_elements:
+        raise TooLarge(
+            f"'{name}' has {math.prod(shape)} elements; the limit is {max_elements}",
+            field=name, limit=max_elements,
+        )
+    try:
+        arr = np.array(value)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"'{name}' is not a rectangular array of numbers", field=name) from exc
+    if arr.dtype.kind not in "biuf":
+        raise BadRequest(f"'{name}' must contain only numbers or booleans", field=name)
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)  # JSON numbers carry no dtype; float32 is the models' own
+    return arr
+
+
+def _nested_shape(value: list[Any], name: str) -> tuple[int, ...]:
+    """Shape of nested lists, checked to be rectangular without building anything."""
+    shape: list[int] = []
+    level: list[Any] = [value]
+    while level and isinstance(level[0], list):
+        sizes = {len(item) if isinstance(item, list) else -1 for item in level}
+        if len(sizes) != 1 or -1 in sizes:
+            raise BadRequest(
+                f"'{name}' is ragged: the lists at depth {len(shape)} differ in length or mix "
+                "lists and numbers; every sample must have the same shape",
+                field=name,
+            )
+        shape.append(sizes.pop())
+        if len(shape) > MAX_NDIM + 1:
+            raise BadRequest(f"'{name}' has more than {MAX_NDIM + 1} dimensions", field=name)
+        level = [x for item in level for x in item]
+    if any(isinstance(x, list) for x in level):
+        raise BadRequest(f"'{name}' is ragged", field=name)
+    return tuple(shape)
+
+
+def _array_from_b64(value: dict[str, Any], *, name: str, max_elements: int) -> np.ndarray:
+    dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
+    if dtype not in DTYPES:
+        raise BadRequest(
+            f"'{name}': unknown dtype {dtype!r}; known: {', '.join(DTYPES)}", field=name
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM + 1
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise BadRequest(
+            f"'{name}': shape must be a list of at most {MAX_NDIM + 1} non-negative integers",
+            field=name,
+        )
+    count = math.prod(shape)
+    if count > max_elements:
+        raise TooLarge(
+            f"'{name}' declares {count} elements; the limit is {max_elements}",
+            field=name, limit=max_elements,
+        )
+    if not isinstance(data, str):
+        raise BadRequest(f"'{name}': data must be a base64 string", field=name)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"'{name}': data is not valid base64", field=name) from exc
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+    if len(raw) != count * np_dtype.itemsize:
+        raise BadRequest(
+            f"'{name}': shape {shape} of {dtype} needs {count * np_dtype.itemsize} bytes, "
+            f"data has {len(raw)}",
+            field=name,
+        )
+    return np.frombuffer(raw, dtype=np_dtype).reshape(shape).astype(np.dtype(dtype))
+
+
+def array_to_json(arr: np.ndarray, *, binary: bool = False) -> Any:
+    """Encode an array as nested lists, or as the base64 form when ``binary``."""
+    if not binary:
+        return arr.tolist()
+    little = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return {
+        "dtype": str(arr.dtype),
+        "shape": list(arr.shape),
+        "data": base64.b64encode(little.tobytes()).decode("ascii"),
+    }
+
+
+def fields_to_json(fields: Mapping[str, Any], *, binary: bool = False) -> dict[str, Any]:
+    """A request or result dict with every array encoded for JSON."""
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, np.ndarray):
+            out[key] = array_to_json(value, binary=binary)
+        elif isinstance(value, Mapping) and any(isinstance(v, np.ndarray) for v in value.values()):
+            out[key] = {k: array_to_json(v, binary=binary) for k, v in value.items()}
+        else:
+            out[key] = value
+    return out
+
+
+def fields_to_safetensors(fields: Mapping[str, Any], meta_key: str) -> bytes:
+    """Arrays become tensors (``field`` or ``field/param``), the rest JSON under ``meta_key``."""
+    tensors: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, np.ndarray):
+            tensors[key] = np.ascontiguousarray(value)
+        elif isinstance(value, Mapping) and value and all(
+            isinstance(v, np.ndarray) for v in value.values()
+        ):
+            for param, arr in value.items():
+                tensors[f"{key}/{param}"] = np.ascontiguousarray(arr)
+        else:
+            meta[key] = value
+    return bytes(st_save(tensors, metadata={meta_key: json.dumps(meta)}))
+
+
+def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX_HEADER_BYTES
+                            ) -> dict[str, Any]:
+    """Inverse of :func:`fields_to_safetensors`; the header is size-checked before parsing."""
+    if len(body) < 8:
+        raise BadRequest("the safetensors body is shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", body[:8])
+    if header_len > max_header or header_len > len(body) - 8:
+        raise BadRequest(
+            f"the safetensors header claims {header_len} bytes; the body has {len(body) - 8} "
+            f"and the limit is {max_header}: the file is corrupt or truncated"
+        )
+    try:
+        header = json.loads(body[8 : 8 + header_len])
+        tensors = st_load(body)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
+    raw_meta = (header.get("__metadata__") or {}).get(meta_key, "{}")
+    try:
+        fields: dict[str, Any] = json.loads(raw_meta)
+    except ValueError as exc:
+        raise BadRequest(f"safetensors metadata '{meta_key}' is not valid JSON") from exc
+    if not isinstance(fields, dict):
+        raise BadRequest(f"safetensors metadata '{meta_key}' must be a JSON object")
+    for name, arr in tensors.items():
+        field, _, param = name.partition("/")
+        if param:
+            group = fields.setdefault(field, {})
+            if not isinstance(group, dict):
+                raise BadRequest(f"tensor '{name}' clashes with metadata field '{field}'")
+            group[param] = arr
+        else:
+            fields[field] = arr
+    return fields

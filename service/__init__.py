@@ -1,0 +1,1 @@
+"""The psgrad server: config, engine, model registry, broker, worker and api."""

@@ -1,0 +1,101 @@
+"""The broker interface that the api and the worker loop are written against.
+
+Two implementations: :mod:`service.broker.embedded` (an in-process queue and worker threads, the
+default when no Redis URL is set) and :mod:`service.broker.redis` (Redis Streams with a consumer
+group, for any number of worker processes on any number of hosts). The api only calls the
+:class:`Broker` methods; the worker loop (:mod:`service.worker`) only calls :class:`JobSource`.
+Neither knows which implementation is behind them.
+
+A job carries its request as the wire dict of :mod:`psgrad._wire` (JSON values and numpy
+arrays, never pickled); a result is the same kind of dict (the response fields), an error is the
+JSON error body of a :class:`psgrad.PsgradError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class JobStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def done(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Job:
+    """One request in the queue."""
+
+    id: str
+    fields: dict[str, Any]  # the decoded request: JSON values and numpy arrays
+    deadline: float  # epoch seconds; a job whose deadline passed is not computed
+    enqueued_at: float = field(default_factory=time.time)
+    attempts: int = 1
+
+
+@dataclass
+class JobState:
+    """What ``GET /jobs/{id}`` shows: the status and, once done, the result or the error."""
+
+    id: str
+    status: JobStatus
+    result: dict[str, Any] | None = None  # the response fields (numpy arrays + JSON values)
+    error: dict[str, Any] | None = None  # the JSON error body
+    enqueued_at: float | None = None
+    finished_at: float | None = None
+
+
+class Broker(Protocol):
+    """The api's side: enqueue, wait, inspect, cancel."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def submit(self, job: Job) -> None:
+        """Enqueue; raises :class:`psgrad.Overloaded` when the queue is full or unreachable."""
+
+    async def wait(self, job_id: str, timeout: float) -> JobState:
+        """Block until the job is done or ``timeout`` passes (then returns its current state)."""
+
+    async def state(self, job_id: str) -> JobState:
+        """Raises :class:`psgrad.UnknownJob` for an unknown or expired job."""
+
+    async def cancel(self, job_id: str) -> JobState: ...
+
+    async def queue_depth(self) -> int: ...
+
+    async def ready(self) -> bool:
+        """The broker answers and at least one worker is alive."""
+
+
+class JobSource(Protocol):
+    """The worker loop's side: take a batch of jobs, hand back results, acknowledge."""
+
+    def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
+             block_s: float) -> list[Job]:
+        """Wait up to ``block_s`` for a first job, then gather more for up to ``max_delay_s``."""
+
+    def started(self, jobs: list[Job]) -> None:
+        """Mark jobs running (and keep their claim fresh on long batches)."""
+
+    def succeed(self, job: Job, result: dict[str, Any]) -> None: ...
+
+    def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
+        """Store the error; with ``retry`` a transient failure may be delivered again."""
+
+    def is_canceled(self, job_id: str) -> bool: ...

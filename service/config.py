@@ -1,0 +1,55 @@
+"""All settings, read from ``PSGRAD_*`` environment variables through one cached object."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PSGRAD_", env_file=None, extra="ignore")
+
+    redis_url: str | None = None
+    redis_prefix: str = "psgrad"
+    device: str = "auto"
+    memory_budget_mb: int = 1024
+    fast_stats: bool = True
+    compile: bool = False
+    model_dir: str | None = None
+
+    max_body_bytes: int = 512 * 1024 * 1024
+    max_batch_size: int = 4096
+    max_result_bytes: int = 1024 * 1024 * 1024
+    max_elements: int = 256 * 1024 * 1024
+    request_timeout_s: float = 120.0
+    max_queue_depth: int = 1000
+
+    batch_max_delay_ms: float = 5.0
+    batch_max_samples: int = 512
+    workers: int = 1
+
+    api_keys: str = ""
+    admin_keys: str = ""
+
+    result_ttl_s: int = 3600
+    visibility_timeout_s: float = 60.0
+    max_attempts: int = 3
+    heartbeat_s: float = 2.0
+
+    max_layers: int = 64
+    max_parameters: int = 50_000_000
+    max_weight_bytes: int = 512 * 1024 * 1024
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+    @property
+    def admin_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.admin_keys.split(",") if k.strip())
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,310 @@
+"""The per-sample gradient engine: ``functional_call`` + ``vmap(grad_and_value(loss))``.
+
+One call computes every requested output for a batch that may hold several jobs (``segments``):
+per-sample outputs are split back per job, and statistics (``mean``, ``variance``,
+``clipped_mean``, ``cosine_mean``) are computed per job, never over the merged batch. The batch
+runs in chunks sized from a memory budget, and per-sample gradients are kept only when an output
+needs them, so a large batch of summary outputs never holds B copies of the gradient.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from service.losses import get_loss
+from service.outputs import OUTPUTS
+from service.registry import LoadedModel
+
+Tensors = dict[str, torch.Tensor]
+SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to compute: the non-tensor part of a request. Hashable: it is part of the group key."""
+
+    loss: str
+    outputs: tuple[str, ...]
+    params: tuple[str, ...]  # the selected parameters, in the module's order
+    clip_norm: float | None = None
+    noise_multiplier: float = 0.0
+    seed: int | None = None
+    gamma: float = 1.0
+
+
+@dataclass
+class Batch:
+    """The tensors of a request, already validated, with the batch dimension first."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor | None = None
+    next_inputs: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    dones: torch.Tensor | None = None
+    weights: Tensors = field(default_factory=dict)
+    reference: Tensors = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.inputs.shape[0])
+
+    def samples(self) -> Tensors:
+        return {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+
+
+PerSampleFn = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
+_FN_CACHE: OrderedDict[tuple[Any, ...], PerSampleFn] = OrderedDict()
+_FN_CACHE_SIZE = 64
+_FN_LOCK = threading.Lock()
+
+
+def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
+    """``(selected, other_params, buffers, samples) -> (grads, (losses, aux))`` over a batch.
+
+    Cached by model version, device, dtype, loss, gamma and route; the parameters are arguments,
+    so per-call weights never rebuild it.
+    """
+    key = (model.ref, str(next(iter(model.params.values())).device), model.dtype, loss_name,
+           gamma, model.route)
+    with _FN_LOCK:
+        if key in _FN_CACHE:
+            _FN_CACHE.move_to_end(key)
+            return _FN_CACHE[key]
+    loss = get_loss(loss_name)
+    module = model.module
+
+    def sample_loss(selected: Tensors, others: Tensors, buffers: Tensors,
+                    sample: Tensors) -> Any:
+        params = {**others, **selected}
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return functional_call(module, (params, buffers), (x.unsqueeze(0),)).squeeze(0)
+
+        return loss.fn(forward, sample, gamma)
+
+    one = grad_and_value(sample_loss, has_aux=True)
+    fn: PerSampleFn
+    if model.route == "loop":
+        fn = _looped(one)
+    else:
+        fn = vmap(one, in_dims=(None, None, None, 0))
+    with _FN_LOCK:
+        _FN_CACHE[key] = fn
+        while len(_FN_CACHE) > _FN_CACHE_SIZE:
+            _FN_CACHE.popitem(last=False)
+    return fn
+
+
+def _looped(one: Callable[..., Any]) -> PerSampleFn:
+    """The per-sample loop, for layers vmap cannot batch (``nn.GRU``/``nn.RNN`` in torch 2.13)."""
+
+    def fn(selected: Tensors, others: Tensors, buffers: Tensors, samples: Tensors) -> Any:
+        size = next(iter(samples.values())).shape[0]
+        results = [one(selected, others, buffers, {k: v[i] for k, v in samples.items()})
+                   for i in range(size)]
+        grads = {k: torch.stack([r[0][k] for r in results]) for k in selected}
+        losses = torch.stack([r[1][0] for r in results])
+        aux = torch.stack([r[1][1] for r in results])
+        return grads, (losses, aux)
+
+    return fn
+
+
+def chunk_size(model: LoadedModel, selected: Sequence[str], batch: int, budget_bytes: int) -> int:
+    """Samples per vmap call so that the transient memory stays inside ``budget_bytes``."""
+    itemsize = torch.finfo(model.dtype).bits // 8
+    n_selected = sum(model.params[k].numel() for k in selected)
+    per_sample = itemsize * (2 * n_selected + 4 * model.activation_numel) or 1
+    return max(1, min(batch, budget_bytes // per_sample))
+
+
+def compute(model: LoadedModel, batch: Batch, opts: Options,
+            segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30
+            ) -> list[dict[str, Any]]:
+    """Every requested output, for each segment of the batch (one segment per job)."""
+    segments = list(segments or [batch.size])
+    if sum(segments) != batch.size:
+        raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
+    device = next(iter(model.params.values())).device
+    params = {**model.params, **{k: v.to(device, model.dtype) for k, v in batch.weights.items()}}
+    selected = {k: params[k] for k in opts.params}
+    others = {k: v for k, v in params.items() if k not in selected}
+    samples = {k: v.to(device) for k, v in batch.samples().items()}
+    reference = {k: v.to(device, model.dtype) for k, v in batch.reference.items()}
+    fn = per_sample_fn(model, opts.loss, opts.gamma)
+    chunk = chunk_size(model, opts.params, batch.size, budget_bytes)
+
+    def chunks() -> Any:
+        for start in range(0, batch.size, chunk):
+            stop = min(batch.size, start + chunk)
+            grads, (losses, aux) = fn(selected, others, model.buffers,
+                                      {k: v[start:stop] for k, v in samples.items()})
+            yield start, stop, grads, losses, aux
+
+    acc = _Accumulator(opts, selected, reference, segments, batch.size)
+    last = None
+    for last in chunks():
+        acc.add(*last)
+    if "cosine_mean" in opts.outputs:
+        if chunk >= batch.size and last is not None:
+            acc.cosine(last[0], last[2])
+        else:
+            for start, _, grads, _, _ in chunks():
+                acc.cosine(start, grads)
+    meta = {"route": model.route, "chunk_size": chunk}
+    return [{**out, "meta": {**meta, **extra}} for out, extra in acc.finish()]
+
+
+def _bounds(segments: Sequence[int]) -> list[tuple[int, int]]:
+    ends = [0]
+    for n in segments:
+        ends.append(ends[-1] + n)
+    return list(zip(ends, ends[1:]))
+
+
+class _Accumulator:
+    """Collects per-sample values and per-segment statistics chunk by chunk."""
+
+    def __init__(self, opts: Options, selected: Tensors, reference: Tensors,
+                 segments: Sequence[int], size: int) -> None:
+        self.opts = opts
+        self.want = set(opts.outputs)
+        self.reference = reference
+        self.bounds = _bounds(segments)
+        self.size = size
+        self.keep_grads = bool(self.want & {"grads", "updates"})
+        self.need_norms = bool(self.want & {"norms", "layer_norms", "clipped_mean", "cosine_mean"})
+        self.need_stats = bool(self.want & {"mean", "variance", "cosine_mean"})
+        self.per_sample: dict[str, list[torch.Tensor]] = {}
+        self.layer_sq: dict[str, list[torch.Tensor]] = {k: [] for k in selected}
+        self.kept: dict[str, list[torch.Tensor]] = {k: [] for k in selected}
+        # per segment: count, mean and M2 per parameter (Chan's parallel merge), clipped sums
+        self.count = [0] * len(self.bounds)
+        self.mean: list[Tensors] = [{} for _ in self.bounds]
+        self.m2: list[Tensors] = [{} for _ in self.bounds]
+        self.clipped: list[Tensors] = [{} for _ in self.bounds]
+
+    def _append(self, name: str, value: torch.Tensor) -> None:
+        self.per_sample.setdefault(name, []).append(value)
+
+    def _overlaps(self, start: int, stop: int) -> Any:
+        for s, (a, b) in enumerate(self.bounds):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                yield s, lo - start, hi - start
+
+    def add(self, start: int, stop: int, grads: Tensors, losses: torch.Tensor,
+            aux: torch.Tensor) -> None:
+        self._append("losses", losses)
+        self._append("td_errors", aux)
+        norms = None
+        if self.need_norms:
+            sq = {k: g.flatten(1).pow(2).sum(1) for k, g in grads.items()}
+            for k, v in sq.items():
+                self.layer_sq[k].append(v)
+            norms = torch.stack(list(sq.values())).sum(0).sqrt()
+            self._append("norms", norms)
+        if "dot" in self.want:
+            dots = [g.flatten(1) @ self.reference[k].flatten() for k, g in grads.items()]
+            self._append("dot", torch.stack(dots).sum(0))
+        if self.keep_grads:
+            for k, g in grads.items():
+                self.kept[k].append(g)
+        for s, lo, hi in self._overlaps(start, stop):
+            part = {k: g[lo:hi] for k, g in grads.items()}
+            if self.need_stats:
+                self._merge_stats(s, part)
+            if "clipped_mean" in self.want and norms is not None:
+                clip = self.opts.clip_norm or 0.0
+                factor = (clip / norms[lo:hi]).clamp(max=1.0).nan_to_num(1.0)
+                for k, g in part.items():
+                    term = torch.tensordot(factor, g, dims=1)
+                    self.clipped[s][k] = self.clipped[s].get(k, 0) + term
+
+    def _merge_stats(self, s: int, part: Tensors) -> None:
+        n_b = next(iter(part.values())).shape[0]
+        n_a = self.count[s]
+        for k, g in part.items():
+            mean_b = g.mean(0)
+            m2_b = (g - mean_b).pow(2).sum(0)
+            if n_a == 0:
+                self.mean[s][k], self.m2[s][k] = mean_b, m2_b
+            else:
+                delta = mean_b - self.mean[s][k]
+                total = n_a + n_b
+                self.mean[s][k] = self.mean[s][k] + delta * (n_b / total)
+                self.m2[s][k] = self.m2[s][k] + m2_b + delta.pow(2) * (n_a * n_b / total)
+        self.count[s] = n_a + n_b
+
+    def cosine(self, start: int, grads: Tensors) -> None:
+        stop = start + next(iter(grads.values())).shape[0]
+        for s, lo, hi in self._overlaps(start, stop):
+            dots = sum(g[lo:hi].flatten(1) @ self.mean[s][k].flatten() for k, g in grads.items())
+            self._append("_cos_dot", torch.as_tensor(dots))
+
+    def finish(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        flat = {k: torch.cat(v) for k, v in self.per_sample.items()}
+        layer_norms = ({k: torch.cat(v).sqrt() for k, v in self.layer_sq.items()}
+                       if self.need_norms else {})
+        kept = {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in self.kept.items() if v}
+        results = []
+        for s, (a, b) in enumerate(self.bounds):
+            out: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
+            for name in self.opts.outputs:
+                if name == "grads":
+                    out[name] = {k: g[a:b] for k, g in kept.items()}
+                elif name == "updates":
+                    out[name] = {k: -0.5 * g[a:b] for k, g in kept.items()}
+                elif name == "layer_norms":
+                    out[name] = {k: v[a:b] for k, v in layer_norms.items()}
+                elif name == "mean":
+                    out[name] = dict(self.mean[s])
+                elif name == "variance":
+                    out[name] = {k: v / (b - a) for k, v in self.m2[s].items()}
+                elif name == "clipped_mean":
+                    out[name], extra["seed"] = self._noised(s, b - a)
+                elif name == "cosine_mean":
+                    norms = flat["norms"][a:b]
+                    mean_norm = torch.stack(
+                        [v.pow(2).sum() for v in self.mean[s].values()]).sum().sqrt()
+                    cos = flat["_cos_dot"][a:b] / (norms * mean_norm)
+                    out[name] = cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+                else:
+                    out[name] = flat[name][a:b]
+            results.append((out, extra))
+        return results
+
+    def _noised(self, s: int, n: int) -> tuple[Tensors, int | None]:
+        sums = self.clipped[s]
+        sigma = self.opts.noise_multiplier * (self.opts.clip_norm or 0.0)
+        if sigma == 0:
+            return {k: v / n for k, v in sums.items()}, self.opts.seed
+        seed = self.opts.seed if self.opts.seed is not None else secrets.randbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        out = {}
+        for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
+            noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
+            out[k] = (v + noise.to(v.device, v.dtype)) / n
+        return out, seed
+
+
+def output_bytes(model: LoadedModel, opts: Options, batch_size: int) -> int:
+    """Bytes of the answer, to refuse an oversized result before computing it."""
+    itemsize = torch.finfo(model.dtype).bits // 8
+    n_selected = sum(model.params[k].numel() for k in opts.params)
+    total = 0
+    for name in opts.outputs:
+        info = OUTPUTS[name]
+        per = n_selected if info.per_param_tensor else (len(opts.params) if info.per_param else 1)
+        total += per * (batch_size if info.per_sample else 1)
+    return total * itemsize
+
