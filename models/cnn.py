@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ class SimpleCNN(nn.Module):
 @register_model
 class SimpleCNNFamily(ModelFamily):
     name = "simple-cnn"
-    default_config: dict[str, Any] = {}
+    default_config: ClassVar[dict[str, Any]] = {}
     default_loss = "nll"
     losses = ("nll",)
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from psgrad._errors import InvalidModelSpec
 from models.base import ModelFamily, TensorSpec, register_model
+from psgrad._errors import InvalidModelSpec
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
@@ -25,7 +26,7 @@ def mlp_layers(sizes: list[int], activation: str) -> nn.Sequential:
             f"unknown activation '{activation}'; known: {', '.join(sorted(ACTIVATIONS))}"
         )
     layers: OrderedDict[str, nn.Module] = OrderedDict()
-    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:]), start=1):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes), start=1):
         layers[f"fc{i}"] = nn.Linear(n_in, n_out)
         if i < len(sizes) - 1:
             layers[f"act{i}"] = ACTIVATIONS[activation]()
@@ -35,7 +36,7 @@ def mlp_layers(sizes: list[int], activation: str) -> nn.Sequential:
 @register_model
 class MLPFamily(ModelFamily):
     name = "mlp"
-    default_config: dict[str, Any] = {"sizes": [784, 512, 512, 10], "activation": "relu"}
+    default_config: ClassVar[dict[str, Any]] = {"sizes": [784, 512, 512, 10], "activation": "relu"}
     default_loss = "cross_entropy"
     losses = ("cross_entropy", "mse")
 
@@ -60,7 +61,7 @@ class ValueMLP(nn.Module):
 @register_model
 class ValueMLPFamily(ModelFamily):
     name = "value-mlp"
-    default_config: dict[str, Any] = {"sizes": [8, 64, 64], "activation": "tanh"}
+    default_config: ClassVar[dict[str, Any]] = {"sizes": [8, 64, 64], "activation": "tanh"}
     default_loss = "td0"
     losses = ("td0", "mse")
 

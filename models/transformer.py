@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ class TinyTransformer(nn.Module):
 @register_model
 class TinyTransformerFamily(ModelFamily):
     name = "tiny-transformer"
-    default_config: dict[str, Any] = {
+    default_config: ClassVar[dict[str, Any]] = {
         "vocab": 1000, "seq_len": 32, "d_model": 64, "nhead": 4, "dim_ff": 128, "layers": 2,
         "classes": 4,
     }

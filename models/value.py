@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from psgrad._errors import InvalidModelSpec
 from models.base import ModelFamily, TensorSpec, register_model
+from psgrad._errors import InvalidModelSpec
 
 
 class LinearValue(nn.Module):
@@ -25,7 +25,7 @@ class LinearValue(nn.Module):
 @register_model
 class LinearValueFamily(ModelFamily):
     name = "linear-value"
-    default_config: dict[str, Any] = {"dim": 3, "bias": False}
+    default_config: ClassVar[dict[str, Any]] = {"dim": 3, "bias": False}
     default_loss = "td0"
     losses = ("td0", "mse")
 

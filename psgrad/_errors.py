@@ -224,7 +224,8 @@ def error_from_body(
         return cls(f"HTTP {status}: {str(body)[:500]}", request_id=request_id)
     code = str(error.get("code", ""))
     cls = _BY_CODE.get(code) or _class_for_status(status)
-    details = error.get("details") if isinstance(error.get("details"), dict) else {}
+    raw_details = error.get("details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     exc = cls.__new__(cls)
     PsgradError.__init__(exc, str(error.get("message", "")), request_id=request_id, **details)
     if isinstance(exc, Overloaded):

@@ -9,6 +9,7 @@ needs them, so a large batch of summary outputs never holds B copies of the grad
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 from collections import OrderedDict
@@ -92,10 +93,7 @@ def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSample
 
     one = grad_and_value(sample_loss, has_aux=True)
     fn: PerSampleFn
-    if model.route == "loop":
-        fn = _looped(one)
-    else:
-        fn = vmap(one, in_dims=(None, None, None, 0))
+    fn = _looped(one) if model.route == "loop" else vmap(one, in_dims=(None, None, None, 0))
     with _FN_LOCK:
         _FN_CACHE[key] = fn
         while len(_FN_CACHE) > _FN_CACHE_SIZE:
@@ -167,7 +165,7 @@ def _bounds(segments: Sequence[int]) -> list[tuple[int, int]]:
     ends = [0]
     for n in segments:
         ends.append(ends[-1] + n)
-    return list(zip(ends, ends[1:]))
+    return list(itertools.pairwise(ends))
 
 
 class _Accumulator:

@@ -6,7 +6,7 @@ import os
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
