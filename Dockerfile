@@ -1,0 +1,45 @@
+# One image for the api and the workers (docker-compose.yml picks the command).
+#
+# The base image brings torch, CUDA and cuDNN; nothing here downloads a second torch: the
+# project's requirements are installed under a constraint that pins torch to the version
+# already in the image. Build: docker build -t psgrad:latest .
+FROM pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
+
+# Recent official images use the distribution's Python, marked externally managed (PEP 668);
+# a container is its own environment, so pip may install into it.
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    THP_MEM_ALLOC_ENABLE=1
+
+WORKDIR /app
+
+# Dependencies first, from pyproject.toml alone, so a code change does not reinstall them.
+COPY pyproject.toml ./
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+ && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+        > /tmp/constraints.txt \
+ && python3 -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
+ && rm /tmp/requirements.txt /tmp/constraints.txt
+
+# Then the code; --no-deps: everything it needs is installed above.
+COPY README.md ./
+COPY psgrad ./psgrad
+COPY service ./service
+COPY models ./models
+RUN python3 -m pip install --no-deps . && rm -rf build ./*.egg-info
+
+# A numeric user, so that runtimes can check it is not root without reading /etc/passwd.
+RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home psgrad
+USER 10001:10001
+
+EXPOSE 8000
+# Checks the api; worker services in docker-compose.yml replace it with their own check.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+
+ENTRYPOINT ["psgrad"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

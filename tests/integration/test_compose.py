@@ -1,0 +1,368 @@
+"""The Dockerfile and compose files, checked with the tools we have (no Docker engine here).
+
+Compose itself parses the files (the plugin's ``docker compose config`` where it exists, else
+Debian's ``docker-compose config``, which .ci/run installs), and the tests read what it parsed:
+a GPU reserved per worker, the healthchecks and start order, settings that the code knows. The
+last test starts the processes compose would start, with the parsed commands and environment,
+on loopback, and checks an answer computed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from fnmatch import fnmatch
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from service.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_FILES = (ROOT / "docker-compose.yml",)
+CPU_FILES = (*GPU_FILES, ROOT / "docker-compose.cpu.yml")
+PSGRAD_IMAGE_SERVICES = ("api", "worker-gpu0", "worker-gpu1")
+SECRET_WORDS = ("KEY", "SECRET", "PASSWORD", "TOKEN")
+# Settings whose compose value differs from the code's default on purpose.
+DELIBERATE = {
+    "redis_url": "compose runs Redis; the code defaults to the embedded broker",
+    "memory_budget_mb": "a GPU has more memory than the laptop default assumes",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compose
+
+
+def _compose_command() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker is not None:
+        probe = subprocess.run([docker, "compose", "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy is not None else None
+
+
+def compose_config(
+    files: tuple[Path, ...], tmp_path: Path, env: dict[str, str] | None = None, env_file: str = ""
+) -> dict[str, Any]:
+    """What Compose makes of ``files``, given ``env`` and the contents of an env file."""
+    command = _compose_command()
+    if command is None:
+        pytest.skip(
+            "neither the compose plugin (`docker compose`) nor `docker-compose` is installed; "
+            "`apt-get install docker-compose` (as .ci/run does) to run this test"
+        )
+    dotenv = tmp_path / "compose.env"
+    dotenv.write_text(env_file)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PSGRAD_", "COMPOSE_"))}
+    args = [*command, "--project-directory", str(ROOT), "--env-file", str(dotenv)]
+    for file in files:
+        args += ["-f", str(file)]
+    done = subprocess.run(
+        [*args, "config"],
+        capture_output=True,
+        text=True,
+        env={**clean, **(env or {})},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"{' '.join(args)} config failed:\n{done.stderr}"
+    parsed: dict[str, Any] = yaml.safe_load(done.stdout)
+    return parsed
+
+
+@pytest.fixture(scope="module")
+def gpu_config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return compose_config(GPU_FILES, tmp_path_factory.mktemp("gpu"))
+
+
+@pytest.fixture(scope="module")
+def cpu_config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return compose_config(CPU_FILES, tmp_path_factory.mktemp("cpu"))
+
+
+def started(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services `compose up` starts: those in no profile (compose v1 lists the others too)."""
+    return {name: s for name, s in config["services"].items() if not s.get("profiles")}
+
+
+def workers(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in started(config).items() if list(s["command"])[:1] == ["worker"]}
+
+
+def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    reservations = service.get("deploy", {}).get("resources", {}).get("reservations", {})
+    return list(reservations.get("devices", []))
+
+
+def seconds(duration: str | int | float) -> float:
+    """Compose durations: v1 keeps '120s', v2 prints Go's '2m0s'."""
+    if isinstance(duration, int | float):
+        return float(duration)
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, target) of each volume, from v1's 'src:dst:mode' or v2's long form."""
+    out = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target = volume.split(":")[:2]
+        else:
+            source, target = volume["source"], volume["target"]
+        out.append((source, target))
+    return out
+
+
+def healthcheck_text(service: dict[str, Any]) -> str:
+    test = service["healthcheck"]["test"]
+    return " ".join(test) if isinstance(test, list) else str(test)
+
+
+def test_each_gpu_worker_reserves_its_own_gpu(gpu_config: dict[str, Any]) -> None:
+    gpu_workers = workers(gpu_config)
+    assert len(gpu_workers) >= 2, sorted(gpu_config["services"])
+    ids: list[str] = []
+    for name, service in gpu_workers.items():
+        devices = gpu_devices(service)
+        assert len(devices) == 1, (name, devices)
+        (device,) = devices
+        assert device["driver"] == "nvidia"
+        assert "gpu" in device["capabilities"]
+        assert "count" not in device, "device_ids pins a GPU; count would pick any"
+        assert len(device["device_ids"]) == 1, (name, device)
+        ids += [str(i) for i in device["device_ids"]]
+        assert service["command"] == ["worker", "--device", "cuda"]
+        assert "replicas" not in service.get("deploy", {}), "replicas would share one GPU"
+    assert len(set(ids)) == len(ids), f"two workers share a GPU: {ids}"
+
+
+def test_services_restart_and_workers_get_time_to_drain(gpu_config: dict[str, Any]) -> None:
+    for name, service in gpu_config["services"].items():
+        assert service.get("restart") == "unless-stopped", name
+    for name, service in workers(gpu_config).items():
+        # A worker finishes its batch after SIGTERM; compose kills it after the grace period.
+        assert seconds(service["stop_grace_period"]) >= 60, name
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+
+
+def test_redis_keeps_the_queue(gpu_config: dict[str, Any]) -> None:
+    redis = gpu_config["services"]["redis"]
+    assert str(redis["image"]).split(":")[1].split(".")[0] == "7"
+    command = [str(a) for a in redis["command"]]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "redis-cli ping" in healthcheck_text(redis)
+    volumes = dict(mounts(redis))
+    assert volumes.get("redis-data") == "/data", redis.get("volumes")
+    assert "redis-data" in gpu_config["volumes"]
+
+
+def test_api_waits_for_redis_and_reports_health(gpu_config: dict[str, Any]) -> None:
+    api = gpu_config["services"]["api"]
+    assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "/healthz" in healthcheck_text(api)
+    assert "8000" in healthcheck_text(api)
+    ports = api["ports"]
+    assert len(ports) == 1
+    port = ports[0]
+    if isinstance(port, str):
+        published, target = port.split(":")[-2:]
+    else:
+        published, target = port["published"], port["target"]
+    assert (int(published), int(target)) == (8000, 8000)
+    assert api["command"][api["command"].index("--port") + 1] == "8000"
+    assert api["environment"]["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
+    for service in workers(gpu_config).values():
+        assert service["environment"]["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_api_keys_come_from_the_environment_or_an_env_file(tmp_path: Path) -> None:
+    from_env = compose_config(GPU_FILES, tmp_path, env={"PSGRAD_API_KEYS": "k1,k2"})
+    assert from_env["services"]["api"]["environment"]["PSGRAD_API_KEYS"] == "k1,k2"
+    from_file = compose_config(GPU_FILES, tmp_path, env_file="PSGRAD_ADMIN_KEYS=adm\n")
+    assert from_file["services"]["api"]["environment"]["PSGRAD_ADMIN_KEYS"] == "adm"
+    none = compose_config(GPU_FILES, tmp_path)
+    assert none["services"]["api"]["environment"]["PSGRAD_API_KEYS"] == ""
+    # Workers serve no HTTP: they get no keys.
+    for service in workers(none).values():
+        assert not any(w in k for k in service["environment"] for w in ("KEYS",))
+
+
+def test_compose_settings_are_settings_with_the_code_defaults(
+    gpu_config: dict[str, Any], cpu_config: dict[str, Any]
+) -> None:
+    fields = Settings.model_fields
+    for config in (gpu_config, cpu_config):
+        for name, service in started(config).items():
+            for key, value in service.get("environment", {}).items():
+                if not key.startswith("PSGRAD_"):
+                    continue
+                field = key.removeprefix("PSGRAD_").lower()
+                assert field in fields, f"{name}: {key} is no setting of service/config.py"
+                parsed = getattr(Settings(**{field: value}), field)
+                if field not in DELIBERATE:
+                    assert parsed == fields[field].default, (name, key, value)
+
+
+def test_cpu_override_runs_cpu_workers_and_no_gpu(
+    gpu_config: dict[str, Any], cpu_config: dict[str, Any]
+) -> None:
+    running = started(cpu_config)
+    assert {"redis", "api"} <= set(running)
+    cpu_workers = workers(cpu_config)
+    assert len(cpu_workers) >= 2
+    for name, service in running.items():
+        assert not gpu_devices(service), f"{name} still reserves a GPU"
+    gpu_worker = next(iter(workers(gpu_config).values()))
+    for name, service in cpu_workers.items():
+        assert service["command"] == ["worker", "--device", "cpu"], name
+        for key in ("environment", "restart", "stop_grace_period", "depends_on", "image"):
+            assert service[key] == gpu_worker[key], (name, key)
+    # The GPU workers are still defined, in a profile that is off unless asked for.
+    for name in workers(gpu_config):
+        if name in cpu_config["services"]:
+            assert cpu_config["services"][name]["profiles"] == ["gpu"]
+    assert cpu_config["services"]["api"] == gpu_config["services"]["api"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines = [ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if not ln.startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_image_uses_the_base_images_torch() -> None:
+    instructions = dockerfile()
+    base = next(rest for word, rest in instructions if word == "FROM")
+    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", base)
+    assert match, base
+    torch_req = next(
+        req
+        for req in map(Requirement, metadata.requires("psgrad") or [])
+        if req.name == "torch" and req.marker and req.marker.evaluate({"extra": "server"})
+    )
+    assert match.group(1) in torch_req.specifier, (match.group(1), str(torch_req))
+    # The image runs the torch that CI tests.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"torch=={match.group(1)}" in ci
+    # Every pip install either pins torch to the installed one or installs nothing else.
+    for word, rest in instructions:
+        if word == "RUN" and "pip install" in rest:
+            for part in rest.split("&&"):
+                if "pip install" in part:
+                    assert "--no-deps" in part or "-c /tmp/constraints.txt" in part, part
+    assert any("print('torch==' + m.version('torch'))" in rest for _, rest in instructions)
+
+
+def test_image_installs_dependencies_before_the_code() -> None:
+    instructions = dockerfile()
+    copies = [(i, rest) for i, (word, rest) in enumerate(instructions) if word == "COPY"]
+    first_code = min(i for i, rest in copies if rest.split()[0] in ("psgrad", "service", "models"))
+    pyproject = min(i for i, rest in copies if rest.split()[0] == "pyproject.toml")
+    deps = min(
+        i for i, (word, rest) in enumerate(instructions) if word == "RUN" and "-r /tmp/" in rest
+    )
+    assert pyproject < deps < first_code
+    assert copies[[i for i, _ in copies].index(pyproject)][1] == "pyproject.toml ./"
+
+
+def test_image_runs_as_non_root_with_health_and_no_secrets() -> None:
+    instructions = dockerfile()
+    user = [rest for word, rest in instructions if word == "USER"]
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    health = [rest for word, rest in instructions if word == "HEALTHCHECK"]
+    assert len(health) == 1 and "/healthz" in health[0] and "python3" in health[0]
+    envs = " ".join(rest for word, rest in instructions if word in ("ENV", "ARG"))
+    assert "THP_MEM_ALLOC_ENABLE=1" in envs.split()
+    for word, rest in instructions:
+        if word in ("ENV", "ARG"):
+            names = re.findall(r"([A-Z_][A-Z0-9_]*)=", rest)
+            assert not [n for n in names if any(s in n for s in SECRET_WORDS)], rest
+
+
+def dockerignored(path: str) -> bool:
+    """Docker's rule: the last pattern that matches the path or one of its parents decides."""
+    ignored = False
+    parents = [str(Path(*Path(path).parts[: i + 1])) for i in range(len(Path(path).parts))]
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").rstrip("/")
+        if any(fnmatch(p, pattern) for p in parents):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_sends_only_the_packages() -> None:
+    for path in (
+        ".env",
+        ".git/config",
+        "tests/conftest.py",
+        "benchmarks/x.py",
+        ".ci/run",
+        "service/__pycache__/config.cpython-311.pyc",
+        "docker-compose.yml",
+    ):
+        assert dockerignored(path), path
+    copied = [rest.split()[0] for word, rest in dockerfile() if word == "COPY"]
+    for path in (*copied, "service/config.py", "models/value.py", "psgrad/_wire.py"):
+        assert not dockerignored(path), path
+
+
+def psgrad_executable() -> str:
+    beside = Path(sys.executable).parent / "psgrad"
+    found = str(beside) if beside.exists() else shutil.which("psgrad")
+    assert found, "the psgrad console script is not installed (pip install -e '.[dev]')"
+    return found
+
+
+def test_compose_commands_are_psgrad_subcommands(
+    gpu_config: dict[str, Any], cpu_config: dict[str, Any]
+) -> None:
+    instructions = dockerfile()
+    entrypoint = json.loads(next(rest for word, rest in instructions if word == "ENTRYPOINT"))
+    default_cmd = json.loads(next(rest for word, rest in instructions if word == "CMD"))
+    assert entrypoint == ["psgrad"]
+    commands = {tuple(default_cmd)}
+    for config in (gpu_config, cpu_config):
+        for name, service in started(config).items():
+            if name != "redis":
+                commands.add(tuple(service["command"]))
+    assert {c[0] for c in commands} == {"serve", "worker"}
+    for command in sorted(commands):
+        done = subprocess.run(
+            [psgrad_executable(), command[0], "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        for flag in (a for a in command[1:] if a.startswith("--")):
+            assert flag in done.stdout, (command, done.stdout)
