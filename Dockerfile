@@ -14,6 +14,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     THP_MEM_ALLOC_ENABLE=1
 
+RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home psgrad
+
 WORKDIR /app
 
 # Dependencies first, from pyproject.toml alone, so a code change does not reinstall them.
@@ -33,7 +35,6 @@ COPY models ./models
 RUN python3 -m pip install --no-deps . && rm -rf build ./*.egg-info
 
 # A numeric user, so that runtimes can check it is not root without reading /etc/passwd.
-RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home psgrad
 USER 10001:10001
 
 EXPOSE 8000
