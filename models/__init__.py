@@ -4,8 +4,8 @@ Importing this package imports every family file so that the decorators run; an 
 family by dropping a file here and adding it to the import below.
 """
 
-from models import cnn, mlp, transformer, value
+from models import cnn, mlp, sequential, transformer, value
 from models.base import ZOO, ModelFamily, TensorSpec, get_family, register_model
 
 __all__ = ["ZOO", "ModelFamily", "TensorSpec", "cnn", "get_family", "mlp", "register_model",
-           "transformer", "value"]
+           "sequential", "transformer", "value"]

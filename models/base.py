@@ -38,6 +38,9 @@ class ModelFamily:
     default_config: ClassVar[dict[str, Any]] = {}
     default_loss: ClassVar[str] = "cross_entropy"
     losses: ClassVar[tuple[str, ...]] = ("cross_entropy",)
+    # False for families with no usable default config (``sequential``): they are built only
+    # from a registered spec, never served or listed under the family's own name.
+    standalone: ClassVar[bool] = True
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         raise NotImplementedError

@@ -117,7 +117,8 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
     spec = family.input_spec(config)
     default_loss, losses = family.loss_info(config)
     output_shape, activations = _dry_run(module, spec, device)
-    route = "loop" if any(isinstance(m, nn.RNNBase) for m in module.modules()) else "vmap"
+    route = "loop" if any(isinstance(m, nn.RNNBase) and not getattr(m, "vmap_safe", False)
+                          for m in module.modules()) else "vmap"
     state_now = {**params, **buffers}
     return LoadedModel(
         id=model_id, version=weights_digest(architecture, config, state_now),
