@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     max_layers: int = 64
     max_parameters: int = 50_000_000
     max_weight_bytes: int = 512 * 1024 * 1024
+    max_model_activations: int = 32 * 1024 * 1024  # activation elements of one sample
 
     @property
     def api_key_set(self) -> frozenset[str]:

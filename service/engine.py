@@ -70,11 +70,11 @@ _FN_LOCK = threading.Lock()
 def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
     """``(selected, other_params, buffers, samples) -> (grads, (losses, aux))`` over a batch.
 
-    Cached by model version, device, dtype, loss, gamma and route; the parameters are arguments,
-    so per-call weights never rebuild it.
+    Cached by model structure (architecture and config), device, dtype, loss, gamma and route;
+    parameters and buffers are arguments, so per-call weights and new versions never rebuild it.
     """
-    key = (model.ref, str(next(iter(model.params.values())).device), model.dtype, loss_name,
-           gamma, model.route)
+    key = (model.structure or model.ref, str(next(iter(model.params.values())).device),
+           model.dtype, loss_name, gamma, model.route)
     with _FN_LOCK:
         if key in _FN_CACHE:
             _FN_CACHE.move_to_end(key)

@@ -15,10 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.torch import load as st_load
 from torch import nn
 
 from models import TensorSpec, get_family
-from psgrad._errors import BatchCoupling, InvalidModelSpec, ShapeMismatch, UnknownModel
+from psgrad._errors import (
+    BatchCoupling,
+    InternalError,
+    InvalidModelSpec,
+    ShapeMismatch,
+    UnknownModel,
+)
+from service.model_store import MemoryModelStore, ModelStore
 
 ZOO_SEED = 0
 
@@ -47,6 +55,7 @@ class LoadedModel:
     losses: tuple[str, ...]
     activation_numel: int
     route: str = "vmap"  # "loop" for layers that vmap cannot batch (recurrent layers)
+    structure: str = ""  # digest of architecture and config: versions that differ only in weights
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,6 +134,7 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
         architecture=architecture, config=config, module=module, params=params, buffers=buffers,
         input=spec, output_shape=output_shape, default_loss=default_loss, losses=losses,
         activation_numel=activations, route=route,
+        structure=weights_digest(architecture, config, {}),
     )
 
 
@@ -198,39 +208,98 @@ def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
 class ModelRegistry:
     """Resolves ``id`` or ``id@version`` to a :class:`LoadedModel`, built once and cached.
 
-    This base resolves zoo families by name; the registered-model store extends :meth:`_record`.
+    Zoo families answer to their own name. Registered models come from ``store`` (memory, files
+    or Redis: :mod:`service.model_store`); a plain registered id means its newest version, asked
+    of the store on every call, so versions added or deleted by another process count at once.
     """
 
-    def __init__(self, device: torch.device | None = None, cache_size: int = 16) -> None:
+    def __init__(self, device: torch.device | None = None, cache_size: int = 16,
+                 store: ModelStore | None = None) -> None:
         self.device = device or resolve_device()
+        self.store: ModelStore = store if store is not None else MemoryModelStore()
         self._cache: OrderedDict[tuple[str, str | None], LoadedModel] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def get(self, ref: str) -> LoadedModel:
         model_id, _, version = ref.partition("@")
+        if not _is_zoo(model_id):
+            version = self.resolve(model_id, version or None)
         key = (model_id, version or None)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         model = self._load(model_id, version or None)
-        with self._lock:
-            self._cache[key] = model
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self.remember(model, key)
         return model
 
-    def _load(self, model_id: str, version: str | None) -> LoadedModel:
-        from models import ZOO
+    def remember(self, model: LoadedModel, key: tuple[str, str | None] | None = None) -> None:
+        with self._lock:
+            self._cache[key or (model.id, model.version)] = model
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
 
-        if model_id not in ZOO:
-            raise UnknownModel(
-                f"unknown model '{model_id}'; known: {', '.join(sorted(ZOO))}", known=sorted(ZOO)
-            )
+    def forget(self, model_id: str) -> None:
+        """Drop cached versions of ``model_id`` (the store is the truth; this frees memory)."""
+        with self._lock:
+            for key in [k for k in self._cache if k[0] == model_id]:
+                del self._cache[key]
+
+    def resolve(self, model_id: str, version: str | None) -> str:
+        """The stored version that ``id`` (newest) or ``id@version`` means."""
+        if version is None:
+            found = self.store.latest(model_id)
+            if found is not None:
+                return found
+        elif self.store.has(model_id, version):
+            return version
+        if version and self.store.latest(model_id):
+            raise UnknownModel(f"'{model_id}' has no version '{version}'; it has: "
+                               f"{', '.join(self.store.versions(model_id))}", id=model_id)
+        known = self.ids()
+        raise UnknownModel(f"unknown model '{model_id}'; known: {', '.join(known)}", known=known)
+
+    def ids(self) -> list[str]:
+        """Every servable id: zoo names, then registered ids."""
+        return [*sorted(n for n in _zoo() if _is_zoo(n)), *self.store.ids()]
+
+    def describe(self, ref: str) -> dict[str, Any]:
+        """The ``GET /models/{id}`` document; registered models also list their versions."""
+        model = self.get(ref)
+        doc = model.describe()
+        doc["versions"] = [model.version] if _is_zoo(model.id) else self.store.versions(model.id)
+        return doc
+
+    def _load(self, model_id: str, version: str | None) -> LoadedModel:
+        if not _is_zoo(model_id):
+            return self._load_registered(model_id, version or "")
         model = load_model(model_id, model_id, device=self.device)
         if version and version != model.version:
             raise UnknownModel(
                 f"'{model_id}' has no version '{version}'; its version is {model.version}",
             )
         return model
+
+    def _load_registered(self, model_id: str, version: str) -> LoadedModel:
+        record = self.store.get(model_id, version)
+        if record is None:
+            raise UnknownModel(f"'{model_id}@{version}' was deleted", id=model_id)
+        state = st_load(record.weights)  # our own stored safetensors: never a pickle
+        model = load_model(model_id, record.architecture, record.config, state,
+                           device=self.device)
+        if model.version != record.version:
+            raise InternalError(f"'{model_id}@{version}' rebuilt as version {model.version}: "
+                                "the stored record is inconsistent")
+        return model
+
+
+def _zoo() -> dict[str, Any]:
+    from models import ZOO
+
+    return ZOO
+
+
+def _is_zoo(name: str) -> bool:
+    family = _zoo().get(name)
+    return family is not None and family.standalone

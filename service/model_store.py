@@ -1,0 +1,278 @@
+"""Where registered models live: id -> versions, each an architecture, a config and weights.
+
+Three backends behind one small interface, chosen by :func:`make_store` from the settings:
+
+- :class:`MemoryModelStore`: the embedded default; gone when the process ends.
+- :class:`FileModelStore`: embedded mode with ``PSGRAD_MODEL_DIR``: ``<dir>/<id>/<version>.json``
+  (the spec) beside ``<version>.safetensors`` (the weights), each written to a temporary file
+  and renamed into place, weights first, so a version exists exactly when its JSON does. One
+  process writes a directory at a time.
+- :class:`RedisModelStore`: distributed mode; every api and worker sees the same models, and
+  they outlive any process. Key names are in :mod:`service.keys`.
+
+A store holds bytes and JSON only: weights are a safetensors file, never a pickle, and are
+checked (names, shapes, dtypes, finiteness) before they get here. Versions of an id are ordered
+by registration; the newest answers the plain id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service import keys
+from service.config import Settings
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """One registered version: what to build and the safetensors bytes of its state."""
+
+    id: str
+    version: str
+    architecture: str
+    config: dict[str, Any]
+    weights: bytes
+    created: float
+
+    def spec_json(self) -> str:
+        return json.dumps({"id": self.id, "version": self.version,
+                           "architecture": self.architecture, "config": self.config,
+                           "created": self.created}, sort_keys=True)
+
+    @classmethod
+    def from_spec(cls, spec: str | bytes, weights: bytes) -> ModelRecord:
+        d = json.loads(spec)
+        return cls(d["id"], d["version"], d["architecture"], d["config"], weights,
+                   float(d["created"]))
+
+
+class ModelStore:
+    """The interface every backend implements; all methods are safe to call from threads."""
+
+    def put(self, record: ModelRecord) -> None:
+        """Add a version, or make an existing one (same digest) the newest again."""
+        raise NotImplementedError
+
+    def get(self, model_id: str, version: str) -> ModelRecord | None:
+        raise NotImplementedError
+
+    def versions(self, model_id: str) -> list[str]:
+        """The versions of ``model_id``, oldest first; empty when the id is unknown."""
+        raise NotImplementedError
+
+    def latest(self, model_id: str) -> str | None:
+        found = self.versions(model_id)
+        return found[-1] if found else None
+
+    def has(self, model_id: str, version: str) -> bool:
+        return version in self.versions(model_id)
+
+    def ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def delete(self, model_id: str, version: str | None = None) -> list[str]:
+        """Remove one version, or every version when ``version`` is None; answer what went."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+class MemoryModelStore(ModelStore):
+    def __init__(self) -> None:
+        self._models: dict[str, OrderedDict[str, ModelRecord]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, record: ModelRecord) -> None:
+        with self._lock:
+            versions = self._models.setdefault(record.id, OrderedDict())
+            versions.pop(record.version, None)
+            versions[record.version] = record
+
+    def get(self, model_id: str, version: str) -> ModelRecord | None:
+        with self._lock:
+            versions = self._models.get(model_id)
+            return versions.get(version) if versions is not None else None
+
+    def versions(self, model_id: str) -> list[str]:
+        with self._lock:
+            return list(self._models.get(model_id, {}))
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._models)
+
+    def delete(self, model_id: str, version: str | None = None) -> list[str]:
+        with self._lock:
+            versions = self._models.get(model_id)
+            if versions is None:
+                return []
+            if version is None:
+                del self._models[model_id]
+                return list(versions)
+            if versions.pop(version, None) is None:
+                return []
+            if not versions:
+                del self._models[model_id]
+            return [version]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write beside ``path``, flush to disk, then rename: readers see all or nothing."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class FileModelStore(ModelStore):
+    """Versions as files under ``root``; ids are restricted to a safe character set upstream."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def _specs(self, model_id: str) -> list[tuple[float, str]]:
+        folder = self.root / model_id
+        if not folder.is_dir():
+            return []
+        found = []
+        for path in folder.glob("*.json"):
+            try:
+                created = float(json.loads(path.read_text())["created"])
+            except (OSError, ValueError, KeyError):
+                continue  # deleted meanwhile, or not ours
+            found.append((created, path.stem))
+        return sorted(found)
+
+    def put(self, record: ModelRecord) -> None:
+        folder = self.root / record.id
+        with self._lock:
+            folder.mkdir(exist_ok=True)
+            newest = max((c for c, _ in self._specs(record.id)), default=0.0)
+            created = max(record.created, newest + 1e-6)
+            stored = ModelRecord(record.id, record.version, record.architecture, record.config,
+                                 record.weights, created)
+            weights = folder / f"{record.version}.safetensors"
+            if not weights.exists():
+                _write_atomic(weights, record.weights)
+            _write_atomic(folder / f"{record.version}.json", stored.spec_json().encode())
+
+    def has(self, model_id: str, version: str) -> bool:
+        return (self.root / model_id / f"{version}.json").is_file()
+
+    def get(self, model_id: str, version: str) -> ModelRecord | None:
+        folder = self.root / model_id
+        try:
+            spec = (folder / f"{version}.json").read_bytes()
+            weights = (folder / f"{version}.safetensors").read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return ModelRecord.from_spec(spec, weights)
+
+    def versions(self, model_id: str) -> list[str]:
+        return [v for _, v in self._specs(model_id)]
+
+    def ids(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and any(p.glob("*.json")))
+
+    def delete(self, model_id: str, version: str | None = None) -> list[str]:
+        folder = self.root / model_id
+        with self._lock:
+            targets = self.versions(model_id) if version is None else (
+                [version] if (folder / f"{version}.json").exists() else [])
+            for v in targets:
+                (folder / f"{v}.json").unlink(missing_ok=True)  # the spec first: gone at once
+                (folder / f"{v}.safetensors").unlink(missing_ok=True)
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        return targets
+
+
+class RedisModelStore(ModelStore):
+    """Versions in Redis: a set of ids, a sorted set of versions per id, a hash per version."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.r = client
+        self.prefix = prefix
+
+    def has(self, model_id: str, version: str) -> bool:
+        return self.r.zscore(keys.model_versions(self.prefix, model_id), version) is not None
+
+    def put(self, record: ModelRecord) -> None:
+        seq = self.r.incr(keys.model_seq(self.prefix))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.model_version(self.prefix, record.id, record.version),
+                  mapping={"spec": record.spec_json(), "weights": record.weights})
+        pipe.zadd(keys.model_versions(self.prefix, record.id), {record.version: seq})
+        pipe.sadd(keys.model_ids(self.prefix), record.id)
+        pipe.execute()
+
+    def get(self, model_id: str, version: str) -> ModelRecord | None:
+        spec, weights = self.r.hmget(keys.model_version(self.prefix, model_id, version),
+                                     ["spec", "weights"])
+        if spec is None or weights is None:
+            return None
+        return ModelRecord.from_spec(spec, bytes(weights))
+
+    def versions(self, model_id: str) -> list[str]:
+        found = self.r.zrange(keys.model_versions(self.prefix, model_id), 0, -1)
+        return [v.decode() if isinstance(v, bytes) else v for v in found]
+
+    def latest(self, model_id: str) -> str | None:
+        found = self.r.zrange(keys.model_versions(self.prefix, model_id), -1, -1)
+        return (found[0].decode() if isinstance(found[0], bytes) else found[0]) if found else None
+
+    def ids(self) -> list[str]:
+        found = self.r.smembers(keys.model_ids(self.prefix))
+        return sorted(v.decode() if isinstance(v, bytes) else v for v in found)
+
+    def delete(self, model_id: str, version: str | None = None) -> list[str]:
+        versions_key = keys.model_versions(self.prefix, model_id)
+        gone: list[str] = []
+
+        def remove(pipe: Any) -> None:
+            gone.clear()
+            present = [v.decode() if isinstance(v, bytes) else v
+                       for v in pipe.zrange(versions_key, 0, -1)]
+            targets = present if version is None else [v for v in present if v == version]
+            pipe.multi()
+            for v in targets:
+                pipe.delete(keys.model_version(self.prefix, model_id, v))
+                pipe.zrem(versions_key, v)
+            if targets and len(targets) == len(present):
+                pipe.delete(versions_key)
+                pipe.srem(keys.model_ids(self.prefix), model_id)
+            gone.extend(targets)
+
+        self.r.transaction(remove, versions_key)
+        return gone
+
+    def close(self) -> None:
+        self.r.close()
+
+
+def make_store(settings: Settings) -> ModelStore:
+    """Redis when a Redis URL is set, else files under ``model_dir`` when set, else memory."""
+    if settings.redis_url:
+        import redis
+
+        return RedisModelStore(redis.Redis.from_url(settings.redis_url), settings.redis_prefix)
+    if settings.model_dir:
+        return FileModelStore(settings.model_dir)
+    return MemoryModelStore()

@@ -1,0 +1,264 @@
+"""Registering models at runtime: specs, weights and deletions, every input checked first.
+
+Nothing a client sends is executed or unpickled: an architecture is a zoo family with a JSON
+config or a ``sequential`` spec from the allow-list of :mod:`models.sequential`; weights are
+safetensors (or JSON tensors) whose names, shapes and dtypes must match the architecture and
+whose values must be finite. Before anything is allocated the architecture is built on the meta
+device and measured against the limits (layers, parameters, weight bytes, activations); then it
+is built for real and run on an example batch (:func:`service.registry.load_model`).
+
+Ids are ``[a-z0-9][a-z0-9._-]{0,63}`` (safe as a file name and a Redis key part). A registered
+id may not equal a zoo name: zoo names always mean the zoo model (409 Conflict otherwise).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save as st_save
+
+from models import ZOO, get_family
+from models.sequential import trace
+from psgrad._errors import (
+    BadRequest,
+    Conflict,
+    DtypeMismatch,
+    InvalidModelSpec,
+    NonFinite,
+    ShapeMismatch,
+    TooLarge,
+    UnknownModel,
+)
+from psgrad._wire import array_from_json, fields_from_safetensors
+from service.config import Settings
+from service.losses import get_loss
+from service.model_store import ModelRecord
+from service.registry import LoadedModel, ModelRegistry, load_model
+
+ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+VERSION_RE = re.compile(r"[0-9a-f]{16}")
+SPEC_KEYS = ("layers", "input", "default_loss", "losses")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_layers: int
+    max_parameters: int
+    max_weight_bytes: int
+    max_activations: int
+    max_elements: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(settings.max_layers, settings.max_parameters, settings.max_weight_bytes,
+                   settings.max_model_activations, settings.max_elements)
+
+
+def check_id(model_id: str) -> None:
+    if not isinstance(model_id, str) or not ID_RE.fullmatch(model_id):
+        raise BadRequest(
+            f"invalid model id {str(model_id)[:80]!r}: use 1 to 64 characters from a-z, 0-9, "
+            "'.', '_' and '-', starting with a letter or digit", id=str(model_id)[:80],
+        )
+    if model_id in ZOO:
+        raise Conflict(f"'{model_id}' is a zoo model name; zoo names always mean the zoo model: "
+                       "register yours under another id", id=model_id)
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """``id`` or ``id@version``, both checked."""
+    model_id, at, version = ref.partition("@")
+    if model_id in ZOO:
+        return model_id, version or None
+    check_id(model_id)
+    if at and not VERSION_RE.fullmatch(version):
+        raise BadRequest(f"invalid version {version[:40]!r}: a version is 16 hex digits")
+    return model_id, version or None
+
+
+def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) -> LoadedModel:
+    """``PUT /models/{id}``: a new version from a spec and optional inline weights."""
+    check_id(model_id)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object {architecture, config | layers, ...}")
+    architecture = body.get("architecture")
+    if not isinstance(architecture, str) or architecture not in ZOO:
+        known = sorted(ZOO)
+        raise InvalidModelSpec(f"'architecture' must be one of {', '.join(known)}; got "
+                               f"{str(architecture)[:80]!r}", known=known)
+    sequential = architecture == "sequential"
+    allowed = {"architecture", "weights", *(SPEC_KEYS if sequential else ("config",))}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown fields {', '.join(unknown)}; '{architecture}' takes "
+                         f"{', '.join(sorted(allowed))}", unknown=unknown)
+    raw = {k: body[k] for k in SPEC_KEYS if k in body} if sequential else body.get("config")
+    if raw is not None and not isinstance(raw, dict):
+        raise InvalidModelSpec("'config' must be an object")
+    layers = raw.get("layers") if sequential and raw else None
+    if isinstance(layers, list) and len(layers) > limits.max_layers:
+        raise TooLarge(f"the spec has {len(layers)} layers; the limit is {limits.max_layers}",
+                       limit=limits.max_layers)
+    family = get_family(architecture)
+    config = family.config(raw)
+    _, losses = family.loss_info(config)
+    for name in losses:
+        get_loss(name)
+    meta = _measure(architecture, config, limits)
+    weights = body.get("weights")
+    state = None
+    if weights is not None:
+        if not isinstance(weights, dict):
+            raise BadRequest("'weights' must map parameter names to tensors")
+        state = _check_state(meta, _json_state(weights, meta, limits), limits)
+    return _add(registry, model_id, architecture, config, state)
+
+
+def replace_weights(registry: ModelRegistry, model_id: str, body: bytes,
+                    limits: Limits) -> LoadedModel:
+    """``PUT /models/{id}/weights``: a new version of the newest architecture with these weights."""
+    store = registry.store
+    check_id(model_id)
+    version = store.latest(model_id)
+    record = store.get(model_id, version) if version else None
+    if record is None:
+        raise UnknownModel(f"no registered model '{model_id}': register it first with "
+                           f"PUT /models/{model_id}")
+    if len(body) > limits.max_weight_bytes + (1 << 20):
+        raise TooLarge(f"the weights are {len(body)} bytes; the limit is "
+                       f"{limits.max_weight_bytes}", limit=limits.max_weight_bytes)
+    meta = _measure(record.architecture, record.config, limits)
+    state = _check_state(meta, decode_weights(body), limits)
+    return _add(registry, model_id, record.architecture, record.config, state)
+
+
+def export_weights(registry: ModelRegistry, ref: str) -> tuple[str, bytes]:
+    """``GET /models/{id}/weights``: the stored safetensors bytes, as they were registered."""
+    model_id, version = split_ref(ref)
+    if model_id not in ZOO:
+        version = registry.resolve(model_id, version)
+        record = registry.store.get(model_id, version)
+        if record is not None:
+            return f"{model_id}@{version}", record.weights
+    model = registry.get(ref)
+    return model.ref, encode_weights({**model.params, **model.buffers})
+
+
+def delete(registry: ModelRegistry, ref: str) -> dict[str, Any]:
+    """``DELETE /models/{id}`` (every version) or ``DELETE /models/{id}@{version}``."""
+    model_id, version = split_ref(ref)
+    if model_id in ZOO:
+        raise Conflict(f"'{model_id}' is a zoo model; it cannot be deleted", id=model_id)
+    gone = registry.store.delete(model_id, version)
+    registry.forget(model_id)
+    if not gone:
+        what = f"'{model_id}' has no version '{version}'" if version else \
+            f"no registered model '{model_id}'"
+        raise UnknownModel(what, id=model_id)
+    return {"id": model_id, "deleted": gone, "versions": registry.store.versions(model_id)}
+
+
+def encode_weights(state: dict[str, torch.Tensor]) -> bytes:
+    return bytes(st_save({k: v.detach().to("cpu").contiguous() for k, v in state.items()}))
+
+
+def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
+    """A safetensors body as tensors; pickles and ``torch.save`` files are named and refused."""
+    if body[:1] == b"\x80" or body[:2] == b"PK":
+        raise BadRequest(
+            "the body looks like a pickle or a torch.save file; psgrad never unpickles what a "
+            "client sends: save the weights with safetensors (safetensors.torch.save_file("
+            "model.state_dict(), path)) and send that file",
+        )
+    fields = fields_from_safetensors(body, "psgrad")
+    state = {}
+    for name, value in fields.items():
+        if not isinstance(value, np.ndarray):
+            raise BadRequest(f"'{name}' is not a tensor: tensor names are parameter names "
+                             "(such as '0.weight') without '/'")
+        state[name] = torch.from_numpy(np.ascontiguousarray(value))
+    return state
+
+
+def _measure(architecture: str, config: dict[str, Any], limits: Limits) -> torch.nn.Module:
+    """Build on the meta device (nothing allocated) and hold it to the limits."""
+    try:
+        with torch.device("meta"):
+            module = get_family(architecture).build(config)
+    except InvalidModelSpec:
+        raise
+    except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as exc:
+        raise InvalidModelSpec(f"'{architecture}' cannot be built from this config: {exc}"
+                               ) from exc
+    tensors = [*module.parameters(), *module.buffers()]
+    n_params = sum(p.numel() for p in module.parameters())
+    n_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    if n_params > limits.max_parameters:
+        raise TooLarge(f"the model has {n_params} parameters; the limit is "
+                       f"{limits.max_parameters}", limit=limits.max_parameters)
+    if n_bytes > limits.max_weight_bytes:
+        raise TooLarge(f"the model's weights take {n_bytes} bytes; the limit is "
+                       f"{limits.max_weight_bytes}", limit=limits.max_weight_bytes)
+    if architecture == "sequential":
+        _, activations = trace(config, module)
+        if activations > limits.max_activations:
+            raise TooLarge(f"one sample makes {activations} activation elements; the limit is "
+                           f"{limits.max_activations}", limit=limits.max_activations)
+    return module
+
+
+def _json_state(weights: dict[str, Any], meta: torch.nn.Module,
+                limits: Limits) -> dict[str, torch.Tensor]:
+    """Inline JSON weights; nested lists carry no dtype, so they take the parameter's own."""
+    own = dict(meta.named_parameters()) | dict(meta.named_buffers())
+    state = {}
+    for name, value in weights.items():
+        arr = array_from_json(value, name=f"weights.{name}", max_elements=limits.max_elements)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        if isinstance(value, list) and name in own and not t.dtype.is_complex:
+            t = t.to(own[name].dtype)
+        state[name] = t
+    return state
+
+
+def _check_state(meta: torch.nn.Module, state: dict[str, torch.Tensor],
+                 limits: Limits) -> dict[str, torch.Tensor]:
+    own = dict(meta.named_parameters()) | dict(meta.named_buffers())
+    unknown, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
+    if unknown or missing:
+        raise ShapeMismatch(
+            f"the weights do not match the architecture: unknown {unknown or 'none'}, missing "
+            f"{missing or 'none'}; GET /models/{{id}} lists the parameters (buffers such as "
+            "BatchNorm running statistics are sent too)", unknown=unknown, missing=missing,
+        )
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if total > limits.max_weight_bytes:
+        raise TooLarge(f"the weights take {total} bytes; the limit is {limits.max_weight_bytes}",
+                       limit=limits.max_weight_bytes)
+    for name, t in state.items():
+        want = own[name]
+        if tuple(t.shape) != tuple(want.shape):
+            raise ShapeMismatch(f"weight '{name}' has shape {list(t.shape)}; the model needs "
+                                f"{list(want.shape)}", parameter=name)
+        if t.dtype != want.dtype:
+            raise DtypeMismatch(f"weight '{name}' has dtype {str(t.dtype)[6:]}; the model needs "
+                                f"{str(want.dtype)[6:]}", parameter=name)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFinite(f"weight '{name}' contains NaN or infinity", parameter=name)
+    return state
+
+
+def _add(registry: ModelRegistry, model_id: str, architecture: str, config: dict[str, Any],
+         state: dict[str, torch.Tensor] | None) -> LoadedModel:
+    model = load_model(model_id, architecture, config, state, device=registry.device)
+    weights = encode_weights({**model.params, **model.buffers})
+    record = ModelRecord(model_id, model.version, architecture, model.config, weights,
+                         time.time())
+    registry.store.put(record)
+    registry.remember(model)
+    return model
