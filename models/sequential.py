@@ -32,7 +32,7 @@ from torch import nn
 
 from models.base import ModelFamily, TensorSpec, register_model
 from models.recurrent import SequenceGRU, SequenceLSTM, SequenceRNN
-from psgrad._errors import InvalidModelSpec
+from psgrad._errors import InvalidModelSpec, TooLarge
 
 INPUT_DTYPES = ("float32", "int64")
 MAX_INPUT_ELEMENTS = 1 << 22
@@ -323,16 +323,18 @@ class SequentialFamily(ModelFamily):
         return config["default_loss"], tuple(config["losses"])
 
 
-def trace(config: dict[str, Any], module: nn.Module) -> tuple[tuple[int, ...], int]:
+def trace(config: dict[str, Any], module: nn.Module, max_activations: int | None = None
+          ) -> tuple[tuple[int, ...], int]:
     """Run ``module`` built on the meta device layer by layer: output shape, activation count.
 
-    Nothing is allocated, so a spec whose activations would exhaust memory is measured, not run;
-    a shape error names the layer that raised it.
+    Nothing is allocated, so a spec whose activations would exhaust memory is measured, not run
+    (and refused at the first layer past ``max_activations``); a shape error names its layer.
     """
     spec = config["input"]
     x = torch.zeros((1, *spec["shape"]), device="meta",
                     dtype=torch.int64 if spec["dtype"] == "int64" else torch.float32)
     numel = 0
+    module.eval()
     for (name, layer), entry in zip(module.named_children(), config["layers"], strict=True):
         try:
             x = layer(x)
@@ -340,4 +342,8 @@ def trace(config: dict[str, Any], module: nn.Module) -> tuple[tuple[int, ...], i
             raise _refuse(int(name), entry["type"], f"fails on its input of shape "
                           f"{list(x.shape)} (batch first): {exc}") from exc
         numel += x.numel()
+        if max_activations is not None and numel > max_activations:
+            raise TooLarge(f"one sample makes more than {max_activations} activation elements "
+                           f"by layer {name} ({entry['type']}); the limit is {max_activations}",
+                           limit=max_activations, layer=int(name))
     return tuple(x.shape[1:]), numel

@@ -169,7 +169,8 @@ def encode_weights(state: dict[str, torch.Tensor]) -> bytes:
 
 def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
     """A safetensors body as tensors; pickles and ``torch.save`` files are named and refused."""
-    if body[:1] == b"\x80" or body[:2] == b"PK":
+    is_safetensors = len(body) > 8 and body[8:9] == b"{"  # 8-byte header length, then JSON
+    if not is_safetensors and (body[:1] == b"\x80" or body[:2] == b"PK"):
         raise BadRequest(
             "the body looks like a pickle or a torch.save file; psgrad never unpickles what a "
             "client sends: save the weights with safetensors (safetensors.torch.save_file("
@@ -181,7 +182,7 @@ def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
         if not isinstance(value, np.ndarray):
             raise BadRequest(f"'{name}' is not a tensor: tensor names are parameter names "
                              "(such as '0.weight') without '/'")
-        state[name] = torch.from_numpy(np.ascontiguousarray(value))
+        state[name] = torch.from_numpy(np.array(value, order="C"))  # 0-d stays 0-d
     return state
 
 
@@ -205,10 +206,7 @@ def _measure(architecture: str, config: dict[str, Any], limits: Limits) -> torch
         raise TooLarge(f"the model's weights take {n_bytes} bytes; the limit is "
                        f"{limits.max_weight_bytes}", limit=limits.max_weight_bytes)
     if architecture == "sequential":
-        _, activations = trace(config, module)
-        if activations > limits.max_activations:
-            raise TooLarge(f"one sample makes {activations} activation elements; the limit is "
-                           f"{limits.max_activations}", limit=limits.max_activations)
+        trace(config, module, limits.max_activations)
     return module
 
 
@@ -219,7 +217,7 @@ def _json_state(weights: dict[str, Any], meta: torch.nn.Module,
     state = {}
     for name, value in weights.items():
         arr = array_from_json(value, name=f"weights.{name}", max_elements=limits.max_elements)
-        t = torch.from_numpy(np.ascontiguousarray(arr))
+        t = torch.from_numpy(np.array(arr, order="C"))
         if isinstance(value, list) and name in own and not t.dtype.is_complex:
             t = t.to(own[name].dtype)
         state[name] = t
