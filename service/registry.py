@@ -26,7 +26,8 @@ from psgrad._errors import (
     ShapeMismatch,
     UnknownModel,
 )
-from service.model_store import MemoryModelStore, ModelStore
+from service.config import Settings
+from service.model_store import MemoryModelStore, ModelStore, make_store
 
 ZOO_SEED = 0
 
@@ -292,6 +293,11 @@ class ModelRegistry:
             raise InternalError(f"'{model_id}@{version}' rebuilt as version {model.version}: "
                                 "the stored record is inconsistent")
         return model
+
+
+def make_registry(settings: Settings) -> ModelRegistry:
+    """The registry a process serves from: its device and the configured model store."""
+    return ModelRegistry(resolve_device(settings.device), store=make_store(settings))
 
 
 def _zoo() -> dict[str, Any]:
