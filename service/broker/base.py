@@ -46,6 +46,12 @@ class Job:
     enqueued_at: float = field(default_factory=time.time)
     attempts: int = 1
 
+    @property
+    def size(self) -> int:
+        """Samples in the job (the first dimension of ``inputs``; 1 if it has none)."""
+        shape = getattr(self.fields.get("inputs"), "shape", None)
+        return int(shape[0]) if shape else 1
+
 
 @dataclass
 class JobState:
@@ -75,7 +81,11 @@ class Broker(Protocol):
     async def state(self, job_id: str) -> JobState:
         """Raises :class:`psgrad.UnknownJob` for an unknown or expired job."""
 
-    async def cancel(self, job_id: str) -> JobState: ...
+    async def cancel(self, job_id: str) -> JobState:
+        """Queued or running jobs become ``canceled`` (a running job's result is dropped)."""
+
+    async def forget(self, job_id: str) -> None:
+        """Drop a job's state and result now (the sync route, once it has the answer)."""
 
     async def queue_depth(self) -> int: ...
 
@@ -93,9 +103,12 @@ class JobSource(Protocol):
     def started(self, jobs: list[Job]) -> None:
         """Mark jobs running (and keep their claim fresh on long batches)."""
 
-    def succeed(self, job: Job, result: dict[str, Any]) -> None: ...
+    def succeed(self, job: Job, result: dict[str, Any]) -> None:
+        """Store the result and acknowledge; a job canceled meanwhile stays ``canceled``."""
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
-        """Store the error; with ``retry`` a transient failure may be delivered again."""
+        """Store the error and acknowledge; with ``retry`` a transient failure may be delivered
+        again. The loop also calls this for jobs it skips because they were canceled (error
+        code ``job_canceled``): those only need acknowledging and stay ``canceled``."""
 
     def is_canceled(self, job_id: str) -> bool: ...
