@@ -1,0 +1,217 @@
+"""The embedded broker: an in-process queue and worker threads (the default, no Redis needed).
+
+One object is both sides of the interface: the api calls its async :class:`Broker` methods on the
+event loop, and its worker threads run :func:`service.worker.run_worker` against its
+:class:`JobSource` methods. All state is behind one condition variable; a finished job wakes its
+waiter on the event loop with ``call_soon_threadsafe``. Finished jobs are kept for
+``PSGRAD_RESULT_TTL_S`` (the sync route forgets its job as soon as it has the answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from psgrad._errors import Overloaded, UnknownJob
+from service.broker.base import Job, JobState, JobStatus
+from service.config import Settings
+from service.registry import ModelRegistry
+from service.worker import WorkerObserver, run_worker
+
+log = logging.getLogger("psgrad.broker")
+
+__all__ = ["EmbeddedBroker"]
+
+
+class EmbeddedBroker:
+    """In-process queue with ``settings.workers`` worker threads (0: a queue nobody serves)."""
+
+    def __init__(
+        self, settings: Settings, registry: ModelRegistry, *, observer: WorkerObserver | None = None
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.observer = observer
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._states: dict[str, JobState] = {}
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._purged_at = 0.0
+
+    # --- Broker (the api's side, on the event loop) ---
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop.clear()
+        for i in range(self.settings.workers):
+            thread = threading.Thread(
+                target=run_worker,
+                args=(self, self.registry, self.settings, self._stop),
+                kwargs={"observer": self.observer},
+                name=f"psgrad-worker-{i}",
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+        log.info("embedded broker started with %d worker thread(s)", len(self._threads))
+
+    async def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:  # a running engine call finishes first
+            await asyncio.to_thread(thread.join, 60.0)
+        self._threads.clear()
+        with self._cond:
+            for job in self._queue:
+                self._finish_locked(job.id, JobStatus.CANCELED, error=None)
+            self._queue.clear()
+
+    async def submit(self, job: Job) -> None:
+        limit = self.settings.max_queue_depth
+        with self._cond:
+            self._purge_locked()
+            if len(self._queue) >= limit:
+                raise Overloaded(
+                    f"the queue is full ({limit} jobs waiting): retry after a moment",
+                    retry_after=1.0,
+                    queue_depth=len(self._queue),
+                )
+            self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at)
+            self._waiters[job.id] = asyncio.Event()
+            self._queue.append(job)
+            self._cond.notify()
+
+    async def wait(self, job_id: str, timeout: float) -> JobState:
+        state = await self.state(job_id)
+        event = self._waiters.get(job_id)
+        if not state.status.done and event is not None and timeout > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+        return await self.state(job_id)
+
+    async def state(self, job_id: str) -> JobState:
+        with self._cond:
+            self._purge_locked()
+            state = self._states.get(job_id)
+            if state is None:
+                raise UnknownJob(
+                    f"unknown job '{job_id}': it never existed, or it finished more than "
+                    f"{self.settings.result_ttl_s} s ago and its result expired",
+                    job_id=job_id,
+                )
+            return dataclasses.replace(state)
+
+    async def cancel(self, job_id: str) -> JobState:
+        with self._cond:
+            state = self._states.get(job_id)
+            if state is None:
+                raise UnknownJob(f"unknown job '{job_id}'", job_id=job_id)
+            if not state.status.done:
+                for job in self._queue:
+                    if job.id == job_id:
+                        self._queue.remove(job)
+                        break
+                self._finish_locked(job_id, JobStatus.CANCELED, error=None)
+        return await self.state(job_id)
+
+    async def forget(self, job_id: str) -> None:
+        with self._cond:
+            self._states.pop(job_id, None)
+            self._waiters.pop(job_id, None)
+
+    async def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def ready(self) -> bool:
+        return not self._stop.is_set() and any(t.is_alive() for t in self._threads)
+
+    # --- JobSource (the worker threads' side) ---
+
+    def take(
+        self, max_jobs: int, max_samples: int, max_delay_s: float, block_s: float
+    ) -> list[Job]:
+        with self._cond:
+            end = time.monotonic() + block_s
+            while not self._queue:
+                remaining = end - time.monotonic()
+                if self._stop.is_set() or remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+            if self._stop.is_set():
+                return []
+            jobs = [self._queue.popleft()]
+            samples = jobs[0].size
+            end = time.monotonic() + max_delay_s
+            while len(jobs) < max_jobs and samples < max_samples and not self._stop.is_set():
+                if self._queue:
+                    jobs.append(self._queue.popleft())
+                    samples += jobs[-1].size
+                    continue
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return jobs
+
+    def started(self, jobs: list[Job]) -> None:
+        with self._cond:
+            for job in jobs:
+                state = self._states.get(job.id)
+                if state is not None and state.status is JobStatus.QUEUED:
+                    state.status = JobStatus.RUNNING
+
+    def succeed(self, job: Job, result: dict[str, Any]) -> None:
+        with self._cond:
+            self._finish_locked(job.id, JobStatus.SUCCEEDED, result=result)
+
+    def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
+        with self._cond:  # in process there is nobody else to retry: fail at once
+            self._finish_locked(job.id, JobStatus.FAILED, error=error)
+
+    def is_canceled(self, job_id: str) -> bool:
+        state = self._states.get(job_id)
+        return state is None or state.status is JobStatus.CANCELED
+
+    # --- internals (call with the lock held) ---
+
+    def _finish_locked(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        state = self._states.get(job_id)
+        if state is None or state.status.done:  # canceled (or forgotten) meanwhile: keep that
+            return
+        state.status, state.result, state.error = status, result, error
+        state.finished_at = time.time()
+        event = self._waiters.get(job_id)
+        if event is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                self._loop.call_soon_threadsafe(event.set)
+
+    def _purge_locked(self) -> None:
+        now = time.time()
+        if now - self._purged_at < 1.0:
+            return
+        self._purged_at = now
+        cutoff = now - self.settings.result_ttl_s
+        for job_id in [
+            k
+            for k, s in self._states.items()
+            if s.finished_at is not None and s.finished_at < cutoff
+        ]:
+            del self._states[job_id]
+            self._waiters.pop(job_id, None)

@@ -1,0 +1,265 @@
+"""The worker loop, the same for every broker: take jobs, batch them, run the engine, answer.
+
+Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs, waiting at most
+``PSGRAD_BATCH_MAX_DELAY_MS`` for more after the first (0: one job per round, no cross-request
+batching). Jobs that were canceled or whose deadline passed are dropped; the rest are validated
+one by one (a bad job fails alone with its own error), grouped by
+:meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
+concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call
+fails, its jobs are retried one by one so that one job's problem never fails another's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from psgrad._errors import DeadlineExceeded, InternalError, JobCanceled, PsgradError, TooLarge
+from service import engine
+from service.broker.base import Job, JobSource
+from service.config import Settings
+from service.registry import ModelRegistry
+from service.validate import ParsedRequest, parse_request
+
+log = logging.getLogger("psgrad.worker")
+
+__all__ = ["Worker", "WorkerObserver", "run_worker"]
+
+
+class WorkerObserver(Protocol):
+    """Receives what the loop measures (the api's Prometheus metrics implement it)."""
+
+    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None: ...
+
+    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None: ...
+
+
+class _NoObserver:
+    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
+        pass
+
+    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
+        pass
+
+
+class Worker:
+    """One loop over a :class:`JobSource`; run several in threads or processes for parallelism."""
+
+    def __init__(
+        self,
+        source: JobSource,
+        registry: ModelRegistry,
+        settings: Settings,
+        observer: WorkerObserver | None = None,
+    ) -> None:
+        self.source = source
+        self.registry = registry
+        self.settings = settings
+        self.observer: WorkerObserver = observer or _NoObserver()
+
+    def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
+        """Take and process batches until ``stop`` is set."""
+        delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
+        max_samples = max(1, self.settings.batch_max_samples)
+        max_jobs = max_samples if delay_s > 0 else 1
+        while not stop.is_set():
+            try:
+                jobs = self.source.take(max_jobs, max_samples, delay_s, block_s)
+            except Exception:
+                log.exception("taking jobs failed; retrying in 1 s")
+                stop.wait(1.0)
+                continue
+            if jobs:
+                self.process(jobs)
+
+    def process(self, jobs: Sequence[Job]) -> None:
+        """Validate, group and compute one batch of jobs; every job ends succeeded or failed."""
+        now = time.time()
+        live: list[Job] = []
+        for job in jobs:
+            if self.source.is_canceled(job.id):
+                self._fail(job, JobCanceled(f"job {job.id} was canceled"), retry=False)
+            elif job.deadline < now:
+                self._fail(
+                    job,
+                    DeadlineExceeded(
+                        f"job {job.id} waited {now - job.enqueued_at:.1f} s in the queue and its "
+                        "deadline passed before it could start: retry later, or use POST /jobs and "
+                        "poll for the result"
+                    ),
+                    retry=False,
+                )
+            else:
+                live.append(job)
+        if not live:
+            return
+        self.source.started(live)
+        groups: dict[tuple[Any, ...], list[tuple[Job, ParsedRequest]]] = {}
+        for job in live:
+            parsed = self._parse(job)
+            if parsed is not None:
+                groups.setdefault(parsed.group_key(), []).append((job, parsed))
+        for items in groups.values():
+            self._run_group(items)
+
+    def _parse(self, job: Job) -> ParsedRequest | None:
+        try:
+            parsed = parse_request(
+                job.fields, self.registry, max_batch_size=self.settings.max_batch_size
+            )
+            _check_result_size(parsed, self.settings.max_result_bytes)
+            return parsed
+        except PsgradError as exc:
+            self._fail(job, exc, retry=False)
+        except Exception:
+            log.exception("validating job %s failed unexpectedly", job.id)
+            self._fail(job, _internal(job), retry=False)
+        return None
+
+    def _run_group(self, items: list[tuple[Job, ParsedRequest]]) -> None:
+        try:
+            results, compute_s = _compute([p for _, p in items], self.settings)
+        except Exception as exc:
+            if len(items) > 1:  # isolate: whatever went wrong, each job gets its own answer
+                log.warning(
+                    "a merged batch of %d jobs failed (%s); running them one by one",
+                    len(items),
+                    type(exc).__name__,
+                )
+                for item in items:
+                    self._run_group([item])
+                return
+            job = items[0][0]
+            if isinstance(exc, PsgradError):
+                self._fail(job, exc, retry=False)
+            else:
+                log.exception("computing job %s failed unexpectedly", job.id)
+                self._fail(job, _internal(job), retry=True)
+            return
+        samples = sum(p.batch.size for _, p in items)
+        self.observer.observe_batch(jobs=len(items), samples=samples, compute_s=compute_s)
+        started = time.time() - compute_s
+        for (job, parsed), out in zip(items, results, strict=True):
+            result = _wire_result(parsed, out)
+            result["timing"] = {
+                "queue_ms": round(max(0.0, started - job.enqueued_at) * 1000, 3),
+                "compute_ms": round(compute_s * 1000, 3),
+            }
+            meta = result.pop("meta")  # last, after timing, as documented
+            result["meta"] = {**meta, "batch_jobs": len(items), "batch_samples": samples}
+            self.observer.observe_job(
+                queue_s=max(0.0, started - job.enqueued_at),
+                samples=parsed.batch.size,
+                status="succeeded",
+            )
+            try:
+                self.source.succeed(job, result)
+            except Exception:
+                log.exception("storing the result of job %s failed", job.id)
+
+    def _fail(self, job: Job, exc: PsgradError, *, retry: bool) -> None:
+        status = "canceled" if isinstance(exc, JobCanceled) else "failed"
+        self.observer.observe_job(
+            queue_s=max(0.0, time.time() - job.enqueued_at), samples=job.size, status=status
+        )
+        try:
+            self.source.fail(job, exc.to_dict(), retry=retry)
+        except Exception:
+            log.exception("storing the error of job %s failed", job.id)
+
+
+def run_worker(
+    source: JobSource,
+    registry: ModelRegistry,
+    settings: Settings,
+    stop: threading.Event,
+    observer: WorkerObserver | None = None,
+) -> None:
+    """Run the loop until ``stop`` is set (the embedded broker's threads and ``psgrad worker``)."""
+    Worker(source, registry, settings, observer).run(stop)
+
+
+def _internal(job: Job) -> InternalError:
+    return InternalError(
+        f"the server failed unexpectedly on job {job.id}; the error is logged "
+        "on the server under this job id",
+        job_id=job.id,
+    )
+
+
+def _check_result_size(parsed: ParsedRequest, limit: int) -> None:
+    size = engine.output_bytes(parsed.model, parsed.opts, parsed.batch.size)
+    if size > limit:
+        raise TooLarge(
+            f"the answer would be {size} bytes ({', '.join(parsed.opts.outputs)} for "
+            f"{parsed.batch.size} samples); the limit is {limit} bytes: ask for summary outputs "
+            "(norms, layer_norms, mean, variance, clipped_mean, dot) instead of full per-sample "
+            "grads, select fewer 'params', or send smaller batches",
+            limit=limit,
+            size=size,
+        )
+
+
+def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
+    """One batch from several that share a group key (same weights, reference, shapes)."""
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        return None if parts[0] is None else torch.cat(parts)
+
+    inputs = cat("inputs")
+    assert inputs is not None
+    return engine.Batch(
+        inputs=inputs,
+        targets=cat("targets"),
+        next_inputs=cat("next_inputs"),
+        rewards=cat("rewards"),
+        dones=cat("dones"),
+        weights=first.weights,
+        reference=first.reference,
+    )
+
+
+def _compute(
+    group: Sequence[ParsedRequest], settings: Settings
+) -> tuple[list[dict[str, Any]], float]:
+    first = group[0]
+    batch = _concat([p.batch for p in group])
+    start = time.perf_counter()
+    results = engine.compute(
+        first.model,
+        batch,
+        first.opts,
+        [p.batch.size for p in group],
+        budget_bytes=settings.memory_budget_mb << 20,
+    )
+    return results, time.perf_counter() - start
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").numpy()
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _wire_result(parsed: ParsedRequest, out: dict[str, Any]) -> dict[str, Any]:
+    """The response fields of one job: JSON values and numpy arrays, in the documented order."""
+    result: dict[str, Any] = {
+        "model": parsed.model.ref,
+        "batch_size": parsed.batch.size,
+        "loss": parsed.opts.loss,
+    }
+    for name in parsed.opts.outputs:
+        result[name] = _to_wire(out[name])
+    result["meta"] = dict(out.get("meta", {}))
+    return result
