@@ -1,11 +1,33 @@
 """psgrad: per-sample gradients as a service. The light client: imports httpx, numpy, safetensors.
 
-The SDK (``Client``, ``AsyncClient``) is added by the client issue; the error tree is shared with
-the server.
+    import psgrad
+
+    with psgrad.Client() as client:            # $PSGRAD_URL, $PSGRAD_API_KEY
+        result = client.per_sample_grads("simple-cnn", images, labels, outputs=["norms"])
+        result.norms                           # numpy array [B]
+
+The error tree is shared with the server (:mod:`psgrad._errors`); torch, fastapi and redis are
+never imported by ``import psgrad``.
 """
 
+from psgrad._async_client import AsyncClient, AsyncJob, AsyncModels
+from psgrad._client import Client, Job, Models
 from psgrad._errors import *  # noqa: F403
 from psgrad._errors import __all__ as _errors_all
+from psgrad._progress import Progress
+from psgrad._types import GradsResult, JobStatus, ModelInfo
 
-__all__ = [*_errors_all]
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "AsyncModels",
+    "Client",
+    "GradsResult",
+    "Job",
+    "JobStatus",
+    "ModelInfo",
+    "Models",
+    "Progress",
+    *_errors_all,
+]
 __version__ = "0.1.0"

@@ -16,8 +16,10 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     ├── Unauthorized (401), Forbidden (403)
     ├── NotFound (404)               UnknownModel, UnknownJob
     ├── Conflict (409)
+    ├── RequestTimeout (408)         the request was not received in time (client side only)
     ├── TooLarge (413)
     ├── Overloaded (503)             queue full or broker down; carries retry_after
+    │   └── RateLimited (429)        too many requests from this client
     ├── DeadlineExceeded (504)
     ├── JobFailed (500)              a job ended failed without a more precise error
     └── InternalError (500)          a bug: the message never carries a traceback
@@ -47,6 +49,8 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PsgradError",
+    "RateLimited",
+    "RequestTimeout",
     "ShapeMismatch",
     "TargetOutOfRange",
     "TooLarge",
@@ -78,6 +82,7 @@ class PsgradError(Exception):
         self.message = message
         self.details = details
         self.request_id = request_id
+        self.http_status = self.status  # the status actually received, set by error_from_body
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -183,6 +188,11 @@ class JobCanceled(Conflict):
     code = "job_canceled"
 
 
+class RequestTimeout(PsgradError):
+    code = "request_timeout"
+    status = 408
+
+
 class TooLarge(PsgradError):
     code = "too_large"
     status = 413
@@ -197,6 +207,11 @@ class Overloaded(PsgradError):
     def __init__(self, message: str, *, retry_after: float = 1.0, **details: Any) -> None:
         super().__init__(message, retry_after=retry_after, **details)
         self.retry_after = retry_after
+
+
+class RateLimited(Overloaded):
+    code = "rate_limited"
+    status = 429
 
 
 class DeadlineExceeded(PsgradError):
@@ -220,24 +235,25 @@ def error_from_body(
     """Rebuild the typed error from a JSON error body (or anything else a server answered)."""
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
-        cls = _class_for_status(status)
-        return cls(f"HTTP {status}: {str(body)[:500]}", request_id=request_id)
+        plain = _class_for_status(status)(f"HTTP {status}: {str(body)[:500]}",
+                                          request_id=request_id)
+        plain.http_status = status
+        return plain
     code = str(error.get("code", ""))
     cls = _BY_CODE.get(code) or _class_for_status(status)
     raw_details = error.get("details")
     details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     exc = cls.__new__(cls)
     PsgradError.__init__(exc, str(error.get("message", "")), request_id=request_id, **details)
+    exc.http_status = status
     if isinstance(exc, Overloaded):
         exc.retry_after = float(details.get("retry_after", 1.0))
     return exc
 
 
 def _class_for_status(status: int) -> type[PsgradError]:
-    for cls in (BadRequest, InvalidInput, Unauthorized, Forbidden, NotFound, Conflict, TooLarge,
-                DeadlineExceeded):
+    for cls in (BadRequest, InvalidInput, Unauthorized, Forbidden, NotFound, RequestTimeout,
+                Conflict, TooLarge, RateLimited, Overloaded, DeadlineExceeded):
         if cls.status == status:
             return cls
-    if status in (429, 503):
-        return Overloaded
-    return InternalError
+    return BadRequest if 400 <= status < 500 else InternalError

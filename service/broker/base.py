@@ -13,23 +13,12 @@ JSON error body of a :class:`psgrad.PsgradError`.
 
 from __future__ import annotations
 
-import enum
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-
-class JobStatus(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELED = "canceled"
-
-    @property
-    def done(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 
 
 def new_job_id() -> str:

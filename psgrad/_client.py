@@ -1,0 +1,426 @@
+"""The synchronous client: ``psgrad.Client``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from psgrad._base import BaseClient, job_state, state_dict_bytes, to_torch, weights_from_bytes
+from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, JOB_POLL_INITIAL, JOB_POLL_MAX
+from psgrad._errors import APITimeoutError, PsgradError, TooLarge
+from psgrad._merge import Fields, Plan, PlanResult, grads_plan
+from psgrad._progress import Progress
+from psgrad._types import GradsResult, JobStatus, ModelInfo
+from psgrad._wire import JSON, SAFETENSORS
+
+__all__ = ["Client", "Job", "Models"]
+
+ProgressArg = bool | Callable[[int, int], None]
+
+
+class Client(BaseClient):
+    """A psgrad server, called synchronously.
+
+    ``Client()`` with no arguments talks to ``$PSGRAD_URL`` (else ``http://127.0.0.1:8000``)
+    with the key in ``$PSGRAD_API_KEY``. Use it as a context manager, or call ``close()``.
+
+    Args:
+        base_url: the server's address.
+        api_key: sent as ``Authorization: Bearer <key>``.
+        timeout: seconds (or an ``httpx.Timeout``) per HTTP request.
+        max_retries: retries of a request after a connection error, 408, 429 or 5xx, with
+            jittered exponential backoff that honours ``Retry-After``.
+        max_batch_size: the largest batch sent in one request; larger batches are split (see
+            ``per_sample_grads``). Unset, the client learns it from the server's 413 answer.
+        binary: send and receive safetensors (default); False uses JSON with base64 tensors.
+        headers: extra headers for every request.
+        transport: an httpx transport, e.g. ``httpx.ASGITransport(app)`` to call an app
+            in-process, or ``httpx.MockTransport`` in tests.
+        http_client: a ready ``httpx.Client`` instead (its base URL and timeout are used).
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        max_batch_size: int | None = None,
+        binary: bool = True,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            max_batch_size=max_batch_size,
+            binary=binary,
+            headers=headers,
+        )
+        self._http = http_client or httpx.Client(
+            base_url=self.base_url,
+            timeout=self.timeout,
+            transport=transport,
+            headers=self._headers,
+        )
+        if http_client is not None:
+            self._http.headers.update(self._headers)
+        self.models = Models(self)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- transport -----------------------------------------------------------------------------
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        """One HTTP exchange with retries; a non-2xx answer raises its typed error."""
+        for attempt in itertools.count():
+            try:
+                response = self._http.request(
+                    method, path, content=content, json=json, headers=headers
+                )
+            except httpx.TransportError as exc:
+                delay = self._after_failure(attempt, exc=exc)
+            else:
+                if response.is_success:
+                    return response
+                delay = self._after_failure(attempt, response=response)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
+        body, headers = self._encode(fields)
+        return self._send("POST", path, content=body, headers=headers)
+
+    def _run_plan(self, plan: Plan) -> PlanResult:
+        """Drive a chunking plan: send each request it yields, feed back answers or a 413."""
+        try:
+            fields = next(plan)
+            while True:
+                try:
+                    answer = self._decode(self._post_fields("/per-sample-grads", fields))
+                except TooLarge as exc:
+                    fields = plan.throw(exc)
+                else:
+                    fields = plan.send(answer)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            plan.close()
+
+    def _compute(
+        self, fields: Fields, *, as_torch: bool, progress: ProgressArg, chunk_size: int | None
+    ) -> GradsResult:
+        started = time.perf_counter()
+        bar = Progress(f"psgrad {fields['model']}") if progress is True else None
+        callback = bar or (progress if callable(progress) else None)
+        try:
+            out = self._run_plan(
+                grads_plan(fields, limit=self._limit(chunk_size), progress=callback)
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        self._learn(out, chunk_size)
+        return self._result(out.fields, as_torch=as_torch, started=started)
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def per_sample_grads(
+        self,
+        model: str,
+        inputs: Any,
+        targets: Any = None,
+        *,
+        loss: str | None = None,
+        outputs: Sequence[str] | str = ("grads",),
+        params: Sequence[str] | None = None,
+        weights: Mapping[str, Any] | None = None,
+        clip_norm: float | None = None,
+        noise_multiplier: float | None = None,
+        seed: int | None = None,
+        reference: Mapping[str, Any] | None = None,
+        as_torch: bool = False,
+        progress: ProgressArg = False,
+        chunk_size: int | None = None,
+    ) -> GradsResult:
+        """Per-sample gradients of ``model`` on a batch, or statistics of them.
+
+        Args:
+            model: a model id, or ``id@version`` to pin weights.
+            inputs: the batch [B, ...]: a numpy array, a torch tensor or nested lists.
+            targets: labels or regression targets [B, ...] for supervised losses.
+            loss: ``cross_entropy``, ``nll``, ``mse``, ...; default: the model's own.
+            outputs: any of ``grads``, ``losses``, ``norms``, ``layer_norms``, ``mean``,
+                ``variance``, ``clipped_mean``, ``dot``, ``cosine_mean``.
+            params: restrict every output to these parameters.
+            weights: {parameter: array} used for this call instead of the registered ones.
+            clip_norm, noise_multiplier, seed: for ``clipped_mean`` (DP-SGD).
+            reference: {parameter: array} for ``dot``.
+            as_torch: return torch tensors instead of numpy arrays.
+            progress: draw a progress bar on stderr (tqdm if installed), or a callable
+                ``f(done, total)`` called after each request.
+            chunk_size: the most samples per request; default: the client's
+                ``max_batch_size``, else what the server accepts.
+
+        A batch larger than one request may hold is split into chunks and combined exactly:
+        per-sample outputs are concatenated; ``mean`` and ``variance`` merged with Chan's
+        formula; ``clipped_mean`` as the sum of the chunks' noiseless clipped sums with the
+        noise added once by the client (seeded with ``seed``; drawn by the client even for one
+        chunk, so the result never depends on the split); ``cosine_mean`` in two passes (the
+        chunks' means first, then ``dot`` with the combined mean and the norms). See
+        :mod:`psgrad._merge`.
+
+        Returns:
+            A :class:`GradsResult`: ``result.norms``, ``result.grads["fc1.weight"]``, ...
+
+        Raises:
+            PsgradError: the subclass of the server's error code (``UnknownModel``,
+                ``ShapeMismatch``, ...), or ``APIConnectionError`` if it cannot be reached.
+        """
+        fields = self._grads_fields(
+            model,
+            inputs,
+            targets,
+            loss=loss,
+            outputs=outputs,
+            params=params,
+            weights=weights,
+            clip_norm=clip_norm,
+            noise_multiplier=noise_multiplier,
+            seed=seed,
+            reference=reference,
+        )
+        return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
+
+    def td0(
+        self,
+        model: str,
+        states: Any,
+        rewards: Any,
+        next_states: Any,
+        *,
+        dones: Any = None,
+        gamma: float = 1.0,
+        weights: Mapping[str, Any] | None = None,
+        outputs: Sequence[str] | str = ("updates", "td_errors"),
+        params: Sequence[str] | None = None,
+        as_torch: bool = False,
+        progress: ProgressArg = False,
+        chunk_size: int | None = None,
+    ) -> GradsResult:
+        """Per-sample TD(0) of a value function: ``updates`` (delta_i grad V(s_i)), ``td_errors``.
+
+        target_i = r_i + gamma (1 - done_i) V(s'_i), gradient stopped through it;
+        delta_i = target_i - V(s_i). ``grads`` (of the pseudo-loss (target_i - V(s_i))^2) and
+        every statistic of :meth:`per_sample_grads` may be asked for too, and large batches are
+        split and combined the same way.
+        """
+        fields = self._grads_fields(
+            model,
+            states,
+            loss="td0",
+            outputs=outputs,
+            params=params,
+            weights=weights,
+            next_inputs=next_states,
+            rewards=rewards,
+            dones=dones,
+            gamma=gamma,
+        )
+        return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model: str,
+        inputs: Any,
+        targets: Any = None,
+        *,
+        loss: str | None = None,
+        outputs: Sequence[str] | str = ("grads",),
+        params: Sequence[str] | None = None,
+        weights: Mapping[str, Any] | None = None,
+        clip_norm: float | None = None,
+        noise_multiplier: float | None = None,
+        seed: int | None = None,
+        reference: Mapping[str, Any] | None = None,
+        next_inputs: Any = None,
+        rewards: Any = None,
+        dones: Any = None,
+        gamma: float | None = None,
+    ) -> Job:
+        """Queue the request (``POST /jobs``) and return at once with a :class:`Job`.
+
+        A job is one request: it is not split, so a batch above the server's limit raises
+        ``TooLarge``; the server's own noise is used for ``clipped_mean``.
+        """
+        fields = self._grads_fields(
+            model,
+            inputs,
+            targets,
+            loss=loss,
+            outputs=outputs,
+            params=params,
+            weights=weights,
+            clip_norm=clip_norm,
+            noise_multiplier=noise_multiplier,
+            seed=seed,
+            reference=reference,
+            next_inputs=next_inputs,
+            rewards=rewards,
+            dones=dones,
+            gamma=gamma,
+        )
+        doc = self._post_fields("/jobs", fields).json()
+        return Job(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")))
+
+    def job(self, job_id: str) -> Job:
+        """A handle on a job submitted earlier (by id)."""
+        return Job(self, job_id, JobStatus.QUEUED)
+
+
+class Job:
+    """A queued gradients request: ``status()``, ``result(timeout=...)``, ``cancel()``."""
+
+    def __init__(self, client: Client, job_id: str, status: JobStatus) -> None:
+        self._client = client
+        self.id = job_id
+        self.last_status = status
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, status={self.last_status.value!r})"
+
+    def _fetch(self) -> tuple[JobStatus, Fields | None, PsgradError | None]:
+        response = self._client._send(
+            "GET",
+            f"/jobs/{self.id}",
+            headers={"Accept": SAFETENSORS if self._client.binary else JSON},
+        )
+        state = job_state(response)
+        self.last_status = state[0]
+        return state
+
+    def status(self) -> JobStatus:
+        """The job's state now: queued, running, succeeded, failed or canceled."""
+        return self._fetch()[0]
+
+    def result(self, *, timeout: float | None = None, as_torch: bool = False) -> GradsResult:
+        """Wait for the job and return its result, or raise its error (``JobCanceled``, ...).
+
+        Raises:
+            APITimeoutError: not finished within ``timeout`` seconds (the job keeps running).
+        """
+        started = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = JOB_POLL_INITIAL
+        while True:
+            status, fields, error = self._fetch()
+            if error is not None:
+                raise error
+            if fields is not None:
+                return self._client._result(fields, as_torch=as_torch, started=started)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise APITimeoutError(f"job {self.id} is still {status.value} after {timeout} s")
+            wait = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            time.sleep(wait)
+            delay = min(delay * 2, JOB_POLL_MAX)
+
+    def cancel(self) -> JobStatus:
+        """Ask the server to cancel the job (``DELETE /jobs/{id}``); returns the new state."""
+        response = self._client._send("DELETE", f"/jobs/{self.id}")
+        status, _, _ = job_state(response)
+        self.last_status = status
+        return status
+
+
+class Models:
+    """``client.models``: the model registry."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def list(self) -> list[ModelInfo]:
+        """Every model the server knows (``GET /models``)."""
+        doc = self._client._send("GET", "/models").json()
+        items = doc.get("models", []) if isinstance(doc, dict) else doc
+        return [ModelInfo.from_dict(m) for m in items]
+
+    def get(self, model_id: str) -> ModelInfo:
+        """What ``model_id`` (or ``id@version``) takes: input shape, parameters, losses."""
+        return ModelInfo.from_dict(
+            self._client._send("GET", self._client._model_path(model_id)).json()
+        )
+
+    def register(
+        self,
+        model_id: str,
+        *,
+        architecture: str,
+        config: Mapping[str, Any] | None = None,
+        layers: Sequence[Mapping[str, Any]] | None = None,
+        input: Mapping[str, Any] | None = None,
+        default_loss: str | None = None,
+        losses: Sequence[str] | None = None,
+        weights: Mapping[str, Any] | None = None,
+    ) -> ModelInfo:
+        """Register a model (``PUT /models/{id}``): a zoo ``architecture`` with ``config``, or
+        ``architecture="sequential"`` with ``layers`` and ``input``; ``weights`` (numpy or torch
+        state dict) are sent inline, else the architecture's initial weights are used."""
+        body = self._client._register_body(
+            architecture, config, layers, input, default_loss, losses, weights
+        )
+        response = self._client._send("PUT", self._client._model_path(model_id), json=body)
+        return ModelInfo.from_dict(response.json())
+
+    def upload_weights(self, model_id: str, state_dict: Mapping[str, Any]) -> ModelInfo:
+        """New weights for ``model_id`` (a new version); names and shapes must match."""
+        response = self._client._send(
+            "PUT",
+            self._client._model_path(model_id, "/weights"),
+            content=state_dict_bytes(state_dict),
+            headers={"Content-Type": SAFETENSORS},
+        )
+        return ModelInfo.from_dict(response.json())
+
+    def download_weights(self, model_id: str, *, as_torch: bool = False) -> dict[str, Any]:
+        """The weights of ``model_id`` (or ``id@version``) as {name: array}."""
+        response = self._client._send(
+            "GET", self._client._model_path(model_id, "/weights"), headers={"Accept": SAFETENSORS}
+        )
+        weights = weights_from_bytes(response.content)
+        return to_torch(weights) if as_torch else weights
+
+    def delete(self, model_id: str) -> dict[str, Any]:
+        """Delete a model, or one version with ``id@version``; returns the server's answer."""
+        response = self._client._send("DELETE", self._client._model_path(model_id))
+        return response.json() if response.content else {}

@@ -1,0 +1,24 @@
+"""Every default of the client in one place (openai-python's ``_constants.py``)."""
+
+from __future__ import annotations
+
+import httpx
+
+ENV_URL = "PSGRAD_URL"
+ENV_API_KEY = "PSGRAD_API_KEY"
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+# Per-sample gradients of a large batch take a while; connecting should not.
+DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
+DEFAULT_MAX_RETRIES = 2
+INITIAL_RETRY_DELAY = 0.5  # seconds, doubled each retry, with jitter
+MAX_RETRY_DELAY = 8.0
+MAX_RETRY_AFTER = 60.0  # a Retry-After above this is not waited for: the error is raised
+RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
+
+# Job polling: start fast (small jobs finish in milliseconds), back off to a calm rate.
+JOB_POLL_INITIAL = 0.05
+JOB_POLL_MAX = 1.0
+
+REQUEST_ID_HEADER = "X-Request-ID"
+USER_AGENT = "psgrad-python"

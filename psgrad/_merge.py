@@ -1,0 +1,274 @@
+"""Splitting a batch into requests the server accepts, and combining the answers exactly.
+
+The plan is written once, without I/O, as a generator: it yields the fields of each request and
+receives the decoded answer (or, through ``throw``, the error), so the sync and the async client
+drive the same code (``Client._run_plan`` / ``AsyncClient._run_plan``).
+
+How each output is combined over chunks of sizes n_1 .. n_k (B = sum n_c):
+
+- per-sample outputs (``grads``, ``losses``, ``norms``, ``layer_norms``, ``dot``, ``td_errors``,
+  ``updates``) are concatenated in order.
+- ``mean`` is the n-weighted mean of the chunk means, and ``variance`` is merged with Chan's
+  parallel formula (M2 = M2_a + M2_b + delta^2 n_a n_b / n, with M2_c = variance_c * n_c), in
+  float64; a chunk's ``mean`` is requested alongside ``variance`` for that.
+- ``clipped_mean``: each chunk is asked for its noiseless clipped mean (``noise_multiplier=0``),
+  the clipped sums (mean_c * n_c) are added, then the noise N(0, (noise_multiplier * clip_norm)^2)
+  is drawn once per element by the client with ``numpy.random.default_rng(seed)`` and the total
+  divided by B. The client does this even for a batch that fits in one request, so a seeded
+  result does not depend on how the batch was split (the server's own noise, drawn with torch's
+  generator, is never used by the SDK). The seed used is in ``result.meta["seed"]``.
+- ``cosine_mean`` needs the mean gradient of the whole batch, which no chunk knows. Two passes:
+  the first collects every chunk's ``mean`` (and ``norms``) with the other outputs; the second
+  asks each chunk for ``dot`` with ``reference`` = the combined mean; then
+  cosine_i = dot_i / (norm_i * |mean|), 0 where a norm is 0, as the server defines it. A batch
+  that fits in one request is computed by the server in one pass.
+
+A 413 answer for a chunk of more than one sample shrinks the chunk (to the ``limit`` the server
+names when it is a batch-size limit, else half) and the plan starts again; the limit learned is
+returned so the client remembers it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from psgrad._errors import TooLarge
+
+Fields = dict[str, Any]
+Plan = Generator[Fields, Fields, "PlanResult"]
+Steps = Generator[Fields, Fields, Fields]
+
+SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+PER_SAMPLE = (
+    "grads",
+    "losses",
+    "norms",
+    "layer_norms",
+    "dot",
+    "cosine_mean",
+    "td_errors",
+    "updates",
+)
+NOT_OUTPUTS = ("model", "batch_size", "loss", "timing", "meta")
+
+
+@dataclass
+class PlanResult:
+    fields: Fields  # model, batch_size, loss, each output, timing, meta
+    limit: int | None  # the batch-size limit learned from a 413, if any
+
+
+def concat(parts: list[Any]) -> Any:
+    """Concatenate per-sample outputs: arrays, or dicts of arrays keyed by parameter."""
+    if isinstance(parts[0], Mapping):
+        return {k: concat([p[k] for p in parts]) for k in parts[0]}
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def merge_moments(
+    counts: list[int],
+    means: list[Mapping[str, np.ndarray]],
+    variances: list[Mapping[str, np.ndarray]] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Combine per-chunk means (and population variances) exactly, with Chan's formula."""
+    mean_out: dict[str, np.ndarray] = {}
+    var_out: dict[str, np.ndarray] = {}
+    for k in means[0]:
+        dtype = means[0][k].dtype
+        n_a = counts[0]
+        mean = means[0][k].astype(np.float64)
+        m2 = variances[0][k].astype(np.float64) * n_a if variances else None
+        for n_b, mean_c, i in zip(counts[1:], means[1:], range(1, len(counts)), strict=True):
+            mean_b = mean_c[k].astype(np.float64)
+            n = n_a + n_b
+            delta = mean_b - mean
+            mean = mean + delta * (n_b / n)
+            if variances is not None and m2 is not None:
+                m2_b = variances[i][k].astype(np.float64) * n_b
+                m2 = m2 + m2_b + delta**2 * (n_a * n_b / n)
+            n_a = n
+        mean_out[k] = mean.astype(dtype)
+        if m2 is not None:
+            var_out[k] = (m2 / n_a).astype(dtype)
+    return mean_out, var_out
+
+
+def clipped_sum(
+    counts: list[int], clipped_means: list[Mapping[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """The sum over all samples of the clipped gradients, from noiseless clipped means."""
+    return {
+        k: sum(
+            (cm[k].astype(np.float64) * n for n, cm in zip(counts, clipped_means, strict=True)),
+            start=np.zeros(clipped_means[0][k].shape),
+        )
+        for k in clipped_means[0]
+    }
+
+
+def add_noise(
+    sums: Mapping[str, np.ndarray],
+    size: int,
+    *,
+    sigma: float,
+    seed: int,
+    dtype: Mapping[str, np.dtype[Any]],
+) -> dict[str, np.ndarray]:
+    """(sum + N(0, sigma^2) per element) / B, the noise drawn once, in parameter order."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, s in sums.items():
+        noise = rng.normal(0.0, sigma, size=s.shape) if sigma > 0 else 0.0
+        out[k] = ((s + noise) / size).astype(dtype[k])
+    return out
+
+
+def cosine(dot: np.ndarray, norms: np.ndarray, mean: Mapping[str, np.ndarray]) -> np.ndarray:
+    """cos_i = dot_i / (|g_i| |mean|), 0 where either norm is 0 (the server's convention)."""
+    mean_norm = math.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in mean.values()))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cos = dot.astype(np.float64) / (norms.astype(np.float64) * mean_norm)
+    return np.nan_to_num(cos, nan=0.0, posinf=0.0, neginf=0.0).astype(dot.dtype)
+
+
+def _slice(fields: Fields, start: int, stop: int) -> Fields:
+    return {
+        k: (v[start:stop] if k in SAMPLE_FIELDS and isinstance(v, np.ndarray) else v)
+        for k, v in fields.items()
+    }
+
+
+def _batch_limit(exc: TooLarge, sent: int) -> int | None:
+    """The chunk size to try after a 413 for ``sent`` samples, or None if shrinking cannot help."""
+    if sent <= 1:
+        return None
+    limit, size = exc.details.get("limit"), exc.details.get("size")
+    if isinstance(limit, int) and size == sent and "field" not in exc.details and 0 < limit < sent:
+        return limit  # the batch-size limit itself
+    return sent // 2  # a body, element or result-size limit: fewer samples help
+
+
+def grads_plan(
+    fields: Fields, *, limit: int | None, progress: Callable[[int, int], None] | None = None
+) -> Plan:
+    """Run one gradients request as one or more requests; see the module docstring."""
+    inputs = fields.get("inputs")
+    size = int(inputs.shape[0]) if isinstance(inputs, np.ndarray) and inputs.ndim else 0
+    wanted = list(dict.fromkeys(fields.get("outputs") or ["grads"]))
+    noise = None
+    if "clipped_mean" in wanted:
+        sigma = float(fields.get("noise_multiplier") or 0.0) * float(fields.get("clip_norm") or 0)
+        seed = fields.get("seed")
+        noise = (sigma, secrets.randbits(63) if seed is None else int(seed))
+        fields = {k: v for k, v in fields.items() if k != "seed"} | {"noise_multiplier": 0.0}
+    learned = None
+    while True:
+        chunk = size if limit is None else max(1, min(limit, size))
+        try:
+            result = yield from _run(fields, wanted, size, chunk, progress)
+            break
+        except TooLarge as exc:
+            new = _batch_limit(exc, chunk)
+            if new is None:
+                raise
+            limit = learned = new
+    if noise is not None:
+        sigma, seed = noise
+        cm = result["clipped_mean"]
+        sums = {k: v.astype(np.float64) * size for k, v in cm.items()}
+        result["clipped_mean"] = add_noise(
+            sums, size, sigma=sigma, seed=seed, dtype={k: v.dtype for k, v in cm.items()}
+        )
+        result["meta"]["seed"] = seed
+    return PlanResult(result, learned)
+
+
+def _run(
+    fields: Fields,
+    wanted: list[str],
+    size: int,
+    chunk: int,
+    progress: Callable[[int, int], None] | None,
+) -> Steps:
+    if chunk >= size:  # one request: the server computes every output itself
+        answer = yield {**fields, "outputs": wanted}
+        if progress:
+            progress(size, size)
+        return _combine([answer], [size], wanted, [answer])
+    two_pass = "cosine_mean" in wanted
+    first = [o for o in wanted if o != "cosine_mean"]
+    if "variance" in wanted or two_pass:
+        first.append("mean")
+    if two_pass:
+        first.append("norms")
+    first = list(dict.fromkeys(first))
+    total = size * (2 if two_pass else 1)
+    bounds = [(a, min(size, a + chunk)) for a in range(0, size, chunk)]
+    counts = [b - a for a, b in bounds]
+    parts: list[Fields] = []
+    for a, b in bounds:
+        part = yield {**_slice(fields, a, b), "outputs": first}
+        parts.append(part)
+        # Pin the version the first chunk used, so new weights registered meanwhile never mix.
+        fields = {**fields, "model": part.get("model", fields["model"])}
+        if progress:
+            progress(b, total)
+    answers = list(parts)
+    result = _combine(parts, counts, first, answers)
+    if two_pass:
+        mean = result["mean"]
+        second = {**fields, "outputs": ["dot"], "reference": mean}
+        dots = []
+        for a, b in bounds:
+            answer = yield _slice(second, a, b)
+            answers.append(answer)
+            dots.append(answer["dot"])
+            if progress:
+                progress(size + b, total)
+        result["cosine_mean"] = cosine(concat(dots), result["norms"], mean)
+        result["timing"], result["meta"]["requests"] = _timing(answers), len(answers)
+    return {k: v for k, v in result.items() if k in NOT_OUTPUTS or k in wanted}
+
+
+def _combine(
+    parts: list[Fields], counts: list[int], outputs: list[str], answers: list[Fields]
+) -> Fields:
+    first = parts[0]
+    out: Fields = {k: first[k] for k in ("model", "loss") if k in first}
+    out["batch_size"] = sum(counts)
+    if len(parts) == 1:
+        out.update({k: first[k] for k in outputs if k in first})
+    else:
+        for name in outputs:
+            if name in PER_SAMPLE:
+                out[name] = concat([p[name] for p in parts])
+        if "mean" in outputs:
+            variances = [p["variance"] for p in parts] if "variance" in outputs else None
+            out["mean"], var = merge_moments(counts, [p["mean"] for p in parts], variances)
+            if variances is not None:
+                out["variance"] = var
+        if "clipped_mean" in outputs:
+            cms = [p["clipped_mean"] for p in parts]
+            sums = clipped_sum(counts, cms)
+            out["clipped_mean"] = {
+                k: (v / out["batch_size"]).astype(cms[0][k].dtype) for k, v in sums.items()
+            }
+    out["timing"] = _timing(answers)
+    out["meta"] = {**(first.get("meta") or {}), "requests": len(answers)}
+    return out
+
+
+def _timing(answers: list[Fields]) -> dict[str, float]:
+    """Server-side times summed over the requests (the time the batch cost the server)."""
+    timing: dict[str, float] = {}
+    for p in answers:
+        for k, v in (p.get("timing") or {}).items():
+            if isinstance(v, (int, float)):
+                timing[k] = timing.get(k, 0.0) + float(v)
+    return timing

@@ -1,0 +1,211 @@
+"""Error mapping, retries and Retry-After in the SDK (httpx.MockTransport, no server)."""
+
+from __future__ import annotations
+
+import email.utils
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+import pytest
+
+import psgrad
+from psgrad import _errors
+from psgrad._wire import RESPONSE_KEY, fields_to_safetensors
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def ok(request: httpx.Request) -> httpx.Response:
+    body = fields_to_safetensors({"model": "m@1", "batch_size": 1,
+                                  "norms": np.ones(1, np.float32)}, RESPONSE_KEY)
+    return httpx.Response(200, content=body, headers={"content-type": "application/x-safetensors"})
+
+
+def error(status: int, code: str, *, headers: dict[str, str] | None = None,
+          **details: object) -> httpx.Response:
+    return httpx.Response(status, headers=headers, json={"error": {
+        "code": code, "message": f"{code} happened", "details": details}})
+
+
+def scripted(*answers: httpx.Response | Exception) -> tuple[Handler, list[httpx.Request]]:
+    """A handler that plays ``answers`` in order (raising exceptions), then answers 200."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if len(seen) <= len(answers):
+            answer = answers[len(seen) - 1]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return ok(request)
+
+    return handler, seen
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record the client's sleeps instead of sleeping."""
+    waited: list[float] = []
+    monkeypatch.setattr(psgrad._client.time, "sleep", waited.append)  # type: ignore[attr-defined]
+    return waited
+
+
+def client_for(handler: Handler, **kwargs: object) -> psgrad.Client:
+    return psgrad.Client(base_url="http://fake", transport=httpx.MockTransport(handler),
+                         **kwargs)  # type: ignore[arg-type]
+
+
+def call(client: psgrad.Client) -> psgrad.GradsResult:
+    return client.per_sample_grads("m", np.ones((1, 2), np.float32), outputs=["norms"])
+
+
+CODES = sorted((cls.code, cls) for cls in _errors._BY_CODE.values() if cls.status >= 400)
+
+
+@pytest.mark.parametrize(("code", "cls"), CODES, ids=[c for c, _ in CODES])
+def test_each_error_code_raises_its_class_with_message_and_request_id(
+        code: str, cls: type[psgrad.PsgradError]) -> None:
+    handler, _ = scripted(*[error(cls.status, code, headers={"X-Request-ID": "req-42"},
+                                  limit=3)] * 5)
+    with client_for(handler, max_retries=0) as client, pytest.raises(cls) as info:
+        call(client)
+    exc = info.value
+    assert type(exc) is cls and isinstance(exc, psgrad.PsgradError)
+    assert exc.code == code and exc.message == f"{code} happened"
+    assert exc.request_id == "req-42" and exc.details["limit"] == 3
+    assert exc.http_status == cls.status
+
+
+@pytest.mark.parametrize(("status", "cls"), [
+    (400, psgrad.BadRequest), (401, psgrad.Unauthorized), (403, psgrad.Forbidden),
+    (404, psgrad.NotFound), (408, psgrad.RequestTimeout), (409, psgrad.Conflict),
+    (413, psgrad.TooLarge), (415, psgrad.BadRequest), (422, psgrad.InvalidInput),
+    (429, psgrad.RateLimited), (500, psgrad.InternalError), (502, psgrad.InternalError),
+    (503, psgrad.Overloaded), (504, psgrad.DeadlineExceeded),
+])
+def test_statuses_without_a_known_code_map_to_the_status_class(
+        status: int, cls: type[psgrad.PsgradError]) -> None:
+    handler, _ = scripted(httpx.Response(status, text="<html>proxy says no</html>"))
+    with client_for(handler, max_retries=0) as client, pytest.raises(cls) as info:
+        call(client)
+    assert type(info.value) is cls and info.value.http_status == status
+    assert "proxy says no" in info.value.message
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504])
+def test_retryable_statuses_are_retried_with_jittered_backoff(status: int,
+                                                              sleeps: list[float]) -> None:
+    handler, seen = scripted(error(status, "x"), error(status, "x"))
+    with client_for(handler, max_retries=2) as client:
+        assert call(client).norms.tolist() == [1.0]
+    assert len(seen) == 3
+    assert 0.375 <= sleeps[0] <= 0.5 and 0.75 <= sleeps[1] <= 1.0  # 0.5 * 2**n, minus <25%
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422])
+def test_other_statuses_are_not_retried(status: int, sleeps: list[float]) -> None:
+    handler, seen = scripted(error(status, "whatever"))
+    with client_for(handler, max_retries=3) as client, pytest.raises(psgrad.PsgradError):
+        call(client)
+    assert len(seen) == 1 and sleeps == []
+
+
+def test_retries_give_up_after_max_retries(sleeps: list[float]) -> None:
+    handler, seen = scripted(*[error(503, "overloaded")] * 10)
+    with client_for(handler, max_retries=3) as client, pytest.raises(psgrad.Overloaded):
+        call(client)
+    assert len(seen) == 4 and len(sleeps) == 3
+
+
+def test_retry_after_seconds_and_http_date_are_honoured(sleeps: list[float]) -> None:
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    handler, _ = scripted(error(429, "rate_limited", headers={"Retry-After": "3"}),
+                          error(503, "overloaded", headers={"Retry-After": when}))
+    with client_for(handler, max_retries=2) as client:
+        call(client)
+    assert sleeps[0] == 3.0
+    assert 25.0 <= sleeps[1] <= 30.0
+
+
+def test_a_retry_after_beyond_the_cap_raises_at_once_with_retry_after(
+        sleeps: list[float]) -> None:
+    handler, seen = scripted(error(503, "overloaded", headers={"Retry-After": "3600"}))
+    with client_for(handler, max_retries=2) as client, pytest.raises(psgrad.Overloaded) as info:
+        call(client)
+    assert len(seen) == 1 and sleeps == [] and info.value.retry_after == 3600.0
+
+
+def test_connection_errors_are_retried_then_raised(sleeps: list[float]) -> None:
+    handler, seen = scripted(httpx.ConnectError("refused"), httpx.ReadTimeout("slow"))
+    with client_for(handler, max_retries=2) as client:
+        call(client)
+    assert len(seen) == 3 and len(sleeps) == 2
+    handler, _ = scripted(*[httpx.ConnectError("refused")] * 3)
+    with client_for(handler, max_retries=2) as client, \
+            pytest.raises(psgrad.APIConnectionError, match="could not reach"):
+        call(client)
+    handler, _ = scripted(httpx.ReadTimeout("slow"))
+    with client_for(handler, max_retries=0) as client, pytest.raises(psgrad.APITimeoutError):
+        call(client)
+
+
+async def test_the_async_client_retries_and_maps_errors_the_same_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    waited: list[float] = []
+
+    async def fake_sleep(delay: float) -> None:
+        waited.append(delay)
+
+    monkeypatch.setattr(psgrad._async_client.asyncio, "sleep", fake_sleep)  # type: ignore[attr-defined]
+    handler, seen = scripted(error(429, "rate_limited", headers={"Retry-After": "2"}),
+                             httpx.ConnectError("refused"))
+    async with psgrad.AsyncClient(base_url="http://fake",
+                                  transport=httpx.MockTransport(handler)) as client:
+        result = await client.per_sample_grads("m", np.ones((1, 2), np.float32),
+                                               outputs=["norms"])
+        assert result.norms.tolist() == [1.0]
+        assert len(seen) == 3 and waited[0] == 2.0
+    handler, _ = scripted(error(404, "unknown_model", headers={"X-Request-ID": "r1"}))
+    async with psgrad.AsyncClient(base_url="http://fake",
+                                  transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(psgrad.UnknownModel) as info:
+            await client.models.get("nope")
+    assert info.value.request_id == "r1"
+
+
+def test_url_and_key_fall_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSGRAD_URL", "http://gpu-host:9000/")
+    monkeypatch.setenv("PSGRAD_API_KEY", "sekrit")
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"models": []})
+
+    with psgrad.Client(transport=httpx.MockTransport(handler)) as client:
+        assert client.models.list() == []
+    assert str(seen[0].url) == "http://gpu-host:9000/models"
+    assert seen[0].headers["authorization"] == "Bearer sekrit"
+    with psgrad.Client(base_url="http://x", api_key="other") as client:
+        assert client.base_url == "http://x" and client.api_key == "other"
+
+
+def test_options_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        psgrad.Client("http://x")  # type: ignore[misc]
+    with client_for(ok) as client, pytest.raises(TypeError):
+        client.per_sample_grads("m", [[1.0]], None, "mse")  # type: ignore[misc]
+
+
+def test_import_psgrad_pulls_in_no_torch_fastapi_or_redis() -> None:
+    code = ("import sys, psgrad; "
+            "bad = [m for m in ('torch', 'fastapi', 'redis', 'starlette', 'pydantic', 'service')"
+            " if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
