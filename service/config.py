@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     visibility_timeout_s: float = 60.0
     max_attempts: int = 3
     heartbeat_s: float = 2.0
+    redis_timeout_s: float = 2.0  # socket timeouts: a dead Redis answers 503 fast, never hangs
+    worker_redis_grace_s: float = 30.0  # a worker that cannot reach Redis this long exits 1
 
     max_layers: int = 64
     max_parameters: int = 50_000_000

@@ -27,3 +27,63 @@ def model_versions(prefix: str, model_id: str) -> str:
 def model_version(prefix: str, model_id: str, version: str) -> str:
     """Hash of one version: ``spec`` (JSON) and ``weights`` (safetensors bytes)."""
     return f"{prefix}:model:{model_id}:v:{version}"
+
+
+# --- the job queue (service/broker/redis.py) ---
+
+STREAM_GROUP = "workers"  # the consumer group every worker reads the job stream through
+HEARTBEAT_TTL_FACTOR = 3  # a worker is alive while its heartbeat is younger than 3 beats
+NOTIFY_TTL_S = 60  # the "job done" token outlives the job's end by this much at least
+COMPILE_TTL_S = 7 * 24 * 3600  # compiled artifacts unused this long are dropped
+
+
+def job_stream(prefix: str) -> str:
+    """The stream of queued job ids (entry fields ``id`` and ``n`` samples); acked entries go."""
+    return f"{prefix}:jobs"
+
+
+def job_state(prefix: str, job_id: str) -> str:
+    """Hash: status, enqueued_at, deadline, attempts, started_at, finished_at, error, last_error."""
+    return f"{prefix}:job:{job_id}"
+
+
+def job_payload(prefix: str, job_id: str) -> str:
+    """The request as safetensors bytes (``psgrad._wire.fields_to_safetensors``, key request)."""
+    return f"{prefix}:job:{job_id}:payload"
+
+
+def job_result(prefix: str, job_id: str) -> str:
+    """The result as safetensors bytes (key response); written once (SET NX)."""
+    return f"{prefix}:job:{job_id}:result"
+
+
+def job_notify(prefix: str, job_id: str) -> str:
+    """List the api blocks on (BLPOP) until a worker or a cancel pushes the job's end."""
+    return f"{prefix}:job:{job_id}:notify"
+
+
+def job_ttl_s(deadline_in_s: float, result_ttl_s: int) -> int:
+    """A job's keys live until its deadline plus the result TTL, so nothing outlives its use."""
+    return max(1, int(max(0.0, deadline_in_s) + result_ttl_s + 1))
+
+
+def worker_heartbeat(prefix: str, name: str) -> str:
+    """String with a TTL of ``HEARTBEAT_TTL_FACTOR`` beats: present while the worker lives."""
+    return f"{prefix}:worker:{name}"
+
+
+def worker_names(prefix: str) -> str:
+    """Set of worker names that ever beat (pruned of dead ones by readers)."""
+    return f"{prefix}:workers"
+
+
+def heartbeat_ttl_s(heartbeat_s: float) -> int:
+    return max(1, round(heartbeat_s * HEARTBEAT_TTL_FACTOR + 0.5))
+
+
+# --- compiled-function cache (service/compile_cache.py) ---
+
+
+def compile_artifact(prefix: str, signature: str) -> str:
+    """Bytes of ``torch.compiler.save_cache_artifacts`` for one signature digest."""
+    return f"{prefix}:compiled:{signature}"

@@ -1,0 +1,289 @@
+"""The Redis broker: a stream with a consumer group for jobs, keys with TTLs for everything else.
+
+Life of a job (key names in :mod:`service.keys`)::
+
+    api  submit   SET payload (safetensors) + HSET state {queued, deadline, ...} + XADD stream
+                  (one Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs)
+    worker take   XREADGROUP COUNT n BLOCK ms (and XAUTOCLAIM of jobs idle past the visibility
+                  timeout: their worker died); HINCRBY attempts; poison, expired, canceled: ended
+    worker done   one Lua script: SET result NX, HSET state {succeeded|failed}, RPUSH notify,
+                  then XACK + XDEL, so a job is acknowledged only once its result is stored and a
+                  redelivered job cannot answer twice
+    api  wait     BLPOP notify (the api never polls), then read the state and the result
+
+This module holds the api side (:class:`RedisBroker`, asyncio) and what both sides share; the
+worker side is :class:`service.broker.redis_source.RedisJobSource` (synchronous, in worker
+processes). While Redis is unreachable the api answers :class:`psgrad.Overloaded` (503) and
+recovers by itself: every call opens a fresh connection when the pooled one is broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
+from redis.retry import Retry
+
+from psgrad._errors import InternalError, Overloaded, UnknownJob
+from psgrad._wire import fields_from_safetensors, fields_to_safetensors
+from service import keys
+from service.broker.base import Job, JobState, JobStatus
+from service.config import Settings
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
+RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
+_UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
+
+# KEYS: stream, state, payload. ARGV: max depth, ttl, payload, id, n, enqueued_at, deadline
+SUBMIT_LUA = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2])
+redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[6], 'deadline', ARGV[7],
+           'attempts', '0', 'n', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('XADD', KEYS[1], '*', 'id', ARGV[4], 'n', ARGV[5])
+return 1
+"""
+
+# KEYS: state, result, notify, stream, payload.
+# ARGV: group, entry id, status, result bytes, error json, finished_at, result ttl, notify ttl
+FINISH_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+local stored = 0
+if st == 'queued' or st == 'running' then
+  local ok = true
+  if ARGV[3] == 'succeeded' then
+    ok = redis.call('SET', KEYS[2], ARGV[4], 'NX', 'EX', ARGV[7])
+  end
+  if ok then
+    redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
+    if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
+    redis.call('EXPIRE', KEYS[1], ARGV[7])
+    redis.call('DEL', KEYS[5])
+    redis.call('RPUSH', KEYS[3], 'done')
+    redis.call('EXPIRE', KEYS[3], ARGV[8])
+    stored = 1
+  end
+end
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[4], ARGV[2])
+end
+return stored
+"""
+
+# KEYS: state, notify, payload. ARGV: finished_at, result ttl, notify ttl
+CANCEL_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return false end
+if st == 'queued' or st == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_at', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('DEL', KEYS[3])
+  redis.call('RPUSH', KEYS[2], 'done')
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+return st
+"""
+
+
+def redis_unavailable(exc: BaseException) -> bool:
+    """Errors that mean "Redis cannot serve now" (503 and retry), not a bug of ours."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).upper().startswith(_UNAVAILABLE_REPLIES)
+
+
+def overloaded_from(exc: BaseException) -> Overloaded:
+    return Overloaded(
+        f"the job queue (Redis) is unavailable: {type(exc).__name__}: {str(exc)[:200]}; "
+        "retry shortly", retry_after=RETRY_AFTER_DOWN_S,
+    )
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def encode_payload(job: Job) -> tuple[bytes, int]:
+    """The request as safetensors bytes, and its number of samples (for the batcher)."""
+    inputs: Any = job.fields.get("inputs")
+    n = int(inputs.shape[0]) if getattr(inputs, "ndim", 0) else 1
+    return fields_to_safetensors(job.fields, "request"), n
+
+
+def encode_result(result: Mapping[str, Any]) -> bytes:
+    return fields_to_safetensors(result, "response")
+
+
+def decode_state(job_id: str, raw: Mapping[Any, Any], result: bytes | None) -> JobState:
+    """The state hash (and the result bytes, once succeeded) as a :class:`JobState`."""
+    h = {text(k): text(v) for k, v in raw.items()}
+    status = JobStatus(h["status"])
+    state = JobState(
+        id=job_id, status=status,
+        enqueued_at=float(h["enqueued_at"]) if "enqueued_at" in h else None,
+        finished_at=float(h["finished_at"]) if "finished_at" in h else None,
+    )
+    if "error" in h:
+        state.error = json.loads(h["error"])
+    if status is JobStatus.SUCCEEDED:
+        if result is None:  # the result expired a moment before its state
+            raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
+        state.result = fields_from_safetensors(result, "response")
+    return state
+
+
+def connection_kwargs(settings: Settings) -> dict[str, Any]:
+    """Short timeouts and one quick retry: a dead Redis costs a request seconds, never a hang."""
+    return {
+        "socket_timeout": settings.redis_timeout_s,
+        "socket_connect_timeout": settings.redis_timeout_s,
+        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), 1),
+        "health_check_interval": 30,
+    }
+
+
+class RedisBroker:
+    """The api's side of the Redis broker (asyncio). Holds no state a restart would lose."""
+
+    def __init__(self, settings: Settings) -> None:
+        if not settings.redis_url:
+            raise InternalError("RedisBroker needs PSGRAD_REDIS_URL")
+        self.settings = settings
+        self.prefix = settings.redis_prefix
+        kwargs = connection_kwargs(settings)
+        self.r = aioredis.Redis.from_url(settings.redis_url, **kwargs)
+        # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
+        self.blocking = aioredis.Redis.from_url(
+            settings.redis_url, **{**kwargs, "socket_timeout": None})
+        self._submit = self.r.register_script(SUBMIT_LUA)
+        self._cancel = self.r.register_script(CANCEL_LUA)
+
+    async def start(self) -> None:
+        try:
+            await self.r.ping()
+        except RedisError as exc:  # the api still starts; it answers 503 until Redis is back
+            log.warning("Redis is not reachable at start-up: %s", exc)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+        await self.blocking.aclose()
+
+    async def submit(self, job: Job) -> None:
+        payload, n = encode_payload(job)
+        ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+        p = self.prefix
+        try:
+            accepted = await self._submit(
+                keys=[keys.job_stream(p), keys.job_state(p, job.id), keys.job_payload(p, job.id)],
+                args=[self.settings.max_queue_depth, ttl, payload, job.id, n,
+                      repr(job.enqueued_at), repr(job.deadline)],
+            )
+        except RedisError as exc:
+            raise self._translate(exc) from exc
+        if not accepted:
+            raise Overloaded(
+                f"the job queue is full ({self.settings.max_queue_depth} jobs); retry shortly",
+                retry_after=RETRY_AFTER_FULL_S, limit=self.settings.max_queue_depth,
+            )
+
+    async def wait(self, job_id: str, timeout: float) -> JobState:
+        state = await self.state(job_id)
+        if state.status.done or timeout <= 0:
+            return state
+        notify = keys.job_notify(self.prefix, job_id)
+        try:
+            popped = await asyncio.wait_for(
+                self.blocking.blpop([notify], timeout=max(timeout, 0.01)), timeout + 5.0)
+            if popped is not None:  # hand the token on: any other waiter of this job wakes too
+                await self.r.rpush(notify, b"done")
+        except (RedisError, asyncio.TimeoutError) as exc:
+            raise self._translate(exc) from exc
+        return await self.state(job_id)
+
+    async def state(self, job_id: str) -> JobState:
+        p = self.prefix
+        try:
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.hgetall(keys.job_state(p, job_id))
+                pipe.get(keys.job_result(p, job_id))
+                raw, result = await pipe.execute()
+        except RedisError as exc:
+            raise self._translate(exc) from exc
+        if not raw:
+            raise UnknownJob(f"unknown job '{job_id}' (never submitted, or its result expired "
+                             f"after {self.settings.result_ttl_s} s)", id=job_id)
+        return decode_state(job_id, raw, result)
+
+    async def cancel(self, job_id: str) -> JobState:
+        p = self.prefix
+        try:
+            found = await self._cancel(
+                keys=[keys.job_state(p, job_id), keys.job_notify(p, job_id),
+                      keys.job_payload(p, job_id)],
+                args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
+            )
+        except RedisError as exc:
+            raise self._translate(exc) from exc
+        if not found:
+            raise UnknownJob(f"unknown job '{job_id}'", id=job_id)
+        return await self.state(job_id)
+
+    async def forget(self, job_id: str) -> None:
+        p = self.prefix
+        try:
+            await self.r.delete(keys.job_state(p, job_id), keys.job_result(p, job_id),
+                                keys.job_payload(p, job_id), keys.job_notify(p, job_id))
+        except RedisError as exc:  # the keys expire by themselves
+            log.warning("could not drop job %s now: %s", job_id, exc)
+
+    async def queue_depth(self) -> int:
+        try:
+            return int(await self.r.xlen(keys.job_stream(self.prefix)))
+        except RedisError as exc:
+            raise self._translate(exc) from exc
+
+    async def ready(self) -> bool:
+        try:
+            return await self.live_workers() > 0
+        except (RedisError, OSError):
+            return False
+
+    async def live_workers(self) -> int:
+        """Workers whose heartbeat has not expired; names of dead ones are pruned."""
+        names = [text(n) for n in await self.r.smembers(keys.worker_names(self.prefix))]
+        if not names:
+            return 0
+        async with self.r.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.exists(keys.worker_heartbeat(self.prefix, name))
+            alive = await pipe.execute()
+        dead = [n for n, a in zip(names, alive, strict=True) if not a]
+        if dead:
+            await self.r.srem(keys.worker_names(self.prefix), *dead)
+        return sum(1 for a in alive if a)
+
+    @staticmethod
+    def _translate(exc: BaseException) -> Exception:
+        if isinstance(exc, asyncio.TimeoutError) or redis_unavailable(exc):
+            return overloaded_from(exc)
+        return InternalError(f"Redis refused a command: {str(exc)[:200]}")

@@ -1,0 +1,366 @@
+"""The worker's side of the Redis broker: take jobs from the stream, store results, acknowledge.
+
+At-least-once: a job stays in the consumer group's pending list until :meth:`succeed` or
+:meth:`fail` has stored its end (one Lua script stores and acknowledges together). A worker that
+dies leaves its jobs pending; after ``PSGRAD_VISIBILITY_TIMEOUT_S`` another worker takes them
+over with ``XAUTOCLAIM``. A live worker keeps the claim on jobs it holds fresh (``XCLAIM ...
+JUSTID`` from its keeper thread), so a long batch is not taken from it. Every delivery counts an
+attempt; a job delivered more than ``PSGRAD_MAX_ATTEMPTS`` times ends ``failed`` with its last
+error (a poison job never blocks the queue).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError, ResponseError
+
+from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
+from psgrad._wire import fields_from_safetensors
+from service import keys
+from service.broker.base import Job, JobStatus
+from service.broker.redis import (
+    FINISH_LUA,
+    connection_kwargs,
+    encode_result,
+    redis_unavailable,
+    text,
+)
+from service.config import Settings
+
+log = logging.getLogger(__name__)
+
+# KEYS: state. ARGV: started_at, worker
+START_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'queued' or st == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
+end
+return st
+"""
+
+# KEYS: state, stream. ARGV: group, old entry id, last error json, id, n
+RETRY_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'queued' or st == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'queued', 'last_error', ARGV[3])
+  redis.call('XADD', KEYS[2], '*', 'id', ARGV[4], 'n', ARGV[5])
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+return st
+"""
+
+# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL).
+ATTEMPT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+"""
+
+Entry = tuple[str, str, int]  # stream entry id, job id, samples
+
+
+def consumer_name(device: str = "cpu") -> str:
+    """Unique per process: host, pid, device and a random tail (pids repeat in containers)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{device}-{uuid.uuid4().hex[:6]}"
+
+
+class RedisJobSource:
+    """A :class:`service.broker.base.JobSource` over the Redis stream, for one worker process.
+
+    Call :meth:`start` to begin the heartbeat and claim keeper, :meth:`close` at the end.
+    :meth:`unreachable_for` tells the worker process how long Redis has been failing.
+    """
+
+    def __init__(self, settings: Settings, *, name: str | None = None) -> None:
+        if not settings.redis_url:
+            raise ValueError("RedisJobSource needs PSGRAD_REDIS_URL")
+        self.settings = settings
+        self.prefix = settings.redis_prefix
+        self.name = name or consumer_name(settings.device)
+        self.stream = keys.job_stream(self.prefix)
+        self.r = redis.Redis.from_url(settings.redis_url, **connection_kwargs(settings))
+        self._finish = self.r.register_script(FINISH_LUA)
+        self._start = self.r.register_script(START_LUA)
+        self._retry = self.r.register_script(RETRY_LUA)
+        self._attempt = self.r.register_script(ATTEMPT_LUA)
+        self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
+        self._held: set[str] = set()  # entry ids this worker holds (buffered or in a batch)
+        self._buffer: list[Entry] = []  # read but over the batch limits: next take starts here
+        self._lock = threading.Lock()
+        self._group_ready = False
+        self._autoclaim_at = 0.0
+        self._failing_since: float | None = None
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._keeper = threading.Thread(target=self._keep, name="psgrad-keeper", daemon=True)
+        self._keeper.start()
+
+    def close(self, *, deregister: bool = True) -> None:
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
+        if deregister:
+            try:
+                self.r.delete(keys.worker_heartbeat(self.prefix, self.name))
+                self.r.srem(keys.worker_names(self.prefix), self.name)
+            except RedisError:
+                pass
+        self.r.close()
+
+    def unreachable_for(self) -> float:
+        """Seconds since Redis last failed a call with none succeeding since; 0 when fine."""
+        since = self._failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def beat(self) -> None:
+        """Write the heartbeat that ``/readyz`` reads, and refresh the claim on held jobs."""
+        ttl = keys.heartbeat_ttl_s(self.settings.heartbeat_s)
+        with self._lock:
+            held: list[Any] = list(self._held)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
+        pipe.sadd(keys.worker_names(self.prefix), self.name)
+        if held:
+            pipe.xclaim(self.stream, keys.STREAM_GROUP, self.name, 0, held, justid=True)
+        pipe.execute()
+
+    def _keep(self) -> None:
+        period = max(0.05, min(self.settings.heartbeat_s,
+                               self.settings.visibility_timeout_s / 3))
+        while not self._stop.is_set():
+            self._call(self.beat)
+            self._stop.wait(period)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one Redis operation, recording whether Redis answers; None when it did not."""
+        try:
+            out = fn(*args, **kwargs)
+        except RedisError as exc:
+            if not redis_unavailable(exc):
+                raise
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                log.warning("Redis unavailable: %s", exc)
+            return None
+        if self._failing_since is not None:
+            log.warning("Redis is back")
+        self._failing_since = None
+        return out
+
+    # --- JobSource -------------------------------------------------------------------------
+
+    def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
+             block_s: float) -> list[Job]:
+        entries = self._call(self._gather, max_jobs, max_samples, max_delay_s, block_s)
+        if entries is None:
+            self._stop.wait(min(block_s, 0.5))  # Redis down: do not spin
+            return []
+        jobs = self._call(self._load, entries)
+        if jobs is None:  # entries stay pending here and are taken over after the timeout
+            self._release([e[0] for e in entries])
+            return []
+        return jobs
+
+    def started(self, jobs: list[Job]) -> None:
+        now = repr(time.time())
+        for job in jobs:
+            self._call(self._start, keys=[keys.job_state(self.prefix, job.id)],
+                       args=[now, self.name])
+
+    def succeed(self, job: Job, result: dict[str, Any]) -> None:
+        self._end(job, JobStatus.SUCCEEDED, encode_result(result), "")
+
+    def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
+        body = json.dumps(error)
+        entry = self._entries.get(job.id)
+        if retry and job.attempts < self.settings.max_attempts and entry is not None:
+            ok = self._persist(self._retry, keys=[keys.job_state(self.prefix, job.id),
+                                                  self.stream],
+                               args=[keys.STREAM_GROUP, entry[0], body, job.id, entry[2]])
+            if ok:
+                self._forget(job.id)
+            return
+        self._end(job, JobStatus.FAILED, b"", body)
+
+    def is_canceled(self, job_id: str) -> bool:
+        status = self._call(self.r.hget, keys.job_state(self.prefix, job_id), "status")
+        return status is not None and text(status) == JobStatus.CANCELED.value
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:  # from id 0: jobs queued before any worker existed are read too
+            self.r.xgroup_create(self.stream, keys.STREAM_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _read(self, count: int, block_ms: int) -> list[Entry]:
+        try:
+            reply: Any = self.r.xreadgroup(keys.STREAM_GROUP, self.name, {self.stream: ">"},
+                                           count=count, block=max(1, block_ms))
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_ready = False  # Redis lost its data (restart without persistence)
+            self._ensure_group()
+            return []
+        return [self._entry(eid, f) for _, msgs in reply or [] for eid, f in msgs if f]
+
+    @staticmethod
+    def _entry(eid: Any, fields: dict[Any, Any]) -> Entry:
+        f = {text(k): text(v) for k, v in fields.items()}
+        return text(eid), f.get("id", ""), int(f.get("n", "1"))
+
+    def _autoclaim(self, count: int) -> list[Entry]:
+        """Jobs pending longer than the visibility timeout (their worker died): ours now."""
+        now = time.monotonic()
+        vis = self.settings.visibility_timeout_s
+        if now < self._autoclaim_at:
+            return []
+        self._autoclaim_at = now + max(0.05, min(1.0, vis / 2))
+        reply: Any = self.r.xautoclaim(self.stream, keys.STREAM_GROUP, self.name,
+                                       int(vis * 1000), "0-0", count=count)
+        claimed = reply[1]
+        with self._lock:
+            held = set(self._held)
+        return [self._entry(eid, f) for eid, f in claimed
+                if f and text(eid) not in held]
+
+    def _gather(self, max_jobs: int, max_samples: int, max_delay_s: float,
+                block_s: float) -> list[Entry]:
+        self._ensure_group()
+        got = self._buffer
+        self._buffer = []
+        got += self._autoclaim(max_jobs)
+        if not got:
+            got = self._read(max_jobs, int(block_s * 1000))
+        if got:
+            until = time.monotonic() + max_delay_s
+            while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
+                   and (left := until - time.monotonic()) > 0):
+                more = self._read(max_jobs - len(got), int(left * 1000))
+                if not more:
+                    break
+                got += more
+        batch: list[Entry] = []
+        samples = 0
+        for i, entry in enumerate(got):  # at least one job, however large
+            if batch and (len(batch) >= max_jobs or samples + entry[2] > max_samples):
+                self._buffer = got[i:]
+                break
+            batch.append(entry)
+            samples += entry[2]
+        with self._lock:
+            self._held.update(e[0] for e in got)
+        return batch
+
+    def _load(self, entries: list[Entry]) -> list[Job]:
+        """Count the attempt, read state and payload; end poison, expired and canceled jobs."""
+        p = self.prefix
+        pipe = self.r.pipeline(transaction=False)
+        for _, job_id, _ in entries:
+            self._attempt(keys=[keys.job_state(p, job_id)], client=pipe)
+            pipe.hgetall(keys.job_state(p, job_id))
+            pipe.get(keys.job_payload(p, job_id))
+        replies = pipe.execute()
+        jobs: list[Job] = []
+        now = time.time()
+        for i, entry in enumerate(entries):
+            job_id = entry[1]
+            attempts, raw, payload = replies[3 * i : 3 * i + 3]
+            state = {text(k): text(v) for k, v in raw.items()}
+            self._entries[job_id] = entry
+            status = state.get("status")
+            if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
+                self._end_entry(job_id, JobStatus.FAILED, b"", "")  # canceled, done or expired
+                continue
+            if not payload:
+                gone = JobFailed("the job's request expired before a worker could take it")
+                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(gone.to_dict()))
+                continue
+            if int(attempts) > self.settings.max_attempts:
+                self._end_entry(job_id, JobStatus.FAILED, b"", self._poison(state, attempts))
+                continue
+            deadline = float(state.get("deadline", "inf"))
+            if deadline < now:
+                err = DeadlineExceeded("the job's deadline passed before a worker could take "
+                                       "it; it was not computed", waited_s=now - deadline)
+                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(err.to_dict()))
+                continue
+            try:
+                fields = fields_from_safetensors(payload, "request")
+            except PsgradError as exc:
+                bad = BadRequest(f"the stored request cannot be decoded: {exc.message}")
+                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(bad.to_dict()))
+                continue
+            jobs.append(Job(id=job_id, fields=fields, deadline=deadline,
+                            enqueued_at=float(state.get("enqueued_at", now)),
+                            attempts=int(attempts)))
+        return jobs
+
+    def _poison(self, state: dict[str, str], attempts: int) -> str:
+        if "last_error" in state:
+            return state["last_error"]
+        err = JobFailed(
+            f"the job was delivered {int(attempts) - 1} times and never finished (its worker "
+            f"died or stalled each time; PSGRAD_MAX_ATTEMPTS={self.settings.max_attempts}); "
+            "it is not retried", attempts=int(attempts) - 1,
+        )
+        return json.dumps(err.to_dict())
+
+    def _end(self, job: Job, status: JobStatus, result: bytes, error: str) -> None:
+        if self._end_entry(job.id, status, result, error):
+            return
+        log.error("job %s: could not store its end; it stays pending and is redone after "
+                  "the visibility timeout", job.id)
+
+    def _end_entry(self, job_id: str, status: JobStatus, result: bytes, error: str) -> bool:
+        p = self.prefix
+        entry = self._entries.get(job_id)
+        ok = self._persist(
+            self._finish,
+            keys=[keys.job_state(p, job_id), keys.job_result(p, job_id),
+                  keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
+            args=[keys.STREAM_GROUP, entry[0] if entry else "", status.value, result, error,
+                  repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
+        )
+        if ok:
+            self._forget(job_id)
+        return ok
+
+    def _persist(self, script: Any, **kwargs: Any) -> bool:
+        """Store an end, retrying through a short Redis blip (the result is worth keeping)."""
+        until = time.monotonic() + max(self.settings.redis_timeout_s * 3, 5.0)
+        while True:
+            self._call(script, **kwargs)
+            if self._failing_since is None:
+                return True
+            if time.monotonic() > until or self._stop.is_set():
+                return False
+            time.sleep(0.2)
+
+    def _forget(self, job_id: str) -> None:
+        entry = self._entries.pop(job_id, None)
+        if entry is not None:
+            self._release([entry[0]])
+
+    def _release(self, entry_ids: list[str]) -> None:
+        with self._lock:
+            self._held.difference_update(entry_ids)

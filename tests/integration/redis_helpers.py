@@ -1,0 +1,102 @@
+"""Shared by the Redis tests: a unique key prefix per test, its keys deleted after, own servers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+SHARED_URL = os.environ.get("PSGRAD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def redis_or_skip(url: str = SHARED_URL) -> redis.Redis:
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError:
+        pytest.skip(f"no Redis at {url}")
+    return client
+
+
+@contextlib.contextmanager
+def prefix_on(client: redis.Redis) -> Iterator[str]:
+    """A fresh key prefix; every key under it is deleted afterwards."""
+    prefix = f"psgrad-test-{uuid.uuid4().hex[:10]}"
+    try:
+        yield prefix
+    finally:
+        with contextlib.suppress(redis.RedisError):
+            doomed = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+            if doomed:
+                client.delete(*doomed)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OwnRedis:
+    """A private redis-server on a free port, to stop and restart without touching 6379."""
+
+    def __init__(self, tmp: Path) -> None:
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed")
+        self.port = free_port()
+        self.dir = tmp
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError("own redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def worker_process(settings_env: dict[str, str], device: str = "cpu",
+                   **popen: Any) -> subprocess.Popen[bytes]:
+    """``psgrad worker`` as a real process (through the module, so no PATH lookup)."""
+    env = {**os.environ, **settings_env, "THP_MEM_ALLOC_ENABLE": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.worker_process", "--device", device],
+        env=env, cwd=ROOT, **popen)
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,257 @@
+"""RedisBroker (api side) and RedisJobSource (worker side) against a real Redis, in one process.
+
+The worker side is driven by hand here, so each rule of the queue is checked on its own:
+results stored once and acknowledged, redelivery after the visibility timeout, poison jobs,
+deadlines, cancel, expiry, backpressure, and a Redis outage answered with 503 then recovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from redis_helpers import OwnRedis, prefix_on, redis_or_skip
+
+from psgrad._errors import Overloaded, UnknownJob
+from service import keys
+from service.broker.base import Job, JobStatus, new_job_id
+from service.broker.redis import RedisBroker
+from service.broker.redis_source import RedisJobSource
+from service.config import Settings
+
+
+@pytest.fixture
+def shared() -> Iterator[redis.Redis]:
+    client = redis_or_skip()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(shared: redis.Redis) -> Iterator[Settings]:
+    with prefix_on(shared) as prefix:
+        yield Settings(redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
+                       visibility_timeout_s=0.5, max_attempts=2, result_ttl_s=30,
+                       max_queue_depth=5, heartbeat_s=0.2)
+
+
+def job(n: int = 2, *, deadline_in: float = 60.0) -> Job:
+    fields: dict[str, Any] = {"model": "linear-value", "loss": "td0",
+                              "inputs": np.arange(3 * n, dtype=np.float32).reshape(n, 3),
+                              "weights": {"w": np.ones(3, dtype=np.float32)}}
+    return Job(id=new_job_id(), fields=fields, deadline=time.time() + deadline_in)
+
+
+def take_all(source: RedisJobSource, want: int = 10) -> list[Job]:
+    return source.take(max_jobs=want, max_samples=1000, max_delay_s=0.05, block_s=0.5)
+
+
+async def test_submit_take_succeed_wait(settings: Settings) -> None:
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w1")
+    try:
+        jobs = [job(n) for n in (1, 2, 3)]
+        for j in jobs:
+            await broker.submit(j)
+        assert await broker.queue_depth() == 3
+        assert (await broker.state(jobs[0].id)).status is JobStatus.QUEUED
+        taken = await asyncio.to_thread(take_all, source)
+        assert [t.id for t in taken] == [j.id for j in jobs]
+        assert taken[2].size == 3 and taken[0].attempts == 1
+        np.testing.assert_array_equal(taken[1].fields["inputs"], jobs[1].fields["inputs"])
+        assert taken[1].fields["weights"]["w"].tolist() == [1.0, 1.0, 1.0]
+        source.started(taken)
+        assert (await broker.state(jobs[0].id)).status is JobStatus.RUNNING
+
+        waiter = asyncio.create_task(broker.wait(jobs[0].id, timeout=10))
+        waiter2 = asyncio.create_task(broker.wait(jobs[0].id, timeout=10))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        result = {"losses": np.array([1.5], dtype=np.float32), "timing": {"compute_ms": 1.0}}
+        source.succeed(taken[0], result)
+        for w in (waiter, waiter2):  # both waiters wake: the token is handed on
+            state = await asyncio.wait_for(w, 5)
+            assert state.status is JobStatus.SUCCEEDED
+            assert state.result is not None
+            assert state.result["losses"].tolist() == [1.5]
+            assert state.result["timing"] == {"compute_ms": 1.0}
+        # a redelivered copy cannot answer again, differently
+        source._entries[taken[0].id] = ("0-1", taken[0].id, 1)
+        source.succeed(taken[0], {"losses": np.array([9.0], dtype=np.float32)})
+        again = await broker.state(jobs[0].id)
+        assert again.result is not None and again.result["losses"].tolist() == [1.5]
+
+        source.fail(taken[1], {"error": {"code": "invalid_input", "message": "no"}},
+                    retry=False)
+        failed = await broker.wait(taken[1].id, timeout=1)
+        assert failed.status is JobStatus.FAILED
+        assert failed.error == {"error": {"code": "invalid_input", "message": "no"}}
+        source.succeed(taken[2], {"losses": np.zeros(3, dtype=np.float32)})
+        # acknowledged and deleted: nothing pending, the stream is empty
+        assert await broker.queue_depth() == 0
+        assert source.r.xpending(source.stream, keys.STREAM_GROUP)["pending"] == 0
+        # payloads are dropped once a job ends
+        assert source.r.exists(keys.job_payload(settings.redis_prefix, jobs[0].id)) == 0
+    finally:
+        source.close()
+        await broker.close()
+
+
+async def test_dead_worker_jobs_are_redelivered_then_poison(settings: Settings) -> None:
+    broker = RedisBroker(settings)
+    dead = RedisJobSource(settings, name="dead")
+    alive = RedisJobSource(settings, name="alive")
+    try:
+        j = job()
+        await broker.submit(j)
+        assert [t.id for t in take_all(dead)] == [j.id]  # then "dies": never acks
+        assert take_all(alive) == []  # not yet: the claim is fresh
+        time.sleep(settings.visibility_timeout_s + 0.1)
+        again = take_all(alive)
+        assert [t.id for t in again] == [j.id] and again[0].attempts == 2
+        # alive dies too: max_attempts=2 is exhausted, so the third delivery ends it failed
+        time.sleep(settings.visibility_timeout_s + 0.1)
+        third = RedisJobSource(settings, name="third")
+        assert take_all(third) == []
+        third.close()
+        state = await broker.wait(j.id, timeout=2)
+        assert state.status is JobStatus.FAILED
+        assert state.error is not None and state.error["error"]["code"] == "job_failed"
+        assert "delivered 2 times" in state.error["error"]["message"]
+        assert await broker.queue_depth() == 0
+    finally:
+        dead.close()
+        alive.close()
+        await broker.close()
+
+
+async def test_claims_stay_fresh_while_a_batch_runs(settings: Settings) -> None:
+    broker = RedisBroker(settings)
+    busy = RedisJobSource(settings, name="busy")
+    other = RedisJobSource(settings, name="other")
+    busy.start()  # the keeper refreshes the claim of held jobs
+    try:
+        j = job()
+        await broker.submit(j)
+        taken = take_all(busy)
+        busy.started(taken)
+        time.sleep(3 * settings.visibility_timeout_s)  # a long batch
+        assert take_all(other) == []
+        busy.succeed(taken[0], {"norms": np.ones(2, dtype=np.float32)})
+        assert (await broker.state(j.id)).status is JobStatus.SUCCEEDED
+        assert await broker.ready()  # the keeper's heartbeat
+    finally:
+        busy.close()
+        other.close()
+        await broker.close()
+    assert not await _ready_after_close(settings)
+
+
+async def _ready_after_close(settings: Settings) -> bool:
+    broker = RedisBroker(settings)
+    try:
+        return await broker.ready()
+    finally:
+        await broker.close()
+
+
+async def test_retry_poison_deadline_cancel(settings: Settings) -> None:
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        poison, late, canceled, fine = job(), job(deadline_in=0.2), job(), job()
+        for j in (poison, late, canceled, fine):
+            await broker.submit(j)
+        assert (await broker.cancel(canceled.id)).status is JobStatus.CANCELED
+        time.sleep(0.3)
+        taken = take_all(source)
+        assert [t.id for t in taken] == [poison.id, fine.id]  # late and canceled not handed out
+        late_state = await broker.state(late.id)
+        assert late_state.status is JobStatus.FAILED and late_state.error is not None
+        assert late_state.error["error"]["code"] == "deadline_exceeded"
+        assert (await broker.state(canceled.id)).status is JobStatus.CANCELED
+
+        err = {"error": {"code": "internal_error", "message": "boom", "details": {}}}
+        source.fail(taken[0], err, retry=True)  # transient: delivered again at once
+        assert (await broker.state(poison.id)).status is JobStatus.QUEUED
+        retaken = take_all(source)
+        assert [t.id for t in retaken] == [poison.id] and retaken[0].attempts == 2
+        source.fail(retaken[0], err, retry=True)  # attempts exhausted: ends failed with it
+        final = await broker.state(poison.id)
+        assert final.status is JobStatus.FAILED and final.error == err
+
+        # cancel while running: the result is dropped, the job stays canceled
+        source.started([taken[1]])
+        assert (await broker.cancel(fine.id)).status is JobStatus.CANCELED
+        assert source.is_canceled(fine.id)
+        source.succeed(taken[1], {"norms": np.ones(2, dtype=np.float32)})
+        assert (await broker.state(fine.id)).status is JobStatus.CANCELED
+        assert await broker.queue_depth() == 0
+        with pytest.raises(UnknownJob):
+            await broker.cancel("nope")
+    finally:
+        source.close()
+        await broker.close()
+
+
+async def test_full_queue_and_expiry(settings: Settings) -> None:
+    broker = RedisBroker(settings.model_copy(update={"result_ttl_s": 1}))
+    source = RedisJobSource(settings.model_copy(update={"result_ttl_s": 1}), name="w")
+    try:
+        jobs = [job() for _ in range(settings.max_queue_depth)]
+        for j in jobs:
+            await broker.submit(j)
+        with pytest.raises(Overloaded) as info:
+            await broker.submit(job())
+        assert info.value.retry_after > 0
+        taken = take_all(source, want=1)
+        source.succeed(taken[0], {"norms": np.ones(2, dtype=np.float32)})
+        await broker.submit(job())  # room again
+        assert (await broker.state(jobs[0].id)).status is JobStatus.SUCCEEDED
+        time.sleep(2.2)
+        with pytest.raises(UnknownJob):
+            await broker.state(jobs[0].id)
+    finally:
+        source.close()
+        await broker.close()
+
+
+async def test_redis_outage_gives_503_then_recovers(tmp_path: Path) -> None:
+    own = OwnRedis(tmp_path)
+    own.start()
+    settings = Settings(redis_url=own.url, redis_prefix="outage", redis_timeout_s=0.5,
+                        heartbeat_s=0.2)
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        await broker.submit(job())
+        own.kill()
+        for call in (broker.submit(job()), broker.state("x"), broker.queue_depth(),
+                     broker.wait("x", 1.0), broker.cancel("x")):
+            started = time.monotonic()
+            with pytest.raises(Overloaded):
+                await call
+            assert time.monotonic() - started < 5  # an answer, not a hang
+        assert not await broker.ready()
+        assert take_all(source) == []
+        assert source.unreachable_for() > 0
+        own.start()  # empty: the restarted server lost everything (no persistence)
+        j = job()
+        await broker.submit(j)
+        source.beat()
+        assert await broker.ready()
+        taken = take_all(source)  # the consumer group is recreated from the stream's start
+        assert [t.id for t in taken] == [j.id]
+        assert source.unreachable_for() == 0
+        source.succeed(taken[0], {"norms": np.ones(2, dtype=np.float32)})
+        assert (await broker.wait(j.id, 2)).status is JobStatus.SUCCEEDED
+    finally:
+        source.close()
+        await broker.close()
+        own.kill()
