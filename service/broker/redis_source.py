@@ -51,7 +51,8 @@ return st
 RETRY_LUA = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'queued' or st == 'running' then
-  redis.call('HSET', KEYS[1], 'status', 'queued', 'last_error', ARGV[3])
+  redis.call('HSET', KEYS[1], 'status', 'queued')
+  if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[3]) end
   redis.call('XADD', KEYS[2], '*', 'id', ARGV[4], 'n', ARGV[5])
 end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
@@ -119,6 +120,15 @@ class RedisJobSource:
             except RedisError:
                 pass
         self.r.close()
+
+    def requeue_buffered(self) -> None:
+        """Hand back jobs read but not started (on shutdown): queued again at once, not after
+        the visibility timeout. Their delivery was not counted as an attempt."""
+        buffered, self._buffer = self._buffer, []
+        for entry_id, job_id, n in buffered:
+            self._call(self._retry, keys=[keys.job_state(self.prefix, job_id), self.stream],
+                       args=[keys.STREAM_GROUP, entry_id, "", job_id, n])
+            self._release([entry_id])
 
     def unreachable_for(self) -> float:
         """Seconds since Redis last failed a call with none succeeding since; 0 when fine."""

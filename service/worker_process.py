@@ -1,0 +1,83 @@
+"""``psgrad worker``: one process per device, taking jobs from Redis and running the batching loop.
+
+The loop (:mod:`service.worker`) runs in a thread; the main thread owns the signals and watches
+Redis. SIGTERM (or SIGINT) stops taking jobs, finishes and acknowledges the batch in hand, hands
+back jobs read but not started, and exits 0. A worker that cannot reach Redis for
+``PSGRAD_WORKER_REDIS_GRACE_S`` exits 1, so its supervisor (Docker, systemd, Kubernetes)
+restarts it. This process starts no children; one that did would use the ``spawn`` start
+method (CUDA cannot be forked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from service.broker.redis_source import RedisJobSource, consumer_name
+from service.config import Settings, get_settings
+from service.registry import make_registry
+from service.worker import Worker
+
+log = logging.getLogger("psgrad.worker")
+
+EXIT_OK = 0
+EXIT_REDIS_LOST = 1
+EXIT_CONFIG = 2
+
+
+def worker(device: str = "auto", settings: Settings | None = None) -> int:
+    """Run one worker on ``device`` until SIGTERM; the exit code tells the supervisor why."""
+    settings = (settings or get_settings()).model_copy(update={"device": device})
+    if not settings.redis_url:
+        log.error("psgrad worker needs PSGRAD_REDIS_URL (the api and the workers share a Redis)")
+        return EXIT_CONFIG
+    registry = make_registry(settings)
+    source = RedisJobSource(settings, name=consumer_name(str(registry.device)))
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s: finishing the batch in hand, then exiting", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    loop = threading.Thread(target=Worker(source, registry, settings).run, args=(stop,),
+                            name="psgrad-worker-loop")
+    source.start()
+    loop.start()
+    log.info("worker %s on %s, Redis prefix %r", source.name, registry.device,
+             settings.redis_prefix)
+    code = EXIT_OK
+    while loop.is_alive():
+        if stop.wait(0.5):
+            break
+        if source.unreachable_for() > settings.worker_redis_grace_s:
+            log.error("Redis unreachable for %.0f s: exiting so that the supervisor restarts "
+                      "this worker", source.unreachable_for())
+            code = EXIT_REDIS_LOST
+            stop.set()
+    loop.join()
+    source.requeue_buffered()
+    source.close()
+    registry.store.close()
+    log.info("worker %s stopped (exit %d)", source.name, code)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="psgrad worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="auto",
+                        help="cuda:0, cuda, cpu or auto (CUDA when available); one per process")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return worker(args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
