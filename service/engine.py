@@ -65,6 +65,7 @@ PerSampleFn = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
 _FN_CACHE: OrderedDict[tuple[Any, ...], PerSampleFn] = OrderedDict()
 _FN_CACHE_SIZE = 64
 _FN_LOCK = threading.Lock()
+FN_CACHE_STATS = {"hits": 0, "misses": 0}  # read by the api's /metrics
 
 
 def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
@@ -77,8 +78,10 @@ def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSample
            model.dtype, loss_name, gamma, model.route)
     with _FN_LOCK:
         if key in _FN_CACHE:
+            FN_CACHE_STATS["hits"] += 1
             _FN_CACHE.move_to_end(key)
             return _FN_CACHE[key]
+        FN_CACHE_STATS["misses"] += 1
     loss = get_loss(loss_name)
     module = model.module
 

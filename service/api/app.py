@@ -1,0 +1,71 @@
+"""``create_app()``: the FastAPI app, its routers, error handling, metrics and lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service.api import errors
+from service.api.deps import AppState
+from service.api.docs import install_docs, install_openapi
+from service.api.metrics import Metrics, MetricsMiddleware
+from service.api.routes import grads, jobs, models, ops
+from service.broker import make_broker
+from service.broker.base import Broker
+from service.config import Settings, get_settings
+from service.model_store import make_store
+from service.registry import ModelRegistry, resolve_device
+
+log = logging.getLogger("psgrad.api")
+
+DESCRIPTION = """Per-sample gradients as a service. POST a batch to `/per-sample-grads` (JSON or
+safetensors) and get each sample's gradient, or statistics of them (norms, mean, variance,
+DP-SGD clipped mean, dot products, TD(0) updates). Errors are
+`{"error": {"code", "message", "details"}}`."""
+
+
+def create_app(
+    settings: Settings | None = None,
+    broker: Broker | None = None,
+    *,
+    registry: ModelRegistry | None = None,
+) -> FastAPI:
+    """The api; without ``broker`` it makes one from the settings (embedded without Redis)."""
+    settings = settings or get_settings()
+    metrics = Metrics()
+    registry = (
+        registry
+        or getattr(broker, "registry", None)
+        or ModelRegistry(resolve_device(settings.device), store=make_store(settings))
+    )
+    broker = broker or make_broker(settings, registry=registry, observer=metrics)
+    state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await state.broker.start()
+        try:
+            yield
+        finally:
+            await state.broker.close()
+
+    app = FastAPI(
+        title="psgrad",
+        version="1",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.psgrad = state
+    errors.install(app)
+    app.add_middleware(errors.CatchAllMiddleware)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    for router in (grads.router, jobs.router, models.router, ops.router):
+        app.include_router(router)
+    install_docs(app)
+    install_openapi(app)
+    return app

@@ -1,0 +1,151 @@
+"""Reading requests and writing answers: size limits, content negotiation, decoding off the loop.
+
+A body is streamed and refused as soon as it passes ``PSGRAD_MAX_BODY_BYTES`` (or before reading
+when ``Content-Length`` already says so). JSON and safetensors decode in a thread when large, so
+the event loop never parses a 300 MB body. Answers are JSON by default and safetensors when the
+client's ``Accept`` names ``application/x-safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+from fastapi import Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from psgrad._errors import BadRequest, TooLarge
+from psgrad._wire import (
+    JSON,
+    REQUEST_KEY,
+    RESPONSE_KEY,
+    SAFETENSORS,
+    fields_from_safetensors,
+    fields_to_json,
+    fields_to_safetensors,
+)
+from service.config import Settings
+from service.validate import decode_json_body
+
+INLINE_BYTES = 64 * 1024  # smaller bodies decode on the loop (a thread hop costs more)
+
+
+def media_type(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit, at_least=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, *, at_least: bool = False) -> TooLarge:
+    return TooLarge(
+        f"the body is {'more than ' if at_least else ''}{size} bytes; the limit is {limit} "
+        "(PSGRAD_MAX_BODY_BYTES): send smaller batches, or the binary safetensors form instead "
+        "of JSON lists",
+        limit=limit,
+        size=size,
+    )
+
+
+async def decode_request(request: Request, settings: Settings) -> dict[str, Any]:
+    """The request fields (JSON values and numpy arrays) from a JSON or safetensors body."""
+    ctype = media_type(request.headers.get("content-type"))
+    if ctype not in (JSON, SAFETENSORS):
+        raise BadRequest(
+            f"unsupported Content-Type {ctype or '(none)'!r}: send {JSON} or {SAFETENSORS}",
+            content_type=ctype,
+            accepted=[JSON, SAFETENSORS],
+        )
+    body = await read_body(request, settings.max_body_bytes)
+    decode = _decode_safetensors if ctype == SAFETENSORS else _decode_json
+    if len(body) > INLINE_BYTES:
+        fields: dict[str, Any] = await run_in_threadpool(decode, body, settings)
+    else:
+        fields = decode(body, settings)
+    inputs = fields.get("inputs")
+    if isinstance(inputs, np.ndarray) and inputs.ndim and inputs.shape[0] > settings.max_batch_size:
+        raise TooLarge(
+            f"the batch has {inputs.shape[0]} samples; the limit is {settings.max_batch_size} "
+            "(PSGRAD_MAX_BATCH_SIZE): split it into smaller batches (the SDK does this for you)",
+            limit=settings.max_batch_size,
+            size=int(inputs.shape[0]),
+        )
+    return fields
+
+
+def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
+    return decode_json_body(obj, max_elements=settings.max_elements)
+
+
+def _decode_safetensors(body: bytes, settings: Settings) -> dict[str, Any]:
+    fields = fields_from_safetensors(body, REQUEST_KEY)
+    for name, value in fields.items():
+        arrays = value.values() if isinstance(value, dict) else [value]
+        for arr in arrays:
+            if isinstance(arr, np.ndarray) and arr.size > settings.max_elements:
+                raise TooLarge(
+                    f"tensor '{name}' has {arr.size} elements; the limit is "
+                    f"{settings.max_elements}",
+                    limit=settings.max_elements,
+                )
+    return fields
+
+
+def wants_safetensors(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return any(media_type(part) == SAFETENSORS for part in accept.split(","))
+
+
+async def encode_result(
+    request: Request,
+    result: dict[str, Any],
+    *,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """The answer in the form the client accepts (encoded in a thread: it may be 300 MB)."""
+    if wants_safetensors(request):
+        data = await run_in_threadpool(fields_to_safetensors, result, RESPONSE_KEY)
+        return Response(data, status_code=status, media_type=SAFETENSORS, headers=headers)
+    data = await run_in_threadpool(json_bytes, result)
+    return Response(data, status_code=status, media_type=JSON, headers=headers)
+
+
+def json_bytes(fields: dict[str, Any]) -> bytes:
+    """JSON with tensors as nested lists; NaN and infinity become null (JSON has neither)."""
+    return dumps(fields_to_json(fields))
+
+
+def dumps(doc: Any) -> bytes:
+    try:
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        return json.dumps(_finite(doc), allow_nan=False, separators=(",", ":")).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,108 @@
+"""One place where errors become the JSON error body; no traceback ever reaches a client.
+
+:class:`psgrad.PsgradError` carries its code and status; FastAPI's validation errors and
+Starlette's HTTP errors (unknown route, wrong method) are mapped to the same body; anything
+unexpected is logged here and answered as ``internal_error`` by :class:`CatchAllMiddleware`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from psgrad._errors import Overloaded, PsgradError, Unauthorized
+
+log = logging.getLogger("psgrad.api")
+
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    413: "too_large",
+    415: "unsupported_media_type",
+}
+
+
+def error_response(exc: PsgradError) -> JSONResponse:
+    headers: dict[str, str] = {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    if isinstance(exc, Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(jsonable_encoder(exc.to_dict()), status_code=exc.status, headers=headers)
+
+
+def body(code: str, message: str, **details: Any) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "details": details}}
+
+
+async def _psgrad(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, PsgradError)
+    return error_response(exc)
+
+
+async def _validation(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
+    text = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems[:5])
+    return JSONResponse(
+        body("invalid_input", f"the request is invalid: {text}", errors=problems), status_code=422
+    )
+
+
+async def _http(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "error")
+    return JSONResponse(
+        body(code, str(exc.detail)),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(PsgradError, _psgrad)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+
+
+class CatchAllMiddleware:
+    """Answers an unexpected exception with ``internal_error`` (logged with its traceback here)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            response = JSONResponse(
+                body(
+                    "internal_error",
+                    "the server failed unexpectedly; the error is logged on the server",
+                ),
+                status_code=500,
+            )
+            await response(scope, receive, send)

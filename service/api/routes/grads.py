@@ -1,0 +1,92 @@
+"""``POST /per-sample-grads``: enqueue, wait for the worker, answer in JSON or safetensors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
+from psgrad._wire import JSON, SAFETENSORS
+from service.api.body import decode_request, encode_result
+from service.api.deps import ApiKey, StateDep
+from service.api.docs import schema_ref
+from service.api.schemas import GradsRequest, GradsResponse, errors
+from service.broker.base import Job, JobStatus, new_job_id
+
+router = APIRouter(tags=["per-sample gradients"], dependencies=[ApiKey])
+
+REQUEST_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "JSON, or a safetensors file with the tensor fields as tensors and the "
+        "other fields as JSON in the metadata key 'request'",
+        "content": {
+            JSON: {"schema": schema_ref(GradsRequest)},
+            SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": GradsResponse,
+        "description": "the requested outputs; a safetensors file "
+        "when Accept names application/x-safetensors",
+        "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
+    },
+    **errors(400, 401, 404, 413, 422, 503, 504),
+}
+
+
+async def new_job(request: Request, state: StateDep) -> Job:
+    """Decode the body and enqueue it; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S`` from now."""
+    fields = await decode_request(request, state.settings)
+    job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s)
+    await state.broker.submit(job)
+    return job
+
+
+@router.post(
+    "/per-sample-grads",
+    response_model=None,
+    openapi_extra=REQUEST_BODY,
+    responses=RESPONSES,
+    summary="Per-sample gradients and their statistics",
+)
+async def per_sample_grads(request: Request, state: StateDep) -> Response:
+    """Compute the requested outputs for one batch and wait for them.
+
+    The job joins the queue and may be computed together with other clients' jobs that share
+    its model, loss and options; its answer is exactly its own. Past the deadline
+    (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504.
+    """
+    job = await new_job(request, state)
+    broker = state.broker
+    done = False
+    try:
+        st = await broker.wait(job.id, max(0.0, job.deadline - time.time()))
+        done = st.status.done
+        if not done:
+            raise DeadlineExceeded(
+                f"no answer within {state.settings.request_timeout_s:g} s "
+                "(PSGRAD_REQUEST_TIMEOUT_S); the job was canceled: send smaller batches, or use "
+                "POST /jobs and poll GET /jobs/{id}",
+                timeout_s=state.settings.request_timeout_s,
+            )
+        if st.status is JobStatus.FAILED:
+            raise error_from_body(st.error, 500)
+        if st.status is JobStatus.CANCELED or st.result is None:
+            raise JobCanceled(f"job {job.id} was canceled")
+        return await encode_result(request, st.result)
+    finally:
+        if not done:
+            await asyncio.shield(_cancel_quietly(state, job.id))
+        await asyncio.shield(broker.forget(job.id))
+
+
+async def _cancel_quietly(state: StateDep, job_id: str) -> None:
+    with contextlib.suppress(Exception):  # the broker may be gone; the deadline stops the job
+        await state.broker.cancel(job_id)

@@ -1,0 +1,189 @@
+"""Pydantic models of the JSON bodies: they document the api in OpenAPI.
+
+Requests are parsed by :mod:`service.api.body` (JSON or safetensors, size-limited, decoded off the
+event loop) and checked by :mod:`service.validate`; these models describe the same fields so that
+``/docs`` and ``/openapi.json`` show every field with its meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DTYPE = Literal["float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+
+
+class TensorB64(BaseModel):
+    """A tensor as base64 of its little-endian row-major bytes (compact; exact for floats)."""
+
+    model_config = ConfigDict(extra="forbid")
+    dtype: DTYPE = Field(description="element type")
+    shape: list[int] = Field(description="dimensions, first the batch dimension B where it has one")
+    data: str = Field(
+        description="base64 of the little-endian row-major bytes (prod(shape) * itemsize)"
+    )
+
+
+Tensor = list[Any] | TensorB64 | float | int
+TENSOR_DOC = "a tensor: nested lists of numbers, or {dtype, shape, data} with base64 data"
+
+
+class GradsRequest(BaseModel):
+    """The body of ``POST /per-sample-grads`` and ``POST /jobs`` (JSON form).
+
+    The safetensors form (``Content-Type: application/x-safetensors``) carries the tensor fields as
+    tensors (``inputs``, ``targets``, ``next_inputs``, ``rewards``, ``dones``,
+    ``weights/<param>``, ``reference/<param>``) and the other fields as JSON in the metadata key
+    ``request``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(
+        description="a model id (see GET /models), or 'id@version'", examples=["mlp"]
+    )
+    inputs: Tensor = Field(description=f"the batch, first dimension B; {TENSOR_DOC}")
+    targets: Tensor | None = Field(
+        None, description="labels (class indices) or regression targets, first dimension B"
+    )
+    loss: str | None = Field(
+        None, description="cross_entropy, nll, mse or td0; default: the model's default loss"
+    )
+    outputs: list[str] | None = Field(
+        None,
+        description="what to return (default ['grads']): grads, losses, norms, layer_norms, mean, "
+        "variance, clipped_mean, dot, cosine_mean, td_errors, updates",
+    )
+    params: list[str] | None = Field(
+        None, description="restrict every output to these parameters (names as in GET /models/{id})"
+    )
+    weights: dict[str, Tensor] | None = Field(
+        None, description="{param: tensor}: parameter values to use for this call only"
+    )
+    clip_norm: float | None = Field(
+        None, description="clipped_mean: per-sample clipping norm (> 0)"
+    )
+    noise_multiplier: float | None = Field(
+        None, description="clipped_mean: Gaussian noise std as a multiple of clip_norm (>= 0)"
+    )
+    seed: int | None = Field(None, description="clipped_mean: noise seed (echoed in meta)")
+    reference: dict[str, Tensor] | None = Field(
+        None, description="{param: tensor} for the outputs dot and cosine_reference"
+    )
+    next_inputs: Tensor | None = Field(None, description="td0: next states s', first dimension B")
+    rewards: Tensor | None = Field(None, description="td0: rewards r, shape [B]")
+    dones: Tensor | None = Field(None, description="td0: 1 where the episode ended, shape [B]")
+    gamma: float | None = Field(None, description="td0: discount (default 1.0)")
+
+
+class Timing(BaseModel):
+    queue_ms: float = Field(description="time the job waited in the queue")
+    compute_ms: float = Field(
+        description="time of the engine call that computed it (shared by the jobs batched with it)"
+    )
+
+
+class GradsResponse(BaseModel):
+    """The JSON answer; with ``Accept: application/x-safetensors`` the tensors are named
+    ``grads/<param>``, ``norms``, ``layer_norms/<param>``, ``mean/<param>``, ... and the other
+    fields are JSON in the metadata key ``response``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(description="the model version that computed it: 'id@version'")
+    batch_size: int = Field(description="B, the number of samples")
+    loss: str = Field(description="the loss used")
+    grads: dict[str, Tensor] | None = Field(None, description="{param: [B, *shape]}")
+    losses: Tensor | None = Field(None, description="[B] per-sample loss")
+    norms: Tensor | None = Field(None, description="[B] L2 norm of each sample's gradient")
+    layer_norms: dict[str, Tensor] | None = Field(None, description="{param: [B]}")
+    mean: dict[str, Tensor] | None = Field(None, description="{param: shape} mean gradient")
+    variance: dict[str, Tensor] | None = Field(None, description="{param: shape} variance (1/B)")
+    clipped_mean: dict[str, Tensor] | None = Field(None, description="{param: shape} DP-SGD sum")
+    dot: Tensor | None = Field(None, description="[B] dot product with 'reference'")
+    cosine_mean: Tensor | None = Field(None, description="[B] cosine with the batch mean gradient")
+    td_errors: Tensor | None = Field(None, description="td0: [B] TD errors delta")
+    updates: dict[str, Tensor] | None = Field(None, description="td0: {param: [B, *shape]}")
+    timing: Timing
+    meta: dict[str, Any] = Field(
+        description="how it was computed: route, chunk_size, "
+        "batch_jobs and batch_samples of the engine call, seed"
+    )
+
+
+class ErrorInfo(BaseModel):
+    code: str = Field(description="snake_case error code, e.g. unknown_model, too_large")
+    message: str = Field(description="what is wrong and what to do")
+    details: dict[str, Any] = Field(description="facts for programs: limits, known names, ...")
+
+
+class ErrorBody(BaseModel):
+    """Every error answer."""
+
+    error: ErrorInfo
+
+
+JobStatusName = Literal["queued", "running", "succeeded", "failed", "canceled"]
+
+
+class JobCreated(BaseModel):
+    job_id: str = Field(description="poll GET /jobs/{job_id}")
+    status: JobStatusName
+
+
+class JobView(BaseModel):
+    job_id: str
+    status: JobStatusName
+    enqueued_at: float | None = Field(None, description="epoch seconds")
+    finished_at: float | None = Field(None, description="epoch seconds")
+    result: GradsResponse | None = Field(None, description="once succeeded")
+    error: ErrorInfo | None = Field(None, description="once failed")
+
+
+class TensorInfo(BaseModel):
+    shape: list[int]
+    dtype: str
+
+
+class ModelDoc(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    version: str = Field(description="content digest of architecture, config and weights")
+    architecture: str
+    config: dict[str, Any]
+    default_loss: str
+    losses: list[str]
+    input: dict[str, Any] = Field(description="per-sample input: {shape, dtype}")
+    parameters: dict[str, TensorInfo] = Field(description="in the module's own order")
+    versions: list[str] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    models: list[ModelDoc]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    ready: bool
+    broker: str
+    queue_depth: int | None = None
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in {
+        400: "malformed body, wrong content type, bad base64, ragged lists, ...",
+        401: "missing or invalid API key",
+        404: "unknown model or job",
+        413: "body, batch or result too large (the message says the limit)",
+        422: "the request cannot be computed (shapes, dtypes, losses, outputs, ...)",
+        503: "queue full or broker down: retry after the Retry-After header",
+        504: "the deadline passed",
+    }.items()
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: ERRORS[c] for c in codes}
