@@ -161,6 +161,12 @@ class ModelList(BaseModel):
     models: list[ModelDoc]
 
 
+class ModelDeleted(BaseModel):
+    id: str
+    deleted: list[str] = Field(description="the versions removed")
+    versions: list[str] = Field(description="the versions that remain, oldest first")
+
+
 class Health(BaseModel):
     status: str
 
@@ -176,7 +182,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     for code, text in {
         400: "malformed body, wrong content type, bad base64, ragged lists, ...",
         401: "missing or invalid API key",
+        403: "an admin key is needed (registering and deleting models)",
         404: "unknown model or job",
+        409: "conflict: e.g. a zoo model name used as a registered id",
         413: "body, batch or result too large (the message says the limit)",
         422: "the request cannot be computed (shapes, dtypes, losses, outputs, ...)",
         503: "queue full or broker down: retry after the Retry-After header",

@@ -1,17 +1,19 @@
-"""``/models``: list, describe, and download weights (F adds registration and deletion here)."""
+"""``/models``: list, describe, download weights; register, replace weights and delete (admin)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from psgrad._errors import PsgradError
-from psgrad._wire import SAFETENSORS
-from service.api.deps import ApiKey, RegistryDep
-from service.api.schemas import ModelDoc, ModelList, errors
-from service.registration import export_weights
+from psgrad._errors import BadRequest, PsgradError
+from psgrad._wire import JSON, SAFETENSORS
+from service.api.body import media_type, read_body
+from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
+from service.api.schemas import ModelDeleted, ModelDoc, ModelList, errors
+from service.registration import Limits, delete, export_weights, register, replace_weights
 from service.registry import ModelRegistry
 
 router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
@@ -68,3 +70,89 @@ async def get_weights(model_id: str, registry: RegistryDep) -> Response:
             "Content-Disposition": f'attachment; filename="{ref.replace("@", "-")}.safetensors"',
         },
     )
+
+
+REGISTER_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "{architecture: <zoo name>, config: {...}} or {architecture: 'sequential', "
+        "layers: [{type, args, kwargs}], input: {shape, dtype}, default_loss, losses}; optional "
+        "weights: {param: tensor} (README: Bring your own model)",
+        "content": {JSON: {"schema": {"type": "object"}}},
+    }
+}
+WEIGHTS_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "a safetensors file of every parameter and buffer (never a pickle)",
+        "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+def _registered(registry: ModelRegistry, model: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = registry.describe(model.ref)
+    return doc
+
+
+@router.put(
+    "/{model_id}",
+    response_model=ModelDoc,
+    dependencies=[AdminKey],
+    responses=errors(400, 401, 403, 409, 413, 422),
+    openapi_extra=REGISTER_BODY,
+    summary="Register a model: a new version of id (admin)",
+)
+async def put_model(model_id: str, request: Request, registry: RegistryDep,
+                    settings: SettingsDep) -> dict[str, Any]:
+    """Built on the meta device, held to the limits, then built and run on an example batch."""
+    if media_type(request.headers.get("content-type")) != JSON:
+        raise BadRequest(f"send the spec as {JSON}; weights alone go to PUT "
+                         f"/models/{model_id}/weights as {SAFETENSORS}")
+    raw = await read_body(request, settings.max_body_bytes)
+
+    def run() -> dict[str, Any]:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
+        model = register(registry, model_id, body, Limits.from_settings(settings))
+        return _registered(registry, model)
+
+    return await run_in_threadpool(run)
+
+
+@router.put(
+    "/{model_id}/weights",
+    response_model=ModelDoc,
+    dependencies=[AdminKey],
+    responses=errors(400, 401, 403, 404, 409, 413, 422),
+    openapi_extra=WEIGHTS_BODY,
+    summary="New weights for id: a new version (admin)",
+)
+async def put_weights(model_id: str, request: Request, registry: RegistryDep,
+                      settings: SettingsDep) -> dict[str, Any]:
+    """Names, shapes and dtypes must match the newest version's architecture; finite only."""
+    if media_type(request.headers.get("content-type")) not in (SAFETENSORS,
+                                                               "application/octet-stream"):
+        raise BadRequest(f"send the weights as {SAFETENSORS} (a safetensors file)")
+    raw = await read_body(request, settings.max_weight_bytes + (1 << 20))
+
+    def run() -> dict[str, Any]:
+        model = replace_weights(registry, model_id, raw, Limits.from_settings(settings))
+        return _registered(registry, model)
+
+    return await run_in_threadpool(run)
+
+
+@router.delete(
+    "/{model_id}",
+    response_model=ModelDeleted,
+    dependencies=[AdminKey],
+    responses=errors(400, 401, 403, 404, 409),
+    summary="Delete id (every version) or id@version (admin)",
+)
+async def delete_model(model_id: str, registry: RegistryDep) -> dict[str, Any]:
+    """Deleted versions answer 404 at once, in every process that shares the store."""
+    gone: dict[str, Any] = await run_in_threadpool(delete, registry, model_id)
+    return gone
