@@ -16,8 +16,7 @@ from service.api.routes import grads, jobs, models, ops
 from service.broker import make_broker
 from service.broker.base import Broker
 from service.config import Settings, get_settings
-from service.model_store import make_store
-from service.registry import ModelRegistry, resolve_device
+from service.registry import ModelRegistry, make_registry
 
 log = logging.getLogger("psgrad.api")
 
@@ -36,11 +35,7 @@ def create_app(
     """The api; without ``broker`` it makes one from the settings (embedded without Redis)."""
     settings = settings or get_settings()
     metrics = Metrics()
-    registry = (
-        registry
-        or getattr(broker, "registry", None)
-        or ModelRegistry(resolve_device(settings.device), store=make_store(settings))
-    )
+    registry = registry or getattr(broker, "registry", None) or make_registry(settings)
     broker = broker or make_broker(settings, registry=registry, observer=metrics)
     state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics)
 
