@@ -16,6 +16,7 @@ class Settings(BaseSettings):
     memory_budget_mb: int = 1024
     fast_stats: bool = True
     compile: bool = False
+    compile_secret: str = ""  # workers only: enables sharing compiled artifacts via Redis
     model_dir: str | None = None
 
     max_body_bytes: int = 512 * 1024 * 1024

@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -23,6 +23,9 @@ from torch.func import functional_call, grad_and_value, vmap
 from service.losses import get_loss
 from service.outputs import OUTPUTS
 from service.registry import LoadedModel
+
+if TYPE_CHECKING:
+    from service.compile_cache import CompiledFunctions
 
 Tensors = dict[str, torch.Tensor]
 SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
@@ -128,9 +131,13 @@ def chunk_size(model: LoadedModel, selected: Sequence[str], batch: int, budget_b
 
 
 def compute(model: LoadedModel, batch: Batch, opts: Options,
-            segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30
-            ) -> list[dict[str, Any]]:
-    """Every requested output, for each segment of the batch (one segment per job)."""
+            segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30,
+            compiled: CompiledFunctions | None = None) -> list[dict[str, Any]]:
+    """Every requested output, for each segment of the batch (one segment per job).
+
+    With ``compiled`` (``PSGRAD_COMPILE=1``) the per-sample function runs under torch.compile
+    in padded pieces of preferred sizes (:mod:`service.compile_cache`); results are the same.
+    """
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
         raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
@@ -141,6 +148,8 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     samples = {k: v.to(device) for k, v in batch.samples().items()}
     reference = {k: v.to(device, model.dtype) for k, v in batch.reference.items()}
     fn = per_sample_fn(model, opts.loss, opts.gamma)
+    if compiled is not None:
+        fn = compiled.wrap(fn, model, opts.loss, opts.gamma)
     chunk = chunk_size(model, opts.params, batch.size, budget_bytes)
 
     def chunks() -> Any:
