@@ -22,6 +22,7 @@ import torch
 from psgrad._errors import DeadlineExceeded, InternalError, JobCanceled, PsgradError, TooLarge
 from service import engine
 from service.broker.base import Job, JobSource
+from service.compile_cache import CompiledFunctions
 from service.config import Settings
 from service.registry import ModelRegistry
 from service.validate import ParsedRequest, parse_request
@@ -56,7 +57,9 @@ class Worker:
         registry: ModelRegistry,
         settings: Settings,
         observer: WorkerObserver | None = None,
+        compiled: CompiledFunctions | None = None,
     ) -> None:
+        self.compiled = compiled  # PSGRAD_COMPILE=1: torch.compile, padded sizes
         self.source = source
         self.registry = registry
         self.settings = settings
@@ -123,7 +126,7 @@ class Worker:
 
     def _run_group(self, items: list[tuple[Job, ParsedRequest]]) -> None:
         try:
-            results, compute_s = _compute([p for _, p in items], self.settings)
+            results, compute_s = _compute([p for _, p in items], self.settings, self.compiled)
         except Exception as exc:
             if len(items) > 1:  # isolate: whatever went wrong, each job gets its own answer
                 log.warning(
@@ -229,7 +232,7 @@ def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
 
 
 def _compute(
-    group: Sequence[ParsedRequest], settings: Settings
+    group: Sequence[ParsedRequest], settings: Settings, compiled: CompiledFunctions | None = None
 ) -> tuple[list[dict[str, Any]], float]:
     first = group[0]
     batch = _concat([p.batch for p in group])
@@ -240,6 +243,7 @@ def _compute(
         first.opts,
         [p.batch.size for p in group],
         budget_bytes=settings.memory_budget_mb << 20,
+        compiled=compiled,
     )
     return results, time.perf_counter() - start
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from service.broker.redis_source import RedisJobSource, consumer_name
+from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
 from service.registry import make_registry
 from service.worker import Worker
@@ -46,8 +47,9 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    loop = threading.Thread(target=Worker(source, registry, settings).run, args=(stop,),
-                            name="psgrad-worker-loop")
+    compiled = CompiledFunctions(settings, source.r, writer=True) if settings.compile else None
+    loop = threading.Thread(target=Worker(source, registry, settings, compiled=compiled).run,
+                            args=(stop,), name="psgrad-worker-loop")
     source.start()
     loop.start()
     log.info("worker %s on %s, Redis prefix %r", source.name, registry.device,
