@@ -27,9 +27,9 @@ def make_broker(
     """
     if settings.redis_url is None:
         from service.broker.embedded import EmbeddedBroker
-        from service.registry import ModelRegistry, resolve_device
+        from service.registry import make_registry
 
-        registry = registry or ModelRegistry(resolve_device(settings.device))
+        registry = registry or make_registry(settings)  # sees PSGRAD_MODEL_DIR models too
         return EmbeddedBroker(settings, registry, observer=observer)
     from service.broker.redis import RedisBroker  # type: ignore[import-not-found,unused-ignore]
 
