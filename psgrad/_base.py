@@ -27,6 +27,7 @@ from psgrad._constants import (
     ENV_API_KEY,
     ENV_URL,
     INITIAL_RETRY_DELAY,
+    JOB_STATUS_HEADER,
     MAX_RETRY_AFTER,
     MAX_RETRY_DELAY,
     REQUEST_ID_HEADER,
@@ -305,8 +306,11 @@ class BaseClient:
             self.max_batch_size = plan_result.limit
 
     @staticmethod
-    def _result(fields: Fields, *, as_torch: bool, started: float) -> GradsResult:
-        outputs = {k: v for k, v in fields.items() if k in OUTPUT_NAMES}
+    def _result(
+        fields: Fields, *, as_torch: bool, started: float, order: Sequence[str] = ()
+    ) -> GradsResult:
+        names = [*order, *(k for k in fields if k in OUTPUT_NAMES and k not in order)]
+        outputs = {k: fields[k] for k in names if k in fields}
         if as_torch:
             outputs = {k: to_torch(v) for k, v in outputs.items()}
         timing = dict(fields.get("timing") or {})
@@ -373,17 +377,20 @@ def decode_json_result(doc: Any) -> Fields:
 def job_state(response: httpx.Response) -> tuple[JobStatus, Fields | None, PsgradError | None]:
     """A job document (``GET``/``DELETE /jobs/{id}``): its status, result fields or error.
 
-    JSON: ``{"job_id", "status", "result": {...}, "error": {"code", "message", ...}}``; binary:
-    the result as a safetensors answer whose metadata also holds ``job_id`` and ``status``.
+    JSON: ``{"job_id", "status", "result": {...}, "error": {"code", "message", ...}}``; a
+    finished job asked for with ``Accept: application/x-safetensors`` is the result itself, as a
+    safetensors answer, with the status in the ``X-Psgrad-Job-Status`` header.
     """
     ctype = response.headers.get("content-type", "").split(";")[0].strip()
+    result: Fields | None = None
+    doc: dict[str, Any]
     if ctype == SAFETENSORS:
-        doc = fields_from_safetensors(response.content, RESPONSE_KEY)
-        result = doc.get("result", doc)
+        result = fields_from_safetensors(response.content, RESPONSE_KEY)
+        doc = {"status": response.headers.get(JOB_STATUS_HEADER, JobStatus.SUCCEEDED.value)}
     else:
         doc = response.json()
-        result = doc.get("result")
-        result = decode_json_result(result) if isinstance(result, dict) else None
+        if isinstance(doc.get("result"), dict):
+            result = decode_json_result(doc["result"])
     try:
         status = JobStatus(doc.get("status"))
     except ValueError:

@@ -302,7 +302,12 @@ class Client(BaseClient):
             gamma=gamma,
         )
         doc = self._post_fields("/jobs", fields).json()
-        return Job(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")))
+        return Job(
+            self,
+            str(doc["job_id"]),
+            JobStatus(doc.get("status", "queued")),
+            outputs=fields["outputs"],
+        )
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (by id)."""
@@ -312,10 +317,13 @@ class Client(BaseClient):
 class Job:
     """A queued gradients request: ``status()``, ``result(timeout=...)``, ``cancel()``."""
 
-    def __init__(self, client: Client, job_id: str, status: JobStatus) -> None:
+    def __init__(
+        self, client: Client, job_id: str, status: JobStatus, *, outputs: Sequence[str] = ()
+    ) -> None:
         self._client = client
         self.id = job_id
         self.last_status = status
+        self._outputs = list(outputs)  # the order to list the result's outputs in
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, status={self.last_status.value!r})"
@@ -348,7 +356,9 @@ class Job:
             if error is not None:
                 raise error
             if fields is not None:
-                return self._client._result(fields, as_torch=as_torch, started=started)
+                return self._client._result(
+                    fields, as_torch=as_torch, started=started, order=self._outputs
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 raise APITimeoutError(f"job {self.id} is still {status.value} after {timeout} s")
             wait = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))

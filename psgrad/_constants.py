@@ -21,4 +21,5 @@ JOB_POLL_INITIAL = 0.05
 JOB_POLL_MAX = 1.0
 
 REQUEST_ID_HEADER = "X-Request-ID"
+JOB_STATUS_HEADER = "X-Psgrad-Job-Status"
 USER_AGENT = "psgrad-python"

@@ -120,13 +120,13 @@ def add_noise(
     seed: int,
     dtype: Mapping[str, np.dtype[Any]],
 ) -> dict[str, np.ndarray]:
-    """(sum + N(0, sigma^2) per element) / B, the noise drawn once, in parameter order."""
+    """(sum + N(0, sigma^2) per element) / B, the noise drawn once, parameters sorted by name."""
     rng = np.random.default_rng(seed)
     out = {}
-    for k, s in sums.items():
-        noise = rng.normal(0.0, sigma, size=s.shape) if sigma > 0 else 0.0
-        out[k] = ((s + noise) / size).astype(dtype[k])
-    return out
+    for k in sorted(sums):  # a fixed order, whatever order the answer listed them in
+        noise = rng.normal(0.0, sigma, size=sums[k].shape) if sigma > 0 else 0.0
+        out[k] = ((sums[k] + noise) / size).astype(dtype[k])
+    return {k: out[k] for k in sums}
 
 
 def cosine(dot: np.ndarray, norms: np.ndarray, mean: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -200,7 +200,7 @@ def _run(
         answer = yield {**fields, "outputs": wanted}
         if progress:
             progress(size, size)
-        return _combine([answer], [size], wanted, [answer])
+        return _ordered(_combine([answer], [size], wanted, [answer]), wanted)
     two_pass = "cosine_mean" in wanted
     first = [o for o in wanted if o != "cosine_mean"]
     if "variance" in wanted or two_pass:
@@ -233,7 +233,12 @@ def _run(
                 progress(size + b, total)
         result["cosine_mean"] = cosine(concat(dots), result["norms"], mean)
         result["timing"], result["meta"]["requests"] = _timing(answers), len(answers)
-    return {k: v for k, v in result.items() if k in NOT_OUTPUTS or k in wanted}
+    return _ordered(result, wanted)
+
+
+def _ordered(result: Fields, wanted: list[str]) -> Fields:
+    """The outputs in the order they were asked for, and nothing that was not."""
+    return {k: result[k] for k in (*NOT_OUTPUTS, *wanted) if k in result}
 
 
 def _combine(

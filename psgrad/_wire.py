@@ -33,6 +33,7 @@ MAX_NDIM = 8
 
 REQUEST_KEY = "request"
 RESPONSE_KEY = "response"
+ORDER_KEY = "order"  # {field: [param, ...]}: safetensors sorts tensors, a dict keeps its order
 
 SAFETENSORS = "application/x-safetensors"
 JSON = "application/json"
@@ -154,17 +155,20 @@ def fields_to_safetensors(fields: Mapping[str, Any], meta_key: str) -> bytes:
     """Arrays become tensors (``field`` or ``field/param``), the rest JSON under ``meta_key``."""
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {}
+    order: dict[str, list[str]] = {}
     for key, value in fields.items():
         if isinstance(value, np.ndarray):
             tensors[key] = np.ascontiguousarray(value)
         elif isinstance(value, Mapping) and value and all(
             isinstance(v, np.ndarray) for v in value.values()
         ):
+            order[key] = list(value)
             for param, arr in value.items():
                 tensors[f"{key}/{param}"] = np.ascontiguousarray(arr)
         else:
             meta[key] = value
-    return bytes(st_save(tensors, metadata={meta_key: json.dumps(meta)}))
+    metadata = {meta_key: json.dumps(meta), ORDER_KEY: json.dumps(order)}
+    return bytes(st_save(tensors, metadata=metadata))
 
 
 def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX_HEADER_BYTES
@@ -183,7 +187,8 @@ def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX
         tensors = st_load(body)
     except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
-    raw_meta = (header.get("__metadata__") or {}).get(meta_key, "{}")
+    metadata = header.get("__metadata__") or {}
+    raw_meta = metadata.get(meta_key, "{}")
     try:
         fields: dict[str, Any] = json.loads(raw_meta)
     except ValueError as exc:
@@ -199,4 +204,19 @@ def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX
             group[param] = arr
         else:
             fields[field] = arr
+    _restore_order(fields, metadata.get(ORDER_KEY))
     return fields
+
+
+def _restore_order(fields: dict[str, Any], raw: Any) -> None:
+    """Put each dict of tensors back in the order it was written (the model's parameter order)."""
+    try:
+        order = json.loads(raw) if isinstance(raw, str) else {}
+    except ValueError:
+        return
+    if not isinstance(order, dict):
+        return
+    for field, names in order.items():
+        group = fields.get(field)
+        if isinstance(group, dict) and isinstance(names, list) and set(names) == set(group):
+            fields[field] = {name: group[name] for name in names}

@@ -1,0 +1,246 @@
+"""The client subcommands of ``psgrad``: ``models ...`` and ``grads``.
+
+``psgrad._cli`` builds the parser (with ``serve`` and ``worker``) and calls :func:`add_commands`;
+each command here is a thin layer over :class:`psgrad.Client`, so it needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from psgrad._client import Client
+from psgrad._constants import ENV_API_KEY, ENV_URL
+from psgrad._errors import BadRequest
+from psgrad._types import OUTPUT_NAMES, GradsResult, ModelInfo
+from psgrad._wire import RESPONSE_KEY, fields_to_safetensors
+
+__all__ = ["add_commands", "load_array"]
+
+_GRADS_OUTPUTS = [o for o in OUTPUT_NAMES if o not in ("td_errors", "updates")]
+
+
+def _connection_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("server")
+    group.add_argument("--url", help=f"the psgrad server (default: ${ENV_URL}, else "
+                       "http://127.0.0.1:8000)")
+    group.add_argument("--api-key", help=f"the API key (default: ${ENV_API_KEY})")
+    group.add_argument("--timeout", type=float, default=300.0,
+                       help="seconds per HTTP request (default: 300)")
+    return parent
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``models`` and ``grads`` to the ``psgrad`` subcommand parsers."""
+    conn = _connection_options()
+    models = sub.add_parser("models", help="list, show, register, upload, download or delete "
+                            "models", description="Manage the server's model registry.")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+
+    p = msub.add_parser("list", parents=[conn], help="list the models")
+    p.add_argument("--json", action="store_true", help="print the JSON documents")
+    p.set_defaults(func=cmd_models_list)
+
+    p = msub.add_parser("show", parents=[conn], help="describe one model (JSON)")
+    p.add_argument("model", help="a model id or id@version")
+    p.set_defaults(func=cmd_models_show)
+
+    p = msub.add_parser(
+        "register", parents=[conn], help="register a model",
+        description="Register a zoo architecture with a config, or a 'sequential' spec of "
+                    "allow-listed torch.nn layers. JSON arguments may be given as @file.json.")
+    p.add_argument("model", help="the new model's id")
+    p.add_argument("--architecture", required=True, help="a zoo name, or 'sequential'")
+    p.add_argument("--config", type=_json_arg, help="JSON config of a zoo architecture")
+    p.add_argument("--layers", type=_json_arg, help="JSON list of layers (sequential)")
+    p.add_argument("--input", type=_json_arg, help='JSON input spec, e.g. {"shape": [4]}')
+    p.add_argument("--default-loss", help="the loss used when a request names none")
+    p.add_argument("--weights", type=Path, help="a .safetensors file of initial weights")
+    p.set_defaults(func=cmd_models_register)
+
+    p = msub.add_parser("upload", parents=[conn], help="upload new weights (a new version)")
+    p.add_argument("model", help="the model id")
+    p.add_argument("weights", type=Path, help="a .safetensors file")
+    p.set_defaults(func=cmd_models_upload)
+
+    p = msub.add_parser("download", parents=[conn], help="save a model's weights")
+    p.add_argument("model", help="a model id or id@version")
+    p.add_argument("output", type=Path, help="the .safetensors file to write")
+    p.set_defaults(func=cmd_models_download)
+
+    p = msub.add_parser("delete", parents=[conn], help="delete a model or one id@version")
+    p.add_argument("model", help="a model id or id@version")
+    p.set_defaults(func=cmd_models_delete)
+
+    p = sub.add_parser(
+        "grads", parents=[conn], help="per-sample gradients of a batch read from files",
+        description="Compute per-sample gradients (or their statistics) of a batch stored in "
+                    ".npy or .safetensors files and write the outputs to a .safetensors file "
+                    "(tensors 'norms', 'grads/<param>', ...; metadata 'response' holds the "
+                    "model, batch size, timing). Large batches are split into requests the "
+                    "server accepts and combined exactly.")
+    p.add_argument("model", help="a model id or id@version")
+    p.add_argument("--inputs", required=True, help="a .npy file, or a .safetensors file "
+                   "(its tensor 'inputs', or its only tensor; FILE:NAME picks one)")
+    p.add_argument("--targets", help="the same for targets (default: the tensor 'targets' of "
+                   "a .safetensors inputs file, if any)")
+    p.add_argument("--output", "-o", type=Path, required=True, help="the .safetensors to write")
+    p.add_argument("--outputs", default="grads",
+                   help=f"comma-separated outputs (default: grads); any of "
+                        f"{', '.join(_GRADS_OUTPUTS)}")
+    p.add_argument("--loss", help="the loss (default: the model's)")
+    p.add_argument("--params", help="comma-separated parameter names to restrict outputs to")
+    p.add_argument("--clip-norm", type=float, help="for clipped_mean")
+    p.add_argument("--noise-multiplier", type=float, help="for clipped_mean")
+    p.add_argument("--seed", type=int, help="for clipped_mean's noise")
+    p.add_argument("--chunk-size", type=int, help="the most samples per request")
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="draw a progress bar on stderr (default: when stderr is a terminal)")
+    bar.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=cmd_grads)
+
+
+def _json_arg(text: str) -> Any:
+    raw = Path(text[1:]).read_text() if text.startswith("@") else text
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(base_url=args.url, api_key=args.api_key, timeout=args.timeout)
+
+
+def load_array(spec: str, *, default_name: str | None = None) -> np.ndarray:
+    """An array from ``file.npy`` or ``file.safetensors[:name]``; nothing is ever unpickled."""
+    path, _, name = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+    suffix = Path(path).suffix.lower()
+    if suffix == ".npy":
+        return np.asarray(np.load(path, allow_pickle=False))
+    if suffix == ".safetensors":
+        tensors = load_file(path)
+        if name:
+            if name not in tensors:
+                raise BadRequest(f"{path} has no tensor {name!r}; it has: {', '.join(tensors)}")
+            return tensors[name]
+        if default_name in tensors:
+            return tensors[default_name]
+        if len(tensors) == 1:
+            return next(iter(tensors.values()))
+        raise BadRequest(f"{path} holds several tensors ({', '.join(tensors)}): pick one with "
+                         f"{path}:NAME")
+    raise BadRequest(f"{path}: read .npy or .safetensors files only (never pickles)")
+
+
+def _describe(info: ModelInfo) -> str:
+    return json.dumps(info.raw or info.__dict__, indent=2, default=str)
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        models = client.models.list()
+    if args.json:
+        print(json.dumps([m.raw for m in models], indent=2))
+        return 0
+    rows = [("ID", "VERSION", "ARCHITECTURE", "DEFAULT LOSS")]
+    rows += [(m.id, m.version, m.architecture, m.default_loss) for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_models_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(_describe(client.models.get(args.model)))
+    return 0
+
+
+def cmd_models_register(args: argparse.Namespace) -> int:
+    weights = load_file(str(args.weights)) if args.weights else None
+    with _client(args) as client:
+        info = client.models.register(
+            args.model, architecture=args.architecture, config=args.config, layers=args.layers,
+            input=args.input, default_loss=args.default_loss, weights=weights)
+    print(info.ref)
+    return 0
+
+
+def cmd_models_upload(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(client.models.upload_weights(args.model, load_file(str(args.weights))).ref)
+    return 0
+
+
+def cmd_models_download(args: argparse.Namespace) -> int:
+    from safetensors.numpy import save_file
+
+    with _client(args) as client:
+        weights = client.models.download_weights(args.model)
+    save_file(weights, str(args.output))
+    print(f"{len(weights)} tensors -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_models_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.models.delete(args.model)))
+    return 0
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def cmd_grads(args: argparse.Namespace) -> int:
+    inputs = load_array(args.inputs, default_name="inputs")
+    if args.targets:
+        targets: np.ndarray | None = load_array(args.targets, default_name="targets")
+    elif args.inputs.lower().endswith(".safetensors") and Path(args.inputs).exists():
+        targets = load_file(args.inputs).get("targets")
+    else:
+        targets = None
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    with _client(args) as client:
+        result = client.per_sample_grads(
+            args.model, inputs, targets, loss=args.loss, outputs=_names(args.outputs) or
+            ["grads"], params=_names(args.params), clip_norm=args.clip_norm,
+            noise_multiplier=args.noise_multiplier, seed=args.seed, progress=progress,
+            chunk_size=args.chunk_size)
+    write_result(result, args.output)
+    print(f"{result.model}: {result.batch_size} samples, {', '.join(result.outputs)} -> "
+          f"{args.output}", file=sys.stderr)
+    return 0
+
+
+def write_result(result: GradsResult, path: Path) -> None:
+    """The result as a safetensors file in the server's own binary answer format."""
+    fields: dict[str, Any] = {"model": result.model, "batch_size": result.batch_size,
+                              "loss": result.loss, "timing": result.timing, "meta": result.meta}
+    fields.update(result.outputs)
+    path.write_bytes(fields_to_safetensors(fields, RESPONSE_KEY))
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run a client command, printing a psgrad error as one line (exit status 1)."""
+    from psgrad._errors import PsgradError
+
+    try:
+        return int(args.func(args))
+    except PsgradError as exc:
+        rid = f" (request {exc.request_id})" if exc.request_id else ""
+        print(f"psgrad: error: {type(exc).__name__}: {exc.message}{rid}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"psgrad: error: {exc}", file=sys.stderr)
+        return 1

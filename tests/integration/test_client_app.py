@@ -1,0 +1,220 @@
+"""The SDK against the real app in-process (embedded broker): sync over a portal, async over
+``httpx.ASGITransport``. Chunked answers must equal the server's own unchunked answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+import psgrad
+from service.api import create_app
+from service.config import Settings
+from tests.client_support import running_app
+
+MODEL = "value-mlp"  # 8 -> 64 -> 64 -> 1, small enough for exact checks on a shared CPU
+ALL = ["grads", "losses", "norms", "layer_norms", "mean", "variance", "clipped_mean", "dot",
+       "cosine_mean"]
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[httpx.BaseTransport]:
+    app = create_app(Settings(max_batch_size=16, workers=1, batch_max_delay_ms=0.0))
+    with running_app(app) as t:
+        yield t
+
+
+@pytest.fixture
+def client(transport: httpx.BaseTransport) -> Iterator[psgrad.Client]:
+    with psgrad.Client(base_url="http://app", transport=transport) as c:
+        yield c
+
+
+def batch(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, 8)).astype(np.float32),
+            rng.normal(size=n).astype(np.float32))
+
+
+def assert_same(a: psgrad.GradsResult, b: psgrad.GradsResult, *, rtol: float = 1e-4,
+                atol: float = 1e-5) -> None:
+    assert list(a.outputs) == list(b.outputs)
+    for name in a.outputs:
+        x, y = a[name], b[name]
+        if isinstance(x, dict):
+            assert list(x) == list(y), name
+            for p in x:
+                np.testing.assert_allclose(x[p], y[p], rtol=rtol, atol=atol, err_msg=f"{name}.{p}")
+        else:
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
+
+
+def reference_for(client: psgrad.Client) -> dict[str, np.ndarray]:
+    weights = client.models.download_weights(MODEL)
+    rng = np.random.default_rng(9)
+    return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("chunk_size", [3, 5])
+def test_chunked_equals_unchunked_for_every_output(client: psgrad.Client,
+                                                   chunk_size: int) -> None:
+    x, y = batch(13)
+    opts: dict[str, Any] = {"loss": "mse", "outputs": ALL, "clip_norm": 0.05,
+                            "noise_multiplier": 0.7, "seed": 3,
+                            "reference": reference_for(client)}
+    whole = client.per_sample_grads(MODEL, x, y, **opts)
+    parts = client.per_sample_grads(MODEL, x, y, chunk_size=chunk_size, **opts)
+    assert whole.meta["requests"] == 1 and parts.meta["requests"] == 2 * -(-13 // chunk_size)
+    assert whole.batch_size == parts.batch_size == 13 and whole.model == parts.model
+    assert_same(whole, parts)
+    # the clip bound is active and the noise was added: the result is not the plain mean
+    assert not np.allclose(whole.clipped_mean["net.fc1.weight"], whole.mean["net.fc1.weight"])
+
+
+def test_clipped_mean_without_noise_equals_the_servers_own(client: psgrad.Client) -> None:
+    x, y = batch(10, seed=1)
+    fields = {"model": MODEL, "inputs": x, "targets": y, "loss": "mse",
+              "outputs": ["clipped_mean"], "clip_norm": 0.05}
+    raw = client._decode(client._post_fields("/per-sample-grads", fields))  # no SDK logic
+    got = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["clipped_mean"],
+                                  clip_norm=0.05, chunk_size=4)
+    for k, v in raw["clipped_mean"].items():
+        np.testing.assert_allclose(got.clipped_mean[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_the_batch_limit_is_learned_from_the_servers_413(transport: httpx.BaseTransport) -> None:
+    x, y = batch(40, seed=2)
+    with psgrad.Client(base_url="http://app", transport=transport) as c:
+        got = c.per_sample_grads(MODEL, x, y, loss="mse", outputs=["norms", "mean"])
+        assert c.max_batch_size == 16
+        whole = c.per_sample_grads(MODEL, x[:16], y[:16], loss="mse", outputs=["norms"])
+    assert got.batch_size == 40 and got.meta["requests"] == 3
+    np.testing.assert_allclose(got.norms[:16], whole.norms, rtol=1e-5)
+
+
+def test_td0_matches_the_hand_example_and_chunks(client: psgrad.Client) -> None:
+    theta = {"theta": np.array([0.2, -0.2, 0.1], np.float32)}
+    s = np.tile(np.array([[2.0, 1.0, -2.0]], np.float32), (5, 1))
+    s2 = np.tile(np.array([[1.0, 2.0, 0.0]], np.float32), (5, 1))
+    got = client.td0("linear-value", s, [2.0] * 5, s2, weights=theta,
+                     outputs=["updates", "td_errors", "grads", "mean"], chunk_size=2)
+    np.testing.assert_allclose(got.td_errors, [1.8] * 5, rtol=1e-6)
+    np.testing.assert_allclose(got.updates["theta"], np.tile([3.6, 1.8, -3.6], (5, 1)), rtol=1e-6)
+    np.testing.assert_allclose(got.grads["theta"][0], [-7.2, -3.6, 7.2], rtol=1e-6)
+    np.testing.assert_allclose(got.mean["theta"], [-7.2, -3.6, 7.2], rtol=1e-6)
+    done = client.td0("linear-value", s[:1], [2.0], s2[:1], dones=[True], weights=theta)
+    np.testing.assert_allclose(done.td_errors, [2.0], rtol=1e-6)  # no bootstrap after the end
+
+
+def test_json_transport_gives_the_same_answer(transport: httpx.BaseTransport,
+                                              client: psgrad.Client) -> None:
+    x, y = batch(6, seed=4)
+    with psgrad.Client(base_url="http://app", transport=transport, binary=False) as js:
+        a = js.per_sample_grads(MODEL, x, y, loss="mse", outputs=["grads", "norms", "mean"])
+    b = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["grads", "norms", "mean"])
+    assert_same(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("call", "error"), [
+    (lambda c: c.per_sample_grads("no-such-model", [[1.0]]), psgrad.UnknownModel),
+    (lambda c: c.per_sample_grads(MODEL, np.ones((2, 3), np.float32), [0.0, 1.0], loss="mse"),
+     psgrad.ShapeMismatch),
+    (lambda c: c.per_sample_grads(MODEL, np.ones((2, 8), np.float32), [0.0, 1.0], loss="mse",
+                                  outputs=["gradz"]), psgrad.UnknownOutput),
+    (lambda c: c.per_sample_grads(MODEL, np.ones((2, 8), np.float32), loss="xent"),
+     psgrad.UnknownLoss),
+    (lambda c: c.per_sample_grads(MODEL, np.ones((0, 8), np.float32), np.ones(0, np.float32),
+                                  loss="mse"), psgrad.EmptyBatch),
+    (lambda c: c.per_sample_grads(MODEL, np.ones((2, 8), np.float32), [0.0, 1.0], loss="mse",
+                                  params=["nope"]), psgrad.UnknownParameter),
+    (lambda c: c.per_sample_grads(MODEL, np.full((2, 8), np.nan, np.float32), [0.0, 1.0],
+                                  loss="mse"), psgrad.NonFinite),
+    (lambda c: c.models.get("no-such-model"), psgrad.UnknownModel),
+    (lambda c: c.job("0123456789abcdef").status(), psgrad.UnknownJob),
+])
+def test_the_apps_errors_arrive_as_their_classes(client: psgrad.Client, call: Any,
+                                                 error: type[psgrad.PsgradError]) -> None:
+    with pytest.raises(error) as info:
+        call(client)
+    assert info.value.message and info.value.http_status == error.status
+
+
+def test_jobs_submit_status_result_and_cancel(client: psgrad.Client) -> None:
+    x, y = batch(4, seed=5)
+    job = client.submit(MODEL, x, y, loss="mse", outputs=["norms", "grads"])
+    result = job.result(timeout=60)
+    assert job.status() is psgrad.JobStatus.SUCCEEDED
+    direct = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["norms", "grads"])
+    assert_same(result, direct, rtol=1e-6, atol=1e-7)
+    failing = client.submit(MODEL, x, y, loss="mse", outputs=["norms"],
+                            weights={"net.fc1.weight": np.full((64, 8), np.inf, np.float32)})
+    with pytest.raises(psgrad.PsgradError):
+        failing.result(timeout=60)
+    again = client.job(job.id)
+    assert again.status() is psgrad.JobStatus.SUCCEEDED
+    assert again.cancel() is psgrad.JobStatus.SUCCEEDED  # a finished job stays as it was
+
+
+def test_models_register_upload_download_delete(client: psgrad.Client) -> None:
+    info = client.models.register("sdk-test-mlp", architecture="mlp",
+                                  config={"sizes": [4, 3, 2], "activation": "tanh"})
+    try:
+        assert info.id == "sdk-test-mlp" and set(info.parameters) == {
+            "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        assert "sdk-test-mlp" in [m.id for m in client.models.list()]
+        weights = client.models.download_weights("sdk-test-mlp")
+        new = {k: np.full_like(v, 0.5) for k, v in weights.items()}
+        info2 = client.models.upload_weights("sdk-test-mlp", new)
+        assert info2.version != info.version
+        back = client.models.download_weights(info2.ref)
+        for k, v in new.items():
+            np.testing.assert_array_equal(back[k], v)
+        old = client.models.download_weights(info.ref)  # old versions stay addressable
+        np.testing.assert_array_equal(old["fc1.weight"], weights["fc1.weight"])
+        x = np.ones((3, 4), np.float32)
+        r = client.per_sample_grads("sdk-test-mlp", x, [0, 1, 1], outputs=["losses"])
+        assert r.model == info2.ref
+        np.testing.assert_allclose(r.losses, np.log(2.0), rtol=1e-5)  # equal logits
+        inline = client.models.register("sdk-test-mlp", architecture="mlp",
+                                        config={"sizes": [4, 3, 2], "activation": "tanh"},
+                                        weights=new)
+        assert inline.version == info2.version  # the same weights, the same content digest
+    finally:
+        client.models.delete("sdk-test-mlp")
+    with pytest.raises(psgrad.UnknownModel):
+        client.models.get("sdk-test-mlp")
+
+
+async def test_the_async_client_against_the_app() -> None:
+    app = create_app(Settings(max_batch_size=4, workers=1, batch_max_delay_ms=0.0))
+    x, y = batch(9, seed=6)
+    async with app.router.lifespan_context(app), psgrad.AsyncClient(
+            base_url="http://app", transport=httpx.ASGITransport(app=app)) as client:
+        got = await client.per_sample_grads(MODEL, x, y, loss="mse",
+                                            outputs=["norms", "variance", "cosine_mean"])
+        assert client.max_batch_size == 4 and got.meta["requests"] == 6
+        first = await client.per_sample_grads(MODEL, x[:4], y[:4], loss="mse",
+                                              outputs=["norms"])
+        np.testing.assert_allclose(got.norms[:4], first.norms, rtol=1e-5)
+        job = await client.submit(MODEL, x[:3], y[:3], loss="mse", outputs=["losses"])
+        assert (await job.result(timeout=60)).losses.shape == (3,)
+        assert await job.status() is psgrad.JobStatus.SUCCEEDED
+        assert [m.id for m in await client.models.list()]
+        assert (await client.models.get("simple-cnn")).input["shape"] == [1, 28, 28]
+        with pytest.raises(psgrad.UnknownModel):
+            await client.td0("nope", [[1.0]], [1.0], [[1.0]])
+
+
+def test_keys_are_sent_and_refusals_are_typed() -> None:
+    app = create_app(Settings(api_keys="user-key", admin_keys="admin-key", workers=1))
+    with running_app(app) as t:
+        with psgrad.Client(base_url="http://app", transport=t, api_key="") as anon, \
+                pytest.raises(psgrad.Unauthorized):
+            anon.models.list()
+        with psgrad.Client(base_url="http://app", transport=t, api_key="user-key") as user:
+            assert user.models.list()
+            with pytest.raises(psgrad.Forbidden):
+                user.models.delete("whatever")
