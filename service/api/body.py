@@ -27,7 +27,7 @@ from psgrad._wire import (
     fields_to_safetensors,
 )
 from service.config import Settings
-from service.validate import decode_json_body
+from service.validate import KNOWN_FIELDS, decode_json_body
 
 INLINE_BYTES = 64 * 1024  # smaller bodies decode on the loop (a thread hop costs more)
 
@@ -76,6 +76,7 @@ async def decode_request(request: Request, settings: Settings) -> dict[str, Any]
         fields: dict[str, Any] = await run_in_threadpool(decode, body, settings)
     else:
         fields = decode(body, settings)
+    _precheck(fields)
     inputs = fields.get("inputs")
     if isinstance(inputs, np.ndarray) and inputs.ndim and inputs.shape[0] > settings.max_batch_size:
         raise TooLarge(
@@ -85,6 +86,18 @@ async def decode_request(request: Request, settings: Settings) -> dict[str, Any]
             size=int(inputs.shape[0]),
         )
     return fields
+
+
+def _precheck(fields: dict[str, Any]) -> None:
+    """What can be refused without the model, refused before queueing (the rest: the worker)."""
+    unknown = sorted(set(fields) - KNOWN_FIELDS)
+    if unknown:
+        raise BadRequest(
+            f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_FIELDS))}",
+            unknown=unknown,
+        )
+    if not isinstance(fields.get("model"), str) or not fields["model"]:
+        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
 
 
 def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:

@@ -204,7 +204,7 @@ class EmbeddedBroker:
 
     def _purge_locked(self) -> None:
         now = time.time()
-        if now - self._purged_at < 1.0:
+        if now - self._purged_at < min(1.0, self.settings.result_ttl_s / 2):
             return
         self._purged_at = now
         cutoff = now - self.settings.result_ttl_s

@@ -1,0 +1,111 @@
+"""Helpers for the api tests: an app on the embedded broker, its lifespan run, an httpx client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import numpy as np
+from fastapi import FastAPI
+
+from psgrad._wire import REQUEST_KEY, RESPONSE_KEY, fields_from_safetensors, fields_to_safetensors
+from service import engine
+from service.api import create_app
+from service.config import Settings
+from service.registry import ModelRegistry
+from service.validate import decode_json_body, parse_request
+
+SAFETENSORS = "application/x-safetensors"
+# The DESIGN.md hand check of TD(0): theta, s, r, s' -> delta 1.8, updates, grads
+TD0 = {
+    "model": "linear-value",
+    "inputs": [[2.0, 1.0, -2.0]],
+    "next_inputs": [[1.0, 2.0, 0.0]],
+    "rewards": [2.0],
+    "gamma": 1.0,
+    "weights": {"theta": [0.2, -0.2, 0.1]},
+}
+
+
+def settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "redis_url": None,
+        "model_dir": None,
+        "batch_max_delay_ms": 2.0,
+        "request_timeout_s": 120.0,
+        "api_keys": "",
+        "admin_keys": "",
+        "device": "cpu",
+    }
+    return Settings(**{**base, **overrides})
+
+
+@asynccontextmanager
+async def open_client(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of a fresh app (own broker, registry and metrics) with its lifespan running."""
+    app = create_app(settings(**overrides))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://psgrad.test", timeout=120
+        ) as client,
+    ):
+        client.app = app  # type: ignore[attr-defined]
+        yield client
+
+
+def app_of(client: httpx.AsyncClient) -> FastAPI:
+    app: FastAPI = client.app  # type: ignore[attr-defined]
+    return app
+
+
+def safetensors_body(doc: dict[str, Any]) -> bytes:
+    """The safetensors form of a JSON request document (tensors as float32/int64 arrays)."""
+    fields = decode_json_body(doc, max_elements=1 << 24)
+    return fields_to_safetensors(fields, REQUEST_KEY)
+
+
+async def post_st(
+    client: httpx.AsyncClient, doc: dict[str, Any], path: str = "/per-sample-grads"
+) -> tuple[httpx.Response, dict[str, Any]]:
+    r = await client.post(
+        path,
+        content=safetensors_body(doc),
+        headers={"content-type": SAFETENSORS, "accept": SAFETENSORS},
+    )
+    fields = fields_from_safetensors(r.content, RESPONSE_KEY) if r.status_code == 200 else {}
+    return r, fields
+
+
+def in_process(doc: dict[str, Any], registry: ModelRegistry | None = None) -> dict[str, Any]:
+    """The engine called directly on the same request: numpy per output name."""
+    registry = registry or ModelRegistry()
+    fields = decode_json_body(doc, max_elements=1 << 24)
+    parsed = parse_request(fields, registry)
+    out = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
+    return {k: _np(v) for k, v in out.items() if k != "meta"}
+
+
+def _np(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _np(v) for k, v in value.items()}
+    return value.detach().numpy()
+
+
+def assert_outputs(got: dict[str, Any], want: dict[str, Any], *, exact: bool = False) -> None:
+    """Every output in ``want`` equals ``got`` (lists from JSON or arrays from safetensors)."""
+    for name, ref in want.items():
+        value = got[name]
+        if isinstance(ref, dict):
+            assert set(value) == set(ref), name
+            pairs = [(np.asarray(value[k], dtype=np.float32), ref[k]) for k in ref]
+        else:
+            pairs = [(np.asarray(value, dtype=np.float32), ref)]
+        for a, b in pairs:
+            assert a.shape == b.shape, name
+            if exact:
+                np.testing.assert_array_equal(a, b, err_msg=name)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -1,0 +1,338 @@
+"""Every refusal of the api is the JSON error body with the right status, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+
+from service import engine
+from service.api.deps import AdminKey
+from tests.unit.api_support import SAFETENSORS, TD0, app_of, open_client, safetensors_body
+
+JSON_CT = {"content-type": "application/json"}
+
+
+def _error(r: Any, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    err: dict[str, Any] = body["error"]
+    return err
+
+
+def _b64(dtype: str, shape: list[int], data: bytes) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data": base64.b64encode(data).decode()}
+
+
+BAD_JSON_BODIES: list[tuple[str, bytes | dict[str, Any], int, str]] = [
+    ("malformed json", b'{"model": "mlp", "inputs": [1, 2', 400, "bad_request"),
+    ("not an object", b"[1, 2, 3]", 400, "bad_request"),
+    ("invalid utf-8", b'{"model": "\xff"}', 400, "bad_request"),
+    ("deep nesting", b"[" * 100_000 + b"]" * 100_000, 400, "bad_request"),
+    (
+        "bad base64",
+        {**TD0, "inputs": {"dtype": "float32", "shape": [1, 3], "data": "@@@"}},
+        400,
+        "bad_request",
+    ),
+    (
+        "shape vs data length",
+        {**TD0, "inputs": _b64("float32", [1, 3], b"\0" * 8)},
+        400,
+        "bad_request",
+    ),
+    (
+        "absurd declared shape",
+        {**TD0, "inputs": _b64("float32", [10**9, 10**9, 10**9], b"\0" * 12)},
+        413,
+        "too_large",
+    ),
+    (
+        "unknown dtype",
+        {**TD0, "inputs": _b64("complex128", [1, 3], b"\0" * 48)},
+        400,
+        "bad_request",
+    ),
+    ("ragged lists", {**TD0, "inputs": [[1.0, 2.0, 3.0], [1.0, 2.0]]}, 400, "bad_request"),
+    ("ragged depth", {**TD0, "inputs": [[1.0, 2.0, 3.0], 4.0]}, 400, "bad_request"),
+    ("strings in a tensor", {**TD0, "inputs": [["a", "b", "c"]]}, 400, "bad_request"),
+    ("unknown field", {**TD0, "inptus": [[1.0]]}, 400, "bad_request"),
+    ("missing model", {"inputs": [[1.0, 2.0, 3.0]]}, 400, "bad_request"),
+    ("unknown model", {**TD0, "model": "resnet-9000"}, 404, "unknown_model"),
+    ("shape mismatch", {**TD0, "inputs": [[1.0, 2.0]]}, 422, "shape_mismatch"),
+    ("unknown loss", {**TD0, "loss": "hinge"}, 422, "unknown_loss"),
+    ("unknown output", {**TD0, "outputs": ["hessian"]}, 422, "unknown_output"),
+    ("unknown parameter", {**TD0, "params": ["nope"]}, 422, "unknown_parameter"),
+    (
+        "non-finite",
+        {
+            **TD0,
+            "inputs": {
+                "dtype": "float32",
+                "shape": [1, 3],
+                "data": base64.b64encode(np.array([[np.nan, 1, 2]], np.float32).tobytes()).decode(),
+            },
+        },
+        422,
+        "non_finite",
+    ),
+    (
+        "empty batch",
+        {
+            **TD0,
+            "inputs": _b64("float32", [0, 3], b""),
+            "next_inputs": _b64("float32", [0, 3], b""),
+            "rewards": [],
+        },
+        422,
+        "empty_batch",
+    ),
+    (
+        "target out of range",
+        {
+            "model": "simple-cnn",
+            "inputs": np.zeros((1, 1, 28, 28)).tolist(),
+            "targets": [10],
+            "outputs": ["norms"],
+        },
+        422,
+        "target_out_of_range",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [c[1:] for c in BAD_JSON_BODIES],
+    ids=[c[0] for c in BAD_JSON_BODIES],
+)
+async def test_bad_json_requests(body: bytes | dict[str, Any], status: int, code: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with open_client() as c:
+        for path in ("/per-sample-grads", "/jobs"):
+            r = await c.post(path, content=content, headers=JSON_CT)
+            if path == "/jobs" and status in (404, 422):  # found by the worker: the job fails
+                assert r.status_code == 202
+                job = await _finished(c, r.json()["job_id"])
+                assert job["status"] == "failed" and job["error"]["code"] == code
+                continue
+            _error(r, status, code)
+
+
+async def _finished(c: Any, job_id: str) -> dict[str, Any]:
+    for _ in range(600):
+        body: dict[str, Any] = (await c.get(f"/jobs/{job_id}")).json()
+        if body["status"] not in ("queued", "running"):
+            return body
+        await asyncio.sleep(0.02)
+    raise AssertionError("job did not finish")
+
+
+def _st_header(header: dict[str, Any], data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+BAD_SAFETENSORS: list[tuple[str, bytes]] = [
+    ("too short", b"\x01\x02"),
+    ("header length past the body", struct.pack("<Q", 1000) + b"{}"),
+    ("oversized header", struct.pack("<Q", 2**40) + b"{}"),
+    ("header not json", struct.pack("<Q", 4) + b"nope"),
+    (
+        "offsets past the data",
+        _st_header({"inputs": {"dtype": "F32", "shape": [1, 3], "data_offsets": [0, 12]}}),
+    ),
+    (
+        "unknown dtype",
+        _st_header({"inputs": {"dtype": "Q99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    ),
+    ("metadata not json", _st_header({"__metadata__": {"request": "{nope"}})),
+    ("metadata not an object", _st_header({"__metadata__": {"request": "[1]"}})),
+    ("a pickle", b"\x80\x04\x95" + b"\0" * 40),
+]
+
+
+@pytest.mark.parametrize(
+    "body", [c[1] for c in BAD_SAFETENSORS], ids=[c[0] for c in BAD_SAFETENSORS]
+)
+async def test_bad_safetensors_requests(body: bytes) -> None:
+    async with open_client() as c:
+        r = await c.post("/per-sample-grads", content=body, headers={"content-type": SAFETENSORS})
+    _error(r, 400, "bad_request")
+
+
+async def test_wrong_content_type_unknown_route_and_method() -> None:
+    async with open_client() as c:
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", ""):
+            r = await c.post(
+                "/per-sample-grads",
+                content=b"model=mlp",
+                headers={"content-type": ctype} if ctype else {},
+            )
+            err = _error(r, 400, "bad_request")
+            assert "Content-Type" in err["message"]
+        _error(await c.get("/no/such/route"), 404, "not_found")
+        _error(await c.put("/healthz"), 405, "method_not_allowed")
+
+
+async def test_body_too_large_is_refused_before_and_while_reading() -> None:
+    async with open_client(max_body_bytes=1000) as c:
+        big = json.dumps({**TD0, "pad": "x" * 2000}).encode()
+        err = _error(
+            await c.post("/per-sample-grads", content=big, headers=JSON_CT), 413, "too_large"
+        )
+        assert err["details"]["limit"] == 1000 and "1000" in err["message"]
+
+        async def stream() -> AsyncIterator[bytes]:  # no Content-Length: counted while reading
+            for _ in range(100):
+                yield b" " * 100
+
+        r = await c.post("/per-sample-grads", content=stream(), headers=JSON_CT)
+        assert "content-length" not in r.request.headers
+        _error(r, 413, "too_large")
+        ok = await c.post("/per-sample-grads", json=TD0)
+        assert ok.status_code == 200
+
+
+async def test_batch_too_large() -> None:
+    doc = {
+        **TD0,
+        "inputs": [[1.0, 2.0, 3.0]] * 3,
+        "next_inputs": [[0.0, 0.0, 0.0]] * 3,
+        "rewards": [1.0] * 3,
+    }
+    async with open_client(max_batch_size=2) as c:
+        err = _error(await c.post("/per-sample-grads", json=doc), 413, "too_large")
+        assert err["details"] == {"limit": 2, "size": 3}
+        st = await c.post(
+            "/per-sample-grads",
+            content=safetensors_body(doc),
+            headers={"content-type": SAFETENSORS},
+        )
+        _error(st, 413, "too_large")
+
+
+async def test_result_too_large_names_the_limit_and_the_way_out() -> None:
+    doc = {
+        "model": "value-mlp",
+        "loss": "mse",
+        "inputs": np.zeros((4, 8)).tolist(),
+        "targets": [0.0] * 4,
+    }
+    size = 4 * (8 * 64 + 64 + 64 * 64 + 64 + 64 + 1) * 4
+    async with open_client(max_result_bytes=size - 1) as c:
+        err = _error(
+            await c.post("/per-sample-grads", json={**doc, "outputs": ["grads"]}), 413, "too_large"
+        )
+        assert err["details"] == {"limit": size - 1, "size": size}
+        assert str(size - 1) in err["message"] and "summary outputs" in err["message"]
+        assert "smaller batches" in err["message"]
+        ok = await c.post("/per-sample-grads", json={**doc, "outputs": ["norms", "mean"]})
+        assert ok.status_code == 200
+
+
+async def test_deadline_gives_504_and_cancels_the_job() -> None:
+    async with open_client(workers=0, request_timeout_s=0.3) as c:  # nobody computes
+        err = _error(await c.post("/per-sample-grads", json=TD0), 504, "deadline_exceeded")
+        assert "0.3" in err["message"]
+        assert await app_of(c).state.psgrad.broker.queue_depth() == 0
+
+
+async def test_deadline_passed_in_the_queue_fails_the_job() -> None:
+    async with open_client(request_timeout_s=0.0) as c:
+        job = (await c.post("/jobs", json=TD0)).json()["job_id"]
+        body = await _finished(c, job)
+    assert body["status"] == "failed" and body["error"]["code"] == "deadline_exceeded"
+
+
+async def test_queue_full_gives_503_with_retry_after() -> None:
+    async with open_client(workers=0, max_queue_depth=1) as c:
+        assert (await c.post("/jobs", json=TD0)).status_code == 202
+        r = await c.post("/per-sample-grads", json=TD0)
+        err = _error(r, 503, "overloaded")
+        assert r.headers["retry-after"] == "1" and err["details"]["retry_after"] == 1.0
+        _error(await c.post("/jobs", json=TD0), 503, "overloaded")
+
+
+async def test_api_and_admin_keys() -> None:
+    async with open_client(api_keys="key-one, key-two", admin_keys="admin-key") as c:
+        app: FastAPI = app_of(c)
+        app.add_api_route("/admin-probe", lambda: {"ok": True}, dependencies=[AdminKey])
+        r = await c.get("/models/linear-value")
+        _error(r, 401, "unauthorized")
+        assert r.headers["www-authenticate"] == "Bearer"
+        _error(await c.post("/per-sample-grads", json=TD0), 401, "unauthorized")
+        bad = {"authorization": "Bearer key-on"}
+        _error(await c.get("/models/linear-value", headers=bad), 401, "unauthorized")
+        _error(await c.get("/models", headers={"authorization": "Basic a2V5LW9uZQ=="}), 401)
+        for key in ("key-one", "key-two", "admin-key"):
+            auth = {"authorization": f"Bearer {key}"}
+            assert (await c.get("/models/linear-value", headers=auth)).status_code == 200
+        r = await c.post("/per-sample-grads", json=TD0, headers={"authorization": "Bearer key-two"})
+        assert r.status_code == 200
+        for path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"):
+            assert (await c.get(path)).status_code == 200, path
+        _error(await c.get("/admin-probe"), 401, "unauthorized")
+        _error(
+            await c.get("/admin-probe", headers={"authorization": "Bearer key-one"}),
+            403,
+            "forbidden",
+        )
+        ok = await c.get("/admin-probe", headers={"authorization": "Bearer admin-key"})
+        assert ok.json() == {"ok": True}
+    async with open_client(api_keys="key-one") as c:  # no admin key configured: nobody is admin
+        app_of(c).add_api_route("/admin-probe", lambda: {"ok": True}, dependencies=[AdminKey])
+        r = await c.get("/admin-probe", headers={"authorization": "Bearer key-one"})
+        assert "PSGRAD_ADMIN_KEYS" in _error(r, 403, "forbidden")["message"]
+    async with open_client() as c:  # no keys at all: everyone is let in
+        app_of(c).add_api_route("/admin-probe", lambda: {"ok": True}, dependencies=[AdminKey])
+        assert (await c.get("/admin-probe")).status_code == 200
+
+
+async def test_unexpected_errors_are_logged_not_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("secret internals /home/x/service/engine.py line 12")
+
+    async with open_client() as c:
+        monkeypatch.setattr(engine, "compute", broken)
+        err = _error(await c.post("/per-sample-grads", json=TD0), 500, "internal_error")
+        assert "secret" not in err["message"] and "engine.py" not in err["message"]
+        monkeypatch.setattr(app_of(c).state.psgrad.registry, "describe", broken)
+        err = _error(await c.get("/models/linear-value"), 500, "internal_error")
+        assert "secret" not in json.dumps(err)
+        monkeypatch.undo()
+        assert (await c.post("/per-sample-grads", json=TD0)).status_code == 200
+
+
+async def test_a_bad_job_never_disturbs_the_others() -> None:
+    good = {**TD0, "outputs": ["updates"]}
+    async with open_client(batch_max_delay_ms=50) as c:
+        answers = await asyncio.gather(
+            *[
+                c.post("/per-sample-grads", json=doc)
+                for doc in [
+                    good,
+                    {**TD0, "inputs": [[1.0, 2.0]]},
+                    good,
+                    {**TD0, "rewards": [1.0, 2.0]},
+                    good,
+                    {**TD0, "weights": {"theta": [1.0, 2.0]}},
+                ]
+            ]
+        )
+    statuses = [r.status_code for r in answers]
+    assert statuses == [200, 422, 200, 422, 200, 422]
+    for r in answers[::2]:
+        np.testing.assert_allclose(r.json()["updates"]["theta"], [[3.6, 1.8, -3.6]], rtol=1e-5)
