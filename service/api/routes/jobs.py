@@ -49,7 +49,7 @@ async def create_job(request: Request, state: StateDep) -> JSONResponse:
     summary="Status and, once done, the result",
     responses={
         200: {"content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}}},
-        **errors(401, 404),
+        **errors(400, 401, 404),
     },
 )
 async def get_job(job_id: str, request: Request, state: StateDep) -> Response:
@@ -70,7 +70,7 @@ async def get_job(job_id: str, request: Request, state: StateDep) -> Response:
 @router.delete(
     "/{job_id}",
     response_model=JobView,
-    responses=errors(401, 404),
+    responses=errors(400, 401, 404),
     summary="Cancel a queued or running job",
 )
 async def cancel_job(job_id: str, state: StateDep) -> JSONResponse:

@@ -29,7 +29,9 @@ def _describe_all(registry: ModelRegistry) -> dict[str, Any]:
     return {"models": docs}
 
 
-@router.get("", response_model=ModelList, responses=errors(401), summary="Every servable model")
+@router.get(
+    "", response_model=ModelList, responses=errors(400, 401), summary="Every servable model"
+)
 async def list_models(registry: RegistryDep) -> dict[str, Any]:
     """Zoo models (by family name, default config) and registered models (newest version)."""
     return await run_in_threadpool(_describe_all, registry)
@@ -38,7 +40,7 @@ async def list_models(registry: RegistryDep) -> dict[str, Any]:
 @router.get(
     "/{model_id}",
     response_model=ModelDoc,
-    responses=errors(401, 404),
+    responses=errors(400, 401, 404),
     summary="One model: input, parameters, losses, versions",
 )
 async def get_model(model_id: str, registry: RegistryDep) -> dict[str, Any]:
@@ -56,7 +58,7 @@ async def get_model(model_id: str, registry: RegistryDep) -> dict[str, Any]:
             "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
             "description": "a safetensors file of every parameter and buffer",
         },
-        **errors(401, 404),
+        **errors(400, 401, 404),
     },
 )
 async def get_weights(model_id: str, registry: RegistryDep) -> Response:
