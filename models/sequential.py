@@ -37,6 +37,7 @@ from psgrad._errors import InvalidModelSpec, TooLarge
 INPUT_DTYPES = ("float32", "int64")
 MAX_INPUT_ELEMENTS = 1 << 22
 MAX_ARG_ITEMS = 16
+MAX_RECURRENT_STEPS = 1024
 
 
 class SelfBilinear(nn.Bilinear):
@@ -67,7 +68,7 @@ class Mean(nn.Module):
 
     def __init__(self, dim: int | list[int], keepdim: bool = False) -> None:
         super().__init__()
-        dims = [dim] if isinstance(dim, int) else dim
+        dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, tuple) else dim
         if not isinstance(dims, list) or not dims or not all(
             isinstance(d, int) and not isinstance(d, bool) for d in dims
         ):
@@ -336,6 +337,12 @@ def trace(config: dict[str, Any], module: nn.Module, max_activations: int | None
     numel = 0
     module.eval()
     for (name, layer), entry in zip(module.named_children(), config["layers"], strict=True):
+        steps = x.shape[1] if x.dim() > 2 else 1
+        if isinstance(layer, nn.RNNBase) and steps > MAX_RECURRENT_STEPS:
+            raise _refuse(int(name), entry["type"], f"{steps} steps; recurrent layers take at "
+                          f"most {MAX_RECURRENT_STEPS} (they are unrolled step by step)")
+        if isinstance(layer, nn.TransformerEncoderLayer):  # the attention matrix, per head
+            numel += layer.self_attn.num_heads * steps * steps
         try:
             x = layer(x)
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as exc:

@@ -89,14 +89,27 @@ def test_new_weights_reuse_the_transformed_function(registry: ModelRegistry) -> 
      r"layer 1 \(Conv2d\)"),
     ([{"type": "Linear", "args": [4, 2]}, {"type": "Mean", "kwargs": {"dim": 0}}],
      r"layer 1 \(Mean\).*batch dimension"),
+    ([{"type": "GRU", "args": [4, 2]}], r"layer 0 \(GRU\): 2000 steps"),
+    ([{"type": "Linear", "args": [4, 2]}, {"type": "SelectStep", "kwargs": {"index": 5}}],
+     r"layer 1 \(SelectStep\).*out of bounds"),
     ([], "non-empty list"),
 ])
 def test_bad_specs_are_refused_naming_the_layer(layers: list, match: str,
                                                 registry: ModelRegistry) -> None:
+    shape = [2000, 4] if layers and layers[0]["type"] == "GRU" else [4]
     with pytest.raises(InvalidModelSpec, match=match) as info:
-        registration.register(registry, "bad", {**MLP, "layers": layers}, LIMITS)
+        registration.register(registry, "bad", {**MLP, "layers": layers,
+                                                "input": {"shape": shape}}, LIMITS)
     assert info.value.status == 422
     assert registry.store.ids() == []
+
+
+def test_mean_over_several_dims(registry: ModelRegistry) -> None:
+    spec = {**MLP, "layers": [{"type": "Mean", "kwargs": {"dim": [1, 2]}},
+                              {"type": "Linear", "args": [2, 2]}], "input": {"shape": [4, 3, 2]}}
+    model = registration.register(registry, "mean", spec, LIMITS)
+    x = torch.randn(2, 4, 3, 2)
+    torch.testing.assert_close(model.module(x), model.module[1](x.mean((1, 2))))
 
 
 def test_batch_statistics_are_refused(registry: ModelRegistry) -> None:
@@ -130,6 +143,8 @@ def test_coupling_layers_are_refused_by_the_dry_run(registry: ModelRegistry) -> 
                         {"type": "Flatten"}, {"type": "Linear", "args": [1, 2]}],
       "input": {"shape": [1, 4, 4]}}, "activation elements"),
     ({"architecture": "mlp", "config": {"sizes": [4, 10**6, 2]}}, "parameters"),
+    ({**MLP, "layers": [{"type": "TransformerEncoderLayer", "args": [2, 1, 2]}],
+      "input": {"shape": [400, 2]}}, r"activation elements by layer 0 \(Transformer"),
 ])
 def test_limits(spec: dict, match: str, registry: ModelRegistry) -> None:
     with pytest.raises(TooLarge, match=match) as info:
