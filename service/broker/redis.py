@@ -23,11 +23,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
 )
@@ -40,13 +40,14 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from psgrad._errors import InternalError, Overloaded, UnknownJob
+from psgrad._errors import InternalError, Overloaded, PsgradError, UnknownJob
 from psgrad._wire import fields_from_safetensors, fields_to_safetensors
 from service import keys
 from service.broker.base import Job, JobState, JobStatus
 from service.config import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
@@ -153,11 +154,11 @@ def decode_state(job_id: str, raw: Mapping[Any, Any], result: bytes | None) -> J
 
 
 def connection_kwargs(settings: Settings) -> dict[str, Any]:
-    """Short timeouts and one quick retry: a dead Redis costs a request seconds, never a hang."""
+    """Short timeouts, no hidden retries: a dead Redis costs a request seconds, never a hang."""
     return {
         "socket_timeout": settings.redis_timeout_s,
         "socket_connect_timeout": settings.redis_timeout_s,
-        "retry": Retry(ExponentialBackoff(cap=0.2, base=0.02), 1),
+        "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
     }
 
@@ -178,11 +179,30 @@ class RedisBroker:
         self._submit = self.r.register_script(SUBMIT_LUA)
         self._cancel = self.r.register_script(CANCEL_LUA)
 
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run ``op``; Redis errors become :class:`psgrad.Overloaded` (503) or a 500.
+
+        Pooled connections opened before a Redis restart are dead; the first command on one
+        fails with "Connection closed". Then the idle pooled connections are dropped and the
+        command runs once more on a fresh one, so the api recovers at its first request.
+        """
+        for attempt in (0, 1):
+            try:
+                return await op()
+            except (RedisConnectionError, RedisTimeoutError, asyncio.TimeoutError) as exc:
+                if attempt or not isinstance(exc, RedisConnectionError):
+                    raise self._translate(exc) from exc
+                for client in (self.r, self.blocking):
+                    await client.connection_pool.disconnect(inuse_connections=False)
+            except RedisError as exc:
+                raise self._translate(exc) from exc
+        raise AssertionError("unreachable")
+
     async def start(self) -> None:
         try:
-            await self.r.ping()
-        except RedisError as exc:  # the api still starts; it answers 503 until Redis is back
-            log.warning("Redis is not reachable at start-up: %s", exc)
+            await self._call(self.r.ping)
+        except Overloaded as exc:  # the api still starts; it answers 503 until Redis is back
+            log.warning("Redis is not reachable at start-up: %s", exc.message)
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -192,14 +212,11 @@ class RedisBroker:
         payload, n = encode_payload(job)
         ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
         p = self.prefix
-        try:
-            accepted = await self._submit(
-                keys=[keys.job_stream(p), keys.job_state(p, job.id), keys.job_payload(p, job.id)],
-                args=[self.settings.max_queue_depth, ttl, payload, job.id, n,
-                      repr(job.enqueued_at), repr(job.deadline)],
-            )
-        except RedisError as exc:
-            raise self._translate(exc) from exc
+        accepted = await self._call(lambda: self._submit(
+            keys=[keys.job_stream(p), keys.job_state(p, job.id), keys.job_payload(p, job.id)],
+            args=[self.settings.max_queue_depth, ttl, payload, job.id, n,
+                  repr(job.enqueued_at), repr(job.deadline)],
+        ))
         if not accepted:
             raise Overloaded(
                 f"the job queue is full ({self.settings.max_queue_depth} jobs); retry shortly",
@@ -211,24 +228,22 @@ class RedisBroker:
         if state.status.done or timeout <= 0:
             return state
         notify = keys.job_notify(self.prefix, job_id)
-        try:
-            popped = await asyncio.wait_for(
-                self.blocking.blpop([notify], timeout=max(timeout, 0.01)), timeout + 5.0)
-            if popped is not None:  # hand the token on: any other waiter of this job wakes too
-                await self.r.rpush(notify, b"done")
-        except (RedisError, asyncio.TimeoutError) as exc:
-            raise self._translate(exc) from exc
+        popped = await self._call(lambda: asyncio.wait_for(
+            self.blocking.blpop([notify], timeout=max(timeout, 0.01)), timeout + 5.0))
+        if popped is not None:  # hand the token on: any other waiter of this job wakes too
+            await self._call(lambda: self.r.rpush(notify, b"done"))
         return await self.state(job_id)
 
     async def state(self, job_id: str) -> JobState:
         p = self.prefix
-        try:
+
+        async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 pipe.hgetall(keys.job_state(p, job_id))
                 pipe.get(keys.job_result(p, job_id))
-                raw, result = await pipe.execute()
-        except RedisError as exc:
-            raise self._translate(exc) from exc
+                return cast("list[Any]", await pipe.execute())
+
+        raw, result = await self._call(read)
         if not raw:
             raise UnknownJob(f"unknown job '{job_id}' (never submitted, or its result expired "
                              f"after {self.settings.result_ttl_s} s)", id=job_id)
@@ -236,14 +251,11 @@ class RedisBroker:
 
     async def cancel(self, job_id: str) -> JobState:
         p = self.prefix
-        try:
-            found = await self._cancel(
-                keys=[keys.job_state(p, job_id), keys.job_notify(p, job_id),
-                      keys.job_payload(p, job_id)],
-                args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
-            )
-        except RedisError as exc:
-            raise self._translate(exc) from exc
+        found = await self._call(lambda: self._cancel(
+            keys=[keys.job_state(p, job_id), keys.job_notify(p, job_id),
+                  keys.job_payload(p, job_id)],
+            args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
+        ))
         if not found:
             raise UnknownJob(f"unknown job '{job_id}'", id=job_id)
         return await self.state(job_id)
@@ -251,39 +263,42 @@ class RedisBroker:
     async def forget(self, job_id: str) -> None:
         p = self.prefix
         try:
-            await self.r.delete(keys.job_state(p, job_id), keys.job_result(p, job_id),
-                                keys.job_payload(p, job_id), keys.job_notify(p, job_id))
-        except RedisError as exc:  # the keys expire by themselves
-            log.warning("could not drop job %s now: %s", job_id, exc)
+            await self._call(lambda: self.r.delete(
+                keys.job_state(p, job_id), keys.job_result(p, job_id),
+                keys.job_payload(p, job_id), keys.job_notify(p, job_id)))
+        except Overloaded as exc:  # the keys expire by themselves
+            log.warning("could not drop job %s now: %s", job_id, exc.message)
 
     async def queue_depth(self) -> int:
-        try:
-            return int(await self.r.xlen(keys.job_stream(self.prefix)))
-        except RedisError as exc:
-            raise self._translate(exc) from exc
+        return int(await self._call(lambda: self.r.xlen(keys.job_stream(self.prefix))))
 
     async def ready(self) -> bool:
         try:
             return await self.live_workers() > 0
-        except (RedisError, OSError):
+        except (Overloaded, InternalError):
             return False
 
     async def live_workers(self) -> int:
         """Workers whose heartbeat has not expired; names of dead ones are pruned."""
-        names = [text(n) for n in await self.r.smembers(keys.worker_names(self.prefix))]
+        p = self.prefix
+        names = [text(n) for n in await self._call(lambda: self.r.smembers(keys.worker_names(p)))]
         if not names:
             return 0
-        async with self.r.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.exists(keys.worker_heartbeat(self.prefix, name))
-            alive = await pipe.execute()
+
+        async def alive_flags() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.exists(keys.worker_heartbeat(p, name))
+                return cast("list[Any]", await pipe.execute())
+
+        alive = await self._call(alive_flags)
         dead = [n for n, a in zip(names, alive, strict=True) if not a]
         if dead:
-            await self.r.srem(keys.worker_names(self.prefix), *dead)
+            await self._call(lambda: self.r.srem(keys.worker_names(p), *dead))
         return sum(1 for a in alive if a)
 
     @staticmethod
-    def _translate(exc: BaseException) -> Exception:
+    def _translate(exc: BaseException) -> PsgradError:
         if isinstance(exc, asyncio.TimeoutError) or redis_unavailable(exc):
             return overloaded_from(exc)
         return InternalError(f"Redis refused a command: {str(exc)[:200]}")

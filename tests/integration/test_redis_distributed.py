@@ -1,0 +1,376 @@
+"""Distributed mode end to end: the api (``create_app`` with a RedisBroker) and real ``psgrad
+worker`` processes on loopback, sharing a real Redis.
+
+Every answer is checked against ``engine.compute`` run here, on the request alone. Each test has
+its own key prefix (deleted after) and its own workers; the outage test has its own Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+import torch
+from redis_helpers import SHARED_URL, OwnRedis, prefix_on, redis_or_skip, wait_for
+from safetensors.torch import save as st_save
+
+from psgrad._wire import SAFETENSORS, fields_from_safetensors
+from service import engine, keys
+from service.api.app import create_app
+from service.broker.redis import RedisBroker, text
+from service.config import Settings
+from service.registry import make_registry
+from service.validate import decode_json_body, parse_request
+
+PSGRAD = str(Path(sys.executable).with_name("psgrad"))
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def settings_for(url: str, prefix: str, **overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "redis_url": url, "redis_prefix": prefix, "device": "cpu", "heartbeat_s": 0.3,
+        "visibility_timeout_s": 2.0, "batch_max_delay_ms": 5.0, "batch_max_samples": 16,
+        "result_ttl_s": 60, "request_timeout_s": 90.0, "redis_timeout_s": 1.0,
+        "worker_redis_grace_s": 60.0,
+    }
+    return Settings(**{**base, **overrides})
+
+
+def env_of(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSGRAD_")}
+    for name, value in settings.model_dump().items():
+        if value is not None and not isinstance(value, (dict, list)):
+            env[f"PSGRAD_{name.upper()}"] = str(value)
+    env.update(THP_MEM_ALLOC_ENABLE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+@dataclass
+class Cluster:
+    settings: Settings
+    client: httpx.AsyncClient
+    broker: RedisBroker
+    logs: Path
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start_worker(self) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"worker-{len(self.workers)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen([PSGRAD, "worker", "--device", "cpu"], env=env_of(self.settings),
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.workers.append(proc)
+        return proc
+
+    async def live(self, n: int, timeout: float = 60.0) -> None:
+        until = time.monotonic() + timeout
+        while await self.broker.live_workers() < n:
+            for w in self.workers:
+                assert w.poll() in (None, 0, -9, 1), self.dump()
+            assert time.monotonic() < until, f"{n} workers not alive\n{self.dump()}"
+            await asyncio.sleep(0.1)
+
+    def dump(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in self.logs.glob("*.log"))
+
+    def stop_all(self) -> list[int | None]:
+        codes = []
+        for w in self.workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+            try:
+                codes.append(w.wait(30))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                codes.append(w.wait())
+        return codes
+
+    def job_hash(self, job_id: str) -> dict[str, str]:
+        with redis.Redis.from_url(self.settings.redis_url or "") as r:
+            raw = r.hgetall(keys.job_state(self.settings.redis_prefix, job_id))
+            return {text(k): text(v) for k, v in raw.items()}
+
+    def xlen(self) -> int:
+        with redis.Redis.from_url(self.settings.redis_url or "") as r:
+            return int(r.xlen(keys.job_stream(self.settings.redis_prefix)))
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp_path: Path, url: str, prefix: str, n_workers: int = 2,
+                  **overrides: Any) -> AsyncIterator[Cluster]:
+    settings = settings_for(url, prefix, **overrides)
+    broker = RedisBroker(settings)
+    app = create_app(settings, broker)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://psgrad.test", timeout=120,
+        headers={"Authorization": "Bearer admin"},  # used when a test sets admin_keys
+    ) as client:
+        c = Cluster(settings, client, broker, tmp_path)
+        try:
+            for _ in range(n_workers):
+                c.start_worker()
+            await c.live(n_workers)
+            yield c
+        finally:
+            c.stop_all()
+
+
+@pytest.fixture
+def prefix() -> Any:
+    client = redis_or_skip()
+    with prefix_on(client) as p:
+        yield p
+    client.close()
+
+
+@pytest.fixture
+def registry(prefix: str) -> Any:
+    """The in-process reference: the same zoo and the same Redis model store as the workers."""
+    reg = make_registry(settings_for(SHARED_URL, prefix))
+    yield reg
+    reg.store.close()
+
+
+# --- requests and their in-process reference ------------------------------------------------
+
+
+def mixed_request(i: int) -> dict[str, Any]:
+    rng = np.random.default_rng(i)
+    b = int(rng.integers(1, 6))
+
+    def f(*shape: int) -> list[Any]:
+        return rng.standard_normal(shape).astype(np.float32).round(3).tolist()
+
+    kind = i % 5
+    if kind == 0:
+        return {"model": "linear-value", "loss": "td0", "inputs": f(b, 3), "next_inputs": f(b, 3),
+                "rewards": f(b), "gamma": 0.9, "outputs": ["grads", "updates", "td_errors"]}
+    if kind == 1:  # per-call weights: its own group
+        return {"model": "linear-value", "loss": "td0", "inputs": f(b, 3), "next_inputs": f(b, 3),
+                "rewards": f(b), "weights": {"theta": f(3)}, "outputs": ["grads", "norms"]}
+    if kind == 2:
+        return {"model": "value-mlp", "loss": "td0", "inputs": f(b, 8), "next_inputs": f(b, 8),
+                "rewards": f(b), "outputs": ["norms", "mean", "variance"]}
+    if kind == 3:
+        return {"model": "value-mlp", "loss": "mse", "inputs": f(b, 8), "targets": f(b),
+                "outputs": ["grads", "losses", "cosine_mean"]}
+    return {"model": "mlp", "inputs": f(b, 784), "targets": rng.integers(0, 10, b).tolist(),
+            "outputs": ["norms", "losses"]}
+
+
+def check_answer(body: dict[str, Any], request: dict[str, Any], registry: Any) -> None:
+    """The service's answer equals engine.compute on this request alone."""
+    parsed = parse_request(decode_json_body(request, max_elements=1 << 24), registry)
+    want = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
+    assert body["batch_size"] == parsed.batch.size
+    for name in parsed.opts.outputs:
+        got, ref = body[name], want[name]
+        if isinstance(ref, dict):
+            assert set(got) == set(ref), name
+            for k in ref:
+                np.testing.assert_allclose(np.asarray(got[k]), ref[k].numpy(), **TOL,
+                                           err_msg=f"{name}/{k}")
+        else:
+            np.testing.assert_allclose(np.asarray(got), ref.numpy(), **TOL, err_msg=name)
+
+
+async def post_all(client: httpx.AsyncClient, requests: list[dict[str, Any]]
+                   ) -> list[httpx.Response]:
+    return list(await asyncio.gather(*(client.post("/per-sample-grads", json=r)
+                                       for r in requests)))
+
+
+async def job_done(client: httpx.AsyncClient, job_id: str, timeout: float = 60.0
+                   ) -> dict[str, Any]:
+    until = time.monotonic() + timeout
+    while True:
+        view: dict[str, Any] = (await client.get(f"/jobs/{job_id}")).json()
+        if view["status"] in ("succeeded", "failed", "canceled"):
+            return view
+        assert time.monotonic() < until, view
+        await asyncio.sleep(0.05)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    await asyncio.to_thread(wait_for, predicate, timeout, what)
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+
+async def test_concurrent_mixed_requests_and_sigterm_drain(tmp_path: Path, prefix: str,
+                                                          registry: Any) -> None:
+    async with cluster(tmp_path, SHARED_URL, prefix) as c:
+        requests = [mixed_request(i) for i in range(100)]
+        answers = await post_all(c.client, requests)
+        for request, answer in zip(requests, answers, strict=True):
+            assert answer.status_code == 200, answer.text
+            check_answer(answer.json(), request, registry)
+        assert max(a.json()["meta"]["batch_jobs"] for a in answers) > 1  # cross-request batches
+
+        # SIGTERM while a worker holds a running job: it finishes and acknowledges it, exits 0
+        ids = [(await c.client.post("/jobs", json=mixed_request(4))).json()["job_id"]
+               for _ in range(30)]
+        doomed = c.workers[0]
+        mark = f"-{doomed.pid}-"
+        running: list[str] = []
+
+        def one_running() -> bool:
+            running[:] = [j for j in ids if mark in c.job_hash(j).get("worker", "")]
+            return bool(running)
+
+        await wait_until(one_running, 30, "a job running on the first worker")
+        doomed.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(doomed.wait, 30) == 0, c.dump()
+        views = [await job_done(c.client, j) for j in ids]
+        assert [v["status"] for v in views] == ["succeeded"] * len(ids)
+        assert c.job_hash(running[0])["attempts"] == "1"  # drained, not redelivered
+        for v in views:
+            check_answer(v["result"], mixed_request(4), registry)
+        assert await c.broker.queue_depth() == 0
+        assert c.stop_all()[1] == 0
+
+
+async def test_kill9_worker_loses_nothing(tmp_path: Path, prefix: str, registry: Any) -> None:
+    async with cluster(tmp_path, SHARED_URL, prefix) as c:
+        requests = [mixed_request(i) for i in range(40)]
+        ids = [(await c.client.post("/jobs", json=r)).json()["job_id"] for r in requests]
+        victim = c.workers[0]
+        mark = f"-{victim.pid}-"
+        await wait_until(lambda: any(mark in c.job_hash(j).get("worker", "") and
+                                     c.job_hash(j).get("status") == "running" for j in ids),
+                         30, "a job running on the victim")
+        victim.kill()  # kill -9: no drain, no ack
+        views = [await job_done(c.client, j, timeout=90) for j in ids]
+        assert [v["status"] for v in views] == ["succeeded"] * len(ids), c.dump()
+        for request, view in zip(requests, views, strict=True):
+            check_answer(view["result"], request, registry)
+        redelivered = [j for j in ids if int(c.job_hash(j)["attempts"]) > 1]
+        assert redelivered, "no job of the killed worker was taken over"
+
+
+async def test_poison_job_fails_alone(tmp_path: Path, prefix: str, registry: Any) -> None:
+    async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1) as c:
+        good = [mixed_request(i) for i in range(10)]
+        poison = {"model": "mlp", "inputs": [[0.0] * 5], "targets": [0]}  # wrong sample shape
+        bad_target = {**mixed_request(4), "targets": [99] * len(mixed_request(4)["inputs"])}
+        answers = await post_all(c.client, [poison, *good, bad_target])
+        assert answers[0].status_code == 422
+        err = answers[0].json()["error"]
+        assert err["code"] == "shape_mismatch" and "[B, 784]" in err["message"]
+        assert answers[-1].status_code == 422
+        assert answers[-1].json()["error"]["code"] == "target_out_of_range"
+        for request, answer in zip(good, answers[1:-1], strict=True):
+            assert answer.status_code == 200, answer.text
+            check_answer(answer.json(), request, registry)
+        job = (await c.client.post("/jobs", json=poison)).json()["job_id"]
+        view = await job_done(c.client, job)
+        assert view["status"] == "failed" and view["error"]["code"] == "shape_mismatch"
+
+
+async def test_async_job_life_cancel_and_expiry(tmp_path: Path, prefix: str, registry: Any) -> None:
+    async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1, result_ttl_s=3) as c:
+        request = mixed_request(0)
+        created = await c.client.post("/jobs", json=request)
+        assert created.status_code == 202
+        job_id = created.json()["job_id"]
+        assert created.json()["status"] == "queued"
+        view = await job_done(c.client, job_id)
+        assert view["status"] == "succeeded"
+        check_answer(view["result"], request, registry)
+        binary = await c.client.get(f"/jobs/{job_id}", headers={"Accept": SAFETENSORS})
+        fields = fields_from_safetensors(binary.content, "response")
+        np.testing.assert_allclose(fields["td_errors"], np.asarray(view["result"]["td_errors"]))
+
+        worker = c.workers[0]
+        worker.send_signal(signal.SIGSTOP)  # nobody takes jobs now: this one stays queued
+        try:
+            queued = (await c.client.post("/jobs", json=request)).json()["job_id"]
+            assert (await c.client.get(f"/jobs/{queued}")).json()["status"] == "queued"
+            canceled = await c.client.delete(f"/jobs/{queued}")
+            assert canceled.json()["status"] == "canceled"
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        await wait_until(lambda: c.xlen() == 0, 30, "the worker to skip the canceled job")
+        assert (await c.client.get(f"/jobs/{queued}")).json()["status"] == "canceled"
+        # results expire after PSGRAD_RESULT_TTL_S
+        await asyncio.sleep(c.settings.result_ttl_s + 0.5)
+        for gone in (job_id, queued):
+            expired = await c.client.get(f"/jobs/{gone}")
+            assert expired.status_code == 404 and expired.json()["error"]["code"] == "unknown_job"
+
+
+async def test_registered_model_served_by_both_workers(tmp_path: Path, prefix: str,
+                                                       registry: Any) -> None:
+    async with cluster(tmp_path, SHARED_URL, prefix, admin_keys="admin",
+                       batch_max_samples=4) as c:
+        spec = {"architecture": "sequential", "input": {"shape": [4]},
+                "layers": [{"type": "Linear", "args": [4, 3]}], "default_loss": "cross_entropy"}
+        v1 = await c.client.put("/models/shared-lin", json=spec)
+        assert v1.status_code == 200, v1.text
+        rng = np.random.default_rng(7)
+        requests = [{"model": "shared-lin", "inputs": rng.standard_normal((4, 4)).tolist(),
+                     "targets": rng.integers(0, 3, 4).tolist(), "outputs": ["grads", "norms"]}
+                    for _ in range(16)]
+        ids = [(await c.client.post("/jobs", json=r)).json()["job_id"] for r in requests]
+        views = [await job_done(c.client, j) for j in ids]
+        served = {c.job_hash(j)["worker"].split("-")[-3] for j in ids}
+        assert served == {str(w.pid) for w in c.workers}, served
+        for request, view in zip(requests, views, strict=True):
+            assert view["status"] == "succeeded", view
+            assert view["result"]["model"] == f"shared-lin@{v1.json()['version']}"
+            check_answer(view["result"], request, registry)
+
+        new = {"0.weight": torch.full((3, 4), 0.25), "0.bias": torch.tensor([1.0, 0.0, -1.0])}
+        v2 = await c.client.put("/models/shared-lin/weights", content=st_save(new),
+                                headers={"Content-Type": SAFETENSORS})
+        assert v2.status_code == 200, v2.text
+        answers = await post_all(c.client, requests[:4])
+        for request, answer in zip(requests[:4], answers, strict=True):
+            assert answer.json()["model"] == f"shared-lin@{v2.json()['version']}"
+            check_answer(answer.json(), request, registry)
+
+
+async def test_redis_outage_503_then_recovery(tmp_path: Path) -> None:
+    own = OwnRedis(tmp_path)
+    own.start()
+    try:
+        async with cluster(tmp_path, own.url, "outage", n_workers=1,
+                           worker_redis_grace_s=3.0) as c:
+            request = mixed_request(0)
+            assert (await c.client.post("/per-sample-grads", json=request)).status_code == 200
+            own.kill()
+            started = time.monotonic()
+            down = await c.client.post("/per-sample-grads", json=request)
+            assert down.status_code == 503, down.text
+            assert down.json()["error"]["code"] == "overloaded"
+            assert int(down.headers["Retry-After"]) >= 1
+            assert (await c.client.get("/readyz")).status_code == 503
+            assert (await c.client.post("/jobs", json=request)).status_code == 503
+            assert time.monotonic() - started < 15  # answers, not hangs
+            # the worker cannot make progress: it exits non-zero for its supervisor to restart
+            assert await asyncio.to_thread(c.workers[0].wait, 30) == 1, c.dump()
+
+            own.start()
+            c.start_worker()  # what the supervisor does
+            await c.live(1)
+            assert (await c.client.get("/readyz")).status_code == 200
+            answer = await c.client.post("/per-sample-grads", json=request)
+            assert answer.status_code == 200, answer.text
+            reference = make_registry(c.settings)
+            check_answer(answer.json(), request, reference)
+            reference.store.close()
+    finally:
+        own.kill()
