@@ -233,3 +233,39 @@ async def test_redis_registry_survives_a_restart() -> None:
         if found:
             client.delete(*found)
         client.close()
+
+
+async def test_stock_recurrent_layers_take_the_loop_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator family with a stock ``nn.GRU`` (vmap cannot batch it in torch 2.13)."""
+    from torch import nn
+
+    from models.base import ZOO, ModelFamily, TensorSpec
+    from tests.byom_cases import _first_output
+
+    class StockGRU(ModelFamily):
+        name = "stock-gru"
+
+        def build(self, config: dict[str, Any]) -> nn.Module:
+            return nn.Sequential(_first_output(nn.GRU)(3, 4, batch_first=True), nn.Flatten(),
+                                 nn.Linear(8, 2))
+
+        def input_spec(self, config: dict[str, Any]) -> TensorSpec:
+            return TensorSpec((2, 3))
+
+    monkeypatch.setitem(ZOO, "stock-gru", StockGRU())
+    case = Case("stock-gru", [], [2, 3])
+    x, y = case.batch()
+    async with serve() as client:
+        response = await client.post("/per-sample-grads", headers=USER, json={
+            "model": "stock-gru", "inputs": x.tolist(), "targets": y.tolist(),
+            "outputs": ["grads", "norms"]})
+        assert response.status_code == 200, response.text
+        state = await _weights(client, "stock-gru")
+    body = response.json()
+    assert body["meta"]["route"] == "loop"
+    reference = StockGRU().build({})
+    reference.load_state_dict(state)
+    grads, norms = reference_grads(reference.eval(), case, x, y)
+    for name, g in grads.items():
+        torch.testing.assert_close(torch.tensor(body["grads"][name]), g, **TOL)
+    torch.testing.assert_close(torch.tensor(body["norms"]), norms, **TOL)
