@@ -22,7 +22,7 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +40,18 @@ class ModelRecord:
     config: dict[str, Any]
     weights: bytes
     created: float
+    doc: dict[str, Any] = field(default_factory=dict)  # GET /models/{id}, kept to list cheaply
 
     def spec_json(self) -> str:
         return json.dumps({"id": self.id, "version": self.version,
                            "architecture": self.architecture, "config": self.config,
-                           "created": self.created}, sort_keys=True)
+                           "created": self.created, "doc": self.doc}, sort_keys=True)
 
     @classmethod
     def from_spec(cls, spec: str | bytes, weights: bytes) -> ModelRecord:
         d = json.loads(spec)
         return cls(d["id"], d["version"], d["architecture"], d["config"], weights,
-                   float(d["created"]))
+                   float(d["created"]), d.get("doc") or {})
 
 
 class ModelStore:
@@ -62,6 +63,11 @@ class ModelStore:
 
     def get(self, model_id: str, version: str) -> ModelRecord | None:
         raise NotImplementedError
+
+    def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
+        """The stored ``GET /models/{id}`` document of a version, without its weights."""
+        record = self.get(model_id, version)
+        return record.doc if record is not None else None
 
     def versions(self, model_id: str) -> list[str]:
         """The versions of ``model_id``, oldest first; empty when the id is unknown."""
@@ -165,8 +171,7 @@ class FileModelStore(ModelStore):
             folder.mkdir(exist_ok=True)
             newest = max((c for c, _ in self._specs(record.id)), default=0.0)
             created = max(record.created, newest + 1e-6)
-            stored = ModelRecord(record.id, record.version, record.architecture, record.config,
-                                 record.weights, created)
+            stored = replace(record, created=created)
             weights = folder / f"{record.version}.safetensors"
             if not weights.exists():
                 _write_atomic(weights, record.weights)
@@ -174,6 +179,13 @@ class FileModelStore(ModelStore):
 
     def has(self, model_id: str, version: str) -> bool:
         return (self.root / model_id / f"{version}.json").is_file()
+
+    def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
+        try:
+            spec = (self.root / model_id / f"{version}.json").read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return ModelRecord.from_spec(spec, b"").doc
 
     def get(self, model_id: str, version: str) -> ModelRecord | None:
         folder = self.root / model_id
@@ -229,6 +241,10 @@ class RedisModelStore(ModelStore):
         if spec is None or weights is None:
             return None
         return ModelRecord.from_spec(spec, bytes(weights))
+
+    def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
+        spec = self.r.hget(keys.model_version(self.prefix, model_id, version), "spec")
+        return ModelRecord.from_spec(spec, b"").doc if spec is not None else None
 
     def versions(self, model_id: str) -> list[str]:
         found = self.r.zrange(keys.model_versions(self.prefix, model_id), 0, -1)

@@ -256,7 +256,7 @@ def _add(registry: ModelRegistry, model_id: str, architecture: str, config: dict
     model = load_model(model_id, architecture, config, state, device=registry.device)
     weights = encode_weights({**model.params, **model.buffers})
     record = ModelRecord(model_id, model.version, architecture, model.config, weights,
-                         time.time())
+                         time.time(), model.describe())
     registry.store.put(record)
     registry.remember(model)
     return model

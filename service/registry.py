@@ -266,11 +266,17 @@ class ModelRegistry:
         return [*sorted(n for n in _zoo() if _is_zoo(n)), *self.store.ids()]
 
     def describe(self, ref: str) -> dict[str, Any]:
-        """The ``GET /models/{id}`` document; registered models also list their versions."""
-        model = self.get(ref)
-        doc = model.describe()
-        doc["versions"] = [model.version] if _is_zoo(model.id) else self.store.versions(model.id)
-        return doc
+        """The ``GET /models/{id}`` document; registered models also list their versions.
+
+        A registered version's document is stored with it, so listing never builds a model.
+        """
+        model_id, _, version = ref.partition("@")
+        if _is_zoo(model_id):
+            model = self.get(ref)
+            return {**model.describe(), "versions": [model.version]}
+        version = self.resolve(model_id, version or None)
+        doc = self.store.doc(model_id, version) or self.get(f"{model_id}@{version}").describe()
+        return {**doc, "versions": self.store.versions(model_id)}
 
     def _load(self, model_id: str, version: str | None) -> LoadedModel:
         if not _is_zoo(model_id):
