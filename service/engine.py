@@ -132,15 +132,26 @@ def chunk_size(model: LoadedModel, selected: Sequence[str], batch: int, budget_b
 
 def compute(model: LoadedModel, batch: Batch, opts: Options,
             segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30,
-            compiled: CompiledFunctions | None = None) -> list[dict[str, Any]]:
+            compiled: CompiledFunctions | None = None, fast_stats: bool = True
+            ) -> list[dict[str, Any]]:
     """Every requested output, for each segment of the batch (one segment per job).
 
     With ``compiled`` (``PSGRAD_COMPILE=1``) the per-sample function runs under torch.compile
     in padded pieces of preferred sizes (:mod:`service.compile_cache`); results are the same.
+    With ``fast_stats`` (``PSGRAD_FAST_STATS``, default on) a call asking for no per-sample
+    tensors takes :mod:`service.fast_stats` when the model allows it (same answer, no B copies
+    of the gradient); ``meta["method"]`` says how each parameter was computed.
     """
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
         raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
+    if fast_stats:
+        from service import fast_stats as fast
+
+        if fast.supports(model, opts.outputs):
+            answer = fast.compute(model, batch, opts, segments, budget_bytes=budget_bytes)
+            if answer is not None:
+                return answer
     device = next(iter(model.params.values())).device
     params = {**model.params, **{k: v.to(device, model.dtype) for k, v in batch.weights.items()}}
     selected = {k: params[k] for k in opts.params}
@@ -169,7 +180,8 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
         else:
             for start, _, grads, _, _ in chunks():
                 acc.cosine(start, grads)
-    meta = {"route": model.route, "chunk_size": chunk}
+    meta = {"route": model.route, "chunk_size": chunk,
+            "method": {k: model.route for k in opts.params}}
     return [{**out, "meta": {**meta, **extra}} for out, extra in acc.finish()]
 
 
@@ -294,17 +306,21 @@ class _Accumulator:
         return results
 
     def _noised(self, s: int, n: int) -> tuple[Tensors, int | None]:
-        sums = self.clipped[s]
-        sigma = self.opts.noise_multiplier * (self.opts.clip_norm or 0.0)
-        if sigma == 0:
-            return {k: v / n for k, v in sums.items()}, self.opts.seed
-        seed = self.opts.seed if self.opts.seed is not None else secrets.randbits(63)
-        gen = torch.Generator().manual_seed(seed)
-        out = {}
-        for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
-            noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
-            out[k] = (v + noise.to(v.device, v.dtype)) / n
-        return out, seed
+        return noised_mean(self.clipped[s], self.opts, n)
+
+
+def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | None]:
+    """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count."""
+    sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
+    if sigma == 0:
+        return {k: v / n for k, v in sums.items()}, opts.seed
+    seed = opts.seed if opts.seed is not None else secrets.randbits(63)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
+        noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
+        out[k] = (v + noise.to(v.device, v.dtype)) / n
+    return out, seed
 
 
 def output_bytes(model: LoadedModel, opts: Options, batch_size: int) -> int:

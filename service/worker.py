@@ -244,6 +244,7 @@ def _compute(
         [p.batch.size for p in group],
         budget_bytes=settings.memory_budget_mb << 20,
         compiled=compiled,
+        fast_stats=settings.fast_stats,
     )
     return results, time.perf_counter() - start
 

@@ -9,32 +9,41 @@ on loopback, and checks an answer computed by hand.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from fnmatch import fnmatch
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from psgrad._wire import array_from_json
 from service.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_FILES = (ROOT / "docker-compose.yml",)
 CPU_FILES = (*GPU_FILES, ROOT / "docker-compose.cpu.yml")
-PSGRAD_IMAGE_SERVICES = ("api", "worker-gpu0", "worker-gpu1")
 SECRET_WORDS = ("KEY", "SECRET", "PASSWORD", "TOKEN")
+API_KEY = "compose-test-key"
 # Settings whose compose value differs from the code's default on purpose.
 DELIBERATE = {
     "redis_url": "compose runs Redis; the code defaults to the embedded broker",
     "memory_budget_mb": "a GPU has more memory than the laptop default assumes",
+    "api_keys": "required: the api refuses a non-loopback host without keys",
 }
 
 
@@ -52,10 +61,10 @@ def _compose_command() -> list[str] | None:
     return [legacy] if legacy is not None else None
 
 
-def compose_config(
-    files: tuple[Path, ...], tmp_path: Path, env: dict[str, str] | None = None, env_file: str = ""
-) -> dict[str, Any]:
-    """What Compose makes of ``files``, given ``env`` and the contents of an env file."""
+def run_compose_config(
+    files: tuple[Path, ...], tmp_path: Path, env: dict[str, str], env_file: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``compose config`` of ``files``, given exactly ``env`` (no PSGRAD_*) and an env file."""
     command = _compose_command()
     if command is None:
         pytest.skip(
@@ -72,11 +81,22 @@ def compose_config(
         [*args, "config"],
         capture_output=True,
         text=True,
-        env={**clean, **(env or {})},
+        env={**clean, **env},
         timeout=120,
         check=False,
     )
-    assert done.returncode == 0, f"{' '.join(args)} config failed:\n{done.stderr}"
+    return done
+
+
+def compose_config(
+    files: tuple[Path, ...],
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+    env_file: str = "",
+) -> dict[str, Any]:
+    """What Compose makes of ``files``; ``env`` defaults to the one key the api needs."""
+    done = run_compose_config(files, tmp_path, env or {"PSGRAD_API_KEYS": API_KEY}, env_file)
+    assert done.returncode == 0, f"compose config failed:\n{done.stderr}"
     parsed: dict[str, Any] = yaml.safe_load(done.stdout)
     return parsed
 
@@ -191,15 +211,21 @@ def test_api_waits_for_redis_and_reports_health(gpu_config: dict[str, Any]) -> N
 
 
 def test_api_keys_come_from_the_environment_or_an_env_file(tmp_path: Path) -> None:
+    # The api refuses a non-loopback host without keys, so compose refuses to start without.
+    refused = run_compose_config(GPU_FILES, tmp_path, env={})
+    assert refused.returncode != 0
+    assert "PSGRAD_API_KEYS" in refused.stderr
     from_env = compose_config(GPU_FILES, tmp_path, env={"PSGRAD_API_KEYS": "k1,k2"})
     assert from_env["services"]["api"]["environment"]["PSGRAD_API_KEYS"] == "k1,k2"
-    from_file = compose_config(GPU_FILES, tmp_path, env_file="PSGRAD_ADMIN_KEYS=adm\n")
+    assert from_env["services"]["api"]["environment"]["PSGRAD_ADMIN_KEYS"] == ""
+    from_file = compose_config(
+        GPU_FILES, tmp_path, env={"X": "1"}, env_file="PSGRAD_API_KEYS=k3\nPSGRAD_ADMIN_KEYS=adm\n"
+    )
+    assert from_file["services"]["api"]["environment"]["PSGRAD_API_KEYS"] == "k3"
     assert from_file["services"]["api"]["environment"]["PSGRAD_ADMIN_KEYS"] == "adm"
-    none = compose_config(GPU_FILES, tmp_path)
-    assert none["services"]["api"]["environment"]["PSGRAD_API_KEYS"] == ""
     # Workers serve no HTTP: they get no keys.
-    for service in workers(none).values():
-        assert not any(w in k for k in service["environment"] for w in ("KEYS",))
+    for service in workers(from_file).values():
+        assert not [k for k in service["environment"] if "KEYS" in k]
 
 
 def test_compose_settings_are_settings_with_the_code_defaults(
@@ -366,3 +392,210 @@ def test_compose_commands_are_psgrad_subcommands(
         assert done.returncode == 0, done.stderr
         for flag in (a for a in command[1:] if a.startswith("--")):
             assert flag in done.stdout, (command, done.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# The processes compose starts, on loopback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def image_env() -> dict[str, str]:
+    """The ENV of the Dockerfile, as the containers get it."""
+    env: dict[str, str] = {}
+    for word, rest in dockerfile():
+        if word == "ENV":
+            env.update(pair.split("=", 1) for pair in rest.split())
+    return env
+
+
+def with_option(command: list[str], flag: str, value: str) -> list[str]:
+    out = list(command)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+class Processes:
+    """Started processes with their logs in files; all stopped with SIGTERM at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.started: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopped: set[str] = set()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        with (self.logs / f"{name}.log").open("wb") as log:  # the child keeps its own copy
+            self.started[name] = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.logs
+            )
+
+    def tails(self) -> str:
+        return "\n".join(
+            f"--- {name}:\n{(self.logs / f'{name}.log').read_text(errors='replace')[-3000:]}"
+            for name in self.started
+        )
+
+    def check_running(self) -> None:
+        dead = {
+            n: p.returncode
+            for n, p in self.started.items()
+            if n not in self.stopped and p.poll() is not None
+        }
+        assert not dead, f"exited early: {dead}\n{self.tails()}"
+
+    def stop(self, name: str, timeout: float = 60) -> int:
+        proc = self.started[name]
+        self.stopped.add(name)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.started)):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.stop(name)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def wait_for(what: str, probe: Callable[[], bool], procs: Processes, limit_s: float = 180) -> None:
+    """Poll until probe() holds; a hang guard, not a timing check."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        procs.check_running()
+        try:
+            if probe():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{what} not reached in {limit_s} s\n{procs.tails()}")
+
+
+def test_compose_processes_serve_a_request_on_loopback(
+    tmp_path: Path, processes: Processes
+) -> None:
+    config = compose_config(CPU_FILES, tmp_path)
+    services = started(config)
+    psgrad = psgrad_executable()
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("PSGRAD_")}
+    base_env.update(image_env())
+
+    # Redis with the compose file's arguments, on its own port and directory.
+    redis_port = free_port()
+    redis_cmd = [str(a) for a in services["redis"]["command"]]
+    assert shutil.which(redis_cmd[0]), f"{redis_cmd[0]} is not installed"
+    processes.start(
+        "redis",
+        [*redis_cmd, "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+        base_env,
+    )
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+
+    def service_env(name: str) -> dict[str, str]:
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        assert env["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
+        return {**base_env, **env, "PSGRAD_REDIS_URL": redis_url}
+
+    def redis_up() -> bool:
+        import redis
+
+        return bool(redis.Redis.from_url(redis_url).ping())
+
+    wait_for("redis", redis_up, processes)
+
+    api_port = free_port()
+    api_cmd = with_option(services["api"]["command"], "--host", "127.0.0.1")
+    api_cmd = with_option(api_cmd, "--port", str(api_port))
+    processes.start("api", [psgrad, *api_cmd], service_env("api"))
+    cpu_workers = sorted(workers(config))
+    assert len(cpu_workers) == 2
+    for name in cpu_workers:
+        processes.start(name, [psgrad, *services[name]["command"]], service_env(name))
+
+    base = f"http://127.0.0.1:{api_port}"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        wait_for("/healthz", lambda: http.get("/healthz").status_code == 200, processes)
+        wait_for("/readyz", lambda: http.get("/readyz").status_code == 200, processes)
+
+        # TD(0) on the linear value function, checked by hand (docs of the TD(0) semantics):
+        # sample 0: V(s)=0, V(s')=-0.2, delta=1.8; sample 1 is terminal: delta=0-0.2=-0.2.
+        body = {
+            "model": "linear-value",
+            "loss": "td0",
+            "inputs": [[2.0, 1.0, -2.0], [1.0, 0.0, 0.0]],
+            "next_inputs": [[1.0, 2.0, 0.0], [5.0, 5.0, 5.0]],
+            "rewards": [2.0, 0.0],
+            "dones": [0.0, 1.0],
+            "gamma": 1.0,
+            "weights": {"theta": [0.2, -0.2, 0.1]},
+            "outputs": ["grads", "updates", "td_errors"],
+        }
+        refused = http.post("/per-sample-grads", json=body)
+        assert refused.status_code == 401, refused.text
+        answer = http.post("/per-sample-grads", json=body, headers=auth)
+        assert answer.status_code == 200, f"{answer.text}\n{processes.tails()}"
+        result = answer.json()
+        assert result["batch_size"] == 2
+        expected = {
+            "td_errors": [1.8, -0.2],
+            "updates": [[3.6, 1.8, -3.6], [-0.2, 0.0, 0.0]],
+            "grads": [[-7.2, -3.6, 7.2], [0.4, 0.0, 0.0]],
+        }
+        for output, want in expected.items():
+            got = result[output]["theta"] if output != "td_errors" else result[output]
+            array = array_from_json(got, name=output, max_elements=1000)
+            np.testing.assert_allclose(array, want, atol=1e-5, err_msg=output)
+
+        # An upgrade as docs/operations.md does it: the workers get SIGTERM and drain (exit 0);
+        # a job queued meanwhile waits in Redis, through an api restart, for the new worker.
+        for name in cpu_workers:
+            assert processes.stop(name) == 0, processes.tails()
+        queued = http.post("/jobs", json=body, headers=auth)
+        assert queued.status_code == 202, queued.text
+        job = queued.json()["job_id"]
+        # uvicorn shuts down, then re-raises the signal it caught (exit code 143 in Docker).
+        assert processes.stop("api") in (0, -signal.SIGTERM), processes.tails()
+
+    new_port = free_port()
+    new_api = with_option(api_cmd, "--port", str(new_port))
+    processes.start("api-new", [psgrad, *new_api], service_env("api"))
+    name = cpu_workers[0]
+    processes.start(f"{name}-new", [psgrad, *services[name]["command"]], service_env(name))
+    with httpx.Client(base_url=f"http://127.0.0.1:{new_port}", timeout=60) as http:
+
+        def job_done() -> bool:
+            status = http.get(f"/jobs/{job}", headers=auth).json()["status"]
+            assert status in ("queued", "running", "succeeded"), status
+            return bool(status == "succeeded")
+
+        wait_for(f"job {job}", job_done, processes)
+        done = http.get(f"/jobs/{job}", headers=auth).json()["result"]
+        array = array_from_json(done["td_errors"], name="td_errors", max_elements=1000)
+        np.testing.assert_allclose(array, expected["td_errors"], atol=1e-5)
+
+
+def test_operations_guide_lists_every_setting() -> None:
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    missing = [
+        f"PSGRAD_{f.upper()}" for f in Settings.model_fields if f"PSGRAD_{f.upper()}`" not in guide
+    ]
+    assert not missing, f"add these settings to the table in docs/operations.md: {missing}"
