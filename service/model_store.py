@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 from collections import OrderedDict
@@ -28,6 +29,14 @@ from typing import Any
 
 from service import keys
 from service.config import Settings
+
+ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+VERSION_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def is_safe_id(model_id: str) -> bool:
+    """Ids are file names and Redis key parts: 1-64 of a-z 0-9 . _ -, not starting with . _ -."""
+    return bool(ID_RE.fullmatch(model_id))
 
 
 @dataclass(frozen=True)
@@ -152,8 +161,12 @@ class FileModelStore(ModelStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
+    def _folder(self, model_id: str) -> Path:
+        """Only safe ids become paths: anything else is a folder that cannot exist."""
+        return self.root / model_id if is_safe_id(model_id) else self.root / "_"  # never made
+
     def _specs(self, model_id: str) -> list[tuple[float, str]]:
-        folder = self.root / model_id
+        folder = self._folder(model_id)
         if not folder.is_dir():
             return []
         found = []
@@ -166,7 +179,9 @@ class FileModelStore(ModelStore):
         return sorted(found)
 
     def put(self, record: ModelRecord) -> None:
-        folder = self.root / record.id
+        if not is_safe_id(record.id):
+            raise ValueError(f"unsafe model id {record.id!r}")
+        folder = self._folder(record.id)
         with self._lock:
             folder.mkdir(exist_ok=True)
             newest = max((c for c, _ in self._specs(record.id)), default=0.0)
@@ -178,17 +193,17 @@ class FileModelStore(ModelStore):
             _write_atomic(folder / f"{record.version}.json", stored.spec_json().encode())
 
     def has(self, model_id: str, version: str) -> bool:
-        return (self.root / model_id / f"{version}.json").is_file()
+        return (self._folder(model_id) / f"{version}.json").is_file()
 
     def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
         try:
-            spec = (self.root / model_id / f"{version}.json").read_bytes()
+            spec = (self._folder(model_id) / f"{version}.json").read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
         return ModelRecord.from_spec(spec, b"").doc
 
     def get(self, model_id: str, version: str) -> ModelRecord | None:
-        folder = self.root / model_id
+        folder = self._folder(model_id)
         try:
             spec = (folder / f"{version}.json").read_bytes()
             weights = (folder / f"{version}.safetensors").read_bytes()
@@ -204,7 +219,7 @@ class FileModelStore(ModelStore):
                       if p.is_dir() and any(p.glob("*.json")))
 
     def delete(self, model_id: str, version: str | None = None) -> list[str]:
-        folder = self.root / model_id
+        folder = self._folder(model_id)
         with self._lock:
             targets = self.versions(model_id) if version is None else (
                 [version] if (folder / f"{version}.json").exists() else [])

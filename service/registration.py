@@ -13,7 +13,6 @@ id may not equal a zoo name: zoo names always mean the zoo model (409 Conflict o
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +36,9 @@ from psgrad._errors import (
 from psgrad._wire import array_from_json, fields_from_safetensors
 from service.config import Settings
 from service.losses import get_loss
-from service.model_store import ModelRecord
+from service.model_store import ID_RE, VERSION_RE, ModelRecord
 from service.registry import LoadedModel, ModelRegistry, load_model
 
-ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
-VERSION_RE = re.compile(r"[0-9a-f]{16}")
 SPEC_KEYS = ("layers", "input", "default_loss", "losses")
 
 

@@ -27,7 +27,7 @@ from psgrad._errors import (
     UnknownModel,
 )
 from service.config import Settings
-from service.model_store import MemoryModelStore, ModelStore, make_store
+from service.model_store import MemoryModelStore, ModelStore, is_safe_id, make_store
 
 ZOO_SEED = 0
 
@@ -249,6 +249,9 @@ class ModelRegistry:
 
     def resolve(self, model_id: str, version: str | None) -> str:
         """The stored version that ``id`` (newest) or ``id@version`` means."""
+        if not is_safe_id(model_id):
+            raise UnknownModel(f"unknown model {model_id[:80]!r}: model ids are 1 to 64 of "
+                               "a-z, 0-9, '.', '_', '-'", known=self.ids())
         if version is None:
             found = self.store.latest(model_id)
             if found is not None:

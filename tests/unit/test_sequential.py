@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,3 +219,13 @@ def test_file_store_survives_a_restart(tmp_path: object) -> None:
     again = ModelRegistry(device=torch.device("cpu"), store=FileModelStore(str(tmp_path)))
     assert again.get("m").version == model.version
     torch.testing.assert_close(again.get("m").params, model.params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ref", ["..", "../etc", "a/../b", "x@../..", "M", ".", "_"])
+def test_unsafe_refs_never_reach_the_file_store(ref: str, tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "outside.json").write_text('{"created": 1}')
+    registry = ModelRegistry(device=torch.device("cpu"), store=FileModelStore(tmp_path / "store"))
+    with pytest.raises(UnknownModel):
+        registry.get(ref)
+    assert registry.store.versions("..") == [] and registry.store.doc("..", "outside") is None
