@@ -565,6 +565,19 @@ def test_compose_processes_serve_a_request_on_loopback(
             array = array_from_json(got, name=output, max_elements=1000)
             np.testing.assert_allclose(array, want, atol=1e-5, err_msg=output)
 
+        # /metrics needs no key and has every metric docs/operations.md names.
+        scraped = http.get("/metrics")
+        assert scraped.status_code == 200
+        guide = (ROOT / "docs" / "operations.md").read_text()
+        named = set(re.findall(r"`(psgrad_[a-z_]+)", guide))
+        assert "psgrad_queue_depth" in named
+        exposed = {
+            line.split()[2].removesuffix("_total")
+            for line in scraped.text.splitlines()
+            if line.startswith("# TYPE ")
+        }
+        assert not [m for m in named if m.removesuffix("_total") not in exposed], exposed
+
         # An upgrade as docs/operations.md does it: the workers get SIGTERM and drain (exit 0);
         # a job queued meanwhile waits in Redis, through an api restart, for the new worker.
         for name in cpu_workers:
