@@ -41,10 +41,15 @@ MAX_RECURRENT_STEPS = 1024
 
 
 class SelfBilinear(nn.Bilinear):
-    """``Bilinear`` fed its single input twice, so it fits in a sequence of layers."""
+    """``Bilinear`` fed its single input twice, so it fits in a sequence of layers.
+
+    Computed with ``einsum`` rather than ``F.bilinear``: same parameters and result, and vmap
+    batches it (``aten::_trilinear`` has no batching rule in torch 2.13: a slow fallback).
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x, x)
+        y = torch.einsum("...i,oij,...j->...o", x, self.weight, x)
+        return y + self.bias if self.bias is not None else y
 
 
 class SelectStep(nn.Module):

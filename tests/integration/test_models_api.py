@@ -81,6 +81,10 @@ async def test_every_layer_type_matches_the_per_sample_loop(case: Case) -> None:
             "outputs": ["grads", "norms"]})
         assert response.status_code == 200, response.text
         body = response.json()
+        summary = await client.post("/per-sample-grads", headers=USER, json={
+            "model": case.name, "inputs": x.tolist(), "targets": y.tolist(),
+            "outputs": ["norms"]})  # no per-sample tensors asked: the fast-statistics route
+        assert summary.status_code == 200, summary.text
     assert body["model"] == f"{case.name}@{doc['version']}"
     assert body["meta"]["route"] == "vmap"
     grads, norms = reference_grads(reference_model(case, state), case, x, y)
@@ -88,6 +92,7 @@ async def test_every_layer_type_matches_the_per_sample_loop(case: Case) -> None:
     for name, g in grads.items():
         torch.testing.assert_close(torch.tensor(body["grads"][name]), g, **TOL)
     torch.testing.assert_close(torch.tensor(body["norms"]), norms, **TOL)
+    torch.testing.assert_close(torch.tensor(summary.json()["norms"]), norms, **TOL)
 
 
 async def test_versions_and_id_at_version() -> None:
