@@ -251,7 +251,7 @@ class ModelRegistry:
         """The stored version that ``id`` (newest) or ``id@version`` means."""
         if not is_safe_id(model_id):
             raise UnknownModel(f"unknown model {model_id[:80]!r}: model ids are 1 to 64 of "
-                               "a-z, 0-9, '.', '_', '-'", known=self.ids())
+                               "a-z, 0-9, '.', '_', '-'")
         if version is None:
             found = self.store.latest(model_id)
             if found is not None:
@@ -261,8 +261,9 @@ class ModelRegistry:
         if version and self.store.latest(model_id):
             raise UnknownModel(f"'{model_id}' has no version '{version}'; it has: "
                                f"{', '.join(self.store.versions(model_id))}", id=model_id)
-        known = self.ids()
-        raise UnknownModel(f"unknown model '{model_id}'; known: {', '.join(known)}", known=known)
+        known = self.ids()[:50]  # a store may hold many ids: GET /models lists them all
+        raise UnknownModel(f"unknown model '{model_id}'; known: {', '.join(known)}"
+                           f"{', ...' if len(known) == 50 else ''}", known=known)
 
     def ids(self) -> list[str]:
         """Every servable id: zoo names, then registered ids."""
