@@ -180,10 +180,10 @@ def check_answer(body: dict[str, Any], request: dict[str, Any], registry: Any) -
         if isinstance(ref, dict):
             assert set(got) == set(ref), name
             for k in ref:
-                np.testing.assert_allclose(np.asarray(got[k]), ref[k].numpy(), **TOL,
+                np.testing.assert_allclose(np.asarray(got[k]), ref[k].detach().numpy(), **TOL,
                                            err_msg=f"{name}/{k}")
         else:
-            np.testing.assert_allclose(np.asarray(got), ref.numpy(), **TOL, err_msg=name)
+            np.testing.assert_allclose(np.asarray(got), ref.detach().numpy(), **TOL, err_msg=name)
 
 
 async def post_all(client: httpx.AsyncClient, requests: list[dict[str, Any]]
