@@ -1,0 +1,435 @@
+"""The fast-statistics path equals the ``vmap`` path and the per-sample loop, output by output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import ZOO, TensorSpec
+from service import engine
+from service.config import Settings
+from service.engine import Batch, Options
+from service.registry import LoadedModel, load_model
+from tests.fast_stats_reference import SUMMARY, assert_close, reference
+
+CPU = torch.device("cpu")
+
+
+def zoo(arch: str, config: dict[str, Any] | None = None) -> LoadedModel:
+    return load_model(arch, arch, config, device=CPU)
+
+
+def custom(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    dtype: str = "float32",
+    high: int = 0,
+    loss: str = "cross_entropy",
+    key: str = "",
+) -> LoadedModel:
+    """A LoadedModel around any module (tied weights and custom forwards are not in the zoo)."""
+    module.eval().requires_grad_(False)
+    spec = TensorSpec(shape, dtype, high or None)
+    x = torch.randint(0, high, (2, *shape)) if high else torch.randn(2, *shape)
+    return LoadedModel(
+        id=key,
+        version="0",
+        architecture="custom",
+        config={},
+        module=module,
+        params={k: v.detach() for k, v in module.named_parameters()},
+        buffers={k: v.detach() for k, v in module.named_buffers()},
+        input=spec,
+        output_shape=tuple(module(x).shape[1:]),
+        default_loss=loss,
+        losses=(loss,),
+        activation_numel=10_000,
+        structure=f"test-{key}",
+    )
+
+
+def make_batch(
+    model: LoadedModel,
+    n: int,
+    seed: int = 0,
+    *,
+    loss: str | None = None,
+    reference: bool = True,
+    weights: bool = False,
+) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    spec = model.input
+    if spec.dtype == "int64":
+        x = torch.randint(0, spec.high or 2, (n, *spec.shape), generator=gen)
+    else:
+        x = torch.randn((n, *spec.shape), generator=gen)
+    loss = loss or model.default_loss
+    batch = Batch(inputs=x)
+    if loss == "td0":
+        batch.next_inputs = torch.randn(x.shape, generator=gen)
+        batch.rewards = torch.randn(n, generator=gen)
+        batch.dones = (torch.rand(n, generator=gen) < 0.3).float()
+    elif loss == "mse":
+        batch.targets = torch.randn((n, *model.output_shape), generator=gen)
+    else:
+        batch.targets = torch.randint(0, model.output_shape[-1], (n,), generator=gen)
+    if reference:
+        batch.reference = {k: torch.randn(v.shape, generator=gen) for k, v in model.params.items()}
+    if weights:
+        batch.weights = {
+            k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in model.params.items()
+        }
+    return batch
+
+
+def check(
+    model: LoadedModel,
+    batch: Batch,
+    *,
+    loss: str | None = None,
+    params: tuple[str, ...] | None = None,
+    segments: list[int] | None = None,
+    outputs: tuple[str, ...] = SUMMARY,
+    clip: float = 0.5,
+    gamma: float = 1.0,
+) -> dict[str, Any]:
+    """Fast path == vmap path == per-sample loop for every output; answers the fast meta."""
+    loss = loss or model.default_loss
+    if loss == "td0":
+        outputs = (*outputs, "td_errors")
+    opts = Options(
+        loss=loss,
+        outputs=outputs,
+        params=params or tuple(model.params),
+        clip_norm=clip,
+        gamma=gamma,
+    )
+    segments = segments or [batch.size]
+    fast = engine.compute(model, batch, opts, segments)
+    slow = engine.compute(model, batch, opts, segments, fast_stats=False)
+    want = reference(model, batch, opts, segments)
+    for s, (f, v, r) in enumerate(zip(fast, slow, want, strict=True)):
+        assert f["meta"]["path"] == "fast_stats"
+        assert list(f) == [*outputs, "meta"]
+        for name in outputs:
+            assert_close(f[name], v[name], f"segment {s} {name} (fast vs vmap)")
+            assert_close(f[name], r[name], f"segment {s} {name} (fast vs loop)")
+    meta: dict[str, Any] = fast[0]["meta"]
+    assert list(meta["method"]) == list(opts.params)
+    return meta
+
+
+SMALL = {
+    "mlp": {"sizes": [6, 8, 3]},
+    "simple-cnn": None,
+    "tiny-transformer": {
+        "vocab": 30,
+        "seq_len": 6,
+        "d_model": 8,
+        "nhead": 2,
+        "dim_ff": 12,
+        "layers": 2,
+        "classes": 3,
+    },
+    "linear-value": {"dim": 3, "bias": False},
+    "value-mlp": {"sizes": [4, 8]},
+}
+
+
+def test_every_zoo_model_is_covered() -> None:
+    assert {name for name, family in ZOO.items() if family.standalone} == set(SMALL)
+
+
+@pytest.mark.parametrize("arch", list(SMALL))
+def test_every_summary_output_on_every_zoo_model(arch: str) -> None:
+    model = zoo(arch, SMALL[arch])
+    n = 3 if arch == "simple-cnn" else 5
+    meta = check(model, make_batch(model, n), segments=[2, n - 2])
+    if arch in ("mlp", "value-mlp"):
+        assert set(meta["method"].values()) == {"linear"}
+        assert {meta["form"][k] for k in meta["form"] if k.endswith("weight")} == {"outer"}
+    if arch == "simple-cnn":
+        assert meta["method"]["conv2.weight"] == "conv"
+        assert meta["method"]["fc1.weight"] == "linear"
+    if arch == "tiny-transformer":
+        assert meta["method"]["embed.weight"] == "embedding"
+        assert meta["method"]["pos"] == "direct"
+        assert meta["method"]["encoder.0.self_attn.in_proj_weight"] == "linear"
+        assert meta["method"]["encoder.1.norm2.weight"] == "direct"
+
+
+@pytest.mark.parametrize(
+    ("arch", "loss"),
+    [("mlp", "mse"), ("linear-value", "mse"), ("linear-value", "td0"), ("value-mlp", "td0")],
+)
+def test_other_losses(arch: str, loss: str) -> None:
+    model = zoo(arch, SMALL[arch])
+    check(model, make_batch(model, 4, loss=loss), loss=loss, gamma=0.9)
+
+
+def test_a_zero_dimensional_bias_against_the_loop() -> None:
+    model = zoo("linear-value", {"dim": 3, "bias": True})
+    batch = make_batch(model, 4, loss="td0")
+    opts = Options(
+        loss="td0",
+        outputs=(*SUMMARY, "td_errors"),
+        params=tuple(model.params),
+        clip_norm=0.5,
+        gamma=0.9,
+    )
+    [fast] = engine.compute(model, batch, opts)
+    [want] = reference(model, batch, opts, [4])
+    assert fast["meta"]["method"] == {"theta": "direct", "bias": "direct"}
+    for name in opts.outputs:
+        assert_close(fast[name], want[name], name)
+
+
+def test_td0_hand_check() -> None:
+    """The design's example: theta=[0.2,-0.2,0.1], s=[2,1,-2], r=2, s'=[1,2,0]: grad -7.2..."""
+    model = zoo("linear-value", {"dim": 3, "bias": False})
+    batch = Batch(
+        inputs=torch.tensor([[2.0, 1.0, -2.0]]),
+        next_inputs=torch.tensor([[1.0, 2.0, 0.0]]),
+        rewards=torch.tensor([2.0]),
+        dones=torch.tensor([0.0]),
+        weights={"theta": torch.tensor([0.2, -0.2, 0.1])},
+    )
+    opts = Options(loss="td0", outputs=("norms", "mean", "td_errors"), params=("theta",))
+    [out] = engine.compute(model, batch, opts)
+    torch.testing.assert_close(out["td_errors"], torch.tensor([1.8]))
+    torch.testing.assert_close(out["mean"]["theta"], torch.tensor([-7.2, -3.6, 7.2]))
+    torch.testing.assert_close(out["norms"], torch.tensor([-7.2, -3.6, 7.2]).norm().reshape(1))
+
+
+@pytest.mark.parametrize(
+    ("arch", "params"),
+    [
+        ("mlp", ("fc2.weight",)),
+        ("mlp", ("fc1.bias", "fc2.weight")),
+        ("tiny-transformer", ("embed.weight", "head.bias")),
+        ("tiny-transformer", ("encoder.1.self_attn.out_proj.weight", "encoder.0.norm1.bias")),
+        ("simple-cnn", ("conv1.weight",)),
+    ],
+)
+def test_params_subsets(arch: str, params: tuple[str, ...]) -> None:
+    model = zoo(arch, SMALL[arch])
+    meta = check(model, make_batch(model, 3), params=params)
+    assert list(meta["method"]) == list(params)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "tiny-transformer"])
+def test_per_call_weights(arch: str) -> None:
+    model = zoo(arch, SMALL[arch])
+    check(model, make_batch(model, 4, weights=True), segments=[1, 3])
+
+
+def test_clipped_mean_noise_is_the_vmap_paths() -> None:
+    model = zoo("mlp", SMALL["mlp"])
+    batch = make_batch(model, 5)
+    opts = Options(
+        loss="cross_entropy",
+        outputs=("clipped_mean",),
+        params=tuple(model.params),
+        clip_norm=0.3,
+        noise_multiplier=1.1,
+        seed=7,
+    )
+    fast = engine.compute(model, batch, opts, [2, 3])
+    slow = engine.compute(model, batch, opts, [2, 3], fast_stats=False)
+    for f, s in zip(fast, slow, strict=True):
+        assert f["meta"]["seed"] == s["meta"]["seed"] == 7
+        assert_close(f["clipped_mean"], s["clipped_mean"])
+
+
+def _sequential(
+    layers: list[dict[str, Any]], shape: list[int], dtype: str = "float32"
+) -> LoadedModel:
+    config = {"layers": layers, "input": {"shape": shape, "dtype": dtype}}
+    gen = torch.Generator().manual_seed(3)
+    base = load_model("seq", "sequential", config, device=CPU)
+    state = {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in base.params.items()}
+    return load_model("seq", "sequential", config, {**state, **base.buffers}, device=CPU)
+
+
+def _l(kind: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"type": kind, "args": list(args), "kwargs": kwargs}
+
+
+@pytest.mark.parametrize(
+    ("layers", "shape", "form"),
+    [
+        ([_l("Linear", 5, 4), _l("Flatten"), _l("Linear", 8, 2)], [2, 5], "gram"),  # 8 < 20
+        (
+            [_l("Linear", 2, 3), _l("Flatten"), _l("Linear", 18, 2)],
+            [6, 2],
+            "materialise",
+        ),  # 72 >= 6
+        # a 4-D input: T = 4 positions, 32 >= 9
+        ([_l("Linear", 3, 3), _l("Flatten"), _l("Linear", 12, 2)], [2, 2, 3], "materialise"),
+        ([_l("Conv1d", 4, 6, 3), _l("Flatten"), _l("Linear", 18, 2)], [4, 5], "gram"),  # 18 < 72
+        (
+            [
+                _l("Conv1d", 2, 3, 3, stride=2, dilation=2, padding=2),
+                _l("Flatten"),
+                _l("Linear", 15, 2),
+            ],
+            [2, 9],
+            "materialise",
+        ),
+        (
+            [_l("Conv2d", 2, 4, 3, padding=1, groups=2), _l("Flatten"), _l("Linear", 64, 2)],
+            [2, 4, 4],
+            "materialise",
+        ),
+        (
+            [
+                _l("Conv2d", 2, 2, [2, 3], padding="same", padding_mode="reflect"),
+                _l("Flatten"),
+                _l("Linear", 24, 2),
+            ],
+            [2, 3, 4],
+            "materialise",
+        ),
+        (
+            [_l("Conv2d", 1, 2, 2, padding="same"), _l("Flatten"), _l("Linear", 18, 2)],
+            [1, 3, 3],
+            "materialise",
+        ),
+        (
+            [
+                _l("Conv3d", 2, 2, 2, stride=[1, 2, 1], padding=1, dilation=[1, 1, 2]),
+                _l("Flatten"),
+                _l("Linear", 64, 2),
+            ],
+            [2, 3, 3, 4],
+            "materialise",
+        ),
+    ],
+)
+def test_sequences_and_convolutions_on_both_sides_of_the_choice(
+    layers: list[dict[str, Any]], shape: list[int], form: str
+) -> None:
+    model = _sequential(layers, shape)
+    meta = check(model, make_batch(model, 4), segments=[3, 1])
+    assert meta["form"]["0.weight"] == form
+    assert meta["method"]["0.weight"] == layers[0]["type"].rstrip("123d").lower()
+
+
+def test_embedding_with_padding_and_repeated_tokens() -> None:
+    layers = [
+        _l("Embedding", 7, 3, padding_idx=0),
+        _l("Linear", 3, 4),
+        _l("Mean", dim=1),
+        _l("Linear", 4, 2),
+    ]
+    model = _sequential(layers, [6], "int64")
+    batch = make_batch(model, 5)
+    batch.inputs = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(1))
+    assert (batch.inputs == 0).any()
+    meta = check(model, batch)
+    assert meta["method"]["0.weight"] == "embedding"
+    assert meta["form"]["1.weight"] == "materialise"  # T = 6: 72 >= 12
+
+
+class TiedPair(nn.Module):
+    """One weight in two Linear layers: its per-sample gradient is the sum of both parts, which
+    is the sequence form over the two calls (two positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class TiedHead(nn.Module):
+    """An embedding table reused as the output layer (``F.linear`` in the model's forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.emb(tokens))).mean(1)
+        return F.linear(h, self.emb.weight)
+
+
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.t()
+
+
+class Opaque(nn.Module):
+    """Parameters read through ``w.t()``: module replays (the owner, then the whole model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Transposed()
+        self.scale = nn.Parameter(torch.randn(2, 3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(x))
+        return self.head(h) + h @ self.scale.t()
+
+
+@pytest.mark.parametrize(
+    ("factory", "shape", "high", "methods"),
+    [
+        (TiedPair, (4,), 0, {"a.weight": "linear", "a.bias": "linear", "head.weight": "linear"}),
+        (TiedHead, (5,), 9, {"emb.weight": "tied", "mix.weight": "linear"}),
+        (Opaque, (4,), 0, {"inner.w": "direct", "scale": "vmap", "head.weight": "linear"}),
+    ],
+)
+def test_tied_and_opaque_parameters(
+    factory: type[nn.Module], shape: tuple[int, ...], high: int, methods: dict[str, str]
+) -> None:
+    torch.manual_seed(0)
+    model = custom(factory(), shape, "int64" if high else "float32", high, key=factory.__name__)
+    meta = check(model, make_batch(model, 4), segments=[1, 3])
+    for name, method in methods.items():
+        assert meta["method"][name] == method, name
+    if factory is TiedPair:
+        assert meta["form"]["a.weight"] == "gram"  # 2 positions: 8 < 16
+
+
+def test_variance_keeps_its_digits_when_the_mean_is_large() -> None:
+    model = zoo("mlp", SMALL["mlp"])
+    batch = make_batch(model, 6, reference=False)
+    batch.inputs = 40.0 + 0.01 * batch.inputs
+    batch.targets = torch.zeros(6, dtype=torch.long)
+    opts = Options(loss="cross_entropy", outputs=("variance",), params=tuple(model.params))
+    [fast] = engine.compute(model, batch, opts)
+    [want] = reference(model, batch, opts, [6])
+    for k, v in want["variance"].items():
+        scale = float(v.abs().max()) + 1e-12
+        assert_close(fast["variance"][k], v, k, atol=1e-3 * scale, rtol=1e-3)
+
+
+def test_per_sample_outputs_and_the_switch_take_the_vmap_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = zoo("mlp", SMALL["mlp"])
+    batch = make_batch(model, 3)
+    opts = Options(loss="cross_entropy", outputs=("grads", "norms"), params=tuple(model.params))
+    [out] = engine.compute(model, batch, opts)
+    assert "path" not in out["meta"]
+    assert set(out["meta"]["method"].values()) == {"vmap"}
+    monkeypatch.setenv("PSGRAD_FAST_STATS", "0")
+    assert Settings().fast_stats is False
+    opts = Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
+    [out] = engine.compute(model, batch, opts, fast_stats=Settings().fast_stats)
+    assert set(out["meta"]["method"].values()) == {"vmap"}
