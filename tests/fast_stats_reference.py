@@ -86,6 +86,18 @@ def reference(
 ) -> list[dict[str, Any]]:
     """Every summary output per segment, from the loop's gradients, in float64."""
     grads, losses, aux = loop_grads(model, batch, opts)
+    return summarize(grads, losses, aux, batch, opts, segments)
+
+
+def summarize(
+    grads: dict[str, torch.Tensor],
+    losses: torch.Tensor,
+    aux: torch.Tensor,
+    batch: Batch,
+    opts: Options,
+    segments: Sequence[int],
+) -> list[dict[str, Any]]:
+    """The summary outputs per segment from stacked per-sample gradients, in float64."""
     g64 = {k: v.to(torch.float64) for k, v in grads.items()}
     sq = {k: v.reshape(v.shape[0], -1).pow(2).sum(1) for k, v in g64.items()}
     norms = torch.stack(list(sq.values())).sum(0).sqrt()

@@ -1,0 +1,65 @@
+"""Every allow-listed layer type through the fast path, against stock torch one sample at a time.
+
+The reference gradients come from :mod:`tests.byom_cases`: stock ``torch.nn`` layers (``nn.GRU``
+itself, not psgrad's unrolled copy) loaded with the same weights, differentiated per sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.sequential import LAYERS
+from service import engine
+from service.engine import Batch, Options
+from service.registry import load_model
+from tests.byom_cases import CASES, Case, perturbed, reference_grads, reference_model
+from tests.fast_stats_reference import SUMMARY, assert_close, summarize
+
+OUTPUTS = tuple(k for k in SUMMARY if k != "losses")
+CLOSED = {
+    "Linear": "linear",
+    "Conv1d": "conv",
+    "Conv2d": "conv",
+    "Conv3d": "conv",
+    "Embedding": "embedding",
+    "RNN": "linear",
+    "GRU": "linear",
+    "LSTM": "linear",
+}
+
+
+def test_every_allowed_type_has_a_case() -> None:
+    assert {layer["type"] for case in CASES for layer in case.layers} == set(LAYERS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_allowed_layer_type(case: Case) -> None:
+    spec = case.spec()
+    config = {k: spec[k] for k in ("layers", "input", "default_loss")}
+    cpu = torch.device("cpu")
+    base = load_model(case.name, "sequential", config, device=cpu)
+    state = perturbed({**base.params, **base.buffers})
+    model = load_model(case.name, "sequential", config, state, device=cpu)
+    x, y = case.batch(4)
+    gen = torch.Generator().manual_seed(5)
+    reference = {k: torch.randn(v.shape, generator=gen) for k, v in model.params.items()}
+    batch = Batch(inputs=x, targets=y, reference=reference)
+    opts = Options(loss=case.loss, outputs=OUTPUTS, params=tuple(model.params), clip_norm=0.5)
+    segments = [1, 3]
+    fast = engine.compute(model, batch, opts, segments)
+    slow = engine.compute(model, batch, opts, segments, fast_stats=False)
+    grads, _ = reference_grads(reference_model(case, state), case, x, y)
+    loop = summarize(grads, torch.zeros(4), torch.zeros(4), batch, opts, segments)
+    for f, s, r in zip(fast, slow, loop, strict=True):
+        assert f["meta"]["path"] == "fast_stats"
+        for name in OUTPUTS:
+            assert_close(f[name], s[name], f"{name} (fast vs vmap)")
+            assert_close(f[name], r[name], f"{name} (fast vs stock torch loop)")
+    methods = fast[0]["meta"]["method"]
+    for i, layer in enumerate(case.layers):
+        for name, method in methods.items():
+            if name.startswith(f"{i}.") and layer["type"] in CLOSED:
+                assert method == CLOSED[layer["type"]], name
+            elif name.startswith(f"{i}."):  # norms, Bilinear, ConvTranspose: per-op replay
+                assert method in ("direct", "linear"), name  # attention: linear projections
