@@ -182,9 +182,10 @@ def run_worker(
     settings: Settings,
     stop: threading.Event,
     observer: WorkerObserver | None = None,
+    compiled: CompiledFunctions | None = None,
 ) -> None:
     """Run the loop until ``stop`` is set (the embedded broker's threads and ``psgrad worker``)."""
-    Worker(source, registry, settings, observer).run(stop)
+    Worker(source, registry, settings, observer, compiled).run(stop)
 
 
 def _internal(job: Job) -> InternalError:

@@ -52,11 +52,16 @@ class EmbeddedBroker:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop.clear()
+        compiled = None
+        if self.settings.compile:  # PSGRAD_COMPILE=1: compiled locally, shared by the threads
+            from service.compile_cache import CompiledFunctions
+
+            compiled = CompiledFunctions(self.settings, writer=False)
         for i in range(self.settings.workers):
             thread = threading.Thread(
                 target=run_worker,
                 args=(self, self.registry, self.settings, self._stop),
-                kwargs={"observer": self.observer},
+                kwargs={"observer": self.observer, "compiled": compiled},
                 name=f"psgrad-worker-{i}",
                 daemon=True,
             )
