@@ -126,7 +126,10 @@ def load_array(spec: str, *, default_name: str | None = None) -> np.ndarray:
     path, _, name = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
     suffix = Path(path).suffix.lower()
     if suffix == ".npy":
-        return np.asarray(np.load(path, allow_pickle=False))
+        try:
+            return np.asarray(np.load(path, allow_pickle=False))
+        except ValueError as exc:  # object arrays need pickle: refused
+            raise BadRequest(f"{path}: {exc}; save plain numeric arrays (no pickles)") from None
     if suffix == ".safetensors":
         tensors = load_file(path)
         if name:

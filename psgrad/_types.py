@@ -99,6 +99,9 @@ class JobStatus(str, enum.Enum):
     def done(self) -> bool:
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
 
+    def __str__(self) -> str:
+        return self.value
+
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -203,7 +203,7 @@ def test_options_are_keyword_only() -> None:
 
 
 def test_import_psgrad_pulls_in_no_torch_fastapi_or_redis() -> None:
-    code = ("import sys, psgrad; "
+    code = ("import sys, psgrad, psgrad._cli, psgrad._cli_client; "
             "bad = [m for m in ('torch', 'fastapi', 'redis', 'starlette', 'pydantic', 'service')"
             " if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
