@@ -153,6 +153,40 @@ def fields_to_json(fields: Mapping[str, Any], *, binary: bool = False) -> dict[s
 
 def fields_to_safetensors(fields: Mapping[str, Any], meta_key: str) -> bytes:
     """Arrays become tensors (``field`` or ``field/param``), the rest JSON under ``meta_key``."""
+    tensors, metadata = _split_fields(fields, meta_key)
+    return bytes(st_save(tensors, metadata=metadata))
+
+
+_ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def safetensors_parts(fields: Mapping[str, Any], meta_key: str) -> list[bytes | memoryview]:
+    """The file of :func:`fields_to_safetensors` as pieces that view the arrays (no copy).
+
+    For streaming a large answer: the header, then each tensor's bytes in place. Same tensors,
+    names and metadata; ``b"".join`` of the parts is a valid safetensors file.
+    """
+    tensors, metadata = _split_fields(fields, meta_key)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    parts: list[bytes | memoryview] = []
+    offset = 0
+    for name, arr in tensors.items():
+        little = arr.astype(arr.dtype.newbyteorder("<"), order="C", copy=False)
+        if str(little.dtype) not in _ST_DTYPES:
+            raise TypeError(f"tensor '{name}' has dtype {little.dtype}, not one of {DTYPES}")
+        header[name] = {"dtype": _ST_DTYPES[str(little.dtype)], "shape": list(little.shape),
+                        "data_offsets": [offset, offset + little.nbytes]}
+        offset += little.nbytes
+        if little.nbytes:
+            parts.append(little.reshape(-1).data.cast("B"))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [struct.pack("<Q", len(raw)) + raw, *parts]
+
+
+def _split_fields(fields: Mapping[str, Any], meta_key: str
+                  ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {}
     order: dict[str, list[str]] = {}
@@ -168,7 +202,7 @@ def fields_to_safetensors(fields: Mapping[str, Any], meta_key: str) -> bytes:
         else:
             meta[key] = value
     metadata = {meta_key: json.dumps(meta), ORDER_KEY: json.dumps(order)}
-    return bytes(st_save(tensors, metadata=metadata))
+    return tensors, metadata
 
 
 def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX_HEADER_BYTES

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import BadRequest, TooLarge
@@ -24,11 +26,12 @@ from psgrad._wire import (
     SAFETENSORS,
     fields_from_safetensors,
     fields_to_json,
-    fields_to_safetensors,
+    safetensors_parts,
 )
 from service.config import Settings
 from service.validate import KNOWN_FIELDS, decode_json_body
 
+STREAM_CHUNK = 4 << 20  # bytes per write of a streamed safetensors answer
 INLINE_BYTES = 64 * 1024  # smaller bodies decode on the loop (a thread hop costs more)
 
 
@@ -136,10 +139,18 @@ async def encode_result(
 ) -> Response:
     """The answer in the form the client accepts (encoded in a thread: it may be 300 MB)."""
     if wants_safetensors(request):
-        data = await run_in_threadpool(fields_to_safetensors, result, RESPONSE_KEY)
-        return Response(data, status_code=status, media_type=SAFETENSORS, headers=headers)
+        parts = safetensors_parts(result, RESPONSE_KEY)  # views of the arrays: no copy
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        return StreamingResponse(_chunks(parts), status_code=status, media_type=SAFETENSORS,
+                                 headers={**(headers or {}), "content-length": str(size)})
     data = await run_in_threadpool(json_bytes, result)
     return Response(data, status_code=status, media_type=JSON, headers=headers)
+
+
+async def _chunks(parts: list[bytes | memoryview]) -> AsyncIterator[bytes | memoryview]:
+    for part in parts:
+        for start in range(0, len(part), STREAM_CHUNK):
+            yield part[start : start + STREAM_CHUNK]
 
 
 def json_bytes(fields: dict[str, Any]) -> bytes:

@@ -229,7 +229,8 @@ def _sample(text: str, name: str) -> float:
 async def test_metrics_move() -> None:
     async with open_client() as c:
         before = (await c.get("/metrics")).text
-        r = await c.post("/per-sample-grads", json={**VALUE_MLP, "outputs": ["norms"]})
+        # grads need the vmap function (summary outputs may take the fast statistics instead)
+        r = await c.post("/per-sample-grads", json={**VALUE_MLP, "outputs": ["grads"]})
         assert r.status_code == 200
         await c.post(
             "/per-sample-grads", content=b"{", headers={"content-type": "application/json"}
@@ -281,3 +282,42 @@ async def test_openapi_documents_every_field_and_docs_work_offline() -> None:
     assert page.status_code == 200 and "/docs-assets/swagger-ui-bundle.js" in page.text
     assert "cdn" not in page.text.lower()
     assert asset.status_code == 200 and len(asset.content) > 100_000
+
+
+def test_streamed_safetensors_equal_the_reference_encoder() -> None:
+    """The api streams views of the arrays; the file must be what safetensors itself writes."""
+    from safetensors.numpy import save as st_save
+
+    from psgrad._wire import safetensors_parts
+
+    fields = {
+        "model": "m@1",
+        "batch_size": 3,
+        "norms": rng.random(3).astype(np.float32),
+        "grads": {"w": rng.random((3, 2, 2)), "b": np.zeros((3, 0), np.float32)},
+        "td_errors": np.arange(3, dtype=">f4"),
+        "flags": np.array([True, False]),
+        "ids": np.arange(4, dtype=np.int64)[::2],
+    }
+    data = b"".join(safetensors_parts(fields, RESPONSE_KEY))
+    ours, reference = (
+        st_load(data),
+        st_load(
+            st_save(
+                {
+                    "norms": fields["norms"],
+                    "grads/w": fields["grads"]["w"],
+                    "grads/b": fields["grads"]["b"],
+                    "td_errors": fields["td_errors"].astype("<f4"),
+                    "flags": fields["flags"],
+                    "ids": np.ascontiguousarray(fields["ids"]),
+                }
+            )
+        ),
+    )
+    assert set(ours) == set(reference)
+    for name, arr in reference.items():
+        assert ours[name].dtype == arr.dtype and ours[name].shape == arr.shape, name
+        np.testing.assert_array_equal(ours[name], arr, err_msg=name)
+    decoded = fields_from_safetensors(data, RESPONSE_KEY)
+    assert decoded["model"] == "m@1" and list(decoded["grads"]) == ["w", "b"]

@@ -6,7 +6,6 @@ running); examples per operation are bounded so the whole file takes well under 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from service.api import create_app
+from tests.client_support import free_port
 from tests.unit.api_support import settings
 
 SETTINGS = settings(
@@ -44,16 +44,9 @@ def _raw_bytes(_ctx: object, value: object) -> bytes:
     return str(value).encode()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(SETTINGS), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
