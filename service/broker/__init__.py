@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from service.broker.base import Broker, Job, JobSource, JobState, JobStatus, new_job_id
 
@@ -33,4 +33,5 @@ def make_broker(
         return EmbeddedBroker(settings, registry, observer=observer)
     from service.broker.redis import RedisBroker  # type: ignore[import-not-found,unused-ignore]
 
-    return cast("Broker", RedisBroker(settings))
+    broker: Broker = RedisBroker(settings)  # checked against the protocol
+    return broker
