@@ -71,6 +71,19 @@ _FN_LOCK = threading.Lock()
 FN_CACHE_STATS = {"hits": 0, "misses": 0}  # read by the api's /metrics
 
 
+def warm_up() -> None:
+    """Pay torch.func's one-time set-up before the first job, not inside it.
+
+    The first ``grad`` of a process imports ``torch._dynamo`` (``_autograd_grad`` enters
+    ``torch._dynamo.compiled_autograd._disable()``): 1 to 3 s on our CPUs, which would
+    otherwise land on the first request a worker serves. Workers call this when they start.
+    """
+    import torch._dynamo  # noqa: F401
+
+    vmap(grad_and_value(lambda w, x: (w * x).sum()), in_dims=(None, 0))(
+        torch.ones(2), torch.ones(2, 2))
+
+
 def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
     """``(selected, other_params, buffers, samples) -> (grads, (losses, aux))`` over a batch.
 
@@ -192,6 +205,11 @@ def _bounds(segments: Sequence[int]) -> list[tuple[int, int]]:
     return list(itertools.pairwise(ends))
 
 
+def _rows(g: torch.Tensor) -> torch.Tensor:
+    """One row per sample (``flatten(1)`` fails on the [B] gradients of a scalar parameter)."""
+    return g.reshape(g.shape[0], -1)
+
+
 class _Accumulator:
     """Collects per-sample values and per-segment statistics chunk by chunk."""
 
@@ -229,13 +247,13 @@ class _Accumulator:
         self._append("td_errors", aux)
         norms = None
         if self.need_norms:
-            sq = {k: g.flatten(1).pow(2).sum(1) for k, g in grads.items()}
+            sq = {k: _rows(g).pow(2).sum(1) for k, g in grads.items()}
             for k, v in sq.items():
                 self.layer_sq[k].append(v)
             norms = torch.stack(list(sq.values())).sum(0).sqrt()
             self._append("norms", norms)
         if "dot" in self.want:
-            dots = [g.flatten(1) @ self.reference[k].flatten() for k, g in grads.items()]
+            dots = [_rows(g) @ self.reference[k].flatten() for k, g in grads.items()]
             self._append("dot", torch.stack(dots).sum(0))
         if self.keep_grads:
             for k, g in grads.items():
@@ -269,7 +287,7 @@ class _Accumulator:
     def cosine(self, start: int, grads: Tensors) -> None:
         stop = start + next(iter(grads.values())).shape[0]
         for s, lo, hi in self._overlaps(start, stop):
-            dots = sum(g[lo:hi].flatten(1) @ self.mean[s][k].flatten() for k, g in grads.items())
+            dots = sum(_rows(g[lo:hi]) @ self.mean[s][k].flatten() for k, g in grads.items())
             self._append("_cos_dot", torch.as_tensor(dots))
 
     def finish(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:

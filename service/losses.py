@@ -74,6 +74,8 @@ def td0(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
     """TD(0) pseudo-loss (target - V(s))^2 with the gradient stopped through the target."""
     value = forward(sample["inputs"]).reshape(())
     next_value = forward(sample["next_inputs"]).reshape(()).detach()
-    target = sample["rewards"] + gamma * (1 - sample["dones"]) * next_value
+    done = sample.get("dones")  # optional: a batch built without dones has none done
+    target = sample["rewards"] + (gamma * next_value if done is None
+                                  else gamma * (1 - done) * next_value)
     delta = target - value
     return delta**2, delta.detach()

@@ -210,7 +210,7 @@ def _array(value: Any, name: str) -> np.ndarray:
 
 
 def _to_tensor(arr: np.ndarray, dtype: torch.dtype, name: str) -> torch.Tensor:
-    t = torch.tensor(np.ascontiguousarray(arr)).to(dtype)
+    t = torch.tensor(np.asarray(arr, order="C")).to(dtype)  # ascontiguousarray makes 0-d 1-d
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise NonFinite(f"'{name}' contains NaN or infinity")
     return t

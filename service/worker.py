@@ -70,6 +70,7 @@ class Worker:
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
+        engine.warm_up()  # torch.func's one-time import, before the first job rather than in it
         while not stop.is_set():
             try:
                 jobs = self.source.take(max_jobs, max_samples, delay_s, block_s)

@@ -1,0 +1,472 @@
+"""The engine against the obviously correct reference, output by output, for every zoo model.
+
+The reference runs each sample alone (batch of one) through a plain copy of the module with
+``torch.autograd.grad`` and the loss written out here with ``torch.nn.functional`` (TD(0): the
+target built by hand with the next value detached); every statistic is then computed in numpy
+(float64) from the stacked per-sample gradients. The engine is called the way the worker calls
+it: several jobs in one call (``segments``), memory budgets that force several chunks, per-call
+weights, parameter subsets, and with and without the fast-statistics path.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from service import engine
+from service.engine import Batch, Options
+from service.outputs import OUTPUTS
+from service.registry import LoadedModel, load_model
+
+CPU = torch.device("cpu")
+TOL = {torch.float32: {"atol": 3e-3, "rtol": 1e-5}, torch.float64: {"atol": 1e-9, "rtol": 1e-7}}
+# Two computations of the same numbers in a different batch layout (one call vs one per job).
+SAME = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.float64: {"atol": 1e-12, "rtol": 1e-10}}
+# Every registered output: the reference below must know each of them.
+COMMON = tuple(name for name, out in OUTPUTS.items() if not out.td0_only)
+TD0_ONLY = tuple(name for name, out in OUTPUTS.items() if out.td0_only)
+FEW = settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+# (architecture, small config, loss): every zoo family with each loss it accepts.
+SMALL_TRANSFORMER = {
+    "vocab": 11,
+    "seq_len": 5,
+    "d_model": 8,
+    "nhead": 2,
+    "dim_ff": 16,
+    "layers": 2,
+    "classes": 3,
+}
+CASES = [
+    ("simple-cnn", {}, "nll"),  # the tutorial's CNN: it has only its real default size
+    ("mlp", {"sizes": [6, 5, 3]}, "cross_entropy"),
+    ("mlp", {"sizes": [6, 5, 3], "activation": "tanh"}, "mse"),
+    ("linear-value", {"dim": 3, "bias": True}, "td0"),
+    ("linear-value", {"dim": 3, "bias": True}, "mse"),
+    ("value-mlp", {"sizes": [4, 5]}, "td0"),
+    ("value-mlp", {"sizes": [4, 5]}, "mse"),
+    ("tiny-transformer", SMALL_TRANSFORMER, "cross_entropy"),
+]
+_MODELS: dict[tuple[str, str, torch.dtype], LoadedModel] = {}
+
+
+def model_for(arch: str, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> LoadedModel:
+    key = (arch, repr(sorted(config.items())), dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(arch, arch, config, device=CPU, dtype=dtype)
+    return _MODELS[key]
+
+
+def test_every_zoo_family_and_loss_is_covered() -> None:
+    from models import ZOO
+
+    covered = {(arch, loss) for arch, _, loss in CASES}
+    for name, family in ZOO.items():
+        if not family.standalone:
+            continue  # `sequential` is built only from a registered spec
+        for loss in family.loss_info(family.config())[1]:
+            assert (name, loss) in covered, f"{name} with {loss} is not tested"
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+@dataclass
+class Reference:
+    grads: dict[str, np.ndarray]  # {param: [B, *shape]} float64
+    losses: np.ndarray
+    deltas: np.ndarray | None = None  # td0
+    value_grads: dict[str, np.ndarray] | None = None  # td0: grad V(s_i)
+
+
+def reference(
+    model: LoadedModel, batch: Batch, loss: str, params: tuple[str, ...], gamma: float = 1.0
+) -> Reference:
+    """A loop over the batch with batch size one and ``torch.autograd.grad``."""
+    module = copy.deepcopy(model.module).eval()
+    named = dict(module.named_parameters())
+    with torch.no_grad():
+        for k, v in batch.weights.items():
+            named[k].copy_(v)
+    for p in module.parameters():
+        p.requires_grad_(True)
+    wanted = [named[k] for k in params]
+    grads: dict[str, list[np.ndarray]] = {k: [] for k in params}
+    value_grads: dict[str, list[np.ndarray]] = {k: [] for k in params}
+    losses, deltas = [], []
+    for i in range(batch.size):
+        x = batch.inputs[i : i + 1]
+        if loss == "td0":
+            assert batch.next_inputs is not None and batch.rewards is not None
+            value = module(x).reshape(())
+            with torch.no_grad():
+                next_value = module(batch.next_inputs[i : i + 1]).reshape(())
+            done = 0.0 if batch.dones is None else float(batch.dones[i])
+            target = batch.rewards[i] + gamma * (1.0 - done) * next_value
+            delta = target - value
+            value_loss = delta**2
+            for k, g in zip(
+                params, torch.autograd.grad(value, wanted, retain_graph=True), strict=True
+            ):
+                value_grads[k].append(g.double().numpy())
+            deltas.append(float(delta.detach()))
+        else:
+            assert batch.targets is not None
+            out = module(x)
+            y = batch.targets[i : i + 1]
+            if loss == "nll":
+                value_loss = F.nll_loss(out, y)
+            elif loss == "cross_entropy":
+                value_loss = F.cross_entropy(out, y)
+            else:
+                value_loss = F.mse_loss(out, y.reshape(out.shape))
+        for k, g in zip(params, torch.autograd.grad(value_loss, wanted), strict=True):
+            grads[k].append(g.double().numpy())
+        losses.append(float(value_loss.detach()))
+    return Reference(
+        grads={k: np.stack(v) for k, v in grads.items()},
+        losses=np.array(losses),
+        deltas=np.array(deltas) if loss == "td0" else None,
+        value_grads={k: np.stack(v) for k, v in value_grads.items()} if loss == "td0" else None,
+    )
+
+
+def expected(
+    ref: Reference, opts: Options, reference_vectors: dict[str, np.ndarray], a: int, b: int
+) -> dict[str, Any]:
+    """Every output for samples [a, b) from the reference per-sample gradients, in numpy."""
+    grads = {k: g[a:b] for k, g in ref.grads.items()}
+    flat = np.concatenate([g.reshape(b - a, -1) for g in grads.values()], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    mean = flat.mean(0)
+    out: dict[str, Any] = {}
+    for name in opts.outputs:
+        if name == "grads":
+            out[name] = grads
+        elif name == "losses":
+            out[name] = ref.losses[a:b]
+        elif name == "norms":
+            out[name] = norms
+        elif name == "layer_norms":
+            out[name] = {k: np.linalg.norm(g.reshape(b - a, -1), axis=1) for k, g in grads.items()}
+        elif name == "mean":
+            out[name] = {k: g.mean(0) for k, g in grads.items()}
+        elif name == "variance":
+            out[name] = {k: g.var(0) for k, g in grads.items()}
+        elif name == "clipped_mean":
+            assert opts.clip_norm is not None
+            factor = np.minimum(1.0, opts.clip_norm / np.maximum(norms, 1e-300))
+            out[name] = {k: np.tensordot(factor, g, axes=1) / (b - a) for k, g in grads.items()}
+        elif name == "dot":
+            ref_flat = np.concatenate([reference_vectors[k].ravel() for k in grads])
+            out[name] = flat @ ref_flat
+        elif name == "cosine_mean":
+            out[name] = flat @ mean / (norms * np.linalg.norm(mean))
+        elif name == "td_errors":
+            assert ref.deltas is not None
+            out[name] = ref.deltas[a:b]
+        elif name == "updates":
+            assert ref.deltas is not None and ref.value_grads is not None
+            delta = ref.deltas[a:b]
+            out[name] = {
+                k: np.einsum("i,i...->i...", delta, g[a:b]) for k, g in ref.value_grads.items()
+            }
+        else:
+            raise AssertionError(f"no reference for output {name!r}: add one here")
+    return out
+
+
+def to_numpy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: to_numpy(v) for k, v in value.items()}
+    return value.detach().double().numpy()
+
+
+def assert_close(got: Any, want: Any, dtype: torch.dtype, what: str, tol: Any = TOL) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{what}: keys differ"
+        for k in want:
+            assert_close(got[k], want[k], dtype, f"{what}[{k}]", tol)
+        return
+    assert isinstance(got, torch.Tensor), f"{what}: not a tensor"
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
+    actual = got.detach().double().numpy()
+    assert actual.shape == np.shape(want), f"{what}: shape {actual.shape} != {np.shape(want)}"
+    np.testing.assert_allclose(actual, want, err_msg=what, **tol[dtype])
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def make_batch(
+    model: LoadedModel, loss: str, n: int, seed: int, *, weights: tuple[str, ...] = ()
+) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = model.dtype
+    spec = model.input
+
+    def states() -> torch.Tensor:
+        if spec.dtype == "int64":
+            return torch.randint(0, spec.high or 2, (n, *spec.shape), generator=gen)
+        return torch.randn((n, *spec.shape), generator=gen, dtype=dtype)
+
+    batch = Batch(inputs=states())
+    if loss == "td0":
+        batch.next_inputs = states()
+        batch.rewards = torch.randn(n, generator=gen, dtype=dtype)
+        batch.dones = (torch.rand(n, generator=gen) < 0.3).to(dtype)
+    elif loss == "mse":
+        batch.targets = torch.randn((n, *model.output_shape), generator=gen, dtype=dtype)
+    else:
+        batch.targets = torch.randint(0, model.output_shape[-1], (n,), generator=gen)
+    batch.weights = {
+        k: model.params[k] + 0.1 * torch.randn(model.params[k].shape, generator=gen, dtype=dtype)
+        for k in weights
+    }
+    batch.reference = {
+        k: torch.randn(v.shape, generator=gen, dtype=dtype) for k, v in model.params.items()
+    }
+    return batch
+
+
+def concat(batches: list[Batch]) -> Batch:
+    first = batches[0]
+    out = Batch(
+        inputs=torch.cat([b.inputs for b in batches]),
+        weights=first.weights,
+        reference=first.reference,
+    )
+    for name in ("targets", "next_inputs", "rewards", "dones"):
+        if getattr(first, name) is not None:
+            setattr(out, name, torch.cat([getattr(b, name) for b in batches]))
+    return out
+
+
+def budget_for(model: LoadedModel, params: tuple[str, ...], chunk: int) -> int:
+    """A memory budget for which the engine runs ``chunk`` samples per vmap call."""
+    big = 1 << 40
+    per_sample = big // engine.chunk_size(model, params, 1 << 62, big)
+    return chunk * per_sample + per_sample // 2
+
+
+def outputs_for(loss: str) -> tuple[str, ...]:
+    return COMMON + TD0_ONLY if loss == "td0" else COMMON
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@st.composite
+def requests(
+    draw: st.DrawFn, arch: str, config: dict[str, Any], loss: str, dtype: torch.dtype
+) -> dict[str, Any]:
+    model = model_for(arch, config, dtype)
+    names = list(model.params)
+    chosen = draw(st.lists(st.sampled_from(names), min_size=1, unique=True))
+    every = draw(st.booleans())
+    params = tuple(names) if every else tuple(n for n in names if n in chosen)
+    weighted = draw(st.lists(st.sampled_from(names), unique=True, max_size=len(names)))
+    segments = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    available = outputs_for(loss)
+    outputs = draw(
+        st.one_of(st.just(available), st.lists(st.sampled_from(available), min_size=1, unique=True))
+    )
+    return {
+        "params": params,
+        "weights": tuple(n for n in names if n in weighted),
+        "segments": segments,
+        "outputs": tuple(outputs),
+        "chunk": draw(st.sampled_from([None, 1, 2, 3])),
+        "gamma": draw(st.sampled_from([1.0, 0.9, 0.0])),
+        "clip": draw(st.sampled_from([0.05, 1.0, 100.0])),
+        "fast": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def check(
+    arch: str, config: dict[str, Any], loss: str, dtype: torch.dtype, req: dict[str, Any]
+) -> None:
+    """One engine call over several jobs == the reference per job == one engine call per job."""
+    model = model_for(arch, config, dtype)
+    opts = Options(
+        loss=loss,
+        outputs=req["outputs"],
+        params=req["params"],
+        clip_norm=req["clip"],
+        gamma=req["gamma"] if loss == "td0" else 1.0,
+    )
+    jobs = [
+        make_batch(model, loss, n, req["seed"] + j, weights=req["weights"])
+        for j, n in enumerate(req["segments"])
+    ]
+    for job in jobs[1:]:  # jobs merged into one call share their weights and reference
+        job.weights, job.reference = jobs[0].weights, jobs[0].reference
+    merged = concat(jobs)
+    budget = (1 << 30) if req["chunk"] is None else budget_for(model, opts.params, req["chunk"])
+    answer = engine.compute(
+        model, merged, opts, req["segments"], budget_bytes=budget, fast_stats=req["fast"]
+    )
+    assert len(answer) == len(jobs)
+    if answer[0]["meta"].get("path") != "fast_stats":
+        want_chunk = merged.size if req["chunk"] is None else min(req["chunk"], merged.size)
+        assert answer[0]["meta"]["chunk_size"] == want_chunk
+    ref = reference(model, merged, loss, opts.params, opts.gamma)
+    vectors = {k: v.double().numpy() for k, v in merged.reference.items()}
+    a = 0
+    for s, (job, got) in enumerate(zip(jobs, answer, strict=True)):
+        b = a + job.size
+        assert list(got) == [*opts.outputs, "meta"]
+        want = expected(ref, opts, vectors, a, b)
+        for name in opts.outputs:
+            assert_close(got[name], want[name], dtype, f"segment {s} {name}")
+        alone = engine.compute(model, job, opts, budget_bytes=budget, fast_stats=req["fast"])[0]
+        for name in opts.outputs:
+            assert_close(got[name], to_numpy(alone[name]), dtype, f"segment {s} {name} alone", SAME)
+        a = b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize(
+    ("arch", "config", "loss"), CASES, ids=[f"{a}-{loss}" for a, _, loss in CASES]
+)
+def test_engine_equals_per_sample_loop(
+    arch: str, config: dict[str, Any], loss: str, dtype: torch.dtype
+) -> None:
+    @FEW
+    @given(req=requests(arch, config, loss, dtype))
+    @example(
+        req={
+            "params": (),
+            "weights": (),
+            "segments": [1],
+            "outputs": (),
+            "chunk": None,
+            "gamma": 1.0,
+            "clip": 1.0,
+            "fast": False,
+            "seed": 0,
+        }
+    )
+    def run(req: dict[str, Any]) -> None:
+        model = model_for(arch, config, dtype)
+        req = {
+            **req,
+            "params": req["params"] or tuple(model.params),
+            "outputs": req["outputs"] or outputs_for(loss),
+        }
+        check(arch, config, loss, dtype, req)
+
+    run()
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "loss"),
+    [CASES[1], CASES[5], CASES[7]],
+    ids=["mlp", "value-mlp-td0", "tiny-transformer"],
+)
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_small_budgets_give_the_one_chunk_answer(
+    arch: str, config: dict[str, Any], loss: str, chunk: int
+) -> None:
+    """Chunks that cut across jobs, cosine_mean's second pass included, change no number."""
+    model = model_for(arch, config)
+    opts = Options(
+        loss=loss, outputs=outputs_for(loss), params=tuple(model.params), clip_norm=0.5, gamma=0.9
+    )
+    batch = concat([make_batch(model, loss, n, 7 + j) for j, n in enumerate([3, 1, 3])])
+    budget = budget_for(model, opts.params, chunk)
+    whole = engine.compute(model, batch, opts, [3, 1, 3], fast_stats=False)
+    parts = engine.compute(model, batch, opts, [3, 1, 3], budget_bytes=budget, fast_stats=False)
+    assert whole[0]["meta"]["chunk_size"] == batch.size
+    assert parts[0]["meta"]["chunk_size"] == chunk
+    for s, (w, p) in enumerate(zip(whole, parts, strict=True)):
+        for name in opts.outputs:
+            assert_close(p[name], to_numpy(w[name]), model.dtype, f"segment {s} {name}", SAME)
+
+
+def clipped(
+    model: LoadedModel, batch: Batch, *, noise: float, seed: int | None, clip: float = 0.5
+) -> tuple[dict[str, torch.Tensor], Any]:
+    opts = Options(
+        loss="cross_entropy",
+        outputs=("clipped_mean",),
+        params=tuple(model.params),
+        clip_norm=clip,
+        noise_multiplier=noise,
+        seed=seed,
+    )
+    out = engine.compute(model, batch, opts, fast_stats=False)[0]
+    return out["clipped_mean"], out["meta"].get("seed")
+
+
+def test_clipped_mean_noise_is_seeded_and_of_the_right_scale() -> None:
+    model = model_for("mlp", {"sizes": [60, 40, 10]})  # 2,850 parameters: a good std estimate
+    batch = make_batch(model, "cross_entropy", 4, 3)
+    size, clip, noise = batch.size, 0.5, 1.3
+    plain, _ = clipped(model, batch, noise=0.0, seed=None, clip=clip)
+    ref = reference(model, batch, "cross_entropy", tuple(model.params))
+    want = expected(
+        ref,
+        Options("cross_entropy", ("clipped_mean",), tuple(model.params), clip_norm=clip),
+        {},
+        0,
+        size,
+    )["clipped_mean"]
+    assert_close(plain, want, torch.float32, "noiseless clipped_mean")
+
+    first, seed = clipped(model, batch, noise=noise, seed=1234, clip=clip)
+    again, _ = clipped(model, batch, noise=noise, seed=1234, clip=clip)
+    other, _ = clipped(model, batch, noise=noise, seed=1235, clip=clip)
+    assert seed == 1234
+    for k in first:
+        assert torch.equal(first[k], again[k]), f"{k}: the same seed gave other noise"
+        assert not torch.equal(first[k], other[k]), f"{k}: another seed gave the same noise"
+    drawn = torch.cat([((first[k] - plain[k]) * size).flatten() for k in first]).double()
+    assert drawn.numel() > 2000
+    assert abs(float(drawn.std()) / (noise * clip) - 1) < 0.06
+    assert abs(float(drawn.mean())) < 4 * noise * clip / drawn.numel() ** 0.5
+
+    unseeded, chosen = clipped(model, batch, noise=noise, seed=None, clip=clip)
+    assert isinstance(chosen, int)  # a drawn seed is reported so the call can be repeated
+    replay, _ = clipped(model, batch, noise=noise, seed=chosen, clip=clip)
+    for k in unseeded:
+        assert torch.equal(unseeded[k], replay[k])
+
+
+def test_clipped_mean_noise_per_job_is_the_noise_of_the_job_alone() -> None:
+    model = model_for("mlp", {"sizes": [6, 5, 3]})
+    jobs = [make_batch(model, "cross_entropy", n, 20 + n) for n in (2, 3)]
+    jobs[1].reference = jobs[0].reference
+    opts = Options(
+        loss="cross_entropy",
+        outputs=("clipped_mean",),
+        params=tuple(model.params),
+        clip_norm=0.3,
+        noise_multiplier=2.0,
+        seed=99,
+    )
+    merged = engine.compute(model, concat(jobs), opts, [2, 3], fast_stats=False)
+    for job, got in zip(jobs, merged, strict=True):
+        alone = engine.compute(model, job, opts, fast_stats=False)[0]
+        assert_close(
+            got["clipped_mean"],
+            to_numpy(alone["clipped_mean"]),
+            torch.float32,
+            "clipped_mean",
+            SAME,
+        )
+        assert got["meta"]["seed"] == 99
