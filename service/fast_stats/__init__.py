@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
-from service.fast_stats import conv, embedding, linear  # noqa: F401  (register the families)
+from service.fast_stats import (  # noqa: F401  (register the families)
+    conv,
+    elementwise,
+    embedding,
+    linear,
+)
 from service.fast_stats._core import Budget, Need, Pass1, Pass2, Tensors, Unsupported
 from service.fast_stats._plan import forward_backward, plan_for, sources
 

@@ -44,7 +44,7 @@ class Use:
 
     def grad_bf(self) -> torch.Tensor:
         """The output gradient with the batch first (families may capture other layouts)."""
-        assert self.g is not None and self.out is not None
+        assert self.g is not None
         to_bf = self.info.get("to_bf")
         return to_bf(self.g) if to_bf is not None else self.g
 
@@ -220,8 +220,11 @@ class Budget:
         self.budget = max(1 << 20, budget_bytes)
         self.cache_left = self.budget // 4
 
-    def chunk(self, bytes_per_sample: int, batch: int) -> int:
-        return max(1, min(batch, (self.budget // 4) // max(1, bytes_per_sample)))
+    def chunk(self, bytes_per_sample: int, batch: int, work: int = 32 << 20) -> int:
+        """Samples per chunk so that one chunk's transient tensors take about ``work`` bytes:
+        big enough for efficient kernels, small next to the activations a backward holds."""
+        limit = min(self.budget // 4, work)
+        return max(1, min(batch, limit // max(1, bytes_per_sample)))
 
     def reserve(self, nbytes: int) -> bool:
         if nbytes <= self.cache_left:

@@ -177,6 +177,11 @@ def forward_backward(
             for c in v:
                 if c[2] is None:
                     c[2] = torch.zeros_like(c[1])
+    for u in uses:
+        u.out = None  # the gradients are known: let the activations go
+    for v in calls.values():
+        for c in v:
+            c[1] = None
     return Run(losses.detach(), aux.detach(), uses, calls, simple)
 
 

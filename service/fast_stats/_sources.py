@@ -28,8 +28,6 @@ from service.fast_stats._core import (
     Zero,
 )
 
-FAMILIES = ("linear", "conv", "embedding")
-
 
 @dataclass
 class SourceContext:
@@ -66,7 +64,7 @@ class OpReplay(Materialised):
     def chunk_size(self) -> int:
         per = max(
             self.numel,
-            max((u.out.numel() // self.batch for u in self.uses if u.out is not None), default=1),
+            max((u.g.numel() // self.batch for u in self.uses if u.g is not None), default=1),
         )
         return self.budget.chunk(per * self.itemsize * 8, self.batch)
 
@@ -134,7 +132,7 @@ class ModuleReplay(Materialised):
 
     def chunk_size(self) -> int:
         per = 2 * self.numel + 4 * self.activation_numel
-        return self.budget.chunk(per * self.itemsize, self.batch)
+        return self.budget.chunk(per * self.itemsize, self.batch, self.budget.budget // 4)
 
     def grads(self, lo: int, hi: int) -> Tensors:
         values = tuple(self.local[k] for k in self.mine)
@@ -179,7 +177,7 @@ def build(uses: list[Use], names: Sequence[str], ctx: SourceContext) -> list[Sou
         for use, role in found:
             key = (
                 (use.kind, use.info.get("key"), role)
-                if use.kind in FAMILIES
+                if use.kind in SOURCES
                 else ("direct", None, "")
             )
             groups.setdefault(key, []).append(use)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from service.fast_stats._core import Capture, Dense, Materialised, Use, register_op
 from service.fast_stats._sources import SourceContext, register_source
-from service.fast_stats.linear import Block, OuterSource, bind
+from service.fast_stats.linear import Block, OuterSource, bind, roles_of
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
@@ -46,16 +46,12 @@ def unfold(
     pads: Sequence[tuple[int, int]],
     dilation: Sequence[int],
 ) -> torch.Tensor:
-    """``[n, C * prod(kernel), L]``: every receptive field as a column (``F.unfold`` in N-d)."""
+    """``[n, C * prod(kernel), L]``: every receptive field as a column (``F.unfold``, N-d)."""
     nd = len(kernel)
     flat = [p for pair in reversed(pads) for p in pair]
     if any(flat):
         x = F.pad(x, flat)
-    if nd <= 2:
-        if nd == 1:
-            x, kernel, stride, dilation = x.unsqueeze(2), (1, *kernel), (1, *stride), (1, *dilation)
-        return F.unfold(x, tuple(kernel), dilation=tuple(dilation), stride=tuple(stride))
-    for j in range(nd):
+    for j in range(nd):  # views: F.unfold's im2col is several times slower on CPU
         x = x.unfold(2 + j, dilation[j] * (kernel[j] - 1) + 1, stride[j])[..., :: dilation[j]]
     order = (0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
     return x.permute(order).reshape(x.shape[0], x.shape[1] * math.prod(kernel), -1)
@@ -125,9 +121,5 @@ def capture_conv(
         1 if groups is None else int(groups),
     )
     out = func(*args, **kwargs)
-    roles = {
-        found[id(t)]: role
-        for role, t in (("weight", w), ("bias", b))
-        if isinstance(t, torch.Tensor) and id(t) in found
-    }
+    roles = roles_of(found, weight=w, bias=b)
     return out, [Use("conv", func, roles, out=out, a=x, info={"key": key})]

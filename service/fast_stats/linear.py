@@ -185,10 +185,10 @@ def capture_linear(
     if id(x) in found or not cap.is_batched(x) or x.dim() < 2:
         return None
     out = func(*args, **kwargs)
-    return out, [Use("linear", func, _roles(found, weight=w, bias=b), out=out, a=x)]
+    return out, [Use("linear", func, roles_of(found, weight=w, bias=b), out=out, a=x)]
 
 
-def _roles(found: dict[int, str], **tensors: Any) -> dict[str, str]:
+def roles_of(found: dict[int, str], **tensors: Any) -> dict[str, str]:
     return {
         found[id(t)]: role
         for role, t in tensors.items()
@@ -249,7 +249,7 @@ def capture_attention(
     head_dim = embed_dim // heads
     uses = []
     proj = F.linear(q, v["in_proj_weight"], v["in_proj_bias"])
-    roles = _roles(found, weight=v["in_proj_weight"], bias=v["in_proj_bias"])
+    roles = roles_of(found, weight=v["in_proj_weight"], bias=v["in_proj_bias"])
     if roles:
         uses.append(
             Use(
@@ -273,7 +273,7 @@ def capture_attention(
     attn = F.scaled_dot_product_attention(qh, kh, vh, None, 0.0, False)
     attn = attn.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
     out = F.linear(attn, v["out_proj_weight"], v["out_proj_bias"])
-    roles = _roles(found, weight=v["out_proj_weight"], bias=v["out_proj_bias"])
+    roles = roles_of(found, weight=v["out_proj_weight"], bias=v["out_proj_bias"])
     if roles:
         uses.append(
             Use(
