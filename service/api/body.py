@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,6 @@ from psgrad._wire import (
     RESPONSE_KEY,
     SAFETENSORS,
     fields_from_safetensors,
-    fields_to_json,
     safetensors_parts,
 )
 from service.config import Settings
@@ -141,21 +140,70 @@ async def encode_result(
     if wants_safetensors(request):
         parts = safetensors_parts(result, RESPONSE_KEY)  # views of the arrays: no copy
         size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-        return StreamingResponse(_chunks(parts), status_code=status, media_type=SAFETENSORS,
-                                 headers={**(headers or {}), "content-length": str(size)})
-    data = await run_in_threadpool(json_bytes, result)
-    return Response(data, status_code=status, media_type=JSON, headers=headers)
+        return StreamingResponse(
+            _chunks(parts),
+            status_code=status,
+            media_type=SAFETENSORS,
+            headers={**(headers or {}), "content-length": str(size)},
+        )
+    return await json_response(result, status=status, headers=headers)
+
+
+async def json_response(
+    doc: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """``doc`` (arrays anywhere in it as nested lists) as JSON; a large one is streamed.
+
+    Streaming encodes one sample row at a time (in a thread), so a large answer never holds
+    the whole JSON text or all its Python floats at once.
+    """
+    if _array_bytes(doc) <= INLINE_BYTES:
+        return Response(
+            dumps(fields_to_json_deep(doc)), status_code=status, media_type=JSON, headers=headers
+        )
+    return StreamingResponse(json_chunks(doc), status_code=status, media_type=JSON, headers=headers)
+
+
+def _array_bytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(_array_bytes(v) for v in value.values())
+    return 0
+
+
+def fields_to_json_deep(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: fields_to_json_deep(v) for k, v in value.items()}
+    return value
+
+
+def json_chunks(value: Any) -> Iterator[bytes]:
+    """The JSON text of ``value`` in pieces: arrays row by row, other values whole."""
+    if isinstance(value, np.ndarray):
+        if value.ndim < 2:
+            yield dumps(value.tolist())
+            return
+        yield b"["
+        for i in range(value.shape[0]):
+            yield (b"," if i else b"") + dumps(value[i].tolist())
+        yield b"]"
+    elif isinstance(value, dict) and _array_bytes(value):
+        yield b"{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (b"," if i else b"") + dumps(str(key)) + b":"
+            yield from json_chunks(item)
+        yield b"}"
+    else:
+        yield dumps(value)
 
 
 async def _chunks(parts: list[bytes | memoryview]) -> AsyncIterator[bytes | memoryview]:
     for part in parts:
         for start in range(0, len(part), STREAM_CHUNK):
             yield part[start : start + STREAM_CHUNK]
-
-
-def json_bytes(fields: dict[str, Any]) -> bytes:
-    """JSON with tensors as nested lists; NaN and infinity become null (JSON has neither)."""
-    return dumps(fields_to_json(fields))
 
 
 def dumps(doc: Any) -> bytes:

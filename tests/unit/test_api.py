@@ -321,3 +321,24 @@ def test_streamed_safetensors_equal_the_reference_encoder() -> None:
         np.testing.assert_array_equal(ours[name], arr, err_msg=name)
     decoded = fields_from_safetensors(data, RESPONSE_KEY)
     assert decoded["model"] == "m@1" and list(decoded["grads"]) == ["w", "b"]
+
+
+def test_streamed_json_is_the_same_json() -> None:
+    from service.api.body import json_chunks
+
+    doc = {
+        "model": "m@1",
+        "norms": np.array([1.5, np.nan], np.float32),
+        "grads": {"w": rng.random((2, 3, 4)).astype(np.float32), "b": np.zeros((2, 0))},
+        "timing": {"queue_ms": 1.0},
+        "result": {"mean": {"w": np.ones((3, 4))}},
+    }
+    text = b"".join(json_chunks(doc))
+    expected = {
+        "model": "m@1",
+        "norms": [1.5, None],
+        "grads": {"w": doc["grads"]["w"].tolist(), "b": [[], []]},  # type: ignore[index]
+        "timing": {"queue_ms": 1.0},
+        "result": {"mean": {"w": np.ones((3, 4)).tolist()}},
+    }
+    assert json.loads(text) == expected

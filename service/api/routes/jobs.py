@@ -10,11 +10,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import UnknownJob
-from psgrad._wire import JSON, SAFETENSORS, fields_to_json
-from service.api.body import dumps, encode_result, wants_safetensors
+from psgrad._wire import SAFETENSORS
+from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import JobCreated, JobView, errors
@@ -62,9 +61,7 @@ async def get_job(job_id: str, request: Request, state: StateDep) -> Response:
         return await encode_result(
             request, st.result, headers={"X-Psgrad-Job-Status": st.status.value}
         )
-    view, result = _view(st), st.result
-    data = await run_in_threadpool(lambda: dumps({**view, "result": fields_to_json(result)}))
-    return Response(data, media_type=JSON)
+    return await json_response({**_view(st), "result": st.result})
 
 
 @router.delete(
