@@ -159,6 +159,10 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
             own[name].copy_(value)
 
 
+_COUPLING_FIX = ("per-sample gradients need layers that treat samples independently: use "
+                 "BatchNorm with eval (running) statistics, or LayerNorm/GroupNorm")
+
+
 def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
              ) -> tuple[tuple[int, ...], int]:
     """Run an example batch: per-sample output shape, activation count, and a coupling check.
@@ -166,6 +170,18 @@ def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
     A model whose output for one sample depends on the others in the batch (batch statistics)
     or that changes its buffers in forward cannot give per-sample gradients; it is refused.
     """
+    batch_stats = [
+        f"'{name}' ({type(m).__name__})" for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and (m.training or m.running_mean is None or m.running_var is None)
+    ]
+    if batch_stats:
+        raise BatchCoupling(
+            f"layer(s) {', '.join(batch_stats)} normalise with batch statistics (training mode "
+            "or no running statistics): one sample's output depends on the other samples in "
+            f"the batch; {_COUPLING_FIX}",
+            layers=batch_stats,
+        )
     gen = torch.Generator().manual_seed(1)
     if spec.dtype.startswith("int"):
         x = torch.randint(0, spec.high or 2, (3, *spec.shape), generator=gen)
@@ -185,9 +201,6 @@ def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
     try:
         with torch.no_grad():
             batched = module(x)
-            for h in hooks:
-                h.remove()
-            singles = torch.cat([module(x[i : i + 1]) for i in range(3)])
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
         raise InvalidModelSpec(f"the model fails on an example batch: {exc}") from exc
     finally:
@@ -195,13 +208,20 @@ def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
             h.remove()
     if not isinstance(batched, torch.Tensor) or batched.shape[:1] != (3,):
         raise InvalidModelSpec("the model must return one tensor with the batch dimension first")
+    try:
+        with torch.no_grad():
+            singles = torch.cat([module(x[i : i + 1]) for i in range(3)])
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        raise BatchCoupling(  # runs on a batch of three, fails on one sample alone
+            f"the model runs on a batch but fails on one sample alone ({exc}): it depends on "
+            f"the other samples in the batch; {_COUPLING_FIX}"
+        ) from exc
     changed = [k for k, v in module.named_buffers() if not torch.equal(v, before[k])]
     if changed or not torch.allclose(batched, singles, atol=1e-4, rtol=1e-4):
         raise BatchCoupling(
             "the model's output for one sample depends on the other samples in the batch "
             f"(batch statistics{' updating ' + ', '.join(changed) if changed else ''}); "
-            "per-sample gradients need layers that treat samples independently: use "
-            "BatchNorm with eval statistics, or LayerNorm/GroupNorm",
+            f"{_COUPLING_FIX}",
         )
     return tuple(batched.shape[1:]), numel[0] // 3
 

@@ -99,10 +99,11 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     model = registry.get(ref)
     opts = _options(fields, model)
     loss = get_loss(opts.loss)
-    inputs = _inputs(fields.get("inputs"), model, "inputs")
-    size = int(inputs.shape[0])
-    if size == 0:
+    raw = fields.get("inputs")
+    if isinstance(raw, np.ndarray) and raw.ndim and raw.shape[0] == 0:  # `[]` has shape [0]
         raise EmptyBatch("the batch is empty: send at least one sample")
+    inputs = _inputs(raw, model, "inputs")
+    size = int(inputs.shape[0])
     if max_batch_size is not None and size > max_batch_size:
         raise TooLarge(
             f"the batch has {size} samples; the limit is {max_batch_size}: split it into "
