@@ -27,7 +27,7 @@ from service.fast_stats import (  # noqa: F401  (register the families)
     embedding,
     linear,
 )
-from service.fast_stats._core import Budget, Need, Pass1, Pass2, Tensors, Unsupported
+from service.fast_stats._core import Budget, Need, Pass1, Pass2, Tensors, Unsupported, total
 from service.fast_stats._plan import forward_backward, plan_for, sources
 
 __all__ = ["PER_SAMPLE_OUTPUTS", "compute", "supports"]
@@ -78,7 +78,7 @@ def compute(
     names = list(opts.params)
     norms = None
     if need.sq:
-        norms = torch.stack([first[k].sq for k in names]).sum(0).sqrt()  # type: ignore[misc]
+        norms = total([first[k].sq for k in names]).sqrt()  # type: ignore[misc]
     means = None
     if need.sums:
         means = [
@@ -138,7 +138,7 @@ def _segment(
         elif name == "layer_norms":
             out[name] = {k: first[k].sq[a:b].sqrt() for k in names}  # type: ignore[index]
         elif name == "dot":
-            out[name] = torch.stack([first[k].dot[a:b] for k in names]).sum(0)  # type: ignore[index]
+            out[name] = total([first[k].dot[a:b] for k in names])  # type: ignore[index]
         elif name == "mean":
             out[name] = dict(means[s])  # type: ignore[index]
         elif name == "variance":
@@ -152,7 +152,7 @@ def _segment(
             out[name], extra["seed"] = noised_mean(sums, opts, n)
         elif name == "cosine_mean":
             mean_norm = torch.stack([means[s][k].pow(2).sum() for k in names]).sum().sqrt()  # type: ignore[index]
-            dots = torch.stack([second[k].cos for k in names]).sum(0)  # type: ignore[misc]
+            dots = total([second[k].cos for k in names])  # type: ignore[misc]
             cos = dots[a:b] / (norms[a:b] * mean_norm)  # type: ignore[index]
             out[name] = cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)
     return out, extra

@@ -76,6 +76,19 @@ def leaves(args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[Any]:
             yield v
 
 
+def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` that does not copy a single part (fresh memory costs page faults)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim)
+
+
+def total(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of same-shaped tensors, without stacking them first."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
 class Capture(TorchFunctionMode):
     """Records every use of a tracked parameter during one forward pass.
 
@@ -327,7 +340,7 @@ class Materialised(Source):
             for k, g in grads.items():
                 flat = g.reshape(hi - lo, -1)
                 if need.sq:
-                    parts[k]["sq"].append(flat.pow(2).sum(1))
+                    parts[k]["sq"].append(torch.linalg.vector_norm(flat, dim=1).square())
                 if need.reference is not None:
                     parts[k]["dot"].append(flat @ need.reference[k].reshape(-1).to(flat.dtype))
                 for s, x, y in overlaps(need.bounds, lo, hi):
@@ -339,9 +352,9 @@ class Materialised(Source):
                         sqsums[s] = sqsums[s].to(g.device) + (g64 * g64).sum(0)
         for k in self.names:
             if need.sq:
-                out[k].sq = torch.cat(parts[k]["sq"])
+                out[k].sq = cat(parts[k]["sq"])
             if need.reference is not None:
-                out[k].dot = torch.cat(parts[k]["dot"])
+                out[k].dot = cat(parts[k]["dot"])
         return out
 
     def pass2(
@@ -363,7 +376,7 @@ class Materialised(Source):
                         cos[k].append(g[x:y].reshape(y - x, -1) @ means[s][k].reshape(-1))
         for k in self.names:
             if means is not None:
-                out[k].cos = torch.cat(cos[k])
+                out[k].cos = cat(cos[k])
         return out
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vmap
 
 from service.fast_stats._core import Budget, Capture, Need, Source, Tensors, Unsupported, Use
@@ -158,30 +159,38 @@ def forward_backward(
             next_out = functional_call(module, (params, buffers), (samples["next_inputs"],))
     losses, aux = batched_losses(loss, out, next_out, samples, gamma)
     uses = cap.uses
-    if backward:
-        targets: list[Any] = [u for u in uses if u.out is not None and u.out.requires_grad]
-        targets += [c for v in calls.values() for c in v if c[1].requires_grad]
-        outs: list[Any] = [t.out if isinstance(t, Use) else t[1] for t in targets]
-        grads: Sequence[torch.Tensor | None] = [None] * len(outs)
-        if outs and losses.requires_grad:
-            grads = torch.autograd.grad(losses.sum(), outs, allow_unused=True)
-        for t, g in zip(targets, grads, strict=True):
-            if isinstance(t, Use):
-                t.g = g
-            else:
-                t[2] = g
-        for u in uses:
-            if u.g is None and u.out is not None:
-                u.g = torch.zeros_like(u.out)
-        for v in calls.values():
-            for c in v:
-                if c[2] is None:
-                    c[2] = torch.zeros_like(c[1])
+    del out, next_out
+    # The backward needs only where each captured output sits in the graph, not its values:
+    # hand it gradient edges and let the outputs go (the saved activations are what it keeps).
+    slots: list[tuple[Any, Any, torch.Size, torch.dtype]] = []
+    edges = []
     for u in uses:
-        u.out = None  # the gradients are known: let the activations go
+        if u.out is not None:
+            if backward and u.out.requires_grad:
+                edges.append(get_gradient_edge(u.out))
+                slots.append((u, None, u.out.shape, u.out.dtype))
+            elif backward:
+                u.g = torch.zeros_like(u.out)
+            u.out = None
     for v in calls.values():
         for c in v:
+            if backward and c[1].requires_grad:
+                edges.append(get_gradient_edge(c[1]))
+                slots.append((None, c, c[1].shape, c[1].dtype))
+            elif backward:
+                c[2] = torch.zeros_like(c[1])
             c[1] = None
+    if backward:
+        grads: Sequence[torch.Tensor | None] = [None] * len(edges)
+        if edges and losses.requires_grad:
+            grads = torch.autograd.grad(losses.sum(), edges, allow_unused=True)
+        for (u, c, shape, dtype), g in zip(slots, grads, strict=True):
+            if g is None:
+                g = torch.zeros(shape, dtype=dtype, device=inputs.device)
+            if u is not None:
+                u.g = g
+            else:
+                c[2] = g
     return Run(losses.detach(), aux.detach(), uses, calls, simple)
 
 

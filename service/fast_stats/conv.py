@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.fast_stats._core import Capture, Dense, Materialised, Use, register_op
+from service.fast_stats._core import Capture, Dense, Materialised, Use, cat, register_op, total
 from service.fast_stats._sources import SourceContext, register_source
 from service.fast_stats.linear import Block, OuterSource, bind, roles_of
 
@@ -79,8 +79,7 @@ class ConvSource(OuterSource):
                 for u in self.uses
             ]
             grads = [u.grad_bf()[x:y].flatten(2) for u in self.uses]
-            a = cols[0] if len(cols) == 1 else torch.cat(cols, -1)
-            g = grads[0] if len(grads) == 1 else torch.cat(grads, -1)
+            a, g = cat(cols, -1), cat(grads, -1)
             yield (
                 x,
                 y,
@@ -92,7 +91,7 @@ class ConvSource(OuterSource):
 @register_source("conv")
 def conv_source(name: str, role: str, uses: list[Use], ctx: SourceContext) -> Materialised:
     if role == "bias":
-        per = torch.stack([u.grad_bf().flatten(2).sum(2) for u in uses]).sum(0)
+        per = total([u.grad_bf().flatten(2).sum(2) for u in uses])
         return Dense(name, per, ctx.budget, "conv")
     return ConvSource(name, uses, ctx)
 

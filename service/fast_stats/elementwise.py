@@ -14,14 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.fast_stats._core import Capture, Dense, Materialised, Use, register_op
+from service.fast_stats._core import Capture, Dense, Materialised, Use, register_op, total
 from service.fast_stats._sources import SourceContext, register_source
 from service.fast_stats.linear import bind, roles_of
 
 
 def _per_sample(name: str, parts: list[torch.Tensor], ctx: SourceContext) -> Dense:
-    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
-    return Dense(name, total.reshape(ctx.batch, *ctx.shapes[name]), ctx.budget, "direct")
+    return Dense(name, total(parts).reshape(ctx.batch, *ctx.shapes[name]), ctx.budget, "direct")
 
 
 @register_source("layer_norm")

@@ -20,6 +20,7 @@ from service.fast_stats._core import (
     Pass2,
     Tensors,
     Use,
+    cat,
     register_op,
 )
 from service.fast_stats._sources import SourceContext, register_source
@@ -35,8 +36,8 @@ class EmbeddingSource(Materialised):
         batch = ctx.batch
         tokens = [u.a.reshape(batch, -1) for u in uses]
         rows = [u.grad_bf().reshape(batch, -1, self.dim) for u in uses]
-        self.tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens, 1)
-        g = rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+        self.tokens = cat(tokens, 1)
+        g = cat(rows, 1)
         padding = uses[0].info["key"]
         if padding is not None:
             g = g * (self.tokens != padding).unsqueeze(-1).to(g.dtype)

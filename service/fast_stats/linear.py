@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.linalg import vector_norm
 
 from service.fast_stats._core import (
     Budget,
@@ -27,7 +28,9 @@ from service.fast_stats._core import (
     Pass2,
     Tensors,
     Use,
+    cat,
     register_op,
+    total,
 )
 from service.fast_stats._sources import SourceContext, register_source
 
@@ -75,11 +78,12 @@ class OuterSource(Materialised):
             (g.transpose(-1, -2) @ a).reshape(y - x, *self.shapes[self.names[0]])
             for x, y, a, g in self.blocks(lo, hi)
         ]
-        return {self.names[0]: parts[0] if len(parts) == 1 else torch.cat(parts)}
+        return {self.names[0]: cat(parts)}
 
     def _sq(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if self._form == "outer":
-            return (a.pow(2).sum(-1) * g.pow(2).sum(-1)).sum((1, 2))
+            sq = vector_norm(a, dim=-1).square() * vector_norm(g, dim=-1).square()
+            return sq.sum((1, 2))
         return ((a @ a.transpose(-1, -2)) * (g @ g.transpose(-1, -2))).sum((1, 2, 3))
 
     def _ref(self, ref: torch.Tensor) -> torch.Tensor:
@@ -91,7 +95,11 @@ class OuterSource(Materialised):
         for x, y, a, g in self.blocks(lo, hi):
             if c is not None:
                 g = g * c[x - lo : y - lo].to(g.dtype).reshape(-1, 1, 1, 1)
-            term = torch.einsum("ngtp,ngtd->gpd", g.to(dtype), a.to(dtype))
+            g, a = g.to(dtype), a.to(dtype)
+            if self.groups == 1:  # one GEMM, as a batch gradient would be
+                term = (g.reshape(-1, self.p).t() @ a.reshape(-1, self.d)).unsqueeze(0)
+            else:
+                term = torch.einsum("ngtp,ngtd->gpd", g, a)
             total = term if total is None else total + term
         assert total is not None
         return total.reshape(self.shapes[self.names[0]])
@@ -108,8 +116,8 @@ class OuterSource(Materialised):
                 sq.append(self._sq(a, g))
             if ref is not None:
                 dot.append(((g @ ref.to(g.dtype)) * a).sum((1, 2, 3)))
-        out.sq = torch.cat(sq) if need.sq else None
-        out.dot = torch.cat(dot) if ref is not None else None
+        out.sq = cat(sq) if need.sq else None
+        out.dot = cat(dot) if ref is not None else None
         if need.sums:
             out.sums = [self.wsum(None, x, y, need.sums_dtype) for x, y in need.bounds]
         if need.sqsums:  # one position: (g^2)^T (a^2), in float64
@@ -139,7 +147,7 @@ class OuterSource(Materialised):
                 ref = self._ref(means[s][name])
                 for _, _, a, g in self.blocks(x, y):
                     cos.append(((g @ ref.to(g.dtype)) * a).sum((1, 2, 3)))
-            out.cos = torch.cat(cos)
+            out.cos = cat(cos)
         return {name: out}
 
 
@@ -149,8 +157,8 @@ class LinearSource(OuterSource):
     def __init__(self, name: str, uses: list[Use], ctx: SourceContext) -> None:
         a = [u.a.reshape(ctx.batch, -1, u.a.shape[-1]) for u in uses]
         g = [x.reshape(ctx.batch, -1, x.shape[-1]) for x in (u.grad_bf() for u in uses)]
-        self.a = (a[0] if len(a) == 1 else torch.cat(a, 1)).unsqueeze(1)
-        self.g = (g[0] if len(g) == 1 else torch.cat(g, 1)).unsqueeze(1)
+        self.a = cat(a, 1).unsqueeze(1)
+        self.g = cat(g, 1).unsqueeze(1)
         shape = ctx.shapes[name]
         super().__init__(
             name,
@@ -172,7 +180,8 @@ class LinearSource(OuterSource):
 def linear_source(name: str, role: str, uses: list[Use], ctx: SourceContext) -> Materialised:
     if role == "bias":
         g = [u.grad_bf() for u in uses]
-        per = torch.stack([x.reshape(ctx.batch, -1, x.shape[-1]).sum(1) for x in g]).sum(0)
+        rows = [x.reshape(ctx.batch, -1, x.shape[-1]) for x in g]
+        per = total([r[:, 0] if r.shape[1] == 1 else r.sum(1) for r in rows])
         return Dense(name, per.reshape(ctx.batch, *ctx.shapes[name]), ctx.budget, "linear")
     return LinearSource(name, uses, ctx)
 
