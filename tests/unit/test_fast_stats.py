@@ -433,3 +433,31 @@ def test_per_sample_outputs_and_the_switch_take_the_vmap_path(
     opts = Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
     [out] = engine.compute(model, batch, opts, fast_stats=Settings().fast_stats)
     assert set(out["meta"]["method"].values()) == {"vmap"}
+
+
+class Branchy(nn.Module):
+    """Reads its weights more often for larger batches: the probe's plan does not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if x.shape[0] > 3:
+            h = self.lin(torch.tanh(h))
+        return self.head(h)
+
+
+def test_a_call_that_reads_parameters_unlike_the_probe_takes_the_vmap_path() -> None:
+    model = custom(Branchy(), (4,), key="branchy")
+    batch = make_batch(model, 5)
+    opts = Options(loss="cross_entropy", outputs=("norms", "mean"), params=tuple(model.params))
+    [out] = engine.compute(model, batch, opts)
+    assert "path" not in out["meta"]
+    [want] = reference(model, batch, opts, [5])
+    assert_close(out["norms"], want["norms"])
+    small = make_batch(model, 3)
+    [out] = engine.compute(model, small, opts)
+    assert out["meta"]["path"] == "fast_stats"
