@@ -517,7 +517,10 @@ def test_compose_processes_serve_a_request_on_loopback(
     def redis_up() -> bool:
         import redis
 
-        return bool(redis.Redis.from_url(redis_url).ping())
+        try:
+            return bool(redis.Redis.from_url(redis_url).ping())
+        except redis.ConnectionError:  # not an OSError: redis-server is still starting
+            return False
 
     wait_for("redis", redis_up, processes)
 
