@@ -290,6 +290,8 @@ class Materialised(Source):
     cancellation when the mean is large next to the spread.
     """
 
+    cache = True  # keep the per-sample gradients for the second pass (when the budget allows)
+
     def __init__(
         self,
         names: Sequence[str],
@@ -312,7 +314,7 @@ class Materialised(Source):
             return
         step = self.chunk_size()
         kept: list[tuple[int, int, Tensors]] = []
-        keep = keep and self.budget.reserve(self.batch * self.numel * self.itemsize)
+        keep = keep and self.cache and self.budget.reserve(self.batch * self.numel * self.itemsize)
         for lo in range(0, self.batch, step):
             hi = min(self.batch, lo + step)
             item = (lo, hi, self.grads(lo, hi))

@@ -69,9 +69,16 @@ class ConvSource(OuterSource):
             name, shape, ctx.batch, ctx.budget, groups, d, out_ch // groups, positions, "conv"
         )
 
+    cache = True  # rebuilding a chunk means unfolding its input again
+
+    def chunk_size(self) -> int:
+        """Samples per unfolded chunk (its columns and its per-sample gradients), ~48 MB:
+        larger chunks run the batched matmul faster, smaller ones bound the memory."""
+        per = (self.groups * self.t * self.d + self.numel) * self.itemsize
+        return self.budget.chunk(per, self.batch, 48 << 20)
+
     def blocks(self, lo: int, hi: int) -> Iterator[Block]:
-        per = (self.groups * self.t * (self.d + self.p) + self.numel) * self.itemsize * 2
-        step = self.budget.chunk(per, hi - lo)
+        step = self.chunk_size()
         for x in range(lo, hi, step):
             y = min(hi, x + step)
             cols = [

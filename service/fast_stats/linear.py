@@ -45,6 +45,8 @@ def bind(args: Sequence[Any], kwargs: dict[str, Any], names: Sequence[str]) -> l
 class OuterSource(Materialised):
     """A weight whose per-sample gradient is ``sum_t g_t a_t^T`` per group (Linear, Conv)."""
 
+    cache = False  # one batched matmul rebuilds a chunk: cheaper than holding B copies
+
     def __init__(
         self,
         name: str,
@@ -93,8 +95,12 @@ class OuterSource(Materialised):
         """``sum_i c_i grad_i`` over rows [lo, hi) (``c`` of length hi - lo, or all ones)."""
         total: torch.Tensor | None = None
         for x, y, a, g in self.blocks(lo, hi):
-            if c is not None:
-                g = g * c[x - lo : y - lo].to(g.dtype).reshape(-1, 1, 1, 1)
+            if c is not None:  # scale the smaller side
+                scale = c[x - lo : y - lo].to(g.dtype).reshape(-1, 1, 1, 1)
+                if self.p <= self.d:
+                    g = g * scale
+                else:
+                    a = a * scale
             g, a = g.to(dtype), a.to(dtype)
             if self.groups == 1:  # one GEMM, as a batch gradient would be
                 term = (g.reshape(-1, self.p).t() @ a.reshape(-1, self.d)).unsqueeze(0)
