@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 Tensors = dict[str, torch.Tensor]
 SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+PER_SAMPLE_GRADS = frozenset({"grads", "updates"})  # outputs that keep every per-sample gradient
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ _FN_CACHE: OrderedDict[tuple[Any, ...], PerSampleFn] = OrderedDict()
 _FN_CACHE_SIZE = 64
 _FN_LOCK = threading.Lock()
 FN_CACHE_STATS = {"hits": 0, "misses": 0}  # read by the api's /metrics
+_STRUCTURE_LOCKS: dict[str, threading.Lock] = {}
 
 
 def warm_up() -> None:
@@ -78,7 +80,7 @@ def warm_up() -> None:
     ``torch._dynamo.compiled_autograd._disable()``): 1 to 3 s on our CPUs, which would
     otherwise land on the first request a worker serves. Workers call this when they start.
     """
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
 
     vmap(grad_and_value(lambda w, x: (w * x).sum()), in_dims=(None, 0))(
         torch.ones(2), torch.ones(2, 2))
@@ -135,11 +137,19 @@ def _looped(one: Callable[..., Any]) -> PerSampleFn:
     return fn
 
 
-def chunk_size(model: LoadedModel, selected: Sequence[str], batch: int, budget_bytes: int) -> int:
-    """Samples per vmap call so that the transient memory stays inside ``budget_bytes``."""
+def chunk_size(model: LoadedModel, selected: Sequence[str], batch: int, budget_bytes: int,
+               *, keep: bool = False) -> int:
+    """Samples per vmap call so that the transient memory stays inside ``budget_bytes``.
+
+    A chunk holds its per-sample gradients plus about one working copy, and its activations.
+    With ``keep`` (``grads``/``updates`` asked for) the gradients are the answer itself, already
+    bounded by the result-size limit, so only the working copy counts: splitting such a batch
+    would add a copy of the whole answer and its page faults (3x slower for mlp at B=256).
+    """
     itemsize = torch.finfo(model.dtype).bits // 8
     n_selected = sum(model.params[k].numel() for k in selected)
-    per_sample = itemsize * (2 * n_selected + 4 * model.activation_numel) or 1
+    copies = 1 if keep else 2
+    per_sample = itemsize * (copies * n_selected + 4 * model.activation_numel) or 1
     return max(1, min(batch, budget_bytes // per_sample))
 
 
@@ -158,6 +168,23 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
         raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
+    with _structure_lock(model):
+        return _compute(model, batch, opts, segments, budget_bytes, compiled, fast_stats)
+
+
+def _structure_lock(model: LoadedModel) -> threading.Lock:
+    """One lock per model structure: ``functional_call`` swaps a module's parameters in place
+    for the duration of a call, so two threads running the same module (or the cached per-sample
+    function built on a module of the same structure) would read each other's parameters and
+    get zero gradients. Different models still run in parallel."""
+    key = model.structure or model.ref
+    with _FN_LOCK:
+        return _STRUCTURE_LOCKS.setdefault(key, threading.Lock())
+
+
+def _compute(model: LoadedModel, batch: Batch, opts: Options, segments: list[int],
+             budget_bytes: int, compiled: CompiledFunctions | None, fast_stats: bool
+             ) -> list[dict[str, Any]]:
     if fast_stats:
         from service import fast_stats as fast
 
@@ -174,7 +201,8 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     fn = per_sample_fn(model, opts.loss, opts.gamma)
     if compiled is not None:
         fn = compiled.wrap(fn, model, opts.loss, opts.gamma)
-    chunk = chunk_size(model, opts.params, batch.size, budget_bytes)
+    keep = bool(PER_SAMPLE_GRADS & set(opts.outputs))
+    chunk = chunk_size(model, opts.params, batch.size, budget_bytes, keep=keep)
 
     def chunks() -> Any:
         for start in range(0, batch.size, chunk):
@@ -190,6 +218,8 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     if "cosine_mean" in opts.outputs:
         if chunk >= batch.size and last is not None:
             acc.cosine(last[0], last[2])
+        elif keep:  # every per-sample gradient is at hand: no second pass
+            acc.cosine(0, acc.kept)
         else:
             for start, _, grads, _, _ in chunks():
                 acc.cosine(start, grads)
@@ -220,12 +250,12 @@ class _Accumulator:
         self.reference = reference
         self.bounds = _bounds(segments)
         self.size = size
-        self.keep_grads = bool(self.want & {"grads", "updates"})
+        self.keep_grads = bool(self.want & PER_SAMPLE_GRADS)
         self.need_norms = bool(self.want & {"norms", "layer_norms", "clipped_mean", "cosine_mean"})
         self.need_stats = bool(self.want & {"mean", "variance", "cosine_mean"})
         self.per_sample: dict[str, list[torch.Tensor]] = {}
         self.layer_sq: dict[str, list[torch.Tensor]] = {k: [] for k in selected}
-        self.kept: dict[str, list[torch.Tensor]] = {k: [] for k in selected}
+        self.kept: Tensors = {}  # {param: [B, *shape]}: the first chunk's, or one buffer
         # per segment: count, mean and M2 per parameter (Chan's parallel merge), clipped sums
         self.count = [0] * len(self.bounds)
         self.mean: list[Tensors] = [{} for _ in self.bounds]
@@ -256,8 +286,7 @@ class _Accumulator:
             dots = [_rows(g) @ self.reference[k].flatten() for k, g in grads.items()]
             self._append("dot", torch.stack(dots).sum(0))
         if self.keep_grads:
-            for k, g in grads.items():
-                self.kept[k].append(g)
+            self._keep(start, stop, grads)
         for s, lo, hi in self._overlaps(start, stop):
             part = {k: g[lo:hi] for k, g in grads.items()}
             if self.need_stats:
@@ -268,6 +297,18 @@ class _Accumulator:
                 for k, g in part.items():
                     term = torch.tensordot(factor, g, dims=1)
                     self.clipped[s][k] = self.clipped[s].get(k, 0) + term
+
+    def _keep(self, start: int, stop: int, grads: Tensors) -> None:
+        """One batch of per-sample gradients: the single chunk's own, or chunks copied into
+        one buffer as they come (never a list of chunks concatenated at the end: that holds
+        the answer twice)."""
+        if start == 0 and stop == self.size:
+            self.kept = dict(grads)
+            return
+        for k, g in grads.items():
+            if k not in self.kept:
+                self.kept[k] = g.new_empty((self.size, *g.shape[1:]))
+            self.kept[k][start:stop].copy_(g)
 
     def _merge_stats(self, s: int, part: Tensors) -> None:
         n_b = next(iter(part.values())).shape[0]
@@ -294,7 +335,7 @@ class _Accumulator:
         flat = {k: torch.cat(v) for k, v in self.per_sample.items()}
         layer_norms = ({k: torch.cat(v).sqrt() for k, v in self.layer_sq.items()}
                        if self.need_norms else {})
-        kept = {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in self.kept.items() if v}
+        kept = self.kept
         results = []
         for s, (a, b) in enumerate(self.bounds):
             out: dict[str, Any] = {}

@@ -255,10 +255,11 @@ def concat(batches: list[Batch]) -> Batch:
     return out
 
 
-def budget_for(model: LoadedModel, params: tuple[str, ...], chunk: int) -> int:
+def budget_for(model: LoadedModel, opts: Options, chunk: int) -> int:
     """A memory budget for which the engine runs ``chunk`` samples per vmap call."""
     big = 1 << 40
-    per_sample = big // engine.chunk_size(model, params, 1 << 62, big)
+    keep = bool(engine.PER_SAMPLE_GRADS & set(opts.outputs))
+    per_sample = big // engine.chunk_size(model, opts.params, 1 << 62, big, keep=keep)
     return chunk * per_sample + per_sample // 2
 
 
@@ -316,7 +317,7 @@ def check(
     for job in jobs[1:]:  # jobs merged into one call share their weights and reference
         job.weights, job.reference = jobs[0].weights, jobs[0].reference
     merged = concat(jobs)
-    budget = (1 << 30) if req["chunk"] is None else budget_for(model, opts.params, req["chunk"])
+    budget = (1 << 30) if req["chunk"] is None else budget_for(model, opts, req["chunk"])
     answer = engine.compute(
         model, merged, opts, req["segments"], budget_bytes=budget, fast_stats=req["fast"]
     )
@@ -379,16 +380,17 @@ def test_engine_equals_per_sample_loop(
     ids=["mlp", "value-mlp-td0", "tiny-transformer"],
 )
 @pytest.mark.parametrize("chunk", [1, 2])
+@pytest.mark.parametrize("keep", [True, False], ids=["with-grads", "summaries"])
 def test_small_budgets_give_the_one_chunk_answer(
-    arch: str, config: dict[str, Any], loss: str, chunk: int
+    arch: str, config: dict[str, Any], loss: str, chunk: int, keep: bool
 ) -> None:
-    """Chunks that cut across jobs, cosine_mean's second pass included, change no number."""
+    """Chunks that cut across jobs change no number: the kept gradients are copied into one
+    answer, and cosine_mean takes them (with grads) or a second pass (summaries only)."""
     model = model_for(arch, config)
-    opts = Options(
-        loss=loss, outputs=outputs_for(loss), params=tuple(model.params), clip_norm=0.5, gamma=0.9
-    )
+    outputs = tuple(o for o in outputs_for(loss) if keep or o not in engine.PER_SAMPLE_GRADS)
+    opts = Options(loss=loss, outputs=outputs, params=tuple(model.params), clip_norm=0.5, gamma=0.9)
     batch = concat([make_batch(model, loss, n, 7 + j) for j, n in enumerate([3, 1, 3])])
-    budget = budget_for(model, opts.params, chunk)
+    budget = budget_for(model, opts, chunk)
     whole = engine.compute(model, batch, opts, [3, 1, 3], fast_stats=False)
     parts = engine.compute(model, batch, opts, [3, 1, 3], budget_bytes=budget, fast_stats=False)
     assert whole[0]["meta"]["chunk_size"] == batch.size
@@ -470,3 +472,27 @@ def test_clipped_mean_noise_per_job_is_the_noise_of_the_job_alone() -> None:
             SAME,
         )
         assert got["meta"]["seed"] == 99
+
+
+def test_threads_computing_the_same_model_get_their_own_gradients() -> None:
+    """functional_call swaps the module's parameters in place: concurrent calls must not mix."""
+    import threading
+
+    model = model_for("value-mlp", {"sizes": [4, 5]})
+    opts = Options("mse", ("grads", "norms"), tuple(model.params))
+    jobs = [make_batch(model, "mse", 1 + i % 4, 100 + i) for i in range(16)]
+    alone = [engine.compute(model, job, opts, fast_stats=False)[0] for job in jobs]
+    got: dict[int, dict[str, Any]] = {}
+
+    def work(indices: range) -> None:
+        for i in indices:
+            got[i] = engine.compute(model, jobs[i], opts, fast_stats=False)[0]
+
+    threads = [threading.Thread(target=work, args=(range(t, 16, 2),)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, want in enumerate(alone):
+        for name in opts.outputs:
+            assert_close(got[i][name], to_numpy(want[name]), torch.float32, f"job {i} {name}", SAME)
