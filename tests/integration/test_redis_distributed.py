@@ -244,16 +244,27 @@ async def test_concurrent_mixed_requests_and_sigterm_drain(tmp_path: Path, prefi
 
 
 async def test_kill9_worker_loses_nothing(tmp_path: Path, prefix: str, registry: Any) -> None:
-    async with cluster(tmp_path, SHARED_URL, prefix) as c:
-        requests = [mixed_request(i) for i in range(40)]
-        ids = [(await c.client.post("/jobs", json=r)).json()["job_id"] for r in requests]
-        victim = c.workers[0]
+    # The vmap path on the tutorial CNN makes a batch last long enough to be caught running.
+    async with cluster(tmp_path, SHARED_URL, prefix, fast_stats=False) as c:
+        victim, survivor = c.workers
         mark = f"-{victim.pid}-"
-        await wait_until(lambda: any(mark in c.job_hash(j).get("worker", "") and
-                                     c.job_hash(j).get("status") == "running" for j in ids),
-                         30, "a job running on the victim")
-        victim.kill()  # kill -9: no drain, no ack
-        views = [await job_done(c.client, j, timeout=90) for j in ids]
+        # Pause the survivor so the victim surely holds jobs when it dies (a paused worker may
+        # still be handed what its blocked read asked for; it finishes that once resumed).
+        survivor.send_signal(signal.SIGSTOP)
+        try:
+            rng = np.random.default_rng(3)
+            heavy = [{"model": "simple-cnn", "outputs": ["norms", "losses"],
+                      "inputs": rng.standard_normal((16, 1, 28, 28)).round(3).tolist(),
+                      "targets": rng.integers(0, 10, 16).tolist()} for _ in range(8)]
+            requests = heavy + [mixed_request(i) for i in range(32)]
+            ids = [(await c.client.post("/jobs", json=r)).json()["job_id"] for r in requests]
+            await wait_until(lambda: any(mark in c.job_hash(j).get("worker", "") and
+                                         c.job_hash(j).get("status") == "running" for j in ids),
+                             120, "a job running on the victim")
+            victim.kill()  # kill -9: no drain, no ack
+        finally:
+            survivor.send_signal(signal.SIGCONT)
+        views = [await job_done(c.client, j, timeout=120) for j in ids]
         assert [v["status"] for v in views] == ["succeeded"] * len(ids), c.dump()
         for request, view in zip(requests, views, strict=True):
             check_answer(view["result"], request, registry)
@@ -321,11 +332,27 @@ async def test_registered_model_served_by_both_workers(tmp_path: Path, prefix: s
         v1 = await c.client.put("/models/shared-lin", json=spec)
         assert v1.status_code == 200, v1.text
         rng = np.random.default_rng(7)
-        requests = [{"model": "shared-lin", "inputs": rng.standard_normal((4, 4)).tolist(),
-                     "targets": rng.integers(0, 3, 4).tolist(), "outputs": ["grads", "norms"]}
-                    for _ in range(16)]
-        ids = [(await c.client.post("/jobs", json=r)).json()["job_id"] for r in requests]
-        views = [await job_done(c.client, j) for j in ids]
+        requests: list[dict[str, Any]] = []
+        ids: list[str] = []
+        # Each worker in turn serves while the other is paused, so both must resolve the model.
+        for serving, paused in (c.workers, c.workers[::-1]):
+            paused.send_signal(signal.SIGSTOP)
+            try:
+                wave = [{"model": "shared-lin", "inputs": rng.standard_normal((4, 4)).tolist(),
+                         "targets": rng.integers(0, 3, 4).tolist(), "outputs": ["grads", "norms"]}
+                        for _ in range(8)]
+                wave_ids = [(await c.client.post("/jobs", json=r)).json()["job_id"] for r in wave]
+                mark = f"-{serving.pid}-"
+                await wait_until(
+                    lambda ids=wave_ids, mark=mark: any(  # type: ignore[misc]
+                        mark in c.job_hash(j).get("worker", "")
+                        and c.job_hash(j).get("status") == "succeeded" for j in ids),
+                    120, f"a job served by worker {serving.pid}")
+            finally:
+                paused.send_signal(signal.SIGCONT)
+            requests += wave
+            ids += wave_ids
+        views = [await job_done(c.client, j, timeout=120) for j in ids]
         served = {c.job_hash(j)["worker"].split("-")[-3] for j in ids}
         assert served == {str(w.pid) for w in c.workers}, served
         for request, view in zip(requests, views, strict=True):
