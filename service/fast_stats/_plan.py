@@ -213,6 +213,8 @@ def sources(
         same = all(plan.owners.get(k) == name for k in replayed)
         method = "direct" if same and name else "vmap"
         out.append(ModuleReplay(replayed, name, named[name], run.calls[name], method, ctx))
+    run.uses.clear()  # each source holds what it still needs; the rest (LayerNorm inputs,
+    run.calls.clear()  # gradients already reduced to per-sample values) can go now
     return out
 
 
