@@ -30,6 +30,7 @@ from service.config import Settings
 from service.model_store import MemoryModelStore, ModelStore, is_safe_id, make_store
 
 ZOO_SEED = 0
+_BUILD_LOCK = threading.Lock()
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -100,7 +101,9 @@ def weights_digest(architecture: str, config: dict[str, Any],
 def build_module(architecture: str, config: dict[str, Any]) -> nn.Module:
     """Build with seeded initial weights so that every host builds the same zoo model."""
     family = get_family(architecture)
-    with torch.random.fork_rng(devices=[]):
+    # The global RNG is shared by threads: two workers building at once drew each other's
+    # numbers (other weights, another version for the same zoo id). One build at a time.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(ZOO_SEED)
         return family.build(config)
 

@@ -478,9 +478,9 @@ def test_threads_computing_the_same_model_get_their_own_gradients() -> None:
     """functional_call swaps the module's parameters in place: concurrent calls must not mix."""
     import threading
 
-    model = model_for("value-mlp", {"sizes": [4, 5]})
-    opts = Options("mse", ("grads", "norms"), tuple(model.params))
-    jobs = [make_batch(model, "mse", 1 + i % 4, 100 + i) for i in range(16)]
+    model = model_for("value-mlp", {})  # big enough (8-64-64-1) for the calls to overlap
+    opts = Options("mse", ("grads", "norms", "mean", "cosine_mean"), tuple(model.params))
+    jobs = [make_batch(model, "mse", 1 + i % 4, 100 + i) for i in range(32)]
     alone = [engine.compute(model, job, opts, fast_stats=False)[0] for job in jobs]
     got: dict[int, dict[str, Any]] = {}
 
@@ -488,7 +488,7 @@ def test_threads_computing_the_same_model_get_their_own_gradients() -> None:
         for i in indices:
             got[i] = engine.compute(model, jobs[i], opts, fast_stats=False)[0]
 
-    threads = [threading.Thread(target=work, args=(range(t, 16, 2),)) for t in range(2)]
+    threads = [threading.Thread(target=work, args=(range(t, 32, 2),)) for t in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -496,3 +496,31 @@ def test_threads_computing_the_same_model_get_their_own_gradients() -> None:
     for i, want in enumerate(alone):
         for name in opts.outputs:
             assert_close(got[i][name], to_numpy(want[name]), torch.float32, f"job {i} {name}", SAME)
+
+
+def test_zoo_weights_do_not_depend_on_threads_building_at_once() -> None:
+    """Seeded builds share the global RNG: concurrent builds must not draw each other's numbers
+    (a worker thread got other default weights, hence another version, for a zoo id)."""
+    import threading
+
+    from models import get_family
+    from service.registry import build_module
+
+    configs = [(a, get_family(a).config(c)) for a, c, _ in CASES if a != "simple-cnn"]
+    want = [build_module(arch, config).state_dict() for arch, config in configs]
+    for _ in range(10):
+        got: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+        def work(order: list[int], got: list[tuple[int, dict[str, torch.Tensor]]] = got) -> None:
+            for i in order:
+                got.append((i, build_module(*configs[i]).state_dict()))
+
+        indices = list(range(len(configs)))
+        threads = [threading.Thread(target=work, args=(o,)) for o in (indices, indices[::-1])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, state in got:
+            for k, v in state.items():
+                assert torch.equal(v, want[i][k]), f"{configs[i][0]} {k}"
