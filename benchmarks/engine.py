@@ -15,7 +15,7 @@ the table gives medians and ratios from the same run. ``THP_MEM_ALLOC_ENABLE=1``
 huge pages for CPU tensors) is set before torch is imported, as workers run; ``--no-thp`` runs
 without it for comparison (DESIGN.md "Engine rules").
 
-    python benchmarks/engine.py [--repeats 15] [--no-thp]
+    python benchmarks/engine.py [--repeats 15] [--no-thp] [--threads N]
 """
 
 from __future__ import annotations
@@ -37,12 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--no-thp", action="store_true",
                         help="run without THP_MEM_ALLOC_ENABLE=1 (to compare)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default: torch's own choice)")
     args = parser.parse_args(argv)
     # Before torch is imported: the allocator reads it once.
     os.environ["THP_MEM_ALLOC_ENABLE"] = "0" if args.no_thp else "1"
     import torch
 
     from service.registry import resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = resolve_device("auto")
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
