@@ -192,13 +192,13 @@ def _split_fields(fields: Mapping[str, Any], meta_key: str
     order: dict[str, list[str]] = {}
     for key, value in fields.items():
         if isinstance(value, np.ndarray):
-            tensors[key] = np.ascontiguousarray(value)
+            tensors[key] = np.asarray(value, order="C")  # ascontiguousarray makes 0-d 1-d
         elif isinstance(value, Mapping) and value and all(
             isinstance(v, np.ndarray) for v in value.values()
         ):
             order[key] = list(value)
             for param, arr in value.items():
-                tensors[f"{key}/{param}"] = np.ascontiguousarray(arr)
+                tensors[f"{key}/{param}"] = np.asarray(arr, order="C")
         else:
             meta[key] = value
     metadata = {meta_key: json.dumps(meta), ORDER_KEY: json.dumps(order)}

@@ -485,3 +485,27 @@ def test_batch_norm_with_eval_statistics_is_accepted_and_exact() -> None:
         loop = torch.autograd.grad(F.cross_entropy(out, y[i : i + 1]), params)
         for name, g in zip(model.params, loop, strict=True):
             assert torch.allclose(grads[name][i], g, atol=3e-3, rtol=1e-5), name
+
+
+def test_scalar_weights_keep_their_shape_in_safetensors() -> None:
+    """The binary form too: a 0-d weight arrives 0-d, and a 0-d answer (the bias' mean) leaves
+    0-d (``np.ascontiguousarray`` had made both [1])."""
+    from psgrad._wire import fields_from_safetensors, fields_to_safetensors
+
+    model = load_model("linear-value", "linear-value", {"dim": 3, "bias": True}, device=CPU)
+    request = {
+        **{k: v for k, v in TD0.items() if k not in ("inputs", "next_inputs", "rewards")},
+        "inputs": np.array(TD0["inputs"], np.float32),
+        "next_inputs": np.array(TD0["next_inputs"], np.float32),
+        "rewards": np.array(TD0["rewards"], np.float32),
+        "weights": {"theta": np.array([0.2, -0.2, 0.1], np.float32), "bias": np.float32(0.5)},
+        "outputs": ["mean"],
+    }
+    request["weights"]["bias"] = np.asarray(request["weights"]["bias"])
+    fields = fields_from_safetensors(fields_to_safetensors(request, "request"), "request")
+    assert fields["weights"]["bias"].shape == ()
+    parsed = parse_request(fields, _Single(model))
+    mean = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]["mean"]
+    answer = {"mean": {k: v.numpy() for k, v in mean.items()}}
+    back = fields_from_safetensors(fields_to_safetensors(answer, "response"), "response")
+    assert back["mean"]["bias"].shape == () and back["mean"]["theta"].shape == (3,)
