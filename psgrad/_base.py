@@ -429,6 +429,7 @@ def state_dict_bytes(state_dict: Mapping[str, Any]) -> bytes:
     from safetensors.numpy import save
 
     arrays = {
-        str(k): np.ascontiguousarray(to_numpy(v, f"state_dict.{k}")) for k, v in state_dict.items()
+        str(k): np.asarray(to_numpy(v, f"state_dict.{k}"), order="C")  # 0-d stays 0-d
+        for k, v in state_dict.items()
     }
     return bytes(save(arrays))
