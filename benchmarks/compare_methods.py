@@ -219,7 +219,7 @@ def opacus_hooks(s: Setup, output: str, clip: float) -> Callable[[], Result] | N
     def run() -> Result:
         gsm.zero_grad(set_to_none=True)
         batch_losses(gsm, s).sum().backward()
-        grads = {n: p.grad_sample for n, p in zip(names, params, strict=True)}  # type: ignore[attr-defined]
+        grads = {n: _take(p, "grad_sample") for n, p in zip(names, params, strict=True)}
         return from_grads(output, grads, clip)
 
     return run
@@ -326,13 +326,21 @@ def backpack_l2(s: Setup, output: str, clip: float) -> Callable[[], Result] | No
 
 
 def _saved(names: list[str], params: list[nn.Parameter], attr: str) -> Tensors:
-    missing = [n for n, p in zip(names, params, strict=True) if not hasattr(p, attr)]
+    missing = [n for n, p in zip(names, params, strict=True) if getattr(p, attr, None) is None]
     if missing:
         raise NotImplementedError(
             f"BackPACK has no {attr} for {len(missing)} of {len(params)} parameters "
             f"({', '.join(missing[:2])}, ...): no extension for their modules"
         )
-    return {n: getattr(p, attr) for n, p in zip(names, params, strict=True)}
+    return {n: _take(p, attr) for n, p in zip(names, params, strict=True)}
+
+
+def _take(p: nn.Parameter, attr: str) -> torch.Tensor:
+    """A per-sample tensor the library left on the parameter, detached from it: held there
+    between calls it would keep B gradients alive per method instance."""
+    value: torch.Tensor = getattr(p, attr)
+    setattr(p, attr, None)
+    return value
 
 
 # --- psgrad in process --------------------------------------------------------------------------
