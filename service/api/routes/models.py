@@ -105,12 +105,15 @@ def _registered(registry: ModelRegistry, model: Any) -> dict[str, Any]:
     openapi_extra=REGISTER_BODY,
     summary="Register a model: a new version of id (admin)",
 )
-async def put_model(model_id: str, request: Request, registry: RegistryDep,
-                    settings: SettingsDep) -> dict[str, Any]:
+async def put_model(
+    model_id: str, request: Request, registry: RegistryDep, settings: SettingsDep
+) -> dict[str, Any]:
     """Built on the meta device, held to the limits, then built and run on an example batch."""
     if media_type(request.headers.get("content-type")) != JSON:
-        raise BadRequest(f"send the spec as {JSON}; weights alone go to PUT "
-                         f"/models/{model_id}/weights as {SAFETENSORS}")
+        raise BadRequest(
+            f"send the spec as {JSON}; weights alone go to PUT "
+            f"/models/{model_id}/weights as {SAFETENSORS}"
+        )
     raw = await read_body(request, settings.max_body_bytes)
 
     def run() -> dict[str, Any]:
@@ -132,11 +135,14 @@ async def put_model(model_id: str, request: Request, registry: RegistryDep,
     openapi_extra=WEIGHTS_BODY,
     summary="New weights for id: a new version (admin)",
 )
-async def put_weights(model_id: str, request: Request, registry: RegistryDep,
-                      settings: SettingsDep) -> dict[str, Any]:
+async def put_weights(
+    model_id: str, request: Request, registry: RegistryDep, settings: SettingsDep
+) -> dict[str, Any]:
     """Names, shapes and dtypes must match the newest version's architecture; finite only."""
-    if media_type(request.headers.get("content-type")) not in (SAFETENSORS,
-                                                               "application/octet-stream"):
+    if media_type(request.headers.get("content-type")) not in (
+        SAFETENSORS,
+        "application/octet-stream",
+    ):
         raise BadRequest(f"send the weights as {SAFETENSORS} (a safetensors file)")
     raw = await read_body(request, settings.max_weight_bytes + (1 << 20))
 
