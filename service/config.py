@@ -38,11 +38,12 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     heartbeat_s: float = 2.0
     redis_timeout_s: float = 2.0  # socket timeouts: a dead Redis answers 503 fast, never hangs
+    redis_transfer_timeout_s: float = 60.0  # commands that move payloads and results (MBs-GBs)
     worker_redis_grace_s: float = 30.0  # a worker that cannot reach Redis this long exits 1
 
     max_layers: int = 64
     max_parameters: int = 50_000_000
-    max_weight_bytes: int = 512 * 1024 * 1024
+    max_weight_bytes: int = 500 * 1024 * 1024  # under Redis's 512 MiB for one value
     max_model_activations: int = 32 * 1024 * 1024  # activation elements of one sample
 
     @property

@@ -34,6 +34,7 @@ def model_version(prefix: str, model_id: str, version: str) -> str:
 STREAM_GROUP = "workers"  # the consumer group every worker reads the job stream through
 HEARTBEAT_TTL_FACTOR = 3  # a worker is alive while its heartbeat is younger than 3 beats
 NOTIFY_TTL_S = 60  # the "job done" token outlives the job's end by this much at least
+DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len unless configured
 COMPILE_TTL_S = 7 * 24 * 3600  # compiled artifacts unused this long are dropped
 
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import torch
 
-from psgrad._errors import DeadlineExceeded, InternalError, JobCanceled, PsgradError, TooLarge
+from psgrad._errors import DeadlineExceeded, InternalError, JobCanceled, PsgradError
 from service import engine
-from service.broker.base import Job, JobSource
+from service.broker.base import Job, JobSource, answer_too_large
 from service.compile_cache import CompiledFunctions
 from service.config import Settings
 from service.registry import ModelRegistry
@@ -111,12 +111,20 @@ class Worker:
         for items in groups.values():
             self._run_group(items)
 
+    def _result_limit(self) -> tuple[int, str]:
+        """PSGRAD_MAX_RESULT_BYTES, or less when the source stores less (Redis: one value)."""
+        limit, what = self.settings.max_result_bytes, "the limit (PSGRAD_MAX_RESULT_BYTES)"
+        store = self.source.max_value_bytes
+        if store is not None and store * 63 // 64 < limit:  # room for the encoding's header
+            limit, what = store * 63 // 64, "the most the job store keeps in one value"
+        return limit, what
+
     def _parse(self, job: Job) -> ParsedRequest | None:
         try:
             parsed = parse_request(
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size
             )
-            _check_result_size(parsed, self.settings.max_result_bytes)
+            _check_result_size(parsed, *self._result_limit())
             return parsed
         except PsgradError as exc:
             self._fail(job, exc, retry=False)
@@ -197,17 +205,11 @@ def _internal(job: Job) -> InternalError:
     )
 
 
-def _check_result_size(parsed: ParsedRequest, limit: int) -> None:
+def _check_result_size(parsed: ParsedRequest, limit: int, what: str) -> None:
     size = engine.output_bytes(parsed.model, parsed.opts, parsed.batch.size)
     if size > limit:
-        raise TooLarge(
-            f"the answer would be {size} bytes ({', '.join(parsed.opts.outputs)} for "
-            f"{parsed.batch.size} samples); the limit is {limit} bytes: ask for summary outputs "
-            "(norms, layer_norms, mean, variance, clipped_mean, dot) instead of full per-sample "
-            "grads, select fewer 'params', or send smaller batches",
-            limit=limit,
-            size=size,
-        )
+        outputs = ", ".join(parsed.opts.outputs)
+        raise answer_too_large(size, limit, f"{what} ({outputs} for {parsed.batch.size} samples)")
 
 
 def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from psgrad._errors import TooLarge
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 
 
@@ -83,7 +84,14 @@ class Broker(Protocol):
 
 
 class JobSource(Protocol):
-    """The worker loop's side: take a batch of jobs, hand back results, acknowledge."""
+    """The worker loop's side: take a batch of jobs, hand back results, acknowledge.
+
+    ``max_value_bytes`` is the largest encoded result the source can store (None: no limit of
+    its own); the loop refuses, before computing, a job whose answer would not fit.
+    """
+
+    @property
+    def max_value_bytes(self) -> int | None: ...
 
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
              block_s: float) -> list[Job]:
@@ -101,3 +109,14 @@ class JobSource(Protocol):
         code ``job_canceled``): those only need acknowledging and stay ``canceled``."""
 
     def is_canceled(self, job_id: str) -> bool: ...
+
+
+SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, clipped_mean, dot) "
+                  "instead of full per-sample grads, select fewer 'params', or send smaller "
+                  "batches (psgrad.Client splits a large batch for you)")
+
+
+def answer_too_large(size: int, limit: int, what: str) -> TooLarge:
+    """The 413 for an answer of ``size`` bytes over ``limit``; ``what`` says whose limit."""
+    return TooLarge(f"the answer would be {size} bytes; {what} is {limit} bytes: {SMALLER_ANSWER}",
+                    limit=limit, size=size)

@@ -32,6 +32,8 @@ __all__ = ["EmbeddedBroker"]
 class EmbeddedBroker:
     """In-process queue with ``settings.workers`` worker threads (0: a queue nobody serves)."""
 
+    max_value_bytes: int | None = None  # results stay in memory: PSGRAD_MAX_RESULT_BYTES alone
+
     def __init__(
         self, settings: Settings, registry: ModelRegistry, *, observer: WorkerObserver | None = None
     ) -> None:

@@ -40,7 +40,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from psgrad._errors import InternalError, Overloaded, PsgradError, UnknownJob
+from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_from_safetensors, fields_to_safetensors
 from service import keys
 from service.broker.base import Job, JobState, JobStatus
@@ -153,14 +153,26 @@ def decode_state(job_id: str, raw: Mapping[Any, Any], result: bytes | None) -> J
     return state
 
 
-def connection_kwargs(settings: Settings) -> dict[str, Any]:
-    """Short timeouts, no hidden retries: a dead Redis costs a request seconds, never a hang."""
+def connection_kwargs(settings: Settings, *, bulk: bool = False) -> dict[str, Any]:
+    """Short timeouts, no hidden retries: a dead Redis costs a request seconds, never a hang.
+
+    ``bulk`` clients move payloads and results (up to hundreds of MB: seconds on a loaded host)
+    and wait ``PSGRAD_REDIS_TRANSFER_TIMEOUT_S`` for an answer instead.
+    """
     return {
-        "socket_timeout": settings.redis_timeout_s,
+        "socket_timeout": settings.redis_transfer_timeout_s if bulk else settings.redis_timeout_s,
         "socket_connect_timeout": settings.redis_timeout_s,
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
     }
+
+
+def value_limit(config: Mapping[Any, Any] | None) -> int:
+    """The longest string Redis takes (``CONFIG GET proto-max-bulk-len``); Redis cuts the
+    connection on a longer one. Where CONFIG is disabled (managed Redis): the default."""
+    for value in (config or {}).values():
+        return int(value)
+    return keys.DEFAULT_MAX_VALUE_BYTES
 
 
 class RedisBroker:
@@ -173,10 +185,13 @@ class RedisBroker:
         self.prefix = settings.redis_prefix
         kwargs = connection_kwargs(settings)
         self.r = aioredis.Redis.from_url(settings.redis_url, **kwargs)
+        self.bulk = aioredis.Redis.from_url(settings.redis_url,
+                                            **connection_kwargs(settings, bulk=True))
+        self.max_value_bytes = keys.DEFAULT_MAX_VALUE_BYTES
         # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
             settings.redis_url, **{**kwargs, "socket_timeout": None})
-        self._submit = self.r.register_script(SUBMIT_LUA)
+        self._submit = self.bulk.register_script(SUBMIT_LUA)
         self._cancel = self.r.register_script(CANCEL_LUA)
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
@@ -192,7 +207,7 @@ class RedisBroker:
             except (RedisConnectionError, RedisTimeoutError, asyncio.TimeoutError) as exc:
                 if attempt or not isinstance(exc, RedisConnectionError):
                     raise self._translate(exc) from exc
-                for client in (self.r, self.blocking):
+                for client in (self.r, self.bulk, self.blocking):
                     await client.connection_pool.disconnect(inuse_connections=False)
             except RedisError as exc:
                 raise self._translate(exc) from exc
@@ -200,16 +215,25 @@ class RedisBroker:
 
     async def start(self) -> None:
         try:
-            await self._call(self.r.ping)
+            config = await self._call(lambda: self.r.config_get("proto-max-bulk-len"))
+            self.max_value_bytes = value_limit(config)
+        except InternalError:  # CONFIG disabled: the default
+            pass
         except Overloaded as exc:  # the api still starts; it answers 503 until Redis is back
             log.warning("Redis is not reachable at start-up: %s", exc.message)
 
     async def close(self) -> None:
-        await self.r.aclose()
-        await self.blocking.aclose()
+        for client in (self.r, self.bulk, self.blocking):
+            await client.aclose()
 
     async def submit(self, job: Job) -> None:
         payload, n = encode_payload(job)
+        if len(payload) > self.max_value_bytes:
+            raise TooLarge(
+                f"the request takes {len(payload)} bytes in the job queue; Redis keeps at most "
+                f"{self.max_value_bytes} bytes in one value (proto-max-bulk-len): send smaller "
+                "batches (psgrad.Client splits a large batch for you)",
+                limit=self.max_value_bytes, size=len(payload))
         ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
         p = self.prefix
         accepted = await self._call(lambda: self._submit(
@@ -238,7 +262,7 @@ class RedisBroker:
         p = self.prefix
 
         async def read() -> list[Any]:
-            async with self.r.pipeline(transaction=False) as pipe:
+            async with self.bulk.pipeline(transaction=False) as pipe:
                 pipe.hgetall(keys.job_state(p, job_id))
                 pipe.get(keys.job_result(p, job_id))
                 return cast("list[Any]", await pipe.execute())

@@ -26,13 +26,14 @@ from redis.exceptions import RedisError, ResponseError
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import fields_from_safetensors
 from service import keys
-from service.broker.base import Job, JobStatus
+from service.broker.base import Job, JobStatus, answer_too_large
 from service.broker.redis import (
     FINISH_LUA,
     connection_kwargs,
     encode_result,
     redis_unavailable,
     text,
+    value_limit,
 )
 from service.config import Settings
 
@@ -88,7 +89,10 @@ class RedisJobSource:
         self.prefix = settings.redis_prefix
         self.name = name or consumer_name(settings.device)
         self.stream = keys.job_stream(self.prefix)
-        self.r = redis.Redis.from_url(settings.redis_url, **connection_kwargs(settings))
+        # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
+        self.r = redis.Redis.from_url(settings.redis_url,
+                                      **connection_kwargs(settings, bulk=True))
+        self.max_value_bytes = self._value_limit()
         self._finish = self.r.register_script(FINISH_LUA)
         self._start = self.r.register_script(START_LUA)
         self._retry = self.r.register_script(RETRY_LUA)
@@ -191,7 +195,13 @@ class RedisJobSource:
                        args=[now, self.name])
 
     def succeed(self, job: Job, result: dict[str, Any]) -> None:
-        self._end(job, JobStatus.SUCCEEDED, encode_result(result), "")
+        data = encode_result(result)
+        if len(data) > self.max_value_bytes:  # Redis would cut the connection: say so instead
+            err = answer_too_large(len(data), self.max_value_bytes,
+                                   "the most Redis keeps in one value (proto-max-bulk-len)")
+            self._end(job, JobStatus.FAILED, b"", json.dumps(err.to_dict()))
+            return
+        self._end(job, JobStatus.SUCCEEDED, data, "")
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         body = json.dumps(error)
@@ -210,6 +220,12 @@ class RedisJobSource:
         return status is not None and text(status) == JobStatus.CANCELED.value
 
     # --- internals -------------------------------------------------------------------------
+
+    def _value_limit(self) -> int:
+        try:
+            return value_limit(self.r.config_get("proto-max-bulk-len"))
+        except RedisError:  # CONFIG disabled, or Redis not up yet: the default
+            return keys.DEFAULT_MAX_VALUE_BYTES
 
     def _ensure_group(self) -> None:
         if self._group_ready:

@@ -52,11 +52,12 @@ def free_port() -> int:
 class OwnRedis:
     """A private redis-server on a free port, to stop and restart without touching 6379."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *options: str) -> None:
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed")
         self.port = free_port()
         self.dir = tmp
+        self.options = options  # more redis-server options, e.g. "--proto-max-bulk-len", "1mb"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -66,7 +67,7 @@ class OwnRedis:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.dir)],
+             "--appendonly", "no", "--dir", str(self.dir), *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=1)
         for _ in range(100):

@@ -255,3 +255,33 @@ async def test_redis_outage_gives_503_then_recovers(tmp_path: Path) -> None:
         source.close()
         await broker.close()
         own.kill()
+
+
+async def test_a_result_over_the_value_limit_fails_as_too_large(tmp_path: Path) -> None:
+    """The exact check after encoding: Redis would drop the connection, the job would stay
+    running; it ends failed with a 413 body instead."""
+    own = OwnRedis(tmp_path, "--proto-max-bulk-len", "1mb")
+    own.start()
+    settings = Settings(redis_url=own.url, redis_prefix="bulk", heartbeat_s=0.2)
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        await broker.start()
+        assert source.max_value_bytes == broker.max_value_bytes == 1 << 20
+        big, fits = job(), job()
+        for j in (big, fits):
+            await broker.submit(j)
+        taken = {t.id: t for t in take_all(source)}
+        source.succeed(taken[big.id], {"grads": np.ones(300_000, dtype=np.float32)})
+        source.succeed(taken[fits.id], {"grads": np.ones(200_000, dtype=np.float32)})
+        state = await broker.wait(big.id, 5)
+        assert state.status is JobStatus.FAILED and state.error is not None
+        assert state.error["error"]["code"] == "too_large", state.error
+        assert state.error["error"]["details"]["limit"] == 1 << 20
+        done = await broker.wait(fits.id, 5)
+        assert done.status is JobStatus.SUCCEEDED and done.result is not None
+        np.testing.assert_array_equal(done.result["grads"], np.ones(200_000, dtype=np.float32))
+    finally:
+        source.close()
+        await broker.close()
+        own.kill()

@@ -401,3 +401,46 @@ async def test_redis_outage_503_then_recovery(tmp_path: Path) -> None:
             reference.store.close()
     finally:
         own.kill()
+
+
+async def test_answers_redis_cannot_hold_are_refused_with_413(tmp_path: Path) -> None:
+    """Redis cuts the connection on a value over proto-max-bulk-len (512 MiB by default, 1 MiB
+    here): a request or an answer that would not fit is a 413 that says so, never a job left
+    running; the worker goes on serving."""
+    own = OwnRedis(tmp_path, "--proto-max-bulk-len", "1mb")
+    own.start()
+    try:
+        async with cluster(tmp_path, own.url, "bulk", n_workers=1) as c:
+            rng = np.random.default_rng(0)
+            small = {"model": "mlp", "inputs": rng.standard_normal((1, 784)).tolist(),
+                     "targets": [3]}  # grads: 669,706 float32 = 2.7 MB
+            for route in ("/per-sample-grads", "/jobs"):
+                refused = await c.client.post(route, json=small)
+                if route == "/jobs":
+                    assert refused.status_code == 202, refused.text
+                    view = await job_done(c.client, refused.json()["job_id"])
+                    assert view["status"] == "failed", view
+                    err = view["error"]
+                else:
+                    assert refused.status_code == 413, refused.text
+                    err = refused.json()["error"]
+                assert err["code"] == "too_large"
+                assert "in one value" in err["message"] and "summary outputs" in err["message"]
+                assert err["details"]["size"] > err["details"]["limit"] == (1 << 20) * 63 // 64
+
+            big = {"model": "mlp", "inputs": rng.standard_normal((400, 784)).tolist(),
+                   "targets": [0] * 400, "outputs": ["norms"]}  # 1.25 MB of inputs
+            refused = await c.client.post("/per-sample-grads", json=big)
+            assert refused.status_code == 413, refused.text
+            err = refused.json()["error"]
+            assert "proto-max-bulk-len" in err["message"] and err["details"]["limit"] == 1 << 20
+
+            fits = {**small, "outputs": ["norms", "losses"]}
+            answer = await c.client.post("/per-sample-grads", json=fits)
+            assert answer.status_code == 200, answer.text
+            reference = make_registry(c.settings)
+            check_answer(answer.json(), fits, reference)
+            reference.store.close()
+            assert c.workers[0].poll() is None, c.dump()
+    finally:
+        own.kill()
