@@ -116,7 +116,7 @@ class Worker:
         limit, what = self.settings.max_result_bytes, "the limit (PSGRAD_MAX_RESULT_BYTES)"
         store = self.source.max_value_bytes
         if store is not None and store * 63 // 64 < limit:  # room for the encoding's header
-            limit, what = store * 63 // 64, "the most the job store keeps in one value"
+            limit, what = store * 63 // 64, "the most the job queue keeps in one value (Redis)"
         return limit, what
 
     def _parse(self, job: Job) -> ParsedRequest | None:

@@ -425,7 +425,8 @@ async def test_answers_redis_cannot_hold_are_refused_with_413(tmp_path: Path) ->
                     assert refused.status_code == 413, refused.text
                     err = refused.json()["error"]
                 assert err["code"] == "too_large"
-                assert "in one value" in err["message"] and "summary outputs" in err["message"]
+                assert "in one value (Redis)" in err["message"]
+                assert "summary outputs" in err["message"]
                 assert err["details"]["size"] > err["details"]["limit"] == (1 << 20) * 63 // 64
 
             big = {"model": "mlp", "inputs": rng.standard_normal((400, 784)).tolist(),
