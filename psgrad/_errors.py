@@ -60,6 +60,7 @@ __all__ = [
     "UnknownModel",
     "UnknownOutput",
     "UnknownParameter",
+    "UnsupportedMediaType",
     "error_from_body",
 ]
 
@@ -105,6 +106,13 @@ class APITimeoutError(APIConnectionError):
 class BadRequest(PsgradError):
     code = "bad_request"
     status = 400
+
+
+class UnsupportedMediaType(BadRequest):
+    """The body's ``Content-Type`` is not one the route reads (415)."""
+
+    code = "unsupported_media_type"
+    status = 415
 
 
 class InvalidInput(BadRequest):
@@ -252,8 +260,9 @@ def error_from_body(
 
 
 def _class_for_status(status: int) -> type[PsgradError]:
-    for cls in (BadRequest, InvalidInput, Unauthorized, Forbidden, NotFound, RequestTimeout,
-                Conflict, TooLarge, RateLimited, Overloaded, DeadlineExceeded):
+    for cls in (BadRequest, InvalidInput, UnsupportedMediaType, Unauthorized, Forbidden,
+                NotFound, RequestTimeout, Conflict, TooLarge, RateLimited, Overloaded,
+                DeadlineExceeded):
         if cls.status == status:
             return cls
     return BadRequest if 400 <= status < 500 else InternalError

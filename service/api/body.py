@@ -18,7 +18,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from psgrad._errors import BadRequest, TooLarge
+from psgrad._errors import BadRequest, TooLarge, UnsupportedMediaType
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
@@ -67,7 +67,7 @@ async def decode_request(request: Request, settings: Settings) -> dict[str, Any]
     """The request fields (JSON values and numpy arrays) from a JSON or safetensors body."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in (JSON, SAFETENSORS):
-        raise BadRequest(
+        raise UnsupportedMediaType(
             f"unsupported Content-Type {ctype or '(none)'!r}: send {JSON} or {SAFETENSORS}",
             content_type=ctype,
             accepted=[JSON, SAFETENSORS],

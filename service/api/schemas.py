@@ -180,12 +180,13 @@ class Ready(BaseModel):
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
-        400: "malformed body, wrong content type, bad base64, ragged lists, ...",
+        400: "malformed body, bad base64, ragged lists, ...",
         401: "missing or invalid API key",
         403: "an admin key is needed (registering and deleting models)",
         404: "unknown model or job",
         409: "conflict: e.g. a zoo model name used as a registered id",
         413: "body, batch or result too large (the message says the limit)",
+        415: "the Content-Type is not one this route reads (the message names them)",
         422: "the request cannot be computed (shapes, dtypes, losses, outputs, ...)",
         503: "queue full or broker down: retry after the Retry-After header",
         504: "the deadline passed",

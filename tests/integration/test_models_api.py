@@ -181,7 +181,8 @@ async def test_refusals() -> None:
         for bad in ("Upper", "-x", "a.b.c" * 30):
             _error(await put(MLP, bad), 400, "bad_request")
         _error(await put(MLP, "mlp"), 409, "conflict")
-        _error(await client.put("/models/r", content=b"layers: []", headers=ADMIN), 400)
+        _error(await client.put("/models/r", content=b"layers: []", headers=ADMIN), 415,
+               "unsupported_media_type")
 
         assert (await put(MLP)).status_code == 200
         good = {"0.weight": torch.zeros(2, 4), "0.bias": torch.zeros(2)}
@@ -201,6 +202,8 @@ async def test_refusals() -> None:
             err = _error(await client.put("/models/r/weights", content=body,
                                           headers={**ADMIN, **ST}), status, code)
         assert "never unpickles" in err["message"] or "safetensors" in err["message"]
+        _error(await client.put("/models/r/weights", json={"0.bias": [0, 0]}, headers=ADMIN),
+               415, "unsupported_media_type")
         _error(await client.put("/models/nobody/weights", content=st_save(good),
                                 headers={**ADMIN, **ST}), 404, "unknown_model")
         _error(await client.put("/models/mlp/weights", content=st_save(good),

@@ -181,8 +181,8 @@ async def test_wrong_content_type_unknown_route_and_method() -> None:
                 content=b"model=mlp",
                 headers={"content-type": ctype} if ctype else {},
             )
-            err = _error(r, 400, "bad_request")
-            assert "Content-Type" in err["message"]
+            err = _error(r, 415, "unsupported_media_type")
+            assert "Content-Type" in err["message"] and "application/json" in err["message"]
         _error(await c.get("/no/such/route"), 404, "not_found")
         _error(await c.put("/healthz"), 405, "method_not_allowed")
 

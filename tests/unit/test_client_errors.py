@@ -84,7 +84,7 @@ def test_each_error_code_raises_its_class_with_message_and_request_id(
 @pytest.mark.parametrize(("status", "cls"), [
     (400, psgrad.BadRequest), (401, psgrad.Unauthorized), (403, psgrad.Forbidden),
     (404, psgrad.NotFound), (408, psgrad.RequestTimeout), (409, psgrad.Conflict),
-    (413, psgrad.TooLarge), (415, psgrad.BadRequest), (422, psgrad.InvalidInput),
+    (413, psgrad.TooLarge), (415, psgrad.UnsupportedMediaType), (422, psgrad.InvalidInput),
     (429, psgrad.RateLimited), (500, psgrad.InternalError), (502, psgrad.InternalError),
     (503, psgrad.Overloaded), (504, psgrad.DeadlineExceeded),
 ])

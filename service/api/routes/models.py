@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from psgrad._errors import BadRequest, PsgradError
+from psgrad._errors import BadRequest, PsgradError, UnsupportedMediaType
 from psgrad._wire import JSON, SAFETENSORS
 from service.api.body import media_type, read_body
 from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
@@ -101,7 +101,7 @@ def _registered(registry: ModelRegistry, model: Any) -> dict[str, Any]:
     "/{model_id}",
     response_model=ModelDoc,
     dependencies=[AdminKey],
-    responses=errors(400, 401, 403, 409, 413, 422),
+    responses=errors(400, 401, 403, 409, 413, 415, 422),
     openapi_extra=REGISTER_BODY,
     summary="Register a model: a new version of id (admin)",
 )
@@ -110,7 +110,7 @@ async def put_model(
 ) -> dict[str, Any]:
     """Built on the meta device, held to the limits, then built and run on an example batch."""
     if media_type(request.headers.get("content-type")) != JSON:
-        raise BadRequest(
+        raise UnsupportedMediaType(
             f"send the spec as {JSON}; weights alone go to PUT "
             f"/models/{model_id}/weights as {SAFETENSORS}"
         )
@@ -131,7 +131,7 @@ async def put_model(
     "/{model_id}/weights",
     response_model=ModelDoc,
     dependencies=[AdminKey],
-    responses=errors(400, 401, 403, 404, 409, 413, 422),
+    responses=errors(400, 401, 403, 404, 409, 413, 415, 422),
     openapi_extra=WEIGHTS_BODY,
     summary="New weights for id: a new version (admin)",
 )
@@ -143,7 +143,7 @@ async def put_weights(
         SAFETENSORS,
         "application/octet-stream",
     ):
-        raise BadRequest(f"send the weights as {SAFETENSORS} (a safetensors file)")
+        raise UnsupportedMediaType(f"send the weights as {SAFETENSORS} (a safetensors file)")
     raw = await read_body(request, settings.max_weight_bytes + (1 << 20))
 
     def run() -> dict[str, Any]:
