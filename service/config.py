@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     redis_timeout_s: float = 2.0  # socket timeouts: a dead Redis answers 503 fast, never hangs
     redis_transfer_timeout_s: float = 60.0  # commands that move payloads and results (MBs-GBs)
     worker_redis_grace_s: float = 30.0  # a worker that cannot reach Redis this long exits 1
+    worker_metrics_port: int = 0  # psgrad worker serves Prometheus /metrics here (0: off)
 
     max_layers: int = 64
     max_parameters: int = 50_000_000

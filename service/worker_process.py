@@ -18,6 +18,9 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from prometheus_client import start_http_server
+
+from service.api.metrics import WorkerMetrics
 from service.broker.redis_source import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
@@ -47,9 +50,18 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    metrics = WorkerMetrics()
+    if settings.worker_metrics_port:
+        try:
+            start_http_server(settings.worker_metrics_port, registry=metrics.registry)
+        except OSError as exc:
+            log.error("cannot serve metrics on port %d (PSGRAD_WORKER_METRICS_PORT): %s",
+                      settings.worker_metrics_port, exc)
+            return EXIT_CONFIG
+        log.info("metrics on http://0.0.0.0:%d/metrics", settings.worker_metrics_port)
     compiled = CompiledFunctions(settings, source.r, writer=True) if settings.compile else None
-    loop = threading.Thread(target=Worker(source, registry, settings, compiled=compiled).run,
-                            args=(stop,), name="psgrad-worker-loop")
+    work = Worker(source, registry, settings, observer=metrics, compiled=compiled)
+    loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
     source.start()
     loop.start()
     log.info("worker %s on %s, Redis prefix %r", source.name, registry.device,

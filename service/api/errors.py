@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -74,8 +76,23 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
 
 
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(scope: Scope) -> str:
+    """The client's ``X-Request-ID`` when it sent a plain one (ids, dots, dashes), else new."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            sent = value.decode("latin-1")
+            if REQUEST_ID.fullmatch(sent):
+                return sent
+    return uuid.uuid4().hex
+
+
 class CatchAllMiddleware:
-    """Answers an unexpected exception with ``internal_error`` (logged with its traceback here)."""
+    """Gives every request an id, answered in ``X-Request-ID`` (the client's own, if it sent
+    one) and logged with any unexpected exception, which it answers with ``internal_error``
+    (the traceback stays in the log, the id ties the two together)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -84,25 +101,30 @@ class CatchAllMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        rid = request_id(scope)
         started = False
 
-        async def tracking_send(message: Message) -> None:
+        async def tagged_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tagged_send)
         except Exception:
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            method, path = scope.get("method"), scope.get("path")
+            log.exception("unexpected error on %s %s (request %s)", method, path, rid)
             if started:
                 raise
             response = JSONResponse(
                 body(
                     "internal_error",
-                    "the server failed unexpectedly; the error is logged on the server",
+                    f"the server failed unexpectedly; the error is logged on the server with "
+                    f"request id {rid}",
                 ),
                 status_code=500,
             )
-            await response(scope, receive, send)
+            await response(scope, receive, tagged_send)

@@ -36,26 +36,13 @@ class _CacheCollector(Collector):
         yield misses
 
 
-class Metrics:
-    """Every metric of one app; also the worker loop's observer in embedded mode."""
+class WorkerMetrics:
+    """What the worker loop measures (its :class:`service.worker.WorkerObserver`); ``psgrad
+    worker`` serves these alone on ``PSGRAD_WORKER_METRICS_PORT``."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "psgrad_requests",
-            "HTTP requests by route, method and status",
-            ["route", "method", "status"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "psgrad_request_seconds",
-            "HTTP request latency by route",
-            ["route"],
-            buckets=TIME_BUCKETS,
-            registry=r,
-        )
-        self.queue_depth = Gauge("psgrad_queue_depth", "jobs waiting in the queue", registry=r)
         self.queue_wait = Histogram(
             "psgrad_queue_wait_seconds",
             "time a job waited before its engine call started",
@@ -95,6 +82,28 @@ class Metrics:
     def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
         self.queue_wait.observe(queue_s)
         self.jobs.labels(status=status).inc()
+
+
+class Metrics(WorkerMetrics):
+    """Every metric of one app: the requests, the queue, and the worker loop's in embedded mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.requests = Counter(
+            "psgrad_requests",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "psgrad_request_seconds",
+            "HTTP request latency by route",
+            ["route"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("psgrad_queue_depth", "jobs waiting in the queue", registry=r)
 
     def render(self, queue_depth: int | None) -> bytes:
         if queue_depth is not None:

@@ -140,6 +140,7 @@ def test_the_apps_errors_arrive_as_their_classes(client: psgrad.Client, call: An
     with pytest.raises(error) as info:
         call(client)
     assert info.value.message and info.value.http_status == error.status
+    assert info.value.request_id and len(info.value.request_id) == 32  # the server's X-Request-ID
 
 
 def test_jobs_submit_status_result_and_cancel(client: psgrad.Client) -> None:

@@ -44,6 +44,7 @@ DELIBERATE = {
     "redis_url": "compose runs Redis; the code defaults to the embedded broker",
     "memory_budget_mb": "a GPU has more memory than the laptop default assumes",
     "api_keys": "required: the api refuses a non-loopback host without keys",
+    "worker_metrics_port": "each worker container serves its metrics; off for bare processes",
 }
 
 
@@ -524,6 +525,15 @@ def test_compose_processes_serve_a_request_on_loopback(
 
     wait_for("redis", redis_up, processes)
 
+    metrics_ports: dict[str, int] = {}
+
+    def worker_env(name: str) -> dict[str, str]:
+        """Compose gives each worker container its own port 9400; here each gets a free one."""
+        env = service_env(name)
+        assert env["PSGRAD_WORKER_METRICS_PORT"] == "9400"
+        metrics_ports[name] = free_port()
+        return {**env, "PSGRAD_WORKER_METRICS_PORT": str(metrics_ports[name])}
+
     api_port = free_port()
     api_cmd = with_option(services["api"]["command"], "--host", "127.0.0.1")
     api_cmd = with_option(api_cmd, "--port", str(api_port))
@@ -531,7 +541,7 @@ def test_compose_processes_serve_a_request_on_loopback(
     cpu_workers = sorted(workers(config))
     assert len(cpu_workers) == 2
     for name in cpu_workers:
-        processes.start(name, [psgrad, *services[name]["command"]], service_env(name))
+        processes.start(name, [psgrad, *services[name]["command"]], worker_env(name))
 
     base = f"http://127.0.0.1:{api_port}"
     auth = {"Authorization": f"Bearer {API_KEY}"}
@@ -580,6 +590,15 @@ def test_compose_processes_serve_a_request_on_loopback(
             if line.startswith("# TYPE ")
         }
         assert not [m for m in named if m.removesuffix("_total") not in exposed], exposed
+        # the workers' own pages: together they counted the one job
+        done_jobs = 0.0
+        for name in cpu_workers:
+            page = httpx.get(f"http://127.0.0.1:{metrics_ports[name]}/metrics").text
+            assert "psgrad_compute_seconds_bucket" in page
+            for line in page.splitlines():
+                if line.startswith('psgrad_jobs_total{status="succeeded"}'):
+                    done_jobs += float(line.split()[-1])
+        assert done_jobs == 1
 
         # An upgrade as docs/operations.md does it: the workers get SIGTERM and drain (exit 0);
         # a job queued meanwhile waits in Redis, through an api restart, for the new worker.
@@ -595,7 +614,7 @@ def test_compose_processes_serve_a_request_on_loopback(
     new_api = with_option(api_cmd, "--port", str(new_port))
     processes.start("api-new", [psgrad, *new_api], service_env("api"))
     name = cpu_workers[0]
-    processes.start(f"{name}-new", [psgrad, *services[name]["command"]], service_env(name))
+    processes.start(f"{name}-new", [psgrad, *services[name]["command"]], worker_env(name))
     with httpx.Client(base_url=f"http://127.0.0.1:{new_port}", timeout=60) as http:
 
         def job_done() -> bool:

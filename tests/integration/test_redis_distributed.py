@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-from redis_helpers import SHARED_URL, OwnRedis, prefix_on, redis_or_skip, wait_for
+from redis_helpers import SHARED_URL, OwnRedis, free_port, prefix_on, redis_or_skip, wait_for
 from safetensors.torch import save as st_save
 
 from psgrad._wire import SAFETENSORS, fields_from_safetensors
@@ -65,10 +65,13 @@ class Cluster:
     broker: RedisBroker
     logs: Path
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    metrics_ports: list[int] = field(default_factory=list)
 
     def start_worker(self) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"worker-{len(self.workers)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen([PSGRAD, "worker", "--device", "cpu"], env=env_of(self.settings),
+        self.metrics_ports.append(free_port())
+        env = {**env_of(self.settings), "PSGRAD_WORKER_METRICS_PORT": str(self.metrics_ports[-1])}
+        proc = subprocess.Popen([PSGRAD, "worker", "--device", "cpu"], env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.workers.append(proc)
@@ -186,6 +189,14 @@ def check_answer(body: dict[str, Any], request: dict[str, Any], registry: Any) -
             np.testing.assert_allclose(np.asarray(got), ref.detach().numpy(), **TOL, err_msg=name)
 
 
+def metric(text: str, name: str) -> float:
+    """One sample's value from a Prometheus text page (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 async def post_all(client: httpx.AsyncClient, requests: list[dict[str, Any]]
                    ) -> list[httpx.Response]:
     return list(await asyncio.gather(*(client.post("/per-sample-grads", json=r)
@@ -219,6 +230,13 @@ async def test_concurrent_mixed_requests_and_sigterm_drain(tmp_path: Path, prefi
             assert answer.status_code == 200, answer.text
             check_answer(answer.json(), request, registry)
         assert max(a.json()["meta"]["batch_jobs"] for a in answers) > 1  # cross-request batches
+        # each worker serves its own metrics; together they counted every job and sample
+        scraped = [httpx.get(f"http://127.0.0.1:{port}/metrics").text
+                   for port in c.metrics_ports]
+        assert all("psgrad_compute_seconds_bucket" in text for text in scraped)
+        assert sum(metric(t, 'psgrad_jobs_total{status="succeeded"}') for t in scraped) == 100
+        assert sum(metric(t, "psgrad_samples_total") for t in scraped) == sum(
+            a.json()["batch_size"] for a in answers)
 
         # SIGTERM while a worker holds a running job: it finishes and acknowledges it, exits 0
         ids = [(await c.client.post("/jobs", json=mixed_request(4))).json()["job_id"]

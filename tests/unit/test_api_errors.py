@@ -301,7 +301,9 @@ async def test_api_and_admin_keys() -> None:
         assert (await c.get("/admin-probe")).status_code == 200
 
 
-async def test_unexpected_errors_are_logged_not_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_unexpected_errors_are_logged_not_shown(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("secret internals /home/x/service/engine.py line 12")
 
@@ -309,6 +311,12 @@ async def test_unexpected_errors_are_logged_not_shown(monkeypatch: pytest.Monkey
         monkeypatch.setattr(engine, "compute", broken)
         err = _error(await c.post("/per-sample-grads", json=TD0), 500, "internal_error")
         assert "secret" not in err["message"] and "engine.py" not in err["message"]
+        monkeypatch.setattr(app_of(c).state.psgrad.registry, "ids", broken)
+        r = await c.get("/models", headers={"X-Request-ID": "trace-7"})
+        err = _error(r, 500, "internal_error")  # escapes every handler: the middleware answers
+        assert r.headers["x-request-id"] == "trace-7" and "trace-7" in err["message"]
+        logged = [rec for rec in caplog.records if "trace-7" in rec.getMessage()]
+        assert logged and logged[0].exc_info is not None  # the traceback is in the log
         monkeypatch.setattr(app_of(c).state.psgrad.registry, "describe", broken)
         err = _error(await c.get("/models/linear-value"), 500, "internal_error")
         assert "secret" not in json.dumps(err)
@@ -336,3 +344,20 @@ async def test_a_bad_job_never_disturbs_the_others() -> None:
     assert statuses == [200, 422, 200, 422, 200, 422]
     for r in answers[::2]:
         np.testing.assert_allclose(r.json()["updates"]["theta"], [[3.6, 1.8, -3.6]], rtol=1e-5)
+
+
+async def test_every_answer_carries_a_request_id() -> None:
+    async with open_client() as c:
+        answers = [
+            await c.post("/per-sample-grads", json=TD0),
+            await c.post("/per-sample-grads", json={**TD0, "loss": "hinge"}),
+            await c.get("/no/such/route"),
+            await c.get("/healthz"),
+        ]
+        ids = [r.headers["x-request-id"] for r in answers]
+        assert len(set(ids)) == len(ids) and all(len(i) == 32 for i in ids), ids
+        mine = await c.get("/healthz", headers={"X-Request-ID": "client-1.a_b:c"})
+        assert mine.headers["x-request-id"] == "client-1.a_b:c"
+        for odd in ("two words", "x" * 129, "<script>"):  # not echoed: a fresh id instead
+            r = await c.get("/healthz", headers={"X-Request-ID": odd})
+            assert r.headers["x-request-id"] != odd and len(r.headers["x-request-id"]) == 32
