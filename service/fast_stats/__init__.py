@@ -27,7 +27,16 @@ from service.fast_stats import (  # noqa: F401  (register the families)
     embedding,
     linear,
 )
-from service.fast_stats._core import Budget, Need, Pass1, Pass2, Tensors, Unsupported, total
+from service.fast_stats._core import (
+    Budget,
+    Need,
+    Pass1,
+    Pass2,
+    Tensors,
+    Unsupported,
+    grouped,
+    total,
+)
 from service.fast_stats._plan import forward_backward, plan_for, sources
 
 __all__ = ["PER_SAMPLE_OUTPUTS", "compute", "supports"]
@@ -61,7 +70,7 @@ def compute(
         return None  # the model read its parameters differently from the probe: play safe
     size = batch.size
     budget = Budget(budget_bytes)
-    found = sources(model, params, run, plan, size, budget)
+    found = grouped(sources(model, params, run, plan, size, budget))
     bounds = list(itertools.pairwise(itertools.accumulate(segments, initial=0)))
     want = set(opts.outputs)
     need = Need(
@@ -99,7 +108,7 @@ def compute(
         "route": model.route,
         "chunk_size": size,
         "path": "fast_stats",
-        "method": {k: s.method for s in found for k in s.names},
+        "method": {k: s.method_of(k) for s in found for k in s.names},
         "form": {k: s.form(k) for s in found for k in s.names},
     }
     meta["method"] = {k: meta["method"][k] for k in names}

@@ -103,6 +103,7 @@ class OuterSource(Materialised):
                     a = a * scale
             g, a = g.to(dtype), a.to(dtype)
             if self.groups == 1:  # one GEMM, as a batch gradient would be
+                g, a = _rows(g[:, 0], a[:, 0])
                 term = (g.reshape(-1, self.p).t() @ a.reshape(-1, self.d)).unsqueeze(0)
             else:
                 term = torch.einsum("ngtp,ngtd->gpd", g, a)
@@ -155,6 +156,16 @@ class OuterSource(Materialised):
                     cos.append(((g @ ref.to(g.dtype)) * a).sum((1, 2, 3)))
             out.cos = cat(cos)
         return {name: out}
+
+
+def _rows(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g``, ``a`` [n, T, k], or both time-major when both are laid out that way (attention's
+    projections): a sum over every (sample, position) row does not care about the order of
+    the rows as long as both sides share it, and this order needs no copy."""
+    gt, at = g.transpose(0, 1), a.transpose(0, 1)
+    if not (g.is_contiguous() and a.is_contiguous()) and gt.is_contiguous() and at.is_contiguous():
+        return gt, at
+    return g, a
 
 
 class LinearSource(OuterSource):
