@@ -18,6 +18,11 @@ from psgrad._errors import UnknownLoss
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 LossFn = Callable[[Forward, dict[str, torch.Tensor], float], tuple[torch.Tensor, torch.Tensor]]
+# Optional: every sample's loss at once from the batched outputs, the same numbers as ``fn``
+# one sample at a time (the fast statistics path); None when this call does not fit it.
+BatchedFn = Callable[
+    [torch.Tensor, dict[str, torch.Tensor]], "tuple[torch.Tensor, torch.Tensor] | None"
+]
 
 
 @dataclass(frozen=True)
@@ -27,15 +32,17 @@ class Loss:
     needs: tuple[str, ...]  # request fields besides inputs
     classification: bool = False  # targets are class indices into the output
     scalar_output: bool = False  # the model must give one value per sample
+    batched: BatchedFn | None = None
 
 
 LOSSES: dict[str, Loss] = {}
 
 
 def register_loss(name: str, *, needs: tuple[str, ...] = ("targets",), classification: bool = False,
-                  scalar_output: bool = False) -> Callable[[LossFn], LossFn]:
+                  scalar_output: bool = False,
+                  batched: BatchedFn | None = None) -> Callable[[LossFn], LossFn]:
     def decorate(fn: LossFn) -> LossFn:
-        LOSSES[name] = Loss(name, fn, needs, classification, scalar_output)
+        LOSSES[name] = Loss(name, fn, needs, classification, scalar_output, batched)
         return fn
 
     return decorate
@@ -50,13 +57,26 @@ def get_loss(name: str) -> Loss:
         ) from None
 
 
-@register_loss("cross_entropy", classification=True)
+def rows_of(fn: Callable[..., torch.Tensor]) -> BatchedFn:
+    """A classification loss over [B, C] scores and [B] targets, one row per sample."""
+
+    def batched(out: torch.Tensor, samples: dict[str, torch.Tensor]) -> Any:
+        targets = samples["targets"]
+        if out.dim() != 2 or targets.dim() != 1:
+            return None
+        loss = fn(out, targets, reduction="none")
+        return loss, loss.detach()
+
+    return batched
+
+
+@register_loss("cross_entropy", classification=True, batched=rows_of(F.cross_entropy))
 def cross_entropy(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
     loss = F.cross_entropy(forward(sample["inputs"]).unsqueeze(0), sample["targets"].unsqueeze(0))
     return loss, loss.detach()
 
 
-@register_loss("nll", classification=True)
+@register_loss("nll", classification=True, batched=rows_of(F.nll_loss))
 def nll(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
     loss = F.nll_loss(forward(sample["inputs"]).unsqueeze(0), sample["targets"].unsqueeze(0))
     return loss, loss.detach()

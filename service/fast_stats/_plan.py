@@ -59,6 +59,10 @@ def batched_losses(
     output for this sample (or for its next state, ``td0``) instead of running the model.
     """
     loss = get_loss(loss_name)
+    if loss.batched is not None and next_out is None:
+        rows = loss.batched(out, samples)
+        if rows is not None:
+            return rows
 
     def one(o: torch.Tensor, on: torch.Tensor | None, sample: Tensors) -> Any:
         def forward(x: torch.Tensor) -> torch.Tensor:
