@@ -86,7 +86,7 @@ class OuterSource(Materialised):
         if self._form == "outer":
             sq = vector_norm(a, dim=-1).square() * vector_norm(g, dim=-1).square()
             return sq.sum((1, 2))
-        return ((a @ a.transpose(-1, -2)) * (g @ g.transpose(-1, -2))).sum((1, 2, 3))
+        return (a @ a.transpose(-1, -2)).mul_(g @ g.transpose(-1, -2)).sum((1, 2, 3))
 
     def _ref(self, ref: torch.Tensor) -> torch.Tensor:
         return ref.reshape(self.groups, self.p, self.d)
