@@ -64,6 +64,7 @@ class Worker:
         self.registry = registry
         self.settings = settings
         self.observer: WorkerObserver = observer or _NoObserver()
+        self.result_limit = _result_limit(settings, source)
 
     def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
         """Take and process batches until ``stop`` is set."""
@@ -111,20 +112,12 @@ class Worker:
         for items in groups.values():
             self._run_group(items)
 
-    def _result_limit(self) -> tuple[int, str]:
-        """PSGRAD_MAX_RESULT_BYTES, or less when the source stores less (Redis: one value)."""
-        limit, what = self.settings.max_result_bytes, "the limit (PSGRAD_MAX_RESULT_BYTES)"
-        store = self.source.max_value_bytes
-        if store is not None and store * 63 // 64 < limit:  # room for the encoding's header
-            limit, what = store * 63 // 64, "the most the job queue keeps in one value (Redis)"
-        return limit, what
-
     def _parse(self, job: Job) -> ParsedRequest | None:
         try:
             parsed = parse_request(
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size
             )
-            _check_result_size(parsed, *self._result_limit())
+            _check_result_size(parsed, *self.result_limit)
             return parsed
         except PsgradError as exc:
             self._fail(job, exc, retry=False)
@@ -203,6 +196,15 @@ def _internal(job: Job) -> InternalError:
         "on the server under this job id",
         job_id=job.id,
     )
+
+
+def _result_limit(settings: Settings, source: JobSource) -> tuple[int, str]:
+    """PSGRAD_MAX_RESULT_BYTES, or less when the source stores less (Redis: one value)."""
+    limit, what = settings.max_result_bytes, "the limit (PSGRAD_MAX_RESULT_BYTES)"
+    store = source.max_value_bytes
+    if store is not None and store * 63 // 64 < limit:  # room for the encoding's header
+        limit, what = store * 63 // 64, "the most the job queue keeps in one value (Redis)"
+    return limit, what
 
 
 def _check_result_size(parsed: ParsedRequest, limit: int, what: str) -> None:

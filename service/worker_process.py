@@ -40,6 +40,15 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     if not settings.redis_url:
         log.error("psgrad worker needs PSGRAD_REDIS_URL (the api and the workers share a Redis)")
         return EXIT_CONFIG
+    metrics = WorkerMetrics()
+    if settings.worker_metrics_port:
+        try:
+            start_http_server(settings.worker_metrics_port, registry=metrics.registry)
+        except OSError as exc:
+            log.error("cannot serve metrics on port %d (PSGRAD_WORKER_METRICS_PORT): %s",
+                      settings.worker_metrics_port, exc)
+            return EXIT_CONFIG
+        log.info("metrics on http://0.0.0.0:%d/metrics", settings.worker_metrics_port)
     registry = make_registry(settings)
     source = RedisJobSource(settings, name=consumer_name(str(registry.device)))
     stop = threading.Event()
@@ -50,15 +59,6 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    metrics = WorkerMetrics()
-    if settings.worker_metrics_port:
-        try:
-            start_http_server(settings.worker_metrics_port, registry=metrics.registry)
-        except OSError as exc:
-            log.error("cannot serve metrics on port %d (PSGRAD_WORKER_METRICS_PORT): %s",
-                      settings.worker_metrics_port, exc)
-            return EXIT_CONFIG
-        log.info("metrics on http://0.0.0.0:%d/metrics", settings.worker_metrics_port)
     compiled = CompiledFunctions(settings, source.r, writer=True) if settings.compile else None
     work = Worker(source, registry, settings, observer=metrics, compiled=compiled)
     loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import numpy as np
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from redis_helpers import free_port, metric
 
 from psgrad._wire import array_from_json
 from service.config import Settings
@@ -399,13 +399,6 @@ def test_compose_commands_are_psgrad_subcommands(
 # The processes compose starts, on loopback
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def image_env() -> dict[str, str]:
     """The ENV of the Dockerfile, as the containers get it."""
     env: dict[str, str] = {}
@@ -591,14 +584,10 @@ def test_compose_processes_serve_a_request_on_loopback(
         }
         assert not [m for m in named if m.removesuffix("_total") not in exposed], exposed
         # the workers' own pages: together they counted the one job
-        done_jobs = 0.0
-        for name in cpu_workers:
-            page = httpx.get(f"http://127.0.0.1:{metrics_ports[name]}/metrics").text
-            assert "psgrad_compute_seconds_bucket" in page
-            for line in page.splitlines():
-                if line.startswith('psgrad_jobs_total{status="succeeded"}'):
-                    done_jobs += float(line.split()[-1])
-        assert done_jobs == 1
+        pages = [httpx.get(f"http://127.0.0.1:{metrics_ports[name]}/metrics").text
+                 for name in cpu_workers]
+        assert all("psgrad_compute_seconds_bucket" in page for page in pages)
+        assert sum(metric(page, 'psgrad_jobs_total{status="succeeded"}') for page in pages) == 1
 
         # An upgrade as docs/operations.md does it: the workers get SIGTERM and drain (exit 0);
         # a job queued meanwhile waits in Redis, through an api restart, for the new worker.

@@ -24,7 +24,15 @@ import numpy as np
 import pytest
 import redis
 import torch
-from redis_helpers import SHARED_URL, OwnRedis, free_port, prefix_on, redis_or_skip, wait_for
+from redis_helpers import (
+    SHARED_URL,
+    OwnRedis,
+    free_port,
+    metric,
+    prefix_on,
+    redis_or_skip,
+    wait_for,
+)
 from safetensors.torch import save as st_save
 
 from psgrad._wire import SAFETENSORS, fields_from_safetensors
@@ -187,14 +195,6 @@ def check_answer(body: dict[str, Any], request: dict[str, Any], registry: Any) -
                                            err_msg=f"{name}/{k}")
         else:
             np.testing.assert_allclose(np.asarray(got), ref.detach().numpy(), **TOL, err_msg=name)
-
-
-def metric(text: str, name: str) -> float:
-    """One sample's value from a Prometheus text page (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 async def post_all(client: httpx.AsyncClient, requests: list[dict[str, Any]]
