@@ -1,0 +1,73 @@
+"""A thread-safe least-recently-used cache: the per-sample functions, the fast-statistics plans
+and the loaded models each keep one.
+
+Values are built outside the lock (building one can take seconds: a model, a probe), so two
+threads that miss the same key at once may both build it; the first stored wins and both get
+it. ``None`` is a value like any other (a plan may be "no plan").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+_MISSING = object()
+
+
+class LockedLRU(Generic[K, V]):
+    """At most ``size`` entries; ``hits`` and ``misses`` count :meth:`get_or_make` lookups."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.hits = 0
+        self.misses = 0
+        self._data: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
+        """The cached value for ``key``, or ``make()`` stored under it."""
+        with self._lock:
+            found = self._data.get(key, _MISSING)
+            if found is not _MISSING:
+                self.hits += 1
+                self._data.move_to_end(key)
+                return found  # type: ignore[return-value]
+            self.misses += 1
+        value = make()
+        with self._lock:
+            return self._store(key, value, keep_first=True)
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._store(key, value, keep_first=False)
+
+    def drop(self, keep: Callable[[K], bool]) -> None:
+        """Remove every entry whose key ``keep`` rejects."""
+        with self._lock:
+            for key in [k for k in self._data if not keep(k)]:
+                del self._data[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def _store(self, key: K, value: V, *, keep_first: bool) -> V:
+        if keep_first and key in self._data:
+            self._data.move_to_end(key)
+            return self._data[key]
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.size:
+            self._data.popitem(last=False)
+        return value
