@@ -1,0 +1,166 @@
+"""The contract between the engine and its strategies: what a strategy is given, what it gives.
+
+A strategy gets a prepared :class:`Call` (the model, the options, every tensor already on the
+model's device, the segment bounds of the jobs in the batch, and the :class:`Need` derived from
+the requested outputs by :mod:`service.outputs`) and answers a :class:`Result`: each sample's loss
+and auxiliary value, and one immutable :class:`ParamStats` per selected parameter holding exactly
+the primitives the need asks for. It never assembles outputs: :func:`service.outputs.assemble`
+turns the same records into the answer whichever strategy filled them, so each output is
+defined once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from service.registry import LoadedModel
+
+Tensors = dict[str, torch.Tensor]
+Bounds = tuple[tuple[int, int], ...]  # [start, stop) of each segment (one per job)
+SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to compute: the non-tensor part of a request. Hashable: it is part of the group key."""
+
+    loss: str
+    outputs: tuple[str, ...]
+    params: tuple[str, ...]  # the selected parameters, in the module's order
+    clip_norm: float | None = None
+    noise_multiplier: float = 0.0
+    seed: int | None = None
+    gamma: float = 1.0
+
+
+@dataclass
+class Batch:
+    """The tensors of a request, already validated, with the batch dimension first."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor | None = None
+    next_inputs: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    dones: torch.Tensor | None = None
+    weights: Tensors = field(default_factory=dict)
+    reference: Tensors = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.inputs.shape[0])
+
+    def samples(self) -> Tensors:
+        return {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+
+
+@dataclass(frozen=True)
+class Need:
+    """The primitives an answer needs of every selected parameter (the union over its outputs).
+
+    Attributes:
+        grads: every per-sample gradient, ``[B, *shape]``.
+        sq: each sample's squared gradient norm, ``[B]``.
+        dot: each sample's dot product with the request's ``reference``, ``[B]``.
+        mean: each segment's mean gradient.
+        m2: each segment's sum of squared deviations from its mean (variance = m2 / n).
+        clipped: each segment's sum of gradients scaled by :func:`clip_factors` (needs ``sq``).
+        cos: each sample's dot product with its segment's mean gradient (needs ``mean``, ``sq``).
+    """
+
+    grads: bool = False
+    sq: bool = False
+    dot: bool = False
+    mean: bool = False
+    m2: bool = False
+    clipped: bool = False
+    cos: bool = False
+
+    def __or__(self, other: Need) -> Need:
+        return Need(**{k: getattr(self, k) or getattr(other, k) for k in _NEED_FIELDS})
+
+
+_NEED_FIELDS = ("grads", "sq", "dot", "mean", "m2", "clipped", "cos")
+
+
+@dataclass(frozen=True)
+class ParamStats:
+    """One selected parameter's primitives; a field is None when the need did not ask for it.
+
+    Per-segment fields are tuples with one tensor per segment, in the parameter's shape.
+    """
+
+    grads: torch.Tensor | None = None
+    sq: torch.Tensor | None = None
+    dot: torch.Tensor | None = None
+    mean: tuple[torch.Tensor, ...] | None = None
+    m2: tuple[torch.Tensor, ...] | None = None
+    clipped: tuple[torch.Tensor, ...] | None = None
+    cos: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a strategy answers: per-sample losses and aux values (``td0``: the TD errors), the
+    records of the selected parameters in the call's order, and how they were computed."""
+
+    losses: torch.Tensor
+    aux: torch.Tensor
+    params: dict[str, ParamStats]
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One engine call, prepared: every tensor is on the model's device, in the model's dtype
+    (parameters, per-call weights, reference) or as sent (samples)."""
+
+    model: LoadedModel
+    opts: Options
+    params: Tensors  # every parameter's value for this call (per-call weights applied)
+    samples: Tensors
+    reference: Tensors
+    bounds: Bounds
+    need: Need
+    budget_bytes: int = 1 << 30
+    compiled: Any = None  # service.compile_cache.CompiledFunctions, for the vmap strategy
+
+    @property
+    def size(self) -> int:
+        return int(self.samples["inputs"].shape[0])
+
+    @property
+    def selected(self) -> tuple[str, ...]:
+        return self.opts.params
+
+
+class Strategy(Protocol):
+    """A way to fill the records of a call."""
+
+    name: str
+
+    def run(self, call: Call) -> Result | None:
+        """The records of ``call``, or None to decline (the engine then tries the next one)."""
+
+
+def bounds_of(segments: Sequence[int]) -> Bounds:
+    """``[start, stop)`` of consecutive segments of the given sizes."""
+    return tuple(itertools.pairwise(itertools.accumulate(segments, initial=0)))
+
+
+def clip_factors(clip_norm: float | None, norms: torch.Tensor) -> torch.Tensor:
+    """DP-SGD's per-sample scale ``min(1, C / |g_i|)`` (1 for a zero gradient)."""
+    return ((clip_norm or 0.0) / norms).clamp(max=1.0).nan_to_num(1.0)
+
+
+def total(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of same-shaped tensors, without stacking them first."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
