@@ -1,0 +1,76 @@
+"""The per-sample function: ``functional_call`` + ``vmap(grad_and_value(loss))``, and its cache.
+
+``per_sample_fn(model, loss, gamma)`` answers ``(selected, others, buffers, samples) ->
+(grads, (losses, aux))`` over a batch. It is cached by model structure, device, dtype, loss,
+gamma and route; parameters and buffers are arguments, so per-call weights and new versions
+never rebuild it. Models whose layers vmap cannot batch (``nn.GRU``/``nn.RNN`` in torch 2.13)
+get the per-sample loop instead (route ``loop``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from service.losses import get_loss
+from service.lru import LockedLRU
+from service.registry import LoadedModel
+from service.strategies.base import Tensors
+
+PerSampleFn = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
+FUNCTIONS: LockedLRU[tuple[Any, ...], PerSampleFn] = LockedLRU(64)  # hits/misses on /metrics
+
+
+def warm_up() -> None:
+    """Pay torch.func's one-time set-up before the first job, not inside it.
+
+    The first ``grad`` of a process imports ``torch._dynamo`` (``_autograd_grad`` enters
+    ``torch._dynamo.compiled_autograd._disable()``): 1 to 3 s on our CPUs, which would
+    otherwise land on the first request a worker serves. Workers call this when they start.
+    """
+    import torch._dynamo
+
+    vmap(grad_and_value(lambda w, x: (w * x).sum()), in_dims=(None, 0))(
+        torch.ones(2), torch.ones(2, 2))
+
+
+def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
+    """``(selected, other_params, buffers, samples) -> (grads, (losses, aux))`` over a batch."""
+    key = (model.structure or model.ref, str(next(iter(model.params.values())).device),
+           model.dtype, loss_name, gamma, model.route)
+    return FUNCTIONS.get_or_make(key, lambda: _build(model, loss_name, gamma))
+
+
+def _build(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
+    loss = get_loss(loss_name)
+    module = model.module
+
+    def sample_loss(selected: Tensors, others: Tensors, buffers: Tensors,
+                    sample: Tensors) -> Any:
+        params = {**others, **selected}
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return functional_call(module, (params, buffers), (x.unsqueeze(0),)).squeeze(0)
+
+        return loss.fn(forward, sample, gamma)
+
+    one = grad_and_value(sample_loss, has_aux=True)
+    return _looped(one) if model.route == "loop" else vmap(one, in_dims=(None, None, None, 0))
+
+
+def _looped(one: Callable[..., Any]) -> PerSampleFn:
+    """The per-sample loop, for layers vmap cannot batch (``nn.GRU``/``nn.RNN`` in torch 2.13)."""
+
+    def fn(selected: Tensors, others: Tensors, buffers: Tensors, samples: Tensors) -> Any:
+        size = next(iter(samples.values())).shape[0]
+        results = [one(selected, others, buffers, {k: v[i] for k, v in samples.items()})
+                   for i in range(size)]
+        grads = {k: torch.stack([r[0][k] for r in results]) for k in selected}
+        losses = torch.stack([r[1][0] for r in results])
+        aux = torch.stack([r[1][1] for r in results])
+        return grads, (losses, aux)
+
+    return fn
