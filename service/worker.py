@@ -7,10 +7,15 @@ one by one (a bad job fails alone with its own error), grouped by
 :meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
 concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call
 fails, its jobs are retried one by one so that one job's problem never fails another's.
+
+The loop knows the queue only as a :class:`service.jobs.JobSource`. In embedded mode the app's
+lifespan runs ``PSGRAD_WORKERS`` loops in threads (:class:`WorkerPool`); with Redis each
+``psgrad worker`` process runs one (:mod:`service.worker_process`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -19,21 +24,22 @@ from typing import Any, Protocol
 
 import torch
 
-from psgrad._errors import DeadlineExceeded, InternalError, JobCanceled, PsgradError
+from psgrad._errors import DeadlineExceeded, InternalError, PsgradError
 from service import engine
-from service.broker.base import Job, JobSource, answer_too_large
 from service.compile_cache import CompiledFunctions
 from service.config import Settings
+from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry
+from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
 
 log = logging.getLogger("psgrad.worker")
 
-__all__ = ["Worker", "WorkerObserver", "run_worker"]
+__all__ = ["Worker", "WorkerObserver", "WorkerPool"]
 
 
 class WorkerObserver(Protocol):
-    """Receives what the loop measures (the api's Prometheus metrics implement it)."""
+    """Receives what the loop measures (:class:`service.metrics.WorkerMetrics` implements it)."""
 
     def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None: ...
 
@@ -71,7 +77,7 @@ class Worker:
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
-        engine.warm_up()  # torch.func's one-time import, before the first job rather than in it
+        per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
         while not stop.is_set():
             try:
                 jobs = self.source.take(max_jobs, max_samples, delay_s, block_s)
@@ -88,7 +94,7 @@ class Worker:
         live: list[Job] = []
         for job in jobs:
             if self.source.is_canceled(job.id):
-                self._fail(job, JobCanceled(f"job {job.id} was canceled"), retry=False)
+                self._skip_canceled(job)
             elif job.deadline < now:
                 self._fail(
                     job,
@@ -168,26 +174,75 @@ class Worker:
                 log.exception("storing the result of job %s failed", job.id)
 
     def _fail(self, job: Job, exc: PsgradError, *, retry: bool) -> None:
-        status = "canceled" if isinstance(exc, JobCanceled) else "failed"
-        self.observer.observe_job(
-            queue_s=max(0.0, time.time() - job.enqueued_at), samples=job.size, status=status
-        )
+        self._observe_end(job, "failed")
         try:
             self.source.fail(job, exc.to_dict(), retry=retry)
         except Exception:
             log.exception("storing the error of job %s failed", job.id)
 
+    def _skip_canceled(self, job: Job) -> None:
+        self._observe_end(job, "canceled")
+        try:
+            self.source.acknowledge_canceled(job)
+        except Exception:
+            log.exception("acknowledging canceled job %s failed", job.id)
 
-def run_worker(
-    source: JobSource,
-    registry: ModelRegistry,
-    settings: Settings,
-    stop: threading.Event,
-    observer: WorkerObserver | None = None,
-    compiled: CompiledFunctions | None = None,
-) -> None:
-    """Run the loop until ``stop`` is set (the embedded broker's threads and ``psgrad worker``)."""
-    Worker(source, registry, settings, observer, compiled).run(stop)
+    def _observe_end(self, job: Job, status: str) -> None:
+        queue_s = max(0.0, time.time() - job.enqueued_at)
+        self.observer.observe_job(queue_s=queue_s, samples=job.size, status=status)
+
+
+class WorkerPool:
+    """``PSGRAD_WORKERS`` loops over one source in threads: the workers of the embedded mode.
+
+    The app's lifespan starts it after the broker and ends it in three steps: :meth:`stop` (no
+    loop starts another round), the broker's close (which wakes the loops waiting for a job),
+    then :meth:`join` (a running engine call finishes first). Zero workers: a queue nobody
+    serves, and :meth:`alive` says so.
+    """
+
+    def __init__(
+        self,
+        source: JobSource,
+        registry: ModelRegistry,
+        settings: Settings,
+        *,
+        observer: WorkerObserver | None = None,
+    ) -> None:
+        self.source = source
+        self.registry = registry
+        self.settings = settings
+        self.observer = observer
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self._stop.clear()
+        compiled = None
+        if self.settings.compile:  # PSGRAD_COMPILE=1: compiled locally, shared by the threads
+            compiled = CompiledFunctions(self.settings, writer=False)
+        for i in range(self.settings.workers):
+            work = Worker(self.source, self.registry, self.settings, self.observer, compiled)
+            thread = threading.Thread(
+                target=work.run, args=(self._stop,), name=f"psgrad-worker-{i}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        log.info("%d embedded worker thread(s) started", len(self._threads))
+
+    def alive(self) -> bool:
+        """At least one loop runs and none was told to stop (the app's readiness asks this)."""
+        return not self._stop.is_set() and any(t.is_alive() for t in self._threads)
+
+    def stop(self) -> None:
+        """Tell every loop to stop after the round in hand."""
+        self._stop.set()
+
+    async def join(self, timeout_s: float = 60.0) -> None:
+        """Wait for the loops (off the event loop: their results still wake waiters on it)."""
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, timeout_s)
+        self._threads.clear()
 
 
 def _internal(job: Job) -> InternalError:

@@ -20,10 +20,10 @@ from types import FrameType
 
 from prometheus_client import start_http_server
 
-from service.api.metrics import WorkerMetrics
 from service.broker.redis_source import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
+from service.metrics import WorkerMetrics
 from service.registry import make_registry
 from service.worker import Worker
 

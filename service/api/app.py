@@ -14,9 +14,11 @@ from service.api.docs import install_docs, install_openapi
 from service.api.metrics import Metrics, MetricsMiddleware
 from service.api.routes import grads, jobs, models, ops
 from service.broker import make_broker
-from service.broker.base import Broker
+from service.broker.embedded import EmbeddedBroker
 from service.config import Settings, get_settings
+from service.jobs import Broker
 from service.registry import ModelRegistry, make_registry
+from service.worker import WorkerPool
 
 log = logging.getLogger("psgrad.api")
 
@@ -32,20 +34,36 @@ def create_app(
     *,
     registry: ModelRegistry | None = None,
 ) -> FastAPI:
-    """The api; without ``broker`` it makes one from the settings (embedded without Redis)."""
+    """The api; without ``broker`` it makes one from the settings (embedded without Redis).
+
+    With the embedded broker the app also runs the workers: a :class:`WorkerPool` over the
+    broker, sharing the app's registry (models registered through the api are served at once)
+    and metrics. With Redis the workers are ``psgrad worker`` processes.
+    """
     settings = settings or get_settings()
     metrics = Metrics()
-    registry = registry or getattr(broker, "registry", None) or make_registry(settings)
-    broker = broker or make_broker(settings, registry=registry, observer=metrics)
-    state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics)
+    registry = registry or make_registry(settings)  # sees PSGRAD_MODEL_DIR models too
+    broker = broker or make_broker(settings)
+    workers = None
+    if isinstance(broker, EmbeddedBroker):
+        workers = WorkerPool(broker, registry, settings, observer=metrics)
+    state = AppState(
+        settings=settings, broker=broker, registry=registry, metrics=metrics, workers=workers
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await state.broker.start()
+        await broker.start()
+        if workers is not None:
+            workers.start()
         try:
             yield
         finally:
-            await state.broker.close()
+            if workers is not None:
+                workers.stop()
+            await broker.close()  # wakes the workers waiting for a job
+            if workers is not None:
+                await workers.join()
 
     app = FastAPI(
         title="psgrad",

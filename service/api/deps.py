@@ -16,17 +16,27 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from psgrad._errors import Forbidden, Unauthorized
 from service.api.metrics import Metrics
-from service.broker.base import Broker
 from service.config import Settings
+from service.jobs import Broker
 from service.registry import ModelRegistry
+from service.worker import WorkerPool
 
 
 @dataclass
 class AppState:
+    """What the routes share; ``workers`` is the embedded mode's pool (None with Redis)."""
+
     settings: Settings
     broker: Broker
     registry: ModelRegistry
     metrics: Metrics
+    workers: WorkerPool | None = None
+
+    async def ready(self) -> bool:
+        """The broker answers and a worker serves the queue (the pool's, or Redis heartbeats)."""
+        if self.workers is not None and not self.workers.alive():
+            return False
+        return await self.broker.ready()
 
 
 def get_app_state(request: Request) -> AppState:

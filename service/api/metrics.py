@@ -1,87 +1,19 @@
-"""Prometheus metrics, one :class:`CollectorRegistry` per app (so tests and apps never share).
+"""The api's Prometheus metrics: the worker loop's series plus the requests and the queue.
 
 The request counter is filled by :class:`MetricsMiddleware` with the route template (not the raw
-path, so ids do not explode the label set); the worker loop reports batches and jobs through the
-:class:`service.worker.WorkerObserver` methods; the queue depth is read from the broker on scrape.
+path, so ids do not explode the label set); the worker series (:mod:`service.metrics`) are filled
+by the embedded worker threads (and stay empty with Redis, whose workers serve their own); the
+queue depth is read from the broker on scrape.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import engine
-
-TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-class _CacheCollector(Collector):
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "psgrad_cache_hits",
-            "lookups of the transformed-function cache that found an entry",
-            labels=["cache"],
-        )
-        family.add_metric(["per_sample_fn"], engine.FN_CACHE_STATS["hits"])
-        yield family
-        misses = CounterMetricFamily(
-            "psgrad_cache_misses", "lookups that had to build the function", labels=["cache"]
-        )
-        misses.add_metric(["per_sample_fn"], engine.FN_CACHE_STATS["misses"])
-        yield misses
-
-
-class WorkerMetrics:
-    """What the worker loop measures (its :class:`service.worker.WorkerObserver`); ``psgrad
-    worker`` serves these alone on ``PSGRAD_WORKER_METRICS_PORT``."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.queue_wait = Histogram(
-            "psgrad_queue_wait_seconds",
-            "time a job waited before its engine call started",
-            buckets=TIME_BUCKETS,
-            registry=r,
-        )
-        self.compute = Histogram(
-            "psgrad_compute_seconds",
-            "duration of one engine call",
-            buckets=TIME_BUCKETS,
-            registry=r,
-        )
-        self.batch_jobs = Histogram(
-            "psgrad_batch_jobs",
-            "jobs merged into one engine call",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-            registry=r,
-        )
-        self.batch_samples = Histogram(
-            "psgrad_batch_samples",
-            "samples in one engine call",
-            buckets=(1, 4, 16, 64, 256, 1024, 4096),
-            registry=r,
-        )
-        self.samples = Counter("psgrad_samples", "samples processed", registry=r)
-        self.jobs = Counter(
-            "psgrad_jobs", "jobs finished by the workers, by status", ["status"], registry=r
-        )
-        r.register(_CacheCollector())
-
-    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
-        self.compute.observe(compute_s)
-        self.batch_jobs.observe(jobs)
-        self.batch_samples.observe(samples)
-        self.samples.inc(samples)
-
-    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
-        self.queue_wait.observe(queue_s)
-        self.jobs.labels(status=status).inc()
+from service.metrics import TIME_BUCKETS, WorkerMetrics
 
 
 class Metrics(WorkerMetrics):

@@ -1,36 +1,25 @@
-"""Brokers: how jobs travel from the api to the workers. Two implement one interface."""
+"""Brokers: how jobs travel from the api to the workers. Both implement :mod:`service.jobs`.
+
+:mod:`service.broker.embedded` is an in-process queue (the default, no Redis URL): the app's
+lifespan starts a :class:`service.worker.WorkerPool` of threads over it. :mod:`service.broker.redis`
+(the api's side) and :mod:`service.broker.redis_source` (the worker's side) move jobs through
+Redis Streams to ``psgrad worker`` processes. Brokers only move jobs: none starts a worker.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from service.config import Settings
+from service.jobs import Broker
 
-from service.broker.base import Broker, Job, JobSource, JobState, JobStatus, new_job_id
-
-if TYPE_CHECKING:
-    from service.config import Settings
-    from service.registry import ModelRegistry
-    from service.worker import WorkerObserver
-
-__all__ = ["Broker", "Job", "JobSource", "JobState", "JobStatus", "make_broker", "new_job_id"]
+__all__ = ["make_broker"]
 
 
-def make_broker(
-    settings: Settings,
-    *,
-    registry: ModelRegistry | None = None,
-    observer: WorkerObserver | None = None,
-) -> Broker:
-    """The embedded broker (worker threads here) without a Redis URL, else the Redis broker.
-
-    ``registry`` and ``observer`` serve the embedded broker's own worker threads; with Redis the
-    workers are separate ``psgrad worker`` processes.
-    """
+def make_broker(settings: Settings) -> Broker:
+    """The embedded broker without a Redis URL, else the Redis broker (api side)."""
     if settings.redis_url is None:
         from service.broker.embedded import EmbeddedBroker
-        from service.registry import make_registry
 
-        registry = registry or make_registry(settings)  # sees PSGRAD_MODEL_DIR models too
-        return EmbeddedBroker(settings, registry, observer=observer)
+        return EmbeddedBroker(settings)
     from service.broker.redis import RedisBroker  # type: ignore[import-not-found,unused-ignore]
 
     broker: Broker = RedisBroker(settings)  # checked against the protocol

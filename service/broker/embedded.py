@@ -1,8 +1,9 @@
-"""The embedded broker: an in-process queue and worker threads (the default, no Redis needed).
+"""The embedded broker: an in-process queue (the default, no Redis needed).
 
-One object is both sides of the interface: the api calls its async :class:`Broker` methods on the
-event loop, and its worker threads run :func:`service.worker.run_worker` against its
-:class:`JobSource` methods. All state is behind one condition variable; a finished job wakes its
+One object is both sides of the job contract: the api calls its async :class:`Broker` methods on
+the event loop, and the app's worker threads (:class:`service.worker.WorkerPool`, started by the
+app's lifespan) call its :class:`JobSource` methods. It moves jobs and nothing else: it starts no
+thread and knows no model. All state is behind one condition variable; a finished job wakes its
 waiter on the event loop with ``call_soon_threadsafe``. Finished jobs are kept for
 ``PSGRAD_RESULT_TTL_S`` (the sync route forgets its job as soon as it has the answer).
 """
@@ -12,73 +13,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import threading
 import time
 from collections import deque
 from typing import Any
 
 from psgrad._errors import Overloaded, UnknownJob
-from service.broker.base import Job, JobState, JobStatus
 from service.config import Settings
-from service.registry import ModelRegistry
-from service.worker import WorkerObserver, run_worker
-
-log = logging.getLogger("psgrad.broker")
+from service.jobs import Job, JobState, JobStatus
 
 __all__ = ["EmbeddedBroker"]
 
 
 class EmbeddedBroker:
-    """In-process queue with ``settings.workers`` worker threads (0: a queue nobody serves)."""
+    """In-process queue; :meth:`close` wakes every thread waiting in :meth:`take`."""
 
     max_value_bytes: int | None = None  # results stay in memory: PSGRAD_MAX_RESULT_BYTES alone
 
-    def __init__(
-        self, settings: Settings, registry: ModelRegistry, *, observer: WorkerObserver | None = None
-    ) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.registry = registry
-        self.observer = observer
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._states: dict[str, JobState] = {}
         self._waiters: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
+        self._closed = threading.Event()
         self._purged_at = 0.0
 
     # --- Broker (the api's side, on the event loop) ---
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._stop.clear()
-        compiled = None
-        if self.settings.compile:  # PSGRAD_COMPILE=1: compiled locally, shared by the threads
-            from service.compile_cache import CompiledFunctions
-
-            compiled = CompiledFunctions(self.settings, writer=False)
-        for i in range(self.settings.workers):
-            thread = threading.Thread(
-                target=run_worker,
-                args=(self, self.registry, self.settings, self._stop),
-                kwargs={"observer": self.observer, "compiled": compiled},
-                name=f"psgrad-worker-{i}",
-                daemon=True,
-            )
-            thread.start()
-            self._threads.append(thread)
-        log.info("embedded broker started with %d worker thread(s)", len(self._threads))
+        self._closed.clear()
 
     async def close(self) -> None:
-        self._stop.set()
+        """Wake the takers (they get no more jobs) and cancel the jobs still queued."""
         with self._cond:
+            self._closed.set()
             self._cond.notify_all()
-        for thread in self._threads:  # a running engine call finishes first
-            await asyncio.to_thread(thread.join, 60.0)
-        self._threads.clear()
-        with self._cond:
             for job in self._queue:
                 self._finish_locked(job.id, JobStatus.CANCELED, error=None)
             self._queue.clear()
@@ -140,7 +112,8 @@ class EmbeddedBroker:
         return len(self._queue)
 
     async def ready(self) -> bool:
-        return not self._stop.is_set() and any(t.is_alive() for t in self._threads)
+        """Started and not closed; whether a worker serves the queue is the pool's to say."""
+        return self._loop is not None and not self._closed.is_set()
 
     # --- JobSource (the worker threads' side) ---
 
@@ -151,15 +124,15 @@ class EmbeddedBroker:
             end = time.monotonic() + block_s
             while not self._queue:
                 remaining = end - time.monotonic()
-                if self._stop.is_set() or remaining <= 0:
+                if self._closed.is_set() or remaining <= 0:
                     return []
                 self._cond.wait(remaining)
-            if self._stop.is_set():
+            if self._closed.is_set():
                 return []
             jobs = [self._queue.popleft()]
             samples = jobs[0].size
             end = time.monotonic() + max_delay_s
-            while len(jobs) < max_jobs and samples < max_samples and not self._stop.is_set():
+            while len(jobs) < max_jobs and samples < max_samples and not self._closed.is_set():
                 if self._queue:
                     jobs.append(self._queue.popleft())
                     samples += jobs[-1].size
@@ -184,6 +157,9 @@ class EmbeddedBroker:
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         with self._cond:  # in process there is nobody else to retry: fail at once
             self._finish_locked(job.id, JobStatus.FAILED, error=error)
+
+    def acknowledge_canceled(self, job: Job) -> None:
+        """Nothing to do: the job left the queue when it was taken and its state is final."""
 
     def is_canceled(self, job_id: str) -> bool:
         state = self._states.get(job_id)

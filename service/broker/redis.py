@@ -43,8 +43,8 @@ from redis.retry import Retry
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_from_safetensors, fields_to_safetensors
 from service import keys
-from service.broker.base import Job, JobState, JobStatus
 from service.config import Settings
+from service.jobs import Job, JobState, JobStatus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,12 +1,13 @@
 """The worker's side of the Redis broker: take jobs from the stream, store results, acknowledge.
 
 At-least-once: a job stays in the consumer group's pending list until :meth:`succeed` or
-:meth:`fail` has stored its end (one Lua script stores and acknowledges together). A worker that
-dies leaves its jobs pending; after ``PSGRAD_VISIBILITY_TIMEOUT_S`` another worker takes them
-over with ``XAUTOCLAIM``. A live worker keeps the claim on jobs it holds fresh (``XCLAIM ...
-JUSTID`` from its keeper thread), so a long batch is not taken from it. Every delivery counts an
-attempt; a job delivered more than ``PSGRAD_MAX_ATTEMPTS`` times ends ``failed`` with its last
-error (a poison job never blocks the queue).
+:meth:`fail` has stored its end (one Lua script stores and acknowledges together), or
+:meth:`acknowledge_canceled` has acknowledged it (a canceled job's end is already stored). A
+worker that dies leaves its jobs pending; after ``PSGRAD_VISIBILITY_TIMEOUT_S`` another worker
+takes them over with ``XAUTOCLAIM``. A live worker keeps the claim on jobs it holds fresh
+(``XCLAIM ... JUSTID`` from its keeper thread), so a long batch is not taken from it. Every
+delivery counts an attempt; a job delivered more than ``PSGRAD_MAX_ATTEMPTS`` times ends
+``failed`` with its last error (a poison job never blocks the queue).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from redis.exceptions import RedisError, ResponseError
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import fields_from_safetensors
 from service import keys
-from service.broker.base import Job, JobStatus, answer_too_large
 from service.broker.redis import (
     FINISH_LUA,
     connection_kwargs,
@@ -36,6 +36,7 @@ from service.broker.redis import (
     value_limit,
 )
 from service.config import Settings
+from service.jobs import Job, JobStatus, answer_too_large
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def consumer_name(device: str = "cpu") -> str:
 
 
 class RedisJobSource:
-    """A :class:`service.broker.base.JobSource` over the Redis stream, for one worker process.
+    """A :class:`service.jobs.JobSource` over the Redis stream, for one worker process.
 
     Call :meth:`start` to begin the heartbeat and claim keeper, :meth:`close` at the end.
     :meth:`unreachable_for` tells the worker process how long Redis has been failing.
@@ -215,6 +216,9 @@ class RedisJobSource:
             return
         self._end(job, JobStatus.FAILED, b"", body)
 
+    def acknowledge_canceled(self, job: Job) -> None:
+        self._end(job, JobStatus.CANCELED, b"", "")  # the script stores nothing over 'canceled'
+
     def is_canceled(self, job_id: str) -> bool:
         status = self._call(self.r.hget, keys.job_state(self.prefix, job_id), "status")
         return status is not None and text(status) == JobStatus.CANCELED.value
@@ -315,7 +319,7 @@ class RedisJobSource:
             self._entries[job_id] = entry
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
-                self._end_entry(job_id, JobStatus.FAILED, b"", "")  # canceled, done or expired
+                self._end_entry(job_id, JobStatus.CANCELED, b"", "")  # ended already: ack only
                 continue
             if not payload:
                 gone = JobFailed("the job's request expired before a worker could take it")

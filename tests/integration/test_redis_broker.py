@@ -20,10 +20,10 @@ from redis_helpers import OwnRedis, prefix_on, redis_or_skip
 
 from psgrad._errors import Overloaded, UnknownJob
 from service import keys
-from service.broker.base import Job, JobStatus, new_job_id
 from service.broker.redis import RedisBroker
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
+from service.jobs import Job, JobStatus, new_job_id
 
 
 @pytest.fixture

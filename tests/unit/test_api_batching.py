@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from service.broker.base import Job, JobStatus, new_job_id
 from service.broker.embedded import EmbeddedBroker
+from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.validate import decode_json_body
 from service.worker import Worker
@@ -102,7 +102,7 @@ async def test_one_round_merges_groups_and_keeps_statistics_per_job() -> None:
     docs = _requests(8, seed=2)
     s = settings(workers=0, batch_max_delay_ms=10)
     registry = ModelRegistry()
-    broker = EmbeddedBroker(s, registry)
+    broker = EmbeddedBroker(s)
     await broker.start()
     jobs = [
         Job(new_job_id(), decode_json_body(d, max_elements=1 << 20), time.time() + 60) for d in docs
@@ -133,7 +133,7 @@ async def test_one_round_merges_groups_and_keeps_statistics_per_job() -> None:
 async def test_canceled_and_bad_jobs_in_a_round() -> None:
     s = settings(workers=0)
     registry = ModelRegistry()
-    broker = EmbeddedBroker(s, registry)
+    broker = EmbeddedBroker(s)
     await broker.start()
     good = Job(new_job_id(), decode_json_body(TD0, max_elements=100), time.time() + 60)
     canceled = Job(new_job_id(), decode_json_body(TD0, max_elements=100), time.time() + 60)

@@ -15,7 +15,7 @@ from service.api.body import decode_request, encode_result
 from service.api.deps import ApiKey, StateDep
 from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
-from service.broker.base import Job, JobStatus, new_job_id
+from service.jobs import Job, JobStatus, new_job_id
 
 router = APIRouter(tags=["per-sample gradients"], dependencies=[ApiKey])
 

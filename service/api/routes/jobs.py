@@ -17,7 +17,7 @@ from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import JobCreated, JobView, errors
-from service.broker.base import JobState, JobStatus
+from service.jobs import JobState, JobStatus
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 

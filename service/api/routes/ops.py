@@ -29,7 +29,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(state: StateDep) -> JSONResponse:
     broker = type(state.broker).__name__
     try:
-        ready = await state.broker.ready()
+        ready = await state.ready()
         depth: int | None = await state.broker.queue_depth()
     except Exception as exc:
         log.warning("readiness check failed: %s", exc)

@@ -1,10 +1,12 @@
-"""The broker interface that the api and the worker loop are written against.
+"""The job contract: what a job is, and the two sides of the queue that moves it.
 
-Two implementations: :mod:`service.broker.embedded` (an in-process queue and worker threads, the
-default when no Redis URL is set) and :mod:`service.broker.redis` (Redis Streams with a consumer
-group, for any number of worker processes on any number of hosts). The api only calls the
-:class:`Broker` methods; the worker loop (:mod:`service.worker`) only calls :class:`JobSource`.
-Neither knows which implementation is behind them.
+The api is written against :class:`Broker` (enqueue, wait, inspect, cancel) and the worker loop
+(:mod:`service.worker`) against :class:`JobSource` (take, report each job's end). Two brokers
+implement them, in :mod:`service.broker`: the embedded one (an in-process queue, both sides in
+one object, served by the app's own worker threads) and the Redis one (Redis Streams with a
+consumer group, served by ``psgrad worker`` processes on any number of hosts). Brokers only move
+jobs; who runs the loop is decided by whoever starts the process. Nothing here imports the api,
+the brokers or the worker.
 
 A job carries its request as the wire dict of :mod:`psgrad._wire` (JSON values and numpy
 arrays, never pickled); a result is the same kind of dict (the response fields), an error is the
@@ -20,6 +22,17 @@ from typing import Any, Protocol
 
 from psgrad._errors import TooLarge
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
+
+__all__ = [
+    "SMALLER_ANSWER",
+    "Broker",
+    "Job",
+    "JobSource",
+    "JobState",
+    "JobStatus",
+    "answer_too_large",
+    "new_job_id",
+]
 
 
 def new_job_id() -> str:
@@ -80,14 +93,19 @@ class Broker(Protocol):
     async def queue_depth(self) -> int: ...
 
     async def ready(self) -> bool:
-        """The broker answers and at least one worker is alive."""
+        """The broker answers and, where workers report to it (Redis heartbeats), one is alive.
+
+        In-process workers do not report to the broker: the app asks their pool as well.
+        """
 
 
 class JobSource(Protocol):
-    """The worker loop's side: take a batch of jobs, hand back results, acknowledge.
+    """The worker loop's side: take a batch of jobs, then end each one exactly one way.
 
-    ``max_value_bytes`` is the largest encoded result the source can store (None: no limit of
-    its own); the loop refuses, before computing, a job whose answer would not fit.
+    Every job taken ends through one of :meth:`succeed`, :meth:`fail` or
+    :meth:`acknowledge_canceled`, which each acknowledge it (a Redis job leaves the pending
+    list). ``max_value_bytes`` is the largest encoded result the source can store (None: no
+    limit of its own); the loop refuses, before computing, a job whose answer would not fit.
     """
 
     @property
@@ -105,10 +123,14 @@ class JobSource(Protocol):
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         """Store the error and acknowledge; with ``retry`` a transient failure may be delivered
-        again. The loop also calls this for jobs it skips because they were canceled (error
-        code ``job_canceled``): those only need acknowledging and stay ``canceled``."""
+        again. A job canceled meanwhile stays ``canceled``."""
 
-    def is_canceled(self, job_id: str) -> bool: ...
+    def acknowledge_canceled(self, job: Job) -> None:
+        """Acknowledge a job the loop skips because it was canceled: nothing is stored, its
+        state stays ``canceled``, and it is never delivered again."""
+
+    def is_canceled(self, job_id: str) -> bool:
+        """The job was canceled (or its state is gone): the loop does not compute it."""
 
 
 SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, clipped_mean, dot) "

@@ -1,0 +1,86 @@
+"""The worker loop's Prometheus series, one :class:`CollectorRegistry` per owner.
+
+:class:`WorkerMetrics` is the loop's :class:`service.worker.WorkerObserver`. ``psgrad worker``
+serves it alone on ``PSGRAD_WORKER_METRICS_PORT``; the api's metrics
+(:class:`service.api.metrics.Metrics`) extend it, so in embedded mode one ``/metrics`` shows the
+requests and the worker threads together. Tests and apps never share a registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.strategies import per_sample
+
+__all__ = ["TIME_BUCKETS", "WorkerMetrics"]
+
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _CacheCollector(Collector):
+    """The per-sample function cache's lookups, read on scrape (the cache counts them)."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "psgrad_cache_hits",
+            "lookups of the transformed-function cache that found an entry",
+            labels=["cache"],
+        )
+        family.add_metric(["per_sample_fn"], per_sample.FUNCTIONS.hits)
+        yield family
+        misses = CounterMetricFamily(
+            "psgrad_cache_misses", "lookups that had to build the function", labels=["cache"]
+        )
+        misses.add_metric(["per_sample_fn"], per_sample.FUNCTIONS.misses)
+        yield misses
+
+
+class WorkerMetrics:
+    """What the worker loop measures: engine calls, their batches, and how each job ended."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_wait = Histogram(
+            "psgrad_queue_wait_seconds",
+            "time a job waited before its engine call started",
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.compute = Histogram(
+            "psgrad_compute_seconds",
+            "duration of one engine call",
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.batch_jobs = Histogram(
+            "psgrad_batch_jobs",
+            "jobs merged into one engine call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.batch_samples = Histogram(
+            "psgrad_batch_samples",
+            "samples in one engine call",
+            buckets=(1, 4, 16, 64, 256, 1024, 4096),
+            registry=r,
+        )
+        self.samples = Counter("psgrad_samples", "samples processed", registry=r)
+        self.jobs = Counter(
+            "psgrad_jobs", "jobs finished by the workers, by status", ["status"], registry=r
+        )
+        r.register(_CacheCollector())
+
+    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
+        self.compute.observe(compute_s)
+        self.batch_jobs.observe(jobs)
+        self.batch_samples.observe(samples)
+        self.samples.inc(samples)
+
+    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
+        self.queue_wait.observe(queue_s)
+        self.jobs.labels(status=status).inc()
