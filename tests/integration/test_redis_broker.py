@@ -24,6 +24,9 @@ from service.broker.redis import RedisBroker
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
 from service.jobs import Job, JobStatus, new_job_id
+from service.metrics import WorkerMetrics
+from service.registry import ModelRegistry
+from service.worker import Worker
 
 
 @pytest.fixture
@@ -158,6 +161,35 @@ async def _ready_after_close(settings: Settings) -> bool:
     try:
         return await broker.ready()
     finally:
+        await broker.close()
+
+
+async def test_canceled_job_is_acknowledged_and_stays_canceled(
+    settings: Settings, shared: redis.Redis
+) -> None:
+    """Canceled after a worker took it, before it started: the loop acknowledges the stream
+    entry (not pending, never redelivered) and stores nothing over ``canceled``."""
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    stream = keys.job_stream(settings.redis_prefix)
+    try:
+        j = job()
+        await broker.submit(j)
+        taken = take_all(source)
+        assert [t.id for t in taken] == [j.id]
+        assert shared.xpending(stream, keys.STREAM_GROUP)["pending"] == 1
+        assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
+        metrics = WorkerMetrics()
+        await asyncio.to_thread(Worker(source, ModelRegistry(), settings, metrics).process, taken)
+        assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
+        assert shared.xpending(stream, keys.STREAM_GROUP)["pending"] == 0
+        assert shared.xlen(stream) == 0
+        state = await broker.state(j.id)
+        assert state.status is JobStatus.CANCELED and state.error is None
+        time.sleep(settings.visibility_timeout_s + 0.2)
+        assert take_all(source) == []  # acknowledged: no other worker takes it over
+    finally:
+        source.close()
         await broker.close()
 
 

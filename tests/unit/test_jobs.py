@@ -1,0 +1,90 @@
+"""The job contract in embedded mode: the app's lifespan runs the worker pool, and a job canceled
+before the loop computes it is acknowledged, not failed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from service.api import create_app
+from service.broker.embedded import EmbeddedBroker
+from service.jobs import Job, JobStatus, new_job_id
+from service.metrics import WorkerMetrics
+from service.registry import ModelRegistry
+from service.validate import decode_json_body
+from service.worker import Worker
+from tests.unit.api_support import TD0, settings
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("psgrad-worker-")]
+
+
+async def test_lifespan_starts_and_stops_the_worker_pool() -> None:
+    app = create_app(settings(workers=2))
+    state = app.state.psgrad
+    assert isinstance(state.broker, EmbeddedBroker) and state.workers is not None
+    others = set(_workers())  # any other test's, not ours
+    transport = httpx.ASGITransport(app=app)  # runs no lifespan: the test enters it by hand
+    async with httpx.AsyncClient(transport=transport, base_url="http://psgrad.test") as client:
+        before = await client.get("/readyz")
+        assert before.status_code == 503 and before.json()["ready"] is False
+        async with app.router.lifespan_context(app):
+            during = await client.get("/readyz")
+            assert during.status_code == 200 and during.json()["ready"] is True
+            ours = [t for t in _workers() if t not in others]
+            assert len(ours) == 2 and state.workers.alive()
+            answer = await client.post("/per-sample-grads", json={**TD0, "outputs": ["norms"]})
+            assert answer.status_code == 200, answer.text
+        assert not state.workers.alive()
+        assert not any(t.is_alive() for t in ours)  # joined, not left running
+        after = await client.get("/readyz")
+        assert after.status_code == 503 and after.json()["ready"] is False
+
+
+async def test_redis_mode_app_runs_no_workers() -> None:
+    app = create_app(settings(redis_url="redis://127.0.0.1:1/0"), registry=ModelRegistry())
+    state = app.state.psgrad
+    try:
+        assert state.workers is None  # psgrad worker processes serve the Redis queue
+    finally:
+        await state.broker.close()
+
+
+async def test_canceled_job_is_acknowledged_and_stays_canceled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = settings(workers=0)
+    broker = EmbeddedBroker(s)
+    await broker.start()
+    job = Job(new_job_id(), decode_json_body(TD0, max_elements=100), time.time() + 60)
+    await broker.submit(job)
+    taken = broker.take(10, 100, 0.0, 0.0)
+    assert [j.id for j in taken] == [job.id]
+    await broker.cancel(job.id)  # canceled while still queued (taken, not started)
+
+    acknowledged: list[str] = []
+    acknowledge = broker.acknowledge_canceled
+
+    def spy(j: Job) -> None:
+        acknowledged.append(j.id)
+        acknowledge(j)
+
+    def no_fail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a canceled job is acknowledged, not failed")
+
+    monkeypatch.setattr(broker, "fail", no_fail)
+    monkeypatch.setattr(broker, "acknowledge_canceled", spy)
+    metrics = WorkerMetrics()
+    await asyncio.to_thread(Worker(broker, ModelRegistry(), s, metrics).process, taken)
+    state = await broker.state(job.id)
+    await broker.close()
+    assert acknowledged == [job.id]
+    assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
+    assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "failed"}) is None
+    assert state.status is JobStatus.CANCELED and state.error is None and state.result is None
