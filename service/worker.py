@@ -193,36 +193,40 @@ class Worker:
 
 
 class WorkerPool:
-    """``PSGRAD_WORKERS`` loops over one source in threads: the workers of the embedded mode.
+    """Worker loops in threads: the workers of the embedded mode.
 
     The app's lifespan starts it after the broker and ends it in three steps: :meth:`stop` (no
     loop starts another round), the broker's close (which wakes the loops waiting for a job),
-    then :meth:`join` (a running engine call finishes first). Zero workers: a queue nobody
-    serves, and :meth:`alive` says so.
+    then :meth:`join` (a running engine call finishes first). No loops: a queue nobody serves,
+    and :meth:`alive` says so.
     """
 
-    def __init__(
-        self,
-        source: JobSource,
-        registry: ModelRegistry,
-        settings: Settings,
-        *,
-        observer: WorkerObserver | None = None,
-    ) -> None:
-        self.source = source
-        self.registry = registry
-        self.settings = settings
-        self.observer = observer
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        self.workers = list(workers)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
+    @classmethod
+    def over(
+        cls,
+        source: JobSource,
+        registry: ModelRegistry,
+        settings: Settings,
+        observer: WorkerObserver | None = None,
+    ) -> WorkerPool:
+        """``PSGRAD_WORKERS`` loops over one source; with ``PSGRAD_COMPILE=1`` they share the
+        functions compiled in this process."""
+        compiled = CompiledFunctions(settings, writer=False) if settings.compile else None
+        return cls(
+            [
+                Worker(source, registry, settings, observer, compiled)
+                for _ in range(settings.workers)
+            ]
+        )
+
     def start(self) -> None:
         self._stop.clear()
-        compiled = None
-        if self.settings.compile:  # PSGRAD_COMPILE=1: compiled locally, shared by the threads
-            compiled = CompiledFunctions(self.settings, writer=False)
-        for i in range(self.settings.workers):
-            work = Worker(self.source, self.registry, self.settings, self.observer, compiled)
+        for i, work in enumerate(self.workers):
             thread = threading.Thread(
                 target=work.run, args=(self._stop,), name=f"psgrad-worker-{i}", daemon=True
             )

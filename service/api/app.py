@@ -46,7 +46,7 @@ def create_app(
     broker = broker or make_broker(settings)
     workers = None
     if isinstance(broker, EmbeddedBroker):
-        workers = WorkerPool(broker, registry, settings, observer=metrics)
+        workers = WorkerPool.over(broker, registry, settings, metrics)
     state = AppState(
         settings=settings, broker=broker, registry=registry, metrics=metrics, workers=workers
     )
