@@ -186,12 +186,9 @@ def _compute(model: LoadedModel, batch: Batch, opts: Options, segments: list[int
              budget_bytes: int, compiled: CompiledFunctions | None, fast_stats: bool
              ) -> list[dict[str, Any]]:
     if fast_stats:
-        from service import fast_stats as fast
-
-        if fast.supports(model, opts.outputs):
-            answer = fast.compute(model, batch, opts, segments, budget_bytes=budget_bytes)
-            if answer is not None:
-                return answer
+        answer = _fast_stats_adapter(model, batch, opts, segments, budget_bytes)
+        if answer is not None:
+            return answer
     device = next(iter(model.params.values())).device
     params = {**model.params, **{k: v.to(device, model.dtype) for k, v in batch.weights.items()}}
     selected = {k: params[k] for k in opts.params}
@@ -226,6 +223,65 @@ def _compute(model: LoadedModel, batch: Batch, opts: Options, segments: list[int
     meta = {"route": model.route, "chunk_size": chunk,
             "method": {k: model.route for k in opts.params}}
     return [{**out, "meta": {**meta, **extra}} for out, extra in acc.finish()]
+
+
+def _fast_stats_adapter(model: LoadedModel, batch: Batch, opts: Options, segments: list[int],
+                        budget_bytes: int) -> list[dict[str, Any]] | None:
+    """TEMPORARY (branch families): runs FastStats and assembles its records as the old
+    fast_stats.compute did, until service.outputs assembles every strategy's records."""
+    from service.fast_stats import FastStats
+    from service.strategies import base
+
+    want = set(opts.outputs)
+    need = base.Need(
+        grads=bool(want & PER_SAMPLE_GRADS),
+        sq=bool(want & {"norms", "layer_norms", "clipped_mean", "cosine_mean"}),
+        dot="dot" in want, mean=bool(want & {"mean", "cosine_mean"}), m2="variance" in want,
+        clipped="clipped_mean" in want, cos="cosine_mean" in want)
+    device = next(iter(model.params.values())).device
+    call = base.Call(
+        model=model, opts=base.Options(**vars(opts)),
+        params={**model.params, **{k: v.to(device, model.dtype) for k, v in batch.weights.items()}},
+        samples={k: v.to(device) for k, v in batch.samples().items()},
+        reference={k: v.to(device, model.dtype) for k, v in batch.reference.items()},
+        bounds=base.bounds_of(segments), need=need, budget_bytes=budget_bytes)
+    result = FastStats().run(call)
+    if result is None:
+        return None
+    names, st = list(opts.params), result.params
+    answers = []
+    for s, (a, b) in enumerate(call.bounds):
+        out: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        sq = {k: st[k].sq[a:b] for k in names} if need.sq else {}  # type: ignore[index]
+        mean = {k: st[k].mean[s] for k in names} if need.mean else {}  # type: ignore[index]
+        norms = base.total(list(sq.values())).sqrt() if sq else None
+        for name in opts.outputs:
+            if name == "losses":
+                out[name] = result.losses[a:b]
+            elif name == "td_errors":
+                out[name] = result.aux[a:b]
+            elif name == "norms":
+                out[name] = norms
+            elif name == "layer_norms":
+                out[name] = {k: v.sqrt() for k, v in sq.items()}
+            elif name == "dot":
+                out[name] = base.total([st[k].dot[a:b] for k in names])  # type: ignore[index]
+            elif name == "mean":
+                out[name] = dict(mean)
+            elif name == "variance":
+                out[name] = {k: (st[k].m2[s] / (b - a)).to(model.dtype)  # type: ignore[index]
+                             for k in names}
+            elif name == "clipped_mean":
+                sums = {k: st[k].clipped[s] for k in names}  # type: ignore[index]
+                out[name], extra["seed"] = noised_mean(sums, opts, b - a)
+            elif name == "cosine_mean":
+                mean_norm = torch.stack([v.pow(2).sum() for v in mean.values()]).sum().sqrt()
+                dots = base.total([st[k].cos for k in names])[a:b]  # type: ignore[misc]
+                cos = dots / (norms * mean_norm)  # type: ignore[operator]
+                out[name] = cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        answers.append({**out, "meta": {**result.meta, **extra}})
+    return answers
 
 
 def _bounds(segments: Sequence[int]) -> list[tuple[int, int]]:
