@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from service.fast_stats._source import Source, SourceContext
 
 P = TypeVar("P", bound=Payload)
-F = TypeVar("F", bound="type[Family[Any]]")
+C = TypeVar("C", bound="type[Family[Any]]")
 Captured = tuple[Any, list[Use]]  # what the op answers, and the uses it recorded
 
 
@@ -63,10 +63,10 @@ class Family(Generic[P]):
 FAMILIES: Registry[Any, Family[Any]] = Registry("layer family", PsgradError, sort=False)
 
 
-def register_family(*funcs: Any) -> Callable[[F], F]:
+def register_family(*funcs: Any) -> Callable[[C], C]:
     """Class decorator: one instance of the family handles every call of ``funcs``."""
 
-    def decorate(cls: F) -> F:
+    def decorate(cls: C) -> C:
         family = cls()
         for func in funcs:
             FAMILIES.add(func, family)
