@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from service.fast_stats import FastStats
 from service.outputs import assemble, need_of
 from service.outputs import output_bytes as _output_bytes
 from service.registry import LoadedModel
@@ -36,7 +37,7 @@ __all__ = ["Batch", "Options", "chunk_size", "compute", "output_bytes", "per_sam
 
 PER_SAMPLE_GRADS = frozenset({"grads", "updates"})  # outputs that keep every per-sample gradient
 _VMAP = Vmap()
-_STRATEGIES: tuple[Strategy, ...] = (_VMAP,)  # TEMP until fast_stats.FastStats lands
+_STRATEGIES: tuple[Strategy, ...] = (FastStats(), _VMAP)
 # functional_call swaps a module's parameters in place for the duration of a call, so two
 # threads running the same module (or the cached per-sample function built on a module of the
 # same structure) would read each other's parameters and get zero gradients. One lock per
