@@ -243,7 +243,7 @@ async def test_redis_registry_survives_a_restart() -> None:
         client.close()
 
 
-async def test_stock_recurrent_layers_take_the_loop_route(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_stock_recurrent_layers_take_the_loop_route(request: pytest.FixtureRequest) -> None:
     """An operator family with a stock ``nn.GRU`` (vmap cannot batch it in torch 2.13)."""
     from torch import nn
 
@@ -260,7 +260,8 @@ async def test_stock_recurrent_layers_take_the_loop_route(monkeypatch: pytest.Mo
         def input_spec(self, config: dict[str, Any]) -> TensorSpec:
             return TensorSpec((2, 3))
 
-    monkeypatch.setitem(ZOO, "stock-gru", StockGRU())
+    ZOO.add("stock-gru", StockGRU())
+    request.addfinalizer(lambda: ZOO.remove("stock-gru"))
     case = Case("stock-gru", [], [2, 3])
     x, y = case.batch()
     async with serve() as client:

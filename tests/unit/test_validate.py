@@ -443,7 +443,7 @@ def test_families() -> Iterator[None]:
         register_model(Family)
     yield
     for name in BUILDERS:
-        ZOO.pop(name, None)
+        ZOO.remove(name)
 
 
 @pytest.mark.usefixtures("test_families")
