@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from redis_helpers import OwnRedis, prefix_on, redis_or_skip
 
 from psgrad._errors import Overloaded, UnknownJob
 from service import keys
@@ -24,6 +23,7 @@ from service.broker.base import Job, JobStatus, new_job_id
 from service.broker.redis import RedisBroker
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
+from tests.support.redis import OwnRedis, prefix_on, redis_or_skip
 
 
 @pytest.fixture

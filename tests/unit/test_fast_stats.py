@@ -14,7 +14,7 @@ from service import engine
 from service.config import Settings
 from service.engine import Batch, Options
 from service.registry import LoadedModel, load_model
-from tests.fast_stats_reference import SUMMARY, assert_close, reference
+from tests.support.reference import SUMMARY, assert_close, reference
 
 CPU = torch.device("cpu")
 
