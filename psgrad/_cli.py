@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates (DESIGN.md)
+    # Transparent huge pages for CPU tensors (docs/operations.md): set before torch allocates.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from service.cli import serve
 
     return serve(

@@ -1,7 +1,7 @@
-"""Every refusal of issue 2 section 5, through ``parse_request`` (and the model load it triggers).
+"""Every refusal of a request, through ``parse_request`` (and the model load it triggers).
 
 Each case checks the error class (hence its code and HTTP status) and that the message says what
-was wrong; where the issue asks for it, that it lists the known names.
+was wrong; for unknown names (model, loss, output, parameter), that it lists the known ones.
 """
 
 from __future__ import annotations
