@@ -18,21 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psgrad._types import OUTPUT_NAMES
+
 if TYPE_CHECKING:
     from service.engine import Batch, Options
     from service.registry import LoadedModel
 
 TOL = {"atol": 3e-3, "rtol": 1e-5}  # the PyTorch tutorial's tolerance
-SUMMARY = (
-    "losses",
-    "norms",
-    "layer_norms",
-    "mean",
-    "variance",
-    "clipped_mean",
-    "dot",
-    "cosine_mean",
-)
+# The outputs that summarise the batch without per-sample gradients, td0 or not (the fast path's).
+SUMMARY = tuple(n for n in OUTPUT_NAMES if n not in ("grads", "td_errors", "updates"))
 BATCH_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 
 Tensor = torch.Tensor
