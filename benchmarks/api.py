@@ -62,7 +62,7 @@ def start_server(delay_ms: float) -> tuple[subprocess.Popen[bytes], str]:
         [
             sys.executable,
             "-m",
-            "psgrad._cli",
+            "service.cli",
             "serve",
             "--port",
             str(port),

@@ -1,7 +1,8 @@
 """The client subcommands of ``psgrad``: ``models ...`` and ``grads``.
 
-``psgrad._cli`` builds the parser (with ``serve`` and ``worker``) and calls :func:`add_commands`;
-each command here is a thin layer over :class:`psgrad.Client`, so it needs no torch.
+``psgrad._cli`` builds the parser (the server adds ``serve`` and ``worker``) and calls
+:func:`add_commands`; each command here is a thin layer over :class:`psgrad.Client`, so it needs
+no torch.
 """
 
 from __future__ import annotations

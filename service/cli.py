@@ -1,14 +1,24 @@
-"""The server side of the ``psgrad`` command: ``serve`` (api + embedded workers) and ``worker``.
+"""The ``psgrad`` command: ``serve`` (api + embedded workers) and ``worker`` here, the client
+commands from the light package (:mod:`psgrad._cli`).
 
-Imported only when those commands run, so the ``psgrad`` command stays light for client use.
+The server's dependencies (torch, fastapi, pydantic-settings) are imported only when ``serve`` or
+``worker`` runs, so the command works for client use on a machine with only the light SDK.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from service.config import Settings, get_settings
+from psgrad._cli import build_parser
+from psgrad._cli_client import run
+
+if TYPE_CHECKING:
+    from service.config import Settings
 
 log = logging.getLogger("psgrad.serve")
 
@@ -42,6 +52,7 @@ def serve(
     import uvicorn
 
     from service.api import create_app
+    from service.config import get_settings
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -78,3 +89,43 @@ def worker(device: str = "auto") -> int:
     from service.worker_process import main
 
     return main(["--device", device])
+
+
+def add_server_commands(sub: Any) -> None:
+    """Add ``serve`` and ``worker`` to the ``psgrad`` subcommand parsers."""
+    p = sub.add_parser(
+        "serve",
+        help="run the HTTP api (with worker threads unless PSGRAD_REDIS_URL is set)",
+        description="Run the HTTP api. Without PSGRAD_REDIS_URL jobs run in "
+        "worker threads of this process (embedded broker). Settings come from "
+        "PSGRAD_* environment variables.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="embedded worker threads (default: PSGRAD_WORKERS, 1)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback host without API keys (e.g. behind an "
+                   "authenticating proxy)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p = sub.add_parser("worker", help="run one worker process against PSGRAD_REDIS_URL")
+    p.add_argument("--device", default="auto",
+                   help="cuda:0, cuda, cpu or auto (CUDA when available); one per process")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``psgrad`` command."""
+    args = build_parser(add_server_commands).parse_args(argv)
+    if args.command not in ("serve", "worker"):
+        return run(args, argv)
+    # transparent huge pages for torch's CPU tensors: read once, before torch allocates
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if args.command == "worker":
+        return worker(args.device)
+    return serve(args.host, args.port, insecure_no_auth=args.insecure_no_auth,
+                 workers=args.workers, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,8 @@
 
 A loss sees one sample at a time (inside ``vmap``): ``forward(x)`` runs the model on one
 unbatched input, ``sample`` holds that sample's tensors. It returns the scalar loss and an
-auxiliary value (``td0``: the TD error delta; others: the loss itself).
+auxiliary value (``td0``: the TD error delta; others: the loss itself). Facts that belong to one
+loss live with it: ``td0``'s ``updates`` output is ``-0.5 *`` its gradient (delta_i grad V(s_i)).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from psgrad._errors import UnknownLoss
+from service.plugins import Registry
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 LossFn = Callable[[Forward, dict[str, torch.Tensor], float], tuple[torch.Tensor, torch.Tensor]]
@@ -33,28 +35,26 @@ class Loss:
     classification: bool = False  # targets are class indices into the output
     scalar_output: bool = False  # the model must give one value per sample
     batched: BatchedFn | None = None
+    # the per-sample ``updates`` output from the per-sample gradients (None: not offered)
+    updates: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-LOSSES: dict[str, Loss] = {}
+LOSSES: Registry[str, Loss] = Registry("loss", UnknownLoss)
 
 
 def register_loss(name: str, *, needs: tuple[str, ...] = ("targets",), classification: bool = False,
-                  scalar_output: bool = False,
-                  batched: BatchedFn | None = None) -> Callable[[LossFn], LossFn]:
+                  scalar_output: bool = False, batched: BatchedFn | None = None,
+                  updates: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> Callable[[LossFn], LossFn]:
     def decorate(fn: LossFn) -> LossFn:
-        LOSSES[name] = Loss(name, fn, needs, classification, scalar_output, batched)
+        LOSSES.add(name, Loss(name, fn, needs, classification, scalar_output, batched, updates))
         return fn
 
     return decorate
 
 
 def get_loss(name: str) -> Loss:
-    try:
-        return LOSSES[name]
-    except KeyError:
-        raise UnknownLoss(
-            f"unknown loss '{name}'; known: {', '.join(sorted(LOSSES))}", known=sorted(LOSSES)
-        ) from None
+    return LOSSES.get(name)
 
 
 def rows_of(fn: Callable[..., torch.Tensor]) -> BatchedFn:
@@ -89,7 +89,13 @@ def mse(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
     return loss, loss.detach()
 
 
-@register_loss("td0", needs=("next_inputs", "rewards", "dones"), scalar_output=True)
+def _td0_updates(grads: torch.Tensor) -> torch.Tensor:
+    """delta_i grad V(s_i): the pseudo-loss's gradient is -2 delta_i grad V(s_i)."""
+    return -0.5 * grads
+
+
+@register_loss("td0", needs=("next_inputs", "rewards", "dones"), scalar_output=True,
+               updates=_td0_updates)
 def td0(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
     """TD(0) pseudo-loss (target - V(s))^2 with the gradient stopped through the target."""
     value = forward(sample["inputs"]).reshape(())

@@ -1,56 +1,227 @@
-"""The outputs a request can ask for, registered by name with what they need and their shape."""
+"""The outputs a request can ask for: one table, each output defined once.
+
+Each output says which primitives it needs of every selected parameter (a
+:class:`~service.strategies.base.Need`) and how one job's value is assembled from the records a
+strategy filled (:class:`Segment`). Whichever strategy ran (``vmap`` or fast statistics), the
+answer is built here and only here: the engine asks :func:`need_of` what to compute and
+:func:`assemble` for the answer.
+
+Adding an output: register a function with :func:`output`, naming its shape flags and need.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property, reduce
+from typing import Any
+
+import torch
 
 from psgrad._errors import UnknownOutput
+from service.losses import Loss, get_loss
+from service.plugins import Registry
+from service.strategies.base import Call, Need, Options, ParamStats, Result, Tensors, total
+
+Assemble = Callable[["Segment"], Any]
 
 
 @dataclass(frozen=True)
 class Output:
     name: str
     description: str
+    need: Need
+    assemble: Assemble
     per_sample: bool  # one value (or tensor) per sample, split back per job
     per_param: bool = False  # a dict keyed by parameter name
     per_param_tensor: bool = False  # ... whose values have the parameter's shape
     td0_only: bool = False
 
 
-OUTPUTS: dict[str, Output] = {}
+OUTPUTS: Registry[str, Output] = Registry("output", UnknownOutput, sort=False)
 
 
-def register_output(name: str, description: str, *, per_sample: bool, per_param: bool = False,
-                    per_param_tensor: bool = False, td0_only: bool = False) -> None:
-    OUTPUTS[name] = Output(name, description, per_sample, per_param or per_param_tensor,
-                           per_param_tensor, td0_only)
+def output(name: str, description: str, need: Need, *, per_sample: bool, per_param: bool = False,
+           per_param_tensor: bool = False, td0_only: bool = False
+           ) -> Callable[[Assemble], Assemble]:
+    """Decorator: register ``fn(segment) -> value`` as the output ``name``."""
 
+    def decorate(fn: Assemble) -> Assemble:
+        OUTPUTS.add(name, Output(name, description, need, fn, per_sample,
+                                 per_param or per_param_tensor, per_param_tensor, td0_only))
+        return fn
 
-register_output("grads", "{param: [B, *shape]} per-sample gradient of the per-sample loss",
-                per_sample=True, per_param_tensor=True)
-register_output("losses", "[B] per-sample loss", per_sample=True)
-register_output("norms", "[B] L2 norm of each sample's whole gradient (selected parameters)",
-                per_sample=True)
-register_output("layer_norms", "{param: [B]} L2 norm per sample per parameter",
-                per_sample=True, per_param=True)
-register_output("mean", "{param: shape} mean of the per-sample gradients", per_sample=False,
-                per_param_tensor=True)
-register_output("variance", "{param: shape} per-element population variance across samples",
-                per_sample=False, per_param_tensor=True)
-register_output("clipped_mean", "{param: shape} DP-SGD clipped, noised mean (clip_norm, "
-                "noise_multiplier, seed)", per_sample=False, per_param_tensor=True)
-register_output("dot", "[B] per-sample dot product with `reference`", per_sample=True)
-register_output("cosine_mean", "[B] cosine of each sample's gradient with the batch mean gradient",
-                per_sample=True)
-register_output("td_errors", "[B] td0 only: delta_i", per_sample=True, td0_only=True)
-register_output("updates", "{param: [B, *shape]} td0 only: delta_i * grad V(s_i)",
-                per_sample=True, per_param_tensor=True, td0_only=True)
+    return decorate
 
 
 def get_output(name: str) -> Output:
-    try:
-        return OUTPUTS[name]
-    except KeyError:
-        raise UnknownOutput(
-            f"unknown output '{name}'; known: {', '.join(OUTPUTS)}", known=list(OUTPUTS)
-        ) from None
+    return OUTPUTS.get(name)
+
+
+def need_of(outputs: Sequence[str]) -> Need:
+    """What every selected parameter's record must hold for these outputs."""
+    return reduce(Need.__or__, (get_output(name).need for name in outputs), Need())
+
+
+class Assembly:
+    """The records of one call, and what several outputs derive from them (computed once)."""
+
+    def __init__(self, call: Call, result: Result) -> None:
+        self.call = call
+        self.result = result
+        self.loss: Loss = get_loss(call.opts.loss)
+
+    @cached_property
+    def norms(self) -> torch.Tensor:
+        """[B] each sample's whole-gradient norm over the selected parameters."""
+        return total([_get(p.sq) for p in self.result.params.values()]).sqrt()
+
+
+@dataclass
+class Segment:
+    """One job's part of a call: rows ``[start, stop)``, the ``index``-th segment."""
+
+    assembly: Assembly
+    index: int
+    start: int
+    stop: int
+    meta: dict[str, Any] = field(default_factory=dict)  # added to the job's meta
+
+    @property
+    def n(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def opts(self) -> Options:
+        return self.assembly.call.opts
+
+    @property
+    def params(self) -> dict[str, ParamStats]:
+        return self.assembly.result.params
+
+    def rows(self, t: torch.Tensor | None) -> torch.Tensor:
+        return _get(t)[self.start : self.stop]
+
+    def per_param(self, fn: Callable[[ParamStats], torch.Tensor]) -> Tensors:
+        return {k: fn(p) for k, p in self.params.items()}
+
+
+def assemble(call: Call, result: Result) -> list[dict[str, Any]]:
+    """Each job's answer: its requested outputs and ``meta`` (the strategy's, then its own)."""
+    assembly = Assembly(call, result)
+    answers = []
+    for s, (a, b) in enumerate(call.bounds):
+        seg = Segment(assembly, s, a, b)
+        out = {name: get_output(name).assemble(seg) for name in call.opts.outputs}
+        answers.append({**out, "meta": {**result.meta, **seg.meta}})
+    return answers
+
+
+def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | None]:
+    """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count."""
+    sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
+    if sigma == 0:
+        return {k: v / n for k, v in sums.items()}, opts.seed
+    seed = opts.seed if opts.seed is not None else secrets.randbits(63)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
+        noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
+        out[k] = (v + noise.to(v.device, v.dtype)) / n
+    return out, seed
+
+
+def output_bytes(outputs: Sequence[str], n_params: int, n_selected: int, batch_size: int,
+                 itemsize: int) -> int:
+    """Bytes of an answer, to refuse an oversized result before computing it."""
+    count = 0
+    for name in outputs:
+        info = get_output(name)
+        per = n_selected if info.per_param_tensor else (n_params if info.per_param else 1)
+        count += per * (batch_size if info.per_sample else 1)
+    return count * itemsize
+
+
+def _get(t: Any) -> Any:
+    assert t is not None, "the strategy did not fill a primitive its need asked for"
+    return t
+
+
+# --- the table ---
+
+_GRADS = Need(grads=True)
+_SQ = Need(sq=True)
+
+
+@output("grads", "{param: [B, *shape]} per-sample gradient of the per-sample loss", _GRADS,
+        per_sample=True, per_param_tensor=True)
+def _grads(seg: Segment) -> Tensors:
+    return seg.per_param(lambda p: seg.rows(p.grads))
+
+
+@output("losses", "[B] per-sample loss", Need(), per_sample=True)
+def _losses(seg: Segment) -> torch.Tensor:
+    return seg.rows(seg.assembly.result.losses)
+
+
+@output("norms", "[B] L2 norm of each sample's whole gradient (selected parameters)", _SQ,
+        per_sample=True)
+def _norms(seg: Segment) -> torch.Tensor:
+    return seg.rows(seg.assembly.norms)
+
+
+@output("layer_norms", "{param: [B]} L2 norm per sample per parameter", _SQ, per_sample=True,
+        per_param=True)
+def _layer_norms(seg: Segment) -> Tensors:
+    return seg.per_param(lambda p: seg.rows(p.sq).sqrt())
+
+
+@output("mean", "{param: shape} mean of the per-sample gradients", Need(mean=True),
+        per_sample=False, per_param_tensor=True)
+def _mean(seg: Segment) -> Tensors:
+    return seg.per_param(lambda p: _get(p.mean)[seg.index])
+
+
+@output("variance", "{param: shape} per-element population variance across samples",
+        Need(mean=True, m2=True), per_sample=False, per_param_tensor=True)
+def _variance(seg: Segment) -> Tensors:
+    return seg.per_param(
+        lambda p: (_get(p.m2)[seg.index] / seg.n).to(_get(p.mean)[seg.index].dtype))
+
+
+@output("clipped_mean", "{param: shape} DP-SGD clipped, noised mean (clip_norm, "
+        "noise_multiplier, seed)", Need(sq=True, clipped=True), per_sample=False,
+        per_param_tensor=True)
+def _clipped_mean(seg: Segment) -> Tensors:
+    sums = seg.per_param(lambda p: _get(p.clipped)[seg.index])
+    value, seg.meta["seed"] = noised_mean(sums, seg.opts, seg.n)
+    return value
+
+
+@output("dot", "[B] per-sample dot product with `reference`", Need(dot=True), per_sample=True)
+def _dot(seg: Segment) -> torch.Tensor:
+    return total([seg.rows(p.dot) for p in seg.params.values()])
+
+
+@output("cosine_mean", "[B] cosine of each sample's gradient with the batch mean gradient",
+        Need(sq=True, mean=True, cos=True), per_sample=True)
+def _cosine_mean(seg: Segment) -> torch.Tensor:
+    means = [_get(p.mean)[seg.index] for p in seg.params.values()]
+    mean_norm = torch.stack([m.pow(2).sum() for m in means]).sum().sqrt()
+    dots = total([seg.rows(p.cos) for p in seg.params.values()])
+    cos = dots / (seg.rows(seg.assembly.norms) * mean_norm)
+    return cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+
+@output("td_errors", "[B] td0 only: delta_i", Need(), per_sample=True, td0_only=True)
+def _td_errors(seg: Segment) -> torch.Tensor:
+    return seg.rows(seg.assembly.result.aux)
+
+
+@output("updates", "{param: [B, *shape]} td0 only: delta_i * grad V(s_i)", _GRADS,
+        per_sample=True, per_param_tensor=True, td0_only=True)
+def _updates(seg: Segment) -> Tensors:
+    updates = seg.assembly.loss.updates
+    assert updates is not None, "validation lets 'updates' through only for losses that have it"
+    return seg.per_param(lambda p: updates(seg.rows(p.grads)))

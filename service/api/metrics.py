@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import engine
+from service.strategies.per_sample import FUNCTIONS
 
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -27,12 +27,12 @@ class _CacheCollector(Collector):
             "lookups of the transformed-function cache that found an entry",
             labels=["cache"],
         )
-        family.add_metric(["per_sample_fn"], engine.FN_CACHE_STATS["hits"])
+        family.add_metric(["per_sample_fn"], FUNCTIONS.hits)
         yield family
         misses = CounterMetricFamily(
             "psgrad_cache_misses", "lookups that had to build the function", labels=["cache"]
         )
-        misses.add_metric(["per_sample_fn"], engine.FN_CACHE_STATS["misses"])
+        misses.add_metric(["per_sample_fn"], FUNCTIONS.misses)
         yield misses
 
 

@@ -27,7 +27,7 @@ def url() -> Iterator[str]:
 
 
 def cli(url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "psgrad._cli", *args, "--url", url],
+    out = subprocess.run([sys.executable, "-m", "service.cli", *args, "--url", url],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     if check:
         assert out.returncode == 0, out.stdout + out.stderr
@@ -64,7 +64,7 @@ def test_help_everywhere() -> None:
     for args in ([], ["models"], ["models", "list"], ["models", "show"], ["models", "register"],
                  ["models", "upload"], ["models", "download"], ["models", "delete"], ["grads"],
                  ["serve"], ["worker"]):
-        out = subprocess.run([sys.executable, "-m", "psgrad._cli", *args, "--help"],
+        out = subprocess.run([sys.executable, "-m", "service.cli", *args, "--help"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "usage: psgrad" in out.stdout, (args, out.stderr)
 

@@ -84,7 +84,7 @@ def test_refuses_a_public_interface_without_keys() -> None:
         [
             sys.executable,
             "-m",
-            "psgrad._cli",
+            "service.cli",
             "serve",
             "--host",
             "0.0.0.0",

@@ -60,7 +60,7 @@ def psgrad_serve(env: Mapping[str, str] | None = None, *,
     full_env = {**os.environ, "PSGRAD_WORKERS": "1", **(env or {})}
     full_env.pop("PSGRAD_REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "psgrad._cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port),
          "--log-level", "warning"],
         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -10,10 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import ZOO, TensorSpec
+from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings
 from service.engine import Batch, Options
+from service.fast_stats import Family, FastStats, _family, register_family
+from service.fast_stats._dense import dense_sum
+from service.fast_stats._plan import PLANS
+from service.plugins import Registry
 from service.registry import LoadedModel, load_model
+from service.strategies import base
+from service.strategies.per_sample import per_sample_fn
 from tests.support.reference import SUMMARY, assert_close, reference
 
 CPU = torch.device("cpu")
@@ -461,3 +469,71 @@ def test_a_call_that_reads_parameters_unlike_the_probe_takes_the_vmap_path() -> 
     small = make_batch(model, 3)
     [out] = engine.compute(model, small, opts)
     assert out["meta"]["path"] == "fast_stats"
+
+
+@dataclass(frozen=True)
+class _ScaledInput:
+    x: torch.Tensor
+
+    @property
+    def key(self) -> None:
+        return None
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x * self.scale))
+
+
+def test_a_layer_family_is_one_registered_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family defined here (one class, one decorator) computes ``x * w``'s weight."""
+    registry = Registry("layer family", PsgradError, sort=False)
+    for func, family in _family.FAMILIES.items():
+        registry.add(func, family)
+    monkeypatch.setattr(_family, "FAMILIES", registry)
+
+    @register_family(torch.Tensor.mul)
+    class Scale(Family[_ScaledInput]):
+        method = "scale"
+
+        def capture(self, cap: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    found: dict[int, str]) -> Any:
+            x, w = args
+            if kwargs or id(w) not in found or not cap.is_batched(x) or w.dim() != 1:
+                return None
+            out = func(*args)
+            return out, [self.use(func, {found[id(w)]: "weight"}, _ScaledInput(x), out)]
+
+        def source(self, name: str, role: str, uses: Any, ctx: Any) -> Any:
+            parts = [u.grad * self.payload(u).x for u in uses]
+            return dense_sum(name, parts, ctx, self.method)
+
+    torch.manual_seed(0)
+    model = custom(_Scaled(), (4,), key="toy-family")
+    try:
+        meta = check(model, make_batch(model, 4), segments=[1, 3])
+    finally:
+        PLANS.drop(lambda key: key[0] != model.structure)
+    assert meta["method"] == {"scale": "scale", "head.weight": "linear", "head.bias": "linear"}
+
+
+def test_the_strategy_fills_what_the_need_asks_and_declines_per_sample_gradients() -> None:
+    model = zoo("mlp", SMALL["mlp"])
+    batch = make_batch(model, 4)
+    opts = base.Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
+    call = base.Call(model=model, opts=opts, params=dict(model.params), samples=batch.samples(),
+                     reference={}, bounds=base.bounds_of([4]), need=base.Need(sq=True))
+    result = FastStats().run(call)
+    assert result is not None
+    grads, (losses, _) = per_sample_fn(model, "cross_entropy", 1.0)(
+        dict(model.params), {}, model.buffers, batch.samples())
+    torch.testing.assert_close(result.losses, losses)
+    for k, stats in result.params.items():
+        torch.testing.assert_close(stats.sq, grads[k].flatten(1).pow(2).sum(1))
+        assert stats == base.ParamStats(sq=stats.sq)
+    assert FastStats().run(replace(call, need=base.Need(grads=True, sq=True))) is None

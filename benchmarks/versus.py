@@ -1,0 +1,89 @@
+"""A benchmark in two checkouts, interleaved: does a change make anything slower?
+
+Runs one of this folder's benchmark scripts alternately in a checkout of ``--base`` (a git
+worktree made for the run, removed after) and in this checkout, ``--runs`` times each, so that
+both sides share the machine's load. Each run prints a Markdown table; rows are matched by their
+text columns, and for each row this prints the median time of each side and ``head / base``.
+
+    python benchmarks/versus.py --base c3f476f --runs 3 engine.py --repeats 5
+    python benchmarks/versus.py --base c3f476f --runs 3 fast_stats.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TIME_COLUMNS = ("median ms", "time ms")
+
+
+def rows(text: str) -> dict[str, float]:
+    """{row label: time} from the first Markdown table with a time column."""
+    out: dict[str, float] = {}
+    column = None
+    label_columns: list[int] = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or set("".join(cells)) <= set("-: "):
+            continue
+        if column is None:
+            found = [i for i, c in enumerate(cells) if c in TIME_COLUMNS]
+            if found:
+                column = found[0]
+                label_columns = list(range(column))
+            continue
+        if len(cells) > column:
+            try:
+                out[" / ".join(cells[i] for i in label_columns)] = float(cells[column])
+            except ValueError:
+                continue
+    return out
+
+
+def run(tree: Path, script: str, args: list[str]) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, str(tree / "benchmarks" / script), *args], cwd=tree,
+                          env=env, capture_output=True, text=True, check=True)
+    return rows(done.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the git revision to compare against")
+    parser.add_argument("--runs", type=int, default=3, help="runs of the script per side")
+    parser.add_argument("script", help="a script of benchmarks/, e.g. engine.py")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    opts = parser.parse_args()
+    head = HERE.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(head), "worktree", "add", "-q", "--detach", str(base),
+                        opts.base], check=True)
+        try:
+            times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+            for i in range(opts.runs):
+                for side, tree in (("base", base), ("head", head)):
+                    for label, t in run(tree, opts.script, opts.args).items():
+                        times[side].setdefault(label, []).append(t)
+                    print(f"run {i + 1}/{opts.runs} {side} done", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(head), "worktree", "remove", "--force", str(base)],
+                           check=False)
+    print(f"{opts.script} {' '.join(opts.args)}: base {opts.base} vs this checkout, "
+          f"medians of {opts.runs} interleaved runs\n")
+    print("| row | base ms | head ms | head / base |\n|---|---:|---:|---:|")
+    for label, got in times["head"].items():
+        if label in times["base"]:
+            b, h = statistics.median(times["base"][label]), statistics.median(got)
+            print(f"| {label} | {b:.1f} | {h:.1f} | {h / b:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Weights whose per-sample gradient is a sum of outer products ``sum_t g_it a_it^T`` per group.
+
+A linear layer is one group over its T positions (one without a sequence); a convolution,
+unfolded, is ``groups`` of them over its output positions. The squared norm is
+``|g_i|^2 |a_i|^2`` for one position, the Gram form ``<A_i A_i^T, G_i G_i^T>`` for T positions
+when ``2 T^2 < d p``, and is otherwise read off the materialised ``G_i^T A_i`` (one batched
+matmul a chunk at a time); a dot product with a reference R is ``sum_t g_it^T R a_it`` and a
+weighted sum over samples is one matmul ``G^T diag(c) A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.linalg import vector_norm
+
+from service.fast_stats._budget import Budget
+from service.fast_stats._records import Pass1, Pass1Need, Pass2
+from service.fast_stats._source import Materialised, cat
+from service.strategies.base import Bounds, Tensors
+
+Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
+
+
+class OuterSource(Materialised):
+    """A weight whose per-sample gradient is ``sum_t g_t a_t^T`` per group (Linear, Conv);
+    a subclass says how to read its blocks of ``A`` and ``G``."""
+
+    cache = False  # one batched matmul rebuilds a chunk: cheaper than holding B copies
+
+    def __init__(
+        self,
+        name: str,
+        shape: torch.Size,
+        batch: int,
+        budget: Budget,
+        *,
+        groups: int,
+        d: int,
+        p: int,
+        positions: int,
+        method: str,
+    ) -> None:
+        super().__init__([name], {name: shape}, batch, budget)
+        self.method = method
+        self.groups, self.d, self.p, self.t = groups, d, p, positions
+        if positions == 1:
+            self._form = "outer"
+        elif 2 * positions * positions < d * p:
+            self._form = "gram"
+        else:
+            self._form = "materialise"
+
+    def form(self, name: str) -> str:
+        return self._form
+
+    def blocks(self, lo: int, hi: int) -> Iterator[Block]:
+        raise NotImplementedError
+
+    def grads(self, lo: int, hi: int) -> Tensors:
+        parts = [
+            (g.transpose(-1, -2) @ a).reshape(y - x, *self.shapes[self.names[0]])
+            for x, y, a, g in self.blocks(lo, hi)
+        ]
+        return {self.names[0]: cat(parts)}
+
+    def _sq(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if self._form == "outer":
+            sq = vector_norm(a, dim=-1).square() * vector_norm(g, dim=-1).square()
+            return sq.sum((1, 2))
+        return (a @ a.transpose(-1, -2)).mul_(g @ g.transpose(-1, -2)).sum((1, 2, 3))
+
+    def _dot(self, ref: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Each sample's dot product with ``ref`` (in the parameter's shape), for one block."""
+        r = ref.reshape(self.groups, self.p, self.d)
+        return ((g @ r.to(g.dtype)) * a).sum((1, 2, 3))
+
+    def wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """``sum_i c_i grad_i`` over rows [lo, hi) (``c`` of length hi - lo, or all ones)."""
+        total: torch.Tensor | None = None
+        for x, y, a, g in self.blocks(lo, hi):
+            if c is not None:  # scale the smaller side
+                scale = c[x - lo : y - lo].to(g.dtype).reshape(-1, 1, 1, 1)
+                if self.p <= self.d:
+                    g = g * scale
+                else:
+                    a = a * scale
+            g, a = g.to(dtype), a.to(dtype)
+            if self.groups == 1:  # one GEMM, as a batch gradient would be
+                g, a = _rows(g[:, 0], a[:, 0])
+                term = (g.reshape(-1, self.p).t() @ a.reshape(-1, self.d)).unsqueeze(0)
+            else:
+                term = torch.einsum("ngtp,ngtd->gpd", g, a)
+            total = term if total is None else total + term
+        assert total is not None
+        return total.reshape(self.shapes[self.names[0]])
+
+    def _sqsum(self, lo: int, hi: int) -> torch.Tensor:
+        """``sum_i grad_i^2`` over rows [lo, hi) for one position: ``(g^2)^T (a^2)``, float64."""
+        total = torch.zeros((self.groups, self.p, self.d), dtype=torch.float64)
+        for _, _, a, g in self.blocks(lo, hi):
+            a64, g64 = a.to(torch.float64), g.to(torch.float64)
+            total = total.to(a.device) + torch.einsum("ngtp,ngtd->gpd", g64 * g64, a64 * a64)
+        return total.reshape(self.shapes[self.names[0]])
+
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        if self._form == "materialise" or (need.sqsums and self._form == "gram"):
+            return super().pass1(need, keep)
+        name = self.names[0]
+        ref = need.reference[name] if need.reference is not None else None
+        sq, dot = [], []
+        for _, _, a, g in self.blocks(0, self.batch):  # one pass: a conv unfolds each block
+            if need.sq:
+                sq.append(self._sq(a, g))
+            if ref is not None:
+                dot.append(self._dot(ref, a, g))
+        return {name: Pass1(
+            sq=cat(sq) if need.sq else None,
+            dot=cat(dot) if ref is not None else None,
+            sums=tuple(self.wsum(None, x, y, need.sums_dtype) for x, y in need.bounds)
+            if need.sums else None,
+            sqsums=tuple(self._sqsum(x, y) for x, y in need.bounds) if need.sqsums else None,
+        )}
+
+    def pass2(
+        self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
+    ) -> dict[str, Pass2]:
+        if self._form == "materialise" or self._cache is not None:
+            return super().pass2(clip, means, bounds)
+        name = self.names[0]
+        return {name: Pass2(
+            clipped=tuple(self.wsum(clip[x:y], x, y, clip.dtype) for x, y in bounds)
+            if clip is not None else None,
+            cos=cat([self._dot(means[s][name], a, g) for s, (x, y) in enumerate(bounds)
+                     for _, _, a, g in self.blocks(x, y)])
+            if means is not None else None,
+        )}
+
+
+def _rows(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g``, ``a`` [n, T, k], or both time-major when both are laid out that way (attention's
+    projections): a sum over every (sample, position) row does not care about the order of
+    the rows as long as both sides share it, and this order needs no copy."""
+    gt, at = g.transpose(0, 1), a.transpose(0, 1)
+    if not (g.is_contiguous() and a.is_contiguous()) and gt.is_contiguous() and at.is_contiguous():
+        return gt, at
+    return g, a

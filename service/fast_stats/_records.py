@@ -1,0 +1,139 @@
+"""The records the fast-statistics stages hand each other, all immutable.
+
+A :class:`Use` is one call of a torch function that read a tracked parameter in the batched
+forward pass: which family captured it (None for an op no family claims), the parameter's role
+in the call, the family's own typed payload (what it needs of the forward pass), and after the
+backward pass the gradient ``g`` of the call's output. A :class:`Signature` is what a later call
+must repeat of it for the plan made by the probe to hold. :class:`Pass1Need`, :class:`Pass1` and
+:class:`Pass2` are what a source is asked for and answers in its two passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from service.strategies.base import Bounds, Tensors
+
+if TYPE_CHECKING:
+    from service.fast_stats._family import Family
+
+
+class Unsupported(Exception):
+    """The fast path cannot serve this call; the engine falls back to ``vmap``."""
+
+
+class Payload(Protocol):
+    """What a capture keeps of one call; ``key`` is the part a later call must repeat."""
+
+    @property
+    def key(self) -> Hashable: ...
+
+
+@dataclass(frozen=True)
+class DirectCall:
+    """An op no family claims that runs sample by sample (batch first in and out): its
+    per-sample parameter gradient is the op's own vjp, replayed per sample.
+
+    ``pattern`` has one letter per argument: ``p`` a tracked parameter, ``b`` batched, ``c`` a
+    constant, ``-`` not a tensor; ``names`` the tracked parameter at each argument.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    pattern: str
+    names: tuple[str | None, ...]
+
+    @property
+    def key(self) -> Hashable:
+        return self.pattern
+
+
+@dataclass(frozen=True)
+class OpaqueCall:
+    """An op that reads a parameter in a way nothing here replays (``w.t()``, a list of
+    tensors): its parameters fall back to a module replay. ``?`` marks the arguments at fault."""
+
+    pattern: str
+
+    @property
+    def key(self) -> Hashable:
+        return self.pattern
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How one use read its parameters: the probe's plan holds while a call repeats these."""
+
+    kind: type
+    func: Any
+    roles: tuple[tuple[str, str], ...]
+    key: Hashable
+
+
+@dataclass(frozen=True)
+class Use:
+    """One read of tracked parameters by one torch function call in the forward pass.
+
+    ``out`` lives only until the backward pass has located it in the graph; the record that
+    leaves :func:`~service.fast_stats._run.forward_backward` has ``out=None`` and ``g`` set.
+    """
+
+    family: Family[Any] | None  # None: a DirectCall or an OpaqueCall
+    func: Any
+    roles: dict[str, str]  # parameter name -> its role in the call ("weight", "bias", "arg1")
+    payload: Payload
+    out: torch.Tensor | None = None
+    g: torch.Tensor | None = None  # the gradient of the summed losses at ``out``
+    stack: tuple[str, ...] = ()  # module names being executed (probe only)
+
+    @property
+    def signature(self) -> Signature:
+        return Signature(type(self.payload), self.func, tuple(sorted(self.roles.items())),
+                         self.payload.key)
+
+    @property
+    def opaque(self) -> bool:
+        return isinstance(self.payload, OpaqueCall)
+
+    @property
+    def grad(self) -> torch.Tensor:
+        assert self.g is not None, "read before the backward pass"
+        return self.g
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call ``module(x)`` of a replayed module: its input and its output's gradient."""
+
+    x: torch.Tensor
+    g: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Pass1Need:
+    """What the first pass over the per-sample gradients must produce."""
+
+    sq: bool = False
+    reference: Tensors | None = None  # dot products with these, when set
+    sums: bool = False
+    sqsums: bool = False
+    bounds: Bounds = ()
+    sums_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class Pass1:
+    sq: torch.Tensor | None = None  # [B] squared norm of each sample's gradient
+    dot: torch.Tensor | None = None  # [B] dot product with the reference
+    sums: tuple[torch.Tensor, ...] | None = None  # per segment: sum of the per-sample gradients
+    sqsums: tuple[torch.Tensor, ...] | None = None  # per segment: sum of squares, float64
+
+
+@dataclass(frozen=True)
+class Pass2:
+    clipped: tuple[torch.Tensor, ...] | None = None  # per segment: sum_i c_i grad_i
+    cos: torch.Tensor | None = None  # [B] dot of each sample's gradient with its segment mean

@@ -1,0 +1,201 @@
+"""Sources: the per-sample statistics of some parameters, in two passes.
+
+The first pass answers each sample's squared norm and dot product with a reference, and each
+segment's sum and sum of squares; the second, once every norm is known, each segment's sum of
+clipped gradients and each sample's dot product with its segment's mean. :class:`Materialised`
+computes both from per-sample gradients built a chunk at a time (kept between the passes if the
+budget allows); a family overrides the passes with its closed form where it has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from service.fast_stats._budget import Budget
+from service.fast_stats._records import Pass1, Pass1Need, Pass2
+from service.strategies.base import Bounds, Tensors
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What every source of one call may need besides its uses."""
+
+    batch: int
+    budget: Budget
+    shapes: dict[str, torch.Size]
+    params: Tensors  # every parameter's value for this call
+    buffers: Tensors
+    dtype: torch.dtype
+    device: torch.device
+    activation_numel: int
+
+
+def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` that does not copy a single part (fresh memory costs page faults)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim)
+
+
+def overlaps(bounds: Bounds, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+    """(segment, start, stop) of each segment's part of rows [lo, hi), relative to lo."""
+    for s, (a, b) in enumerate(bounds):
+        x, y = max(a, lo), min(b, hi)
+        if x < y:
+            yield s, x - lo, y - lo
+
+
+class Source:
+    """Per-sample statistics of some parameters, from the uses captured for them."""
+
+    method = "direct"
+
+    def __init__(
+        self, names: Sequence[str], shapes: dict[str, torch.Size], batch: int, budget: Budget
+    ) -> None:
+        self.names = tuple(names)
+        self.shapes = shapes
+        self.batch = batch
+        self.budget = budget
+
+    def form(self, name: str) -> str:
+        """How ``meta["form"]`` names the way ``name``'s statistics were computed."""
+        return self.method
+
+    def method_of(self, name: str) -> str:
+        return self.method
+
+    def pass1(self, need: Pass1Need) -> dict[str, Pass1]:
+        raise NotImplementedError
+
+    def pass2(
+        self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
+    ) -> dict[str, Pass2]:
+        raise NotImplementedError
+
+    def grads(self, lo: int, hi: int) -> Tensors:
+        """Materialised per-sample gradients of rows [lo, hi), ``{name: [n, *shape]}``."""
+        raise NotImplementedError
+
+
+Chunk = tuple[int, int, Tensors]  # rows [lo, hi) and their per-sample gradients
+
+
+class Materialised(Source):
+    """Statistics from per-sample gradients built a chunk at a time (kept if the budget allows).
+
+    Sums of squares accumulate in float64 so that ``variance`` does not lose its digits to
+    cancellation when the mean is large next to the spread.
+    """
+
+    cache = True  # keep the per-sample gradients for the second pass (when the budget allows)
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: dict[str, torch.Size],
+        batch: int,
+        budget: Budget,
+        itemsize: int = 4,
+    ) -> None:
+        super().__init__(names, shapes, batch, budget)
+        self.numel = sum(shapes[k].numel() for k in self.names)
+        self.itemsize = itemsize
+        self._cache: list[Chunk] | None = None
+
+    def chunk_size(self) -> int:
+        return self.budget.chunk(self.numel * self.itemsize * 3, self.batch)
+
+    def chunks(self, keep: bool = False) -> Iterator[Chunk]:
+        if self._cache is not None:
+            yield from self._cache
+            return
+        step = self.chunk_size()
+        kept: list[Chunk] = []
+        keep = keep and self.cache and self.budget.reserve(self.batch * self.numel * self.itemsize)
+        for lo in range(0, self.batch, step):
+            hi = min(self.batch, lo + step)
+            item = (lo, hi, self.grads(lo, hi))
+            if keep:
+                kept.append(item)
+            yield item
+        if keep:
+            self._cache = kept
+
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        def zeros(k: str, dtype: torch.dtype) -> list[torch.Tensor]:
+            return [torch.zeros(self.shapes[k], dtype=dtype) for _ in need.bounds]
+
+        sq: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        dot: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        sums = {k: zeros(k, need.sums_dtype) for k in self.names} if need.sums else None
+        sqsums = {k: zeros(k, torch.float64) for k in self.names} if need.sqsums else None
+        for lo, hi, grads in self.chunks(keep):
+            for k, g in grads.items():
+                flat = g.reshape(hi - lo, -1)
+                if need.sq:
+                    sq[k].append(torch.linalg.vector_norm(flat, dim=1).square())
+                if need.reference is not None:
+                    dot[k].append(flat @ need.reference[k].reshape(-1).to(flat.dtype))
+                for s, x, y in overlaps(need.bounds, lo, hi):
+                    if sums is not None:
+                        part = g[x:y].sum(0, dtype=need.sums_dtype)
+                        sums[k][s] = sums[k][s].to(g.device) + part
+                    if sqsums is not None:
+                        g64 = g[x:y].to(torch.float64)
+                        sqsums[k][s] = sqsums[k][s].to(g.device) + (g64 * g64).sum(0)
+        return {
+            k: Pass1(
+                sq=cat(sq[k]) if need.sq else None,
+                dot=cat(dot[k]) if need.reference is not None else None,
+                sums=tuple(sums[k]) if sums is not None else None,
+                sqsums=tuple(sqsums[k]) if sqsums is not None else None,
+            )
+            for k in self.names
+        }
+
+    def pass2(
+        self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
+    ) -> dict[str, Pass2]:
+        clipped = None
+        if clip is not None:
+            clipped = {k: [torch.zeros(self.shapes[k]) for _ in bounds] for k in self.names}
+        cos: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        for lo, hi, grads in self.chunks():
+            for k, g in grads.items():
+                for s, x, y in overlaps(bounds, lo, hi):
+                    if clip is not None and clipped is not None:
+                        c = clip[lo + x : lo + y].to(g.dtype)
+                        clipped[k][s] = clipped[k][s].to(g) + torch.tensordot(c, g[x:y], dims=1)
+                    if means is not None:
+                        cos[k].append(g[x:y].reshape(y - x, -1) @ means[s][k].reshape(-1))
+        return {
+            k: Pass2(
+                clipped=tuple(clipped[k]) if clipped is not None else None,
+                cos=cat(cos[k]) if means is not None else None,
+            )
+            for k in self.names
+        }
+
+
+class Summed(Materialised):
+    """A parameter read by several uses of different kinds (tied weights): the per-sample
+    gradient is the sum of the parts, so norms need it materialised."""
+
+    method = "tied"
+
+    def __init__(
+        self, name: str, parts: Sequence[Source], shape: torch.Size, batch: int, budget: Budget
+    ) -> None:
+        super().__init__([name], {name: shape}, batch, budget)
+        self.parts = tuple(parts)
+
+    def grads(self, lo: int, hi: int) -> Tensors:
+        name = self.names[0]
+        total: torch.Tensor | None = None
+        for source in self.parts:
+            g = source.grads(lo, hi)[name]
+            total = g if total is None else total + g
+        assert total is not None
+        return {name: total}

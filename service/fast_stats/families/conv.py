@@ -1,0 +1,155 @@
+"""Convolutions (1d, 2d, 3d, any stride, padding, dilation and groups) through the unfolded input.
+
+Unfolded, a convolution is a linear layer over the output positions (T = L positions, d =
+in_channels / groups * kernel elements, p = out_channels / groups), so
+:class:`~.._outer.OuterSource` gives its statistics; the input is unfolded a chunk of samples
+at a time to bound memory. A bias's per-sample gradient is the output gradient summed over
+positions, held whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.fast_stats._capture import Capture, bind, roles_of
+from service.fast_stats._dense import dense_sum
+from service.fast_stats._family import Captured, Family, register_family
+from service.fast_stats._outer import Block, OuterSource
+from service.fast_stats._records import Use
+from service.fast_stats._source import Source, SourceContext, cat
+
+_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_DIMS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Everything but the tensors that decides a convolution's receptive fields."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]  # (before, after) per spatial dimension
+    dilation: tuple[int, ...]
+    groups: int
+
+
+@dataclass(frozen=True)
+class ConvInput:
+    x: torch.Tensor  # the layer input, [B, C, *spatial]
+    geometry: Geometry
+
+    @property
+    def key(self) -> Hashable:
+        return self.geometry
+
+
+def _tuple(value: Any, nd: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * nd
+    out = tuple(int(v) for v in value)
+    return out * nd if len(out) == 1 else out
+
+
+def _pads(
+    padding: Any, kernel: Sequence[int], dilation: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+    if padding == "valid":
+        return tuple((0, 0) for _ in kernel)
+    if padding == "same":
+        total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+        return tuple((t // 2, t - t // 2) for t in total)
+    return tuple((p, p) for p in _tuple(padding, len(kernel)))
+
+
+def unfold(x: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """``[n, C * prod(kernel), L]``: every receptive field as a column (``F.unfold``, N-d)."""
+    kernel, stride, dilation = geo.kernel, geo.stride, geo.dilation
+    nd = len(kernel)
+    flat = [p for pair in reversed(geo.pads) for p in pair]
+    if any(flat):
+        x = F.pad(x, flat)
+    for j in range(nd):  # views: F.unfold's im2col is several times slower on CPU
+        x = x.unfold(2 + j, dilation[j] * (kernel[j] - 1) + 1, stride[j])[..., :: dilation[j]]
+    order = (0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    return x.permute(order).reshape(x.shape[0], x.shape[1] * math.prod(kernel), -1)
+
+
+class ConvSource(OuterSource):
+    """The weight of convolution calls of one geometry, unfolded a chunk at a time."""
+
+    cache = True  # rebuilding a chunk means unfolding its input again
+
+    def __init__(
+        self, name: str, inputs: Sequence[ConvInput], grads: Sequence[torch.Tensor],
+        ctx: SourceContext,
+    ) -> None:
+        self.xs = [p.x for p in inputs]
+        self.gs = list(grads)
+        self.geometry = inputs[0].geometry
+        shape = ctx.shapes[name]
+        out_ch, in_per_group, groups = shape[0], shape[1], self.geometry.groups
+        super().__init__(
+            name, shape, ctx.batch, ctx.budget, groups=groups,
+            d=in_per_group * math.prod(self.geometry.kernel), p=out_ch // groups,
+            positions=sum(math.prod(g.shape[2:]) for g in grads), method="conv",
+        )
+
+    def chunk_size(self) -> int:
+        """Samples per unfolded chunk (its columns and its per-sample gradients), ~48 MB:
+        larger chunks run the batched matmul faster, smaller ones bound the memory."""
+        per = (self.groups * self.t * self.d + self.numel) * self.itemsize
+        return self.budget.chunk(per, self.batch, 48 << 20)
+
+    def blocks(self, lo: int, hi: int) -> Iterator[Block]:
+        step = self.chunk_size()
+        for x in range(lo, hi, step):
+            y = min(hi, x + step)
+            a = cat([unfold(v[x:y], self.geometry) for v in self.xs], -1)
+            g = cat([v[x:y].flatten(2) for v in self.gs], -1)
+            yield (
+                x,
+                y,
+                a.view(y - x, self.groups, self.d, -1).transpose(-1, -2),
+                g.view(y - x, self.groups, self.p, -1).transpose(-1, -2),
+            )
+
+
+@register_family(torch.conv1d, torch.conv2d, torch.conv3d)
+class Conv(Family[ConvInput]):
+    method = "conv"
+
+    def source(self, name: str, role: str, uses: Sequence[Use], ctx: SourceContext) -> Source:
+        if role == "bias":
+            return dense_sum(name, [u.grad.flatten(2).sum(2) for u in uses], ctx, self.method)
+        return ConvSource(name, [self.payload(u) for u in uses], [u.grad for u in uses], ctx)
+
+    def capture(
+        self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+        found: dict[int, str],
+    ) -> Captured | None:
+        x, w, b, stride, padding, dilation, groups = bind(args, kwargs, _NAMES)
+        nd = _DIMS[func]
+        if (
+            id(x) in found
+            or not cap.is_batched(x)
+            or x.dim() != nd + 2
+            or not isinstance(w, torch.Tensor)
+        ):
+            return None
+        kernel = tuple(w.shape[2:])
+        dil = _tuple(1 if dilation is None else dilation, nd)
+        geometry = Geometry(
+            kernel=kernel,
+            stride=_tuple(1 if stride is None else stride, nd),
+            pads=_pads(0 if padding is None else padding, kernel, dil),
+            dilation=dil,
+            groups=1 if groups is None else int(groups),
+        )
+        out = func(*args, **kwargs)
+        return out, [self.use(func, roles_of(found, weight=w, bias=b), ConvInput(x, geometry), out)]

@@ -1,0 +1,147 @@
+"""Embeddings from (token id, gradient row) pairs; never a dense vocab x dim tensor per sample.
+
+Sample i's gradient has one row per distinct token it contains, the sum of the output gradient
+rows at that token's positions (none for ``padding_idx``). Rows are summed per (sample, token)
+with one ``unique`` + ``index_add``; norms, dot products and weighted sums follow from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.fast_stats._capture import Capture, bind
+from service.fast_stats._family import Captured, Family, register_family
+from service.fast_stats._records import Pass1, Pass1Need, Pass2, Use
+from service.fast_stats._source import Materialised, Source, SourceContext, cat
+from service.strategies.base import Bounds, Tensors
+
+_NAMES = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+@dataclass(frozen=True)
+class TokenInput:
+    tokens: torch.Tensor  # [B, ...] token ids
+    padding_idx: int | None  # non-negative
+
+    @property
+    def key(self) -> Hashable:
+        return self.padding_idx
+
+
+class EmbeddingSource(Materialised):
+    method = "embedding"
+
+    def __init__(
+        self, name: str, inputs: Sequence[TokenInput], grads: Sequence[torch.Tensor],
+        ctx: SourceContext,
+    ) -> None:
+        super().__init__([name], {name: ctx.shapes[name]}, ctx.batch, ctx.budget)
+        self.vocab, self.dim = ctx.shapes[name]
+        batch = ctx.batch
+        self.tokens = cat([p.tokens.reshape(batch, -1) for p in inputs], 1)
+        g = cat([x.reshape(batch, -1, self.dim) for x in grads], 1)
+        padding = inputs[0].padding_idx
+        if padding is not None:
+            g = g * (self.tokens != padding).unsqueeze(-1).to(g.dtype)
+        self.g = g
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each (sample, token) pair once: its sample, its token and its gradient row."""
+        if self._rows is None:
+            keys = (
+                torch.arange(self.batch, device=self.tokens.device).unsqueeze(1) * self.vocab
+                + self.tokens
+            ).reshape(-1)
+            uniq, inverse = torch.unique(keys, return_inverse=True)
+            summed = self.g.new_zeros((uniq.numel(), self.dim))
+            summed.index_add_(0, inverse, self.g.reshape(-1, self.dim))
+            self._rows = (uniq // self.vocab, uniq % self.vocab, summed)
+        return self._rows
+
+    def grads(self, lo: int, hi: int) -> Tensors:
+        n = hi - lo
+        dense = self.g.new_zeros((n * self.vocab, self.dim))
+        local = torch.arange(n, device=self.g.device).unsqueeze(1) * self.vocab
+        dense.index_add_(
+            0, (local + self.tokens[lo:hi]).reshape(-1), self.g[lo:hi].reshape(-1, self.dim)
+        )
+        return {self.names[0]: dense.view(n, self.vocab, self.dim)}
+
+    def _dots(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return (self.g[lo:hi] * ref.to(self.g.dtype)[self.tokens[lo:hi]]).sum((1, 2))
+
+    def _wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        g = self.g[lo:hi].to(dtype)
+        if c is not None:
+            g = g * c.to(dtype).reshape(-1, 1, 1)
+        out = g.new_zeros((self.vocab, self.dim))
+        return out.index_add_(0, self.tokens[lo:hi].reshape(-1), g.reshape(-1, self.dim))
+
+    def _sq(self) -> torch.Tensor:
+        sample, _, summed = self.rows()
+        return self.g.new_zeros(self.batch).index_add_(0, sample, summed.pow(2).sum(1))
+
+    def _sqsums(self, bounds: Bounds) -> tuple[torch.Tensor, ...]:
+        sample, token, summed = self.rows()
+        sq = summed.to(torch.float64).pow(2)
+        out = []
+        for a, b in bounds:
+            pick = (sample >= a) & (sample < b)
+            out.append(sq.new_zeros((self.vocab, self.dim)).index_add_(0, token[pick], sq[pick]))
+        return tuple(out)
+
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        ref = need.reference[self.names[0]] if need.reference is not None else None
+        return {self.names[0]: Pass1(
+            sq=self._sq() if need.sq else None,
+            dot=self._dots(ref, 0, self.batch) if ref is not None else None,
+            sums=tuple(self._wsum(None, a, b, need.sums_dtype) for a, b in need.bounds)
+            if need.sums else None,
+            sqsums=self._sqsums(need.bounds) if need.sqsums else None,
+        )}
+
+    def pass2(
+        self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
+    ) -> dict[str, Pass2]:
+        name = self.names[0]
+        return {name: Pass2(
+            clipped=tuple(self._wsum(clip[a:b], a, b, clip.dtype) for a, b in bounds)
+            if clip is not None else None,
+            cos=torch.cat([self._dots(means[s][name], a, b) for s, (a, b) in enumerate(bounds)])
+            if means is not None else None,
+        )}
+
+
+@register_family(F.embedding)
+class Embedding(Family[TokenInput]):
+    method = "embedding"
+
+    def source(self, name: str, role: str, uses: Sequence[Use], ctx: SourceContext) -> Source:
+        return EmbeddingSource(name, [self.payload(u) for u in uses], [u.grad for u in uses], ctx)
+
+    def capture(
+        self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+        found: dict[int, str],
+    ) -> Captured | None:
+        x, w, padding, max_norm, _, by_freq, sparse = bind(args, kwargs, _NAMES)
+        if (
+            max_norm is not None
+            or by_freq
+            or sparse
+            or id(x) in found
+            or not cap.is_batched(x)
+            or x.is_floating_point()
+            or not isinstance(w, torch.Tensor)
+            or id(w) not in found
+        ):
+            return None
+        if padding is not None and padding < 0:
+            padding += w.shape[0]
+        out = func(*args, **kwargs)
+        return out, [self.use(func, {found[id(w)]: "weight"}, TokenInput(x, padding), out)]

@@ -1,0 +1,122 @@
+"""The fast-statistics strategy: the records of a call from one batched forward and backward.
+
+It declines (the engine then runs ``vmap``) when the call wants per-sample gradients
+themselves, when the model takes the per-sample loop, when the probe found no plan, and when the
+call reads its parameters unlike the probe did.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from service.fast_stats._budget import Budget
+from service.fast_stats._build import build_sources
+from service.fast_stats._dense import grouped
+from service.fast_stats._plan import plan_for
+from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
+from service.fast_stats._run import Setup, forward_backward
+from service.fast_stats._source import Source
+from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
+
+T = TypeVar("T")
+
+
+class FastStats:
+    """Summary statistics without materialising every per-sample gradient."""
+
+    name = "fast_stats"
+
+    def run(self, call: Call) -> Result | None:
+        need, model = call.need, call.model
+        if need.grads or model.route != "vmap":
+            return None
+        setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
+                      call.selected)
+        plan = plan_for(setup)
+        if plan is None:
+            return None
+        try:
+            run = forward_backward(setup, plan)
+        except Unsupported:
+            return None
+        if tuple(u.signature for u in run.uses) != plan.signature:
+            return None  # the model read its parameters differently from the probe: play safe
+        losses, aux = run.losses, run.aux
+        found = grouped(build_sources(setup, run, plan, Budget(call.budget_bytes)))
+        del run  # each source holds what it still needs; the rest (LayerNorm inputs, gradients
+        # already reduced to per-sample values) can go now
+        sources = {k: s for s in found for k in s.names}
+        params = _stats(call, found)
+        meta = {
+            "route": model.route,
+            "chunk_size": call.size,
+            "path": self.name,
+            "method": {k: sources[k].method_of(k) for k in call.selected},
+            "form": {k: sources[k].form(k) for k in call.selected},
+        }
+        return Result(losses=losses, aux=aux, params=params, meta=meta)
+
+
+def _stats(call: Call, found: list[Source]) -> dict[str, ParamStats]:
+    """The two passes over the sources, and each selected parameter's record.
+
+    ``clipped`` needs every sample's whole norm first and ``cos`` every segment's mean, so
+    both take a second pass over what the sources hold, never a second backward.
+    """
+    need, names, bounds, dtype = call.need, call.selected, call.bounds, call.model.dtype
+    sq = need.sq or need.clipped or need.cos
+    sums = need.mean or need.m2 or need.cos
+    first: dict[str, Pass1] = {}
+    ask = Pass1Need(
+        sq=sq,
+        reference=call.reference if need.dot else None,
+        sums=sums,
+        sqsums=need.m2,
+        bounds=bounds,
+        sums_dtype=torch.float64 if need.m2 else dtype,
+    )
+    for source in found:
+        first.update(source.pass1(ask))
+    means: list[Tensors] | None = None
+    if sums:
+        means = [{k: (_of(first[k].sums)[s] / (b - a)).to(dtype) for k in names}
+                 for s, (a, b) in enumerate(bounds)]
+    clip = None
+    if need.clipped:
+        norms = total([_of(first[k].sq) for k in names]).sqrt()
+        clip = clip_factors(call.opts.clip_norm, norms)
+    second: dict[str, Pass2] = {}
+    if clip is not None or need.cos:
+        for source in found:
+            second.update(source.pass2(clip, means if need.cos else None, bounds))
+    return {
+        k: ParamStats(
+            sq=first[k].sq if sq else None,
+            dot=first[k].dot,
+            mean=tuple(m[k] for m in means) if means is not None and (need.mean or need.cos)
+            else None,
+            m2=_m2(first[k], bounds) if need.m2 else None,
+            clipped=second[k].clipped if clip is not None else None,
+            cos=second[k].cos if need.cos else None,
+        )
+        for k in names
+    }
+
+
+def _m2(first: Pass1, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
+    """Each segment's sum of squared deviations from its mean, float64 (variance = m2 / n):
+    ``n * (E[g^2] - E[g]^2)``, clamped at 0 against rounding."""
+    sums, sqsums = _of(first.sums), _of(first.sqsums)
+    out = []
+    for s, (a, b) in enumerate(bounds):
+        n = b - a
+        mean64 = sums[s] / n
+        out.append((sqsums[s] / n - mean64 * mean64).clamp(min=0) * n)
+    return tuple(out)
+
+
+def _of(value: T | None) -> T:
+    assert value is not None, "a first-pass value the need did not ask for"
+    return value
