@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from psgrad._errors import InvalidModelSpec, UnknownModel
+from service.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,15 @@ class ModelFamily:
         return {**copy.deepcopy(self.default_config), **overrides}
 
 
-ZOO: dict[str, ModelFamily] = {}
+ZOO: Registry[str, ModelFamily] = Registry("architecture", UnknownModel)
 
 
 def register_model(cls: type[ModelFamily]) -> type[ModelFamily]:
-    """Class decorator: add a family to the zoo under its ``name``."""
-    ZOO[cls.name] = cls()
+    """Class decorator: add one instance of the family to the zoo under its ``name``."""
+    ZOO.add(cls.name, cls())
     return cls
 
 
 def get_family(name: str) -> ModelFamily:
-    try:
-        return ZOO[name]
-    except KeyError:
-        raise UnknownModel(
-            f"unknown architecture '{name}'; known: {', '.join(sorted(ZOO))}",
-            known=sorted(ZOO),
-        ) from None
+    """The family called ``name``; an unknown name raises :class:`UnknownModel` naming them all."""
+    return ZOO.get(name)

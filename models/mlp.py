@@ -11,25 +11,24 @@ from torch import nn
 
 from models.base import ModelFamily, TensorSpec, register_model
 from psgrad._errors import InvalidModelSpec
+from service.plugins import Registry
 
-ACTIVATIONS: dict[str, type[nn.Module]] = {
-    "relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
-}
+ACTIVATIONS: Registry[str, type[nn.Module]] = Registry("activation", InvalidModelSpec)
+for _name, _layer in [("relu", nn.ReLU), ("tanh", nn.Tanh), ("gelu", nn.GELU), ("silu", nn.SiLU),
+                      ("sigmoid", nn.Sigmoid)]:
+    ACTIVATIONS.add(_name, _layer)
 
 
 def mlp_layers(sizes: list[int], activation: str) -> nn.Sequential:
     """``fc1, act1, fc2, ...``: Linear layers between ``sizes``, no activation after the last."""
     if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
         raise InvalidModelSpec(f"sizes must list at least two positive integers; got {sizes}")
-    if activation not in ACTIVATIONS:
-        raise InvalidModelSpec(
-            f"unknown activation '{activation}'; known: {', '.join(sorted(ACTIVATIONS))}"
-        )
+    make = ACTIVATIONS.get(activation)  # checked before any layer is built
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes), start=1):
         layers[f"fc{i}"] = nn.Linear(n_in, n_out)
         if i < len(sizes) - 1:
-            layers[f"act{i}"] = ACTIVATIONS[activation]()
+            layers[f"act{i}"] = make()
     return nn.Sequential(layers)
 
 

@@ -4,7 +4,7 @@ The engine's transformed function (``vmap(grad_and_value(loss))`` from
 :func:`service.engine.per_sample_fn`) is compiled as a whole with ``torch.compile``: outside the
 torch.func transforms, never inside them. Compiled code is specialised to a batch size (every
 new size recompiled even with ``dynamic=True``, and ``mark_dynamic`` on the batch dimension
-raised ``ConstraintViolationError``; DESIGN.md "Known traps"), so a chunk of ``n`` samples runs
+raised ``ConstraintViolationError`` with torch 2.13), so a chunk of ``n`` samples runs
 as pieces of a few preferred sizes, powers of two: ``n`` is padded up to the next power of two
 when that wastes at most a quarter, else split (48 runs as 32 + 16). Padding repeats the piece's
 first sample and the padded rows are dropped before the engine sees the output, so statistics

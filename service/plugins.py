@@ -55,6 +55,10 @@ class Registry(Generic[K, V]):
 
         return decorate
 
+    def remove(self, key: K) -> V | None:
+        """Take ``key`` out (test-only plug-ins leave no trace); None when it was not there."""
+        return self._items.pop(key, None)
+
     def get(self, key: K) -> V:
         try:
             return self._items[key]

@@ -85,7 +85,7 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
         raise BadRequest("the body must be a JSON object {architecture, config | layers, ...}")
     architecture = body.get("architecture")
     if not isinstance(architecture, str) or architecture not in ZOO:
-        known = sorted(ZOO)
+        known = ZOO.names()
         raise InvalidModelSpec(f"'architecture' must be one of {', '.join(known)}; got "
                                f"{str(architecture)[:80]!r}", known=known)
     sequential = architecture == "sequential"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from torch import nn
 
-from models import TensorSpec, get_family
+from models import ZOO, TensorSpec, get_family
 from psgrad._errors import (
     BatchCoupling,
     InternalError,
@@ -27,6 +26,7 @@ from psgrad._errors import (
     UnknownModel,
 )
 from service.config import Settings
+from service.lru import LockedLRU
 from service.model_store import MemoryModelStore, ModelStore, is_safe_id, make_store
 
 ZOO_SEED = 0
@@ -241,34 +241,21 @@ class ModelRegistry:
                  store: ModelStore | None = None) -> None:
         self.device = device or resolve_device()
         self.store: ModelStore = store if store is not None else MemoryModelStore()
-        self._cache: OrderedDict[tuple[str, str | None], LoadedModel] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._cache: LockedLRU[tuple[str, str | None], LoadedModel] = LockedLRU(cache_size)
 
     def get(self, ref: str) -> LoadedModel:
         model_id, _, version = ref.partition("@")
         if not _is_zoo(model_id):
             version = self.resolve(model_id, version or None)
-        key = (model_id, version or None)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        model = self._load(model_id, version or None)
-        self.remember(model, key)
-        return model
+        return self._cache.get_or_make((model_id, version or None),
+                                       lambda: self._load(model_id, version or None))
 
     def remember(self, model: LoadedModel, key: tuple[str, str | None] | None = None) -> None:
-        with self._lock:
-            self._cache[key or (model.id, model.version)] = model
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._cache.put(key or (model.id, model.version), model)
 
     def forget(self, model_id: str) -> None:
         """Drop cached versions of ``model_id`` (the store is the truth; this frees memory)."""
-        with self._lock:
-            for key in [k for k in self._cache if k[0] == model_id]:
-                del self._cache[key]
+        self._cache.drop(lambda key: key[0] != model_id)
 
     def resolve(self, model_id: str, version: str | None) -> str:
         """The stored version that ``id`` (newest) or ``id@version`` means."""
@@ -290,7 +277,7 @@ class ModelRegistry:
 
     def ids(self) -> list[str]:
         """Every servable id: zoo names, then registered ids."""
-        return [*sorted(n for n in _zoo() if _is_zoo(n)), *self.store.ids()]
+        return [*sorted(n for n in ZOO if _is_zoo(n)), *self.store.ids()]
 
     def describe(self, ref: str) -> dict[str, Any]:
         """The ``GET /models/{id}`` document; registered models also list their versions.
@@ -333,12 +320,6 @@ def make_registry(settings: Settings) -> ModelRegistry:
     return ModelRegistry(resolve_device(settings.device), store=make_store(settings))
 
 
-def _zoo() -> dict[str, Any]:
-    from models import ZOO
-
-    return ZOO
-
-
 def _is_zoo(name: str) -> bool:
-    family = _zoo().get(name)
+    family = ZOO.find(name)
     return family is not None and family.standalone

@@ -68,7 +68,9 @@ class GradsRequest(BaseModel):
     )
     seed: int | None = Field(None, description="clipped_mean: noise seed (echoed in meta)")
     reference: dict[str, Tensor] | None = Field(
-        None, description="{param: tensor} for the outputs dot and cosine_reference"
+        None,
+        description="{param: tensor} for the output dot: one tensor per selected parameter, of "
+        "its shape",
     )
     next_inputs: Tensor | None = Field(None, description="td0: next states s', first dimension B")
     rewards: Tensor | None = Field(None, description="td0: rewards r, shape [B]")
@@ -98,15 +100,21 @@ class GradsResponse(BaseModel):
     layer_norms: dict[str, Tensor] | None = Field(None, description="{param: [B]}")
     mean: dict[str, Tensor] | None = Field(None, description="{param: shape} mean gradient")
     variance: dict[str, Tensor] | None = Field(None, description="{param: shape} variance (1/B)")
-    clipped_mean: dict[str, Tensor] | None = Field(None, description="{param: shape} DP-SGD sum")
+    clipped_mean: dict[str, Tensor] | None = Field(
+        None, description="{param: shape} DP-SGD mean of the clipped gradients, noised when "
+        "noise_multiplier > 0"
+    )
     dot: Tensor | None = Field(None, description="[B] dot product with 'reference'")
     cosine_mean: Tensor | None = Field(None, description="[B] cosine with the batch mean gradient")
     td_errors: Tensor | None = Field(None, description="td0: [B] TD errors delta")
-    updates: dict[str, Tensor] | None = Field(None, description="td0: {param: [B, *shape]}")
+    updates: dict[str, Tensor] | None = Field(
+        None, description="td0: {param: [B, *shape]} delta_i * grad V(s_i)"
+    )
     timing: Timing
     meta: dict[str, Any] = Field(
-        description="how it was computed: route, chunk_size, "
-        "batch_jobs and batch_samples of the engine call, seed"
+        description="how it was computed: route, chunk_size, method per parameter, path and "
+        "form (fast statistics only), batch_jobs and batch_samples of the engine call, seed "
+        "(clipped_mean: the noise seed)"
     )
 
 
@@ -153,6 +161,7 @@ class ModelDoc(BaseModel):
     default_loss: str
     losses: list[str]
     input: dict[str, Any] = Field(description="per-sample input: {shape, dtype}")
+    output: dict[str, Any] = Field(description="per-sample output: {shape}")
     parameters: dict[str, TensorInfo] = Field(description="in the module's own order")
     versions: list[str] = Field(default_factory=list)
 

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import psgrad
-from tests.client_support import psgrad_serve
+from tests.support.client import psgrad_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 32  # the server's batch limit: larger batches exercise the SDK's chunking

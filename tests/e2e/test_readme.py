@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.client_support import psgrad_serve
+from tests.support.client import psgrad_serve
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)

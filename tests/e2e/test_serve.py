@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors
 from service.cli import is_loopback
-from tests.client_support import free_port, psgrad_serve
-from tests.unit.api_support import TD0, safetensors_body
+from tests.support.api import TD0, safetensors_body
+from tests.support.client import free_port, psgrad_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "e2e-key"

@@ -13,7 +13,7 @@ import pytest
 import psgrad
 from service.api import create_app
 from service.config import Settings
-from tests.client_support import running_app
+from tests.support.client import running_app
 
 MODEL = "value-mlp"  # 8 -> 64 -> 64 -> 1, small enough for exact checks on a shared CPU
 ALL = ["grads", "losses", "norms", "layer_norms", "mean", "variance", "clipped_mean", "dot",

@@ -29,10 +29,11 @@ import numpy as np
 import pytest
 import yaml
 from packaging.requirements import Requirement
-from redis_helpers import free_port, metric
 
 from psgrad._wire import array_from_json
 from service.config import Settings
+from tests.support.client import free_port
+from tests.support.redis import metric
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_FILES = (ROOT / "docker-compose.yml",)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -12,19 +11,17 @@ import torch
 from service import registration
 from service.model_store import ModelRecord, RedisModelStore
 from service.registry import ModelRegistry
-from tests.unit.test_sequential import LIMITS, MLP
+from tests.support.layers import LIMITS, MLP
+from tests.support.redis import prefix_on
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @pytest.fixture
 def prefix() -> Iterator[str]:
-    name = f"psgrad-test-{uuid.uuid4().hex[:12]}"
-    yield name
     client = redis.Redis.from_url(REDIS_URL)
-    found = list(client.scan_iter(f"{name}:*"))
-    if found:
-        client.delete(*found)
+    with prefix_on(client) as name:
+        yield name
     client.close()
 
 

@@ -24,7 +24,8 @@ from safetensors.torch import save as st_save
 
 from service.api.app import create_app
 from service.config import Settings
-from tests.byom_cases import CASES, TOL, Case, perturbed, reference_grads, reference_model
+from tests.support.layers import CASES, Case, perturbed, reference_model
+from tests.support.reference import TOL, per_sample_loop
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 USER = {"Authorization": "Bearer user-key"}
@@ -87,7 +88,8 @@ async def test_every_layer_type_matches_the_per_sample_loop(case: Case) -> None:
         assert summary.status_code == 200, summary.text
     assert body["model"] == f"{case.name}@{doc['version']}"
     assert body["meta"]["route"] == "vmap"
-    grads, norms = reference_grads(reference_model(case, state), case, x, y)
+    loop = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
+    grads, norms = loop.grads, loop.norms
     assert list(body["grads"]) == list(grads) == list(doc["parameters"])
     for name, g in grads.items():
         torch.testing.assert_close(torch.tensor(body["grads"][name]), g, **TOL)
@@ -243,24 +245,25 @@ async def test_redis_registry_survives_a_restart() -> None:
         client.close()
 
 
-async def test_stock_recurrent_layers_take_the_loop_route(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_stock_recurrent_layers_take_the_loop_route(request: pytest.FixtureRequest) -> None:
     """An operator family with a stock ``nn.GRU`` (vmap cannot batch it in torch 2.13)."""
     from torch import nn
 
     from models.base import ZOO, ModelFamily, TensorSpec
-    from tests.byom_cases import _first_output
+    from tests.support.layers import first_output
 
     class StockGRU(ModelFamily):
         name = "stock-gru"
 
         def build(self, config: dict[str, Any]) -> nn.Module:
-            return nn.Sequential(_first_output(nn.GRU)(3, 4, batch_first=True), nn.Flatten(),
+            return nn.Sequential(first_output(nn.GRU)(3, 4, batch_first=True), nn.Flatten(),
                                  nn.Linear(8, 2))
 
         def input_spec(self, config: dict[str, Any]) -> TensorSpec:
             return TensorSpec((2, 3))
 
-    monkeypatch.setitem(ZOO, "stock-gru", StockGRU())
+    ZOO.add("stock-gru", StockGRU())
+    request.addfinalizer(lambda: ZOO.remove("stock-gru"))
     case = Case("stock-gru", [], [2, 3])
     x, y = case.batch()
     async with serve() as client:
@@ -273,7 +276,8 @@ async def test_stock_recurrent_layers_take_the_loop_route(monkeypatch: pytest.Mo
     assert body["meta"]["route"] == "loop"
     reference = StockGRU().build({})
     reference.load_state_dict(state)
-    grads, norms = reference_grads(reference.eval(), case, x, y)
+    loop = per_sample_loop(reference, {"inputs": x, "targets": y}, case.loss)
+    grads, norms = loop.grads, loop.norms
     for name, g in grads.items():
         torch.testing.assert_close(torch.tensor(body["grads"][name]), g, **TOL)
     torch.testing.assert_close(torch.tensor(body["norms"]), norms, **TOL)

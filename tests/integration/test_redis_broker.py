@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from redis_helpers import OwnRedis, prefix_on, redis_or_skip
 
 from psgrad._errors import Overloaded, UnknownJob
 from service import keys
@@ -27,6 +26,7 @@ from service.jobs import Job, JobStatus, new_job_id
 from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
 from service.worker import Worker
+from tests.support.redis import OwnRedis, prefix_on, redis_or_skip
 
 
 @pytest.fixture

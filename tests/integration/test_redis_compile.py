@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import redis
 import torch
-from redis_helpers import SHARED_URL, prefix_on, redis_or_skip
 
 from service import engine, keys
 from service.compile_cache import CompiledFunctions, pieces
 from service.config import Settings
 from service.registry import ModelRegistry
 from service.validate import parse_request
+from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
 
 
 def test_pieces_cover_and_bound_the_padding() -> None:

@@ -24,15 +24,6 @@ import numpy as np
 import pytest
 import redis
 import torch
-from redis_helpers import (
-    SHARED_URL,
-    OwnRedis,
-    free_port,
-    metric,
-    prefix_on,
-    redis_or_skip,
-    wait_for,
-)
 from safetensors.torch import save as st_save
 
 from psgrad._wire import SAFETENSORS, fields_from_safetensors
@@ -42,6 +33,15 @@ from service.broker.redis import RedisBroker, text
 from service.config import Settings
 from service.registry import make_registry
 from service.validate import decode_json_body, parse_request
+from tests.support.client import free_port
+from tests.support.redis import (
+    SHARED_URL,
+    OwnRedis,
+    metric,
+    prefix_on,
+    redis_or_skip,
+    wait_for,
+)
 
 PSGRAD = str(Path(sys.executable).with_name("psgrad"))
 TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -12,7 +12,7 @@ from safetensors.numpy import load as st_load
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors
 from service.api.schemas import GradsRequest
 from service.registry import ModelRegistry
-from tests.unit.api_support import (
+from tests.support.api import (
     SAFETENSORS,
     TD0,
     app_of,
@@ -44,7 +44,7 @@ async def test_health_and_readiness() -> None:
 
 
 async def test_td0_hand_check_json_and_safetensors() -> None:
-    """DESIGN.md's hand-computed TD(0) example, in both wire forms."""
+    """The hand-computed TD(0) example of the README ("TD(0) semantics"), in both wire forms."""
     doc = {**TD0, "outputs": ["grads", "updates", "td_errors", "losses"]}
     want = {
         "td_errors": np.array([1.8]),

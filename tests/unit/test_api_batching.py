@@ -13,7 +13,7 @@ from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.validate import decode_json_body
 from service.worker import Worker
-from tests.unit.api_support import TD0, assert_outputs, in_process, open_client, settings
+from tests.support.api import TD0, assert_outputs, in_process, open_client, settings
 
 
 def _requests(n: int, seed: int = 0) -> list[dict[str, Any]]:

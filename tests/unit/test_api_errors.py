@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from service import engine
 from service.api.deps import AdminKey
-from tests.unit.api_support import SAFETENSORS, TD0, app_of, open_client, safetensors_body
+from tests.support.api import SAFETENSORS, TD0, app_of, open_client, safetensors_body
 
 JSON_CT = {"content-type": "application/json"}
 

@@ -22,8 +22,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from service.api import create_app
-from tests.client_support import free_port
-from tests.unit.api_support import settings
+from tests.support.api import settings
+from tests.support.client import free_port
 
 SETTINGS = settings(
     request_timeout_s=60,

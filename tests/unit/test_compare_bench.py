@@ -1,8 +1,8 @@
 """benchmarks/compare.py's methods agree with the per-sample loop on tiny models.
 
 Opacus and BackPACK are optional (the ``bench`` extra, installed with ``--no-deps``): their
-methods are skipped with the reason when missing. The loop here is written independently of the
-benchmark's own loop (``torch.func``-free, one ``autograd.grad`` per sample).
+methods are skipped with the reason when missing. The loop is the tests' own
+(:mod:`tests.support.reference`), written independently of the benchmark's loop.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import compare  # noqa: E402
 import compare_methods as cm  # noqa: E402
 import compare_report  # noqa: E402
 
+from tests.support.reference import per_sample_loop  # noqa: E402
+
 CASES = [
     cm.Case("mlp", 5, {"sizes": [6, 5, 3]}),
     cm.Case("value-mlp", 6, {"sizes": [3, 4]}),
@@ -33,30 +35,8 @@ pytestmark = [  # the libraries' own hook and deprecation warnings
 
 
 def reference(s: cm.Setup) -> dict[str, torch.Tensor]:
-    """Per-sample gradients by hand: each sample's loss written out, one autograd.grad each."""
-    module = s.model.module
-    params = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
-    names = [n for n, _ in module.named_parameters()]
-    out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    for i in range(s.case.batch):
-
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            return torch.func.functional_call(module, dict(zip(names, params, strict=True)), (x,))
-
-        x = s.data["inputs"][i : i + 1]
-        if s.td0:
-            next_value = fwd(s.data["next_inputs"][i : i + 1]).detach()
-            done = s.data["dones"][i]
-            target = s.data["rewards"][i] + cm.GAMMA * (1 - done) * next_value
-            loss = ((target - fwd(x)) ** 2).sum()
-        else:
-            logits = fwd(x)[0]
-            y = int(s.data["targets"][i])
-            logp = logits if s.model.default_loss == "nll" else logits.log_softmax(0)
-            loss = -logp[y]
-        for n, g in zip(names, torch.autograd.grad(loss, params), strict=True):
-            out[n].append(g)
-    return {n: torch.stack(v) for n, v in out.items()}
+    """Per-sample gradients of the benchmark's batch, by the tests' per-sample loop."""
+    return per_sample_loop(s.model.module, s.data, s.model.default_loss, gamma=cm.GAMMA).grads
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.arch)

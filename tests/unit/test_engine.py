@@ -1,23 +1,21 @@
 """The engine against the obviously correct reference, output by output, for every zoo model.
 
-The reference runs each sample alone (batch of one) through a plain copy of the module with
-``torch.autograd.grad`` and the loss written out here with ``torch.nn.functional`` (TD(0): the
-target built by hand with the next value detached); every statistic is then computed in numpy
-(float64) from the stacked per-sample gradients. The engine is called the way the worker calls
-it: several jobs in one call (``segments``), memory budgets that force several chunks, per-call
-weights, parameter subsets, and with and without the fast-statistics path.
+The reference (:mod:`tests.support.reference`) runs each sample alone (batch of one) through a
+plain copy of the module with ``torch.autograd.grad`` and the loss written out with
+``torch.nn.functional`` (TD(0): the target built by hand with the next value detached); every
+statistic is then computed in float64 from the stacked per-sample gradients. The engine is
+called the way the worker calls it: several jobs in one call (``segments``), memory budgets that
+force several chunks, per-call weights, parameter subsets, and with and without the
+fast-statistics path.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +23,7 @@ from service import engine
 from service.engine import Batch, Options
 from service.outputs import OUTPUTS
 from service.registry import LoadedModel, load_model
+from tests.support.reference import reference
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: {"atol": 3e-3, "rtol": 1e-5}, torch.float64: {"atol": 1e-9, "rtol": 1e-7}}
@@ -84,109 +83,14 @@ def test_every_zoo_family_and_loss_is_covered() -> None:
 # ----------------------------------------------------------------------------- the reference
 
 
-@dataclass
-class Reference:
-    grads: dict[str, np.ndarray]  # {param: [B, *shape]} float64
-    losses: np.ndarray
-    deltas: np.ndarray | None = None  # td0
-    value_grads: dict[str, np.ndarray] | None = None  # td0: grad V(s_i)
-
-
-def reference(
-    model: LoadedModel, batch: Batch, loss: str, params: tuple[str, ...], gamma: float = 1.0
-) -> Reference:
-    """A loop over the batch with batch size one and ``torch.autograd.grad``."""
-    module = copy.deepcopy(model.module).eval()
-    named = dict(module.named_parameters())
-    with torch.no_grad():
-        for k, v in batch.weights.items():
-            named[k].copy_(v)
-    for p in module.parameters():
-        p.requires_grad_(True)
-    wanted = [named[k] for k in params]
-    grads: dict[str, list[np.ndarray]] = {k: [] for k in params}
-    value_grads: dict[str, list[np.ndarray]] = {k: [] for k in params}
-    losses, deltas = [], []
-    for i in range(batch.size):
-        x = batch.inputs[i : i + 1]
-        if loss == "td0":
-            assert batch.next_inputs is not None and batch.rewards is not None
-            value = module(x).reshape(())
-            with torch.no_grad():
-                next_value = module(batch.next_inputs[i : i + 1]).reshape(())
-            done = 0.0 if batch.dones is None else float(batch.dones[i])
-            target = batch.rewards[i] + gamma * (1.0 - done) * next_value
-            delta = target - value
-            value_loss = delta**2
-            for k, g in zip(
-                params, torch.autograd.grad(value, wanted, retain_graph=True), strict=True
-            ):
-                value_grads[k].append(g.double().numpy())
-            deltas.append(float(delta.detach()))
-        else:
-            assert batch.targets is not None
-            out = module(x)
-            y = batch.targets[i : i + 1]
-            if loss == "nll":
-                value_loss = F.nll_loss(out, y)
-            elif loss == "cross_entropy":
-                value_loss = F.cross_entropy(out, y)
-            else:
-                value_loss = F.mse_loss(out, y.reshape(out.shape))
-        for k, g in zip(params, torch.autograd.grad(value_loss, wanted), strict=True):
-            grads[k].append(g.double().numpy())
-        losses.append(float(value_loss.detach()))
-    return Reference(
-        grads={k: np.stack(v) for k, v in grads.items()},
-        losses=np.array(losses),
-        deltas=np.array(deltas) if loss == "td0" else None,
-        value_grads={k: np.stack(v) for k, v in value_grads.items()} if loss == "td0" else None,
-    )
-
-
 def expected(
-    ref: Reference, opts: Options, reference_vectors: dict[str, np.ndarray], a: int, b: int
-) -> dict[str, Any]:
-    """Every output for samples [a, b) from the reference per-sample gradients, in numpy."""
-    grads = {k: g[a:b] for k, g in ref.grads.items()}
-    flat = np.concatenate([g.reshape(b - a, -1) for g in grads.values()], axis=1)
-    norms = np.linalg.norm(flat, axis=1)
-    mean = flat.mean(0)
-    out: dict[str, Any] = {}
+    model: LoadedModel, batch: Batch, opts: Options, segments: list[int]
+) -> list[dict[str, Any]]:
+    """Every output per job from the per-sample loop, in float64 numpy."""
+    wants = reference(model, batch, opts, segments)
     for name in opts.outputs:
-        if name == "grads":
-            out[name] = grads
-        elif name == "losses":
-            out[name] = ref.losses[a:b]
-        elif name == "norms":
-            out[name] = norms
-        elif name == "layer_norms":
-            out[name] = {k: np.linalg.norm(g.reshape(b - a, -1), axis=1) for k, g in grads.items()}
-        elif name == "mean":
-            out[name] = {k: g.mean(0) for k, g in grads.items()}
-        elif name == "variance":
-            out[name] = {k: g.var(0) for k, g in grads.items()}
-        elif name == "clipped_mean":
-            assert opts.clip_norm is not None
-            factor = np.minimum(1.0, opts.clip_norm / np.maximum(norms, 1e-300))
-            out[name] = {k: np.tensordot(factor, g, axes=1) / (b - a) for k, g in grads.items()}
-        elif name == "dot":
-            ref_flat = np.concatenate([reference_vectors[k].ravel() for k in grads])
-            out[name] = flat @ ref_flat
-        elif name == "cosine_mean":
-            out[name] = flat @ mean / (norms * np.linalg.norm(mean))
-        elif name == "td_errors":
-            assert ref.deltas is not None
-            out[name] = ref.deltas[a:b]
-        elif name == "updates":
-            assert ref.deltas is not None and ref.value_grads is not None
-            delta = ref.deltas[a:b]
-            out[name] = {
-                k: np.einsum("i,i...->i...", delta, g[a:b]) for k, g in ref.value_grads.items()
-            }
-        else:
-            raise AssertionError(f"no reference for output {name!r}: add one here")
-    return out
+        assert name in wants[0], f"no reference for output {name!r}: add one to the reference"
+    return [to_numpy(want) for want in wants]
 
 
 def to_numpy(value: Any) -> Any:
@@ -325,19 +229,14 @@ def check(
     if answer[0]["meta"].get("path") != "fast_stats":
         want_chunk = merged.size if req["chunk"] is None else min(req["chunk"], merged.size)
         assert answer[0]["meta"]["chunk_size"] == want_chunk
-    ref = reference(model, merged, loss, opts.params, opts.gamma)
-    vectors = {k: v.double().numpy() for k, v in merged.reference.items()}
-    a = 0
-    for s, (job, got) in enumerate(zip(jobs, answer, strict=True)):
-        b = a + job.size
+    wants = expected(model, merged, opts, req["segments"])
+    for s, (job, got, want) in enumerate(zip(jobs, answer, wants, strict=True)):
         assert list(got) == [*opts.outputs, "meta"]
-        want = expected(ref, opts, vectors, a, b)
         for name in opts.outputs:
             assert_close(got[name], want[name], dtype, f"segment {s} {name}")
         alone = engine.compute(model, job, opts, budget_bytes=budget, fast_stats=req["fast"])[0]
         for name in opts.outputs:
             assert_close(got[name], to_numpy(alone[name]), dtype, f"segment {s} {name} alone", SAME)
-        a = b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -420,14 +319,8 @@ def test_clipped_mean_noise_is_seeded_and_of_the_right_scale() -> None:
     batch = make_batch(model, "cross_entropy", 4, 3)
     size, clip, noise = batch.size, 0.5, 1.3
     plain, _ = clipped(model, batch, noise=0.0, seed=None, clip=clip)
-    ref = reference(model, batch, "cross_entropy", tuple(model.params))
-    want = expected(
-        ref,
-        Options("cross_entropy", ("clipped_mean",), tuple(model.params), clip_norm=clip),
-        {},
-        0,
-        size,
-    )["clipped_mean"]
+    opts = Options("cross_entropy", ("clipped_mean",), tuple(model.params), clip_norm=clip)
+    want = expected(model, batch, opts, [size])[0]["clipped_mean"]
     assert_close(plain, want, torch.float32, "noiseless clipped_mean")
 
     first, seed = clipped(model, batch, noise=noise, seed=1234, clip=clip)

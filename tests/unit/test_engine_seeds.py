@@ -3,7 +3,8 @@
 (a) The PyTorch tutorial "Per-sample-gradients": its CNN, B=64 random MNIST-shaped inputs, the
 per-sample gradients equal a per-sample loop at the tutorial's ``atol=3e-3, rtol=1e-5``.
 (b) The MindSpore tutorial's TD(0) with a linear value function: the numbers checked by hand in
-DESIGN.md, and the batched case (one theta, a batch of transitions: ``in_axes=(None, 0, 0, 0)``).
+the README ("TD(0) semantics"), and the batched case (one theta, a batch of transitions:
+``in_axes=(None, 0, 0, 0)``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from service import engine
 from service.registry import ModelRegistry, load_model
 from service.validate import decode_json_body, parse_request
+from tests.support.reference import per_sample_loop
 
 CPU = torch.device("cpu")
 
@@ -48,8 +49,8 @@ def test_pytorch_tutorial_check(registry: ModelRegistry) -> None:
     )
 
     model = registry.get("simple-cnn").module  # the registered weights, run as the tutorial does
-    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    names = list(params)
     assert names == [
         "conv1.weight",
         "conv1.bias",
@@ -60,17 +61,10 @@ def test_pytorch_tutorial_check(registry: ModelRegistry) -> None:
         "fc2.weight",
         "fc2.bias",
     ]
-    loop: list[tuple[torch.Tensor, ...]] = []
-    for i in range(64):
-        prediction = torch.func.functional_call(
-            model, dict(zip(names, params, strict=True)), (data[i].unsqueeze(0),)
-        )
-        loss = F.nll_loss(prediction, targets[i].unsqueeze(0))
-        loop.append(torch.autograd.grad(loss, params))
+    loop = per_sample_loop(model, {"inputs": data, "targets": targets}, "nll")
     assert list(out["grads"]) == names
-    for j, name in enumerate(names):
-        expected = torch.stack([g[j] for g in loop])
-        assert out["grads"][name].shape == (64, *params[j].shape)
+    for name, expected in loop.grads.items():
+        assert out["grads"][name].shape == (64, *params[name].shape)
         assert torch.allclose(out["grads"][name], expected, atol=3e-3, rtol=1e-5), name
 
 
@@ -93,7 +87,7 @@ MINDSPORE = {
 
 
 def test_mindspore_td0_hand_checked(registry: ModelRegistry) -> None:
-    """V(s)=0, V(s')=-0.2, delta=1.8; updates = delta s; grads = -2 delta s (DESIGN.md)."""
+    """V(s)=0, V(s')=-0.2, delta=1.8; updates = delta s; grads = -2 delta s (as in the README)."""
     out = run(registry, MINDSPORE)
     assert out["td_errors"].tolist() == pytest.approx([1.8], abs=1e-6)
     assert out["losses"].tolist() == pytest.approx([1.8**2], abs=1e-6)

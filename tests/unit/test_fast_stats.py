@@ -22,7 +22,7 @@ from service.plugins import Registry
 from service.registry import LoadedModel, load_model
 from service.strategies import base
 from service.strategies.per_sample import per_sample_fn
-from tests.fast_stats_reference import SUMMARY, assert_close, reference
+from tests.support.reference import SUMMARY, assert_close, reference
 
 CPU = torch.device("cpu")
 
@@ -197,7 +197,7 @@ def test_a_zero_dimensional_bias_against_the_loop() -> None:
 
 
 def test_td0_hand_check() -> None:
-    """The design's example: theta=[0.2,-0.2,0.1], s=[2,1,-2], r=2, s'=[1,2,0]: grad -7.2..."""
+    """The README's TD(0) example: theta=[0.2,-0.2,0.1], s=[2,1,-2], r=2, s'=[1,2,0]: -7.2..."""
     model = zoo("linear-value", {"dim": 3, "bias": False})
     batch = Batch(
         inputs=torch.tensor([[2.0, 1.0, -2.0]]),

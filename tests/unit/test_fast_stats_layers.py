@@ -1,7 +1,8 @@
 """Every allow-listed layer type through the fast path, against stock torch one sample at a time.
 
-The reference gradients come from :mod:`tests.byom_cases`: stock ``torch.nn`` layers (``nn.GRU``
-itself, not psgrad's unrolled copy) loaded with the same weights, differentiated per sample.
+The reference gradients come from :mod:`tests.support.reference`'s per-sample loop over
+:mod:`tests.support.layers`' stock ``torch.nn`` models (``nn.GRU`` itself, not psgrad's unrolled
+copy) loaded with the same weights.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from models.sequential import LAYERS
 from service import engine
 from service.engine import Batch, Options
 from service.registry import load_model
-from tests.byom_cases import CASES, Case, perturbed, reference_grads, reference_model
-from tests.fast_stats_reference import SUMMARY, assert_close, summarize
+from tests.support.layers import CASES, Case, perturbed, reference_model
+from tests.support.reference import SUMMARY, assert_close, per_sample_loop, summarize
 
 OUTPUTS = tuple(k for k in SUMMARY if k != "losses")
 CLOSED = {
@@ -49,8 +50,8 @@ def test_every_allowed_layer_type(case: Case) -> None:
     segments = [1, 3]
     fast = engine.compute(model, batch, opts, segments)
     slow = engine.compute(model, batch, opts, segments, fast_stats=False)
-    grads, _ = reference_grads(reference_model(case, state), case, x, y)
-    loop = summarize(grads, torch.zeros(4), torch.zeros(4), batch, opts, segments)
+    stock = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
+    loop = summarize(stock, segments, clip_norm=opts.clip_norm, reference=batch.reference)
     for f, s, r in zip(fast, slow, loop, strict=True):
         assert f["meta"]["path"] == "fast_stats"
         for name in OUTPUTS:

@@ -18,7 +18,7 @@ from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
 from service.validate import decode_json_body
 from service.worker import Worker
-from tests.unit.api_support import TD0, settings
+from tests.support.api import TD0, settings
 
 
 def _workers() -> list[threading.Thread]:

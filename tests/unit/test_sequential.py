@@ -27,12 +27,8 @@ from service import engine, registration
 from service.model_store import FileModelStore, MemoryModelStore
 from service.registry import ModelRegistry
 from service.validate import parse_request
-from tests.byom_cases import CASES, TOL, Case, perturbed, reference_grads, reference_model
-
-LIMITS = registration.Limits(max_layers=8, max_parameters=10_000, max_weight_bytes=100_000,
-                             max_activations=100_000, max_elements=1_000_000)
-MLP = {"architecture": "sequential", "layers": [{"type": "Linear", "args": [4, 2]}],
-       "input": {"shape": [4]}}
+from tests.support.layers import CASES, LIMITS, MLP, Case, perturbed, reference_model
+from tests.support.reference import TOL, per_sample_loop
 
 
 @pytest.fixture
@@ -56,7 +52,8 @@ def test_grads_match_the_per_sample_loop(case: Case, registry: ModelRegistry) ->
     parsed = parse_request({"model": case.name, "inputs": x.numpy(), "targets": y.numpy(),
                             "outputs": ["grads", "norms"]}, registry)
     [out] = engine.compute(parsed.model, parsed.batch, parsed.opts)
-    grads, norms = reference_grads(reference_model(case, state), case, x, y)
+    loop = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
+    grads, norms = loop.grads, loop.norms
     assert list(out["grads"]) == list(grads)
     for name, g in grads.items():
         torch.testing.assert_close(out["grads"][name], g, **TOL)

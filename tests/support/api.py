@@ -1,4 +1,5 @@
-"""Helpers for the api tests: an app on the embedded broker, its lifespan run, an httpx client."""
+"""For the api tests: an app on the embedded broker with its lifespan run, its httpx client, request
+bodies in both wire forms, and the engine called directly on the same request."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from service.registry import ModelRegistry
 from service.validate import decode_json_body, parse_request
 
 SAFETENSORS = "application/x-safetensors"
-# The DESIGN.md hand check of TD(0): theta, s, r, s' -> delta 1.8, updates, grads
+# The MindSpore tutorial's TD(0) example, checked by hand in the README ("TD(0) semantics"):
+# V(s) = 0, V(s') = -0.2, delta 1.8, updates [3.6, 1.8, -3.6], grads [-7.2, -3.6, 7.2].
 TD0 = {
     "model": "linear-value",
     "inputs": [[2.0, 1.0, -2.0]],

@@ -1,11 +1,11 @@
-"""Shared by the Redis tests: a unique key prefix per test, its keys deleted after, own servers."""
+"""For the Redis tests: a unique key prefix per test (its keys deleted after), private Redis
+servers, ``psgrad worker`` processes, waiting, and Prometheus samples."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import redis
+
+from tests.support.client import free_port
 
 SHARED_URL = os.environ.get("PSGRAD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,12 +43,6 @@ def prefix_on(client: redis.Redis) -> Iterator[str]:
             doomed = list(client.scan_iter(match=f"{prefix}:*", count=1000))
             if doomed:
                 client.delete(*doomed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OwnRedis:

@@ -1,4 +1,4 @@
-"""Helpers for the SDK tests: the real app in-process for the sync client, and `psgrad serve`.
+"""For the SDK tests: the real app in-process for the sync client, ``psgrad serve``, free ports.
 
 httpx's ``ASGITransport`` is async-only; :class:`SyncASGITransport` runs it (and the app's
 lifespan) on an event loop in a background thread so ``psgrad.Client`` can call the real app

@@ -1,8 +1,8 @@
-"""One small ``sequential`` spec per allow-listed layer type, and an independent reference.
+"""One small ``sequential`` spec per allow-listed layer type, and the same model in stock torch.
 
-The reference is built here from stock ``torch.nn`` layers (``nn.GRU`` itself, not psgrad's
-unrolled copy), loaded with the registered weights, and differentiated one sample at a time
-with ``torch.autograd.grad``: the obviously correct slow path every result is held to.
+:func:`reference_model` builds each case from stock ``torch.nn`` layers (``nn.GRU`` itself, not
+psgrad's unrolled copy) loaded with the registered weights, for
+:func:`tests.support.reference.per_sample_loop` to differentiate one sample at a time.
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-TOL = {"atol": 3e-3, "rtol": 1e-5}  # the PyTorch tutorial's tolerance
+from service import registration
+
+LIMITS = registration.Limits(max_layers=8, max_parameters=10_000, max_weight_bytes=100_000,
+                             max_activations=100_000, max_elements=1_000_000)
+# The smallest registered spec: one Linear layer, 4 -> 2.
+MLP = {"architecture": "sequential", "layers": [{"type": "Linear", "args": [4, 2]}],
+       "input": {"shape": [4]}}
 
 
 def _l(kind: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -120,7 +125,7 @@ class _RefBilinear(nn.Bilinear):
         return super().forward(x, x)
 
 
-def _first_output(cls: type[nn.Module]) -> type[nn.Module]:
+def first_output(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return cls.forward(self, x)[0]
 
@@ -144,7 +149,7 @@ def _ref_layer(layer: dict[str, Any]) -> nn.Module:
     if kind == "Bilinear":
         return _RefBilinear(*args, **kwargs)
     if kind in ("RNN", "GRU", "LSTM"):
-        return _first_output(getattr(nn, kind))(*args, **kwargs)
+        return first_output(getattr(nn, kind))(*args, **kwargs)
     if kind == "SelectStep":
         index = kwargs["index"]
         return _Fn(lambda x: x[:, index])
@@ -159,22 +164,6 @@ def reference_model(case: Case, state: dict[str, torch.Tensor]) -> nn.Module:
                                       for i, layer in enumerate(case.layers)))
     model.load_state_dict(state, strict=True)
     return model.eval()
-
-
-def reference_grads(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor
-                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The per-sample loop: batch of one, ``torch.autograd.grad``; grads and whole norms."""
-    params = dict(model.named_parameters())
-    per: dict[str, list[torch.Tensor]] = {k: [] for k in params}
-    for i in range(x.shape[0]):
-        out = model(x[i : i + 1])
-        loss = (F.nll_loss(out, y[i : i + 1]) if case.loss == "nll"
-                else F.cross_entropy(out, y[i : i + 1]))
-        for k, g in zip(params, torch.autograd.grad(loss, list(params.values())), strict=True):
-            per[k].append(g)
-    grads = {k: torch.stack(v) for k, v in per.items()}
-    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
-    return grads, norms
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:

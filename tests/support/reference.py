@@ -1,0 +1,230 @@
+"""The one slow, obviously correct reference that every gradient in the tests is held to.
+
+Each sample runs alone (a batch of one) through a private copy of the module, its loss is written
+out here with ``torch.nn.functional`` (never :mod:`service.losses`), and ``torch.autograd.grad``
+differentiates it (the loop of Opacus's ``per_sample_gradients_utils``). Every statistic is then
+computed from the stacked per-sample gradients in float64, the plain way. Nothing here calls the
+engine or the fast-statistics path: only their request records are read.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psgrad._types import OUTPUT_NAMES
+
+if TYPE_CHECKING:
+    from service.engine import Batch, Options
+    from service.registry import LoadedModel
+
+TOL = {"atol": 3e-3, "rtol": 1e-5}  # the PyTorch tutorial's tolerance
+# The outputs that summarise the batch without per-sample gradients, td0 or not (the fast path's).
+SUMMARY = tuple(n for n in OUTPUT_NAMES if n not in ("grads", "td_errors", "updates"))
+BATCH_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+
+Tensor = torch.Tensor
+Tensors = dict[str, torch.Tensor]
+Forward = Callable[[torch.Tensor], torch.Tensor]
+# A loss of one sample: (the value differentiated, its auxiliary value: the TD error for td0).
+Loss = Callable[[Forward, Tensors, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+# ----------------------------------------------------------------------------- the losses
+
+
+def cross_entropy(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    value = F.cross_entropy(forward(sample["inputs"]), sample["targets"])
+    return value, value.detach()
+
+
+def nll(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    value = F.nll_loss(forward(sample["inputs"]), sample["targets"])
+    return value, value.detach()
+
+
+def mse(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    out = forward(sample["inputs"])
+    value = F.mse_loss(out, sample["targets"].reshape(out.shape))
+    return value, value.detach()
+
+
+def td0(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    """``(r + gamma (1 - done) V(s') - V(s))^2``, the target held constant; aux is the TD error."""
+    value = forward(sample["inputs"]).reshape(())
+    with torch.no_grad():
+        next_value = forward(sample["next_inputs"]).reshape(())
+    done = sample["dones"].reshape(()) if "dones" in sample else 0.0
+    delta = sample["rewards"].reshape(()) + gamma * (1 - done) * next_value - value
+    return delta**2, delta.detach()
+
+
+LOSSES: dict[str, Loss] = {"cross_entropy": cross_entropy, "nll": nll, "mse": mse, "td0": td0}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Per-sample results stacked over the batch, in the module's dtype."""
+
+    grads: Tensors  # {param: [B, *shape]} of the loss
+    losses: torch.Tensor  # [B]
+    td_errors: torch.Tensor | None = None  # [B], td0 only
+    value_grads: Tensors | None = None  # {param: [B, *shape]} of V(s), td0 only
+
+    @property
+    def norms(self) -> torch.Tensor:
+        """The norm of each sample's whole gradient (every selected parameter)."""
+        return torch.stack([_rows(g).pow(2).sum(1) for g in self.grads.values()]).sum(0).sqrt()
+
+
+def per_sample_loop(
+    module: nn.Module,
+    data: Mapping[str, torch.Tensor | None],
+    loss: str,
+    *,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    params: Sequence[str] | None = None,
+    gamma: float = 1.0,
+) -> Loop:
+    """Gradients of ``params`` (all by default), one sample at a time: batch of one, autograd.
+
+    ``data`` holds the batch fields by name (``inputs``, ``targets``, ``next_inputs``, ...);
+    ``weights`` replace parameters of a copy of ``module`` first, as per-call weights do.
+    """
+    module = copy.deepcopy(module).eval().requires_grad_(True)
+    named = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in (weights or {}).items():
+            named[name].copy_(value)
+    wanted = list(params or named)
+    chosen = [named[k] for k in wanted]
+    fields = {k: v for k, v in data.items() if v is not None}
+    grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
+    value_grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
+    losses, aux = [], []
+    for i in range(len(fields["inputs"])):
+        sample = {k: v[i : i + 1] for k, v in fields.items()}
+        value, extra = LOSSES[loss](module, sample, gamma)
+        _append(grads, chosen, torch.autograd.grad(value, chosen, allow_unused=True))
+        if loss == "td0":
+            v_of_s = module(sample["inputs"]).reshape(())
+            _append(value_grads, chosen, torch.autograd.grad(v_of_s, chosen, allow_unused=True))
+        losses.append(value.detach())
+        aux.append(extra)
+    td0_only = loss == "td0"
+    return Loop(
+        grads={k: torch.stack(v) for k, v in grads.items()},
+        losses=torch.stack(losses),
+        td_errors=torch.stack(aux) if td0_only else None,
+        value_grads={k: torch.stack(v) for k, v in value_grads.items()} if td0_only else None,
+    )
+
+
+def _rows(stacked: torch.Tensor) -> torch.Tensor:
+    """[B, *shape] as [B, numel] (a 0-d parameter gives [B, 1])."""
+    return stacked.reshape(len(stacked), -1)
+
+
+def _append(
+    into: dict[str, list[torch.Tensor]], chosen: list[torch.Tensor], found: Sequence[Any]
+) -> None:
+    """One sample's gradients onto each parameter's rows (zeros where the loss does not reach)."""
+    for rows, p, g in zip(into.values(), chosen, found, strict=True):
+        rows.append(torch.zeros_like(p) if g is None else g)
+
+
+def loop_of(model: LoadedModel, batch: Batch, opts: Options) -> Loop:
+    """The loop for one engine request: its batch, per-call weights, parameters, loss, gamma."""
+    return per_sample_loop(
+        model.module,
+        {name: getattr(batch, name) for name in BATCH_FIELDS},
+        opts.loss,
+        weights=batch.weights,
+        params=opts.params,
+        gamma=opts.gamma,
+    )
+
+
+# ----------------------------------------------------------------------------- the outputs
+
+
+def summarize(
+    loop: Loop,
+    segments: Sequence[int],
+    *,
+    clip_norm: float | None = None,
+    reference: Mapping[str, torch.Tensor] | None = None,
+) -> list[dict[str, Any]]:
+    """Every output per segment (job) from the loop, in float64.
+
+    ``clipped_mean`` is there when ``clip_norm`` is given, ``dot`` when ``reference`` is,
+    ``td_errors`` and ``updates`` for td0.
+    """
+    g64 = {k: v.to(torch.float64) for k, v in loop.grads.items()}
+    sq = {k: _rows(v).pow(2).sum(1) for k, v in g64.items()}
+    norms = torch.stack(list(sq.values())).sum(0).sqrt()
+    results = []
+    start = 0
+    for n in segments:
+        rows = slice(start, start + n)
+        start += n
+        part = {k: v[rows] for k, v in g64.items()}
+        mean = {k: v.mean(0) for k, v in part.items()}
+        out: dict[str, Any] = {
+            "grads": part,
+            "losses": loop.losses[rows].to(torch.float64),
+            "norms": norms[rows],
+            "layer_norms": {k: v[rows].sqrt() for k, v in sq.items()},
+            "mean": mean,
+            "variance": {k: v.var(0, unbiased=False) for k, v in part.items()},
+        }
+        if clip_norm is not None:
+            factor = torch.minimum(torch.ones(()), clip_norm / norms[rows].clamp(min=1e-300))
+            out["clipped_mean"] = {
+                k: torch.tensordot(factor, v, dims=1) / n for k, v in part.items()
+            }
+        if reference:
+            ref = {k: v.to(torch.float64).flatten() for k, v in reference.items()}
+            out["dot"] = sum(_rows(v) @ ref[k] for k, v in part.items())
+        mean_norm = torch.stack([v.pow(2).sum() for v in mean.values()]).sum().sqrt()
+        dots = sum(_rows(v) @ mean[k].flatten() for k, v in part.items())
+        out["cosine_mean"] = (dots / (norms[rows] * mean_norm)).nan_to_num(0.0)
+        if loop.td_errors is not None and loop.value_grads is not None:
+            delta = loop.td_errors[rows].to(torch.float64)
+            out["td_errors"] = delta
+            out["updates"] = {
+                k: torch.einsum("i,i...->i...", delta, v[rows].to(torch.float64))
+                for k, v in loop.value_grads.items()
+            }
+        results.append(out)
+    return results
+
+
+def reference(
+    model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Every output of one engine request per segment, from the loop, in float64."""
+    return summarize(
+        loop_of(model, batch, opts), segments, clip_norm=opts.clip_norm, reference=batch.reference
+    )
+
+
+def assert_close(got: Any, want: Any, where: str = "", **tol: float) -> None:
+    """Tensors and dicts of tensors, compared in the dtype of ``got``."""
+    tol = tol or TOL
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), where
+        for k in want:
+            assert_close(got[k], want[k], f"{where}/{k}", **tol)
+        return
+    assert isinstance(got, torch.Tensor), where
+    torch.testing.assert_close(got, want.to(got.dtype), msg=lambda m: f"{where}: {m}", **tol)

@@ -1,0 +1,55 @@
+"""The model zoo as a plug-in registry, and the loaded-model cache of :class:`ModelRegistry`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import ZOO, get_family
+from models.mlp import mlp_layers
+from psgrad._errors import InvalidModelSpec, UnknownModel
+from service import registration
+from service.registry import ModelRegistry
+from tests.support.layers import LIMITS, MLP
+
+CPU = torch.device("cpu")
+
+
+def test_an_unknown_architecture_names_every_family() -> None:
+    with pytest.raises(UnknownModel) as info:
+        get_family("resnet")
+    known = sorted(ZOO)
+    assert info.value.message == f"unknown architecture 'resnet'; known: {', '.join(known)}"
+    assert info.value.details["known"] == known
+    assert "mlp" in ZOO and ZOO.find("resnet") is None
+
+
+def test_an_unknown_activation_names_every_activation() -> None:
+    with pytest.raises(InvalidModelSpec, match=r"unknown activation 'swish'; known: gelu, relu"):
+        mlp_layers([2, 3], "swish")
+
+
+def test_a_family_is_registered_once() -> None:
+    with pytest.raises(ValueError, match="registered twice"):
+        ZOO.add("mlp", get_family("mlp"))
+    assert ZOO.remove("no-such-family") is None
+
+
+def test_models_are_built_once_and_the_cache_is_bounded() -> None:
+    registry = ModelRegistry(CPU, cache_size=2)
+    first = registry.get("linear-value")
+    assert registry.get("linear-value") is first
+    assert registry.get(f"linear-value@{first.version}") is not first  # its own key, same numbers
+    registry.get("value-mlp")  # a third key: the oldest is dropped
+    assert registry.get("linear-value") is not first
+
+
+def test_forget_drops_every_cached_version_of_one_id_only() -> None:
+    registry = ModelRegistry(CPU)
+    one = registration.register(registry, "one", MLP, LIMITS)
+    other = registration.register(registry, "other", MLP, LIMITS)
+    assert registry.get("one") is one and registry.get("other") is other
+    registry.forget("one")
+    again = registry.get("one")
+    assert again is not one and again.version == one.version
+    assert registry.get("other") is other
