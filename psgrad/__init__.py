@@ -2,7 +2,7 @@
 
     import psgrad
 
-    with psgrad.Client() as client:            # $PSGRAD_URL, $PSGRAD_API_KEY
+    with psgrad.Client() as client:            # $PSGRAD_URL, $PSGRAD_API_KEY; or Client(url)
         result = client.per_sample_grads("simple-cnn", images, labels, outputs=["norms"])
         result.norms                           # numpy array [B]
 
@@ -10,10 +10,12 @@ The error tree is shared with the server (:mod:`psgrad._errors`); torch, fastapi
 never imported by ``import psgrad``.
 """
 
-from psgrad._async_client import AsyncClient, AsyncJob, AsyncModels
-from psgrad._client import Client, Job, Models
+from psgrad._async_client import AsyncClient
+from psgrad._client import Client
 from psgrad._errors import *  # noqa: F403
 from psgrad._errors import __all__ as _errors_all
+from psgrad._jobs import AsyncJob, Job
+from psgrad._models import AsyncModels, Models
 from psgrad._progress import Progress
 from psgrad._types import GradsResult, JobStatus, ModelInfo
 

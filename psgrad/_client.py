@@ -4,33 +4,40 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import BaseClient, job_state, state_dict_bytes, to_torch, weights_from_bytes
-from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, JOB_POLL_INITIAL, JOB_POLL_MAX
-from psgrad._errors import APITimeoutError, PsgradError, TooLarge
-from psgrad._merge import Fields, Plan, PlanResult, grads_plan
-from psgrad._progress import Progress
-from psgrad._types import GradsResult, JobStatus, ModelInfo
-from psgrad._wire import JSON, SAFETENSORS
+from psgrad._base import BaseClient, Call, ProgressArg
+from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
+from psgrad._errors import TooLarge
+from psgrad._jobs import Job
+from psgrad._merge import Fields, Plan, PlanResult
+from psgrad._models import Models
+from psgrad._types import GradsResult, JobStatus
 
-__all__ = ["Client", "Job", "Models"]
+__all__ = ["Client"]
 
-ProgressArg = bool | Callable[[int, int], None]
+T = TypeVar("T")
 
 
 class Client(BaseClient):
     """A psgrad server, called synchronously.
 
-    ``Client()`` with no arguments talks to ``$PSGRAD_URL`` (else ``http://127.0.0.1:8000``)
-    with the key in ``$PSGRAD_API_KEY``. Use it as a context manager, or call ``close()``.
+    ``Client("http://gpu-host:8000")`` talks to that server; ``Client()`` with no arguments to
+    ``$PSGRAD_URL`` (else ``http://127.0.0.1:8000``), with the key in ``$PSGRAD_API_KEY``. The
+    URL may be given positionally or as ``base_url=``; every other option is keyword-only. Use it
+    as a context manager, or call ``close()``.
+
+    Arrays may be numpy arrays (any dtype), torch tensors or nested lists. Every model the
+    server holds computes in float32, so floating arrays of another dtype (numpy's default
+    float64, float16, bfloat16 tensors) are sent as float32, as the server does with JSON lists;
+    integer and boolean arrays (class targets, token ids, dones) are sent unchanged.
 
     Args:
-        base_url: the server's address.
+        base_url: the server's address (the one positional argument).
         api_key: sent as ``Authorization: Bearer <key>``.
         timeout: seconds (or an ``httpx.Timeout``) per HTTP request.
         max_retries: retries of a request after a connection error, 408, 429 or 5xx, with
@@ -46,8 +53,8 @@ class Client(BaseClient):
 
     def __init__(
         self,
-        *,
         base_url: str | None = None,
+        *,
         api_key: str | None = None,
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
@@ -116,6 +123,13 @@ class Client(BaseClient):
             time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def _call(self, call: Call[T]) -> T:
+        """Send a described exchange and read its answer."""
+        response = self._send(
+            call.method, call.path, content=call.content, json=call.json, headers=call.headers
+        )
+        return call.read(response)
+
     def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
         body, headers = self._encode(fields)
         return self._send("POST", path, content=body, headers=headers)
@@ -140,17 +154,9 @@ class Client(BaseClient):
         self, fields: Fields, *, as_torch: bool, progress: ProgressArg, chunk_size: int | None
     ) -> GradsResult:
         started = time.perf_counter()
-        bar = Progress(f"psgrad {fields['model']}") if progress is True else None
-        callback = bar or (progress if callable(progress) else None)
-        try:
-            out = self._run_plan(
-                grads_plan(fields, limit=self._limit(chunk_size), progress=callback)
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-        self._learn(out, chunk_size)
-        return self._result(out.fields, as_torch=as_torch, started=started)
+        with self._plan(fields, progress, chunk_size) as plan:
+            out = self._run_plan(plan)
+        return self._planned(out, chunk_size, as_torch=as_torch, started=started)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -176,7 +182,8 @@ class Client(BaseClient):
 
         Args:
             model: a model id, or ``id@version`` to pin weights.
-            inputs: the batch [B, ...]: a numpy array, a torch tensor or nested lists.
+            inputs: the batch [B, ...]: a numpy array, a torch tensor or nested lists; floating
+                arrays are sent as float32, integer ones (token ids) as they are.
             targets: labels or regression targets [B, ...] for supervised losses.
             loss: ``cross_entropy``, ``nll``, ``mse``, ...; default: the model's own.
             outputs: any of ``grads``, ``losses``, ``norms``, ``layer_norms``, ``mean``,
@@ -312,125 +319,3 @@ class Client(BaseClient):
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (by id)."""
         return Job(self, job_id, JobStatus.QUEUED)
-
-
-class Job:
-    """A queued gradients request: ``status()``, ``result(timeout=...)``, ``cancel()``."""
-
-    def __init__(
-        self, client: Client, job_id: str, status: JobStatus, *, outputs: Sequence[str] = ()
-    ) -> None:
-        self._client = client
-        self.id = job_id
-        self.last_status = status
-        self._outputs = list(outputs)  # the order to list the result's outputs in
-
-    def __repr__(self) -> str:
-        return f"Job(id={self.id!r}, status={self.last_status.value!r})"
-
-    def _fetch(self) -> tuple[JobStatus, Fields | None, PsgradError | None]:
-        response = self._client._send(
-            "GET",
-            f"/jobs/{self.id}",
-            headers={"Accept": SAFETENSORS if self._client.binary else JSON},
-        )
-        state = job_state(response)
-        self.last_status = state[0]
-        return state
-
-    def status(self) -> JobStatus:
-        """The job's state now: queued, running, succeeded, failed or canceled."""
-        return self._fetch()[0]
-
-    def result(self, *, timeout: float | None = None, as_torch: bool = False) -> GradsResult:
-        """Wait for the job and return its result, or raise its error (``JobCanceled``, ...).
-
-        Raises:
-            APITimeoutError: not finished within ``timeout`` seconds (the job keeps running).
-        """
-        started = time.perf_counter()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = JOB_POLL_INITIAL
-        while True:
-            status, fields, error = self._fetch()
-            if error is not None:
-                raise error
-            if fields is not None:
-                return self._client._result(
-                    fields, as_torch=as_torch, started=started, order=self._outputs
-                )
-            if deadline is not None and time.monotonic() >= deadline:
-                raise APITimeoutError(f"job {self.id} is still {status.value} after {timeout} s")
-            wait = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
-            time.sleep(wait)
-            delay = min(delay * 2, JOB_POLL_MAX)
-
-    def cancel(self) -> JobStatus:
-        """Ask the server to cancel the job (``DELETE /jobs/{id}``); returns the new state."""
-        response = self._client._send("DELETE", f"/jobs/{self.id}")
-        status, _, _ = job_state(response)
-        self.last_status = status
-        return status
-
-
-class Models:
-    """``client.models``: the model registry."""
-
-    def __init__(self, client: Client) -> None:
-        self._client = client
-
-    def list(self) -> list[ModelInfo]:
-        """Every model the server knows (``GET /models``)."""
-        doc = self._client._send("GET", "/models").json()
-        items = doc.get("models", []) if isinstance(doc, dict) else doc
-        return [ModelInfo.from_dict(m) for m in items]
-
-    def get(self, model_id: str) -> ModelInfo:
-        """What ``model_id`` (or ``id@version``) takes: input shape, parameters, losses."""
-        return ModelInfo.from_dict(
-            self._client._send("GET", self._client._model_path(model_id)).json()
-        )
-
-    def register(
-        self,
-        model_id: str,
-        *,
-        architecture: str,
-        config: Mapping[str, Any] | None = None,
-        layers: Sequence[Mapping[str, Any]] | None = None,
-        input: Mapping[str, Any] | None = None,
-        default_loss: str | None = None,
-        losses: Sequence[str] | None = None,
-        weights: Mapping[str, Any] | None = None,
-    ) -> ModelInfo:
-        """Register a model (``PUT /models/{id}``): a zoo ``architecture`` with ``config``, or
-        ``architecture="sequential"`` with ``layers`` and ``input``; ``weights`` (numpy or torch
-        state dict) are sent inline, else the architecture's initial weights are used."""
-        body = self._client._register_body(
-            architecture, config, layers, input, default_loss, losses, weights
-        )
-        response = self._client._send("PUT", self._client._model_path(model_id), json=body)
-        return ModelInfo.from_dict(response.json())
-
-    def upload_weights(self, model_id: str, state_dict: Mapping[str, Any]) -> ModelInfo:
-        """New weights for ``model_id`` (a new version); names and shapes must match."""
-        response = self._client._send(
-            "PUT",
-            self._client._model_path(model_id, "/weights"),
-            content=state_dict_bytes(state_dict),
-            headers={"Content-Type": SAFETENSORS},
-        )
-        return ModelInfo.from_dict(response.json())
-
-    def download_weights(self, model_id: str, *, as_torch: bool = False) -> dict[str, Any]:
-        """The weights of ``model_id`` (or ``id@version``) as {name: array}."""
-        response = self._client._send(
-            "GET", self._client._model_path(model_id, "/weights"), headers={"Accept": SAFETENSORS}
-        )
-        weights = weights_from_bytes(response.content)
-        return to_torch(weights) if as_torch else weights
-
-    def delete(self, model_id: str) -> dict[str, Any]:
-        """Delete a model, or one version with ``id@version``; returns the server's answer."""
-        response = self._client._send("DELETE", self._client._model_path(model_id))
-        return response.json() if response.content else {}

@@ -195,9 +195,11 @@ def test_url_and_key_fall_back_to_the_environment(monkeypatch: pytest.MonkeyPatc
         assert client.base_url == "http://x" and client.api_key == "other"
 
 
-def test_options_are_keyword_only() -> None:
+def test_options_after_the_url_are_keyword_only() -> None:
     with pytest.raises(TypeError):
-        psgrad.Client("http://x")  # type: ignore[misc]
+        psgrad.Client("http://x", "key")  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        psgrad.AsyncClient("http://x", "key")  # type: ignore[misc]
     with client_for(ok) as client, pytest.raises(TypeError):
         client.per_sample_grads("m", [[1.0]], None, "mse")  # type: ignore[misc]
 

@@ -1,0 +1,83 @@
+"""The fields of a gradients request, checked before anything is sent.
+
+What the client can see is wrong without asking the server (an empty ``outputs``, a seed out of
+range, a NaN option) is refused here, with the server's own error classes; the arrays are made
+numpy in the dtypes the server computes in (:func:`psgrad._arrays.request_array`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from psgrad._arrays import param_arrays, request_array
+from psgrad._errors import BadRequest, InvalidInput
+from psgrad._merge import Fields
+from psgrad._types import OUTPUT_NAMES
+
+__all__ = ["grads_fields"]
+
+
+def grads_fields(
+    model: str,
+    inputs: Any,
+    targets: Any = None,
+    *,
+    loss: str | None = None,
+    outputs: Sequence[str] | str = ("grads",),
+    params: Sequence[str] | None = None,
+    weights: Mapping[str, Any] | None = None,
+    clip_norm: float | None = None,
+    noise_multiplier: float | None = None,
+    seed: int | None = None,
+    reference: Mapping[str, Any] | None = None,
+    next_inputs: Any = None,
+    rewards: Any = None,
+    dones: Any = None,
+    gamma: float | None = None,
+) -> Fields:
+    """The request of ``per_sample_grads``, ``td0`` and ``submit``: unset options left out."""
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a model id such as 'mlp' or 'id@version'")
+    outs = [outputs] if isinstance(outputs, str) else list(outputs)
+    if not outs:
+        raise BadRequest(f"'outputs' must name at least one of: {', '.join(OUTPUT_NAMES)}")
+    noise = _number(noise_multiplier, "noise_multiplier")
+    if noise is not None and noise < 0:
+        raise InvalidInput("'noise_multiplier' must be >= 0")
+    if seed is not None and (
+        isinstance(seed, bool)
+        or not isinstance(seed, (int, np.integer))
+        or not 0 <= int(seed) < 2**63
+    ):
+        raise BadRequest("'seed' must be an integer in [0, 2**63)")
+    fields: Fields = {"model": model, "inputs": request_array(inputs, "inputs"), "outputs": outs}
+    samples = {"targets": targets, "next_inputs": next_inputs, "rewards": rewards, "dones": dones}
+    optional: dict[str, Any] = {
+        **{k: None if v is None else request_array(v, k) for k, v in samples.items()},
+        "loss": loss,
+        "params": None if params is None else [str(p) for p in params],
+        "weights": param_arrays(weights, "weights"),
+        "reference": param_arrays(reference, "reference"),
+        "clip_norm": _number(clip_norm, "clip_norm"),
+        "noise_multiplier": noise,
+        "seed": None if seed is None else int(seed),
+        "gamma": _number(gamma, "gamma"),
+    }
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    return fields
+
+
+def _number(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"'{name}' must be a number; got {value!r}") from None
+    if not math.isfinite(number):
+        raise BadRequest(f"'{name}' must be finite")
+    return number
