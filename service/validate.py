@@ -176,12 +176,21 @@ def _options(fields: dict[str, Any], model: LoadedModel) -> Options:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                              or not 0 <= seed < 2**63):
         raise BadRequest("'seed' must be an integer in [0, 2**63)")
-    gamma = _number(fields.get("gamma"), "gamma")
+    gamma = _gamma(fields.get("gamma"))
     return Options(
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=clip_norm, noise_multiplier=noise, seed=seed,
         gamma=1.0 if gamma is None else gamma,
     )
+
+
+def _gamma(value: Any) -> float | None:
+    """td0's discount, in [0, 1]: beyond 1 the target r + gamma V(s') grows without bound and
+    below 0 it flips the future's sign. NaN and the infinities are outside too, so they are the
+    same 422 as -3 or 1e30 (not the 400 of the other options' non-finite numbers)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= 1:
+        raise InvalidInput(f"'gamma' must be a discount in [0, 1]; got {value!r}")
+    return _number(value, "gamma")
 
 
 def _number(value: Any, name: str) -> float | None:

@@ -75,7 +75,9 @@ class GradsRequest(BaseModel):
     next_inputs: Tensor | None = Field(None, description="td0: next states s', first dimension B")
     rewards: Tensor | None = Field(None, description="td0: rewards r, shape [B]")
     dones: Tensor | None = Field(None, description="td0: 1 where the episode ended, shape [B]")
-    gamma: float | None = Field(None, description="td0: discount (default 1.0)")
+    gamma: float | None = Field(
+        None, ge=0.0, le=1.0, description="td0: discount in [0, 1] (default 1.0)"
+    )
 
 
 class Timing(BaseModel):

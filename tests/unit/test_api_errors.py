@@ -206,6 +206,33 @@ async def test_body_too_large_is_refused_before_and_while_reading() -> None:
         assert ok.status_code == 200
 
 
+async def test_gamma_outside_0_1_is_422_in_both_wire_forms() -> None:
+    async with open_client() as c:
+        for gamma in (-3, 7.5, 1e30, float("nan")):
+            doc = {**TD0, "gamma": gamma}
+            body = json.dumps(doc).encode()  # NaN as JSON's common extension, as Python writes it
+            err = _error(
+                await c.post("/per-sample-grads", content=body, headers=JSON_CT),
+                422,
+                "invalid_input",
+            )
+            assert "'gamma'" in err["message"] and "[0, 1]" in err["message"]
+            st = await c.post(
+                "/per-sample-grads",
+                content=safetensors_body(doc),
+                headers={"content-type": SAFETENSORS},
+            )
+            _error(st, 422, "invalid_input")
+
+
+async def test_gamma_0_and_1_are_accepted() -> None:
+    async with open_client() as c:
+        for gamma, td_error in ((0.0, 2.0), (1.0, 1.8), (0, 2.0), (1, 1.8)):
+            r = await c.post("/per-sample-grads", json={**TD0, "gamma": gamma,
+                                                        "outputs": ["td_errors"]})
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["td_errors"], [td_error], rtol=1e-6)
+
 async def test_batch_too_large() -> None:
     doc = {
         **TD0,

@@ -372,6 +372,17 @@ def test_options_that_do_not_fit(registry: ModelRegistry) -> None:
     refused(registry, {k: v for k, v in mlp_body().items() if k != "model"}, BadRequest, "model")
 
 
+
+@pytest.mark.parametrize("gamma", [-3, 7.5, 1e30, 10**30, -1e-9, 1.000001, float("nan"),
+                                   float("inf"), float("-inf")])
+def test_gamma_outside_0_1_is_refused(registry: ModelRegistry, gamma: float) -> None:
+    refused(registry, {**TD0, "gamma": gamma}, InvalidInput, "'gamma'", "[0, 1]")
+
+
+@pytest.mark.parametrize("gamma", [0, 0.0, 0.5, 1, 1.0])
+def test_gamma_0_and_1_and_between_are_accepted(registry: ModelRegistry, gamma: float) -> None:
+    assert parse(registry, {**TD0, "gamma": gamma}).opts.gamma == float(gamma)
+
 # ------------------------------------------------------------------ batch-coupling models
 
 
