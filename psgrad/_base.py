@@ -207,7 +207,7 @@ class BaseClient:
 
     # -- gradients -----------------------------------------------------------------------------
 
-    _grads_fields = staticmethod(grads_fields)
+    _grads_fields = staticmethod(grads_fields)  # the checked request: psgrad._request
 
     @contextlib.contextmanager
     def _plan(
