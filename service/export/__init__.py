@@ -8,7 +8,14 @@ only ever goes through this package: :mod:`.archive` (the zip, under limits), :m
 
 from service.export.archive import Archive, ArchiveLimits, read_archive
 from service.export.graph import Program, UserInput, parse_program
-from service.export.module import Exported, ExportLimits, build_module, dry_run, read_program
+from service.export.module import (
+    Exported,
+    ExportLimits,
+    build_module,
+    dry_run,
+    materialise,
+    read_program,
+)
 
 __all__ = ["Archive", "ArchiveLimits", "ExportLimits", "Exported", "Program", "UserInput",
-           "build_module", "dry_run", "parse_program", "read_archive", "read_program"]
+           "build_module", "dry_run", "materialise", "parse_program", "read_archive", "read_program"]

@@ -78,6 +78,16 @@ def read_program(data: bytes, limits: ExportLimits) -> Exported:
     return exported
 
 
+def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
+    """The fx module of ``exported`` on ``device`` with its own tensors loaded."""
+    specs = {k: (list(t.shape), t.dtype) for k, t in exported.tensors.items()}
+    module = build_module(exported.program, specs, exported.params, exported.aliases, device)
+    with torch.no_grad():
+        for name, value in module.state_dict(keep_vars=True).items():
+            value.copy_(exported.tensors[name])
+    return module
+
+
 def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype]],
                  params: tuple[str, ...], aliases: dict[str, str],
                  device: torch.device) -> fx.GraphModule:
