@@ -18,4 +18,5 @@ from service.export.module import (
 )
 
 __all__ = ["Archive", "ArchiveLimits", "ExportLimits", "Exported", "Program", "UserInput",
-           "build_module", "dry_run", "materialise", "parse_program", "read_archive", "read_program"]
+           "build_module", "dry_run", "materialise", "parse_program", "read_archive",
+           "read_program"]

@@ -101,6 +101,8 @@ def parse_program(doc: dict[str, Any], max_nodes: int) -> Program:
         else:
             raise RefusedProgram(f"input spec '{kind}' is refused: psgrad takes tensor inputs, "
                                  "parameters, buffers and tensor constants only", spec=kind)
+    if not params:
+        raise RefusedProgram("the program has no parameters to differentiate")
     if not 1 <= len(inputs) <= MAX_INPUTS:
         raise RefusedProgram(f"the program takes {len(inputs)} tensor inputs; psgrad serves 1 "
                              f"to {MAX_INPUTS}", inputs=len(inputs))
@@ -166,12 +168,22 @@ def _user_input(name: str, meta: Any) -> UserInput:
     return UserInput(name, m.dtype, m.sizes[1:], m.hints)
 
 
-def build_graph(program: Program, attrs: dict[str, str], device: torch.device) -> fx.Graph:
-    """The fx graph of ``program``; ``attrs`` maps graph values to module attributes."""
+def device_of(tensor: torch.Tensor) -> torch.device:
+    """The device the module's weights live on: what every device argument becomes."""
+    return tensor.device
+
+
+def build_graph(program: Program, attrs: dict[str, str]) -> fx.Graph:
+    """The fx graph of ``program``; ``attrs`` maps graph values to module attributes.
+
+    Device arguments read the device of the first parameter at run time, so one graph serves
+    on whatever device its module is moved to (``meta`` for the dry run included).
+    """
     graph = fx.Graph()
     env: dict[str, tuple[str, Any]] = {}  # name -> ("tensor" | "sym", fx node)
     for name, target in attrs.items():
         env[name] = ("tensor", graph.get_attr(target))
+    device = graph.call_function(device_of, (env[program.params[0][0]][1],))
     for user in program.inputs:
         env[user.name] = ("tensor", graph.placeholder(user.name))
     nodes = program.doc["graph_module"]["graph"]["nodes"]
@@ -185,7 +197,7 @@ def build_graph(program: Program, attrs: dict[str, str], device: torch.device) -
 
 
 def _node(graph: fx.Graph, node: dict[str, Any], env: dict[str, tuple[str, Any]],
-          device: torch.device) -> None:
+          device: fx.Node) -> None:
     target = node.get("target")
     inputs, outputs = node.get("inputs"), node.get("outputs")
     if not isinstance(target, str) or not isinstance(inputs, list) or \
@@ -292,7 +304,7 @@ def _sym(arg: Any, env: dict[str, tuple[str, Any]], shown: str) -> Any:
 
 
 def _decode(arg: Any, typ: str, shown: str, name: str, env: dict[str, tuple[str, Any]],
-            device: torch.device) -> Any:
+            device: fx.Node) -> Any:
     """One argument, checked against its declared type (``typ`` from the op's schema)."""
     kind, body = _one(arg, f"{shown}.{name}")
     optional = typ.startswith("Optional[")

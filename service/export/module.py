@@ -68,8 +68,6 @@ def read_program(data: bytes, limits: ExportLimits) -> Exported:
     if size > limits.max_weight_bytes or n_params > limits.max_parameters:
         raise TooLarge(f"the program has {n_params} parameters in {size} bytes of tensors; the "
                        f"limits are {limits.max_parameters} and {limits.max_weight_bytes}")
-    if not params:
-        raise RefusedProgram("the program has no parameters to differentiate")
     exported = Exported(program, tensors, params, aliases)
     specs = {k: (list(t.shape), t.dtype) for k, t in tensors.items()}
     meta = build_module(program, specs, params, aliases, torch.device("meta"))
@@ -90,7 +88,7 @@ def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
 
 def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype]],
                  params: tuple[str, ...], aliases: dict[str, str],
-                 device: torch.device) -> fx.GraphModule:
+                 device: torch.device | None = None) -> fx.GraphModule:
     """An fx module of ``program`` with empty tensors of ``specs`` (load the weights after)."""
     root = nn.Module()
     for name, (shape, dtype) in specs.items():
@@ -106,7 +104,7 @@ def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype
         if canonical not in specs:
             raise InvalidArchive(f"'{name}' has no tensor in the archive", parameter=name)
         attrs[value_name] = canonical
-    graph = build_graph(program, attrs, device)
+    graph = build_graph(program, attrs)
     return fx.GraphModule(root, graph, class_name="ExportedProgram")
 
 

@@ -1,0 +1,86 @@
+"""``PUT /models/{id}`` with a torch.export archive, then served like any registered model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from tests.export_cases import CASES, TOL, exported, program, with_program
+from tests.unit.api_support import open_client
+
+PT2 = "application/x-torch-export"
+
+
+def _loop_grads(name: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
+    module = exported(name)[0]
+    named = dict(module.named_parameters())
+    rows = [torch.autograd.grad(CASES[name].loss(module(x[i : i + 1]), x[i], y[i]),
+                                list(named.values())) for i in range(len(x))]
+    return {k: torch.stack([r[j] for r in rows]).numpy() for j, k in enumerate(named)}
+
+
+async def test_a_resnet_registered_as_pt2_gives_the_loops_per_sample_grads() -> None:
+    case = CASES["resnet"]
+    x, y = case.example(3), case.target(3)
+    async with open_client() as c:
+        r = await c.put("/models/my-resnet", content=exported("resnet")[1],
+                        headers={"content-type": PT2},
+                        params={"default_loss": "cross_entropy", "description": "a resnet"})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["architecture"] == "exported" and doc["input"]["shape"] == [3, 8, 8]
+        assert doc["inputs"] == [{"name": "x", "shape": [3, 8, 8], "dtype": "float32"}]
+        assert "bn.running_mean" not in doc["parameters"] and "fc.weight" in doc["parameters"]
+        assert "program" not in doc["config"]
+        r = await c.post("/per-sample-grads", json={
+            "model": "my-resnet", "inputs": x.tolist(), "targets": y.tolist(),
+            "outputs": ["grads"]})
+        assert r.status_code == 200, r.text
+        got = r.json()["grads"]
+    for k, want in _loop_grads("resnet", x, y).items():
+        np.testing.assert_allclose(np.asarray(got[k]), want, **TOL, err_msg=k)
+
+
+async def test_weights_round_trip_and_replace_as_a_new_version() -> None:
+    async with open_client() as c:
+        r = await c.put("/models/cnn1", content=exported("cnn")[1],
+                        headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        first = r.json()["version"]
+        r = await c.get("/models/cnn1/weights")
+        state = st_load(r.content)
+        assert set(state) == set(dict(exported("cnn")[0].state_dict()))
+        state["fc.bias"] = state["fc.bias"] + 1
+        r = await c.put("/models/cnn1/weights", content=st_save(state),
+                        headers={"content-type": "application/x-safetensors"})
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] != first and r.json()["versions"] == [first, r.json()["version"]]
+        r = await c.post("/per-sample-grads", json={
+            "model": f"cnn1@{first}", "inputs": CASES["cnn"].example(2).tolist(),
+            "targets": [0, 1], "outputs": ["norms"]})
+        assert r.status_code == 200, r.text
+
+
+async def test_refused_archives_answer_4xx_and_the_server_keeps_serving() -> None:
+    data = exported("cnn")[1]
+    doc = program(data)
+    doc["graph_module"]["graph"]["nodes"][0]["target"] = "torch.os.system"
+    async with open_client() as c:
+        for body, code in ((with_program(data, doc), "refused_program"),
+                           (data[: len(data) // 3], None), (b"junk", "invalid_archive")):
+            r = await c.put("/models/evil", content=body, headers={"content-type": PT2})
+            assert 400 <= r.status_code < 500, r.text
+            if code:
+                assert r.json()["error"]["code"] == code
+        assert (await c.get("/models/evil")).status_code == 404
+        r = await c.put("/models/evil", content=data, headers={"content-type": PT2},
+                        params={"default_loss": "nope"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "unknown_loss"
+        r = await c.put("/models/evil", content=json.dumps({"architecture": "exported"}),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 415
+        assert (await c.get("/healthz")).status_code == 200
