@@ -84,3 +84,23 @@ async def test_refused_archives_answer_4xx_and_the_server_keeps_serving() -> Non
                         headers={"content-type": "application/json"})
         assert r.status_code == 415
         assert (await c.get("/healthz")).status_code == 200
+
+
+def test_a_stored_program_is_rebuilt_by_another_process_through_the_same_loader(
+        tmp_path: object) -> None:
+    from service.model_store import FileModelStore
+    from service.registration import register_exported
+    from service.registry import ModelRegistry
+    from tests.unit.api_support import settings
+
+    cpu = torch.device("cpu")
+    first = ModelRegistry(cpu, store=FileModelStore(str(tmp_path)))
+    model = register_exported(first, "gpt1", exported("gpt")[1], settings(),
+                              default_loss="cross_entropy", losses=[])
+    other = ModelRegistry(cpu, store=FileModelStore(str(tmp_path)))  # e.g. a worker
+    again = other.get("gpt1")
+    assert again.version == model.version and list(again.params) == list(model.params)
+    assert again.describe()["tied"] == {"head.weight": "wte.weight"}
+    x = CASES["gpt"].example(1)
+    with torch.no_grad():
+        torch.testing.assert_close(again.module(x), exported("gpt")[0](x), **TOL)
