@@ -16,7 +16,13 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from psgrad._errors import PsgradError, RefusedProgram, TooLarge, error_from_body
+from psgrad._errors import (
+    InvalidArchive,
+    PsgradError,
+    RefusedProgram,
+    TooLarge,
+    error_from_body,
+)
 
 CHILD_ENV_KEEP = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
 
@@ -24,6 +30,9 @@ CHILD_ENV_KEEP = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
 def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int,
               timeout_s: float) -> tuple[dict[str, Any], bytes]:
     """Check ``data`` in a fresh interpreter; the answer document and the tensors' bytes."""
+    if not data.startswith(b"PK\x03\x04"):  # not a zip: no process needed to say so
+        raise InvalidArchive("the body is not a zip archive: send the file torch.export.save "
+                             "wrote")
     env = {k: v for k, v in os.environ.items() if k in CHILD_ENV_KEEP}
     env.update(PSGRAD_CHILD_MEMORY_MB=str(memory_mb), PSGRAD_CHILD_CPU_S=str(cpu_s),
                OMP_NUM_THREADS="1")
