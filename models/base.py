@@ -42,6 +42,9 @@ class ModelFamily:
     # False for families with no usable default config (``sequential``): they are built only
     # from a registered spec, never served or listed under the family's own name.
     standalone: ClassVar[bool] = True
+    # False for modules that run on a batch of one only (exported programs): the registry then
+    # takes the output shape and activation count from :meth:`measured` instead of a batch.
+    batched: ClassVar[bool] = True
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         raise NotImplementedError
@@ -52,6 +55,14 @@ class ModelFamily:
     def loss_info(self, config: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The default loss and the accepted losses (a family may derive them from the config)."""
         return self.default_loss, self.losses
+
+    def measured(self, config: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+        """Per-sample output shape and activation count of an unbatched family's model."""
+        raise NotImplementedError
+
+    def describe(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Extra fields of ``GET /models/{id}`` (an exported program's inputs, tied names)."""
+        return {}
 
     def config(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The default config updated with ``overrides``; unknown keys are refused."""

@@ -9,10 +9,11 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     ├── APIConnectionError           the server could not be reached (client side only)
     │   └── APITimeoutError          no answer within the timeout
     ├── BadRequest (400)             malformed body, bad base64, wrong content type, ...
+    │   ├── InvalidArchive (400)     a .pt2 archive that is not a well-formed torch.export file
     │   └── InvalidInput (422)       the request parses but cannot be computed; subclasses:
     │       UnknownLoss, UnknownOutput, UnknownParameter, ShapeMismatch, DtypeMismatch,
     │       NonFinite, EmptyBatch, TargetOutOfRange, LossNotSupported, BatchCoupling,
-    │       InvalidModelSpec
+    │       InvalidModelSpec, RefusedProgram (an exported program psgrad will not run)
     ├── Unauthorized (401), Forbidden (403)
     ├── NotFound (404)               UnknownModel, UnknownJob
     ├── Conflict (409)
@@ -40,6 +41,7 @@ __all__ = [
     "EmptyBatch",
     "Forbidden",
     "InternalError",
+    "InvalidArchive",
     "InvalidInput",
     "InvalidModelSpec",
     "JobCanceled",
@@ -50,6 +52,7 @@ __all__ = [
     "Overloaded",
     "PsgradError",
     "RateLimited",
+    "RefusedProgram",
     "RequestTimeout",
     "ShapeMismatch",
     "TargetOutOfRange",
@@ -115,6 +118,12 @@ class UnsupportedMediaType(BadRequest):
     status = 415
 
 
+class InvalidArchive(BadRequest):
+    """A ``.pt2`` body that is not a well-formed torch.export archive (zip, entries, JSON)."""
+
+    code = "invalid_archive"
+
+
 class InvalidInput(BadRequest):
     code = "invalid_input"
     status = 422
@@ -162,6 +171,12 @@ class BatchCoupling(InvalidInput):
 
 class InvalidModelSpec(InvalidInput):
     code = "invalid_model_spec"
+
+
+class RefusedProgram(InvalidModelSpec):
+    """An exported program with an op, argument or entry outside psgrad's allow-list."""
+
+    code = "refused_program"
 
 
 class Unauthorized(PsgradError):

@@ -1,14 +1,14 @@
 """Opt-in compiled per-sample functions (``PSGRAD_COMPILE=1``), shared between workers via Redis.
 
 The engine's transformed function (``vmap(grad_and_value(loss))`` from
-:func:`service.engine.per_sample_fn`) is compiled as a whole with ``torch.compile``: outside the
-torch.func transforms, never inside them. Compiled code is specialised to a batch size (every
-new size recompiled even with ``dynamic=True``, and ``mark_dynamic`` on the batch dimension
-raised ``ConstraintViolationError`` with torch 2.13), so a chunk of ``n`` samples runs
-as pieces of a few preferred sizes, powers of two: ``n`` is padded up to the next power of two
-when that wastes at most a quarter, else split (48 runs as 32 + 16). Padding repeats the piece's
-first sample and the padded rows are dropped before the engine sees the output, so statistics
-never include them.
+:func:`service.strategies.per_sample.per_sample_fn`) is compiled as a whole with
+``torch.compile``: outside the torch.func transforms, never inside them. Compiled code is
+specialised to a batch size (every new size recompiled even with ``dynamic=True``, and
+``mark_dynamic`` on the batch dimension raised ``ConstraintViolationError`` with torch 2.13), so
+a chunk of ``n`` samples runs as pieces of a few preferred sizes, powers of two: ``n`` is padded
+up to the next power of two when that wastes at most a quarter, else split (48 runs as 32 + 16).
+Padding repeats the piece's first sample and the padded rows are dropped before the engine sees
+the output, so statistics never include them.
 
 Sharing: a worker that compiled a signature cold stores ``torch.compiler.save_cache_artifacts``
 in Redis under a key of the torch version, device name, model structure, loss, gamma, route,

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     max_parameters: int = 50_000_000
     max_weight_bytes: int = 500 * 1024 * 1024  # under Redis's 512 MiB for one value
     max_model_activations: int = 32 * 1024 * 1024  # activation elements of one sample
+    max_graph_nodes: int = 20_000  # nodes of an exported program
+    export_memory_mb: int = 4096  # address space of the process that checks a .pt2 archive
+    export_cpu_s: int = 60  # CPU seconds of that process
+    export_timeout_s: float = 120.0  # wall-clock seconds of that process
 
     @property
     def api_key_set(self) -> frozenset[str]:

@@ -32,14 +32,18 @@ from psgrad._errors import (
     ShapeMismatch,
     TooLarge,
     UnknownModel,
+    UnsupportedMediaType,
 )
 from psgrad._wire import array_from_json, fields_from_safetensors
 from service.config import Settings
+from service.export.family import ARCHITECTURE as EXPORTED
+from service.export.register import check_program
 from service.losses import get_loss
 from service.model_store import ID_RE, VERSION_RE, ModelRecord
 from service.registry import LoadedModel, ModelRegistry, load_model
 
 SPEC_KEYS = ("layers", "input", "default_loss", "losses")
+EXPORT_MEDIA_TYPE = "application/x-torch-export"
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object {architecture, config | layers, ...}")
     architecture = body.get("architecture")
+    if architecture == EXPORTED:
+        raise UnsupportedMediaType(f"an exported program is registered as its .pt2 file: PUT "
+                                   f"/models/{model_id} with Content-Type {EXPORT_MEDIA_TYPE}")
     if not isinstance(architecture, str) or architecture not in ZOO:
         known = ZOO.names()
         raise InvalidModelSpec(f"'architecture' must be one of {', '.join(known)}; got "
@@ -114,6 +121,16 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
             raise BadRequest("'weights' must map parameter names to tensors")
         state = _check_state(meta, _json_state(weights, meta, limits), limits)
     return _add(registry, model_id, architecture, config, state)
+
+
+def register_exported(registry: ModelRegistry, model_id: str, data: bytes, settings: Settings,
+                      *, default_loss: str, losses: list[str], description: str = ""
+                      ) -> LoadedModel:
+    """``PUT /models/{id}`` with a ``.pt2`` body: checked in a child process, then stored."""
+    check_id(model_id)
+    config, state = check_program(data, settings, default_loss=default_loss, losses=losses,
+                                  description=description)
+    return _add(registry, model_id, EXPORTED, config, state)
 
 
 def replace_weights(registry: ModelRegistry, model_id: str, body: bytes,

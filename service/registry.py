@@ -26,6 +26,7 @@ from psgrad._errors import (
     UnknownModel,
 )
 from service.config import Settings
+from service.export import family as _exported  # noqa: F401  (registers the 'exported' family)
 from service.lru import LockedLRU
 from service.model_store import MemoryModelStore, ModelStore, is_safe_id, make_store
 
@@ -57,6 +58,7 @@ class LoadedModel:
     losses: tuple[str, ...]
     activation_numel: int
     route: str = "vmap"  # "loop" for layers that vmap cannot batch (recurrent layers)
+    batched: bool = True  # False: the module runs one sample at a time only (exported graphs)
     structure: str = ""  # digest of architecture and config: versions that differ only in weights
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -129,7 +131,10 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
     buffers = {k: v.detach() for k, v in module.named_buffers()}
     spec = family.input_spec(config)
     default_loss, losses = family.loss_info(config)
-    output_shape, activations = _dry_run(module, spec, device)
+    if family.batched:
+        output_shape, activations = _dry_run(module, spec, device)
+    else:
+        output_shape, activations = family.measured(config)
     route = "loop" if any(isinstance(m, nn.RNNBase) and not getattr(m, "vmap_safe", False)
                           for m in module.modules()) else "vmap"
     state_now = {**params, **buffers}
@@ -137,8 +142,8 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
         id=model_id, version=weights_digest(architecture, config, state_now),
         architecture=architecture, config=config, module=module, params=params, buffers=buffers,
         input=spec, output_shape=output_shape, default_loss=default_loss, losses=losses,
-        activation_numel=activations, route=route,
-        structure=weights_digest(architecture, config, {}),
+        activation_numel=activations, route=route, batched=family.batched,
+        structure=weights_digest(architecture, config, {}), extra=family.describe(config),
     )
 
 

@@ -1,7 +1,8 @@
 """The fast-statistics strategy: the records of a call from one batched forward and backward.
 
 It declines (the engine then runs ``vmap``) when the call wants per-sample gradients
-themselves, when the model takes the per-sample loop, when the probe found no plan, and when the
+themselves, when the model takes the per-sample loop or runs one sample at a time only (an
+exported graph with its batch of one written in), when the probe found no plan, and when the
 call reads its parameters unlike the probe did.
 """
 
@@ -30,7 +31,7 @@ class FastStats:
 
     def run(self, call: Call) -> Result | None:
         need, model = call.need, call.model
-        if need.grads or model.route != "vmap":
+        if need.grads or model.route != "vmap" or not model.batched:
             return None
         setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
                       call.selected)

@@ -44,6 +44,12 @@ def _raw_bytes(_ctx: object, value: object) -> bytes:
     return str(value).encode()
 
 
+@schemathesis.serializer("application/x-torch-export")
+def _raw_archive(_ctx: object, value: object) -> bytes:
+    """Generated .pt2 bodies, as they are, like the safetensors ones."""
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     port = free_port()

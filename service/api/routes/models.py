@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import BadRequest, PsgradError, UnsupportedMediaType
@@ -13,7 +13,15 @@ from psgrad._wire import JSON, SAFETENSORS
 from service.api.body import media_type, read_body
 from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
 from service.api.schemas import ModelDeleted, ModelDoc, ModelList, errors
-from service.registration import Limits, delete, export_weights, register, replace_weights
+from service.registration import (
+    EXPORT_MEDIA_TYPE,
+    Limits,
+    delete,
+    export_weights,
+    register,
+    register_exported,
+    replace_weights,
+)
 from service.registry import ModelRegistry
 
 router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
@@ -80,7 +88,14 @@ REGISTER_BODY: dict[str, Any] = {
         "description": "{architecture: <zoo name>, config: {...}} or {architecture: 'sequential', "
         "layers: [{type, args, kwargs}], input: {shape, dtype}, default_loss, losses}; optional "
         "weights: {param: tensor} (README: Bring your own model)",
-        "content": {JSON: {"schema": {"type": "object"}}},
+        "content": {
+            JSON: {"schema": {"type": "object"}},
+            EXPORT_MEDIA_TYPE: {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "a .pt2 file written by torch.export.save (a program exported "
+                "with a batch of one); read by psgrad's own strict loader, never unpickled",
+            },
+        },
     }
 }
 WEIGHTS_BODY: dict[str, Any] = {
@@ -106,13 +121,39 @@ def _registered(registry: ModelRegistry, model: Any) -> dict[str, Any]:
     summary="Register a model: a new version of id (admin)",
 )
 async def put_model(
-    model_id: str, request: Request, registry: RegistryDep, settings: SettingsDep
+    model_id: str,
+    request: Request,
+    registry: RegistryDep,
+    settings: SettingsDep,
+    default_loss: str = Query(
+        "cross_entropy", max_length=64, description=f"{EXPORT_MEDIA_TYPE} bodies only"
+    ),
+    losses: str = Query(
+        "", max_length=1000, description=f"{EXPORT_MEDIA_TYPE} bodies only: comma-separated"
+    ),
+    description: str = Query("", max_length=2000, description=f"{EXPORT_MEDIA_TYPE} only"),
 ) -> dict[str, Any]:
-    """Built on the meta device, held to the limits, then built and run on an example batch."""
-    if media_type(request.headers.get("content-type")) != JSON:
+    """Built on the meta device, held to the limits, then built and run on an example batch.
+
+    A ``.pt2`` body is parsed, built and dry-run on ``meta`` in a child process under memory
+    and time limits; only ops on psgrad's allow-list of pure aten overloads are accepted.
+    """
+    kind = media_type(request.headers.get("content-type"))
+    if kind == EXPORT_MEDIA_TYPE:
+        data = await read_body(request, settings.max_weight_bytes + (64 << 20))
+        names = [n.strip() for n in losses.split(",") if n.strip()]
+
+        def run_exported() -> dict[str, Any]:
+            model = register_exported(registry, model_id, data, settings,
+                                      default_loss=default_loss, losses=names,
+                                      description=description)
+            return _registered(registry, model)
+
+        return await run_in_threadpool(run_exported)
+    if kind != JSON:
         raise UnsupportedMediaType(
-            f"send the spec as {JSON}; weights alone go to PUT "
-            f"/models/{model_id}/weights as {SAFETENSORS}"
+            f"send the spec as {JSON} or a torch.export program as {EXPORT_MEDIA_TYPE}; "
+            f"weights alone go to PUT /models/{model_id}/weights as {SAFETENSORS}"
         )
     raw = await read_body(request, settings.max_body_bytes)
 

@@ -1,0 +1,160 @@
+"""From a client's archive to a checked :class:`torch.fx.GraphModule`.
+
+:func:`read_program` is the whole registration-time path: the archive (zip limits, entry
+names), the program (version, signature), the tensors (raw bytes, tied weights) and a dry run
+on the ``meta`` device that allocates nothing, bounds the activations of one sample and checks
+that a batch of one gives a batch of one. :func:`build_module` is what every worker runs on a
+stored version: the same graph builder, so a stored program is held to the same allow-list.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from psgrad._errors import InvalidArchive, PsgradError, RefusedProgram, TooLarge
+from service.export.archive import CONSTANTS_CONFIG, WEIGHTS_CONFIG, ArchiveLimits, read_archive
+from service.export.graph import Program, build_graph, parse_program
+from service.export.payloads import read_payloads
+
+_SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}|[0-9]{1,6}")
+_RESERVED = frozenset(dir(fx.GraphModule))
+
+
+@dataclass(frozen=True)
+class ExportLimits:
+    archive: ArchiveLimits = field(default_factory=ArchiveLimits)
+    max_nodes: int = 20_000
+    max_weight_bytes: int = 500 * 1024 * 1024
+    max_parameters: int = 50_000_000
+    max_activations: int = 32 * 1024 * 1024  # elements of every intermediate of one sample
+
+
+@dataclass
+class Exported:
+    """A program and its tensors by canonical name; ``aliases`` maps every name to one."""
+
+    program: Program
+    tensors: dict[str, torch.Tensor]
+    params: tuple[str, ...]  # canonical parameter names, in signature order
+    aliases: dict[str, str]
+    output_shape: tuple[int, ...] = ()
+    activations: int = 0
+
+    def shapes(self) -> dict[str, tuple[list[int], str]]:
+        return {k: (list(t.shape), str(t.dtype).removeprefix("torch."))
+                for k, t in self.tensors.items()}
+
+
+def read_program(data: bytes, limits: ExportLimits) -> Exported:
+    """Parse, check, build on ``meta`` and dry-run a client's ``.pt2`` bytes."""
+    archive = read_archive(data, limits.archive)
+    program = parse_program(archive.program, limits.max_nodes)
+    buffers = [b for _, b in program.buffers if b not in program.constants]
+    weights = read_payloads(archive.weights_config, archive.weights,
+                            [p for _, p in program.params] + buffers, WEIGHTS_CONFIG,
+                            limits.max_weight_bytes)
+    consts = read_payloads(archive.constants_config, archive.constants,
+                           list(program.constants), CONSTANTS_CONFIG, limits.max_weight_bytes)
+    tensors = {**weights.tensors, **consts.tensors}
+    aliases = {**weights.aliases, **consts.aliases}
+    params = tuple(dict.fromkeys(aliases[p] for _, p in program.params))
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    n_params = sum(tensors[p].numel() for p in params)
+    if size > limits.max_weight_bytes or n_params > limits.max_parameters:
+        raise TooLarge(f"the program has {n_params} parameters in {size} bytes of tensors; the "
+                       f"limits are {limits.max_parameters} and {limits.max_weight_bytes}")
+    exported = Exported(program, tensors, params, aliases)
+    specs = {k: (list(t.shape), t.dtype) for k, t in tensors.items()}
+    meta = build_module(program, specs, params, aliases, torch.device("meta"))
+    exported.output_shape, exported.activations = dry_run(meta, program,
+                                                          limits.max_activations)
+    return exported
+
+
+def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
+    """The fx module of ``exported`` on ``device`` with its own tensors loaded."""
+    specs = {k: (list(t.shape), t.dtype) for k, t in exported.tensors.items()}
+    module = build_module(exported.program, specs, exported.params, exported.aliases, device)
+    with torch.no_grad():
+        for name, value in module.state_dict(keep_vars=True).items():
+            value.copy_(exported.tensors[name])
+    return module
+
+
+def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype]],
+                 params: tuple[str, ...], aliases: dict[str, str],
+                 device: torch.device | None = None) -> fx.GraphModule:
+    """An fx module of ``program`` with empty tensors of ``specs`` (load the weights after)."""
+    root = nn.Module()
+    for name, (shape, dtype) in specs.items():
+        owner, leaf = _owner(root, name)
+        value = torch.empty(shape, dtype=dtype, device=device)
+        if name in params:
+            owner.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+        else:
+            owner.register_buffer(leaf, value)
+    attrs: dict[str, str] = {}
+    for value_name, name in (*program.params, *program.buffers):
+        canonical = aliases.get(name)
+        if canonical not in specs:
+            raise InvalidArchive(f"'{name}' has no tensor in the archive", parameter=name)
+        attrs[value_name] = canonical
+    graph = build_graph(program, attrs)
+    return fx.GraphModule(root, graph, class_name="ExportedProgram")
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule that holds ``name`` ('a.b.weight' -> root.a.b, 'weight'), made on demand."""
+    parts = name.split(".")
+    if len(parts) > 16 or not all(_SEGMENT.fullmatch(p) and p not in _RESERVED for p in parts):
+        raise RefusedProgram(f"tensor name {name[:100]!r} is refused: names are dotted "
+                             "identifiers that are not attributes of a torch module",
+                             parameter=name[:100])
+    owner = root
+    for part in parts[:-1]:
+        child = owner._modules.get(part)
+        if child is None:
+            if part in owner._parameters or part in owner._buffers:
+                raise RefusedProgram(f"'{name[:100]}' nests under a tensor", parameter=name[:100])
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    leaf = parts[-1]
+    if leaf in owner._modules or leaf in owner._parameters or leaf in owner._buffers:
+        raise RefusedProgram(f"tensor name '{name[:100]}' is used twice", parameter=name[:100])
+    return owner, leaf
+
+
+def dry_run(module: fx.GraphModule, program: Program, max_activations: int
+            ) -> tuple[tuple[int, ...], int]:
+    """Run ``module`` (built on ``meta``) on the exported example sizes, counting activations."""
+    counted = [0]
+
+    class Counting(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            for t in out if isinstance(out, list | tuple) else (out,):
+                if isinstance(t, torch.Tensor) and n.op == "call_function":
+                    counted[0] += t.numel()
+            if counted[0] > max_activations:
+                raise TooLarge(f"one sample's activations exceed {max_activations} elements "
+                               f"(at '{n.name}')", limit=max_activations)
+            return out
+
+    inputs = [torch.empty(u.hints, dtype=u.dtype, device="meta") for u in program.inputs]
+    try:
+        out = Counting(module).run(*inputs)
+    except PsgradError:
+        raise
+    except Exception as exc:  # any failure of a client's graph is the client's
+        raise RefusedProgram(f"the program fails on its own example sizes: {exc}"[:400]) \
+            from None
+    if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != 1:
+        raise RefusedProgram("the program must return one tensor with a batch dimension of 1 "
+                             "for an input batch of 1")
+    return tuple(out.shape[1:]), counted[0]

@@ -1,0 +1,107 @@
+"""``PUT /models/{id}`` with a torch.export archive, then served like any registered model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from tests.support.api import open_client
+from tests.support.export import CASES, TOL, exported, program, with_program
+from tests.support.reference import Loop, per_sample_loop
+
+PT2 = "application/x-torch-export"
+
+
+def _loop(name: str, x: torch.Tensor, y: torch.Tensor) -> Loop:
+    """The per-sample loop on the original module (the cases' classifiers: cross-entropy)."""
+    return per_sample_loop(exported(name)[0], {"inputs": x, "targets": y}, "cross_entropy")
+
+
+async def test_a_resnet_registered_as_pt2_gives_the_loops_per_sample_grads() -> None:
+    case = CASES["resnet"]
+    x, y = case.example(3), case.target(3)
+    async with open_client() as c:
+        r = await c.put("/models/my-resnet", content=exported("resnet")[1],
+                        headers={"content-type": PT2},
+                        params={"default_loss": "cross_entropy", "description": "a resnet"})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["architecture"] == "exported" and doc["input"]["shape"] == [3, 8, 8]
+        assert doc["inputs"] == [{"name": "x", "shape": [3, 8, 8], "dtype": "float32"}]
+        assert "bn.running_mean" not in doc["parameters"] and "fc.weight" in doc["parameters"]
+        assert "program" not in doc["config"]
+        r = await c.post("/per-sample-grads", json={
+            "model": "my-resnet", "inputs": x.tolist(), "targets": y.tolist(),
+            "outputs": ["grads"]})
+        assert r.status_code == 200, r.text
+        got = r.json()["grads"]
+    for k, want in _loop("resnet", x, y).grads.items():
+        np.testing.assert_allclose(np.asarray(got[k]), want.numpy(), **TOL, err_msg=k)
+
+
+async def test_weights_round_trip_and_replace_as_a_new_version() -> None:
+    async with open_client() as c:
+        r = await c.put("/models/cnn1", content=exported("cnn")[1],
+                        headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        first = r.json()["version"]
+        r = await c.get("/models/cnn1/weights")
+        state = st_load(r.content)
+        assert set(state) == set(dict(exported("cnn")[0].state_dict()))
+        state["fc.bias"] = state["fc.bias"] + 1
+        r = await c.put("/models/cnn1/weights", content=st_save(state),
+                        headers={"content-type": "application/x-safetensors"})
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] != first and r.json()["versions"] == [first, r.json()["version"]]
+        x, y = CASES["cnn"].example(2), torch.tensor([0, 1])
+        r = await c.post("/per-sample-grads", json={
+            "model": f"cnn1@{first}", "inputs": x.tolist(), "targets": y.tolist(),
+            "outputs": ["norms"]})
+        assert r.status_code == 200, r.text
+    # the first version still holds the exported weights: its norms are the loop's
+    np.testing.assert_allclose(r.json()["norms"], _loop("cnn", x, y).norms.numpy(), **TOL)
+
+
+async def test_refused_archives_answer_4xx_and_the_server_keeps_serving() -> None:
+    data = exported("cnn")[1]
+    doc = program(data)
+    doc["graph_module"]["graph"]["nodes"][0]["target"] = "torch.os.system"
+    async with open_client() as c:
+        for body, code in ((with_program(data, doc), "refused_program"),
+                           (data[: len(data) // 3], None), (b"junk", "invalid_archive")):
+            r = await c.put("/models/evil", content=body, headers={"content-type": PT2})
+            assert 400 <= r.status_code < 500, r.text
+            if code:
+                assert r.json()["error"]["code"] == code
+        assert (await c.get("/models/evil")).status_code == 404
+        r = await c.put("/models/evil", content=data, headers={"content-type": PT2},
+                        params={"default_loss": "nope"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "unknown_loss"
+        r = await c.put("/models/evil", content=json.dumps({"architecture": "exported"}),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 415
+        assert (await c.get("/healthz")).status_code == 200
+
+
+def test_a_stored_program_is_rebuilt_by_another_process_through_the_same_loader(
+        tmp_path: object) -> None:
+    from service.model_store import FileModelStore
+    from service.registration import register_exported
+    from service.registry import ModelRegistry
+    from tests.support.api import settings
+
+    cpu = torch.device("cpu")
+    first = ModelRegistry(cpu, store=FileModelStore(str(tmp_path)))
+    model = register_exported(first, "gpt1", exported("gpt")[1], settings(),
+                              default_loss="cross_entropy", losses=[])
+    other = ModelRegistry(cpu, store=FileModelStore(str(tmp_path)))  # e.g. a worker
+    again = other.get("gpt1")
+    assert again.version == model.version and list(again.params) == list(model.params)
+    assert again.describe()["tied"] == {"head.weight": "wte.weight"}
+    x = CASES["gpt"].example(1)
+    with torch.no_grad():
+        torch.testing.assert_close(again.module(x), exported("gpt")[0](x), **TOL)
