@@ -7,26 +7,27 @@ passed in if torch is already imported, and ``sys.modules`` tells.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from psgrad._errors import BadRequest
+from psgrad._merge import Fields
+from psgrad._types import ModelInfo
 
 __all__ = [
-    "WIRE_FLOAT",
+    "cast_floats",
+    "float_dtype",
+    "needs_model_dtype",
     "param_arrays",
-    "request_array",
     "state_dict_bytes",
     "to_numpy",
     "to_torch",
     "weights_from_bytes",
 ]
 
-# Every model the server holds computes in float32 (``GET /models/{id}`` lists each parameter's
-# dtype), and the server reads JSON lists as float32 too.
-WIRE_FLOAT = np.dtype(np.float32)
+_SENT_AS_IS = np.dtype(np.float32)  # the models' usual dtype: sending it needs no question
 
 
 def to_numpy(value: Any, name: str) -> np.ndarray:
@@ -54,34 +55,53 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     return arr
 
 
-def request_array(value: Any, name: str) -> np.ndarray:
-    """An array of a gradients request: floating arrays in the models' float32, the rest as is.
-
-    The server refuses a floating array wider than the model computes in (float64 inputs would
-    otherwise be a ``DtypeMismatch``), so the SDK casts every floating dtype (float64, float16,
-    bfloat16 tensors, ...) to float32, as the server does with JSON lists. Integer and boolean
-    arrays are sent unchanged: class targets and token ids stay integers, and the server
-    converts integers to the model's float where it expects floats.
-    """
-    arr = to_numpy(value, name)
-    return arr.astype(WIRE_FLOAT) if arr.dtype.kind == "f" and arr.dtype != WIRE_FLOAT else arr
+def float_dtype(info: ModelInfo) -> np.dtype | None:
+    """The dtype the model of ``info`` computes in (its first parameter's, as the server takes
+    it), or None where numpy has no such dtype (bfloat16) or the document names none."""
+    for spec in info.parameters.values():
+        name = str(spec.get("dtype", "")) if isinstance(spec, Mapping) else ""
+        return np.dtype(name) if name in ("float16", "float32", "float64") else None
+    return None
 
 
-def param_arrays(
-    value: Mapping[str, Any] | None,
-    name: str,
-    convert: Callable[[Any, str], np.ndarray] = request_array,
-) -> dict[str, np.ndarray] | None:
-    """{parameter: array} (``weights``, ``reference``), or None.
+def _arrays(fields: Fields) -> Iterator[tuple[str, str | None, np.ndarray]]:
+    for key, value in fields.items():
+        if isinstance(value, np.ndarray):
+            yield key, None, value
+        elif isinstance(value, Mapping):
+            yield from ((key, p, a) for p, a in value.items() if isinstance(a, np.ndarray))
 
-    Weights registered with a model keep their dtypes (``convert=to_numpy``): the server checks
-    them against the architecture's own.
-    """
+
+def needs_model_dtype(fields: Fields) -> bool:
+    """Whether a floating array of the request is in a dtype other than float32, so that the
+    model's own dtype must be known before it is sent."""
+    return any(a.dtype.kind == "f" and a.dtype != _SENT_AS_IS for _, _, a in _arrays(fields))
+
+
+def cast_floats(fields: Fields, dtype: np.dtype | None) -> Fields:
+    """``fields`` with every floating array cast to ``dtype``; integer and boolean arrays (class
+    targets, token ids, dones) as they are. The server refuses a floating array wider than its
+    model computes in, and converts a narrower one itself."""
+    if dtype is None:
+        return fields
+    out = dict(fields)
+    for key, param, arr in _arrays(fields):
+        if arr.dtype.kind != "f" or arr.dtype == dtype:
+            continue
+        if param is None:
+            out[key] = arr.astype(dtype)
+        else:
+            out[key] = {**out[key], param: arr.astype(dtype)}
+    return out
+
+
+def param_arrays(value: Mapping[str, Any] | None, name: str) -> dict[str, np.ndarray] | None:
+    """{parameter: array} (``weights``, ``reference``), or None."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
         raise BadRequest(f"'{name}' must map parameter names to arrays")
-    return {str(k): convert(v, f"{name}.{k}") for k, v in value.items()}
+    return {str(k): to_numpy(v, f"{name}.{k}") for k, v in value.items()}
 
 
 def to_torch(value: Any) -> Any:

@@ -27,8 +27,8 @@ T = TypeVar("T")
 class AsyncClient(BaseClient):
     """A psgrad server, called from asyncio: ``Client``'s API with ``await``.
 
-    The same arguments as ``psgrad.Client`` (the URL positionally or as ``base_url=``, floating
-    arrays sent as float32), except that ``transport`` is an async transport
+    The same arguments as ``psgrad.Client`` (the URL positionally or as ``base_url=``; floating
+    arrays cast to the model's dtype as there), except that ``transport`` is an async transport
     (``httpx.ASGITransport(app)`` in tests) and ``http_client`` an ``httpx.AsyncClient``. Use
     it as an async context manager, or ``await client.close()``.
     """
@@ -112,6 +112,11 @@ class AsyncClient(BaseClient):
         )
         return call.read(response)
 
+    async def _prepare(self, fields: Fields) -> Fields:
+        """``fields`` with its floating arrays in the model's dtype (asked for once a model)."""
+        model = self._dtype_unknown(fields)
+        return self._cast(fields, None if model is None else await self.models.get(model))
+
     async def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
         body, headers = self._encode(fields)
         return await self._send("POST", path, content=body, headers=headers)
@@ -136,6 +141,7 @@ class AsyncClient(BaseClient):
         self, fields: Fields, *, as_torch: bool, progress: ProgressArg, chunk_size: int | None
     ) -> GradsResult:
         started = time.perf_counter()
+        fields = await self._prepare(fields)
         with self._plan(fields, progress, chunk_size) as plan:
             out = await self._run_plan(plan)
         return self._planned(out, chunk_size, as_torch=as_torch, started=started)
@@ -250,7 +256,7 @@ class AsyncClient(BaseClient):
             dones=dones,
             gamma=gamma,
         )
-        doc = (await self._post_fields("/jobs", fields)).json()
+        doc = (await self._post_fields("/jobs", await self._prepare(fields))).json()
         return AsyncJob(
             self,
             str(doc["job_id"]),

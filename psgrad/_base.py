@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import httpx
+import numpy as np
 
-from psgrad._arrays import to_torch
+from psgrad._arrays import cast_floats, float_dtype, needs_model_dtype, to_torch
 from psgrad._constants import (
     DEFAULT_BASE_URL,
     DEFAULT_MAX_RETRIES,
@@ -46,7 +47,7 @@ from psgrad._errors import (
 from psgrad._merge import Fields, Plan, PlanResult, grads_plan
 from psgrad._progress import Progress
 from psgrad._request import grads_fields
-from psgrad._types import OUTPUT_NAMES, GradsResult
+from psgrad._types import OUTPUT_NAMES, GradsResult, ModelInfo
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
@@ -61,6 +62,7 @@ from psgrad._wire import (
 __all__ = ["BaseClient", "Call", "ProgressArg", "decode_json_result"]
 
 _MAX_DECODE_ELEMENTS = 2**62  # our own server's answers: it enforces its limits itself
+_MAX_DTYPES = 256  # models whose dtype a client remembers
 
 T = TypeVar("T")
 ProgressArg = bool | Callable[[int, int], None]
@@ -127,6 +129,7 @@ class BaseClient:
         self._headers = {"User-Agent": USER_AGENT, **(headers or {})}
         if self.api_key:
             self._headers["Authorization"] = f"Bearer {self.api_key}"
+        self._dtypes: dict[str, np.dtype | None] = {}  # model -> the dtype it computes in
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r})"
@@ -208,6 +211,21 @@ class BaseClient:
     # -- gradients -----------------------------------------------------------------------------
 
     _grads_fields = staticmethod(grads_fields)  # the checked request: psgrad._request
+
+    def _dtype_unknown(self, fields: Fields) -> str | None:
+        """The model to ask ``GET /models/{id}`` about before ``fields`` can be cast, if any:
+        only a floating array other than float32 needs its dtype, and only once per model."""
+        model = str(fields["model"])
+        return None if model in self._dtypes or not needs_model_dtype(fields) else model
+
+    def _cast(self, fields: Fields, info: ModelInfo | None) -> Fields:
+        """``fields`` with floating arrays in the model's dtype, once ``info`` told it."""
+        model = str(fields["model"])
+        if info is not None:
+            if len(self._dtypes) >= _MAX_DTYPES:
+                self._dtypes.clear()
+            self._dtypes[model] = float_dtype(info)
+        return cast_floats(fields, self._dtypes.get(model))
 
     @contextlib.contextmanager
     def _plan(

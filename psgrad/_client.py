@@ -31,10 +31,11 @@ class Client(BaseClient):
     URL may be given positionally or as ``base_url=``; every other option is keyword-only. Use it
     as a context manager, or call ``close()``.
 
-    Arrays may be numpy arrays (any dtype), torch tensors or nested lists. Every model the
-    server holds computes in float32, so floating arrays of another dtype (numpy's default
-    float64, float16, bfloat16 tensors) are sent as float32, as the server does with JSON lists;
-    integer and boolean arrays (class targets, token ids, dones) are sent unchanged.
+    Arrays may be numpy arrays, torch tensors or nested lists. A floating array in a dtype other
+    than float32 (numpy's default float64, float16) is cast to the dtype the model computes in,
+    which the client asks ``GET /models/{id}`` for once per model, so float64 data works as it
+    does through JSON; float32 arrays and lists (read as float32) are sent as they are, and
+    integer and boolean arrays (class targets, token ids, dones) are never cast.
 
     Args:
         base_url: the server's address (the one positional argument).
@@ -130,6 +131,11 @@ class Client(BaseClient):
         )
         return call.read(response)
 
+    def _prepare(self, fields: Fields) -> Fields:
+        """``fields`` with its floating arrays in the model's dtype (asked for once a model)."""
+        model = self._dtype_unknown(fields)
+        return self._cast(fields, None if model is None else self.models.get(model))
+
     def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
         body, headers = self._encode(fields)
         return self._send("POST", path, content=body, headers=headers)
@@ -154,6 +160,7 @@ class Client(BaseClient):
         self, fields: Fields, *, as_torch: bool, progress: ProgressArg, chunk_size: int | None
     ) -> GradsResult:
         started = time.perf_counter()
+        fields = self._prepare(fields)
         with self._plan(fields, progress, chunk_size) as plan:
             out = self._run_plan(plan)
         return self._planned(out, chunk_size, as_torch=as_torch, started=started)
@@ -183,7 +190,7 @@ class Client(BaseClient):
         Args:
             model: a model id, or ``id@version`` to pin weights.
             inputs: the batch [B, ...]: a numpy array, a torch tensor or nested lists; floating
-                arrays are sent as float32, integer ones (token ids) as they are.
+                arrays in the model's dtype (see above), integer ones (token ids) as they are.
             targets: labels or regression targets [B, ...] for supervised losses.
             loss: ``cross_entropy``, ``nll``, ``mse``, ...; default: the model's own.
             outputs: any of ``grads``, ``losses``, ``norms``, ``layer_norms``, ``mean``,
@@ -308,7 +315,7 @@ class Client(BaseClient):
             dones=dones,
             gamma=gamma,
         )
-        doc = self._post_fields("/jobs", fields).json()
+        doc = self._post_fields("/jobs", self._prepare(fields)).json()
         return Job(
             self,
             str(doc["job_id"]),

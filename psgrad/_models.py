@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 import httpx
 
-from psgrad._arrays import param_arrays, state_dict_bytes, to_numpy, to_torch, weights_from_bytes
+from psgrad._arrays import param_arrays, state_dict_bytes, to_torch, weights_from_bytes
 from psgrad._base import BaseClient, Call
 from psgrad._errors import BadRequest
 from psgrad._types import ModelInfo
@@ -40,7 +40,7 @@ def register_body(
     losses: Sequence[str] | None,
     weights: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """The JSON of ``PUT /models/{id}``; weights keep their dtypes (the server checks them)."""
+    """The JSON of ``PUT /models/{id}``; weights keep their dtypes (they define the model)."""
     body: dict[str, Any] = {"architecture": architecture}
     extra = {
         "config": None if config is None else dict(config),
@@ -50,7 +50,7 @@ def register_body(
         "losses": None if losses is None else list(losses),
     }
     body.update({k: v for k, v in extra.items() if v is not None})
-    state = param_arrays(weights, "weights", to_numpy)
+    state = param_arrays(weights, "weights")
     if state is not None:
         body["weights"] = fields_to_json({"w": state}, binary=True)["w"]
     return body

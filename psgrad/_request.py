@@ -2,7 +2,8 @@
 
 What the client can see is wrong without asking the server (an empty ``outputs``, a seed out of
 range, a NaN option) is refused here, with the server's own error classes; the arrays are made
-numpy in the dtypes the server computes in (:func:`psgrad._arrays.request_array`).
+numpy (:func:`psgrad._arrays.to_numpy`) and cast to the model's dtype later, by the client that
+can ask the server for it (:func:`psgrad._arrays.cast_floats`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from psgrad._arrays import param_arrays, request_array
+from psgrad._arrays import param_arrays, to_numpy
 from psgrad._errors import BadRequest, InvalidInput
 from psgrad._merge import Fields
 from psgrad._types import OUTPUT_NAMES
@@ -54,10 +55,10 @@ def grads_fields(
         or not 0 <= int(seed) < 2**63
     ):
         raise BadRequest("'seed' must be an integer in [0, 2**63)")
-    fields: Fields = {"model": model, "inputs": request_array(inputs, "inputs"), "outputs": outs}
+    fields: Fields = {"model": model, "inputs": to_numpy(inputs, "inputs"), "outputs": outs}
     samples = {"targets": targets, "next_inputs": next_inputs, "rewards": rewards, "dones": dones}
     optional: dict[str, Any] = {
-        **{k: None if v is None else request_array(v, k) for k, v in samples.items()},
+        **{k: None if v is None else to_numpy(v, k) for k, v in samples.items()},
         "loss": loss,
         "params": None if params is None else [str(p) for p in params],
         "weights": param_arrays(weights, "weights"),

@@ -1,7 +1,8 @@
 """What a new user tries first: the URL positionally, and numpy's default float64 arrays.
 
-The SDK sends floating arrays as float32 (every served model computes in float32, as the server
-reads JSON lists) and leaves integer and boolean arrays alone, on the binary and the JSON path.
+A floating array in a dtype other than float32 is cast to the dtype the model computes in (asked
+of ``GET /models/{id}`` once per model); integer and boolean arrays are never cast; on the binary
+and the JSON path alike.
 """
 
 from __future__ import annotations
@@ -25,15 +26,23 @@ OUTPUTS = ["grads", "losses", "norms", "mean", "dot"]
 SAFETENSORS = "application/x-safetensors"
 
 
-def recorder() -> tuple[httpx.MockTransport, list[httpx.Request]]:
-    """A transport that records each request and answers as the server would, briefly."""
+def recorder(dtypes: dict[str, str] | None = None
+             ) -> tuple[httpx.MockTransport, list[httpx.Request]]:
+    """A transport that records each request and answers as the server would, briefly; the
+    model ``m`` computes in float32, others in ``dtypes[model]``."""
     seen: list[httpx.Request] = []
+    dtypes = {"m": "float32", **(dtypes or {})}
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        if request.url.path == "/models":
+        path = request.url.path
+        if path == "/models":
             return httpx.Response(200, json={"models": []})
-        if request.url.path == "/jobs":
+        if path.startswith("/models/"):
+            model = path.removeprefix("/models/")
+            return httpx.Response(200, json={"id": model, "parameters": {
+                "w": {"shape": [3], "dtype": dtypes[model]}}})
+        if path == "/jobs":
             return httpx.Response(202, json={"job_id": "j1", "status": "queued"})
         body = fields_to_safetensors(
             {"model": "m@1", "batch_size": 1, "norms": np.ones(1, np.float32)}, RESPONSE_KEY
@@ -79,7 +88,11 @@ def _sent(seen: list[httpx.Request]) -> dict[str, Any]:
     return fields_from_safetensors(seen[-1].content, REQUEST_KEY)
 
 
-def test_floating_arrays_are_sent_as_float32_and_integers_stay_integers() -> None:
+def _asked(seen: list[httpx.Request]) -> list[str]:
+    return [r.url.path for r in seen if r.method == "GET" and r.url.path.startswith("/models/")]
+
+
+def test_floating_arrays_take_the_models_dtype_and_integers_stay_integers() -> None:
     transport, seen = recorder()
     x64 = np.linspace(-1, 1, 6).reshape(2, 3)
     with psgrad.Client("http://fake", transport=transport) as client:
@@ -101,27 +114,54 @@ def test_floating_arrays_are_sent_as_float32_and_integers_stay_integers() -> Non
         sent = _sent(seen)
         assert sent["next_inputs"].dtype == sent["rewards"].dtype == np.float32
         assert sent["dones"].dtype == np.bool_
-        client.per_sample_grads("tokens", np.array([[1, 2, 3]], np.int32), outputs=["norms"])
-        assert _sent(seen)["inputs"].dtype == np.int32  # token ids are never made floats
         client.submit("m", np.ones((1, 3), np.float16), np.ones(1), loss="mse")
         assert _sent(seen)["inputs"].dtype == _sent(seen)["targets"].dtype == np.float32
+        assert _asked(seen) == ["/models/m"]  # once per model, not once per request
+
+
+def test_float32_and_integer_requests_ask_nothing() -> None:
+    transport, seen = recorder()
+    with psgrad.Client("http://fake", transport=transport) as client:
+        client.per_sample_grads("tokens", np.array([[1, 2, 3]], np.int32), outputs=["norms"])
+        assert _sent(seen)["inputs"].dtype == np.int32  # token ids are never made floats
+        client.per_sample_grads("m", np.ones((1, 3), np.float32), [1.5], outputs=["norms"])
+        assert _sent(seen)["targets"].dtype == np.float32  # lists read as float32
+    assert _asked(seen) == [] and len(seen) == 2
+
+
+def test_a_float64_or_float16_model_gets_its_own_dtype() -> None:
+    transport, seen = recorder({"f64": "float64", "f16": "float16", "bf16": "bfloat16"})
+    x64 = np.full((1, 3), 1 / 3)
+    with psgrad.Client("http://fake", transport=transport) as client:
+        client.per_sample_grads("f64", x64, outputs=["norms"])
+        np.testing.assert_array_equal(_sent(seen)["inputs"], x64)  # never through float32
+        client.per_sample_grads("f16", x64, outputs=["norms"])
+        assert _sent(seen)["inputs"].dtype == np.float16
+        client.per_sample_grads("bf16", x64, outputs=["norms"])  # numpy has no bfloat16:
+        assert _sent(seen)["inputs"].dtype == np.float64  # sent as is, the server says what to do
+    assert _asked(seen) == ["/models/f64", "/models/f16", "/models/bf16"]
+
+
+async def test_the_async_client_casts_the_same_way() -> None:
+    transport, seen = recorder()
+    async with psgrad.AsyncClient("http://fake", transport=transport) as client:
+        await client.per_sample_grads("m", np.ones((2, 3)), np.array([0, 1]), outputs=["norms"])
+        sent = _sent(seen)
+        assert sent["inputs"].dtype == np.float32 and sent["targets"].dtype == np.int64
+        await client.submit("m", np.ones((1, 3)))
+        assert _sent(seen)["inputs"].dtype == np.float32
+    assert _asked(seen) == ["/models/m"]
 
 
 def test_the_json_path_casts_the_same_way() -> None:
-    bodies: list[dict[str, Any]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        bodies.append(json.loads(request.content))
-        return httpx.Response(200, json={"model": "m@1", "batch_size": 1, "norms": [1.0]})
-
-    with psgrad.Client(
-        "http://fake", transport=httpx.MockTransport(handler), binary=False
-    ) as client:
+    transport, seen = recorder()
+    with psgrad.Client("http://fake", transport=transport, binary=False) as client:
         client.per_sample_grads("m", np.ones((1, 3)), np.array([1]), outputs=["norms"])
-    assert bodies[0]["inputs"]["dtype"] == "float32" and bodies[0]["targets"]["dtype"] == "int64"
+    body = json.loads(seen[-1].content)
+    assert body["inputs"]["dtype"] == "float32" and body["targets"]["dtype"] == "int64"
 
 
-def test_torch_float64_and_bfloat16_tensors_are_sent_as_float32() -> None:
+def test_torch_float64_and_float16_tensors_take_the_models_dtype() -> None:
     torch = pytest.importorskip("torch")
     transport, seen = recorder()
     with psgrad.Client("http://fake", transport=transport) as client:
