@@ -23,6 +23,8 @@ from torch.func import functional_call, grad_and_value, vmap
 from service.losses import get_loss
 from service.outputs import OUTPUTS
 from service.registry import LoadedModel
+from service.strategies.base import Options as Options
+from service.strategies.base import clip_factors
 
 if TYPE_CHECKING:
     from service.compile_cache import CompiledFunctions
@@ -30,19 +32,6 @@ if TYPE_CHECKING:
 Tensors = dict[str, torch.Tensor]
 SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 PER_SAMPLE_GRADS = frozenset({"grads", "updates"})  # outputs that keep every per-sample gradient
-
-
-@dataclass(frozen=True)
-class Options:
-    """What to compute: the non-tensor part of a request. Hashable: it is part of the group key."""
-
-    loss: str
-    outputs: tuple[str, ...]
-    params: tuple[str, ...]  # the selected parameters, in the module's order
-    clip_norm: float | None = None
-    noise_multiplier: float = 0.0
-    seed: int | None = None
-    gamma: float = 1.0
 
 
 @dataclass
@@ -292,8 +281,7 @@ class _Accumulator:
             if self.need_stats:
                 self._merge_stats(s, part)
             if "clipped_mean" in self.want and norms is not None:
-                clip = self.opts.clip_norm or 0.0
-                factor = (clip / norms[lo:hi]).clamp(max=1.0).nan_to_num(1.0)
+                factor = clip_factors(self.opts.clip_norm, norms[lo:hi], self.opts.norm_offset)
                 for k, g in part.items():
                     term = torch.tensordot(factor, g, dims=1)
                     self.clipped[s][k] = self.clipped[s].get(k, 0) + term
@@ -369,10 +357,20 @@ class _Accumulator:
 
 
 def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | None]:
-    """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count."""
+    """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count.
+
+    A DP run's options divide by its expected batch size instead (``opts.divisor``) and draw the
+    noise from the OS CSPRNG (``opts.secure_noise``): no seed exists, None is echoed.
+    """
     sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
+    n = opts.divisor or n
     if sigma == 0:
         return {k: v / n for k, v in sums.items()}, opts.seed
+    if opts.secure_noise:
+        from service.dp.noise import secure_normal
+
+        return {k: (v + secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype)) / n
+                for k, v in sums.items()}, None
     seed = opts.seed if opts.seed is not None else secrets.randbits(63)
     gen = torch.Generator().manual_seed(seed)
     out = {}

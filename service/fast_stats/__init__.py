@@ -38,6 +38,7 @@ from service.fast_stats._core import (
     total,
 )
 from service.fast_stats._plan import forward_backward, plan_for, sources
+from service.strategies.base import clip_factors
 
 __all__ = ["PER_SAMPLE_OUTPUTS", "compute", "supports"]
 
@@ -100,7 +101,7 @@ def compute(
     second: dict[str, Pass2] = {}
     clip = None
     if "clipped_mean" in want and norms is not None:
-        clip = ((opts.clip_norm or 0.0) / norms).clamp(max=1.0).nan_to_num(1.0)
+        clip = clip_factors(opts.clip_norm, norms, opts.norm_offset)
     if clip is not None or "cosine_mean" in want:
         for source in found:
             second.update(source.pass2(clip, means if "cosine_mean" in want else None, bounds))
