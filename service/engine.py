@@ -363,20 +363,20 @@ def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | No
     noise from the OS CSPRNG (``opts.secure_noise``): no seed exists, None is echoed.
     """
     sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
-    n = opts.divisor or n
+    divisor = opts.divisor or n
     if sigma == 0:
-        return {k: v / n for k, v in sums.items()}, opts.seed
+        return {k: v / divisor for k, v in sums.items()}, opts.seed
     if opts.secure_noise:
         from service.dp.noise import secure_normal
 
-        return {k: (v + secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype)) / n
+        return {k: (v + secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype)) / divisor
                 for k, v in sums.items()}, None
     seed = opts.seed if opts.seed is not None else secrets.randbits(63)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
         noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
-        out[k] = (v + noise.to(v.device, v.dtype)) / n
+        out[k] = (v + noise.to(v.device, v.dtype)) / divisor
     return out, seed
 
 

@@ -56,6 +56,7 @@ def make_run(spec: Mapping[str, Any]) -> DPRun:
     if (target is None) == (sigma is None):
         raise InvalidInput("give exactly one of noise_multiplier and target_epsilon")
     if sigma is None:
+        assert target is not None
         if not steps:
             raise InvalidInput("target_epsilon needs the planned 'steps' or 'epochs' to solve "
                                "for the noise multiplier")
