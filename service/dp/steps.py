@@ -29,6 +29,14 @@ RUN_SETS = ("clip_norm", "noise_multiplier", "seed")
 
 def make_run(spec: Mapping[str, Any]) -> DPRun:
     """A new run from the body of ``POST /dp-runs`` (already type-checked by its schema)."""
+    try:
+        return _make_run(spec)
+    except (ArithmeticError, ValueError) as exc:  # extreme values the accountant cannot take
+        raise InvalidInput(f"the accountant cannot evaluate this run ({exc}): use a noise "
+                           "multiplier, sampling rate and delta in the usual ranges") from None
+
+
+def _make_run(spec: Mapping[str, Any]) -> DPRun:
     from service.dp import accounting  # scipy and dp-accounting load on first use, not at start
 
     q, batch, size = spec.get("sample_rate"), spec.get("expected_batch_size"), spec.get(

@@ -32,12 +32,12 @@ class DPRunCreate(BaseModel):
     clip_norm: float = Field(gt=0, description="C: each sample's whole gradient is scaled by "
                              "min(1, C / |g|) (clip_form 'opacus': C / (|g| + 1e-6))")
     noise_multiplier: float | None = Field(
-        None, gt=0, le=1e4, description="sigma: the noise std on the clipped sum is sigma * C; "
+        None, ge=0.01, le=1e4, description="sigma: the noise std on the clipped sum is sigma * C; "
         "give this or target_epsilon")
     target_epsilon: float | None = Field(
-        None, gt=0, le=1e3, description="solve sigma so that the planned steps spend this "
+        None, ge=1e-3, le=1e3, description="solve sigma so that the planned steps spend this "
         "epsilon (needs steps or epochs); also the default max_epsilon")
-    sample_rate: float | None = Field(None, gt=0, le=1, description="q, the Poisson sampling "
+    sample_rate: float | None = Field(None, ge=1e-9, le=1, description="q, the Poisson sampling "
                                       "rate; give two of sample_rate, expected_batch_size, "
                                       f"dataset_size. {SAMPLING}")
     expected_batch_size: float | None = Field(
@@ -45,7 +45,7 @@ class DPRunCreate(BaseModel):
         "batch's actual size (Opacus's convention)")
     dataset_size: int | None = Field(None, gt=0, le=10**12, description="N, records in the "
                                      "training set")
-    delta: float = Field(gt=0, lt=1, description="the delta of (epsilon, delta)-DP, e.g. 1e-5 "
+    delta: float = Field(ge=1e-30, lt=1, description="the delta of (epsilon, delta)-DP, e.g. 1e-5 "
                          "(below 1 / dataset_size)")
     max_epsilon: float | None = Field(
         None, gt=0, le=1e3, description="the budget: a step that would pass it answers 409 "
@@ -93,7 +93,7 @@ def _checked(run_id: str) -> str:
     return run_id
 
 
-@router.post("", status_code=201, response_model=DPRunView, responses=errors(401, 404, 422),
+@router.post("", status_code=201, response_model=DPRunView, responses=errors(400, 401, 404, 422),
              summary="Start a DP-SGD run")
 async def create_run(body: DPRunCreate, settings: SettingsDep,
                      registry: RegistryDep) -> dict[str, Any]:
@@ -106,7 +106,7 @@ async def create_run(body: DPRunCreate, settings: SettingsDep,
     return await run_in_threadpool(describe, run, 0)
 
 
-@router.get("", response_model=DPRunList, responses=errors(401), summary="Every DP run")
+@router.get("", response_model=DPRunList, responses=errors(400, 401), summary="Every DP run")
 async def list_runs(settings: SettingsDep) -> dict[str, Any]:
     store = store_for(settings)
 
@@ -123,7 +123,7 @@ async def list_runs(settings: SettingsDep) -> dict[str, Any]:
     return {"runs": await run_in_threadpool(brief)}
 
 
-@router.get("/{run_id}", response_model=DPRunView, responses=errors(401, 404),
+@router.get("/{run_id}", response_model=DPRunView, responses=errors(400, 401, 404),
             summary="A run's steps, epsilon and budget left")
 async def get_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
     """Epsilon under both accountants (prv takes up to a second on a CPU)."""
@@ -133,7 +133,7 @@ async def get_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
     return await run_in_threadpool(describe, *found)
 
 
-@router.delete("/{run_id}", responses=errors(401, 403, 404), dependencies=[AdminKey],
+@router.delete("/{run_id}", responses=errors(400, 401, 403, 404), dependencies=[AdminKey],
                summary="Delete a run (admin)")
 async def delete_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
     """The run and its record of the budget spent go; its id then answers 404."""
