@@ -29,13 +29,13 @@ from psgrad._wire import fields_from_safetensors
 from service import keys
 from service.broker.redis import (
     FINISH_LUA,
-    connection_kwargs,
     encode_result,
     redis_unavailable,
     text,
     value_limit,
 )
 from service.config import Settings
+from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus, answer_too_large
 
 log = logging.getLogger(__name__)
