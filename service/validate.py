@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models import TensorSpec
 from psgrad._errors import (
     BadRequest,
     DtypeMismatch,
@@ -32,7 +33,7 @@ from service.losses import get_loss
 from service.outputs import get_output
 from service.registry import LoadedModel, ModelRegistry
 
-TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
                  "gamma")
@@ -69,8 +70,12 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
         raise BadRequest("the request body must be a JSON object")
     fields = dict(body)
     for name in TENSOR_FIELDS:
-        if fields.get(name) is not None:
-            fields[name] = array_from_json(fields[name], name=name, max_elements=max_elements)
+        value = fields.get(name)
+        if name == "inputs" and isinstance(value, dict):  # a model's named inputs
+            fields[name] = {k: array_from_json(v, name=f"inputs.{k}", max_elements=max_elements)
+                            for k, v in value.items()}
+        elif value is not None:
+            fields[name] = array_from_json(value, name=name, max_elements=max_elements)
     for name in TENSOR_DICT_FIELDS:
         group = fields.get(name)
         if group is None:
@@ -99,20 +104,24 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     model = registry.get(ref)
     opts = _options(fields, model)
     loss = get_loss(opts.loss)
-    raw = fields.get("inputs")
-    if isinstance(raw, np.ndarray) and raw.ndim and raw.shape[0] == 0:  # `[]` has shape [0]
-        raise EmptyBatch("the batch is empty: send at least one sample")
-    inputs = _inputs(raw, model, "inputs")
+    inputs, named = _all_inputs(fields.get("inputs"), model)
     size = int(inputs.shape[0])
     if max_batch_size is not None and size > max_batch_size:
         raise TooLarge(
             f"the batch has {size} samples; the limit is {max_batch_size}: split it into "
             "smaller batches (the SDK does this for you)", limit=max_batch_size, size=size,
         )
-    batch = Batch(inputs=inputs)
+    batch = Batch(inputs=inputs, named=named)
     if "targets" in loss.needs:
-        batch.targets = _targets(fields.get("targets"), model, loss.classification, size)
+        batch.targets = (_token_targets(fields.get("targets"), model, batch) if loss.tokens
+                         else _targets(fields.get("targets"), model, loss.classification, size))
+    if fields.get("mask") is not None:
+        if "mask" not in loss.needs:
+            raise InvalidInput(f"'mask' is read by the token losses only, not by '{opts.loss}'")
+        batch.mask = _mask(fields["mask"], batch, model)
     if opts.loss == "td0":
+        if named:
+            raise LossNotSupported("loss 'td0' takes models with one input")
         batch.next_inputs = _inputs(fields.get("next_inputs"), model, "next_inputs")
         if batch.next_inputs.shape[0] != size:
             raise ShapeMismatch(f"'next_inputs' has {batch.next_inputs.shape[0]} samples, "
@@ -226,9 +235,12 @@ def _to_tensor(arr: np.ndarray, dtype: torch.dtype, name: str) -> torch.Tensor:
     return t
 
 
-def _inputs(value: Any, model: LoadedModel, name: str) -> torch.Tensor:
+def _inputs(value: Any, model: LoadedModel, name: str,
+            spec: TensorSpec | None = None) -> torch.Tensor:
     arr = _array(value, name)
-    spec = model.input
+    spec = spec or model.input
+    if spec.dynamic:
+        return _dynamic(arr, spec, model, name)
     if arr.ndim != len(spec.shape) + 1 or tuple(arr.shape[1:]) != spec.shape:
         raise ShapeMismatch(
             f"'{name}' has shape {list(arr.shape)}; '{model.id}' takes a batch of samples of "
@@ -252,6 +264,90 @@ def _inputs(value: Any, model: LoadedModel, name: str) -> torch.Tensor:
             f"{str(model.dtype).removeprefix('torch.')}: send that dtype",
         )
     return _to_tensor(arr, model.dtype, name)
+
+
+def _all_inputs(raw: Any, model: LoadedModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The first input and the others by name: ``inputs`` is one tensor, or an object of
+    tensors named as the model's inputs (required when it takes several)."""
+    specs = model.inputs or (model.input,)
+    if isinstance(raw, dict):
+        names = [s.name for s in specs]
+        if set(raw) != set(names):
+            raise BadRequest(f"'inputs' names {', '.join(sorted(map(str, raw))) or 'nothing'}; "
+                             f"'{model.id}' takes {', '.join(names)}", expected=names)
+        arrays = [raw[n] for n in names]
+    elif len(specs) > 1:
+        raise BadRequest(f"'{model.id}' takes several inputs: send 'inputs' as an object "
+                         f"{{{', '.join(s.name for s in specs)}}} of tensors")
+    else:
+        arrays = [raw]
+    first = arrays[0]
+    if isinstance(first, np.ndarray) and first.ndim and first.shape[0] == 0:  # `[]`: shape [0]
+        raise EmptyBatch("the batch is empty: send at least one sample")
+    where = ["inputs"] if len(specs) == 1 else [f"inputs.{s.name}" for s in specs]
+    tensors = [_inputs(a, model, w, s) for a, w, s in zip(arrays, where, specs, strict=True)]
+    sizes: dict[str, tuple[str, int]] = {}
+    for t, w, spec in zip(tensors, where, specs, strict=True):
+        if t.shape[0] != tensors[0].shape[0]:
+            raise ShapeMismatch(f"'{w}' has {t.shape[0]} samples, '{where[0]}' has "
+                                f"{tensors[0].shape[0]}")
+        for dim, _, _, symbol in spec.dynamic:
+            seen = sizes.setdefault(symbol, (w, int(t.shape[dim + 1])))
+            if seen[1] != t.shape[dim + 1]:
+                raise ShapeMismatch(f"'{w}' and '{seen[0]}' must have the same size in the "
+                                    f"dimension they share; got {t.shape[dim + 1]} and {seen[1]}")
+    return tensors[0], {s.name: t for s, t in zip(specs[1:], tensors[1:], strict=True)}
+
+
+def _dynamic(arr: np.ndarray, spec: TensorSpec, model: LoadedModel, name: str) -> torch.Tensor:
+    """An input with dimensions sized by the request, each within its exported range."""
+    free = {d: (lo, hi) for d, lo, hi, _ in spec.dynamic}
+    shown = [f"{free[i][0]}..{free[i][1]}" if i in free else str(n)
+             for i, n in enumerate(spec.shape)]
+    ok = arr.ndim == len(spec.shape) + 1 and all(
+        (free[i][0] <= n <= free[i][1]) if i in free else n == spec.shape[i]
+        for i, n in enumerate(arr.shape[1:]))
+    if not ok:
+        raise ShapeMismatch(f"'{name}' has shape {list(arr.shape)}; '{model.id}' takes "
+                            f"[B, {', '.join(shown)}]", got=list(arr.shape))
+    return _inputs(arr, model, name, TensorSpec(tuple(arr.shape[1:]), spec.dtype, spec.high))
+
+
+def _token_targets(value: Any, model: LoadedModel, batch: Batch) -> torch.Tensor:
+    """Token ids [B, T] for scores [T, V] per sample (T as the request's sequence length)."""
+    arr = _array(value, "targets")
+    if len(model.output_shape) != 2:
+        raise LossNotSupported(f"the token losses need scores of shape [T, V] per sample; "
+                               f"'{model.id}' gives {list(model.output_shape)}")
+    length, vocab = _sequence_length(model, batch), model.output_shape[1]
+    if arr.shape != (batch.size, length) or arr.dtype.kind not in "iu":
+        raise ShapeMismatch(f"'targets' must be integer token ids of shape [{batch.size}, "
+                            f"{length}]; got {arr.dtype} {list(arr.shape)}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        raise TargetOutOfRange(f"'targets' must be token ids in [0, {vocab})", classes=vocab)
+    return torch.tensor(arr.astype(np.int64))
+
+
+def _sequence_length(model: LoadedModel, batch: Batch) -> int:
+    """The output's T: the exported one, or the request's size of a dynamic input dimension
+    that had that size when the program was exported."""
+    length = model.output_shape[0]
+    sent_inputs = (batch.inputs, *batch.named.values())  # in the model's order
+    for spec, sent in zip(model.inputs or (model.input,), sent_inputs, strict=True):
+        for dim, _, _, _ in spec.dynamic:
+            if spec.shape[dim] == length:
+                return int(sent.shape[dim + 1])
+    return length
+
+
+def _mask(value: Any, batch: Batch, model: LoadedModel) -> torch.Tensor:
+    arr = _array(value, "mask")
+    want = tuple(batch.targets.shape) if batch.targets is not None else None
+    if want is None or arr.shape != want or arr.dtype.kind not in "biuf" or \
+            not np.isin(arr, (0, 1)).all():
+        raise InvalidInput(f"'mask' must hold 0 or 1 per target token, shape "
+                           f"{list(want or ())}; got {list(arr.shape)}")
+    return torch.tensor(arr.astype(np.float64)).to(model.dtype)
 
 
 def _targets(value: Any, model: LoadedModel, classification: bool, size: int) -> torch.Tensor:
