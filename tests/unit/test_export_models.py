@@ -105,3 +105,29 @@ async def test_bad_token_requests_are_4xx_naming_what_to_change() -> None:
                        **change}
             r = await c.post("/per-sample-grads", json=request)
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), (change, r.text)
+
+
+def test_the_sdk_and_the_cli_register_a_program_path_or_object(tmp_path: Any,
+                                                                capsys: Any) -> None:
+    import psgrad
+    from psgrad._cli import main as cli_main
+    from service.api import create_app
+    from tests.support.api import settings
+    from tests.support.client import running_app
+    from tests.support.export import CASES, exported
+
+    module, data = exported("resnet")
+    path = tmp_path / "model.pt2"
+    path.write_bytes(data)
+    x, y = CASES["resnet"].example(2), CASES["resnet"].target(2)
+    with running_app(create_app(settings())) as t, psgrad.Client("http://app", transport=t) as c:
+        c.models.register_exported("res", path, default_loss="cross_entropy",
+                                          description="a resnet")
+        c.models.register_exported(
+            "res2", torch.export.export(module, (x[:1],)), losses=["nll"])
+        assert "nll" in c.models.get("res2").losses
+        got = c.per_sample_grads("res", x.numpy(), y.numpy(), outputs=["norms"])
+    want = per_sample_loop(module, {"inputs": x, "targets": y}, "cross_entropy")
+    np.testing.assert_allclose(got.norms, want.norms.numpy(), **TOL)
+    with pytest.raises(SystemExit):
+        cli_main(["models", "register", "x", "--url", "http://127.0.0.1:9"])
