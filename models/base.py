@@ -19,16 +19,26 @@ from service.plugins import Registry
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of one sample (no batch dimension); ``high`` bounds integer inputs."""
+    """Shape and dtype of one sample (no batch dimension); ``high`` bounds integer inputs.
+
+    ``name`` is the input's name in a model that takes several; ``dynamic`` lists the sample
+    dimensions whose size a request may choose, as ``(dim, low, high, symbol)`` with the bounds
+    inclusive (``shape`` holds the exported example's size there); dimensions that share a
+    symbol must be sent with one size.
+    """
 
     shape: tuple[int, ...]
     dtype: str = "float32"
     high: int | None = None
+    name: str = "inputs"
+    dynamic: tuple[tuple[int, int, int, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
         if self.high is not None:
             out["high"] = self.high
+        if self.dynamic:
+            out["dynamic"] = {str(d): [lo, hi] for d, lo, hi, _ in self.dynamic}
         return out
 
 
@@ -51,6 +61,10 @@ class ModelFamily:
 
     def input_spec(self, config: dict[str, Any]) -> TensorSpec:
         raise NotImplementedError
+
+    def input_specs(self, config: dict[str, Any]) -> tuple[TensorSpec, ...]:
+        """Every input in the order the module takes them (one for the zoo)."""
+        return (self.input_spec(config),)
 
     def loss_info(self, config: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The default loss and the accepted losses (a family may derive them from the config)."""

@@ -59,7 +59,8 @@ def add_commands(sub: Any) -> None:
         description="Register a zoo architecture with a config, or a 'sequential' spec of "
                     "allow-listed torch.nn layers. JSON arguments may be given as @file.json.")
     p.add_argument("model", help="the new model's id")
-    p.add_argument("--architecture", required=True, help="a zoo name, or 'sequential'")
+    p.add_argument("--architecture", help="a zoo name, or 'sequential' (or give --pt2)")
+    p.add_argument("--pt2", type=Path, help="a torch.export archive (torch.export.save)")
     p.add_argument("--config", type=_json_arg, help="JSON config of a zoo architecture")
     p.add_argument("--layers", type=_json_arg, help="JSON list of layers (sequential)")
     p.add_argument("--input", type=_json_arg, help='JSON input spec, e.g. {"shape": [4]}')
@@ -176,8 +177,12 @@ def cmd_models_show(args: argparse.Namespace) -> int:
 
 def cmd_models_register(args: argparse.Namespace) -> int:
     weights = load_file(str(args.weights)) if args.weights else None
+    if (args.pt2 is None) == (args.architecture is None):
+        raise SystemExit("psgrad models register: give --architecture or --pt2 (one of them)")
     with _client(args) as client:
-        info = client.models.register(
+        info = client.models.register_exported(
+            args.model, args.pt2, default_loss=args.default_loss) if args.pt2 else \
+            client.models.register(
             args.model, architecture=args.architecture, config=args.config, layers=args.layers,
             input=args.input, default_loss=args.default_loss, weights=weights)
     print(info.ref)

@@ -6,9 +6,11 @@ two namespaces only send it, with or without ``await``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from psgrad._client import Client
 
 __all__ = ["AsyncModels", "Models"]
+
+TORCH_EXPORT = "application/x-torch-export"
 
 
 def model_path(model_id: str, suffix: str = "") -> str:
@@ -56,6 +60,22 @@ def register_body(
     return body
 
 
+def exported_bytes(program: Any) -> bytes:
+    """The archive's bytes: a ``.pt2`` path, bytes, or an ``ExportedProgram`` saved here (torch
+    is imported only then: the client needs no torch otherwise)."""
+    if isinstance(program, bytes | bytearray):
+        return bytes(program)
+    if isinstance(program, str | os.PathLike):
+        return Path(program).read_bytes()
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return buf.getvalue()
+
+
 def _model_info(response: httpx.Response) -> ModelInfo:
     return ModelInfo.from_dict(response.json())
 
@@ -87,6 +107,16 @@ class _Registry:
     @staticmethod
     def _register(model_id: str, body: dict[str, Any]) -> Call[ModelInfo]:
         return Call("PUT", model_path(model_id), _model_info, json=body)
+
+    @staticmethod
+    def _register_exported(model_id: str, program: Any, default_loss: str | None,
+                           losses: Sequence[str] | None, description: str | None
+                           ) -> Call[ModelInfo]:
+        query = urlencode({k: v for k, v in (("default_loss", default_loss),
+                                             ("losses", list(losses or ())),
+                                             ("description", description)) if v}, doseq=True)
+        return Call("PUT", model_path(model_id) + (f"?{query}" if query else ""), _model_info,
+                    content=exported_bytes(program), headers={"Content-Type": TORCH_EXPORT})
 
     @staticmethod
     def _upload(model_id: str, state_dict: Mapping[str, Any]) -> Call[ModelInfo]:
@@ -142,6 +172,14 @@ class Models(_Registry):
         body = register_body(architecture, config, layers, input, default_loss, losses, weights)
         return self._client._call(self._register(model_id, body))
 
+    def register_exported(self, model_id: str, program: Any, *, default_loss: str | None = None,
+                          losses: Sequence[str] | None = None,
+                          description: str | None = None) -> ModelInfo:
+        """Register a torch.export program: a ``.pt2`` path, its bytes, or an
+        ``ExportedProgram``. The server reads it with its own strict loader (never pickle)."""
+        return self._client._call(self._register_exported(model_id, program, default_loss,
+                                                          losses, description))
+
     def upload_weights(self, model_id: str, state_dict: Mapping[str, Any]) -> ModelInfo:
         """New weights for ``model_id`` (a new version); names and shapes must match."""
         return self._client._call(self._upload(model_id, state_dict))
@@ -183,6 +221,14 @@ class AsyncModels(_Registry):
         """Register a model; see ``Models.register``."""
         body = register_body(architecture, config, layers, input, default_loss, losses, weights)
         return await self._client._call(self._register(model_id, body))
+
+    async def register_exported(self, model_id: str, program: Any, *,
+                                default_loss: str | None = None,
+                                losses: Sequence[str] | None = None,
+                                description: str | None = None) -> ModelInfo:
+        """``Models.register_exported``, awaited."""
+        return await self._client._call(self._register_exported(model_id, program, default_loss,
+                                                                losses, description))
 
     async def upload_weights(self, model_id: str, state_dict: Mapping[str, Any]) -> ModelInfo:
         """New weights for ``model_id`` (a new version); names and shapes must match."""

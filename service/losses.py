@@ -34,6 +34,7 @@ class Loss:
     needs: tuple[str, ...]  # request fields besides inputs
     classification: bool = False  # targets are class indices into the output
     scalar_output: bool = False  # the model must give one value per sample
+    tokens: bool = False  # scores [T, V] per sample, targets [T] token ids, optional mask [T]
     batched: BatchedFn | None = None
     # the per-sample ``updates`` output from the per-sample gradients (None: not offered)
     updates: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -43,11 +44,13 @@ LOSSES: Registry[str, Loss] = Registry("loss", UnknownLoss)
 
 
 def register_loss(name: str, *, needs: tuple[str, ...] = ("targets",), classification: bool = False,
-                  scalar_output: bool = False, batched: BatchedFn | None = None,
+                  scalar_output: bool = False, tokens: bool = False,
+                  batched: BatchedFn | None = None,
                   updates: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> Callable[[LossFn], LossFn]:
     def decorate(fn: LossFn) -> LossFn:
-        LOSSES.add(name, Loss(name, fn, needs, classification, scalar_output, batched, updates))
+        LOSSES.add(name, Loss(name, fn, needs, classification, scalar_output, tokens, batched,
+                              updates))
         return fn
 
     return decorate
@@ -105,3 +108,25 @@ def td0(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
                                   else gamma * (1 - done) * next_value)
     delta = target - value
     return delta**2, delta.detach()
+
+
+def _tokens(scores: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None) -> Any:
+    """Mean cross-entropy of [T, V] scores against [T] ids over the positions ``mask`` keeps."""
+    each = F.cross_entropy(scores, ids, reduction="none")
+    loss = each.mean() if mask is None else (each * mask).sum() / mask.sum().clamp(min=1)
+    return loss, loss.detach()
+
+
+@register_loss("token_cross_entropy", needs=("targets", "mask"), tokens=True)
+def token_cross_entropy(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
+    """Each position's scores against the target token at that position (tagging, MLM)."""
+    return _tokens(forward(sample["inputs"]), sample["targets"], sample.get("mask"))
+
+
+@register_loss("next_token", needs=("targets", "mask"), tokens=True)
+def next_token(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
+    """A language model's loss: the scores at t predict token t + 1 (``scores[:-1]`` against
+    ``targets[1:]``, usually the input ids themselves); the mask drops padded positions."""
+    mask = sample.get("mask")
+    return _tokens(forward(sample["inputs"])[:-1], sample["targets"][1:],
+                   None if mask is None else mask[1:])

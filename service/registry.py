@@ -61,6 +61,8 @@ class LoadedModel:
     batched: bool = True  # False: the module runs one sample at a time only (exported graphs)
     structure: str = ""  # digest of architecture and config: versions that differ only in weights
     extra: dict[str, Any] = field(default_factory=dict)
+    # every input in the module's order when it takes several (``input`` is the first)
+    inputs: tuple[TensorSpec, ...] = ()
 
     @property
     def ref(self) -> str:
@@ -129,7 +131,8 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
     if not params:
         raise InvalidModelSpec(f"'{model_id}' has no parameters to differentiate")
     buffers = {k: v.detach() for k, v in module.named_buffers()}
-    spec = family.input_spec(config)
+    specs = family.input_specs(config)
+    spec = specs[0]
     default_loss, losses = family.loss_info(config)
     if family.batched:
         output_shape, activations = _dry_run(module, spec, device)
@@ -144,6 +147,7 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
         input=spec, output_shape=output_shape, default_loss=default_loss, losses=losses,
         activation_numel=activations, route=route, batched=family.batched,
         structure=weights_digest(architecture, config, {}), extra=family.describe(config),
+        inputs=specs if len(specs) > 1 else (),
     )
 
 

@@ -11,20 +11,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from psgrad._errors import (
     BadRequest,
-    DtypeMismatch,
-    EmptyBatch,
     InvalidInput,
     LossNotSupported,
-    NonFinite,
     ShapeMismatch,
-    TargetOutOfRange,
     TooLarge,
-    UnknownParameter,
 )
 from psgrad._wire import array_from_json
 from service.dp.steps import bind
@@ -32,11 +26,21 @@ from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import get_output
 from service.registry import LoadedModel, ModelRegistry
+from service.request_tensors import (
+    batch_inputs,
+    check_names,
+    mask_of,
+    param_tensors,
+    sample_inputs,
+    targets_of,
+    token_targets,
+    vector,
+)
 
 if TYPE_CHECKING:
     from service.dp.runs import RunStore
 
-TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
                  "gamma", "dp_run")
@@ -73,8 +77,12 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
         raise BadRequest("the request body must be a JSON object")
     fields = dict(body)
     for name in TENSOR_FIELDS:
-        if fields.get(name) is not None:
-            fields[name] = array_from_json(fields[name], name=name, max_elements=max_elements)
+        value = fields.get(name)
+        if name == "inputs" and isinstance(value, dict):  # a model's named inputs
+            fields[name] = {k: array_from_json(v, name=f"inputs.{k}", max_elements=max_elements)
+                            for k, v in value.items()}
+        elif value is not None:
+            fields[name] = array_from_json(value, name=name, max_elements=max_elements)
     for name in TENSOR_DICT_FIELDS:
         group = fields.get(name)
         if group is None:
@@ -107,32 +115,36 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     model = registry.get(ref)
     opts = _options(fields, model, dp_runs)
     loss = get_loss(opts.loss)
-    raw = fields.get("inputs")
-    if isinstance(raw, np.ndarray) and raw.ndim and raw.shape[0] == 0:  # `[]` has shape [0]
-        raise EmptyBatch("the batch is empty: send at least one sample")
-    inputs = _inputs(raw, model, "inputs")
+    inputs, named = batch_inputs(fields.get("inputs"), model)
     size = int(inputs.shape[0])
     if max_batch_size is not None and size > max_batch_size:
         raise TooLarge(
             f"the batch has {size} samples; the limit is {max_batch_size}: split it into "
             "smaller batches (the SDK does this for you)", limit=max_batch_size, size=size,
         )
-    batch = Batch(inputs=inputs)
+    batch = Batch(inputs=inputs, named=named)
     if "targets" in loss.needs:
-        batch.targets = _targets(fields.get("targets"), model, loss.classification, size)
+        batch.targets = (token_targets(fields.get("targets"), model, batch) if loss.tokens
+                         else targets_of(fields.get("targets"), model, loss.classification, size))
+    if fields.get("mask") is not None:
+        if "mask" not in loss.needs:
+            raise InvalidInput(f"'mask' is read by the token losses only, not by '{opts.loss}'")
+        batch.mask = mask_of(fields["mask"], batch, model)
     if opts.loss == "td0":
-        batch.next_inputs = _inputs(fields.get("next_inputs"), model, "next_inputs")
+        if named:
+            raise LossNotSupported("loss 'td0' takes models with one input")
+        batch.next_inputs = sample_inputs(fields.get("next_inputs"), model, "next_inputs")
         if batch.next_inputs.shape[0] != size:
             raise ShapeMismatch(f"'next_inputs' has {batch.next_inputs.shape[0]} samples, "
                                 f"'inputs' has {size}")
-        batch.rewards = _vector(fields.get("rewards"), "rewards", size, model.dtype)
+        batch.rewards = vector(fields.get("rewards"), "rewards", size, model.dtype)
         dones = fields.get("dones")
         batch.dones = (torch.zeros(size, dtype=model.dtype) if dones is None
-                       else _vector(dones, "dones", size, model.dtype))
+                       else vector(dones, "dones", size, model.dtype))
         if not bool(((batch.dones == 0) | (batch.dones == 1)).all()):
             raise InvalidInput("'dones' must hold only 0 and 1 (or false and true)")
-    batch.weights = _param_tensors(fields.get("weights"), model, "weights")
-    batch.reference = _param_tensors(fields.get("reference"), model, "reference")
+    batch.weights = param_tensors(fields.get("weights"), model, "weights")
+    batch.reference = param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
         missing = [p for p in opts.params if p not in batch.reference]
         if missing:
@@ -173,7 +185,7 @@ def _options(fields: dict[str, Any], model: LoadedModel,
         if not isinstance(params, list) or not params or not all(isinstance(p, str)
                                                                  for p in params):
             raise BadRequest("'params' must be a non-empty list of parameter names")
-        _check_names(params, model, "params")
+        check_names(params, model, "params")
         selected = tuple(p for p in model.params if p in set(params))
     gamma = _gamma(fields.get("gamma"))
     if fields.get("dp_run") is not None:  # the run sets clip, noise and divisor (service.dp)
@@ -212,109 +224,3 @@ def _number(value: Any, name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BadRequest(f"'{name}' must be a finite number")
     return float(value)
-
-
-def _check_names(names: Any, model: LoadedModel, field: str) -> None:
-    unknown = [n for n in names if n not in model.params]
-    if unknown:
-        raise UnknownParameter(
-            f"unknown parameter(s) in '{field}': {', '.join(map(str, unknown))}; "
-            f"'{model.id}' has: {', '.join(model.params)}",
-            unknown=unknown, known=list(model.params),
-        )
-
-
-def _array(value: Any, name: str) -> np.ndarray:
-    if value is None:
-        raise BadRequest(f"'{name}' is required")
-    if not isinstance(value, np.ndarray):
-        raise BadRequest(f"'{name}' must be a tensor")
-    return value
-
-
-def _to_tensor(arr: np.ndarray, dtype: torch.dtype, name: str) -> torch.Tensor:
-    t = torch.tensor(np.asarray(arr, order="C")).to(dtype)  # ascontiguousarray makes 0-d 1-d
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise NonFinite(f"'{name}' contains NaN or infinity")
-    return t
-
-
-def _inputs(value: Any, model: LoadedModel, name: str) -> torch.Tensor:
-    arr = _array(value, name)
-    spec = model.input
-    if arr.ndim != len(spec.shape) + 1 or tuple(arr.shape[1:]) != spec.shape:
-        raise ShapeMismatch(
-            f"'{name}' has shape {list(arr.shape)}; '{model.id}' takes a batch of samples of "
-            f"shape {list(spec.shape)}, i.e. [B, {', '.join(map(str, spec.shape))}]",
-            expected=[None, *spec.shape], got=list(arr.shape),
-        )
-    if spec.dtype.startswith("int"):
-        if arr.dtype.kind not in "iu":
-            raise DtypeMismatch(
-                f"'{name}' has dtype {arr.dtype}; '{model.id}' takes integer tokens ({spec.dtype})"
-            )
-        high = spec.high or 2**62
-        if arr.size and (arr.min() < 0 or arr.max() >= high):
-            raise InvalidInput(f"'{name}' holds token ids outside [0, {high})")
-        return torch.tensor(arr.astype(np.int64))
-    if arr.dtype.kind not in "iuf":
-        raise DtypeMismatch(f"'{name}' has dtype {arr.dtype}; '{model.id}' takes {spec.dtype}")
-    if arr.dtype.kind == "f" and arr.dtype.itemsize > torch.finfo(model.dtype).bits // 8:
-        raise DtypeMismatch(
-            f"'{name}' has dtype {arr.dtype}; '{model.id}' computes in "
-            f"{str(model.dtype).removeprefix('torch.')}: send that dtype",
-        )
-    return _to_tensor(arr, model.dtype, name)
-
-
-def _targets(value: Any, model: LoadedModel, classification: bool, size: int) -> torch.Tensor:
-    arr = _array(value, "targets")
-    if arr.shape[:1] != (size,):
-        raise ShapeMismatch(f"'targets' has {arr.shape[0] if arr.ndim else 0} entries for "
-                            f"{size} samples: send one target per sample")
-    if classification:
-        n_classes = model.output_shape[-1] if model.output_shape else 1
-        if arr.ndim != 1:
-            raise ShapeMismatch(f"'targets' must be class indices of shape [B]; got "
-                                f"{list(arr.shape)}")
-        if arr.dtype.kind == "f":
-            if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
-                raise DtypeMismatch("'targets' must be integer class indices")
-        elif arr.dtype.kind not in "iub":
-            raise DtypeMismatch("'targets' must be integer class indices")
-        if arr.min() < 0 or arr.max() >= n_classes:
-            raise TargetOutOfRange(
-                f"'targets' must be class indices in [0, {n_classes}) for '{model.id}'; got "
-                f"values from {int(arr.min())} to {int(arr.max())}", classes=n_classes,
-            )
-        return torch.tensor(arr.astype(np.int64))
-    want = (size, *model.output_shape)
-    if math.prod(arr.shape) != math.prod(want) or (arr.ndim > 1 and tuple(arr.shape) != want):
-        raise ShapeMismatch(f"'targets' has shape {list(arr.shape)}; '{model.id}' outputs "
-                            f"{list(want)}")
-    return _to_tensor(arr, model.dtype, "targets").reshape(want)
-
-
-def _vector(value: Any, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-    arr = _array(value, name)
-    if arr.shape != (size,):
-        raise ShapeMismatch(f"'{name}' must have shape [{size}] (one per sample); got "
-                            f"{list(arr.shape)}")
-    return _to_tensor(arr, dtype, name)
-
-
-def _param_tensors(value: Any, model: LoadedModel, field: str) -> dict[str, torch.Tensor]:
-    if not value:
-        return {}
-    if not isinstance(value, dict):
-        raise BadRequest(f"'{field}' must map parameter names to tensors")
-    _check_names(value, model, field)
-    out = {}
-    for name, arr in value.items():
-        arr = _array(arr, f"{field}.{name}")
-        want = tuple(model.params[name].shape)
-        if tuple(arr.shape) != want:
-            raise ShapeMismatch(f"'{field}.{name}' has shape {list(arr.shape)}; the parameter "
-                                f"has {list(want)}", parameter=name)
-        out[name] = _to_tensor(arr, model.dtype, f"{field}.{name}")
-    return out

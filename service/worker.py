@@ -303,8 +303,10 @@ def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
         next_inputs=cat("next_inputs"),
         rewards=cat("rewards"),
         dones=cat("dones"),
+        mask=cat("mask"),
         weights=first.weights,
         reference=first.reference,
+        named={k: torch.cat([b.named[k] for b in batches]) for k in first.named},
     )
 
 

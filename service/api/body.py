@@ -80,6 +80,8 @@ async def decode_request(request: Request, settings: Settings) -> dict[str, Any]
         fields = decode(body, settings)
     _precheck(fields)
     inputs = fields.get("inputs")
+    if isinstance(inputs, dict):  # named inputs: the first one's batch
+        inputs = next(iter(inputs.values()), None)
     if isinstance(inputs, np.ndarray) and inputs.ndim and inputs.shape[0] > settings.max_batch_size:
         raise TooLarge(
             f"the batch has {inputs.shape[0]} samples; the limit is {settings.max_batch_size} "

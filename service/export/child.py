@@ -88,7 +88,9 @@ def main() -> int:
     answer = {
         "program": program.doc,
         "inputs": [{"name": u.name, "shape": list(u.shape), "hints": list(u.hints),
-                    "dtype": str(u.dtype).removeprefix("torch.")} for u in program.inputs],
+                    "dtype": str(u.dtype).removeprefix("torch."),
+                    "dynamic": [list(d) for d in u.dynamic],
+                    "high": exported.highs.get(u.name)} for u in program.inputs],
         "parameters": list(exported.params),
         "aliases": exported.aliases,
         "output_shape": list(exported.output_shape),

@@ -40,10 +40,16 @@ class ExportedFamily(ModelFamily):
         return build_module(program, specs, tuple(config["parameters"]), config["aliases"])
 
     def input_spec(self, config: dict[str, Any]) -> TensorSpec:
+        return self.input_specs(config)[0]
+
+    def input_specs(self, config: dict[str, Any]) -> tuple[TensorSpec, ...]:
         inputs = config["inputs"]
-        if len(inputs) != 1:
-            raise InvalidModelSpec("psgrad serves exported programs with one input for now")
-        return TensorSpec(tuple(inputs[0]["hints"][1:]), inputs[0]["dtype"])
+        if not inputs:
+            raise InvalidModelSpec("the program takes no tensor input")
+        return tuple(TensorSpec(tuple(u["hints"][1:]), u["dtype"], u.get("high"), u["name"],
+                                tuple((d, lo, hi, str(sym)) for d, lo, hi, sym
+                                      in u.get("dynamic", ())))
+                     for u in inputs)
 
     def loss_info(self, config: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         return config["default_loss"], tuple(config["losses"])
@@ -54,6 +60,6 @@ class ExportedFamily(ModelFamily):
     def describe(self, config: dict[str, Any]) -> dict[str, Any]:
         tied = {k: v for k, v in config["aliases"].items() if k != v}
         summary = {k: v for k, v in config.items() if k not in ("program", "tensors", "aliases")}
-        return {"config": summary, "inputs": [{k: u[k] for k in ("name", "shape", "dtype")}
-                           for u in config["inputs"]],
+        return {"config": summary, "inputs": [{"name": s.name, **s.to_dict()}
+                                              for s in self.input_specs(config)],
                 "tied": tied, "description": config["description"]}

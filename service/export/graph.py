@@ -26,6 +26,8 @@ SCHEMA_MAJOR, SCHEMA_MINOR = 8, 20  # torch 2.13's serializer; newer minors are 
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 MAX_INPUTS = 4
 MAX_LIST = 64
+MAX_DYNAMIC = 1 << 16  # the largest size a dynamic dimension is served at
+SYMBOL_RE = re.compile(r"s[0-9]{1,9}")
 MEMORY_FORMATS = {1: torch.contiguous_format, 2: torch.channels_last,
                   3: torch.channels_last_3d, 4: torch.preserve_format}
 SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
@@ -37,6 +39,8 @@ class UserInput:
     dtype: torch.dtype
     shape: tuple[int | None, ...]  # one sample (the exported batch of one removed); None: dynamic
     hints: tuple[int, ...]  # the exported example's sizes, batch of one included
+    # (sample dim, low, high, symbol): sizes a request may choose, from literal range bounds
+    dynamic: tuple[tuple[int, int, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def parse_program(doc: dict[str, Any], max_nodes: int) -> Program:
         if kind == "user_input":
             if _tensor_name(obj(body, kind).get("arg"), kind) != name:
                 raise InvalidArchive(f"user input '{name}' does not match graph.inputs")
-            inputs.append(_user_input(name, values.get(name)))
+            inputs.append(_user_input(name, values.get(name), doc.get("range_constraints")))
         elif kind in ("parameter", "buffer", "tensor_constant"):
             key = {"parameter": "parameter_name", "buffer": "buffer_name",
                    "tensor_constant": "tensor_constant_name"}[kind]
@@ -96,8 +100,8 @@ def parse_program(doc: dict[str, Any], max_nodes: int) -> Program:
             if not isinstance(target, str) or len(target) > 300:
                 raise InvalidArchive(f"{kind} '{name}' has no valid {key}")
             (params if kind == "parameter" else buffers).append((name, target))
-            if kind == "tensor_constant":
-                constants.append(target)
+            if kind == "tensor_constant" or body.get("persistent") is False:
+                constants.append(target)  # stored with the constants, not the weights
         else:
             raise RefusedProgram(f"input spec '{kind}' is refused: psgrad takes tensor inputs, "
                                  "parameters, buffers and tensor constants only", spec=kind)
@@ -157,7 +161,7 @@ def _tensor_name(arg: Any, where: str, *, bare: bool = False) -> str:
     return _name(obj(arg, where).get("name"), where)
 
 
-def _user_input(name: str, meta: Any) -> UserInput:
+def _user_input(name: str, meta: Any, constraints: Any) -> UserInput:
     m = tensor_meta(meta, f"input '{name}'", allow_symbolic=True)
     if not m.sizes or m.sizes[0] != 1:
         raise RefusedProgram(f"input '{name}' must have a batch dimension of exactly 1: export "
@@ -165,7 +169,30 @@ def _user_input(name: str, meta: Any) -> UserInput:
                              input=name)
     if not (m.dtype.is_floating_point or m.dtype in (torch.int64, torch.int32, torch.bool)):
         raise RefusedProgram(f"input '{name}' has dtype {m.dtype}", input=name)
-    return UserInput(name, m.dtype, m.sizes[1:], m.hints)
+    dynamic = tuple(d for i, size in enumerate(m.sizes[1:])
+                    if size is None and (d := _range(meta["sizes"][i + 1], i, constraints)))
+    return UserInput(name, m.dtype, m.sizes[1:], m.hints, dynamic)
+
+
+def _range(size: Any, dim: int, constraints: Any) -> tuple[int, int, int, str] | None:
+    """A symbolic size's literal bounds, or None: then it is served at its example size.
+
+    The expression is never parsed: it must be, character for character, one symbol that
+    ``range_constraints`` names (as torch writes it), whose bounds are literal integers.
+    """
+    expr = size.get("as_expr", {}).get("expr_str") if isinstance(size, dict) else None
+    if not isinstance(expr, str) or not isinstance(constraints, dict):
+        return None
+    for symbol, bounds in constraints.items():
+        if not isinstance(symbol, str) or not SYMBOL_RE.fullmatch(symbol) or expr not in (
+                symbol, f"Symbol('{symbol}', positive=True, integer=True)"):
+            continue
+        low, high = (bounds.get(k) if isinstance(bounds, dict) else None
+                     for k in ("min_val", "max_val"))
+        if isinstance(low, int) and isinstance(high, int) and not isinstance(low, bool) and \
+                not isinstance(high, bool) and 1 <= low <= min(high, MAX_DYNAMIC):
+            return dim, low, min(high, MAX_DYNAMIC), symbol
+    return None
 
 
 def device_of(tensor: torch.Tensor) -> torch.device:

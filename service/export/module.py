@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from psgrad._errors import InvalidArchive, PsgradError, RefusedProgram, TooLarge
 from service.export.archive import CONSTANTS_CONFIG, WEIGHTS_CONFIG, ArchiveLimits, read_archive
-from service.export.graph import Program, build_graph, parse_program
+from service.export.graph import Program, UserInput, build_graph, parse_program
 from service.export.payloads import read_payloads
 
 _SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}|[0-9]{1,6}")
@@ -44,6 +44,7 @@ class Exported:
     aliases: dict[str, str]
     output_shape: tuple[int, ...] = ()
     activations: int = 0
+    highs: dict[str, int] = field(default_factory=dict)  # integer inputs: ids below this
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
         return {k: (list(t.shape), str(t.dtype).removeprefix("torch."))
@@ -73,7 +74,37 @@ def read_program(data: bytes, limits: ExportLimits) -> Exported:
     meta = build_module(program, specs, params, aliases, torch.device("meta"))
     exported.output_shape, exported.activations = dry_run(meta, program,
                                                           limits.max_activations)
+    if any(u.dynamic for u in program.inputs):  # bound what the largest request may need
+        _, exported.activations = dry_run(meta, program, limits.max_activations, largest=True)
+    exported.highs = token_bounds(program, {v: tensors[aliases[n]].shape[0]
+                                            for v, n in program.params})
     return exported
+
+
+_SHAPE_ONLY = frozenset(f"torch.ops.aten.{op}" for op in (
+    "view.default", "reshape.default", "unsqueeze.default", "flatten.using_ints",
+    "contiguous.default", "clone.default", "alias.default"))
+
+
+def token_bounds(program: Program, rows: dict[str, int]) -> dict[str, int]:
+    """Integer inputs that index an embedding (maybe through reshapes): ids must stay below
+    its row count (``rows``: graph value -> first size of the parameter), so a request with an
+    id out of range is refused before it reaches the graph."""
+    origin = {u.name: u.name for u in program.inputs if not u.dtype.is_floating_point}
+    highs: dict[str, int] = {}
+    for node in program.doc["graph_module"]["graph"]["nodes"]:
+        args = {str(a.get("name")): str((a.get("arg") or {}).get("as_tensor", {}).get("name"))
+                for a in node["inputs"] if isinstance(a, dict) and isinstance(a.get("arg"), dict)}
+        outs = [str((o.get("as_tensor") or {}).get("name")) for o in node["outputs"]
+                if isinstance(o, dict)]
+        source = origin.get(args.get("self") or args.get("input") or "")
+        if node["target"] in _SHAPE_ONLY and source and outs:
+            origin[outs[0]] = source
+        user = origin.get(args.get("indices", ""))
+        weight = args.get("weight", "")
+        if node["target"] == "torch.ops.aten.embedding.default" and user and weight in rows:
+            highs[user] = min(highs.get(user, 1 << 62), rows[weight])
+    return highs
 
 
 def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
@@ -130,9 +161,19 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return owner, leaf
 
 
-def dry_run(module: fx.GraphModule, program: Program, max_activations: int
-            ) -> tuple[tuple[int, ...], int]:
-    """Run ``module`` (built on ``meta``) on the exported example sizes, counting activations."""
+def largest_sizes(user: UserInput) -> list[int]:
+    sizes = list(user.hints)
+    for dim, _, high, _ in user.dynamic:
+        sizes[dim + 1] = high
+    return sizes
+
+
+def dry_run(module: fx.GraphModule, program: Program, max_activations: int, *,
+            largest: bool = False) -> tuple[tuple[int, ...], int]:
+    """Run ``module`` (built on ``meta``) on the exported example sizes, counting activations.
+
+    With ``largest``, every dynamic dimension takes the top of its range instead.
+    """
     counted = [0]
 
     class Counting(fx.Interpreter):
@@ -146,7 +187,8 @@ def dry_run(module: fx.GraphModule, program: Program, max_activations: int
                                f"(at '{n.name}')", limit=max_activations)
             return out
 
-    inputs = [torch.empty(u.hints, dtype=u.dtype, device="meta") for u in program.inputs]
+    inputs = [torch.empty(largest_sizes(u) if largest else u.hints, dtype=u.dtype, device="meta")
+              for u in program.inputs]
     try:
         out = Counting(module).run(*inputs)
     except PsgradError:

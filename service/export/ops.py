@@ -53,7 +53,7 @@ unbind.int repeat.default flip.default clone.default to.dtype to.dtype_layout to
 _to_copy.default type_as.default zeros.default ones.default full.default zeros_like.default
 ones_like.default full_like.default new_zeros.default new_ones.default new_full.default
 arange.default arange.start arange.start_step tril.default triu.default
-scalar_tensor.default sym_size.int alias.default detach.default
+scalar_tensor.default sym_size.int alias.default detach.default __and__.Tensor __or__.Tensor
 """
 IDENTITY = {  # (op, the argument passed through)
     "torch.ops.aten.dropout.default": "input",

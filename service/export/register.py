@@ -39,9 +39,6 @@ def check_program(data: bytes, settings: Settings, *, default_loss: str,
     answer, blob = run_child(data, limits_dict(export_limits(settings)),
                              memory_mb=settings.export_memory_mb, cpu_s=settings.export_cpu_s,
                              timeout_s=settings.export_timeout_s)
-    if len(answer["inputs"]) != 1:
-        raise InvalidModelSpec(f"the program takes {len(answer['inputs'])} inputs; psgrad "
-                               "serves exported programs with one input for now")
     state = st_load(blob)
     config = {
         "program": answer["program"], "inputs": answer["inputs"],

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 Tensors = dict[str, torch.Tensor]
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) of each segment (one per job)
-SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
+NAMED_INPUT = "inputs/"  # prefix of a sample's further named inputs (models that take several)
 
 
 @dataclass(frozen=True)
@@ -54,15 +55,19 @@ class Batch:
     next_inputs: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     dones: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # token losses: which positions count
     weights: Tensors = field(default_factory=dict)
     reference: Tensors = field(default_factory=dict)
+    # the inputs after the first, by name, for models that take several (``inputs`` is the first)
+    named: Tensors = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return int(self.inputs.shape[0])
 
     def samples(self) -> Tensors:
-        return {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+        own = {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+        return own | {NAMED_INPUT + k: v for k, v in self.named.items()} if self.named else own
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from service.losses import get_loss
 from service.lru import LockedLRU
 from service.registry import LoadedModel
-from service.strategies.base import Tensors
+from service.strategies.base import NAMED_INPUT, Tensors
 
 PerSampleFn = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
 FUNCTIONS: LockedLRU[tuple[Any, ...], PerSampleFn] = LockedLRU(64)  # hits/misses on /metrics
@@ -47,13 +47,15 @@ def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSample
 def _build(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
     loss = get_loss(loss_name)
     module = model.module
+    named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
 
     def sample_loss(selected: Tensors, others: Tensors, buffers: Tensors,
                     sample: Tensors) -> Any:
         params = {**others, **selected}
+        rest = tuple(sample[k].unsqueeze(0) for k in named)  # () for one-input models
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return functional_call(module, (params, buffers), (x.unsqueeze(0),)).squeeze(0)
+            return functional_call(module, (params, buffers), (x.unsqueeze(0), *rest)).squeeze(0)
 
         return loss.fn(forward, sample, gamma)
 

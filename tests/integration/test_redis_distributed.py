@@ -463,3 +463,29 @@ async def test_answers_redis_cannot_hold_are_refused_with_413(tmp_path: Path) ->
             assert c.workers[0].poll() is None, c.dump()
     finally:
         own.kill()
+
+
+async def test_exported_gpt2_with_named_inputs_served_by_a_worker_process(
+        tmp_path: Path, prefix: str) -> None:
+    """The program kept in Redis, rebuilt by a ``psgrad worker`` through the same loader."""
+    pytest.importorskip("transformers")
+    from tests.support.export import TOL as EXPORT_TOL
+    from tests.support.export import exported_hf, token_batch
+    from tests.support.reference import per_sample_loop
+
+    module, data = exported_hf("gpt2")
+    ids, mask = token_batch(2, 5)
+    async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1) as c:
+        r = await c.client.put("/models/gpt", content=data, params={"default_loss": "next_token"},
+                               headers={"Content-Type": "application/x-torch-export"})
+        assert r.status_code == 200, r.text
+        r = await c.client.post("/per-sample-grads", json={
+            "model": "gpt", "inputs": {"input_ids": ids.tolist(), "attention_mask": mask.tolist()},
+            "targets": ids.tolist(), "mask": mask.tolist(), "outputs": ["grads", "norms"]})
+        assert r.status_code == 200, r.text
+    want = per_sample_loop(module, {"inputs": {"input_ids": ids, "attention_mask": mask},
+                                    "targets": ids, "mask": mask}, "next_token")
+    np.testing.assert_allclose(r.json()["norms"], want.norms.numpy(), **EXPORT_TOL)
+    for k, g in want.grads.items():
+        np.testing.assert_allclose(np.asarray(r.json()["grads"][k]), g.numpy(), **EXPORT_TOL,
+                                   err_msg=k)

@@ -162,3 +162,57 @@ def program(data: bytes) -> dict[str, Any]:
 
 def with_program(data: bytes, doc: dict[str, Any]) -> bytes:
     return rewrite(data, {"models/model.json": json.dumps(doc).encode()})
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+class Logits(nn.Module):
+    """A Hugging Face model as a function of (input_ids, attention_mask) -> logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+VOCAB = 50
+
+
+def hf_model(name: str) -> nn.Module:
+    """A 2-layer GPT-2 LM or BERT classifier from transformers' configs, random init."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = {"vocab_size": VOCAB, "attn_implementation": "eager"}
+    if name == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32,
+                                                 bos_token_id=0, eos_token_id=0, **small))
+    else:
+        model = tf.BertForSequenceClassification(tf.BertConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+            max_position_embeddings=32, num_labels=3, **small))
+    return Logits(model).eval()
+
+
+@cache
+def exported_hf(name: str) -> tuple[nn.Module, bytes]:
+    """The model and its archive, exported at length 8 with a dynamic length in [2, 32]."""
+    module = hf_model(name)
+    length = torch.export.Dim("length", min=2, max=32)
+    ids, mask = token_batch(1, 8)
+    ep = torch.export.export(module, (ids, mask), dynamic_shapes=({1: length}, {1: length}))
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    return module, buf.getvalue()
+
+
+def token_batch(n: int, length: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and an attention mask padded on the right (sample i keeps length - i tokens)."""
+    ids = torch.randint(1, VOCAB, (n, length), generator=_gen(seed))
+    mask = torch.ones(n, length, dtype=torch.int64)
+    for i in range(n):
+        mask[i, max(2, length - i):] = 0
+    return ids * mask, mask

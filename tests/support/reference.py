@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 TOL = {"atol": 3e-3, "rtol": 1e-5}  # the PyTorch tutorial's tolerance
 # The outputs that summarise the batch without per-sample gradients, td0 or not (the fast path's).
 SUMMARY = tuple(n for n in OUTPUT_NAMES if n not in ("grads", "td_errors", "updates"))
-BATCH_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+BATCH_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
 
 Tensor = torch.Tensor
 Tensors = dict[str, torch.Tensor]
@@ -65,7 +65,28 @@ def td0(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor
     return delta**2, delta.detach()
 
 
-LOSSES: dict[str, Loss] = {"cross_entropy": cross_entropy, "nll": nll, "mse": mse, "td0": td0}
+def _token_mean(scores: Tensor, ids: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The mean over kept positions of -log softmax(scores)[t, ids[t]], written out."""
+    picked = -torch.log_softmax(scores, -1).gather(1, ids[:, None])[:, 0]
+    keep = torch.ones_like(picked) if mask is None else mask.to(picked.dtype)
+    value = (picked * keep).sum() / keep.sum()
+    return value, value.detach()
+
+
+def token_cross_entropy(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    mask = sample.get("mask")
+    return _token_mean(forward(sample["inputs"])[0], sample["targets"][0],
+                       None if mask is None else mask[0])
+
+
+def next_token(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    mask = sample.get("mask")
+    return _token_mean(forward(sample["inputs"])[0, :-1], sample["targets"][0, 1:],
+                       None if mask is None else mask[0, 1:])
+
+
+LOSSES: dict[str, Loss] = {"cross_entropy": cross_entropy, "nll": nll, "mse": mse, "td0": td0,
+                           "token_cross_entropy": token_cross_entropy, "next_token": next_token}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -88,7 +109,7 @@ class Loop:
 
 def per_sample_loop(
     module: nn.Module,
-    data: Mapping[str, torch.Tensor | None],
+    data: Mapping[str, Any],
     loss: str,
     *,
     weights: Mapping[str, torch.Tensor] | None = None,
@@ -98,6 +119,7 @@ def per_sample_loop(
     """Gradients of ``params`` (all by default), one sample at a time: batch of one, autograd.
 
     ``data`` holds the batch fields by name (``inputs``, ``targets``, ``next_inputs``, ...);
+    ``inputs`` may map a module's several inputs by name, in the order it takes them;
     ``weights`` replace parameters of a copy of ``module`` first, as per-call weights do.
     """
     module = copy.deepcopy(module).eval().requires_grad_(True)
@@ -107,13 +129,17 @@ def per_sample_loop(
             named[name].copy_(value)
     wanted = list(params or named)
     chosen = [named[k] for k in wanted]
-    fields = {k: v for k, v in data.items() if v is not None}
+    fields = {k: v for k, v in data.items() if v is not None and not isinstance(v, Mapping)}
+    named = dict(data["inputs"]) if isinstance(data["inputs"], Mapping) else {}
+    if named:
+        fields["inputs"] = named.pop(next(iter(named)))
     grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
     value_grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
     losses, aux = [], []
     for i in range(len(fields["inputs"])):
         sample = {k: v[i : i + 1] for k, v in fields.items()}
-        value, extra = LOSSES[loss](module, sample, gamma)
+        rest = [v[i : i + 1] for v in named.values()]
+        value, extra = LOSSES[loss](lambda x, rest=rest: module(x, *rest), sample, gamma)
         _append(grads, chosen, torch.autograd.grad(value, chosen, allow_unused=True))
         if loss == "td0":
             v_of_s = module(sample["inputs"]).reshape(())
