@@ -78,7 +78,9 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
     fields = dict(body)
     for name in TENSOR_FIELDS:
         value = fields.get(name)
-        if name == "inputs" and isinstance(value, dict):  # a model's named inputs
+        # a model's named inputs: an object of tensors (a tensor's {dtype, shape, data} object is
+        # told apart by its dtype, a string where named inputs hold tensors)
+        if name == "inputs" and isinstance(value, dict) and not isinstance(value.get("dtype"), str):
             fields[name] = {k: array_from_json(v, name=f"inputs.{k}", max_elements=max_elements)
                             for k, v in value.items()}
         elif value is not None:
