@@ -64,3 +64,21 @@ def test_every_allowed_layer_type(case: Case) -> None:
                 assert method == CLOSED[layer["type"]], name
             elif name.startswith(f"{i}."):  # norms, Bilinear, ConvTranspose: per-op replay
                 assert method in ("direct", "linear"), name  # attention: linear projections
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_grads_of_every_allowed_layer_type(case: Case) -> None:
+    """Each layer's per-sample gradients as the fast path writes them, against stock torch."""
+    spec = case.spec()
+    config = {k: spec[k] for k in ("layers", "input", "default_loss")}
+    cpu = torch.device("cpu")
+    base = load_model(case.name, "sequential", config, device=cpu)
+    state = perturbed({**base.params, **base.buffers})
+    model = load_model(case.name, "sequential", config, state, device=cpu)
+    x, y = case.batch(4)
+    opts = Options(loss=case.loss, outputs=("grads",), params=tuple(model.params))
+    fast = engine.compute(model, Batch(inputs=x, targets=y), opts, [1, 3])
+    stock = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
+    for f, r in zip(fast, summarize(stock, [1, 3]), strict=True):
+        assert f["meta"]["path"] == "fast_stats"
+        assert_close(f["grads"], r["grads"], "grads (fast vs stock torch loop)")
