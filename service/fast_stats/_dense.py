@@ -54,6 +54,9 @@ class Zero(Dense):
         zeros = torch.zeros((1, *shape), dtype=dtype, device=device).expand(batch, *shape)
         super().__init__(name, zeros, budget, "unused")
 
+    def answer(self) -> Tensors:
+        return {self.names[0]: self.full.contiguous()}  # an answer owns its memory
+
 
 class DenseGroup(Source):
     """Small per-sample gradients (biases, norms' affine parameters) as one source: one plain

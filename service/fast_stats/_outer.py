@@ -65,6 +65,19 @@ class OuterSource(Materialised):
         ]
         return {self.names[0]: cat(parts)}
 
+    def answer(self) -> Tensors:
+        """``G_i^T A_i`` by one batched matmul per block, written straight into the answer."""
+        name = self.names[0]
+        out: torch.Tensor | None = None
+        for x, y, a, g in self.blocks(0, self.batch):
+            if out is None:
+                out = g.new_empty((self.batch, *self.shapes[name]))
+            n = (y - x) * self.groups
+            gt, a = g.detach().transpose(-1, -2).reshape(n, self.p, -1), a.detach()
+            torch.bmm(gt, a.reshape(n, -1, self.d), out=out[x:y].view(n, self.p, self.d))
+        assert out is not None
+        return {name: out}
+
     def _sq(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if self._form == "outer":
             sq = vector_norm(a, dim=-1).square() * vector_norm(g, dim=-1).square()

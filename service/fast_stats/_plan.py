@@ -3,9 +3,10 @@
 The plan says which parameters are captured op by op and which fall back to a module replay.
 It is made once per model structure, loss, selection and sample shape by a *probe* on a few
 samples (the forward pass with the module stack recorded), then *checked*: the probe samples'
-per-sample squared norms and dot products with a random reference must equal the ``vmap``
-path's, and a parameter that does not is moved to the whole-model replay. Every later call must
-read the parameters in the same sequence of ops, or it takes the ``vmap`` path.
+per-sample squared norms, dot products with a random reference and gradients (as a ``grads``
+answer writes them) must equal the ``vmap`` path's, and a parameter that does not is moved to
+the whole-model replay. Every later call must read the parameters in the same sequence of ops,
+or it takes the ``vmap`` path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
 from service.fast_stats._run import Plan, Setup, forward_backward
+from service.fast_stats._source import answers
 from service.lru import LockedLRU
 from service.strategies.per_sample import per_sample_fn
 
@@ -108,7 +110,7 @@ def _finish(probe: Setup, modules: Mapping[str, Sequence[str]]) -> Plan:
 
 
 def _check(probe: Setup, plan: Plan) -> list[str]:
-    """Parameters whose probe statistics differ from the ``vmap`` path's."""
+    """Parameters whose probe statistics or gradients differ from the ``vmap`` path's."""
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
     gen = torch.Generator().manual_seed(0)
@@ -116,8 +118,10 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
     run = forward_backward(probe, plan)
     need = Pass1Need(sq=True, reference=reference, bounds=((0, PROBE),), sums_dtype=model.dtype)
     got: dict[str, Pass1] = {}
-    for source in build_sources(probe, run, plan, Budget(64 << 20)):
+    sources = build_sources(probe, run, plan, Budget(64 << 20))
+    for source in sources:
         got.update(source.pass1(need))
+    written = answers(sources)
     chosen = {k: params[k] for k in selected}
     others = {k: v for k, v in params.items() if k not in chosen}
     fn = per_sample_fn(model, probe.loss, probe.gamma)
@@ -130,6 +134,8 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
         got_sq, got_dot = got[k].sq, got[k].dot
         assert got_sq is not None and got_dot is not None
         same_sq = torch.allclose(got_sq, sq, rtol=1e-3, atol=1e-5 * scale)
-        if not (same_sq and torch.allclose(got_dot, dot, rtol=1e-3, atol=1e-3 * scale**0.5)):
+        same_dot = torch.allclose(got_dot, dot, rtol=1e-3, atol=1e-3 * scale**0.5)
+        same = torch.allclose(written[k], grads[k], rtol=1e-3, atol=1e-4 * scale**0.5)
+        if not (same_sq and same_dot and same):
             wrong.append(k)
     return wrong

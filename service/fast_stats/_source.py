@@ -16,7 +16,7 @@ import torch
 
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.strategies.base import Bounds, Tensors
+from service.strategies.base import Bounds, Tensors, keep_rows
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,20 @@ class Source:
         """Materialised per-sample gradients of rows [lo, hi), ``{name: [n, *shape]}``."""
         raise NotImplementedError
 
+    def answer(self) -> Tensors:
+        """Every sample's gradient, ``{name: [B, *shape]}``: the answer itself, so each
+        parameter's is one buffer written once (a family overrides this to write its closed
+        form straight into the buffer)."""
+        return self.grads(0, self.batch)
+
+
+def answers(found: Sequence[Source]) -> Tensors:
+    """Every parameter's per-sample gradients, each source's written into its own buffers."""
+    out: Tensors = {}
+    for source in found:
+        out.update(source.answer())
+    return out
+
 
 Chunk = tuple[int, int, Tensors]  # rows [lo, hi) and their per-sample gradients
 
@@ -122,6 +136,13 @@ class Materialised(Source):
             yield item
         if keep:
             self._cache = kept
+
+    def answer(self) -> Tensors:
+        """The chunks (the cached ones, if any) copied into one buffer per parameter."""
+        out: Tensors = {}
+        for lo, hi, grads in self.chunks():
+            keep_rows(out, self.batch, lo, hi, grads)
+        return out
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         def zeros(k: str, dtype: torch.dtype) -> list[torch.Tensor]:

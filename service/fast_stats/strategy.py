@@ -1,9 +1,14 @@
 """The fast-statistics strategy: the records of a call from one batched forward and backward.
 
-It declines (the engine then runs ``vmap``) when the call wants per-sample gradients
-themselves, when the model takes the per-sample loop or runs one sample at a time only (an
-exported graph with its batch of one written in), when the probe found no plan, and when the
-call reads its parameters unlike the probe did.
+Per-sample gradients themselves (``grads``, ``updates``) are each source's answer, written
+once into one buffer per parameter: a linear or convolution weight by one batched matmul of its
+output gradients and (unfolded) inputs, an embedding by one ``index_add``, biases and norms'
+parameters as the family builds them, and parameters on the op or module replay a chunk at a
+time into the same buffer. Statistics asked for besides are then read off those buffers.
+
+It declines (the engine then runs ``vmap``) when the model takes the per-sample loop or runs one
+sample at a time only (an exported graph with its batch of one written in), when the probe found
+no plan, and when the call reads its parameters unlike the probe did.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ import torch
 
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
-from service.fast_stats._dense import grouped
+from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward
-from service.fast_stats._source import Source
+from service.fast_stats._source import Source, answers
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
 
 T = TypeVar("T")
@@ -31,7 +36,7 @@ class FastStats:
 
     def run(self, call: Call) -> Result | None:
         need, model = call.need, call.model
-        if need.grads or model.route != "vmap" or not model.batched:
+        if model.route != "vmap" or not model.batched:
             return None
         setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
                       call.selected)
@@ -45,11 +50,11 @@ class FastStats:
         if tuple(u.signature for u in run.uses) != plan.signature:
             return None  # the model read its parameters differently from the probe: play safe
         losses, aux = run.losses, run.aux
-        found = grouped(build_sources(setup, run, plan, Budget(call.budget_bytes)))
+        budget = Budget(call.budget_bytes)
+        found = grouped(build_sources(setup, run, plan, budget))
         del run  # each source holds what it still needs; the rest (LayerNorm inputs, gradients
         # already reduced to per-sample values) can go now
         sources = {k: s for s in found for k in s.names}
-        params = _stats(call, found)
         meta = {
             "route": model.route,
             "chunk_size": call.size,
@@ -57,10 +62,17 @@ class FastStats:
             "method": {k: sources[k].method_of(k) for k in call.selected},
             "form": {k: sources[k].form(k) for k in call.selected},
         }
+        del sources
+        grads: Tensors = {}
+        if need.grads:
+            grads = answers(found)
+            # what the sources held can go: any statistic is read off the answer now
+            found = grouped([Dense(k, grads[k], budget, "answer") for k in call.selected])
+        params = _stats(call, found, grads)
         return Result(losses=losses, aux=aux, params=params, meta=meta)
 
 
-def _stats(call: Call, found: list[Source]) -> dict[str, ParamStats]:
+def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamStats]:
     """The two passes over the sources, and each selected parameter's record.
 
     ``clipped`` needs every sample's whole norm first and ``cos`` every segment's mean, so
@@ -78,8 +90,11 @@ def _stats(call: Call, found: list[Source]) -> dict[str, ParamStats]:
         bounds=bounds,
         sums_dtype=torch.float64 if need.m2 else dtype,
     )
-    for source in found:
-        first.update(source.pass1(ask))
+    if sq or sums or need.dot:
+        for source in found:
+            first.update(source.pass1(ask))
+    else:
+        first = {k: Pass1() for k in names}
     means: list[Tensors] | None = None
     if sums:
         means = [{k: (_of(first[k].sums)[s] / (b - a)).to(dtype) for k in names}
@@ -94,6 +109,7 @@ def _stats(call: Call, found: list[Source]) -> dict[str, ParamStats]:
             second.update(source.pass2(clip, means if need.cos else None, bounds))
     return {
         k: ParamStats(
+            grads=grads.get(k),
             sq=first[k].sq if sq else None,
             dot=first[k].dot,
             mean=tuple(m[k] for m in means) if means is not None and (need.mean or need.cos)

@@ -106,7 +106,7 @@ class ParamStats:
     Per-segment fields are tuples with one tensor per segment, in the parameter's shape.
     """
 
-    grads: torch.Tensor | None = None
+    grads: torch.Tensor | None = None  # [B, *shape], one buffer
     sq: torch.Tensor | None = None
     dot: torch.Tensor | None = None
     mean: tuple[torch.Tensor, ...] | None = None
@@ -171,6 +171,20 @@ def clip_factors(clip_norm: float | None, norms: torch.Tensor,
     ``norm_offset`` 0 clips exactly to C; Opacus adds 1e-6 to every norm (DP runs may ask for it).
     """
     return ((clip_norm or 0.0) / (norms + norm_offset)).clamp(max=1.0).nan_to_num(1.0)
+
+
+def keep_rows(kept: Tensors, size: int, start: int, stop: int, grads: Tensors) -> None:
+    """Rows [start, stop) of per-sample gradients, kept in ``kept`` as one ``[size, ...]`` buffer
+    per parameter: a chunk that is the whole batch is kept as it is, others are copied into the
+    buffer as they come (never a list of chunks concatenated at the end: that holds the answer
+    twice, and fresh memory costs page faults)."""
+    for k, g in grads.items():
+        if start == 0 and stop == size:
+            kept[k] = g
+            continue
+        if k not in kept:
+            kept[k] = g.new_empty((size, *g.shape[1:]))
+        kept[k][start:stop].copy_(g)
 
 
 def total(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,15 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from service.registry import LoadedModel
-from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
+from service.strategies.base import (
+    Call,
+    ParamStats,
+    Result,
+    Tensors,
+    clip_factors,
+    keep_rows,
+    total,
+)
 from service.strategies.per_sample import per_sample_fn
 
 Chunk = tuple[int, int, Tensors, torch.Tensor, torch.Tensor]  # start, stop, grads, losses, aux
@@ -125,7 +133,7 @@ class _Accumulator:
             for k, g in grads.items():
                 self.dot[k].append(_rows(g) @ self.call.reference[k].flatten())
         if need.grads:
-            self._keep(start, stop, grads)
+            keep_rows(self.kept, self.call.size, start, stop, grads)
         for s, lo, hi in self.overlaps(start, stop):
             part = {k: g[lo:hi] for k, g in grads.items()}
             if need.mean:
@@ -134,18 +142,6 @@ class _Accumulator:
                 for k, g in part.items():
                     term = torch.tensordot(factors[lo:hi], g, dims=1)
                     self.clipped[s][k] = self.clipped[s][k] + term if k in self.clipped[s] else term
-
-    def _keep(self, start: int, stop: int, grads: Tensors) -> None:
-        """One batch of per-sample gradients: the single chunk's own, or chunks copied into
-        one buffer as they come (never a list of chunks concatenated at the end: that holds
-        the answer twice)."""
-        if start == 0 and stop == self.call.size:
-            self.kept = dict(grads)
-            return
-        for k, g in grads.items():
-            if k not in self.kept:
-                self.kept[k] = g.new_empty((self.call.size, *g.shape[1:]))
-            self.kept[k][start:stop].copy_(g)
 
     def _merge_stats(self, s: int, part: Tensors) -> None:
         n_b = next(iter(part.values())).shape[0]

@@ -17,7 +17,11 @@ from service.config import Settings
 from service.engine import Batch, Options
 from service.fast_stats import Family, FastStats, _family, register_family
 from service.fast_stats._dense import dense_sum
+from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
+from service.fast_stats._replay import ModuleReplay, OpReplay
+from service.fast_stats._source import Materialised
+from service.fast_stats.families.conv import ConvSource
 from service.plugins import Registry
 from service.registry import LoadedModel, load_model
 from service.strategies import base
@@ -267,57 +271,57 @@ def _l(kind: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return {"type": kind, "args": list(args), "kwargs": kwargs}
 
 
-@pytest.mark.parametrize(
-    ("layers", "shape", "form"),
-    [
-        ([_l("Linear", 5, 4), _l("Flatten"), _l("Linear", 8, 2)], [2, 5], "gram"),  # 8 < 20
-        (
-            [_l("Linear", 2, 3), _l("Flatten"), _l("Linear", 18, 2)],
-            [6, 2],
-            "materialise",
-        ),  # 72 >= 6
-        # a 4-D input: T = 4 positions, 32 >= 9
-        ([_l("Linear", 3, 3), _l("Flatten"), _l("Linear", 12, 2)], [2, 2, 3], "materialise"),
-        ([_l("Conv1d", 4, 6, 3), _l("Flatten"), _l("Linear", 18, 2)], [4, 5], "gram"),  # 18 < 72
-        (
-            [
-                _l("Conv1d", 2, 3, 3, stride=2, dilation=2, padding=2),
-                _l("Flatten"),
-                _l("Linear", 15, 2),
-            ],
-            [2, 9],
-            "materialise",
-        ),
-        (
-            [_l("Conv2d", 2, 4, 3, padding=1, groups=2), _l("Flatten"), _l("Linear", 64, 2)],
-            [2, 4, 4],
-            "materialise",
-        ),
-        (
-            [
-                _l("Conv2d", 2, 2, [2, 3], padding="same", padding_mode="reflect"),
-                _l("Flatten"),
-                _l("Linear", 24, 2),
-            ],
-            [2, 3, 4],
-            "materialise",
-        ),
-        (
-            [_l("Conv2d", 1, 2, 2, padding="same"), _l("Flatten"), _l("Linear", 18, 2)],
-            [1, 3, 3],
-            "materialise",
-        ),
-        (
-            [
-                _l("Conv3d", 2, 2, 2, stride=[1, 2, 1], padding=1, dilation=[1, 1, 2]),
-                _l("Flatten"),
-                _l("Linear", 64, 2),
-            ],
-            [2, 3, 3, 4],
-            "materialise",
-        ),
-    ],
-)
+SHAPES = [
+    ([_l("Linear", 5, 4), _l("Flatten"), _l("Linear", 8, 2)], [2, 5], "gram"),  # 8 < 20
+    (
+        [_l("Linear", 2, 3), _l("Flatten"), _l("Linear", 18, 2)],
+        [6, 2],
+        "materialise",
+    ),  # 72 >= 6
+    # a 4-D input: T = 4 positions, 32 >= 9
+    ([_l("Linear", 3, 3), _l("Flatten"), _l("Linear", 12, 2)], [2, 2, 3], "materialise"),
+    ([_l("Conv1d", 4, 6, 3), _l("Flatten"), _l("Linear", 18, 2)], [4, 5], "gram"),  # 18 < 72
+    (
+        [
+            _l("Conv1d", 2, 3, 3, stride=2, dilation=2, padding=2),
+            _l("Flatten"),
+            _l("Linear", 15, 2),
+        ],
+        [2, 9],
+        "materialise",
+    ),
+    (
+        [_l("Conv2d", 2, 4, 3, padding=1, groups=2), _l("Flatten"), _l("Linear", 64, 2)],
+        [2, 4, 4],
+        "materialise",
+    ),
+    (
+        [
+            _l("Conv2d", 2, 2, [2, 3], padding="same", padding_mode="reflect"),
+            _l("Flatten"),
+            _l("Linear", 24, 2),
+        ],
+        [2, 3, 4],
+        "materialise",
+    ),
+    (
+        [_l("Conv2d", 1, 2, 2, padding="same"), _l("Flatten"), _l("Linear", 18, 2)],
+        [1, 3, 3],
+        "materialise",
+    ),
+    (
+        [
+            _l("Conv3d", 2, 2, 2, stride=[1, 2, 1], padding=1, dilation=[1, 1, 2]),
+            _l("Flatten"),
+            _l("Linear", 64, 2),
+        ],
+        [2, 3, 3, 4],
+        "materialise",
+    ),
+]
+
+
+@pytest.mark.parametrize(("layers", "shape", "form"), SHAPES)
 def test_sequences_and_convolutions_on_both_sides_of_the_choice(
     layers: list[dict[str, Any]], shape: list[int], form: str
 ) -> None:
@@ -427,17 +431,22 @@ def test_variance_keeps_its_digits_when_the_mean_is_large() -> None:
         assert_close(fast["variance"][k], v, k, atol=1e-3 * scale, rtol=1e-3)
 
 
-def test_per_sample_outputs_and_the_switch_take_the_vmap_path(
+def test_per_sample_outputs_take_the_fast_path_and_the_switch_the_vmap_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = zoo("mlp", SMALL["mlp"])
     batch = make_batch(model, 3)
     opts = Options(loss="cross_entropy", outputs=("grads", "norms"), params=tuple(model.params))
     [out] = engine.compute(model, batch, opts)
-    assert "path" not in out["meta"]
-    assert set(out["meta"]["method"].values()) == {"vmap"}
+    assert out["meta"]["path"] == "fast_stats"
+    assert set(out["meta"]["method"].values()) == {"linear"}
     monkeypatch.setenv("PSGRAD_FAST_STATS", "0")
     assert Settings().fast_stats is False
+    [slow] = engine.compute(model, batch, opts, fast_stats=Settings().fast_stats)
+    assert "path" not in slow["meta"]
+    assert set(slow["meta"]["method"].values()) == {"vmap"}
+    for name in opts.outputs:
+        assert_close(out[name], slow[name], name)
     opts = Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
     [out] = engine.compute(model, batch, opts, fast_stats=Settings().fast_stats)
     assert set(out["meta"]["method"].values()) == {"vmap"}
@@ -522,7 +531,7 @@ def test_a_layer_family_is_one_registered_class(monkeypatch: pytest.MonkeyPatch)
     assert meta["method"] == {"scale": "scale", "head.weight": "linear", "head.bias": "linear"}
 
 
-def test_the_strategy_fills_what_the_need_asks_and_declines_per_sample_gradients() -> None:
+def test_the_strategy_fills_what_the_need_asks() -> None:
     model = zoo("mlp", SMALL["mlp"])
     batch = make_batch(model, 4)
     opts = base.Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
@@ -536,4 +545,145 @@ def test_the_strategy_fills_what_the_need_asks_and_declines_per_sample_gradients
     for k, stats in result.params.items():
         torch.testing.assert_close(stats.sq, grads[k].flatten(1).pow(2).sum(1))
         assert stats == base.ParamStats(sq=stats.sq)
-    assert FastStats().run(replace(call, need=base.Need(grads=True, sq=True))) is None
+    result = FastStats().run(replace(call, need=base.Need(grads=True, sq=True)))
+    assert result is not None
+    for k, stats in result.params.items():
+        assert stats.grads is not None and stats.grads.is_contiguous()
+        torch.testing.assert_close(stats.grads, grads[k])
+        torch.testing.assert_close(stats.sq, grads[k].flatten(1).pow(2).sum(1))
+        assert stats == base.ParamStats(grads=stats.grads, sq=stats.sq)
+
+
+# ----------------------------------------------------------------------------- grads and updates
+
+GRADS = ("grads",)
+
+
+def _losses(arch: str) -> tuple[str, ...]:
+    family = ZOO.get(arch)
+    return tuple(family.loss_info(family.config(SMALL[arch]))[1])
+
+
+def grads_outputs(loss: str) -> tuple[str, ...]:
+    return ("grads", "updates") if loss == "td0" else GRADS
+
+
+@pytest.mark.parametrize(
+    ("arch", "loss"),
+    [(arch, loss) for arch in SMALL for loss in _losses(arch)],
+)
+def test_grads_on_every_zoo_model_and_loss(arch: str, loss: str) -> None:
+    """Every zoo model x loss: each per-sample gradient written by the fast path equals the
+    per-sample loop and the vmap path, over several jobs and with per-call weights."""
+    model = zoo(arch, SMALL[arch])
+    n = 4 if arch == "simple-cnn" else 5
+    batch = make_batch(model, n, loss=loss, weights=True)
+    meta = check(model, batch, loss=loss, outputs=grads_outputs(loss), segments=[2, 1, n - 3],
+                 gamma=0.9)
+    if arch == "simple-cnn":
+        assert meta["method"]["conv2.weight"] == "conv"
+        assert meta["method"]["fc1.weight"] == "linear"
+    if arch == "tiny-transformer":
+        assert meta["method"]["embed.weight"] == "embedding"
+        assert meta["method"]["encoder.0.self_attn.in_proj_weight"] == "linear"
+
+
+@pytest.mark.parametrize(
+    ("arch", "params"),
+    [
+        ("mlp", ("fc2.weight",)),
+        ("tiny-transformer", ("embed.weight", "head.bias")),
+        ("tiny-transformer", ("encoder.1.self_attn.out_proj.weight", "encoder.0.norm1.bias")),
+        ("simple-cnn", ("conv1.weight", "fc2.bias")),
+        ("value-mlp", ("0.weight",)),
+    ],
+)
+def test_grads_of_params_subsets(arch: str, params: tuple[str, ...]) -> None:
+    model = zoo(arch, SMALL[arch])
+    params = tuple(k for k in params if k in model.params) or tuple(model.params)[:1]
+    loss = model.default_loss
+    meta = check(model, make_batch(model, 3), loss=loss, params=params,
+                 outputs=grads_outputs(loss), segments=[1, 2])
+    assert list(meta["method"]) == list(params)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "tiny-transformer", "simple-cnn"])
+def test_grads_with_statistics(arch: str) -> None:
+    """Statistics asked for with the gradients are read off the written answer."""
+    model = zoo(arch, SMALL[arch])
+    check(model, make_batch(model, 4), outputs=(*GRADS, *SUMMARY), segments=[3, 1])
+
+
+@pytest.mark.parametrize(("layers", "shape", "form"), SHAPES)
+def test_grads_of_sequences_and_convolutions(
+    layers: list[dict[str, Any]], shape: list[int], form: str
+) -> None:
+    model = _sequential(layers, shape)
+    meta = check(model, make_batch(model, 4), outputs=GRADS, segments=[3, 1])
+    assert meta["method"]["0.weight"] == layers[0]["type"].rstrip("123d").lower()
+
+
+def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:
+    layers = [_l("Embedding", 7, 3, padding_idx=0), _l("Linear", 3, 4), _l("Mean", dim=1),
+              _l("Linear", 4, 2)]
+    model = _sequential(layers, [6], "int64")
+    batch = make_batch(model, 5)
+    batch.inputs = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(1))
+    meta = check(model, batch, outputs=GRADS)
+    assert meta["method"]["0.weight"] == "embedding"
+
+
+@pytest.mark.parametrize(
+    ("factory", "shape", "high", "methods"),
+    [
+        (TiedPair, (4,), 0, {"a.weight": "linear", "head.weight": "linear"}),
+        (TiedHead, (5,), 9, {"emb.weight": "tied", "mix.weight": "linear"}),
+        (Opaque, (4,), 0, {"inner.w": "direct", "scale": "vmap", "head.weight": "linear"}),
+    ],
+)
+@pytest.mark.parametrize("step", [None, 1], ids=["whole", "one-sample-chunks"])
+def test_grads_of_tied_and_replayed_parameters(
+    factory: type[nn.Module], shape: tuple[int, ...], high: int, methods: dict[str, str],
+    step: int | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replays and tied sums write their chunks into the one buffer of the answer."""
+    if step is not None:
+        for cls in (Materialised, OpReplay, ModuleReplay):
+            monkeypatch.setattr(cls, "chunk_size", lambda self: step)
+    torch.manual_seed(0)
+    model = custom(factory(), shape, "int64" if high else "float32", high, key=factory.__name__)
+    meta = check(model, make_batch(model, 4), outputs=GRADS, segments=[1, 3])
+    for name, method in methods.items():
+        assert meta["method"][name] == method, name
+
+
+def test_convolutions_unfolded_a_sample_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ConvSource, "chunk_size", lambda self: 1)
+    model = zoo("simple-cnn", SMALL["simple-cnn"])
+    check(model, make_batch(model, 3), outputs=GRADS, segments=[2, 1])
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(x))
+
+
+def test_the_probe_checks_the_written_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family whose written answer is wrong (its statistics right) loses the parameter to the
+    whole-model replay, and the answer stays right."""
+
+    def wrong(self: OuterSource) -> dict[str, torch.Tensor]:
+        return {self.names[0]: torch.zeros((self.batch, *self.shapes[self.names[0]]))}
+
+    monkeypatch.setattr(OuterSource, "answer", wrong)
+    torch.manual_seed(0)
+    model = custom(_Broken(), (4,), key="broken-answer")
+    try:
+        meta = check(model, make_batch(model, 4), outputs=GRADS)
+    finally:
+        PLANS.drop(lambda key: key[0] != model.structure)
+    assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}

@@ -13,7 +13,7 @@ import torch
 from models.sequential import LAYERS
 from service import engine
 from service.engine import Batch, Options
-from service.registry import load_model
+from service.registry import LoadedModel, load_model
 from tests.support.layers import CASES, Case, perturbed, reference_model
 from tests.support.reference import SUMMARY, assert_close, per_sample_loop, summarize
 
@@ -34,14 +34,19 @@ def test_every_allowed_type_has_a_case() -> None:
     assert {layer["type"] for case in CASES for layer in case.layers} == set(LAYERS)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_every_allowed_layer_type(case: Case) -> None:
+def loaded(case: Case) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
+    """The case's model with perturbed weights, and those weights (for the stock model)."""
     spec = case.spec()
     config = {k: spec[k] for k in ("layers", "input", "default_loss")}
     cpu = torch.device("cpu")
     base = load_model(case.name, "sequential", config, device=cpu)
     state = perturbed({**base.params, **base.buffers})
-    model = load_model(case.name, "sequential", config, state, device=cpu)
+    return load_model(case.name, "sequential", config, state, device=cpu), state
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_allowed_layer_type(case: Case) -> None:
+    model, state = loaded(case)
     x, y = case.batch(4)
     gen = torch.Generator().manual_seed(5)
     reference = {k: torch.randn(v.shape, generator=gen) for k, v in model.params.items()}
@@ -64,3 +69,16 @@ def test_every_allowed_layer_type(case: Case) -> None:
                 assert method == CLOSED[layer["type"]], name
             elif name.startswith(f"{i}."):  # norms, Bilinear, ConvTranspose: per-op replay
                 assert method in ("direct", "linear"), name  # attention: linear projections
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_grads_of_every_allowed_layer_type(case: Case) -> None:
+    """Each layer's per-sample gradients as the fast path writes them, against stock torch."""
+    model, state = loaded(case)
+    x, y = case.batch(4)
+    opts = Options(loss=case.loss, outputs=("grads",), params=tuple(model.params))
+    fast = engine.compute(model, Batch(inputs=x, targets=y), opts, [1, 3])
+    stock = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
+    for f, r in zip(fast, summarize(stock, [1, 3]), strict=True):
+        assert f["meta"]["path"] == "fast_stats"
+        assert_close(f["grads"], r["grads"], "grads (fast vs stock torch loop)")
