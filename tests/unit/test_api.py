@@ -342,3 +342,27 @@ def test_streamed_json_is_the_same_json() -> None:
         "result": {"mean": {"w": np.ones((3, 4)).tolist()}},
     }
     assert json.loads(text) == expected
+
+
+def test_large_streamed_json_reads_back_as_tolist() -> None:
+    from service.api.body import JSON_CHUNK, dumps, json_chunks
+
+    big = rng.standard_normal((300, JSON_CHUNK // 1000)).astype(np.float32)  # > JSON_CHUNK bytes
+    big[7, 3] = np.inf
+    flat = rng.standard_normal(JSON_CHUNK // 2).astype(np.float32)
+    doc = {
+        "clipped_mean": {"w": big, "v": flat},
+        "half": np.array([0.5, 1.5], np.float16),
+        "strided": np.arange(6, dtype=np.int64)[::2],
+        "meta": {"seed": 2**70},
+    }
+    pieces = list(json_chunks(doc))
+    assert len(pieces) > 10  # streamed, not one piece
+    got = json.loads(b"".join(pieces))
+    expected_w = big.tolist()
+    expected_w[7][3] = None
+    assert got["clipped_mean"]["w"] == expected_w
+    assert got["clipped_mean"]["v"] == flat.tolist()
+    assert got["half"] == [0.5, 1.5] and got["strided"] == [0, 2, 4]
+    assert got["meta"] == {"seed": 2**70}
+    assert dumps({"x": float("nan"), 1: np.float32(0.5)}) == b'{"x":null,"1":0.5}'
