@@ -202,7 +202,7 @@ def _wide(arr: np.ndarray) -> np.ndarray:
 
 
 def json_chunks(value: Any) -> Iterator[bytes]:
-    """The JSON text of ``value`` in pieces: arrays a block of rows at a time, other values whole."""
+    """The JSON text of ``value`` in pieces: arrays a block of rows at a time, the rest whole."""
     if isinstance(value, np.ndarray):
         if value.ndim == 0 or value.size == 0 or value.nbytes <= JSON_CHUNK:
             yield dumps(_wide(value))
