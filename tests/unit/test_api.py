@@ -181,8 +181,11 @@ async def test_jobs_lifecycle_json_and_safetensors() -> None:
         np.testing.assert_array_equal(
             fields["updates"]["theta"], np.asarray(body["result"]["updates"]["theta"], np.float32)
         )
-        # a finished job is left as it is by DELETE
+        # DELETE of a finished job answers it as it was and removes it
         assert (await c.delete(f"/jobs/{job_id}")).json()["status"] == "succeeded"
+        r = await c.get(f"/jobs/{job_id}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_job"
+        assert (await c.delete(f"/jobs/{job_id}")).status_code == 404
         # a failing job shows its error
         bad = (await c.post("/jobs", json={**doc, "model": "nope"})).json()["job_id"]
         failed = await _poll(c, bad)
@@ -199,6 +202,9 @@ async def test_cancel_a_queued_job_and_results_expire() -> None:
         assert (await c.get(f"/jobs/{job_id}")).json()["status"] == "queued"
         r = await c.delete(f"/jobs/{job_id}")
         assert r.status_code == 200 and r.json()["status"] == "canceled"
+        assert (await c.get(f"/jobs/{job_id}")).json()["status"] == "canceled"
+        assert (await c.delete(f"/jobs/{job_id}")).json()["status"] == "canceled"  # now removed
+        assert (await c.get(f"/jobs/{job_id}")).status_code == 404
         assert (await c.get("/metrics")).text.count("psgrad_queue_depth 0.0") == 1
     async with open_client(result_ttl_s=1) as c:
         job_id = (await c.post("/jobs", json=TD0)).json()["job_id"]
@@ -206,6 +212,21 @@ async def test_cancel_a_queued_job_and_results_expire() -> None:
         await asyncio.sleep(1.6)
         r = await c.get(f"/jobs/{job_id}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_job"
+
+
+async def test_jobs_refuses_what_the_schema_forbids_before_queueing() -> None:
+    async with open_client(workers=0) as c:
+        for bad, status, code in (
+            ({"model": ""}, 400, "bad_request"),
+            ({"seed": -1}, 400, "bad_request"),
+            ({"clip_norm": 0}, 422, "invalid_input"),
+            ({"outputs": ["nope"]}, 422, "unknown_output"),
+            ({"gamma": "0.5"}, 400, "bad_request"),
+            ({"dones": False}, 422, "shape_mismatch"),
+        ):
+            r = await c.post("/jobs", json={**TD0, **bad})
+            assert r.status_code == status and r.json()["error"]["code"] == code, (bad, r.text)
+        assert (await c.post("/jobs", json={**TD0, "model": "nope"})).status_code == 202
 
 
 async def _poll(c: object, job_id: str) -> dict[str, object]:
