@@ -58,10 +58,10 @@ class GradsRequest(BaseModel):
     targets: Tensor | None = Field(
         None, description="labels (class indices) or regression targets, first dimension B"
     )
-    loss: LossName | Literal[""] | None = Field(
+    loss: LossName | Literal[""] | None = Field(  # type: ignore[valid-type]
         None, description="the loss; default (absent, null or ''): the model's default loss"
     )
-    outputs: list[OutputName] | OutputName | None = Field(
+    outputs: list[OutputName] | OutputName | None = Field(  # type: ignore[valid-type]
         None,
         description="what to return, a list or one name (default, also for []: ['grads'])",
     )
