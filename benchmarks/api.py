@@ -107,7 +107,8 @@ def in_process(registry: ModelRegistry, fields: dict[str, Any]) -> Callable[[], 
         parsed = parse_request(fields, registry)
         out = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
         return {
-            k: ({p: t.numpy() for p, t in v.items()} if isinstance(v, dict) and k != "meta" else v)
+            k: ({p: t.detach().numpy() for p, t in v.items()} if isinstance(v, dict) and k != "meta"
+                else v)
             for k, v in out.items()
         }
 
