@@ -1,5 +1,6 @@
-"""The api's overhead: simple-cnn B=64 over HTTP on loopback against the engine in process, and
-16 concurrent clients with B=4 each, dynamic batching on against off.
+"""The api's overhead: simple-cnn B=64 over HTTP on loopback against the engine in process, a
+parameter-shaped summary (clipped_mean, 1.2 million floats) as JSON against safetensors, and 16
+concurrent clients with B=4 each, dynamic batching on against off.
 
 Two ``psgrad serve`` processes run side by side (batching off: ``PSGRAD_BATCH_MAX_DELAY_MS=0``,
 used for the single-client rows too; batching on: 5 ms), the rounds interleave, and the client's
@@ -27,6 +28,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import httpx
 import numpy as np
+import orjson
 
 from psgrad._wire import (
     REQUEST_KEY,
@@ -83,13 +85,14 @@ def start_server(delay_ms: float) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("psgrad serve did not start")
 
 
-def request(batch: int, outputs: list[str], seed: int = 0) -> dict[str, Any]:
+def request(batch: int, outputs: list[str], seed: int = 0, **extra: Any) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     return {
         "model": "simple-cnn",
         "outputs": outputs,
         "inputs": rng.random((batch, 1, 28, 28), dtype=np.float32),
         "targets": rng.integers(0, 10, batch),
+        **extra,
     }
 
 
@@ -104,7 +107,8 @@ def in_process(registry: ModelRegistry, fields: dict[str, Any]) -> Callable[[], 
         parsed = parse_request(fields, registry)
         out = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
         return {
-            k: ({p: t.numpy() for p, t in v.items()} if isinstance(v, dict) and k != "meta" else v)
+            k: ({p: t.detach().numpy() for p, t in v.items()} if isinstance(v, dict) and k != "meta"
+                else v)
             for k, v in out.items()
         }
 
@@ -124,7 +128,7 @@ def over_http(client: httpx.Client, fields: dict[str, Any], *, binary: bool) -> 
         r.raise_for_status()
         if binary:
             return fields_from_safetensors(r.content, RESPONSE_KEY)
-        doc = r.json()  # a JSON user turns the lists into arrays too
+        doc = orjson.loads(r.content)  # a JSON user parses (fast) and makes arrays too
         return {
             k: (
                 {p: np.asarray(t, np.float32) for p, t in v.items()}
@@ -167,6 +171,7 @@ def main() -> None:
     try:
         registry = ModelRegistry()
         norms, grads = request(64, ["norms"]), request(64, ["grads"])
+        clipped = request(64, ["clipped_mean"], clip_norm=1.0)
         client = httpx.Client(base_url=off_url, timeout=900)
         cases: dict[str, Callable[[], Any]] = {
             "engine in process, norms": in_process(registry, norms),
@@ -175,6 +180,9 @@ def main() -> None:
             "engine in process, grads": in_process(registry, grads),
             "HTTP grads, safetensors": over_http(client, grads, binary=True),
             "HTTP grads, JSON lists": over_http(client, grads, binary=False),
+            "engine in process, clipped_mean": in_process(registry, clipped),
+            "HTTP clipped_mean, safetensors": over_http(client, clipped, binary=True),
+            "HTTP clipped_mean, JSON lists": over_http(client, clipped, binary=False),
         }
         sizes = {
             "norms": len(
@@ -199,6 +207,13 @@ def main() -> None:
             headers={"content-type": SAFETENSORS, "accept": SAFETENSORS},
         )
         sizes["grads"] = len(st_grads.content)
+        sizes["clipped_mean"] = len(
+            client.post(
+                "/per-sample-grads",
+                content=json.dumps(fields_to_json(clipped)).encode(),
+                headers={"content-type": "application/json"},
+            ).content
+        )
         client.close()
 
         bodies = [
@@ -223,15 +238,18 @@ def main() -> None:
     print(
         f"simple-cnn, B=64, medians of {args.repeats} (JSON grads: {args.json_repeats}); "
         f"answers: norms {sizes['norms']} B JSON, grads {sizes['grads'] / 2**20:.0f} MiB "
-        "safetensors"
+        f"safetensors, clipped_mean {sizes['clipped_mean'] / 2**20:.0f} MiB JSON"
     )
     print("| case | median ms | vs engine in process |")
     print("|---|---:|---:|")
     for name, value in med.items():
-        base = med["engine in process, " + ("norms" if "norms" in name else "grads")]
+        kind = next(k for k in ("norms", "grads", "clipped_mean") if k in name)
+        base = med[f"engine in process, {kind}"]
         print(f"| {name} | {value:.1f} | {value / base:.2f}x |")
     ratio = med["HTTP grads, JSON lists"] / med["HTTP grads, safetensors"]
     print(f"\nJSON lists / safetensors for grads: {ratio:.1f}x")
+    ratio = med["HTTP clipped_mean, JSON lists"] / med["HTTP clipped_mean, safetensors"]
+    print(f"JSON lists / safetensors for clipped_mean (1.2M floats): {ratio:.2f}x")
     n = args.clients * args.client_batch
     print(
         f"\n{args.clients} concurrent clients x B={args.client_batch} (norms, safetensors), "

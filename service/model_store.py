@@ -32,6 +32,7 @@ from service.config import Settings
 
 ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 VERSION_RE = re.compile(r"[0-9a-f]{16}")
+REF_RE = re.compile(rf"{ID_RE.pattern}(@{VERSION_RE.pattern})?")  # id, or id@version
 
 
 def is_safe_id(model_id: str) -> bool:

@@ -196,8 +196,11 @@ def _options(fields: dict[str, Any], model: LoadedModel,
         return bind(fields, plain, model.id, dp_runs)
     clip_norm = _number(fields.get("clip_norm"), "clip_norm")
     noise = _number(fields.get("noise_multiplier"), "noise_multiplier") or 0.0
-    if "clipped_mean" in outputs and (clip_norm is None or clip_norm <= 0):
+    if "clipped_mean" in outputs and clip_norm is None:
         raise InvalidInput("output 'clipped_mean' needs 'clip_norm' > 0")
+    if clip_norm is not None and clip_norm <= 0:  # refused with any outputs, as documented
+        raise InvalidInput(f"'clip_norm' must be > 0 (output 'clipped_mean' needs it); got "
+                           f"{clip_norm:g}")
     if noise < 0:
         raise InvalidInput("'noise_multiplier' must be >= 0")
     seed = fields.get("seed")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +32,7 @@ from service.config import Settings
 from service.validate import KNOWN_FIELDS, decode_json_body
 
 STREAM_CHUNK = 4 << 20  # bytes per write of a streamed safetensors answer
+JSON_CHUNK = 1 << 20  # array bytes per piece of a streamed JSON answer
 INLINE_BYTES = 64 * 1024  # smaller bodies decode on the loop (a thread hop costs more)
 
 
@@ -105,11 +107,23 @@ def _precheck(fields: dict[str, Any]) -> None:
 
 
 def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:
+    return decode_json_body(loads(body), max_elements=settings.max_elements)
+
+
+def loads(body: bytes) -> Any:
+    """orjson's parse; the standard library's only for what orjson refuses.
+
+    The fallback keeps the extensions JSON clients commonly write (``NaN``, ``Infinity``,
+    integers past 64 bits) meaning what they did, so validation answers them as before.
+    """
     try:
-        obj = json.loads(body)
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
-    return decode_json_body(obj, max_elements=settings.max_elements)
 
 
 def _decode_safetensors(body: bytes, settings: Settings) -> dict[str, Any]:
@@ -175,22 +189,32 @@ def _array_bytes(value: Any) -> int:
 
 
 def fields_to_json_deep(value: Any) -> Any:
+    """``value`` with every array widened (see :func:`dumps`), ready for orjson."""
     if isinstance(value, np.ndarray):
-        return value.tolist()
+        return _wide(value)
     if isinstance(value, dict):
         return {k: fields_to_json_deep(v) for k, v in value.items()}
     return value
 
 
+def _wide(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.kind == "f" and arr.dtype.itemsize < 8:
+        return arr.astype(np.float64)
+    return arr
+
+
 def json_chunks(value: Any) -> Iterator[bytes]:
-    """The JSON text of ``value`` in pieces: arrays row by row, other values whole."""
+    """The JSON text of ``value`` in pieces: arrays a block of rows at a time, the rest whole."""
     if isinstance(value, np.ndarray):
-        if value.ndim < 2:
-            yield dumps(value.tolist())
+        if value.ndim == 0 or value.size == 0 or value.nbytes <= JSON_CHUNK:
+            yield dumps(_wide(value))
             return
+        rows = max(1, JSON_CHUNK * value.shape[0] // value.nbytes)
         yield b"["
-        for i in range(value.shape[0]):
-            yield (b"," if i else b"") + dumps(value[i].tolist())
+        for start in range(0, value.shape[0], rows):
+            # orjson encodes the block as a list of rows; its brackets are the answer's
+            block = _wide(value[start : start + rows])
+            yield (b"," if start else b"") + dumps(block)[1:-1]
         yield b"]"
     elif isinstance(value, dict) and _array_bytes(value):
         yield b"{"
@@ -208,11 +232,36 @@ async def _chunks(parts: list[bytes | memoryview]) -> AsyncIterator[bytes | memo
             yield part[start : start + STREAM_CHUNK]
 
 
+_ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
 def dumps(doc: Any) -> bytes:
+    """``doc`` as compact JSON; NaN and infinities as ``null``; numpy arrays and scalars native.
+
+    orjson writes numpy arrays without making Python floats, which is what makes large JSON
+    answers cheap. Callers widen float32 arrays first (:func:`fields_to_json_deep`), so an answer
+    reads back to the same numbers as ``tolist()`` gives; integers past 64 bits take the
+    standard library.
+    """
     try:
-        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+        return orjson.dumps(doc, default=_widen, option=_ORJSON)
+    except orjson.JSONEncodeError:
+        pass
+    try:
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"), default=_widen).encode()
     except ValueError:
-        return json.dumps(_finite(doc), allow_nan=False, separators=(",", ":")).encode()
+        return json.dumps(
+            _finite(doc), allow_nan=False, separators=(",", ":"), default=_widen
+        ).encode()
+
+
+def _widen(value: Any) -> Any:
+    """What orjson hands back: arrays it does not write itself (non-contiguous, float16)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _finite(value: Any) -> Any:
@@ -222,4 +271,6 @@ def _finite(value: Any) -> Any:
         return [_finite(v) for v in value]
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _finite(_widen(value))
     return value

@@ -18,6 +18,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from psgrad._errors import Overloaded, PsgradError, Unauthorized
@@ -60,14 +61,23 @@ async def _validation(_request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _http(_request: Request, exc: Exception) -> JSONResponse:
+async def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "error")
-    return JSONResponse(
-        body(code, str(exc.detail)),
-        status_code=exc.status_code,
-        headers=getattr(exc, "headers", None),
-    )
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed(request))
+    return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code, headers=headers)
+
+
+def _allowed(request: Request) -> list[str]:
+    """Every method of every route at this path: Starlette names only the first route's."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def install(app: FastAPI) -> None:

@@ -11,6 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.losses import LOSSES
+from service.model_store import ID_RE, REF_RE
+from service.outputs import OUTPUTS
+
 DTYPE = Literal["float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"]
 
 
@@ -26,6 +30,12 @@ class TensorB64(BaseModel):
 
 
 Tensor = list[Any] | TensorB64 | float | int
+# What validation enforces, stated where OpenAPI can say it (patterns anchored: JSON Schema's
+# ``pattern`` matches anywhere).
+MODEL_ID = f"^{ID_RE.pattern}$"
+MODEL_REF = f"^{REF_RE.pattern}$"
+LossName = Literal[tuple(LOSSES.names())]  # type: ignore[valid-type]
+OutputName = Literal[tuple(OUTPUTS.names())]  # type: ignore[valid-type]
 TENSOR_DOC = "a tensor: nested lists of numbers, or {dtype, shape, data} with base64 data"
 
 
@@ -40,33 +50,46 @@ class GradsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(
-        description="a model id (see GET /models), or 'id@version'", examples=["mlp"]
+        description="a model id (see GET /models), or 'id@version'",
+        examples=["mlp"],
+        pattern=MODEL_REF,
     )
-    inputs: Tensor = Field(description=f"the batch, first dimension B; {TENSOR_DOC}")
+    inputs: Tensor | dict[str, Tensor] = Field(
+        description=f"the batch, first dimension B; {TENSOR_DOC}; for a model with several "
+        "inputs (GET /models/{id} lists them), an object {input name: tensor}"
+    )
     targets: Tensor | None = Field(
         None, description="labels (class indices) or regression targets, first dimension B"
     )
-    loss: str | None = Field(
-        None, description="cross_entropy, nll, mse or td0; default: the model's default loss"
+    loss: LossName | Literal[""] | None = Field(  # type: ignore[valid-type]
+        None, description="the loss; default (absent, null or ''): the model's default loss"
     )
-    outputs: list[str] | None = Field(
+    outputs: list[OutputName] | OutputName | None = Field(  # type: ignore[valid-type]
         None,
-        description="what to return (default ['grads']): grads, losses, norms, layer_norms, mean, "
-        "variance, clipped_mean, dot, cosine_mean, td_errors, updates",
+        description="what to return, a list or one name (default, also for []: ['grads'])",
     )
     params: list[str] | None = Field(
-        None, description="restrict every output to these parameters (names as in GET /models/{id})"
+        None,
+        min_length=1,
+        description="restrict every output to these parameters (names as in GET /models/{id})",
     )
     weights: dict[str, Tensor] | None = Field(
         None, description="{param: tensor}: parameter values to use for this call only"
     )
     clip_norm: float | None = Field(
-        None, description="clipped_mean: per-sample clipping norm (> 0)"
+        None, gt=0.0, description="clipped_mean: per-sample clipping norm (> 0)"
     )
     noise_multiplier: float | None = Field(
-        None, description="clipped_mean: Gaussian noise std as a multiple of clip_norm (>= 0)"
+        None,
+        ge=0.0,
+        description="clipped_mean: Gaussian noise std as a multiple of clip_norm (>= 0)",
     )
-    seed: int | None = Field(None, description="clipped_mean: noise seed (echoed in meta)")
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="clipped_mean: noise seed (echoed in meta)"
+    )
+    mask: Tensor | None = Field(
+        None, description="token losses: 1 for the positions that count, 0 for padding, [B, T]"
+    )
     dp_run: str | None = Field(
         None, description="a DP run id (POST /dp-runs): this request is one DP-SGD step. "
         "outputs must be ['clipped_mean']; the run's clip_norm and noise_multiplier are used, the "

@@ -334,6 +334,10 @@ async def test_async_job_life_cancel_and_expiry(tmp_path: Path, prefix: str, reg
             worker.send_signal(signal.SIGCONT)
         await wait_until(lambda: c.xlen() == 0, 30, "the worker to skip the canceled job")
         assert (await c.client.get(f"/jobs/{queued}")).json()["status"] == "canceled"
+        removed = (await c.client.post("/jobs", json=request)).json()["job_id"]
+        assert (await job_done(c.client, removed))["status"] == "succeeded"
+        assert (await c.client.delete(f"/jobs/{removed}")).json()["status"] == "succeeded"
+        assert (await c.client.get(f"/jobs/{removed}")).status_code == 404
         # results expire after PSGRAD_RESULT_TTL_S
         await asyncio.sleep(c.settings.result_ttl_s + 0.5)
         for gone in (job_id, queued):

@@ -181,8 +181,11 @@ async def test_jobs_lifecycle_json_and_safetensors() -> None:
         np.testing.assert_array_equal(
             fields["updates"]["theta"], np.asarray(body["result"]["updates"]["theta"], np.float32)
         )
-        # a finished job is left as it is by DELETE
+        # DELETE of a finished job answers it as it was and removes it
         assert (await c.delete(f"/jobs/{job_id}")).json()["status"] == "succeeded"
+        r = await c.get(f"/jobs/{job_id}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_job"
+        assert (await c.delete(f"/jobs/{job_id}")).status_code == 404
         # a failing job shows its error
         bad = (await c.post("/jobs", json={**doc, "model": "nope"})).json()["job_id"]
         failed = await _poll(c, bad)
@@ -199,6 +202,9 @@ async def test_cancel_a_queued_job_and_results_expire() -> None:
         assert (await c.get(f"/jobs/{job_id}")).json()["status"] == "queued"
         r = await c.delete(f"/jobs/{job_id}")
         assert r.status_code == 200 and r.json()["status"] == "canceled"
+        assert (await c.get(f"/jobs/{job_id}")).json()["status"] == "canceled"
+        assert (await c.delete(f"/jobs/{job_id}")).json()["status"] == "canceled"  # now removed
+        assert (await c.get(f"/jobs/{job_id}")).status_code == 404
         assert (await c.get("/metrics")).text.count("psgrad_queue_depth 0.0") == 1
     async with open_client(result_ttl_s=1) as c:
         job_id = (await c.post("/jobs", json=TD0)).json()["job_id"]
@@ -206,6 +212,21 @@ async def test_cancel_a_queued_job_and_results_expire() -> None:
         await asyncio.sleep(1.6)
         r = await c.get(f"/jobs/{job_id}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_job"
+
+
+async def test_jobs_refuses_what_the_schema_forbids_before_queueing() -> None:
+    async with open_client(workers=0) as c:
+        for bad, status, code in (
+            ({"model": ""}, 400, "bad_request"),
+            ({"seed": -1}, 400, "bad_request"),
+            ({"clip_norm": 0}, 422, "invalid_input"),
+            ({"outputs": ["nope"]}, 422, "unknown_output"),
+            ({"gamma": "0.5"}, 400, "bad_request"),
+            ({"dones": False}, 422, "shape_mismatch"),
+        ):
+            r = await c.post("/jobs", json={**TD0, **bad})
+            assert r.status_code == status and r.json()["error"]["code"] == code, (bad, r.text)
+        assert (await c.post("/jobs", json={**TD0, "model": "nope"})).status_code == 202
 
 
 async def _poll(c: object, job_id: str) -> dict[str, object]:
@@ -342,3 +363,27 @@ def test_streamed_json_is_the_same_json() -> None:
         "result": {"mean": {"w": np.ones((3, 4)).tolist()}},
     }
     assert json.loads(text) == expected
+
+
+def test_large_streamed_json_reads_back_as_tolist() -> None:
+    from service.api.body import JSON_CHUNK, dumps, json_chunks
+
+    big = rng.standard_normal((300, JSON_CHUNK // 1000)).astype(np.float32)  # > JSON_CHUNK bytes
+    big[7, 3] = np.inf
+    flat = rng.standard_normal(JSON_CHUNK // 2).astype(np.float32)
+    doc = {
+        "clipped_mean": {"w": big, "v": flat},
+        "half": np.array([0.5, 1.5], np.float16),
+        "strided": np.arange(6, dtype=np.int64)[::2],
+        "meta": {"seed": 2**70},
+    }
+    pieces = list(json_chunks(doc))
+    assert len(pieces) > 10  # streamed, not one piece
+    got = json.loads(b"".join(pieces))
+    expected_w = big.tolist()
+    expected_w[7][3] = None
+    assert got["clipped_mean"]["w"] == expected_w
+    assert got["clipped_mean"]["v"] == flat.tolist()
+    assert got["half"] == [0.5, 1.5] and got["strided"] == [0, 2, 4]
+    assert got["meta"] == {"seed": 2**70}
+    assert dumps({"x": float("nan"), 1: np.float32(0.5)}) == b'{"x":null,"1":0.5}'

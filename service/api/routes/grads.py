@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -42,10 +43,16 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def new_job(request: Request, state: StateDep) -> Job:
-    """Decode the body and enqueue it; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S`` from now."""
+async def new_job(
+    request: Request,
+    state: StateDep,
+    check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
+) -> Job:
+    """Decode the body, ``check`` it, enqueue it; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``."""
     fields = await decode_request(request, state.settings)
     await dp_precheck(fields, state.settings)  # 404 / 409 now for a DP run with no step left
+    if check is not None:
+        await check(fields, state)
     job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s)
     await state.broker.submit(job)
     return job

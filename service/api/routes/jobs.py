@@ -1,27 +1,36 @@
 """``/jobs``: the same computation as ``POST /per-sample-grads``, without holding a connection.
 
-Results stay for ``PSGRAD_RESULT_TTL_S`` after the job finishes, then ``GET`` answers 404.
+Results stay for ``PSGRAD_RESULT_TTL_S`` after the job finishes (or until ``DELETE``), then
+``GET`` answers 404. A body is checked against the OpenAPI schema before it is queued (what
+the document forbids is refused, not answered 202); what needs the model (shapes, names) is the
+worker's to check, and a job it refuses ends ``failed`` with the error.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+import numpy as np
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from psgrad._errors import UnknownJob
+from psgrad._errors import InvalidInput, UnknownJob
 from psgrad._wire import SAFETENSORS
 from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep
 from service.api.routes.grads import REQUEST_BODY, new_job
-from service.api.schemas import JobCreated, JobView, errors
+from service.api.schemas import GradsRequest, JobCreated, JobView, errors
 from service.jobs import JobState, JobStatus
+from service.validate import TENSOR_DICT_FIELDS, parse_request
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
+# Documented, not checked by FastAPI: an id off the pattern is a job that does not exist (404).
+JobId = Annotated[str, Path(json_schema_extra={"pattern": JOB_ID})]
 
 
 @router.post(
@@ -33,8 +42,11 @@ JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
     summary="Queue a computation",
 )
 async def create_job(request: Request, state: StateDep) -> JSONResponse:
-    """Queue the same body as ``POST /per-sample-grads``; poll ``GET /jobs/{job_id}``."""
-    job = await new_job(request, state)
+    """Queue the same body as ``POST /per-sample-grads``; poll ``GET /jobs/{job_id}``.
+
+    What the schema forbids is refused at once (4xx); what needs the model fails the job.
+    """
+    job = await new_job(request, state, check=_check)
     return JSONResponse(
         {"job_id": job.id, "status": JobStatus.QUEUED.value},
         status_code=202,
@@ -51,7 +63,7 @@ async def create_job(request: Request, state: StateDep) -> JSONResponse:
         **errors(400, 401, 404),
     },
 )
-async def get_job(job_id: str, request: Request, state: StateDep) -> Response:
+async def get_job(job_id: JobId, request: Request, state: StateDep) -> Response:
     """The status; once succeeded the result (a safetensors file when ``Accept`` asks for it,
     else JSON under ``result``), once failed the error under ``error``."""
     st = await state.broker.state(_checked(job_id))
@@ -68,12 +80,42 @@ async def get_job(job_id: str, request: Request, state: StateDep) -> Response:
     "/{job_id}",
     response_model=JobView,
     responses=errors(400, 401, 404),
-    summary="Cancel a queued or running job",
+    summary="Cancel a queued or running job; remove a finished one",
 )
-async def cancel_job(job_id: str, state: StateDep) -> JSONResponse:
-    """A queued or running job becomes ``canceled``; a finished job is left as it is."""
-    st = await state.broker.cancel(_checked(job_id))
-    return JSONResponse(_view(st))
+async def cancel_job(job_id: JobId, state: StateDep) -> JSONResponse:
+    """A queued or running job becomes ``canceled`` (readable until ``PSGRAD_RESULT_TTL_S``); a
+    finished one (succeeded, failed or canceled) is removed with its result: ``GET`` answers 404
+    after. The answer is the job as it was before this call removed it, or as canceled."""
+    before = await state.broker.state(_checked(job_id))
+    if before.status.done:
+        await state.broker.forget(job_id)
+        return JSONResponse(_view(before))
+    return JSONResponse(_view(await state.broker.cancel(job_id)))
+
+
+async def _check(fields: dict[str, Any], state: StateDep) -> None:
+    """The decoded body against :class:`GradsRequest`, its tensors (already decoded) stood in
+    for: the schema's word on everything but tensor contents. A refused body gets the error the
+    worker would give it (``unknown_loss``, ...), else a general ``invalid_input``."""
+    doc = {k: _stand_in(v) for k, v in fields.items()}
+    for name in TENSOR_DICT_FIELDS:
+        if isinstance(doc.get(name), dict):
+            doc[name] = {k: _stand_in(v) for k, v in doc[name].items()}
+    try:
+        GradsRequest.model_validate(doc, strict=True)  # no "0.5" for 0.5: JSON types as sent
+    except ValidationError as exc:
+        await run_in_threadpool(
+            parse_request, fields, state.registry, max_batch_size=state.settings.max_batch_size
+        )  # raises its own error for nearly all of them
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
+        raise InvalidInput(f"the request is invalid: {'; '.join(problems)}") from None
+
+
+def _stand_in(value: Any) -> Any:
+    """A decoded tensor as the JSON type it came as: a list, or a scalar (``false`` stays one)."""
+    if isinstance(value, np.ndarray):
+        return value.item() if value.ndim == 0 else []
+    return value
 
 
 def _checked(job_id: str) -> str:

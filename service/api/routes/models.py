@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import BadRequest, PsgradError, UnsupportedMediaType
 from psgrad._wire import JSON, SAFETENSORS
 from service.api.body import media_type, read_body
 from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
-from service.api.schemas import ModelDeleted, ModelDoc, ModelList, errors
+from service.api.schemas import MODEL_ID, MODEL_REF, ModelDeleted, ModelDoc, ModelList, errors
 from service.registration import (
     EXPORT_MEDIA_TYPE,
     Limits,
@@ -25,6 +25,11 @@ from service.registration import (
 from service.registry import ModelRegistry
 
 router = APIRouter(prefix="/models", tags=["models"], dependencies=[ApiKey])
+# The patterns are documented, not checked by FastAPI: registration checks them itself (400).
+RefPath = Annotated[
+    str, Path(description="id, or id@version", json_schema_extra={"pattern": MODEL_REF})
+]
+IdPath = Annotated[str, Path(description="a model id", json_schema_extra={"pattern": MODEL_ID})]
 
 
 def _describe_all(registry: ModelRegistry) -> dict[str, Any]:
@@ -51,7 +56,7 @@ async def list_models(registry: RegistryDep) -> dict[str, Any]:
     responses=errors(400, 401, 404),
     summary="One model: input, parameters, losses, versions",
 )
-async def get_model(model_id: str, registry: RegistryDep) -> dict[str, Any]:
+async def get_model(model_id: RefPath, registry: RegistryDep) -> dict[str, Any]:
     """``model_id`` may be ``id`` (newest version) or ``id@version``."""
     doc: dict[str, Any] = await run_in_threadpool(registry.describe, model_id)
     return doc
@@ -69,7 +74,7 @@ async def get_model(model_id: str, registry: RegistryDep) -> dict[str, Any]:
         **errors(400, 401, 404),
     },
 )
-async def get_weights(model_id: str, registry: RegistryDep) -> Response:
+async def get_weights(model_id: RefPath, registry: RegistryDep) -> Response:
     """The weights of ``id`` (newest) or ``id@version``; the header X-Psgrad-Model names it."""
     ref, data = await run_in_threadpool(export_weights, registry, model_id)
     return Response(
@@ -121,7 +126,7 @@ def _registered(registry: ModelRegistry, model: Any) -> dict[str, Any]:
     summary="Register a model: a new version of id (admin)",
 )
 async def put_model(
-    model_id: str,
+    model_id: IdPath,
     request: Request,
     registry: RegistryDep,
     settings: SettingsDep,
@@ -177,7 +182,7 @@ async def put_model(
     summary="New weights for id: a new version (admin)",
 )
 async def put_weights(
-    model_id: str, request: Request, registry: RegistryDep, settings: SettingsDep
+    model_id: IdPath, request: Request, registry: RegistryDep, settings: SettingsDep
 ) -> dict[str, Any]:
     """Names, shapes and dtypes must match the newest version's architecture; finite only."""
     if media_type(request.headers.get("content-type")) not in (
@@ -201,7 +206,7 @@ async def put_weights(
     responses=errors(400, 401, 403, 404, 409),
     summary="Delete id (every version) or id@version (admin)",
 )
-async def delete_model(model_id: str, registry: RegistryDep) -> dict[str, Any]:
+async def delete_model(model_id: RefPath, registry: RegistryDep) -> dict[str, Any]:
     """Deleted versions answer 404 at once, in every process that shares the store."""
     gone: dict[str, Any] = await run_in_threadpool(delete, registry, model_id)
     return gone
