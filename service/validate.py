@@ -30,12 +30,13 @@ from psgrad._wire import array_from_json
 from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import get_output
+from service.attribution import ReferenceSets, projection_of, references
 from service.registry import LoadedModel, ModelRegistry
 
-TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "reference_sketches")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma")
+                 "gamma", "projection_dim", "projection_seed", "reference_set")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 
 
@@ -50,7 +51,8 @@ class ParsedRequest:
         b = self.batch
         return (
             self.model.ref, self.opts,
-            _digest(b.weights), _digest(b.reference),
+            _digest(b.weights), _digest(b.reference), _digest(b.references),
+            _digest({} if b.sketches is None else {"": b.sketches}),
             tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in b.samples().items()),
         )
 
@@ -85,7 +87,8 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
 
 
 def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
-                  max_batch_size: int | None = None) -> ParsedRequest:
+                  max_batch_size: int | None = None,
+                  reference_sets: ReferenceSets | None = None) -> ParsedRequest:
     """Check a decoded request against its model and build the engine's arguments."""
     unknown = sorted(set(fields) - KNOWN_FIELDS)
     if unknown:
@@ -124,6 +127,14 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
         if not bool(((batch.dones == 0) | (batch.dones == 1)).all()):
             raise InvalidInput("'dones' must hold only 0 and 1 (or false and true)")
     batch.weights = _param_tensors(fields.get("weights"), model, "weights")
+    if opts.reference_count:  # dots or influence: M references per parameter, or M sketches
+        reference = _param_tensors(fields.get("reference"), model, "reference", stacked=True)
+        raw = fields.get("reference_sketches")
+        sketches = None if raw is None else _to_tensor(_array(raw, "reference_sketches"),
+                                                       model.dtype, "reference_sketches")
+        opts = references(model, opts, batch, reference, sketches, fields.get("reference_set"),
+                          reference_sets)
+        return ParsedRequest(model, opts, batch)
     batch.reference = _param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
         missing = [p for p in opts.params if p not in batch.reference]
@@ -180,7 +191,8 @@ def _options(fields: dict[str, Any], model: LoadedModel) -> Options:
     return Options(
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=clip_norm, noise_multiplier=noise, seed=seed,
-        gamma=1.0 if gamma is None else gamma,
+        gamma=1.0 if gamma is None else gamma, projection=projection_of(fields, outputs),
+        reference_count=-1 if {"dots", "influence"} & set(outputs) else 0,
     )
 
 
@@ -290,7 +302,9 @@ def _vector(value: Any, name: str, size: int, dtype: torch.dtype) -> torch.Tenso
     return _to_tensor(arr, dtype, name)
 
 
-def _param_tensors(value: Any, model: LoadedModel, field: str) -> dict[str, torch.Tensor]:
+def _param_tensors(value: Any, model: LoadedModel, field: str, *, stacked: bool = False
+                   ) -> dict[str, torch.Tensor]:
+    """``{param: tensor}`` in the parameters' shapes (``stacked``: shapes are checked later)."""
     if not value:
         return {}
     if not isinstance(value, dict):
@@ -300,7 +314,7 @@ def _param_tensors(value: Any, model: LoadedModel, field: str) -> dict[str, torc
     for name, arr in value.items():
         arr = _array(arr, f"{field}.{name}")
         want = tuple(model.params[name].shape)
-        if tuple(arr.shape) != want:
+        if tuple(arr.shape) != want and not stacked:
             raise ShapeMismatch(f"'{field}.{name}' has shape {list(arr.shape)}; the parameter "
                                 f"has {list(want)}", parameter=name)
         out[name] = _to_tensor(arr, model.dtype, f"{field}.{name}")

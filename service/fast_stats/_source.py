@@ -17,6 +17,7 @@ import torch
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.strategies.base import Bounds, Tensors
+from service.strategies.projection import Projection
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,11 @@ class Source:
         """Materialised per-sample gradients of rows [lo, hi), ``{name: [n, *shape]}``."""
         raise NotImplementedError
 
+    def project(self, projection: Projection) -> Tensors:
+        """Each parameter's part of every sample's sketch, ``{name: [B, k]}``, from the
+        materialised gradients; a family with a structured form overrides it."""
+        return {k: projection.project(k, g) for k, g in self.grads(0, self.batch).items()}
+
 
 Chunk = tuple[int, int, Tensors]  # rows [lo, hi) and their per-sample gradients
 
@@ -122,6 +128,13 @@ class Materialised(Source):
             yield item
         if keep:
             self._cache = kept
+
+    def project(self, projection: Projection) -> Tensors:
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        for _, _, grads in self.chunks():
+            for k, g in grads.items():
+                parts[k].append(projection.project(k, g))
+        return {k: cat(v) for k, v in parts.items()}
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         def zeros(k: str, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from service.fast_stats._dense import grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward
+from service.fast_stats._sketch import with_sketches
 from service.fast_stats._source import Source
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
 
@@ -31,7 +32,7 @@ class FastStats:
 
     def run(self, call: Call) -> Result | None:
         need, model = call.need, call.model
-        if need.grads or model.route != "vmap" or not model.batched:
+        if need.grads or need.dots or model.route != "vmap" or not model.batched:
             return None
         setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
                       call.selected)
@@ -49,7 +50,7 @@ class FastStats:
         del run  # each source holds what it still needs; the rest (LayerNorm inputs, gradients
         # already reduced to per-sample values) can go now
         sources = {k: s for s in found for k in s.names}
-        params = _stats(call, found)
+        params = with_sketches(call, found, _stats(call, found))
         meta = {
             "route": model.route,
             "chunk_size": call.size,
@@ -79,7 +80,7 @@ def _stats(call: Call, found: list[Source]) -> dict[str, ParamStats]:
         sums_dtype=torch.float64 if need.m2 else dtype,
     )
     for source in found:
-        first.update(source.pass1(ask))
+        first.update(source.pass1(ask) if ask.any else {k: Pass1() for k in source.names})
     means: list[Tensors] | None = None
     if sums:
         means = [{k: (_of(first[k].sums)[s] / (b - a)).to(dtype) for k in names}
