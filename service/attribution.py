@@ -49,6 +49,13 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def refuse_unread(fields: dict[str, Any]) -> None:
+    """``reference_set`` and ``reference_sketches`` without an output that reads them."""
+    for name, output in (("reference_set", "influence"), ("reference_sketches", "dots")):
+        if fields.get(name) is not None:
+            raise InvalidInput(f"'{name}' is read by output '{output}' only; ask for it")
+
+
 def references(model: LoadedModel, opts: Options, batch: Batch,
                reference: dict[str, torch.Tensor], sketches: torch.Tensor | None,
                set_id: Any, sets: ReferenceSets | None) -> Options:

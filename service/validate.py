@@ -30,7 +30,7 @@ from psgrad._wire import array_from_json
 from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import get_output
-from service.attribution import ReferenceSets, projection_of, references
+from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.registry import LoadedModel, ModelRegistry
 
 TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "reference_sketches")
@@ -135,6 +135,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
         opts = references(model, opts, batch, reference, sketches, fields.get("reference_set"),
                           reference_sets)
         return ParsedRequest(model, opts, batch)
+    refuse_unread(fields)
     batch.reference = _param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
         missing = [p for p in opts.params if p not in batch.reference]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from service.fast_stats._source import Source
 from service.strategies.base import Call, ParamStats
 
@@ -22,6 +24,7 @@ def with_sketches(call: Call, found: Sequence[Source], params: dict[str, ParamSt
         return params
     assert projection is not None, "validation asks for a projection with 'proj'"
     parts = {}
-    for source in found:
-        parts.update(source.project(projection))
+    with torch.no_grad():  # the captured inputs are part of the forward graph
+        for source in found:
+            parts.update(source.project(projection))
     return {k: replace(p, proj=parts[k]) for k, p in params.items()}
