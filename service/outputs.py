@@ -161,12 +161,14 @@ def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | No
 
 
 def output_bytes(outputs: Sequence[str], n_params: int, n_selected: int, batch_size: int,
-                 itemsize: int) -> int:
+                 itemsize: int, opts: Options | None = None) -> int:
     """Bytes of an answer, to refuse an oversized result before computing it."""
     count = 0
     for name in outputs:
         info = get_output(name)
         per = n_selected if info.per_param_tensor else (n_params if info.per_param else 1)
+        if info.width is not None and opts is not None:
+            per *= info.width(opts)  # [B, k] sketches, [B, M] dot products
         count += per * (batch_size if info.per_sample else 1)
     return count * itemsize
 

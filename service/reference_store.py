@@ -39,6 +39,7 @@ class ReferenceSet:
     count: int  # M, the samples
     created: float
     tensors: dict[str, np.ndarray]
+    nbytes: int = 0  # of the tensors, kept in the spec so that GET needs no tensors
 
     def doc(self) -> dict[str, Any]:
         """``GET /reference-sets/{id}``: everything but the tensors."""
@@ -46,7 +47,7 @@ class ReferenceSet:
         return {"id": self.id, "model": self.model, "loss": self.loss, "params": list(self.params),
                 "shapes": self.shapes, "projection_dim": k, "projection_seed": seed,
                 "count": self.count, "created": self.created,
-                "bytes": sum(int(v.nbytes) for v in self.tensors.values())}
+                "bytes": self.nbytes or sum(int(v.nbytes) for v in self.tensors.values())}
 
     def spec_json(self) -> str:
         return json.dumps({**self.doc(), "params": list(self.params)}, sort_keys=True)
@@ -60,7 +61,8 @@ class ReferenceSet:
         k, seed = d.get("projection_dim"), d.get("projection_seed")
         return cls(d["id"], d["model"], d["loss"], tuple(d["params"]), d["shapes"],
                    (int(k), int(seed)) if k is not None else None, int(d["count"]),
-                   float(d["created"]), dict(st_load(data)) if data is not None else {})
+                   float(d["created"]), dict(st_load(data)) if data is not None else {},
+                   int(d.get("bytes", 0)))
 
 
 class ReferenceStore:

@@ -121,7 +121,8 @@ class Worker:
     def _parse(self, job: Job) -> ParsedRequest | None:
         try:
             parsed = parse_request(
-                job.fields, self.registry, max_batch_size=self.settings.max_batch_size
+                job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
+                reference_sets=self.registry.references,
             )
             _check_result_size(parsed, *self.result_limit)
             return parsed
@@ -293,6 +294,8 @@ def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
         dones=cat("dones"),
         weights=first.weights,
         reference=first.reference,
+        references=first.references,
+        sketches=first.sketches,
     )
 
 

@@ -1,0 +1,67 @@
+"""``PUT /reference-sets/{id}``: the gradients request that makes a set, and the set it made.
+
+A set is made by an ordinary job (so it is computed by whichever worker takes it, batched and
+limited like any request): ``projection`` when the body names ``projection_dim``, else
+``grads``. Its size is checked before the job runs (``PSGRAD_MAX_REFERENCE_SET_BYTES``: full
+gradients of M samples are M copies of the selected parameters), and the answer is kept in the
+registry's reference store, beside the models, so every worker reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from psgrad._errors import BadRequest, InvalidInput, TooLarge
+from service.model_store import is_safe_id
+from service.reference_store import ReferenceSet
+from service.registry import ModelRegistry
+
+_READ = ("reference", "reference_sketches", "reference_set", "outputs")
+
+
+def set_request(set_id: str, fields: dict[str, Any], registry: ModelRegistry,
+                max_bytes: int) -> dict[str, Any]:
+    """The job's fields: the body's batch and options, asking for sketches or gradients."""
+    if not is_safe_id(set_id):
+        raise BadRequest("a reference set id is 1-64 of a-z 0-9 . _ -, not starting with . _ -")
+    extra = sorted(k for k in _READ if fields.get(k) is not None)
+    if extra:
+        raise InvalidInput(f"a reference set is made from a batch; leave out: {', '.join(extra)}")
+    ref = fields.get("model")
+    if not isinstance(ref, str) or not ref:
+        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
+    model = registry.get(ref)
+    params = fields.get("params") or list(model.params)
+    inputs = fields.get("inputs")
+    count = int(inputs.shape[0]) if isinstance(inputs, np.ndarray) and inputs.ndim else 0
+    dim = fields.get("projection_dim")
+    per = dim if isinstance(dim, int) else sum(
+        model.params[p].numel() for p in params if p in model.params)
+    size = count * int(per) * model.dtype.itemsize
+    if size > max_bytes:
+        raise TooLarge(f"the reference set would hold {size} bytes; the limit is {max_bytes} "
+                       "(PSGRAD_MAX_REFERENCE_SET_BYTES): send 'projection_dim' to keep "
+                       "sketches, or fewer samples or parameters", limit=max_bytes, size=size)
+    return {**fields, "outputs": ["projection"] if dim is not None else ["grads"]}
+
+
+def make_set(set_id: str, fields: dict[str, Any], result: dict[str, Any],
+             registry: ModelRegistry) -> ReferenceSet:
+    """The set from the job's answer (``model`` names the exact version that computed it)."""
+    model = registry.get(str(result["model"]))
+    params = tuple(p for p in model.params if p in set(fields.get("params") or model.params))
+    dim = fields.get("projection_dim")
+    if dim is not None:
+        tensors = {"sketches": np.asarray(result["projection"])}
+        projection: tuple[int, int] | None = (int(dim), int(fields.get("projection_seed") or 0))
+    else:
+        tensors = {k: np.asarray(v) for k, v in result["grads"].items()}
+        projection = None
+    return ReferenceSet(
+        id=set_id, model=str(result["model"]), loss=str(result["loss"]), params=params,
+        shapes={k: list(model.params[k].shape) for k in params}, projection=projection,
+        count=int(result["batch_size"]), created=time.time(), tensors=tensors,
+    )
