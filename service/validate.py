@@ -27,10 +27,10 @@ from psgrad._errors import (
     UnknownParameter,
 )
 from psgrad._wire import array_from_json
+from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import get_output
-from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.registry import LoadedModel, ModelRegistry
 
 TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "reference_sketches")

@@ -52,8 +52,8 @@ class GradsRequest(BaseModel):
     outputs: list[str] | None = Field(
         None,
         description="what to return (default ['grads']): grads, losses, norms, layer_norms, mean, "
-        "variance, clipped_mean, dot, cosine_mean, td_errors, updates, projection, dots, influence, "
-        "self_influence",
+        "variance, clipped_mean, dot, cosine_mean, td_errors, updates, projection, dots, "
+        "influence, self_influence",
     )
     params: list[str] | None = Field(
         None, description="restrict every output to these parameters (names as in GET /models/{id})"

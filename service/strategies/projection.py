@@ -10,15 +10,17 @@ batch size, worker, process or weights of the same architecture give comparable 
 Which matrix a parameter gets depends on its shape only, so that every strategy applies the same:
 
 - ``kronecker`` (parameters of two or more dimensions, seen as a matrix ``[m, n]`` =
-  ``[shape[0], prod(shape[1:])]``; a Linear weight, a convolution's ``[out, in/groups * kernel]``,
-  an embedding table): ``P = P_out (x) P_in``, ``k = k_out * k_in``, the sketch of a gradient
-  ``G`` is ``P_out G P_in^T`` flattened (LoGra's structure). For a layer whose per-sample gradient
-  is ``sum_t g_t a_t^T`` this is ``sum_t (P_out g_t) (x) (P_in a_t)``: two small GEMMs, no per-sample
-  gradient. Inner products are preserved in expectation; the variance of a Kronecker sketch is
-  larger than a dense one's (at most ``(1 + 2/k_out)(1 + 2/k_in) - 1`` relative to
-  ``|g|^2 |h|^2`` instead of ``2/k``), which the tests bound.
-- ``dense`` (biases, norms' scales, scalars): a Gaussian ``[k, numel]``, generated ``_BLOCK``
-  columns at a time (each block from its own seed), never held whole.
+  ``[shape[0], prod(shape[1:])]``: a Linear weight, a convolution's ``[out, in/groups *
+  kernel]``, an embedding table): ``P = P_out (x) P_in`` with ``k = k_out * k_in`` (``k_out`` the
+  largest divisor of k up to sqrt(k)); the sketch of a gradient ``G`` is ``P_out G P_in^T``
+  flattened (LoGra's structure). For a layer whose per-sample gradient is ``sum_t g_t a_t^T``
+  this is ``sum_t (P_out g_t) (x) (P_in a_t)``: two small GEMMs, no per-sample gradient.
+  Guarantee: unbiased (``E[<Pg, Ph>] = <g, h>``); the relative variance of a squared norm is at
+  most ``(1 + 2/k_out)(1 + 2/k_in) - 1`` (reached by rank-one gradients, e.g. a Linear layer at
+  one position; about ``4/sqrt(k)``), against ``2/k`` for a dense sketch.
+- ``dense`` (biases, norms' scales, scalars): a Gaussian ``[k, numel]``, the classic JL
+  guarantee (relative variance ``2/k``), generated a 4 MiB block of columns at a time (each
+  block from its own seed), never held whole.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import numpy as np
 import torch
 
@@ -128,3 +129,34 @@ async def test_reference_sets_shared_by_redis_workers(tmp_path: Path) -> None:
             await register_mlp(c.client, "att-redis")
             await check_sets(c.client, "att-redis")
     client.close()
+
+
+def test_sdk_reference_sets_and_chunked_influence() -> None:
+    """``client.reference_sets`` and ``influence`` over a batch the client splits in chunks."""
+    import psgrad
+    from service.api import create_app
+    from service.config import Settings
+    from tests.support.client import running_app
+
+    app = create_app(Settings(max_batch_size=4, workers=1, batch_max_delay_ms=0.0))
+    rng = np.random.default_rng(0)
+    refs = {"inputs": rng.standard_normal((4, 784)), "targets": rng.integers(0, 10, 4)}
+    test = {"inputs": rng.standard_normal((10, 784)), "targets": rng.integers(0, 10, 10)}
+    with running_app(app) as transport, psgrad.Client(base_url="http://app",
+                                                      transport=transport) as client:
+        doc = client.reference_sets.put("sdk", "mlp", np.asarray(refs["inputs"], np.float32),
+                                        np.asarray(refs["targets"]), projection_dim=64,
+                                        projection_seed=3)
+        assert doc["count"] == 4 and client.reference_sets.get("sdk") == doc
+        got = client.per_sample_grads("mlp", np.asarray(test["inputs"], np.float32),
+                                      np.asarray(test["targets"]), reference_set="sdk",
+                                      outputs=["influence", "projection"], projection_dim=64,
+                                      projection_seed=3)
+        assert got.meta["requests"] == 3  # 4 + 4 + 2 samples
+        np.testing.assert_allclose(got.influence, got.projection @ client.per_sample_grads(
+            "mlp", np.asarray(refs["inputs"], np.float32), np.asarray(refs["targets"]),
+            outputs=["projection"], projection_dim=64, projection_seed=3).projection.T,
+            rtol=1e-4, atol=1e-4)
+        assert client.reference_sets.delete("sdk")["deleted"] is True
+        with pytest.raises(psgrad.NotFound):
+            client.reference_sets.get("sdk")
