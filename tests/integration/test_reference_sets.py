@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from service.registry import load_model
