@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from psgrad._errors import BadRequest, InvalidInput, TooLarge
+from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
 from service.model_store import is_safe_id
 from service.reference_store import ReferenceSet
 from service.registry import ModelRegistry
 
+SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 _READ = ("reference", "reference_sketches", "reference_set", "outputs")
 
 
@@ -46,6 +47,30 @@ def set_request(set_id: str, fields: dict[str, Any], registry: ModelRegistry,
                        "(PSGRAD_MAX_REFERENCE_SET_BYTES): send 'projection_dim' to keep "
                        "sketches, or fewer samples or parameters", limit=max_bytes, size=size)
     return {**fields, "outputs": ["projection"] if dim is not None else ["grads"]}
+
+
+def split(fields: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """The job fields of ``limit`` samples at most each: a set may hold more samples than one
+    request (``PSGRAD_MAX_BATCH_SIZE``); the body size limit still bounds it."""
+    n = int(fields["inputs"].shape[0])
+    per_sample = [k for k in SAMPLE_FIELDS if isinstance(fields.get(k), np.ndarray)
+                  and fields[k].ndim and fields[k].shape[0] == n]
+    return [{**fields, **{k: fields[k][a : a + limit] for k in per_sample}}
+            for a in range(0, n, max(1, limit))]
+
+
+def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answers of :func:`split`'s jobs as one (same model version: checked)."""
+    first = parts[0]
+    if len({str(p["model"]) for p in parts}) != 1:
+        raise Conflict("the model changed version while the set was computed; send it again")
+    out = {**first, "batch_size": sum(int(p["batch_size"]) for p in parts)}
+    if "projection" in first:
+        out["projection"] = np.concatenate([np.asarray(p["projection"]) for p in parts])
+    else:
+        out["grads"] = {k: np.concatenate([np.asarray(p["grads"][k]) for p in parts])
+                        for k in first["grads"]}
+    return out
 
 
 def make_set(set_id: str, fields: dict[str, Any], result: dict[str, Any],

@@ -140,14 +140,14 @@ def test_sdk_reference_sets_and_chunked_influence() -> None:
 
     app = create_app(Settings(max_batch_size=4, workers=1, batch_max_delay_ms=0.0))
     rng = np.random.default_rng(0)
-    refs = {"inputs": rng.standard_normal((4, 784)), "targets": rng.integers(0, 10, 4)}
+    refs = {"inputs": rng.standard_normal((6, 784)), "targets": rng.integers(0, 10, 6)}
     test = {"inputs": rng.standard_normal((10, 784)), "targets": rng.integers(0, 10, 10)}
     with running_app(app) as transport, psgrad.Client(base_url="http://app",
                                                       transport=transport) as client:
         doc = client.reference_sets.put("sdk", "mlp", np.asarray(refs["inputs"], np.float32),
                                         np.asarray(refs["targets"]), projection_dim=64,
                                         projection_seed=3)
-        assert doc["count"] == 4 and client.reference_sets.get("sdk") == doc
+        assert doc["count"] == 6 and client.reference_sets.get("sdk") == doc  # 2 jobs
         got = client.per_sample_grads("mlp", np.asarray(test["inputs"], np.float32),
                                       np.asarray(test["targets"]), reference_set="sdk",
                                       outputs=["influence", "projection"], projection_dim=64,

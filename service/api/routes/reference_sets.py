@@ -3,6 +3,7 @@ per-sample sketches or gradients, which ``influence`` requests then score agains
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ from service.api.deps import ApiKey, RegistryDep, StateDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
 from service.api.schemas import ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
-from service.reference_sets import make_set, set_request
+from service.reference_sets import joined, make_set, set_request, split
 
 router = APIRouter(prefix="/reference-sets", tags=["data attribution"], dependencies=[ApiKey])
 
@@ -34,14 +35,18 @@ def _missing(set_id: str) -> NotFound:
 )
 async def put_reference_set(set_id: str, request: Request, state: StateDep) -> dict[str, Any]:
     """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
-    projection_seed) without outputs; an existing set of this id is replaced."""
-    fields = await decode_request(request, state.settings)
+    projection_seed) without outputs; an existing set of this id is replaced. A batch larger
+    than ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
+    fields = await decode_request(request, state.settings, one_job=False)
     registry = state.registry
     fields = await run_in_threadpool(set_request, set_id, fields, registry,
                                      state.settings.max_reference_set_bytes)
-    job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s)
-    await state.broker.submit(job)
-    result = await answer_of(state, job)
+    deadline = time.time() + state.settings.request_timeout_s
+    jobs = [Job(new_job_id(), part, deadline=deadline)
+            for part in split(fields, state.settings.max_batch_size)]
+    for job in jobs:
+        await state.broker.submit(job)
+    result = joined(list(await asyncio.gather(*(answer_of(state, job) for job in jobs))))
 
     def keep() -> dict[str, Any]:
         ref = make_set(set_id, fields, result, registry)
