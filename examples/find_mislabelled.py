@@ -50,6 +50,22 @@ def train(x: np.ndarray, y: np.ndarray, epochs: int) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy() for k, v in net.state_dict().items()}
 
 
+def digits_data(n_train: int, n_val: int) -> tuple[np.ndarray, ...]:
+    """Training samples with 10% of the labels flipped, clean validation samples, and which
+    training samples were flipped (fixed seeds)."""
+    digits = load_digits()
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(digits.target))
+    x = (digits.data[order] / 16.0).astype(np.float32)
+    labels = digits.target[order].astype(np.int64)
+    x_train, y_clean = x[:n_train], labels[:n_train]
+    x_val, y_val = x[n_train : n_train + n_val], labels[n_train : n_train + n_val]
+    flipped = rng.choice(n_train, n_train // 10, replace=False)
+    y_train = y_clean.copy()
+    y_train[flipped] = (y_clean[flipped] + rng.integers(1, 10, len(flipped))) % 10
+    return x_train, y_train, x_val, y_val, flipped
+
+
 def precision(scores: np.ndarray, flipped: np.ndarray, *, largest: bool) -> float:
     n = len(flipped)
     order = np.argsort(-scores if largest else scores, kind="stable")[:n]
@@ -65,17 +81,7 @@ def main() -> None:
     parser.add_argument("--dims", default="256,1024,4096", help="projection sizes k")
     args = parser.parse_args()
 
-    digits = load_digits()
-    rng = np.random.default_rng(0)
-    order = rng.permutation(len(digits.target))
-    x = (digits.data[order] / 16.0).astype(np.float32)
-    labels = digits.target[order].astype(np.int64)
-    x_train, y_clean = x[: args.train], labels[: args.train]
-    x_val, y_val = x[args.train : args.train + args.val], labels[args.train : args.train + args.val]
-    flipped = rng.choice(args.train, args.train // 10, replace=False)
-    y_train = y_clean.copy()
-    y_train[flipped] = (y_clean[flipped] + rng.integers(1, 10, len(flipped))) % 10
-
+    x_train, y_train, x_val, y_val, flipped = digits_data(args.train, args.val)
     weights = train(x_train, y_train, args.epochs)
     dims = [None, *(int(k) for k in args.dims.split(",") if k)]
     rows = []
