@@ -17,20 +17,18 @@ materialise-then-project.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates anything
 
 import torch
-from fast_stats import _status, ratio, setup
+from fast_stats import interleave, ratio, setup, steady_peak
 from fast_stats import method as plain_method
 
 from service import engine
@@ -56,29 +54,12 @@ def method(model: LoadedModel, batch: Batch, name: str, k: int) -> Callable[[], 
 
 def time_all(arch: str, rounds: int, k: int) -> dict[str, list[float]]:
     model, batch = setup(arch)
-    fns = {m: method(model, batch, m, k) for m in METHODS}
-    for fn in fns.values():
-        fn()  # warm: plans, projection matrices, allocator
-    times: dict[str, list[float]] = {m: [] for m in fns}
-    for _ in range(rounds):
-        for m, fn in fns.items():
-            gc.collect()
-            start = time.perf_counter()
-            fn()
-            times[m].append(time.perf_counter() - start)
-    return times
+    return interleave({m: method(model, batch, m, k) for m in METHODS}, rounds)
 
 
 def peak_child(arch: str, name: str, k: int) -> None:
     model, batch = setup(arch)
-    fn = method(model, batch, name, k)
-    fn()
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the resident-set high-water mark
-    base = _status("VmRSS")
-    fn()
-    print(json.dumps(_status("VmHWM") - base))
+    print(json.dumps(steady_peak(method(model, batch, name, k))))
 
 
 def peak(arch: str, name: str, k: int) -> int:

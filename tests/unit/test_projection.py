@@ -22,6 +22,7 @@ from service.reference_store import MemoryReferenceStore, ReferenceSet
 from service.registry import LoadedModel, ModelRegistry, load_model
 from service.strategies.projection import Projection, kind_of
 from service.validate import decode_json_body, parse_request
+from tests.support.batches import make_batch
 from tests.support.reference import assert_close, attribution, per_sample_loop
 
 CPU = torch.device("cpu")
@@ -43,13 +44,7 @@ def model_for(arch: str, config: dict[str, Any]) -> LoadedModel:
 
 
 def batch_for(model: LoadedModel, n: int, seed: int) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    spec = model.input
-    if spec.dtype == "int64":
-        x = torch.randint(0, spec.high or 2, (n, *spec.shape), generator=gen)
-    else:
-        x = torch.randn((n, *spec.shape), generator=gen)
-    return Batch(inputs=x, targets=torch.randint(0, model.output_shape[-1], (n,), generator=gen))
+    return make_batch(model, n, seed, reference=False)
 
 
 def loop_sketches(model: LoadedModel, batch: Batch, proj: Projection, loss: str
