@@ -17,42 +17,43 @@ import numpy as np
 from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
 from service.model_store import is_safe_id
 from service.reference_store import ReferenceSet
-from service.registry import ModelRegistry
+from service.registry import LoadedModel, ModelRegistry
+from service.strategies.base import Options
 
 SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 _READ = ("reference", "reference_sketches", "reference_set", "outputs")
 
 
-def set_request(set_id: str, fields: dict[str, Any], registry: ModelRegistry,
-                max_bytes: int) -> dict[str, Any]:
-    """The job's fields: the body's batch and options, asking for sketches or gradients."""
+def set_request(set_id: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The job's fields: the body's batch and options, asking for sketches or gradients
+    (checked next by the request validation, before the size of the set)."""
     if not is_safe_id(set_id):
         raise BadRequest("a reference set id is 1-64 of a-z 0-9 . _ -, not starting with . _ -")
     extra = sorted(k for k in _READ if fields.get(k) is not None)
     if extra:
         raise InvalidInput(f"a reference set is made from a batch; leave out: {', '.join(extra)}")
-    ref = fields.get("model")
-    if not isinstance(ref, str) or not ref:
-        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
-    model = registry.get(ref)
-    params = fields.get("params") or list(model.params)
-    inputs = fields.get("inputs")
-    count = int(inputs.shape[0]) if isinstance(inputs, np.ndarray) and inputs.ndim else 0
     dim = fields.get("projection_dim")
-    per = dim if isinstance(dim, int) else sum(
-        model.params[p].numel() for p in params if p in model.params)
-    size = count * int(per) * model.dtype.itemsize
+    return {**fields, "outputs": ["projection"] if dim is not None else ["grads"]}
+
+
+def check_size(model: LoadedModel, opts: Options, count: int, max_bytes: int) -> None:
+    """Refuse a set above ``PSGRAD_MAX_REFERENCE_SET_BYTES`` before computing it."""
+    per = (opts.projection.k if opts.projection is not None
+           else sum(model.params[p].numel() for p in opts.params))
+    size = count * per * model.dtype.itemsize
     if size > max_bytes:
         raise TooLarge(f"the reference set would hold {size} bytes; the limit is {max_bytes} "
                        "(PSGRAD_MAX_REFERENCE_SET_BYTES): send 'projection_dim' to keep "
                        "sketches, or fewer samples or parameters", limit=max_bytes, size=size)
-    return {**fields, "outputs": ["projection"] if dim is not None else ["grads"]}
 
 
 def split(fields: dict[str, Any], limit: int) -> list[dict[str, Any]]:
     """The job fields of ``limit`` samples at most each: a set may hold more samples than one
     request (``PSGRAD_MAX_BATCH_SIZE``); the body size limit still bounds it."""
-    n = int(fields["inputs"].shape[0])
+    inputs = fields.get("inputs")
+    if not isinstance(inputs, np.ndarray) or not inputs.ndim or not inputs.shape[0]:
+        return [fields]  # the worker's validation says what is wrong with it
+    n = int(inputs.shape[0])
     per_sample = [k for k in SAMPLE_FIELDS if isinstance(fields.get(k), np.ndarray)
                   and fields[k].ndim and fields[k].shape[0] == n]
     return [{**fields, **{k: fields[k][a : a + limit] for k in per_sample}}

@@ -16,7 +16,8 @@ from service.api.deps import ApiKey, RegistryDep, StateDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
 from service.api.schemas import ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
-from service.reference_sets import joined, make_set, set_request, split
+from service.reference_sets import check_size, joined, make_set, set_request, split
+from service.validate import parse_request
 
 router = APIRouter(prefix="/reference-sets", tags=["data attribution"], dependencies=[ApiKey])
 
@@ -38,9 +39,15 @@ async def put_reference_set(set_id: str, request: Request, state: StateDep) -> d
     projection_seed) without outputs; an existing set of this id is replaced. A batch larger
     than ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
     fields = await decode_request(request, state.settings, one_job=False)
-    registry = state.registry
-    fields = await run_in_threadpool(set_request, set_id, fields, registry,
-                                     state.settings.max_reference_set_bytes)
+    registry, limit = state.registry, state.settings.max_reference_set_bytes
+
+    def check() -> dict[str, Any]:
+        asked = set_request(set_id, fields)
+        parsed = parse_request(asked, registry)  # the whole batch, as one request would be
+        check_size(parsed.model, parsed.opts, parsed.batch.size, limit)
+        return asked
+
+    fields = await run_in_threadpool(check)
     deadline = time.time() + state.settings.request_timeout_s
     jobs = [Job(new_job_id(), part, deadline=deadline)
             for part in split(fields, state.settings.max_batch_size)]
