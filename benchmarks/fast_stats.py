@@ -132,9 +132,14 @@ def time_all(arch: str, rounds: int) -> dict[tuple[str, str], list[float]]:
         for m in METHODS
         if (fn := method(model, batch, m, o)) is not None
     }
+    return interleave(fns, rounds)
+
+
+def interleave(fns: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, list[float]]:
+    """Seconds per key and round: every callable warmed once, then once per round."""
     for fn in fns.values():
         fn()  # warm: plans, transformed functions, allocator
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+    times: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             gc.collect()
@@ -164,16 +169,18 @@ def peak_child(arch: str, output: str, name: str) -> None:
     """In a fresh process: the extra resident memory at the peak of one warm call."""
     model, batch = setup(arch)
     fn = method(model, batch, name, output)
-    if fn is None:
-        print(json.dumps(None))
-        return
+    print(json.dumps(None if fn is None else steady_peak(fn)))
+
+
+def steady_peak(fn: Callable[[], Any]) -> int:
+    """The extra resident memory at the peak of one call after a warm one."""
     fn()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the resident-set high-water mark
     base = _status("VmRSS")
     fn()
-    print(json.dumps(_status("VmHWM") - base))
+    return _status("VmHWM") - base
 
 
 def peak(arch: str, output: str, name: str) -> int | None:

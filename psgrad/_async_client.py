@@ -17,6 +17,7 @@ from psgrad._errors import TooLarge
 from psgrad._jobs import AsyncJob
 from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import AsyncModels
+from psgrad._reference_sets import AsyncReferenceSets
 from psgrad._types import GradsResult, JobStatus
 
 __all__ = ["AsyncClient"]
@@ -64,6 +65,7 @@ class AsyncClient(BaseClient):
         if http_client is not None:
             self._http.headers.update(self._headers)
         self.models = AsyncModels(self)
+        self.reference_sets = AsyncReferenceSets(self)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -162,6 +164,10 @@ class AsyncClient(BaseClient):
         noise_multiplier: float | None = None,
         seed: int | None = None,
         reference: Mapping[str, Any] | None = None,
+        projection_dim: int | None = None,
+        projection_seed: int | None = None,
+        reference_sketches: Any = None,
+        reference_set: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -179,6 +185,10 @@ class AsyncClient(BaseClient):
             noise_multiplier=noise_multiplier,
             seed=seed,
             reference=reference,
+            projection_dim=projection_dim,
+            projection_seed=projection_seed,
+            reference_sketches=reference_sketches,
+            reference_set=reference_set,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
+from psgrad._cli_refsets import add_reference_set_commands
 from psgrad._client import Client
 from psgrad._constants import ENV_API_KEY, ENV_URL
 from psgrad._errors import BadRequest
@@ -103,12 +104,16 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--clip-norm", type=float, help="for clipped_mean")
     p.add_argument("--noise-multiplier", type=float, help="for clipped_mean")
     p.add_argument("--seed", type=int, help="for clipped_mean's noise")
+    p.add_argument("--projection-dim", type=int, help="k, for projection and influence")
+    p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
+    p.add_argument("--reference-set", help="a reference set id, for influence")
     p.add_argument("--chunk-size", type=int, help="the most samples per request")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None,
                      help="draw a progress bar on stderr (default: when stderr is a terminal)")
     bar.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_grads)
+    add_reference_set_commands(sub, conn)
 
     from psgrad._cli_dp import add_dp_commands
 
@@ -229,7 +234,8 @@ def cmd_grads(args: argparse.Namespace) -> int:
             args.model, inputs, targets, loss=args.loss, outputs=_names(args.outputs) or
             ["grads"], params=_names(args.params), clip_norm=args.clip_norm,
             noise_multiplier=args.noise_multiplier, seed=args.seed, progress=progress,
-            chunk_size=args.chunk_size)
+            chunk_size=args.chunk_size, projection_dim=args.projection_dim,
+            projection_seed=args.projection_seed, reference_set=args.reference_set)
     write_result(result, args.output)
     print(f"{result.model}: {result.batch_size} samples, {', '.join(result.outputs)} -> "
           f"{args.output}", file=sys.stderr)

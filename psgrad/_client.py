@@ -16,6 +16,7 @@ from psgrad._errors import TooLarge
 from psgrad._jobs import Job
 from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import Models
+from psgrad._reference_sets import ReferenceSets
 from psgrad._types import GradsResult, JobStatus
 
 __all__ = ["Client"]
@@ -83,6 +84,7 @@ class Client(BaseClient):
         if http_client is not None:
             self._http.headers.update(self._headers)
         self.models = Models(self)
+        self.reference_sets = ReferenceSets(self)
 
     def close(self) -> None:
         self._http.close()
@@ -181,6 +183,10 @@ class Client(BaseClient):
         noise_multiplier: float | None = None,
         seed: int | None = None,
         reference: Mapping[str, Any] | None = None,
+        projection_dim: int | None = None,
+        projection_seed: int | None = None,
+        reference_sketches: Any = None,
+        reference_set: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -194,11 +200,17 @@ class Client(BaseClient):
             targets: labels or regression targets [B, ...] for supervised losses.
             loss: ``cross_entropy``, ``nll``, ``mse``, ...; default: the model's own.
             outputs: any of ``grads``, ``losses``, ``norms``, ``layer_norms``, ``mean``,
-                ``variance``, ``clipped_mean``, ``dot``, ``cosine_mean``.
+                ``variance``, ``clipped_mean``, ``dot``, ``cosine_mean``, ``projection``,
+                ``dots``, ``influence``, ``self_influence``.
             params: restrict every output to these parameters.
             weights: {parameter: array} used for this call instead of the registered ones.
             clip_norm, noise_multiplier, seed: for ``clipped_mean`` (DP-SGD).
-            reference: {parameter: array} for ``dot``.
+            reference: {parameter: array} for ``dot``, or {parameter: [M, *shape]} for
+                ``dots`` (exact dot products with M gradients).
+            projection_dim, projection_seed: the sketch of ``projection`` (k up to 8192; the
+                same seed and k give comparable sketches across requests and processes).
+            reference_sketches: [M, k] sketches for ``dots``, made with the same projection.
+            reference_set: the id of a ``client.reference_sets`` set, for ``influence``.
             as_torch: return torch tensors instead of numpy arrays.
             progress: draw a progress bar on stderr (tqdm if installed), or a callable
                 ``f(done, total)`` called after each request.
@@ -232,6 +244,10 @@ class Client(BaseClient):
             noise_multiplier=noise_multiplier,
             seed=seed,
             reference=reference,
+            projection_dim=projection_dim,
+            projection_seed=projection_seed,
+            reference_sketches=reference_sketches,
+            reference_set=reference_set,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 

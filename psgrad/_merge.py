@@ -54,6 +54,10 @@ PER_SAMPLE = (
     "cosine_mean",
     "td_errors",
     "updates",
+    "projection",
+    "dots",
+    "influence",
+    "self_influence",
 )
 NOT_OUTPUTS = ("model", "batch_size", "loss", "timing", "meta")
 

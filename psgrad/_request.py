@@ -39,6 +39,10 @@ def grads_fields(
     rewards: Any = None,
     dones: Any = None,
     gamma: float | None = None,
+    projection_dim: int | None = None,
+    projection_seed: int | None = None,
+    reference_sketches: Any = None,
+    reference_set: str | None = None,
 ) -> Fields:
     """The request of ``per_sample_grads``, ``td0`` and ``submit``: unset options left out."""
     if not isinstance(model, str) or not model:
@@ -67,6 +71,11 @@ def grads_fields(
         "noise_multiplier": noise,
         "seed": None if seed is None else int(seed),
         "gamma": _number(gamma, "gamma"),
+        "projection_dim": projection_dim,
+        "projection_seed": projection_seed,
+        "reference_sketches": None if reference_sketches is None
+        else to_numpy(reference_sketches, "reference_sketches"),
+        "reference_set": reference_set,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     return fields

@@ -25,6 +25,10 @@ OUTPUT_NAMES = (
     "cosine_mean",
     "td_errors",
     "updates",
+    "projection",
+    "dots",
+    "influence",
+    "self_influence",
 )
 
 

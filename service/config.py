@@ -22,6 +22,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = 512 * 1024 * 1024
     max_batch_size: int = 4096
     max_result_bytes: int = 1024 * 1024 * 1024
+    max_reference_set_bytes: int = 256 * 1024 * 1024  # one stored reference set's tensors
     max_elements: int = 256 * 1024 * 1024
     request_timeout_s: float = 120.0
     max_queue_depth: int = 1000

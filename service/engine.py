@@ -76,8 +76,10 @@ def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[
         params={**model.params, **weights},
         samples={k: v.to(device) for k, v in batch.samples().items()},
         reference={k: v.to(device, model.dtype) for k, v in batch.reference.items()},
+        references={k: v.to(device, model.dtype) for k, v in batch.references.items()},
+        sketches=None if batch.sketches is None else batch.sketches.to(device, model.dtype),
         bounds=bounds_of(segments),
-        need=need_of(opts.outputs),
+        need=need_of(opts.outputs, opts),
         budget_bytes=budget_bytes,
         compiled=compiled,
     )
@@ -95,4 +97,4 @@ def output_bytes(model: LoadedModel, opts: Options, batch_size: int) -> int:
     """Bytes of the answer, to refuse an oversized result before computing it."""
     n_selected = sum(model.params[k].numel() for k in opts.params)
     itemsize = torch.finfo(model.dtype).bits // 8
-    return _output_bytes(opts.outputs, len(opts.params), n_selected, batch_size, itemsize)
+    return _output_bytes(opts.outputs, len(opts.params), n_selected, batch_size, itemsize, opts)

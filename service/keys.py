@@ -29,6 +29,12 @@ def model_version(prefix: str, model_id: str, version: str) -> str:
     return f"{prefix}:model:{model_id}:v:{version}"
 
 
+def reference_set(prefix: str, set_id: str) -> str:
+    """Hash of one reference set (service/reference_store.py): ``spec`` (JSON) and ``tensors``
+    (safetensors bytes); no TTL: a set lives until deleted or replaced."""
+    return f"{prefix}:refset:{set_id}"
+
+
 # --- the job queue (service/broker/redis.py) ---
 
 STREAM_GROUP = "workers"  # the consumer group every worker reads the job stream through

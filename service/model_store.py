@@ -216,8 +216,8 @@ class FileModelStore(ModelStore):
         return [v for _, v in self._specs(model_id)]
 
     def ids(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and any(p.glob("*.json")))
+        return sorted(p.name for p in self.root.iterdir()  # unsafe names are not models
+                      if p.is_dir() and is_safe_id(p.name) and any(p.glob("*.json")))
 
     def delete(self, model_id: str, version: str | None = None) -> list[str]:
         folder = self._folder(model_id)

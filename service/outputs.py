@@ -24,33 +24,45 @@ from service.dp.noise import secure_normal
 from service.losses import Loss, get_loss
 from service.plugins import Registry
 from service.strategies.base import Call, Need, Options, ParamStats, Result, Tensors, total
+from service.strategies.projection import kinds
 
 Assemble = Callable[["Segment"], Any]
+
+
+NeedOf = Need | Callable[[Options], Need]  # an output's need, or how the options decide it
 
 
 @dataclass(frozen=True)
 class Output:
     name: str
     description: str
-    need: Need
+    need: NeedOf
     assemble: Assemble
     per_sample: bool  # one value (or tensor) per sample, split back per job
     per_param: bool = False  # a dict keyed by parameter name
     per_param_tensor: bool = False  # ... whose values have the parameter's shape
     td0_only: bool = False
+    width: Callable[[Options], int] | None = None  # values per sample, when more than one
+
+    def need_for(self, opts: Options | None) -> Need:
+        if isinstance(self.need, Need):
+            return self.need
+        assert opts is not None, f"the need of {self.name!r} depends on the options"
+        return self.need(opts)
 
 
 OUTPUTS: Registry[str, Output] = Registry("output", UnknownOutput, sort=False)
 
 
-def output(name: str, description: str, need: Need, *, per_sample: bool, per_param: bool = False,
-           per_param_tensor: bool = False, td0_only: bool = False
-           ) -> Callable[[Assemble], Assemble]:
+def output(name: str, description: str, need: NeedOf, *, per_sample: bool,
+           per_param: bool = False, per_param_tensor: bool = False, td0_only: bool = False,
+           width: Callable[[Options], int] | None = None) -> Callable[[Assemble], Assemble]:
     """Decorator: register ``fn(segment) -> value`` as the output ``name``."""
 
     def decorate(fn: Assemble) -> Assemble:
         OUTPUTS.add(name, Output(name, description, need, fn, per_sample,
-                                 per_param or per_param_tensor, per_param_tensor, td0_only))
+                                 per_param or per_param_tensor, per_param_tensor, td0_only,
+                                 width))
         return fn
 
     return decorate
@@ -60,9 +72,10 @@ def get_output(name: str) -> Output:
     return OUTPUTS.get(name)
 
 
-def need_of(outputs: Sequence[str]) -> Need:
-    """What every selected parameter's record must hold for these outputs."""
-    return reduce(Need.__or__, (get_output(name).need for name in outputs), Need())
+def need_of(outputs: Sequence[str], opts: Options | None = None) -> Need:
+    """What every selected parameter's record must hold for these outputs (some outputs'
+    needs depend on the options: ``self_influence`` projected or not)."""
+    return reduce(Need.__or__, (get_output(name).need_for(opts) for name in outputs), Need())
 
 
 class Assembly:
@@ -77,6 +90,18 @@ class Assembly:
     def norms(self) -> torch.Tensor:
         """[B] each sample's whole-gradient norm over the selected parameters."""
         return total([_get(p.sq) for p in self.result.params.values()]).sqrt()
+
+    @cached_property
+    def sketches(self) -> torch.Tensor:
+        """[B, k] each sample's sketch: the sum of its parameters' parts."""
+        return total([_get(p.proj) for p in self.result.params.values()])
+
+    @cached_property
+    def dots(self) -> torch.Tensor:
+        """[B, M] each sample's dot products with the references (sketches or gradients)."""
+        if self.call.sketches is not None:
+            return self.sketches @ self.call.sketches.t().to(self.sketches.dtype)
+        return total([_get(p.dots) for p in self.result.params.values()])
 
 
 @dataclass
@@ -111,11 +136,14 @@ class Segment:
 def assemble(call: Call, result: Result) -> list[dict[str, Any]]:
     """Each job's answer: its requested outputs and ``meta`` (the strategy's, then its own)."""
     assembly = Assembly(call, result)
+    meta = dict(result.meta)
+    if call.need.proj and call.opts.projection is not None:  # which matrix each parameter got
+        meta["projection"] = kinds({k: call.params[k].shape for k in call.selected})
     answers = []
     for s, (a, b) in enumerate(call.bounds):
         seg = Segment(assembly, s, a, b)
         out = {name: get_output(name).assemble(seg) for name in call.opts.outputs}
-        answers.append({**out, "meta": {**result.meta, **seg.meta}})
+        answers.append({**out, "meta": {**meta, **seg.meta}})
     return answers
 
 
@@ -142,12 +170,14 @@ def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | No
 
 
 def output_bytes(outputs: Sequence[str], n_params: int, n_selected: int, batch_size: int,
-                 itemsize: int) -> int:
+                 itemsize: int, opts: Options | None = None) -> int:
     """Bytes of an answer, to refuse an oversized result before computing it."""
     count = 0
     for name in outputs:
         info = get_output(name)
         per = n_selected if info.per_param_tensor else (n_params if info.per_param else 1)
+        if info.width is not None and opts is not None:
+            per *= info.width(opts)  # [B, k] sketches, [B, M] dot products
         count += per * (batch_size if info.per_sample else 1)
     return count * itemsize
 
@@ -234,3 +264,44 @@ def _updates(seg: Segment) -> Tensors:
     updates = seg.assembly.loss.updates
     assert updates is not None, "validation lets 'updates' through only for losses that have it"
     return seg.per_param(lambda p: updates(seg.rows(p.grads)))
+
+
+# --- data attribution: sketches and their dot products ---
+
+
+def _sketch_width(opts: Options) -> int:
+    return opts.projection.k if opts.projection is not None else 1
+
+
+def _dots_need(opts: Options) -> Need:
+    return Need(proj=True) if opts.reference_sketches else Need(dots=True)
+
+
+@output("projection", "[B, k] each sample's gradient sketch (projection_dim k, "
+        "projection_seed): comparable across requests of the same architecture",
+        Need(proj=True), per_sample=True, width=_sketch_width)
+def _projection(seg: Segment) -> torch.Tensor:
+    return seg.rows(seg.assembly.sketches)
+
+
+@output("dots", "[B, M] dot products with M references: `reference` {param: [M, *shape]} "
+        "(exact) or `reference_sketches` [M, k] (projected)", _dots_need, per_sample=True,
+        width=lambda opts: opts.reference_count)
+def _dots(seg: Segment) -> torch.Tensor:
+    return seg.rows(seg.assembly.dots)
+
+
+@output("influence", "[B, M] dot products with the M samples of `reference_set`", _dots_need,
+        per_sample=True, width=lambda opts: opts.reference_count)
+def _influence(seg: Segment) -> torch.Tensor:
+    return seg.rows(seg.assembly.dots)
+
+
+@output("self_influence", "[B] squared gradient norm (TracIn's self-influence); of the sketch "
+        "when projection_dim is given", lambda o: Need(proj=o.projection is not None,
+                                                       sq=o.projection is None),
+        per_sample=True)
+def _self_influence(seg: Segment) -> torch.Tensor:
+    if seg.opts.projection is not None:
+        return seg.rows(seg.assembly.sketches).pow(2).sum(1)
+    return seg.rows(seg.assembly.norms).pow(2)

@@ -205,7 +205,14 @@ def vector(value: Any, name: str, size: int, dtype: torch.dtype) -> torch.Tensor
     return _to_tensor(arr, dtype, name)
 
 
-def param_tensors(value: Any, model: LoadedModel, field: str) -> dict[str, torch.Tensor]:
+def tensor_of(value: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """A required tensor field as sent, in ``dtype``, refused when not finite."""
+    return _to_tensor(_array(value, name), dtype, name)
+
+
+def param_tensors(value: Any, model: LoadedModel, field: str, *, stacked: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """``{param: tensor}`` in the parameters' shapes (``stacked``: shapes are checked later)."""
     if not value:
         return {}
     if not isinstance(value, dict):
@@ -215,7 +222,7 @@ def param_tensors(value: Any, model: LoadedModel, field: str) -> dict[str, torch
     for name, arr in value.items():
         arr = _array(arr, f"{field}.{name}")
         want = tuple(model.params[name].shape)
-        if tuple(arr.shape) != want:
+        if tuple(arr.shape) != want and not stacked:
             raise ShapeMismatch(f"'{field}.{name}' has shape {list(arr.shape)}; the parameter "
                                 f"has {list(want)}", parameter=name)
         out[name] = _to_tensor(arr, model.dtype, f"{field}.{name}")

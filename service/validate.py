@@ -21,6 +21,7 @@ from psgrad._errors import (
     TooLarge,
 )
 from psgrad._wire import array_from_json
+from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.dp.steps import bind
 from service.engine import Batch, Options
 from service.losses import get_loss
@@ -33,6 +34,7 @@ from service.request_tensors import (
     param_tensors,
     sample_inputs,
     targets_of,
+    tensor_of,
     token_targets,
     vector,
 )
@@ -40,10 +42,11 @@ from service.request_tensors import (
 if TYPE_CHECKING:
     from service.dp.runs import RunStore
 
-TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
+TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask",
+                 "reference_sketches")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma", "dp_run")
+                 "gamma", "dp_run", "projection_dim", "projection_seed", "reference_set")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 
 
@@ -58,7 +61,8 @@ class ParsedRequest:
         b = self.batch
         return (
             self.model.ref, self.opts,
-            _digest(b.weights), _digest(b.reference),
+            _digest(b.weights), _digest(b.reference), _digest(b.references),
+            _digest({} if b.sketches is None else {"": b.sketches}),
             tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in b.samples().items()),
         )
 
@@ -100,10 +104,12 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
 
 def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                   max_batch_size: int | None = None,
-                  dp_runs: RunStore | None = None) -> ParsedRequest:
+                  dp_runs: RunStore | None = None,
+                  reference_sets: ReferenceSets | None = None) -> ParsedRequest:
     """Check a decoded request against its model and build the engine's arguments.
 
-    ``dp_runs`` holds the DP runs a ``dp_run`` field may name (:mod:`service.dp`).
+    ``dp_runs`` holds the DP runs a ``dp_run`` field may name (:mod:`service.dp`),
+    ``reference_sets`` the reference sets a ``reference_set`` field may name.
     """
     unknown = sorted(set(fields) - KNOWN_FIELDS)
     if unknown:
@@ -146,6 +152,14 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
         if not bool(((batch.dones == 0) | (batch.dones == 1)).all()):
             raise InvalidInput("'dones' must hold only 0 and 1 (or false and true)")
     batch.weights = param_tensors(fields.get("weights"), model, "weights")
+    if opts.reference_count:  # dots or influence: M references per parameter, or M sketches
+        reference = param_tensors(fields.get("reference"), model, "reference", stacked=True)
+        raw = fields.get("reference_sketches")
+        sketches = None if raw is None else tensor_of(raw, "reference_sketches", model.dtype)
+        opts = references(model, opts, batch, reference, sketches, fields.get("reference_set"),
+                          reference_sets)
+        return ParsedRequest(model, opts, batch)
+    refuse_unread(fields)
     batch.reference = param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
         missing = [p for p in opts.params if p not in batch.reference]
@@ -210,7 +224,8 @@ def _options(fields: dict[str, Any], model: LoadedModel,
     return Options(
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=clip_norm, noise_multiplier=noise, seed=seed,
-        gamma=1.0 if gamma is None else gamma,
+        gamma=1.0 if gamma is None else gamma, projection=projection_of(fields, outputs),
+        reference_count=-1 if {"dots", "influence"} & set(outputs) else 0,
     )
 
 

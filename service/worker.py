@@ -125,6 +125,7 @@ class Worker:
             parsed = parse_request(
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
                 dp_runs=dp_runs(self.settings),
+                reference_sets=self.registry.references,
             )
             _check_result_size(parsed, *self.result_limit)
             return parsed
@@ -307,6 +308,8 @@ def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
         weights=first.weights,
         reference=first.reference,
         named={k: torch.cat([b.named[k] for b in batches]) for k in first.named},
+        references=first.references,
+        sketches=first.sketches,
     )
 
 

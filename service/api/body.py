@@ -65,8 +65,10 @@ def _too_large(size: int, limit: int, *, at_least: bool = False) -> TooLarge:
     )
 
 
-async def decode_request(request: Request, settings: Settings) -> dict[str, Any]:
-    """The request fields (JSON values and numpy arrays) from a JSON or safetensors body."""
+async def decode_request(request: Request, settings: Settings, *, one_job: bool = True
+                         ) -> dict[str, Any]:
+    """The request fields (JSON values and numpy arrays) from a JSON or safetensors body;
+    ``one_job=False`` for a body the route splits into jobs itself (no batch-size limit)."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in (JSON, SAFETENSORS):
         raise UnsupportedMediaType(
@@ -84,7 +86,8 @@ async def decode_request(request: Request, settings: Settings) -> dict[str, Any]
     inputs = fields.get("inputs")
     if isinstance(inputs, dict):  # named inputs: the first one's batch
         inputs = next(iter(inputs.values()), None)
-    if isinstance(inputs, np.ndarray) and inputs.ndim and inputs.shape[0] > settings.max_batch_size:
+    if (one_job and isinstance(inputs, np.ndarray) and inputs.ndim
+            and inputs.shape[0] > settings.max_batch_size):
         raise TooLarge(
             f"the batch has {inputs.shape[0]} samples; the limit is {settings.max_batch_size} "
             "(PSGRAD_MAX_BATCH_SIZE): split it into smaller batches (the SDK does this for you)",

@@ -66,7 +66,9 @@ class GradsRequest(BaseModel):
     )
     outputs: list[OutputName] | OutputName | None = Field(  # type: ignore[valid-type]
         None,
-        description="what to return, a list or one name (default, also for []: ['grads'])",
+        description="what to return, a list or one name (default, also for []: ['grads']): "
+        "grads, losses, norms, layer_norms, mean, variance, clipped_mean, dot, cosine_mean, "
+        "td_errors, updates, projection, dots, influence, self_influence",
     )
     params: list[str] | None = Field(
         None,
@@ -108,6 +110,14 @@ class GradsRequest(BaseModel):
     gamma: float | None = Field(
         None, ge=0.0, le=1.0, description="td0: discount in [0, 1] (default 1.0)"
     )
+    projection_dim: int | None = Field(
+        None, ge=1, le=8192, description="projection (and a projected self_influence): k"
+    )
+    projection_seed: int | None = Field(None, ge=0, description="the projection's seed (0)")
+    reference_sketches: Tensor | None = Field(
+        None, description="dots: [M, k] sketches made with the same projection"
+    )
+    reference_set: str | None = Field(None, description="influence: a PUT /reference-sets id")
 
 
 class Timing(BaseModel):
@@ -142,6 +152,10 @@ class GradsResponse(BaseModel):
     updates: dict[str, Tensor] | None = Field(
         None, description="td0: {param: [B, *shape]} delta_i * grad V(s_i)"
     )
+    projection: Tensor | None = Field(None, description="[B, k] each sample's gradient sketch")
+    dots: Tensor | None = Field(None, description="[B, M] dot products with the references")
+    influence: Tensor | None = Field(None, description="[B, M] against the reference set")
+    self_influence: Tensor | None = Field(None, description="[B] squared gradient norm")
     timing: Timing
     dp: dict[str, Any] | None = Field(
         None, description="dp_run requests: run, steps (counted so far, this one included), "
@@ -210,6 +224,19 @@ class ModelDeleted(BaseModel):
     id: str
     deleted: list[str] = Field(description="the versions removed")
     versions: list[str] = Field(description="the versions that remain, oldest first")
+
+
+class ReferenceSetDoc(BaseModel):
+    id: str
+    model: str = Field(description="the model version that computed it: 'id@version'")
+    loss: str
+    params: list[str]
+    shapes: dict[str, list[int]]
+    projection_dim: int | None = Field(description="k of the sketches; null: full gradients")
+    projection_seed: int | None
+    count: int = Field(description="M, the samples it holds")
+    created: float
+    bytes: int
 
 
 class Health(BaseModel):

@@ -19,6 +19,7 @@ from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import Materialised, cat
 from service.strategies.base import Bounds, Tensors
+from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
 
@@ -77,6 +78,14 @@ class OuterSource(Materialised):
             torch.bmm(gt, a.reshape(n, -1, self.d), out=out[x:y].view(n, self.p, self.d))
         assert out is not None
         return {name: out}
+
+    def project(self, projection: Projection) -> Tensors:
+        """Kronecker sketches from each block's inputs and output gradients (two small GEMMs
+        per block); the per-sample gradients are never built."""
+        name = self.names[0]
+        shape = self.shapes[name]
+        return {name: cat([projection.project_outer(name, shape, a, g)
+                           for _, _, a, g in self.blocks(0, self.batch)])}
 
     def _sq(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if self._form == "outer":

@@ -124,6 +124,11 @@ class Pass1Need:
     bounds: Bounds = ()
     sums_dtype: torch.dtype = torch.float32
 
+    @property
+    def any(self) -> bool:
+        """Whether the pass has anything to compute (a call may want sketches alone)."""
+        return self.sq or self.reference is not None or self.sums or self.sqsums
+
 
 @dataclass(frozen=True)
 class Pass1:

@@ -17,6 +17,7 @@ import torch
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.strategies.base import Bounds, Tensors, keep_rows
+from service.strategies.projection import Projection
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,12 @@ class Source:
         return self.grads(0, self.batch)
 
 
+    def project(self, projection: Projection) -> Tensors:
+        """Each parameter's part of every sample's sketch, ``{name: [B, k]}``, from the
+        materialised gradients; a family with a structured form overrides it."""
+        return {k: projection.project(k, g) for k, g in self.grads(0, self.batch).items()}
+
+
 def answers(found: Sequence[Source]) -> Tensors:
     """Every parameter's per-sample gradients, each source's written into its own buffers."""
     out: Tensors = {}
@@ -143,6 +150,13 @@ class Materialised(Source):
         for lo, hi, grads in self.chunks():
             keep_rows(out, self.batch, lo, hi, grads)
         return out
+
+    def project(self, projection: Projection) -> Tensors:
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        for _, _, grads in self.chunks():
+            for k, g in grads.items():
+                parts[k].append(projection.project(k, g))
+        return {k: cat(v) for k, v in parts.items()}
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         def zeros(k: str, dtype: torch.dtype) -> list[torch.Tensor]:

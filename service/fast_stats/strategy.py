@@ -6,7 +6,8 @@ output gradients and (unfolded) inputs, an embedding by one ``index_add``, biase
 parameters as the family builds them, and parameters on the op or module replay a chunk at a
 time into the same buffer. Statistics asked for besides are then read off those buffers.
 
-It declines (the engine then runs ``vmap``) when the model takes the per-sample loop or runs one
+It declines (the engine then runs ``vmap``) when the call wants dots against gradient references,
+when the model takes the per-sample loop or runs one
 sample at a time only (an exported graph with its batch of one written in), when the probe found
 no plan, and when the call reads its parameters unlike the probe did.
 """
@@ -23,6 +24,7 @@ from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward
+from service.fast_stats._sketch import with_sketches
 from service.fast_stats._source import Source, answers
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
 
@@ -36,7 +38,7 @@ class FastStats:
 
     def run(self, call: Call) -> Result | None:
         need, model = call.need, call.model
-        if model.route != "vmap" or not model.batched:
+        if need.dots or model.route != "vmap" or not model.batched:
             return None
         setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
                       call.selected)
@@ -68,7 +70,7 @@ class FastStats:
             grads = answers(found)
             # what the sources held can go: any statistic is read off the answer now
             found = grouped([Dense(k, grads[k], budget, "answer") for k in call.selected])
-        params = _stats(call, found, grads)
+        params = with_sketches(call, found, _stats(call, found, grads))
         return Result(losses=losses, aux=aux, params=params, meta=meta)
 
 
@@ -90,11 +92,8 @@ def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamSt
         bounds=bounds,
         sums_dtype=torch.float64 if need.m2 else dtype,
     )
-    if sq or sums or need.dot:
-        for source in found:
-            first.update(source.pass1(ask))
-    else:
-        first = {k: Pass1() for k in names}
+    for source in found:
+        first.update(source.pass1(ask) if ask.any else {k: Pass1() for k in source.names})
     means: list[Tensors] | None = None
     if sums:
         means = [{k: (_of(first[k].sums)[s] / (b - a)).to(dtype) for k in names}

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from service.strategies.projection import Projection
+
 if TYPE_CHECKING:
     from service.registry import LoadedModel
 
@@ -44,6 +46,9 @@ class Options:
     divisor: float | None = None
     norm_offset: float = 0.0
     secure_noise: bool = False
+    projection: Projection | None = None  # projection_dim and projection_seed, when asked
+    reference_count: int = 0  # M, the references ``dots`` and ``influence`` answer against
+    reference_sketches: bool = False  # ... given as [M, k] sketches, not gradients
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Batch:
     reference: Tensors = field(default_factory=dict)
     # the inputs after the first, by name, for models that take several (``inputs`` is the first)
     named: Tensors = field(default_factory=dict)
+    references: Tensors = field(default_factory=dict)  # {param: [M, *shape]}, for ``dots``
+    sketches: torch.Tensor | None = None  # [M, k] reference sketches, for ``dots``
 
     @property
     def size(self) -> int:
@@ -82,6 +89,9 @@ class Need:
         m2: each segment's sum of squared deviations from its mean (variance = m2 / n).
         clipped: each segment's sum of gradients scaled by :func:`clip_factors` (needs ``sq``).
         cos: each sample's dot product with its segment's mean gradient (needs ``mean``, ``sq``).
+        proj: each sample's sketch ``[B, k]`` under the call's projection
+            (:mod:`service.strategies.projection`); a parameter's part, summed over parameters.
+        dots: each sample's dot products with the call's M ``references``, ``[B, M]``.
     """
 
     grads: bool = False
@@ -91,12 +101,14 @@ class Need:
     m2: bool = False
     clipped: bool = False
     cos: bool = False
+    proj: bool = False
+    dots: bool = False
 
     def __or__(self, other: Need) -> Need:
         return Need(**{k: getattr(self, k) or getattr(other, k) for k in _NEED_FIELDS})
 
 
-_NEED_FIELDS = ("grads", "sq", "dot", "mean", "m2", "clipped", "cos")
+_NEED_FIELDS = ("grads", "sq", "dot", "mean", "m2", "clipped", "cos", "proj", "dots")
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,8 @@ class ParamStats:
     m2: tuple[torch.Tensor, ...] | None = None
     clipped: tuple[torch.Tensor, ...] | None = None
     cos: torch.Tensor | None = None
+    proj: torch.Tensor | None = None  # [B, k]: this parameter's part of each sketch
+    dots: torch.Tensor | None = None  # [B, M]: this parameter's part of each dot product
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,8 @@ class Call:
     need: Need
     budget_bytes: int = 1 << 30
     compiled: Any = None  # service.compile_cache.CompiledFunctions, for the vmap strategy
+    references: Tensors = field(default_factory=dict)  # {param: [M, *shape]} for ``dots``
+    sketches: torch.Tensor | None = None  # [M, k] reference sketches for ``dots``
 
     @property
     def size(self) -> int:

@@ -102,6 +102,8 @@ class _Accumulator:
         self.sq: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         self.dot: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         self.cos: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        self.proj: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        self.dots: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         self.kept: Tensors = {}  # {param: [B, *shape]}: the single chunk's own, or one buffer
         self.count = [0 for _ in segments]  # per segment: count, mean, M2, clipped sums
         self.mean: list[Tensors] = [{} for _ in segments]
@@ -132,6 +134,15 @@ class _Accumulator:
         if need.dot:
             for k, g in grads.items():
                 self.dot[k].append(_rows(g) @ self.call.reference[k].flatten())
+        if need.proj:
+            projection = self.call.opts.projection
+            assert projection is not None, "validation asks for a projection with 'proj'"
+            for k, g in grads.items():
+                self.proj[k].append(projection.project(k, g))
+        if need.dots:
+            for k, g in grads.items():
+                refs = self.call.references[k]
+                self.dots[k].append(_rows(g) @ refs.reshape(refs.shape[0], -1).t())
         if need.grads:
             keep_rows(self.kept, self.call.size, start, stop, grads)
         for s, lo, hi in self.overlaps(start, stop):
@@ -179,6 +190,8 @@ class _Accumulator:
                 m2=per_segment(self.m2, k) if need.m2 else None,
                 clipped=per_segment(self.clipped, k) if need.clipped else None,
                 cos=torch.cat(self.cos[k]) if need.cos else None,
+                proj=torch.cat(self.proj[k]) if need.proj else None,
+                dots=torch.cat(self.dots[k]) if need.dots else None,
             )
             for k in self.names
         }

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 TOL = {"atol": 3e-3, "rtol": 1e-5}  # the PyTorch tutorial's tolerance
 # The outputs that summarise the batch without per-sample gradients, td0 or not (the fast path's).
-SUMMARY = tuple(n for n in OUTPUT_NAMES if n not in ("grads", "td_errors", "updates"))
+# Data attribution's outputs need a projection or references: tests/unit/test_projection.py.
+ATTRIBUTION = ("projection", "dots", "influence", "self_influence")
+SUMMARY = tuple(n for n in OUTPUT_NAMES
+                if n not in ("grads", "td_errors", "updates", *ATTRIBUTION))
 BATCH_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
 
 Tensor = torch.Tensor
@@ -233,6 +236,16 @@ def summarize(
             }
         results.append(out)
     return results
+
+
+def attribution(loop: Loop, references: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``dots`` against ``{param: [M, *shape]}`` references and ``self_influence`` (squared
+    norms), from the loop, in float64."""
+    g64 = {k: _rows(v.to(torch.float64)) for k, v in loop.grads.items()}
+    out = {"self_influence": sum(v.pow(2).sum(1) for v in g64.values())}
+    if references:
+        out["dots"] = sum(v @ _rows(references[k].to(torch.float64)).t() for k, v in g64.items())
+    return out
 
 
 def reference(

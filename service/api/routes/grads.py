@@ -73,6 +73,11 @@ async def per_sample_grads(request: Request, state: StateDep) -> Response:
     (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504.
     """
     job = await new_job(request, state)
+    return await encode_result(request, await answer_of(state, job))
+
+
+async def answer_of(state: StateDep, job: Job) -> Any:
+    """Wait for ``job``'s answer; past its deadline cancel it (504). It is forgotten after."""
     broker = state.broker
     done = False
     try:
@@ -89,7 +94,7 @@ async def per_sample_grads(request: Request, state: StateDep) -> Response:
             raise error_from_body(st.error, 500)
         if st.status is JobStatus.CANCELED or st.result is None:
             raise JobCanceled(f"job {job.id} was canceled")
-        return await encode_result(request, st.result)
+        return st.result
     finally:
         if not done:
             await asyncio.shield(_cancel_quietly(state, job.id))

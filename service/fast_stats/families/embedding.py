@@ -19,6 +19,7 @@ from service.fast_stats._family import Captured, Family, register_family
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Use
 from service.fast_stats._source import Materialised, Source, SourceContext, cat
 from service.strategies.base import Bounds, Tensors
+from service.strategies.projection import Projection
 
 _NAMES = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
@@ -75,6 +76,11 @@ class EmbeddingSource(Materialised):
 
     def answer(self) -> Tensors:
         return self.grads(0, self.batch)  # one index_add into zeros: no chunk to copy
+
+    def project(self, projection: Projection) -> Tensors:
+        """Kronecker sketches from the (token, gradient row) pairs: no dense table per sample."""
+        name = self.names[0]
+        return {name: projection.project_rows(name, self.shapes[name], self.tokens, self.g)}
 
     def _dots(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         return (self.g[lo:hi] * ref.to(self.g.dtype)[self.tokens[lo:hi]]).sum((1, 2))

@@ -1,0 +1,102 @@
+"""``client.reference_sets``: sets of per-sample sketches (or gradients) kept on the server.
+
+``put`` has the server compute a batch's sketches (``projection_dim``) or full gradients and keep
+them under an id; ``per_sample_grads(..., outputs=["influence"], reference_set=id)`` then scores
+a batch against them without sending them again. Each exchange is described once by
+:class:`_Sets`; ``ReferenceSets`` sends it and ``AsyncReferenceSets`` awaits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+
+from psgrad._base import BaseClient, Call
+from psgrad._errors import BadRequest
+from psgrad._request import grads_fields
+from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
+
+if TYPE_CHECKING:
+    from psgrad._async_client import AsyncClient
+    from psgrad._client import Client
+
+__all__ = ["AsyncReferenceSets", "ReferenceSets"]
+
+
+def _path(set_id: str) -> str:
+    if not isinstance(set_id, str) or not set_id:
+        raise BadRequest("a reference set id is required")
+    return f"/reference-sets/{quote(set_id, safe='')}"
+
+
+def _doc(response: httpx.Response) -> dict[str, Any]:
+    doc: dict[str, Any] = response.json()
+    return doc
+
+
+class _Sets:
+    def __init__(self, client: BaseClient) -> None:
+        self._client = client
+
+    @staticmethod
+    def _put(set_id: str, model: str, inputs: Any, targets: Any, loss: str | None,
+             params: Sequence[str] | None, projection_dim: int | None,
+             projection_seed: int | None) -> Call[dict[str, Any]]:
+        fields = grads_fields(model, inputs, targets, loss=loss, params=params,
+                              projection_dim=projection_dim, projection_seed=projection_seed)
+        del fields["outputs"]  # the server asks for sketches or gradients itself
+        return Call("PUT", _path(set_id), _doc, content=fields_to_safetensors(fields, REQUEST_KEY),
+                    headers={"Content-Type": SAFETENSORS})
+
+    @staticmethod
+    def _get(set_id: str) -> Call[dict[str, Any]]:
+        return Call("GET", _path(set_id), _doc)
+
+    @staticmethod
+    def _delete(set_id: str) -> Call[dict[str, Any]]:
+        return Call("DELETE", _path(set_id), _doc)
+
+
+class ReferenceSets(_Sets):
+    """``client.reference_sets``."""
+
+    _client: Client
+
+    def put(self, set_id: str, model: str, inputs: Any, targets: Any = None, *,
+            loss: str | None = None, params: Sequence[str] | None = None,
+            projection_dim: int | None = None, projection_seed: int | None = None
+            ) -> dict[str, Any]:
+        """Compute and keep the batch's sketches (with ``projection_dim``) or full gradients
+        under ``set_id`` (replacing a set of that id); returns its description."""
+        return self._client._call(self._put(set_id, model, inputs, targets, loss, params,
+                                            projection_dim, projection_seed))
+
+    def get(self, set_id: str) -> dict[str, Any]:
+        """How the set was made: model version, loss, parameters, projection, count, bytes."""
+        return self._client._call(self._get(set_id))
+
+    def delete(self, set_id: str) -> dict[str, Any]:
+        return self._client._call(self._delete(set_id))
+
+
+class AsyncReferenceSets(_Sets):
+    """``client.reference_sets`` of ``AsyncClient``: ``ReferenceSets``' methods, awaited."""
+
+    _client: AsyncClient
+
+    async def put(self, set_id: str, model: str, inputs: Any, targets: Any = None, *,
+                  loss: str | None = None, params: Sequence[str] | None = None,
+                  projection_dim: int | None = None, projection_seed: int | None = None
+                  ) -> dict[str, Any]:
+        """See ``ReferenceSets.put``."""
+        return await self._client._call(self._put(set_id, model, inputs, targets, loss, params,
+                                                  projection_dim, projection_seed))
+
+    async def get(self, set_id: str) -> dict[str, Any]:
+        return await self._client._call(self._get(set_id))
+
+    async def delete(self, set_id: str) -> dict[str, Any]:
+        return await self._client._call(self._delete(set_id))

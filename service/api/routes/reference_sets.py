@@ -1,0 +1,79 @@
+"""``/reference-sets``: make (``PUT``), describe (``GET``) and delete (``DELETE``) a kept set of
+per-sample sketches or gradients, which ``influence`` requests then score against."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from psgrad._errors import NotFound
+from service.api.body import decode_request
+from service.api.deps import ApiKey, RegistryDep, StateDep
+from service.api.routes.grads import REQUEST_BODY, answer_of
+from service.api.schemas import ReferenceSetDoc, errors
+from service.jobs import Job, new_job_id
+from service.reference_sets import check_size, joined, make_set, set_request, split
+from service.validate import parse_request
+
+router = APIRouter(prefix="/reference-sets", tags=["data attribution"], dependencies=[ApiKey])
+
+
+def _missing(set_id: str) -> NotFound:
+    return NotFound(f"reference set '{set_id}' not found: create it with "
+                    f"PUT /reference-sets/{set_id}")
+
+
+@router.put(
+    "/{set_id}",
+    response_model=ReferenceSetDoc,
+    openapi_extra=REQUEST_BODY,
+    responses=errors(400, 401, 404, 413, 415, 422, 503, 504),
+    summary="Compute and keep a batch's sketches (projection_dim) or gradients",
+)
+async def put_reference_set(set_id: str, request: Request, state: StateDep) -> dict[str, Any]:
+    """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
+    projection_seed) without outputs; an existing set of this id is replaced. A batch larger
+    than ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
+    fields = await decode_request(request, state.settings, one_job=False)
+    registry, limit = state.registry, state.settings.max_reference_set_bytes
+
+    def check() -> dict[str, Any]:
+        asked = set_request(set_id, fields)
+        parsed = parse_request(asked, registry)  # the whole batch, as one request would be
+        check_size(parsed.model, parsed.opts, parsed.batch.size, limit)
+        return asked
+
+    fields = await run_in_threadpool(check)
+    deadline = time.time() + state.settings.request_timeout_s
+    jobs = [Job(new_job_id(), part, deadline=deadline)
+            for part in split(fields, state.settings.max_batch_size)]
+    for job in jobs:
+        await state.broker.submit(job)
+    result = joined(list(await asyncio.gather(*(answer_of(state, job) for job in jobs))))
+
+    def keep() -> dict[str, Any]:
+        ref = make_set(set_id, fields, result, registry)
+        registry.references.put(ref)
+        return ref.doc()
+
+    return await run_in_threadpool(keep)
+
+
+@router.get("/{set_id}", response_model=ReferenceSetDoc, responses=errors(400, 401, 404),
+            summary="How a reference set was made, without its tensors")
+async def get_reference_set(set_id: str, registry: RegistryDep) -> dict[str, Any]:
+    doc = await run_in_threadpool(registry.references.doc, set_id)
+    if doc is None:
+        raise _missing(set_id)
+    return doc
+
+
+@router.delete("/{set_id}", responses=errors(400, 401, 404), summary="Delete a reference set")
+async def delete_reference_set(set_id: str, registry: RegistryDep) -> dict[str, Any]:
+    if not await run_in_threadpool(registry.references.delete, set_id):
+        raise _missing(set_id)
+    return {"id": set_id, "deleted": True}

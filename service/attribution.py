@@ -1,0 +1,141 @@
+"""The data-attribution part of a request: its projection and the references it is scored against.
+
+``projection`` (and ``self_influence`` when projected) needs ``projection_dim`` (k, up to 8192)
+and takes ``projection_seed`` (0 by default). ``dots`` needs M references: ``reference``
+``{param: [M, *shape]}`` for every selected parameter (exact dot products), or
+``reference_sketches`` ``[M, k]`` made with the same projection. ``influence`` reads them from a
+stored reference set (``reference_set``), whose projection, parameters and model structure the
+request must share. Every refusal says what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import torch
+
+from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
+from service.reference_store import ReferenceSet
+from service.registry import LoadedModel
+from service.strategies.base import Batch, Options
+from service.strategies.projection import MAX_DIM, Projection
+
+
+class ReferenceSets(Protocol):
+    """Where ``influence`` finds its reference set (:mod:`service.reference_store`)."""
+
+    def get(self, set_id: str) -> ReferenceSet | None: ...
+
+
+def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection | None:
+    """The request's projection, or None when it names no ``projection_dim``."""
+    dim, seed = fields.get("projection_dim"), fields.get("projection_seed")
+    if dim is None:
+        if seed is not None:
+            raise BadRequest("'projection_seed' needs 'projection_dim' (k, up to 8192)")
+        if "projection" in outputs:
+            raise InvalidInput(f"output 'projection' needs 'projection_dim' (k, 1 to {MAX_DIM})")
+        return None
+    if not _integer(dim) or not 1 <= dim <= MAX_DIM:
+        raise BadRequest(f"'projection_dim' must be an integer in [1, {MAX_DIM}]")
+    if seed is not None and (not _integer(seed) or not 0 <= seed < 2**63):
+        raise BadRequest("'projection_seed' must be an integer in [0, 2**63)")
+    return Projection(int(dim), int(seed or 0))
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def refuse_unread(fields: dict[str, Any]) -> None:
+    """``reference_set`` and ``reference_sketches`` without an output that reads them."""
+    for name, output in (("reference_set", "influence"), ("reference_sketches", "dots")):
+        if fields.get(name) is not None:
+            raise InvalidInput(f"'{name}' is read by output '{output}' only; ask for it")
+
+
+def references(model: LoadedModel, opts: Options, batch: Batch,
+               reference: dict[str, torch.Tensor], sketches: torch.Tensor | None,
+               set_id: Any, sets: ReferenceSets | None) -> Options:
+    """Fill ``batch`` with the references of ``dots`` or ``influence``; the options with M."""
+    asked = {"dots", "influence", "dot"} & set(opts.outputs)
+    if len(asked) > 1:
+        raise InvalidInput(f"ask one of {', '.join(sorted(asked))} per request: each reads its "
+                           "own references ('dot' is the single-reference case of 'dots')")
+    if "influence" in asked:
+        if reference or sketches is not None:
+            raise InvalidInput("output 'influence' reads its references from 'reference_set'; "
+                               "send 'reference' or 'reference_sketches' with 'dots' instead")
+        found = _reference_set(set_id, sets)
+        opts = _match_set(model, opts, found)
+        tensors = {k: torch.as_tensor(v) for k, v in found.tensors.items()}
+        if found.projection is not None:
+            sketches = tensors["sketches"]
+        else:
+            reference = tensors
+    elif set_id is not None:
+        raise InvalidInput("'reference_set' is read by output 'influence' only")
+    if sketches is not None:
+        if opts.projection is None:
+            raise InvalidInput("'reference_sketches' needs the 'projection_dim' and "
+                               "'projection_seed' they were made with")
+        if sketches.dim() != 2 or sketches.shape[1] != opts.projection.k:
+            raise ShapeMismatch(f"'reference_sketches' has shape {list(sketches.shape)}; "
+                                f"expected [M, {opts.projection.k}] (M sketches of k entries)")
+        batch.sketches = sketches.to(model.dtype)
+        return replace(opts, reference_count=int(sketches.shape[0]), reference_sketches=True)
+    return replace(opts, reference_count=_gradients(model, opts, batch, reference))
+
+
+def _gradients(model: LoadedModel, opts: Options, batch: Batch,
+               reference: dict[str, torch.Tensor]) -> int:
+    """Check ``{param: [M, *shape]}`` references (one ``[*shape]`` is M = 1); answer M."""
+    missing = [p for p in opts.params if p not in reference]
+    if missing:
+        raise InvalidInput("output 'dots' needs 'reference' {param: [M, *shape]} for every "
+                           f"selected parameter, or 'reference_sketches' [M, k]; missing: "
+                           f"{', '.join(missing)}", missing=missing)
+    counts = set()
+    for name in opts.params:
+        ref, shape = reference[name], tuple(model.params[name].shape)
+        if tuple(ref.shape) == shape:
+            ref = ref.unsqueeze(0)
+        if tuple(ref.shape[1:]) != shape:
+            raise ShapeMismatch(f"'reference.{name}' has shape {list(ref.shape)}; expected "
+                                f"[M, {', '.join(map(str, shape))}]", parameter=name)
+        counts.add(int(ref.shape[0]))
+        batch.references[name] = ref.to(model.dtype)
+    if len(counts) != 1:
+        raise ShapeMismatch(f"the parameters of 'reference' hold different numbers of "
+                            f"references: {sorted(counts)}; send the same M for each")
+    return counts.pop()
+
+
+def _reference_set(set_id: Any, sets: ReferenceSets | None) -> ReferenceSet:
+    if not isinstance(set_id, str) or not set_id:
+        raise InvalidInput("output 'influence' needs 'reference_set': the id of a set made "
+                           "with PUT /reference-sets/{id}")
+    found = sets.get(set_id) if sets is not None else None
+    if found is None:
+        raise NotFound(f"reference set '{set_id}' not found: create it with "
+                       f"PUT /reference-sets/{set_id}")
+    return found
+
+
+def _match_set(model: LoadedModel, opts: Options, found: ReferenceSet) -> Options:
+    """The request's options under the set's projection, once its parameters are the set's."""
+    if tuple(found.params) != opts.params:
+        raise InvalidInput(f"reference set '{found.id}' holds parameters "
+                           f"{', '.join(found.params)}; select the same ('params')")
+    for name in opts.params:
+        if list(model.params[name].shape) != list(found.shapes[name]):
+            raise ShapeMismatch(f"reference set '{found.id}' was made on a model whose "
+                                f"'{name}' has shape {found.shapes[name]}; this one has "
+                                f"{list(model.params[name].shape)}", parameter=name)
+    want = Projection(*found.projection) if found.projection is not None else None
+    if opts.projection is not None and opts.projection != want:
+        raise InvalidInput(f"reference set '{found.id}' was made with projection "
+                           f"{found.projection}; leave 'projection_dim' out or send its own")
+    return replace(opts, projection=want)

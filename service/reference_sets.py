@@ -1,0 +1,93 @@
+"""``PUT /reference-sets/{id}``: the gradients request that makes a set, and the set it made.
+
+A set is made by an ordinary job (so it is computed by whichever worker takes it, batched and
+limited like any request): ``projection`` when the body names ``projection_dim``, else
+``grads``. Its size is checked before the job runs (``PSGRAD_MAX_REFERENCE_SET_BYTES``: full
+gradients of M samples are M copies of the selected parameters), and the answer is kept in the
+registry's reference store, beside the models, so every worker reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
+from service.model_store import is_safe_id
+from service.reference_store import ReferenceSet
+from service.registry import LoadedModel, ModelRegistry
+from service.strategies.base import Options
+
+SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
+_READ = ("reference", "reference_sketches", "reference_set", "outputs")
+
+
+def set_request(set_id: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The job's fields: the body's batch and options, asking for sketches or gradients
+    (checked next by the request validation, before the size of the set)."""
+    if not is_safe_id(set_id):
+        raise BadRequest("a reference set id is 1-64 of a-z 0-9 . _ -, not starting with . _ -")
+    extra = sorted(k for k in _READ if fields.get(k) is not None)
+    if extra:
+        raise InvalidInput(f"a reference set is made from a batch; leave out: {', '.join(extra)}")
+    dim = fields.get("projection_dim")
+    return {**fields, "outputs": ["projection"] if dim is not None else ["grads"]}
+
+
+def check_size(model: LoadedModel, opts: Options, count: int, max_bytes: int) -> None:
+    """Refuse a set above ``PSGRAD_MAX_REFERENCE_SET_BYTES`` before computing it."""
+    per = (opts.projection.k if opts.projection is not None
+           else sum(model.params[p].numel() for p in opts.params))
+    size = count * per * model.dtype.itemsize
+    if size > max_bytes:
+        raise TooLarge(f"the reference set would hold {size} bytes; the limit is {max_bytes} "
+                       "(PSGRAD_MAX_REFERENCE_SET_BYTES): send 'projection_dim' to keep "
+                       "sketches, or fewer samples or parameters", limit=max_bytes, size=size)
+
+
+def split(fields: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """The job fields of ``limit`` samples at most each: a set may hold more samples than one
+    request (``PSGRAD_MAX_BATCH_SIZE``); the body size limit still bounds it."""
+    inputs = fields.get("inputs")
+    if not isinstance(inputs, np.ndarray) or not inputs.ndim or not inputs.shape[0]:
+        return [fields]  # the worker's validation says what is wrong with it
+    n = int(inputs.shape[0])
+    per_sample = [k for k in SAMPLE_FIELDS if isinstance(fields.get(k), np.ndarray)
+                  and fields[k].ndim and fields[k].shape[0] == n]
+    return [{**fields, **{k: fields[k][a : a + limit] for k in per_sample}}
+            for a in range(0, n, max(1, limit))]
+
+
+def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answers of :func:`split`'s jobs as one (same model version: checked)."""
+    first = parts[0]
+    if len({str(p["model"]) for p in parts}) != 1:
+        raise Conflict("the model changed version while the set was computed; send it again")
+    out = {**first, "batch_size": sum(int(p["batch_size"]) for p in parts)}
+    if "projection" in first:
+        out["projection"] = np.concatenate([np.asarray(p["projection"]) for p in parts])
+    else:
+        out["grads"] = {k: np.concatenate([np.asarray(p["grads"][k]) for p in parts])
+                        for k in first["grads"]}
+    return out
+
+
+def make_set(set_id: str, fields: dict[str, Any], result: dict[str, Any],
+             registry: ModelRegistry) -> ReferenceSet:
+    """The set from the job's answer (``model`` names the exact version that computed it)."""
+    model = registry.get(str(result["model"]))
+    params = tuple(p for p in model.params if p in set(fields.get("params") or model.params))
+    dim = fields.get("projection_dim")
+    if dim is not None:
+        tensors = {"sketches": np.asarray(result["projection"])}
+        projection: tuple[int, int] | None = (int(dim), int(fields.get("projection_seed") or 0))
+    else:
+        tensors = {k: np.asarray(v) for k, v in result["grads"].items()}
+        projection = None
+    return ReferenceSet(
+        id=set_id, model=str(result["model"]), loss=str(result["loss"]), params=params,
+        shapes={k: list(model.params[k].shape) for k in params}, projection=projection,
+        count=int(result["batch_size"]), created=time.time(), tensors=tensors,
+    )

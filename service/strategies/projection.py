@@ -1,0 +1,137 @@
+"""Random projections of per-sample gradients (Johnson-Lindenstrauss sketches), defined once.
+
+A sketch is ``P g`` in ``k`` dimensions, ``P`` a random matrix with independent N(0, 1) entries
+scaled by ``1/sqrt(k)``, so ``E[<P g, P h>] = <g, h>``. The sketch of a gradient over several
+parameters is the sum of each parameter's sketch (the concatenated gradient times the side by
+side blocks ``[P_1 | P_2 | ...]``). Each parameter's block is drawn from a seed derived from
+(``seed``, ``k``, the parameter's name and shape) alone, on the CPU generator, so any request,
+batch size, worker, process or weights of the same architecture give comparable sketches.
+
+Which matrix a parameter gets depends on its shape only, so that every strategy applies the same:
+
+- ``kronecker`` (parameters of two or more dimensions, seen as a matrix ``[m, n]`` =
+  ``[shape[0], prod(shape[1:])]``: a Linear weight, a convolution's ``[out, in/groups *
+  kernel]``, an embedding table): ``P = P_out (x) P_in`` with ``k = k_out * k_in`` (``k_out`` the
+  largest divisor of k up to sqrt(k)); the sketch of a gradient ``G`` is ``P_out G P_in^T``
+  flattened (LoGra's structure). For a layer whose per-sample gradient is ``sum_t g_t a_t^T``
+  this is ``sum_t (P_out g_t) (x) (P_in a_t)``: two small GEMMs, no per-sample gradient.
+  Guarantee: unbiased (``E[<Pg, Ph>] = <g, h>``); the relative variance of a squared norm is at
+  most ``(1 + 2/k_out)(1 + 2/k_in) - 1`` (reached by rank-one gradients, e.g. a Linear layer at
+  one position; about ``4/sqrt(k)``), against ``2/k`` for a dense sketch.
+- ``dense`` (biases, norms' scales, scalars): a Gaussian ``[k, numel]``, the classic JL
+  guarantee (relative variance ``2/k``), generated a 4 MiB block of columns at a time (each
+  block from its own seed), never held whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from service.lru import LockedLRU
+
+KRONECKER = "kronecker"
+DENSE = "dense"
+MAX_DIM = 8192
+_BLOCK_BYTES = 4 << 20  # one dense block of a projection matrix, float32
+_FACTORS: LockedLRU[tuple[object, ...], torch.Tensor] = LockedLRU(256)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The projection of a request: ``k`` dimensions drawn from ``seed``."""
+
+    k: int
+    seed: int = 0
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """``(k_out, k_in)`` of the Kronecker factors: the largest divisor of k up to sqrt(k)."""
+        k_out = next(d for d in range(math.isqrt(self.k), 0, -1) if self.k % d == 0)
+        return k_out, self.k // k_out
+
+    def factor(self, name: str, shape: torch.Size | tuple[int, ...], part: str, rows: int,
+               cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``[rows, cols]`` Gaussian block scaled by ``1/sqrt(rows)``, in ``like``'s dtype and
+        device; cached, since a model's factors repeat on every call."""
+        key = (self.k, self.seed, name, tuple(shape), part, rows, cols, like.dtype, like.device)
+
+        def make() -> torch.Tensor:
+            digest = hashlib.sha256(repr(key[:5]).encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            block = torch.randn(rows, cols, generator=gen, dtype=torch.float32)
+            return (block / math.sqrt(rows)).to(like.device, like.dtype)
+
+        return _FACTORS.get_or_make(key, make)
+
+    def kronecker(self, name: str, shape: torch.Size | tuple[int, ...], like: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P_out [k_out, m], P_in [k_in, n])`` of a parameter seen as an ``[m, n]`` matrix."""
+        m, n = matrix_shape(shape)
+        k_out, k_in = self.split
+        return (self.factor(name, shape, "out", k_out, m, like),
+                self.factor(name, shape, "in", k_in, n, like))
+
+    def dense_blocks(self, name: str, shape: torch.Size | tuple[int, ...], like: torch.Tensor
+                     ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(start, stop, P[:, start:stop])`` over the columns of a dense projection."""
+        numel = math.prod(shape)
+        step = max(1, _BLOCK_BYTES // (4 * self.k))
+        for start in range(0, numel, step):
+            stop = min(numel, start + step)
+            yield start, stop, self.factor(name, shape, f"dense{start}", self.k, stop - start,
+                                           like)
+
+    def project(self, name: str, grads: torch.Tensor) -> torch.Tensor:
+        """``[n, k]`` sketches of materialised per-sample gradients ``[n, *shape]``."""
+        n, shape = grads.shape[0], grads.shape[1:]
+        if kind_of(shape) == KRONECKER:
+            p_out, p_in = self.kronecker(name, shape, grads)
+            mat = grads.reshape(n, *matrix_shape(shape))
+            return (p_out @ (mat @ p_in.t())).reshape(n, self.k)
+        flat = grads.reshape(n, -1)
+        out = flat.new_zeros((n, self.k))
+        for start, stop, block in self.dense_blocks(name, shape, grads):
+            out.addmm_(flat[:, start:stop], block.t())
+        return out
+
+    def project_outer(self, name: str, shape: torch.Size | tuple[int, ...], a: torch.Tensor,
+                      g: torch.Tensor) -> torch.Tensor:
+        """``[n, k]`` sketches of per-sample gradients ``sum_t g_t a_t^T`` per group, from
+        ``a`` ``[n, groups, T, d]`` and ``g`` ``[n, groups, T, p]``, the weight being the
+        ``[groups * p, d]`` matrix: never the ``[n, groups * p, d]`` gradients themselves."""
+        p_out, p_in = self.kronecker(name, shape, g)
+        n, groups, _, p = g.shape
+        k_out, k_in = self.split
+        gp = torch.einsum("ngtp,gop->ngto", g, p_out.reshape(k_out, groups, p).transpose(0, 1))
+        ap = a @ p_in.t().to(a.dtype)
+        return torch.einsum("ngto,ngti->noi", gp, ap.to(gp.dtype)).reshape(n, k_out * k_in)
+
+    def project_rows(self, name: str, shape: torch.Size | tuple[int, ...], rows: torch.Tensor,
+                     g: torch.Tensor) -> torch.Tensor:
+        """``[n, k]`` sketches of per-sample gradients ``sum_t e_{rows_t} g_t^T`` (an embedding
+        table's: row ``rows[i, t]`` gets ``g[i, t]``), from the ids and the rows alone."""
+        p_out, p_in = self.kronecker(name, shape, g)
+        n = g.shape[0]
+        gp = g @ p_in.t()  # [n, T, k_in]
+        po = p_out.t()[rows]  # [n, T, k_out]
+        return torch.einsum("nto,nti->noi", po, gp).reshape(n, self.k)
+
+
+def kind_of(shape: torch.Size | tuple[int, ...]) -> str:
+    """The projection a parameter of this shape gets (the same in every strategy)."""
+    return KRONECKER if len(shape) >= 2 else DENSE
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """A parameter of two or more dimensions as a matrix: ``[shape[0], prod(shape[1:])]``."""
+    return int(shape[0]), math.prod(shape[1:])
+
+
+def kinds(shapes: dict[str, torch.Size]) -> dict[str, str]:
+    """``meta["projection"]``: which projection each selected parameter got."""
+    return {k: kind_of(s) for k, s in shapes.items()}

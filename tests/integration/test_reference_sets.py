@@ -1,0 +1,162 @@
+"""Reference sets through the HTTP api: made by ``PUT``, scored against by ``influence``, held to
+their size limit, described, deleted, kept in files, and shared with ``psgrad worker`` processes
+through Redis. Every influence score is checked against the per-sample loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from service.registry import load_model
+from service.strategies.projection import Projection
+from tests.integration.test_redis_distributed import cluster
+from tests.support.api import open_client
+from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
+from tests.support.reference import per_sample_loop
+
+MLP = {"sizes": [6, 5, 3]}
+
+
+def batch(n: int, seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {"inputs": rng.standard_normal((n, 6)).astype(np.float32).tolist(),
+            "targets": rng.integers(0, 3, n).tolist()}
+
+
+def loop_grads(model_id: str, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The per-sample loop on the zoo mlp of ``MLP``'s config (the registered id's weights)."""
+    model = load_model(model_id, "mlp", MLP, device=torch.device("cpu"))
+    loop = per_sample_loop(model.module, {"inputs": torch.tensor(data["inputs"]),
+                                          "targets": torch.tensor(data["targets"])},
+                           "cross_entropy")
+    return {k: v.double() for k, v in loop.grads.items()}
+
+
+def sketches(grads: dict[str, torch.Tensor], proj: Projection) -> torch.Tensor:
+    return sum(proj.project(k, g) for k, g in grads.items())  # type: ignore[return-value]
+
+
+def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1)
+
+
+async def register_mlp(client: httpx.AsyncClient, model_id: str) -> None:
+    r = await client.put(f"/models/{model_id}", json={"architecture": "mlp", "config": MLP})
+    assert r.status_code == 200, r.text
+
+
+async def check_sets(client: httpx.AsyncClient, model_id: str) -> None:
+    """A sketch set and a gradient set: PUT, GET, influence against the loop, DELETE."""
+    refs, test = batch(7, 1), batch(4, 2)
+    want_ref, want_test = loop_grads(model_id, refs), loop_grads(model_id, test)
+    proj = Projection(128, 5)
+
+    r = await client.put("/reference-sets/train-sk", json={
+        "model": model_id, **refs, "projection_dim": 128, "projection_seed": 5})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["count"] == 7 and doc["projection_dim"] == 128 and doc["bytes"] == 7 * 128 * 4
+    assert (await client.get("/reference-sets/train-sk")).json() == doc
+    r = await client.post("/per-sample-grads", json={
+        "model": model_id, **test, "outputs": ["influence", "self_influence"],
+        "reference_set": "train-sk"})
+    assert r.status_code == 200, r.text
+    got = np.asarray(r.json()["influence"])
+    want = sketches(want_test, proj) @ sketches(want_ref, proj).t()
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(r.json()["self_influence"],
+                               sketches(want_test, proj).pow(2).sum(1).numpy(), rtol=1e-4)
+
+    r = await client.put("/reference-sets/train-full", json={"model": model_id, **refs})
+    assert r.status_code == 200, r.text
+    assert r.json()["projection_dim"] is None
+    r = await client.post("/per-sample-grads", json={
+        "model": model_id, **test, "outputs": ["influence"], "reference_set": "train-full"})
+    assert r.status_code == 200, r.text
+    exact = flat(want_test) @ flat(want_ref).t()
+    np.testing.assert_allclose(r.json()["influence"], exact.numpy(), rtol=1e-4, atol=1e-5)
+
+    assert (await client.delete("/reference-sets/train-sk")).status_code == 200
+    r = await client.get("/reference-sets/train-sk")
+    assert r.status_code == 404 and "PUT /reference-sets/train-sk" in r.json()["error"]["message"]
+    r = await client.post("/per-sample-grads", json={
+        "model": model_id, **test, "outputs": ["influence"], "reference_set": "train-sk"})
+    assert r.status_code == 404, r.text
+    assert (await client.delete("/reference-sets/train-sk")).status_code == 404
+
+
+async def test_reference_sets_embedded_with_limits() -> None:
+    async with open_client(max_reference_set_bytes=7 * 128 * 4) as client:
+        await register_mlp(client, "att")
+        await check_sets(client, "att")
+        r = await client.put("/reference-sets/big", json={"model": "att", **batch(8, 3),
+                                                          "projection_dim": 128})
+        assert r.status_code == 413, r.text
+        assert "PSGRAD_MAX_REFERENCE_SET_BYTES" in r.json()["error"]["message"]
+        r = await client.put("/reference-sets/big", json={"model": "att", **batch(68, 3)})
+        assert r.status_code == 413 and "projection_dim" in r.json()["error"]["message"], r.text
+        r = await client.put("/reference-sets/Bad!", json={"model": "att", **batch(2, 3)})
+        assert r.status_code == 400, r.text
+        r = await client.put("/reference-sets/x", json={"model": "att", **batch(2, 3),
+                                                        "outputs": ["grads"]})
+        assert r.status_code == 422 and "outputs" in r.text
+
+
+async def test_reference_sets_kept_in_files(tmp_path: Path) -> None:
+    async with open_client(model_dir=str(tmp_path)) as client:
+        await register_mlp(client, "att")
+        r = await client.put("/reference-sets/kept", json={"model": "att", **batch(3, 1),
+                                                           "projection_dim": 16})
+        assert r.status_code == 200, r.text
+    async with open_client(model_dir=str(tmp_path)) as client:
+        assert (await client.get("/reference-sets/kept")).json()["count"] == 3
+        ids = [m["id"] for m in (await client.get("/models")).json()["models"]]
+        assert "_reference_sets" not in ids
+        r = await client.post("/per-sample-grads", json={
+            "model": "att", **batch(2, 2), "outputs": ["influence"], "reference_set": "kept"})
+        assert r.status_code == 200 and np.shape(r.json()["influence"]) == (2, 3), r.text
+
+
+async def test_reference_sets_shared_by_redis_workers(tmp_path: Path) -> None:
+    client = redis_or_skip()
+    with prefix_on(client) as prefix:
+        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1) as c:
+            await register_mlp(c.client, "att-redis")
+            await check_sets(c.client, "att-redis")
+    client.close()
+
+
+def test_sdk_reference_sets_and_chunked_influence() -> None:
+    """``client.reference_sets`` and ``influence`` over a batch the client splits in chunks."""
+    import psgrad
+    from service.api import create_app
+    from service.config import Settings
+    from tests.support.client import running_app
+
+    app = create_app(Settings(max_batch_size=4, workers=1, batch_max_delay_ms=0.0))
+    rng = np.random.default_rng(0)
+    refs = {"inputs": rng.standard_normal((6, 784)), "targets": rng.integers(0, 10, 6)}
+    test = {"inputs": rng.standard_normal((10, 784)), "targets": rng.integers(0, 10, 10)}
+    with running_app(app) as transport, psgrad.Client(base_url="http://app",
+                                                      transport=transport) as client:
+        doc = client.reference_sets.put("sdk", "mlp", np.asarray(refs["inputs"], np.float32),
+                                        np.asarray(refs["targets"]), projection_dim=64,
+                                        projection_seed=3)
+        assert doc["count"] == 6 and client.reference_sets.get("sdk") == doc  # 2 jobs
+        got = client.per_sample_grads("mlp", np.asarray(test["inputs"], np.float32),
+                                      np.asarray(test["targets"]), reference_set="sdk",
+                                      outputs=["influence", "projection"], projection_dim=64,
+                                      projection_seed=3)
+        assert got.meta["requests"] == 3  # 4 + 4 + 2 samples
+        np.testing.assert_allclose(got.influence, got.projection @ client.per_sample_grads(
+            "mlp", np.asarray(refs["inputs"], np.float32), np.asarray(refs["targets"]),
+            outputs=["projection"], projection_dim=64, projection_seed=3).projection.T,
+            rtol=1e-4, atol=1e-4)
+        assert client.reference_sets.delete("sdk")["deleted"] is True
+        with pytest.raises(psgrad.NotFound):
+            client.reference_sets.get("sdk")
