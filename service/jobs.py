@@ -31,6 +31,7 @@ __all__ = [
     "JobState",
     "JobStatus",
     "answer_too_large",
+    "batch_until",
     "new_job_id",
 ]
 
@@ -113,7 +114,12 @@ class JobSource(Protocol):
 
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
              block_s: float) -> list[Job]:
-        """Wait up to ``block_s`` for a first job, then gather more for up to ``max_delay_s``."""
+        """Wait up to ``block_s`` for a first job and return it with whatever is queued with it.
+
+        The batching rule (:func:`batch_until`): a job that finds the worker idle (nothing was
+        queued when ``take`` was called) runs at once; jobs that queued while the worker was
+        busy are gathered with those that arrive until the oldest has waited ``max_delay_s``.
+        """
 
     def started(self, jobs: list[Job]) -> None:
         """Mark jobs running (and keep their claim fresh on long batches)."""
@@ -131,6 +137,20 @@ class JobSource(Protocol):
 
     def is_canceled(self, job_id: str) -> bool:
         """The job was canceled (or its state is gone): the loop does not compute it."""
+
+
+def batch_until(busy: bool, oldest_enqueued_at: float, max_delay_s: float) -> float:
+    """Until when (epoch seconds) ``take`` gathers more jobs for a batch.
+
+    A lone request must not pay the batching window: when the worker was idle (``busy`` False,
+    the queue empty when it asked) the batch goes at once. Jobs that queued while the worker was
+    busy wait for company only until the oldest has waited ``max_delay_s`` in all: the window
+    bounds a job's wait, it is never a fixed delay added to every request.
+    """
+    if not busy or max_delay_s <= 0:
+        return 0.0
+    now = time.time()
+    return min(now + max_delay_s, max(now, oldest_enqueued_at + max_delay_s))
 
 
 SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, clipped_mean, dot) "

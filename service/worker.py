@@ -1,8 +1,9 @@
 """The worker loop, the same for every broker: take jobs, batch them, run the engine, answer.
 
-Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs, waiting at most
-``PSGRAD_BATCH_MAX_DELAY_MS`` for more after the first (0: one job per round, no cross-request
-batching). Jobs that were canceled or whose deadline passed are dropped; the rest are validated
+Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs (0 ms of
+``PSGRAD_BATCH_MAX_DELAY_MS``: one job per round, no cross-request batching). A job that finds
+the worker idle runs at once; jobs that queued while it was busy are batched, waiting for more
+only until the oldest has waited ``PSGRAD_BATCH_MAX_DELAY_MS`` (:func:`service.jobs.batch_until`). Jobs that were canceled or whose deadline passed are dropped; the rest are validated
 one by one (a bad job fails alone with its own error), grouped by
 :meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
 concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call

@@ -36,7 +36,7 @@ from service.broker.redis import (
     value_limit,
 )
 from service.config import Settings
-from service.jobs import Job, JobStatus, answer_too_large
+from service.jobs import Job, JobStatus, answer_too_large, batch_until
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 """
 
 Entry = tuple[str, str, int]  # stream entry id, job id, samples
+
+
+def _entry_time(entry_id: str) -> float:
+    """When an entry was added (epoch seconds): its id starts with Redis's clock in ms."""
+    ms, _, _ = entry_id.partition("-")
+    return int(ms) / 1000.0 if ms.isdigit() else time.time()
 
 
 def consumer_name(device: str = "cpu") -> str:
@@ -241,10 +247,12 @@ class RedisJobSource:
                 raise
         self._group_ready = True
 
-    def _read(self, count: int, block_ms: int) -> list[Entry]:
+    def _read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries; ``block_ms`` None: only those already there (no wait)."""
+        block = None if block_ms is None else max(1, block_ms)
         try:
             reply: Any = self.r.xreadgroup(keys.STREAM_GROUP, self.name, {self.stream: ">"},
-                                           count=count, block=max(1, block_ms))
+                                           count=count, block=block)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -280,12 +288,15 @@ class RedisJobSource:
         self._buffer = []
         got += self._autoclaim(max_jobs)
         if not got:
+            got = self._read(max_jobs, None)  # what queued while this worker was busy
+        busy = bool(got)
+        if not got:
             got = self._read(max_jobs, int(block_s * 1000))
         if got:
-            until = time.monotonic() + max_delay_s
+            until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
             while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
-                   and (left := until - time.monotonic()) > 0):
-                more = self._read(max_jobs - len(got), int(left * 1000))
+                   and (left := until - time.time()) > 0):
+                more = self._read(max_jobs - len(got), max(1, int(left * 1000)))
                 if not more:
                     break
                 got += more

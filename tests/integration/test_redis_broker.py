@@ -317,3 +317,25 @@ async def test_a_result_over_the_value_limit_fails_as_too_large(tmp_path: Path) 
         source.close()
         await broker.close()
         own.kill()
+
+
+async def test_an_idle_worker_takes_a_lone_job_without_waiting_the_window(
+        settings: Settings) -> None:
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings)
+    try:
+        source.take(1, 1, 0.0, 0.01)  # the consumer group exists: the job below is read
+
+        async def submit_later() -> Job:
+            await asyncio.sleep(0.3)  # the worker is idle, blocked in XREADGROUP
+            j = job(1)
+            await broker.submit(j)
+            return j
+
+        window_s = 60.0  # no test sits this out: waiting for it would time the test out
+        taken, submitted = await asyncio.wait_for(asyncio.gather(
+            asyncio.to_thread(source.take, 64, 512, window_s, 20.0), submit_later()), 20.0)
+        assert [t.id for t in taken] == [submitted.id]
+    finally:
+        source.close()
+        await broker.close()
