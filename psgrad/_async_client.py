@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import BaseClient, Call, ProgressArg
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
 from psgrad._jobs import AsyncJob
@@ -93,9 +93,7 @@ class AsyncClient(BaseClient):
         """One HTTP exchange with retries; a non-2xx answer raises its typed error."""
         for attempt in itertools.count():
             try:
-                response = await self._http.request(
-                    method, path, content=content, json=json, headers=headers
-                )
+                response = await self._exchange(method, path, content, json, headers)
             except httpx.TransportError as exc:
                 delay = self._after_failure(attempt, exc=exc)
             else:
@@ -104,6 +102,24 @@ class AsyncClient(BaseClient):
                 delay = self._after_failure(attempt, response=response)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
+
+    async def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
+                        headers: Mapping[str, str] | None) -> httpx.Response:
+        """One request; a safetensors answer is read into its arrays as it arrives."""
+        request = self._http.build_request(method, path, content=content, json=json,
+                                           headers=headers)
+        response = await self._http.send(request, stream=True)
+        try:
+            reader = self._answer_reader(path, response)
+            if reader is None:
+                await response.aread()
+            else:
+                async for piece in response.aiter_bytes():
+                    reader.feed(piece)
+                response.extensions[ANSWER] = reader.fields()
+        finally:
+            await response.aclose()
+        return response
 
     async def _call(self, call: Call[T]) -> T:
         """Send a described exchange and read its answer."""

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import BaseClient, Call, ProgressArg
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
 from psgrad._jobs import Job
@@ -112,9 +112,7 @@ class Client(BaseClient):
         """One HTTP exchange with retries; a non-2xx answer raises its typed error."""
         for attempt in itertools.count():
             try:
-                response = self._http.request(
-                    method, path, content=content, json=json, headers=headers
-                )
+                response = self._exchange(method, path, content, json, headers)
             except httpx.TransportError as exc:
                 delay = self._after_failure(attempt, exc=exc)
             else:
@@ -123,6 +121,24 @@ class Client(BaseClient):
                 delay = self._after_failure(attempt, response=response)
             time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
+                  headers: Mapping[str, str] | None) -> httpx.Response:
+        """One request; a safetensors answer is read into its arrays as it arrives."""
+        request = self._http.build_request(method, path, content=content, json=json,
+                                           headers=headers)
+        response = self._http.send(request, stream=True)
+        try:
+            reader = self._answer_reader(path, response)
+            if reader is None:
+                response.read()
+            else:
+                for piece in response.iter_bytes():
+                    reader.feed(piece)
+                response.extensions[ANSWER] = reader.fields()
+        finally:
+            response.close()
+        return response
 
     def _call(self, call: Call[T]) -> T:
         """Send a described exchange and read its answer."""
