@@ -178,6 +178,7 @@ class AsyncClient(BaseClient):
         noise_multiplier: float | None = None,
         seed: int | None = None,
         reference: Mapping[str, Any] | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -195,6 +196,7 @@ class AsyncClient(BaseClient):
             noise_multiplier=noise_multiplier,
             seed=seed,
             reference=reference,
+            answer_dtype=answer_dtype,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
@@ -212,6 +214,7 @@ class AsyncClient(BaseClient):
         weights: Mapping[str, Any] | None = None,
         outputs: Sequence[str] | str = ("updates", "td_errors"),
         params: Sequence[str] | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -228,6 +231,7 @@ class AsyncClient(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
@@ -253,6 +257,7 @@ class AsyncClient(BaseClient):
         rewards: Any = None,
         dones: Any = None,
         gamma: float | None = None,
+        answer_dtype: str | None = None,
     ) -> AsyncJob:
         """Queue the request and return an :class:`AsyncJob`; see ``Client.submit``."""
         fields = self._grads_fields(
@@ -271,6 +276,7 @@ class AsyncClient(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         doc = (await self._post_fields("/jobs", await self._prepare(fields))).json()
         return AsyncJob(

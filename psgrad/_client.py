@@ -197,6 +197,7 @@ class Client(BaseClient):
         noise_multiplier: float | None = None,
         seed: int | None = None,
         reference: Mapping[str, Any] | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -215,6 +216,10 @@ class Client(BaseClient):
             weights: {parameter: array} used for this call instead of the registered ones.
             clip_norm, noise_multiplier, seed: for ``clipped_mean`` (DP-SGD).
             reference: {parameter: array} for ``dot``.
+            answer_dtype: ``float16`` or ``bfloat16``: the server answers floating tensors in
+                half the bytes (relative rounding error at most 2^-11 / 2^-8); float16 arrays
+                come back as float16, bfloat16 ones widened exactly to float32 (numpy has no
+                bfloat16).
             as_torch: return torch tensors instead of numpy arrays.
             progress: draw a progress bar on stderr (tqdm if installed), or a callable
                 ``f(done, total)`` called after each request.
@@ -248,6 +253,7 @@ class Client(BaseClient):
             noise_multiplier=noise_multiplier,
             seed=seed,
             reference=reference,
+            answer_dtype=answer_dtype,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 
@@ -263,6 +269,7 @@ class Client(BaseClient):
         weights: Mapping[str, Any] | None = None,
         outputs: Sequence[str] | str = ("updates", "td_errors"),
         params: Sequence[str] | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -285,6 +292,7 @@ class Client(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 
@@ -308,6 +316,7 @@ class Client(BaseClient):
         rewards: Any = None,
         dones: Any = None,
         gamma: float | None = None,
+        answer_dtype: str | None = None,
     ) -> Job:
         """Queue the request (``POST /jobs``) and return at once with a :class:`Job`.
 
@@ -330,6 +339,7 @@ class Client(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         doc = self._post_fields("/jobs", self._prepare(fields)).json()
         return Job(

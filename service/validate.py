@@ -26,7 +26,7 @@ from psgrad._errors import (
     TooLarge,
     UnknownParameter,
 )
-from psgrad._wire import array_from_json
+from psgrad._wire import ANSWER_DTYPES, array_from_json
 from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import get_output
@@ -35,7 +35,7 @@ from service.registry import LoadedModel, ModelRegistry
 TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma")
+                 "gamma", "answer_dtype")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 
 
@@ -44,6 +44,7 @@ class ParsedRequest:
     model: LoadedModel
     opts: Options
     batch: Batch
+    answer_dtype: str = "float32"  # the answer's floating tensors: float32, float16, bfloat16
 
     def group_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can run as one engine call on the concatenated batch."""
@@ -133,7 +134,17 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                 f"{', '.join(missing)}", missing=missing,
             )
     batch.reference = {k: v for k, v in batch.reference.items() if k in opts.params}
-    return ParsedRequest(model, opts, batch)
+    return ParsedRequest(model, opts, batch, _answer_dtype(fields.get("answer_dtype")))
+
+
+def _answer_dtype(value: Any) -> str:
+    """The answer's floating dtype; the group key leaves it out (each job is cast alone)."""
+    if value is None:
+        return "float32"
+    if value not in ANSWER_DTYPES:
+        raise InvalidInput(f"'answer_dtype' must be one of {', '.join(ANSWER_DTYPES)}; "
+                           f"got {value!r}", accepted=list(ANSWER_DTYPES))
+    return str(value)
 
 
 def _options(fields: dict[str, Any], model: LoadedModel) -> Options:

@@ -78,6 +78,12 @@ class GradsRequest(BaseModel):
     gamma: float | None = Field(
         None, ge=0.0, le=1.0, description="td0: discount in [0, 1] (default 1.0)"
     )
+    answer_dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None,
+        description="the answer's floating tensors: float32 (default), or float16 / bfloat16 for "
+        "half the bytes (relative rounding error at most 2^-11 / 2^-8; float16 overflows past "
+        "65504 and loses precision below 6.1e-5)",
+    )
 
 
 class Timing(BaseModel):
