@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import psgrad
-from psgrad._wire import RESPONSE_KEY
 from psgrad._stream import AnswerReader
+from psgrad._wire import RESPONSE_KEY
 from service.api import create_app
 from service.config import Settings
 from tests.support.api import open_client
