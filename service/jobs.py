@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from psgrad._errors import TooLarge
+from psgrad._errors import Overloaded, TooLarge
+from psgrad._stream import AnswerReader
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
+from psgrad._wire import RESPONSE_KEY
 
 __all__ = [
     "SMALLER_ANSWER",
+    "Answer",
+    "AnswerLost",
     "Broker",
     "Job",
     "JobSource",
@@ -33,6 +38,7 @@ __all__ = [
     "answer_too_large",
     "batch_until",
     "new_job_id",
+    "read_answer",
 ]
 
 
@@ -57,9 +63,43 @@ class Job:
         return int(shape[0]) if shape else 1
 
 
+class Answer(Protocol):
+    """A result that arrives in pieces (Redis): the safetensors file of the response fields.
+
+    The header comes first (every size is known before the data); :meth:`pieces` yields the
+    bytes as they land and raises :class:`AnswerLost` when the attempt writing them stops, so a
+    half answer is never served as whole.
+    """
+
+    size: int  # bytes of the whole file
+
+    def pieces(self) -> AsyncIterator[bytes | memoryview]: ...
+
+
+async def read_answer(answer: Answer) -> dict[str, Any]:
+    """The answer's fields, each tensor filled in place as its pieces land (no whole copy)."""
+    reader = AnswerReader(RESPONSE_KEY)
+    async for piece in answer.pieces():
+        reader.feed(piece)
+    return reader.fields()
+
+
+class AnswerLost(Overloaded):
+    """The worker writing an answer stopped mid-answer (died, or the job was canceled or taken
+    over); the job itself is retried by the queue."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"the worker answering job {job_id} stopped mid-answer; the job is "
+                         "retried: retry the request", retry_after=1.0, job_id=job_id)
+
+
 @dataclass
 class JobState:
-    """What ``GET /jobs/{id}`` shows: the status and, once done, the result or the error."""
+    """What ``GET /jobs/{id}`` shows: the status and, once done, the result or the error.
+
+    A result is either whole in memory (``result``, the embedded broker) or an :class:`Answer`
+    read in pieces (``answer``, Redis), which a running job already has while it is written.
+    """
 
     id: str
     status: JobStatus
@@ -67,6 +107,7 @@ class JobState:
     error: dict[str, Any] | None = None  # the JSON error body
     enqueued_at: float | None = None
     finished_at: float | None = None
+    answer: Answer | None = None
 
 
 class Broker(Protocol):
@@ -106,7 +147,8 @@ class JobSource(Protocol):
     Every job taken ends through one of :meth:`succeed`, :meth:`fail` or
     :meth:`acknowledge_canceled`, which each acknowledge it (a Redis job leaves the pending
     list). ``max_value_bytes`` is the largest encoded result the source can store (None: no
-    limit of its own); the loop refuses, before computing, a job whose answer would not fit.
+    limit of its own, as both sources now); the loop refuses, before computing, a job whose
+    answer would not fit.
     """
 
     @property

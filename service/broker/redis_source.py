@@ -28,17 +28,52 @@ from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import fields_from_safetensors
 from service import keys
 from service.broker.redis import (
-    FINISH_LUA,
     connection_kwargs,
-    encode_result,
     redis_unavailable,
     text,
     value_limit,
 )
+from service.broker.redis_answer import AnswerWriter
 from service.config import Settings
-from service.jobs import Job, JobStatus, answer_too_large, batch_until
+from service.jobs import Job, JobStatus, batch_until
 
 log = logging.getLogger(__name__)
+
+# KEYS: state, answer, notify, stream, payload.
+# ARGV: group, entry id, status, attempt, error json, finished_at, result ttl, notify ttl.
+# 'succeeded' comes after the answer's last piece, and only from the delivery that owns the job
+# (its attempt is the state's latest): it names that attempt as the whole answer. A stale
+# delivery (its job taken over) neither ends nor acknowledges the job: the owner does.
+FINISH_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+local stored = 0
+if st == 'queued' or st == 'running' then
+  if ARGV[3] == 'succeeded' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[4] then
+    return 0
+  end
+  redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
+  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
+  if ARGV[3] == 'succeeded' then
+    redis.call('HSET', KEYS[1], 'answer', ARGV[4])
+    redis.call('XADD', KEYS[2], '*', 'a', ARGV[4], 'k', 'end')
+    redis.call('EXPIRE', KEYS[2], ARGV[7])
+  else
+    redis.call('DEL', KEYS[2])
+  end
+  redis.call('EXPIRE', KEYS[1], ARGV[7])
+  redis.call('DEL', KEYS[5])
+  redis.call('RPUSH', KEYS[3], 'done')
+  redis.call('EXPIRE', KEYS[3], ARGV[8])
+  stored = 1
+elseif st ~= 'succeeded' then
+  redis.call('DEL', KEYS[2])
+end
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[4], ARGV[2])
+end
+return stored
+"""
 
 # KEYS: state. ARGV: started_at, worker
 START_LUA = """
@@ -99,7 +134,9 @@ class RedisJobSource:
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
-        self.max_value_bytes = self._value_limit()
+        # answers travel in pieces (no cap of one value); each piece fits in one value
+        self.max_value_bytes: int | None = None
+        self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit() // 2)
         self._finish = self.r.register_script(FINISH_LUA)
         self._start = self.r.register_script(START_LUA)
         self._retry = self.r.register_script(RETRY_LUA)
@@ -202,13 +239,18 @@ class RedisJobSource:
                        args=[now, self.name])
 
     def succeed(self, job: Job, result: dict[str, Any]) -> None:
-        data = encode_result(result)
-        if len(data) > self.max_value_bytes:  # Redis would cut the connection: say so instead
-            err = answer_too_large(len(data), self.max_value_bytes,
-                                   "the most Redis keeps in one value (proto-max-bulk-len)")
-            self._end(job, JobStatus.FAILED, b"", json.dumps(err.to_dict()))
+        """Write the answer in pieces, then mark it whole (the end script)."""
+        ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+        writer = AnswerWriter(self.r, self.prefix, job.id, job.attempts, ttl_s=ttl,
+                              piece_bytes=self.piece_bytes)
+        written = self._call(writer.write, result)
+        if written is None:
+            log.error("job %s: Redis failed while its answer was written; it stays pending "
+                      "and is redone after the visibility timeout", job.id)
             return
-        self._end(job, JobStatus.SUCCEEDED, data, "")
+        # not written (no longer ours): the end script only acknowledges, or leaves it to
+        # the delivery that owns it now
+        self._end(job, JobStatus.SUCCEEDED, "")
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         body = json.dumps(error)
@@ -220,10 +262,10 @@ class RedisJobSource:
             if ok:
                 self._forget(job.id)
             return
-        self._end(job, JobStatus.FAILED, b"", body)
+        self._end(job, JobStatus.FAILED, body)
 
     def acknowledge_canceled(self, job: Job) -> None:
-        self._end(job, JobStatus.CANCELED, b"", "")  # the script stores nothing over 'canceled'
+        self._end(job, JobStatus.CANCELED, "")  # the script stores nothing over 'canceled'
 
     def is_canceled(self, job_id: str) -> bool:
         status = self._call(self.r.hget, keys.job_state(self.prefix, job_id), "status")
@@ -330,26 +372,26 @@ class RedisJobSource:
             self._entries[job_id] = entry
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
-                self._end_entry(job_id, JobStatus.CANCELED, b"", "")  # ended already: ack only
+                self._end_entry(job_id, JobStatus.CANCELED, "")  # ended already: ack only
                 continue
             if not payload:
                 gone = JobFailed("the job's request expired before a worker could take it")
-                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(gone.to_dict()))
+                self._end_entry(job_id, JobStatus.FAILED, json.dumps(gone.to_dict()))
                 continue
             if int(attempts) > self.settings.max_attempts:
-                self._end_entry(job_id, JobStatus.FAILED, b"", self._poison(state, attempts))
+                self._end_entry(job_id, JobStatus.FAILED, self._poison(state, attempts))
                 continue
             deadline = float(state.get("deadline", "inf"))
             if deadline < now:
                 err = DeadlineExceeded("the job's deadline passed before a worker could take "
                                        "it; it was not computed", waited_s=now - deadline)
-                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(err.to_dict()))
+                self._end_entry(job_id, JobStatus.FAILED, json.dumps(err.to_dict()))
                 continue
             try:
                 fields = fields_from_safetensors(payload, "request")
             except PsgradError as exc:
                 bad = BadRequest(f"the stored request cannot be decoded: {exc.message}")
-                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(bad.to_dict()))
+                self._end_entry(job_id, JobStatus.FAILED, json.dumps(bad.to_dict()))
                 continue
             jobs.append(Job(id=job_id, fields=fields, deadline=deadline,
                             enqueued_at=float(state.get("enqueued_at", now)),
@@ -366,20 +408,20 @@ class RedisJobSource:
         )
         return json.dumps(err.to_dict())
 
-    def _end(self, job: Job, status: JobStatus, result: bytes, error: str) -> None:
-        if self._end_entry(job.id, status, result, error):
+    def _end(self, job: Job, status: JobStatus, error: str) -> None:
+        if self._end_entry(job.id, status, error, job.attempts):
             return
         log.error("job %s: could not store its end; it stays pending and is redone after "
                   "the visibility timeout", job.id)
 
-    def _end_entry(self, job_id: str, status: JobStatus, result: bytes, error: str) -> bool:
+    def _end_entry(self, job_id: str, status: JobStatus, error: str, attempt: int = 0) -> bool:
         p = self.prefix
         entry = self._entries.get(job_id)
         ok = self._persist(
             self._finish,
-            keys=[keys.job_state(p, job_id), keys.job_result(p, job_id),
+            keys=[keys.job_state(p, job_id), keys.job_answer(p, job_id),
                   keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
-            args=[keys.STREAM_GROUP, entry[0] if entry else "", status.value, result, error,
+            args=[keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt, error,
                   repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
         )
         if ok:

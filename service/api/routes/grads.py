@@ -8,9 +8,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.background import BackgroundTask
 
 from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
 from psgrad._wire import JSON, SAFETENSORS
+from service.api.answers import answer_response
 from service.api.body import decode_request, encode_result
 from service.api.deps import ApiKey, StateDep
 from service.api.docs import schema_ref
@@ -65,10 +67,10 @@ async def per_sample_grads(request: Request, state: StateDep) -> Response:
     """
     job = await new_job(request, state)
     broker = state.broker
-    done = False
+    done = relayed = False
     try:
         st = await broker.wait(job.id, max(0.0, job.deadline - time.time()))
-        done = st.status.done
+        done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
             raise DeadlineExceeded(
                 f"no answer within {state.settings.request_timeout_s:g} s "
@@ -78,13 +80,18 @@ async def per_sample_grads(request: Request, state: StateDep) -> Response:
             )
         if st.status is JobStatus.FAILED:
             raise error_from_body(st.error, 500)
+        if st.answer is not None:  # forgotten once relayed, not before
+            relayed = True
+            return await answer_response(
+                request, st.answer, background=BackgroundTask(broker.forget, job.id))
         if st.status is JobStatus.CANCELED or st.result is None:
             raise JobCanceled(f"job {job.id} was canceled")
         return await encode_result(request, st.result)
     finally:
         if not done:
             await asyncio.shield(_cancel_quietly(state, job.id))
-        await asyncio.shield(broker.forget(job.id))
+        if not relayed:
+            await asyncio.shield(broker.forget(job.id))
 
 
 async def _cancel_quietly(state: StateDep, job_id: str) -> None:
