@@ -113,3 +113,26 @@ def test_the_sdk_returns_float16_and_widened_bfloat16_arrays(
         if binary:
             assert all(a.dtype == want for a in half.values()), dtype
         assert_rounded(half, full, dtype)
+
+
+async def test_embedded_answers_stream_in_pieces_the_reader_fills_in_place() -> None:
+    """Embedded mode: the safetensors answer goes out as its header, then views of the arrays
+    (no copy of the whole answer); read piece by piece it equals the JSON answer."""
+    rng = np.random.default_rng(4)
+    body = {"model": "mlp", "inputs": rng.normal(size=(3, 784)).tolist(), "targets": [1, 2, 3]}
+    async with open_client() as c:
+        want = (await c.post("/per-sample-grads", json=body)).json()
+        reader = AnswerReader(RESPONSE_KEY)
+        pieces = 0
+        async with c.stream("POST", "/per-sample-grads", json=body,
+                            headers={"Accept": "application/x-safetensors"}) as r:
+            assert r.status_code == 200
+            size = int(r.headers["content-length"])
+            async for chunk in r.aiter_raw():  # in-process: one chunk; a socket: many
+                for start in range(0, len(chunk), 1 << 20):
+                    reader.feed(chunk[start:start + (1 << 20)])
+                    pieces += 1
+    assert size > 8_000_000 and pieces > 1  # 8 MB of grads
+    got = reader.fields()
+    for name, arr in got["grads"].items():
+        np.testing.assert_allclose(arr, np.asarray(want["grads"][name], np.float32), rtol=1e-6)
