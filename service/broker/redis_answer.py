@@ -19,7 +19,9 @@ before the last piece: a half answer is never served as whole.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import struct
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
@@ -107,7 +109,7 @@ def answer_size(head: bytes) -> int:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return bytes(value).decode() if isinstance(value, (bytes, memoryview)) else str(value)
 
 
 @dataclass
@@ -146,28 +148,42 @@ class RedisAnswer:
         key = keys.job_answer(self.prefix, self.job_id)
         yield self.head
         last: Any = self.head_id
-        held: bytes | None = None  # the latest piece: sent once the next one (or end) is seen
+        held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
+        raw = RawStreamReader.open(self.r)
+        try:
+            async for entries in self._entries(raw, key, last):
+                for _, fields in entries:
+                    f = {_text(k): v for k, v in fields.items()}
+                    attempt = int(_text(f.get("a", b"0")))
+                    if attempt > int(self.attempt):  # taken over: this answer will never end
+                        raise AnswerLost(self.job_id)
+                    if attempt < int(self.attempt):  # a stale delivery still writing: not ours
+                        continue
+                    if _text(f.get("k", b"")) == "end":
+                        if held is not None:
+                            yield held
+                        return
+                    if held is not None:
+                        yield held
+                    held = f["d"]
+        finally:
+            if raw is not None:
+                raw.close()
+
+    async def _entries(self, raw: RawStreamReader | None, key: str,
+                       last: Any) -> AsyncIterator[list[tuple[bytes, dict[bytes, Any]]]]:
+        """Batches of new entries after ``last``, until the caller stops."""
         while True:
-            reply: Any = await self.r.xread({key: last}, count=16, block=POLL_MS)
+            if raw is not None:
+                reply: Any = await asyncio.to_thread(raw.xread, key, bytes(last), 4, POLL_MS)
+            else:
+                reply = await self.r.xread({key: last}, count=4, block=POLL_MS)
             entries = reply[0][1] if reply else []
             if not entries:
                 await self._check()
                 continue
-            for entry_id, fields in entries:
-                last = entry_id
-                f = {_text(k): v for k, v in fields.items()}
-                attempt = int(_text(f.get("a", b"0")))
-                if attempt > int(self.attempt):  # taken over: this answer will never end
-                    raise AnswerLost(self.job_id)
-                if attempt < int(self.attempt):  # a stale delivery still writing: not ours
-                    continue
-                if _text(f.get("k", b"")) == "end":
-                    if held is not None:
-                        yield held
-                    return
-                if held is not None:
-                    yield held
-                held = f["d"]
+            last = entries[-1][0]
+            yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
 
     async def _check(self) -> None:
         """No piece for a while: go on waiting only while this attempt may still finish."""
@@ -180,3 +196,93 @@ class RedisAnswer:
         if status == JobStatus.SUCCEEDED.value and answer == self.attempt:
             return
         raise AnswerLost(self.job_id)
+
+
+def _pairs(fields: Any) -> dict[bytes, Any]:
+    """Entry fields as a dict (redis-py gives one; the raw reader a flat list)."""
+    if isinstance(fields, dict):
+        return fields
+    return {bytes(fields[i]): fields[i + 1] for i in range(0, len(fields), 2)}
+
+
+class RawStreamReader:
+    """``XREAD`` over a plain socket, each piece received straight into its own buffer.
+
+    redis-py's parsers copy a large reply three or four times (its asyncio one also in 64 KiB
+    steps of the event loop); measured here on 128 MiB of 8 MiB pieces, this reader took a
+    third of the time. Plain ``redis://`` URLs only; anything else (TLS, sockets) keeps
+    redis-py. Blocking: call it in a thread.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    @classmethod
+    def open(cls, client: aioredis.Redis) -> RawStreamReader | None:
+        kwargs = client.connection_pool.connection_kwargs
+        if client.connection_pool.connection_class is not aioredis.Connection:
+            return None
+        sock = socket.create_connection((kwargs.get("host", "localhost"),
+                                         kwargs.get("port", 6379)), timeout=30)
+        reader = cls(sock)
+        try:
+            if kwargs.get("password"):
+                user = kwargs.get("username")
+                reader.call(b"AUTH", *([user.encode()] if user else []),
+                            str(kwargs["password"]).encode())
+            if kwargs.get("db"):
+                reader.call(b"SELECT", str(kwargs["db"]).encode())
+        except Exception:
+            reader.close()
+            raise
+        return reader
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def xread(self, key: str, last: bytes, count: int, block_ms: int) -> Any:
+        """Redis's reply to ``XREAD COUNT n BLOCK ms STREAMS key last`` (None: nothing new)."""
+        return self.call(b"XREAD", b"COUNT", str(count).encode(), b"BLOCK",
+                         str(block_ms).encode(), b"STREAMS", key.encode(), last)
+
+    def call(self, *args: bytes) -> Any:
+        self.sock.sendall(b"*%d\r\n" % len(args)
+                          + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args))
+        return self._value()
+
+    def _value(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._value() for _ in range(n)]
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self._bulk(n)
+        if kind == b"-":
+            raise redis.ResponseError(rest.decode(errors="replace"))
+        return rest
+
+    def _line(self) -> bytes:
+        while (end := self.buf.find(b"\r\n")) < 0:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise redis.ConnectionError("Redis closed the connection")
+            self.buf += chunk
+        line = bytes(self.buf[:end])
+        del self.buf[:end + 2]
+        return line
+
+    def _bulk(self, n: int) -> memoryview:
+        out = bytearray(n + 2)
+        have = min(len(self.buf), n + 2)
+        out[:have] = self.buf[:have]
+        del self.buf[:have]
+        view = memoryview(out)
+        while have < n + 2:
+            got = self.sock.recv_into(view[have:])
+            if not got:
+                raise redis.ConnectionError("Redis closed the connection")
+            have += got
+        return view[:n]
