@@ -109,6 +109,10 @@ def add_commands(sub: Any) -> None:
     bar.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_grads)
 
+    from psgrad._cli_dp import add_dp_commands
+
+    add_dp_commands(sub, conn)
+
 
 def _json_arg(text: str) -> Any:
     raw = Path(text[1:]).read_text() if text.startswith("@") else text

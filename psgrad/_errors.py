@@ -15,8 +15,8 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     │       NonFinite, EmptyBatch, TargetOutOfRange, LossNotSupported, BatchCoupling,
     │       InvalidModelSpec, RefusedProgram (an exported program psgrad will not run)
     ├── Unauthorized (401), Forbidden (403)
-    ├── NotFound (404)               UnknownModel, UnknownJob
-    ├── Conflict (409)
+    ├── NotFound (404)               UnknownModel, UnknownJob, UnknownDPRun
+    ├── Conflict (409)               JobCanceled, PrivacyBudgetExhausted
     ├── RequestTimeout (408)         the request was not received in time (client side only)
     ├── TooLarge (413)
     ├── Overloaded (503)             queue full or broker down; carries retry_after
@@ -50,6 +50,7 @@ __all__ = [
     "NonFinite",
     "NotFound",
     "Overloaded",
+    "PrivacyBudgetExhausted",
     "PsgradError",
     "RateLimited",
     "RefusedProgram",
@@ -58,6 +59,7 @@ __all__ = [
     "TargetOutOfRange",
     "TooLarge",
     "Unauthorized",
+    "UnknownDPRun",
     "UnknownJob",
     "UnknownLoss",
     "UnknownModel",
@@ -209,6 +211,16 @@ class Conflict(PsgradError):
 
 class JobCanceled(Conflict):
     code = "job_canceled"
+
+
+class UnknownDPRun(NotFound):
+    code = "unknown_dp_run"
+
+
+class PrivacyBudgetExhausted(Conflict):
+    """One more step of the DP run would spend more than its ``max_epsilon``."""
+
+    code = "privacy_budget_exhausted"
 
 
 class RequestTimeout(PsgradError):

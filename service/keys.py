@@ -98,3 +98,21 @@ def heartbeat_ttl_s(heartbeat_s: float) -> int:
 def compile_artifact(prefix: str, signature: str) -> str:
     """Bytes of ``torch.compiler.save_cache_artifacts`` for one signature digest."""
     return f"{prefix}:compiled:{signature}"
+
+
+# --- DP runs (service/dp/runs.py); no TTL: a run and its step count live until deleted ---
+
+
+def dp_run_ids(prefix: str) -> str:
+    """Set of DP run ids."""
+    return f"{prefix}:dp-runs"
+
+
+def dp_run(prefix: str, run_id: str) -> str:
+    """Hash of one DP run: ``spec`` (JSON) and ``steps`` (the steps counted so far)."""
+    return f"{prefix}:dp-run:{run_id}"
+
+
+def dp_run_jobs(prefix: str, run_id: str) -> str:
+    """Set of the job ids already counted as steps of a run (a retried job counts once)."""
+    return f"{prefix}:dp-run:{run_id}:jobs"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from psgrad._errors import UnknownOutput
+from service.dp.noise import secure_normal
 from service.losses import Loss, get_loss
 from service.plugins import Registry
 from service.strategies.base import Call, Need, Options, ParamStats, Result, Tensors, total
@@ -119,16 +120,24 @@ def assemble(call: Call, result: Result) -> list[dict[str, Any]]:
 
 
 def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | None]:
-    """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count."""
+    """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count.
+
+    A DP run's options divide by its expected batch size instead (``opts.divisor``) and draw the
+    noise from the OS CSPRNG (``opts.secure_noise``): no seed exists, None is echoed.
+    """
     sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
+    divisor = opts.divisor or n
     if sigma == 0:
-        return {k: v / n for k, v in sums.items()}, opts.seed
+        return {k: v / divisor for k, v in sums.items()}, opts.seed
+    if opts.secure_noise:
+        return {k: (v + secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype)) / divisor
+                for k, v in sums.items()}, None
     seed = opts.seed if opts.seed is not None else secrets.randbits(63)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
         noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
-        out[k] = (v + noise.to(v.device, v.dtype)) / n
+        out[k] = (v + noise.to(v.device, v.dtype)) / divisor
     return out, seed
 
 

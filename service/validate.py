@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,15 +27,19 @@ from psgrad._errors import (
     UnknownParameter,
 )
 from psgrad._wire import ANSWER_DTYPES, array_from_json
+from service.dp.steps import bind
 from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import get_output
 from service.registry import LoadedModel, ModelRegistry
 
+if TYPE_CHECKING:
+    from service.dp.runs import RunStore
+
 TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma", "answer_dtype")
+                 "gamma", "dp_run", "answer_dtype")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 
 
@@ -86,8 +90,12 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
 
 
 def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
-                  max_batch_size: int | None = None) -> ParsedRequest:
-    """Check a decoded request against its model and build the engine's arguments."""
+                  max_batch_size: int | None = None,
+                  dp_runs: RunStore | None = None) -> ParsedRequest:
+    """Check a decoded request against its model and build the engine's arguments.
+
+    ``dp_runs`` holds the DP runs a ``dp_run`` field may name (:mod:`service.dp`).
+    """
     unknown = sorted(set(fields) - KNOWN_FIELDS)
     if unknown:
         raise BadRequest(
@@ -98,7 +106,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     if not isinstance(ref, str) or not ref:
         raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
     model = registry.get(ref)
-    opts = _options(fields, model)
+    opts = _options(fields, model, dp_runs)
     loss = get_loss(opts.loss)
     raw = fields.get("inputs")
     if isinstance(raw, np.ndarray) and raw.ndim and raw.shape[0] == 0:  # `[]` has shape [0]
@@ -147,7 +155,8 @@ def _answer_dtype(value: Any) -> str:
     return str(value)
 
 
-def _options(fields: dict[str, Any], model: LoadedModel) -> Options:
+def _options(fields: dict[str, Any], model: LoadedModel,
+             dp_runs: RunStore | None = None) -> Options:
     loss_name = fields.get("loss") or model.default_loss
     if not isinstance(loss_name, str):
         raise BadRequest("'loss' must be a string")
@@ -177,6 +186,11 @@ def _options(fields: dict[str, Any], model: LoadedModel) -> Options:
             raise BadRequest("'params' must be a non-empty list of parameter names")
         _check_names(params, model, "params")
         selected = tuple(p for p in model.params if p in set(params))
+    gamma = _gamma(fields.get("gamma"))
+    if fields.get("dp_run") is not None:  # the run sets clip, noise and divisor (service.dp)
+        plain = Options(loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
+                        gamma=1.0 if gamma is None else gamma)
+        return bind(fields, plain, model.id, dp_runs)
     clip_norm = _number(fields.get("clip_norm"), "clip_norm")
     noise = _number(fields.get("noise_multiplier"), "noise_multiplier") or 0.0
     if "clipped_mean" in outputs and (clip_norm is None or clip_norm <= 0):
@@ -187,7 +201,6 @@ def _options(fields: dict[str, Any], model: LoadedModel) -> Options:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                              or not 0 <= seed < 2**63):
         raise BadRequest("'seed' must be an integer in [0, 2**63)")
-    gamma = _gamma(fields.get("gamma"))
     return Options(
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=clip_norm, noise_multiplier=noise, seed=seed,

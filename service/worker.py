@@ -31,6 +31,8 @@ from psgrad._wire import BFLOAT16
 from service import engine
 from service.compile_cache import CompiledFunctions
 from service.config import Settings
+from service.dp.runs import store_for as dp_runs
+from service.dp.steps import on_result as count_dp_step
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry
 from service.strategies import per_sample
@@ -124,7 +126,8 @@ class Worker:
     def _parse(self, job: Job) -> ParsedRequest | None:
         try:
             parsed = parse_request(
-                job.fields, self.registry, max_batch_size=self.settings.max_batch_size
+                job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
+                dp_runs=dp_runs(self.settings),
             )
             _check_result_size(parsed, *self.result_limit)
             return parsed
@@ -166,6 +169,15 @@ class Worker:
             }
             meta = result.pop("meta")  # last, after timing, as documented
             result["meta"] = {**meta, "batch_jobs": len(items), "batch_samples": samples}
+            try:  # a DP run's step: counted once per job id, or refused (nothing released)
+                result = count_dp_step(job.id, job.fields, result, self.settings)
+            except PsgradError as exc:
+                self._fail(job, exc, retry=False)
+                continue
+            except Exception:
+                log.exception("counting the DP step of job %s failed", job.id)
+                self._fail(job, _internal(job), retry=True)
+                continue
             self.observer.observe_job(
                 queue_s=max(0.0, started - job.enqueued_at),
                 samples=parsed.batch.size,

@@ -67,6 +67,13 @@ class GradsRequest(BaseModel):
         None, description="clipped_mean: Gaussian noise std as a multiple of clip_norm (>= 0)"
     )
     seed: int | None = Field(None, description="clipped_mean: noise seed (echoed in meta)")
+    dp_run: str | None = Field(
+        None, description="a DP run id (POST /dp-runs): this request is one DP-SGD step. "
+        "outputs must be ['clipped_mean']; the run's clip_norm and noise_multiplier are used, the "
+        "noise N(0, (noise_multiplier * clip_norm)^2) is drawn from the server's CSPRNG (no "
+        "seed), the noisy sum is divided by the run's expected batch size, and the step is "
+        "counted (409 privacy_budget_exhausted when the run has no step left)",
+    )
     reference: dict[str, Tensor] | None = Field(
         None,
         description="{param: tensor} for the output dot: one tensor per selected parameter, of "
@@ -119,6 +126,10 @@ class GradsResponse(BaseModel):
         None, description="td0: {param: [B, *shape]} delta_i * grad V(s_i)"
     )
     timing: Timing
+    dp: dict[str, Any] | None = Field(
+        None, description="dp_run requests: run, steps (counted so far, this one included), "
+        "epsilon (spent so far under the run's accountant), delta, accountant, max_epsilon",
+    )
     meta: dict[str, Any] = Field(
         description="how it was computed: route, chunk_size, method per parameter, path and "
         "form (fast statistics only), batch_jobs and batch_samples of the engine call, seed "
@@ -200,8 +211,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         400: "malformed body, bad base64, ragged lists, ...",
         401: "missing or invalid API key",
         403: "an admin key is needed (registering and deleting models)",
-        404: "unknown model or job",
-        409: "conflict: e.g. a zoo model name used as a registered id",
+        404: "unknown model, job or DP run",
+        409: "conflict: a zoo model name used as a registered id; privacy_budget_exhausted",
         413: "body, batch or result too large (the message says the limit)",
         415: "the Content-Type is not one this route reads (the message names them)",
         422: "the request cannot be computed (shapes, dtypes, losses, outputs, ...)",

@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
 )
@@ -40,13 +39,13 @@ from redis.exceptions import (
 from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
 )
-from redis.retry import Retry
 
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_to_safetensors
 from service import keys
 from service.broker.redis_answer import RedisAnswer
 from service.config import Settings
+from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
 
 log = logging.getLogger(__name__)
@@ -121,20 +120,6 @@ def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> Jo
     if status is JobStatus.SUCCEEDED and answer is None:  # expired a moment before its state
         raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
     return state
-
-
-def connection_kwargs(settings: Settings, *, bulk: bool = False) -> dict[str, Any]:
-    """Short timeouts, no hidden retries: a dead Redis costs a request seconds, never a hang.
-
-    ``bulk`` clients move payloads and results (up to hundreds of MB: seconds on a loaded host)
-    and wait ``PSGRAD_REDIS_TRANSFER_TIMEOUT_S`` for an answer instead.
-    """
-    return {
-        "socket_timeout": settings.redis_transfer_timeout_s if bulk else settings.redis_timeout_s,
-        "socket_connect_timeout": settings.redis_timeout_s,
-        "retry": Retry(NoBackoff(), 0),
-        "health_check_interval": 30,
-    }
 
 
 def value_limit(config: Mapping[Any, Any] | None) -> int:

@@ -28,7 +28,6 @@ from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import fields_from_safetensors
 from service import keys
 from service.broker.redis import (
-    connection_kwargs,
     redis_unavailable,
     text,
     value_limit,
@@ -36,6 +35,7 @@ from service.broker.redis import (
 from service.broker.redis_answer import AnswerWriter
 from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, RETRY_LUA, START_LUA
 from service.config import Settings
+from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus, batch_until
 
 log = logging.getLogger(__name__)

@@ -87,7 +87,7 @@ def _stats(call: Call, found: list[Source]) -> dict[str, ParamStats]:
     clip = None
     if need.clipped:
         norms = total([_of(first[k].sq) for k in names]).sqrt()
-        clip = clip_factors(call.opts.clip_norm, norms)
+        clip = clip_factors(call.opts.clip_norm, norms, call.opts.norm_offset)
     second: dict[str, Pass2] = {}
     if clip is not None or need.cos:
         for source in found:

@@ -37,6 +37,12 @@ class Options:
     noise_multiplier: float = 0.0
     seed: int | None = None
     gamma: float = 1.0
+    # DP runs (service.dp): the noisy clipped sum is divided by ``divisor`` (the run's expected
+    # batch size, Opacus's convention) instead of the segment's size; the clip factor is
+    # C / (|g| + norm_offset) (Opacus: 1e-6); ``secure_noise`` draws the noise from the OS CSPRNG.
+    divisor: float | None = None
+    norm_offset: float = 0.0
+    secure_noise: bool = False
 
 
 @dataclass
@@ -153,9 +159,13 @@ def bounds_of(segments: Sequence[int]) -> Bounds:
     return tuple(itertools.pairwise(itertools.accumulate(segments, initial=0)))
 
 
-def clip_factors(clip_norm: float | None, norms: torch.Tensor) -> torch.Tensor:
-    """DP-SGD's per-sample scale ``min(1, C / |g_i|)`` (1 for a zero gradient)."""
-    return ((clip_norm or 0.0) / norms).clamp(max=1.0).nan_to_num(1.0)
+def clip_factors(clip_norm: float | None, norms: torch.Tensor,
+                 norm_offset: float = 0.0) -> torch.Tensor:
+    """DP-SGD's per-sample scale ``min(1, C / (|g_i| + norm_offset))`` (1 for a zero gradient).
+
+    ``norm_offset`` 0 clips exactly to C; Opacus adds 1e-6 to every norm (DP runs may ask for it).
+    """
+    return ((clip_norm or 0.0) / (norms + norm_offset)).clamp(max=1.0).nan_to_num(1.0)
 
 
 def total(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -118,7 +118,9 @@ class _Accumulator:
             for k, v in sq.items():
                 self.sq[k].append(v)
             if need.clipped:
-                factors = clip_factors(self.call.opts.clip_norm, total(list(sq.values())).sqrt())
+                opts = self.call.opts
+                factors = clip_factors(opts.clip_norm, total(list(sq.values())).sqrt(),
+                                       opts.norm_offset)
         if need.dot:
             for k, g in grads.items():
                 self.dot[k].append(_rows(g) @ self.call.reference[k].flatten())

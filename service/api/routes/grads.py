@@ -17,6 +17,7 @@ from service.api.body import decode_request, encode_result
 from service.api.deps import ApiKey, StateDep
 from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
+from service.dp.steps import precheck as dp_precheck
 from service.jobs import Job, JobStatus, new_job_id
 
 router = APIRouter(tags=["per-sample gradients"], dependencies=[ApiKey])
@@ -39,13 +40,14 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
         "when Accept names application/x-safetensors",
         "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
     },
-    **errors(400, 401, 404, 413, 415, 422, 503, 504),
+    **errors(400, 401, 404, 409, 413, 415, 422, 503, 504),
 }
 
 
 async def new_job(request: Request, state: StateDep) -> Job:
     """Decode the body and enqueue it; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S`` from now."""
     fields = await decode_request(request, state.settings)
+    await dp_precheck(fields, state.settings)  # 404 / 409 now for a DP run with no step left
     job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s)
     await state.broker.submit(job)
     return job

@@ -30,7 +30,7 @@ JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
     status_code=202,
     response_model=JobCreated,
     openapi_extra=REQUEST_BODY,
-    responses=errors(400, 401, 413, 415, 503),
+    responses=errors(400, 401, 404, 409, 413, 415, 422, 503),
     summary="Queue a computation",
 )
 async def create_job(request: Request, state: StateDep) -> JSONResponse:

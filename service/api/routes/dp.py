@@ -1,0 +1,145 @@
+"""``/dp-runs``: DP-SGD runs with privacy accounting and a budget (see :mod:`service.dp`).
+
+A run fixes the mechanism (clip norm, noise multiplier, sampling rate, expected batch size) and
+the budget; a ``clipped_mean`` request with ``dp_run`` is one step of it. Creating and reading
+need an API key; deleting a run (and with it the record of the budget spent) an admin key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
+from service.api.schemas import errors
+from service.dp.runs import RUN_ID_RE, store_for, unknown
+from service.dp.steps import describe, make_run
+
+router = APIRouter(prefix="/dp-runs", tags=["DP-SGD runs"], dependencies=[ApiKey])
+
+SAMPLING = ("The accounting assumes Poisson sampling: each record joins each batch independently "
+            "with probability sample_rate (psgrad.dp.poisson_batches). Shuffled fixed-size "
+            "batches are not covered by this analysis (it then understates epsilon).")
+
+
+class DPRunCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the model the run trains: an id, or 'id@version'",
+                       examples=["mlp"])
+    clip_norm: float = Field(gt=0, description="C: each sample's whole gradient is scaled by "
+                             "min(1, C / |g|) (clip_form 'opacus': C / (|g| + 1e-6))")
+    noise_multiplier: float | None = Field(
+        None, ge=0.01, le=1e4, description="sigma: the noise std on the clipped sum is sigma * C; "
+        "give this or target_epsilon")
+    target_epsilon: float | None = Field(
+        None, ge=1e-3, le=1e3, description="solve sigma so that the planned steps spend this "
+        "epsilon (needs steps or epochs); also the default max_epsilon")
+    sample_rate: float | None = Field(None, ge=1e-9, le=1, description="q, the Poisson sampling "
+                                      "rate; give two of sample_rate, expected_batch_size, "
+                                      f"dataset_size. {SAMPLING}")
+    expected_batch_size: float | None = Field(
+        None, gt=0, le=1e9, description="q * N: the noisy sum is divided by this, not by the "
+        "batch's actual size (Opacus's convention)")
+    dataset_size: int | None = Field(None, gt=0, le=10**12, description="N, records in the "
+                                     "training set")
+    delta: float = Field(ge=1e-30, lt=1, description="the delta of (epsilon, delta)-DP, e.g. 1e-5 "
+                         "(below 1 / dataset_size)")
+    max_epsilon: float | None = Field(
+        None, gt=0, le=1e3, description="the budget: a step that would pass it answers 409 "
+        "privacy_budget_exhausted (default: target_epsilon)")
+    steps: int | None = Field(None, gt=0, le=10**6, description="planned steps")
+    epochs: float | None = Field(None, gt=0, le=1e4, description="planned epochs: "
+                                 "int(epochs / sample_rate) steps")
+    accountant: Literal["rdp", "prv"] = Field(
+        "rdp", description="rdp: Renyi DP at integer orders 2..256 (equals Opacus's "
+        "RDPAccountant at those orders); prv: the numerically composed privacy-loss "
+        "distribution (tight; Opacus's PRVAccountant computes the same curve). Both by Google's "
+        "dp-accounting")
+    clip_form: Literal["exact", "opacus"] = Field(
+        "exact", description="exact: min(1, C / |g|); opacus: min(1, C / (|g| + 1e-6))")
+
+
+class DPRunView(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(description="the run id to send as 'dp_run'")
+    model: str
+    clip_norm: float
+    noise_multiplier: float = Field(description="sigma (given or solved)")
+    sample_rate: float
+    expected_batch_size: float
+    delta: float
+    accountant: str
+    clip_form: str
+    max_epsilon: float
+    max_steps: int = Field(description="the most steps within max_epsilon under the accountant")
+    steps: int = Field(description="steps counted so far (one per dp_run request that "
+                       "succeeded; a retried job counts once)")
+    epsilon: dict[str, float] = Field(description="epsilon spent so far under each accountant")
+    epsilon_spent: float = Field(description="epsilon under the run's accountant")
+    steps_left: int
+    budget_left: float = Field(description="max_epsilon - epsilon_spent")
+
+
+class DPRunList(BaseModel):
+    runs: list[dict[str, Any]] = Field(description="id, model, steps, max_steps, accountant")
+
+
+def _checked(run_id: str) -> str:
+    if not RUN_ID_RE.fullmatch(run_id):
+        raise unknown(run_id)
+    return run_id
+
+
+@router.post("", status_code=201, response_model=DPRunView, responses=errors(400, 401, 404, 422),
+             summary="Start a DP-SGD run")
+async def create_run(body: DPRunCreate, settings: SettingsDep,
+                     registry: RegistryDep) -> dict[str, Any]:
+    """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two."""
+    spec = body.model_dump()
+    await run_in_threadpool(registry.describe, body.model)  # 404 for an unknown model
+    run = await run_in_threadpool(make_run, spec)
+    store = store_for(settings)
+    await run_in_threadpool(store.create, run)
+    return await run_in_threadpool(describe, run, 0)
+
+
+@router.get("", response_model=DPRunList, responses=errors(400, 401), summary="Every DP run")
+async def list_runs(settings: SettingsDep) -> dict[str, Any]:
+    store = store_for(settings)
+
+    def brief() -> list[dict[str, Any]]:
+        out = []
+        for run_id in store.ids():
+            found = store.get(run_id)
+            if found is not None:
+                run, steps = found
+                out.append({"id": run.id, "model": run.model, "steps": steps,
+                            "max_steps": run.max_steps, "accountant": run.accountant})
+        return out
+
+    return {"runs": await run_in_threadpool(brief)}
+
+
+@router.get("/{run_id}", response_model=DPRunView, responses=errors(400, 401, 404),
+            summary="A run's steps, epsilon and budget left")
+async def get_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
+    """Epsilon under both accountants (prv takes up to a second on a CPU)."""
+    found = await run_in_threadpool(store_for(settings).get, _checked(run_id))
+    if found is None:
+        raise unknown(run_id)
+    return await run_in_threadpool(describe, *found)
+
+
+@router.delete("/{run_id}", responses=errors(400, 401, 403, 404), dependencies=[AdminKey],
+               summary="Delete a run (admin)")
+async def delete_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
+    """The run and its record of the budget spent go; its id then answers 404."""
+    if not await run_in_threadpool(store_for(settings).delete, _checked(run_id)):
+        raise unknown(run_id)
+    return {"id": run_id, "deleted": True}
+
+
+__all__ = ["router"]

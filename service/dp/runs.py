@@ -1,0 +1,309 @@
+"""DP runs: what a run is, and where it lives with its step count.
+
+Three stores behind one interface, chosen like the model store (:func:`store_for`): memory
+(embedded; gone with the process), files under ``PSGRAD_MODEL_DIR`` (embedded; survive a
+restart), Redis (distributed; shared by the api and every worker). Each counts a step in one
+atomic operation that also checks the budget and remembers the job id, so a job delivered twice
+(a retry, a redelivery after a worker died) counts once, and no step is counted past the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psgrad._errors import PrivacyBudgetExhausted, UnknownDPRun
+from service import keys
+from service.config import Settings
+from service.connections import connection_kwargs
+
+RUN_ID_RE = re.compile(r"dp-[0-9a-f]{24}")
+CLIP_FORMS = {"exact": 0.0, "opacus": 1e-6}  # the norm offset of each clip-factor form
+
+# count() answers: the step was counted now, was counted before (same job), or was refused
+COUNTED, REPEATED, EXHAUSTED, MISSING = 1, 0, -1, -2
+
+# KEYS: run hash, counted job ids. ARGV: job id, max steps. -> {code, steps}
+COUNT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-2, 0} end
+local steps = tonumber(redis.call('HGET', KEYS[1], 'steps'))
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {0, steps} end
+if steps >= tonumber(ARGV[2]) then return {-1, steps} end
+redis.call('SADD', KEYS[2], ARGV[1])
+return {1, redis.call('HINCRBY', KEYS[1], 'steps', 1)}
+"""
+
+
+def new_run_id() -> str:
+    return f"dp-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class DPRun:
+    """One DP-SGD run: its mechanism, its accounting and its budget (immutable once made)."""
+
+    id: str
+    model: str
+    clip_norm: float
+    noise_multiplier: float
+    sample_rate: float
+    expected_batch_size: float
+    delta: float
+    max_epsilon: float
+    max_steps: int  # the most steps within max_epsilon under ``accountant``
+    accountant: str
+    clip_form: str = "exact"
+    dataset_size: int | None = None
+    planned_steps: int | None = None
+    target_epsilon: float | None = None
+    created: float = 0.0
+
+    @property
+    def norm_offset(self) -> float:
+        return CLIP_FORMS[self.clip_form]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DPRun:
+        return cls(**json.loads(text))
+
+
+def exhausted(run: DPRun, steps: int) -> PrivacyBudgetExhausted:
+    return PrivacyBudgetExhausted(
+        f"DP run '{run.id}' has spent its budget: {steps} steps taken, one more would pass "
+        f"max_epsilon {run.max_epsilon:g} (delta {run.delta:g}, {run.accountant}); start a "
+        "new run with a larger budget or more noise", run=run.id, steps=steps,
+        max_steps=run.max_steps, max_epsilon=run.max_epsilon)
+
+
+def unknown(run_id: str) -> UnknownDPRun:
+    return UnknownDPRun(f"unknown DP run '{run_id[:80]}': create one with POST /dp-runs",
+                        run=run_id[:80])
+
+
+class RunStore:
+    """The interface of every store; all methods are safe to call from threads."""
+
+    def create(self, run: DPRun) -> None:
+        raise NotImplementedError
+
+    def get(self, run_id: str) -> tuple[DPRun, int] | None:
+        """The run and its steps counted so far, or None."""
+        raise NotImplementedError
+
+    def ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def delete(self, run_id: str) -> bool:
+        raise NotImplementedError
+
+    def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
+        """(code, steps): one of COUNTED, REPEATED, EXHAUSTED, MISSING, atomically."""
+        raise NotImplementedError
+
+    def count(self, run_id: str, job_id: str) -> tuple[DPRun, int]:
+        """Count job ``job_id`` as one step of the run, once; answer the run and its steps.
+
+        Raises:
+            UnknownDPRun: no such run (deleted meanwhile).
+            PrivacyBudgetExhausted: the run already took ``max_steps`` steps.
+        """
+        found = self.get(run_id)
+        if found is None:
+            raise unknown(run_id)
+        code, steps = self._count(found[0], job_id)
+        if code == MISSING:
+            raise unknown(run_id)
+        if code == EXHAUSTED:
+            raise exhausted(found[0], steps)
+        return found[0], steps
+
+    def close(self) -> None:
+        return None
+
+
+class MemoryRunStore(RunStore):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, DPRun] = {}
+        self._jobs: dict[str, list[str]] = {}  # counted job ids in order: len() is the steps
+        self._seen: dict[str, set[str]] = {}
+
+    def create(self, run: DPRun) -> None:
+        with self._lock:
+            self._runs[run.id] = run
+            self._jobs[run.id], self._seen[run.id] = [], set()
+
+    def get(self, run_id: str) -> tuple[DPRun, int] | None:
+        with self._lock:
+            self._load(run_id)
+            run = self._runs.get(run_id)
+            return (run, len(self._jobs[run_id])) if run is not None else None
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._runs)
+
+    def delete(self, run_id: str) -> bool:
+        with self._lock:
+            self._jobs.pop(run_id, None)
+            self._seen.pop(run_id, None)
+            return self._runs.pop(run_id, None) is not None
+
+    def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
+        with self._lock:
+            self._load(run.id)
+            jobs = self._jobs.get(run.id)
+            if jobs is None:
+                return MISSING, 0
+            if job_id in self._seen[run.id]:
+                return REPEATED, len(jobs)
+            if len(jobs) >= run.max_steps:
+                return EXHAUSTED, len(jobs)
+            self._persist(run.id, job_id)
+            jobs.append(job_id)
+            self._seen[run.id].add(job_id)
+            return COUNTED, len(jobs)
+
+    def _load(self, run_id: str) -> None:
+        """Files: read a run into memory on first use (call with the lock held)."""
+
+    def _persist(self, run_id: str, job_id: str) -> None:
+        """Files: record a counted job before it counts (call with the lock held)."""
+
+
+class FileRunStore(MemoryRunStore):
+    """Runs under ``<PSGRAD_MODEL_DIR>/.dp-runs/<id>/``: ``run.json`` and ``steps.log`` (one
+    counted job id per line, appended and flushed to disk before the step counts). One process
+    writes a directory at a time, as for models."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.root = Path(root) / ".dp-runs"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _folder(self, run_id: str) -> Path:
+        return self.root / (run_id if RUN_ID_RE.fullmatch(run_id) else "_")
+
+    def create(self, run: DPRun) -> None:
+        from service.model_store import _write_atomic
+
+        folder = self._folder(run.id)
+        folder.mkdir(exist_ok=True)
+        (folder / "steps.log").touch()
+        _write_atomic(folder / "run.json", run.to_json().encode())
+        super().create(run)
+
+    def ids(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if (p / "run.json").is_file())
+
+    def delete(self, run_id: str) -> bool:
+        folder = self._folder(run_id)
+        with self._lock:
+            found = (folder / "run.json").is_file()
+            for name in ("run.json", "steps.log"):  # the spec first: gone at once
+                (folder / name).unlink(missing_ok=True)
+            if folder.is_dir() and RUN_ID_RE.fullmatch(run_id):
+                folder.rmdir()
+        return super().delete(run_id) or found
+
+    def _load(self, run_id: str) -> None:
+        if run_id in self._runs:
+            return
+        folder = self._folder(run_id)
+        try:
+            run = DPRun.from_json((folder / "run.json").read_bytes())
+            lines = (folder / "steps.log").read_text().split()
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        self._runs[run_id], self._jobs[run_id], self._seen[run_id] = run, lines, set(lines)
+
+    def _persist(self, run_id: str, job_id: str) -> None:
+        with open(self._folder(run_id) / "steps.log", "a") as f:
+            f.write(job_id + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class RedisRunStore(RunStore):
+    """Runs in Redis (key names in :mod:`service.keys`); counting is one Lua script."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.r = client
+        self.prefix = prefix
+        self._count_script = client.register_script(COUNT_LUA)
+
+    def create(self, run: DPRun) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.dp_run(self.prefix, run.id), mapping={"spec": run.to_json(), "steps": 0})
+        pipe.sadd(keys.dp_run_ids(self.prefix), run.id)
+        pipe.execute()
+
+    def get(self, run_id: str) -> tuple[DPRun, int] | None:
+        spec, steps = self.r.hmget(keys.dp_run(self.prefix, run_id), ["spec", "steps"])
+        return None if spec is None else (DPRun.from_json(spec), int(steps or 0))
+
+    def ids(self) -> list[str]:
+        found = self.r.smembers(keys.dp_run_ids(self.prefix))
+        return sorted(v.decode() if isinstance(v, bytes) else v for v in found)
+
+    def delete(self, run_id: str) -> bool:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(keys.dp_run(self.prefix, run_id), keys.dp_run_jobs(self.prefix, run_id))
+        pipe.srem(keys.dp_run_ids(self.prefix), run_id)
+        return bool(pipe.execute()[0])
+
+    def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
+        code, steps = self._count_script(
+            keys=[keys.dp_run(self.prefix, run.id), keys.dp_run_jobs(self.prefix, run.id)],
+            args=[job_id, run.max_steps])
+        return int(code), int(steps)
+
+    def close(self) -> None:
+        self.r.close()
+
+
+_STORES: dict[tuple[Any, ...], RunStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_for(settings: Settings) -> RunStore:
+    """The process's store for these settings: Redis when a Redis URL is set, else files under
+    ``model_dir`` when set, else memory. One per configuration, shared by the api and the
+    embedded worker threads (the memory store must be the same object for both)."""
+    key = (settings.redis_url, settings.redis_prefix if settings.redis_url else None,
+           None if settings.redis_url else settings.model_dir)
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            store = _STORES[key] = _make(settings)
+        return store
+
+
+def _make(settings: Settings) -> RunStore:
+    if settings.redis_url:
+        import redis
+
+        client = redis.Redis.from_url(settings.redis_url, **connection_kwargs(settings))
+        return RedisRunStore(client, settings.redis_prefix)
+    if settings.model_dir:
+        return FileRunStore(settings.model_dir)
+    return MemoryRunStore()
+
+
+def forget_stores() -> None:
+    """Drop the cached stores (tests that simulate a restart in one process)."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for store in stores:
+        store.close()

@@ -1,0 +1,121 @@
+"""DP runs in distributed mode, against a real Redis: the Lua step counter, the budget (409)
+through the api and a worker, a restart, and a redelivered job that never counts twice."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from psgrad._errors import PrivacyBudgetExhausted
+from service.api import create_app
+from service.broker.redis import RedisBroker
+from service.broker.redis_source import RedisJobSource
+from service.config import Settings
+from service.dp import runs
+from service.dp.runs import DPRun, RedisRunStore
+from service.jobs import Job, JobStatus
+from service.registry import ModelRegistry
+from service.worker import Worker
+from tests.support.redis import prefix_on, redis_or_skip
+
+
+@pytest.fixture
+def settings() -> Iterator[Settings]:
+    shared = redis_or_skip()
+    runs.forget_stores()
+    with prefix_on(shared) as prefix:
+        yield Settings(redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
+                       result_ttl_s=30, heartbeat_s=0.2, batch_max_delay_ms=1.0, device="cpu")
+    runs.forget_stores()
+    shared.close()
+
+
+def record(max_steps: int) -> DPRun:
+    return DPRun(id=runs.new_run_id(), model="mlp", clip_norm=1.0, noise_multiplier=2.0,
+                 sample_rate=0.04, expected_batch_size=8.0, delta=1e-5, max_epsilon=0.45,
+                 max_steps=max_steps, accountant="rdp")
+
+
+def test_redis_counter_counts_a_job_once_and_survives_a_restart(settings: Settings) -> None:
+    store = RedisRunStore(redis.Redis.from_url(settings.redis_url or ""), settings.redis_prefix)
+    run = record(max_steps=2)
+    store.create(run)
+    assert store.count(run.id, "a") == (run, 1)
+    assert store.count(run.id, "a") == (run, 1)
+    assert store.count(run.id, "b")[1] == 2
+    with pytest.raises(PrivacyBudgetExhausted):
+        store.count(run.id, "c")
+    store.close()
+    again = RedisRunStore(redis.Redis.from_url(settings.redis_url or ""), settings.redis_prefix)
+    assert again.get(run.id) == (run, 2) and again.ids() == [run.id]
+    with pytest.raises(PrivacyBudgetExhausted):
+        again.count(run.id, "d")
+    assert again.delete(run.id) and again.get(run.id) is None
+    again.close()
+
+
+def _fields(run_id: str) -> dict[str, Any]:
+    x = np.zeros((2, 784), dtype=np.float32)
+    return {"model": "mlp", "inputs": x, "targets": np.array([0, 1]),
+            "outputs": ["clipped_mean"], "dp_run": run_id}
+
+
+async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
+    """A worker counted the job's step and died before storing its answer; the job comes back
+    to another worker, which releases the answer without counting a second step."""
+    run = record(max_steps=5)
+    runs.store_for(settings).create(run)
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w-dp")
+    try:
+        job = Job(id="redelivered-job", fields=_fields(run.id), deadline=time.time() + 60)
+        await broker.submit(job)
+        runs.store_for(settings).count(run.id, job.id)  # the first worker's count
+        taken = source.take(max_jobs=1, max_samples=100, max_delay_s=0.0, block_s=2.0)
+        Worker(source, ModelRegistry(), settings).process(taken)
+        state = await broker.wait(job.id, 10)
+        assert state.status is JobStatus.SUCCEEDED, state.error
+        assert state.result is not None and state.result["dp"]["steps"] == 1
+        assert runs.store_for(settings).get(run.id) == (run, 1)
+    finally:
+        source.close()
+        await broker.close()
+
+
+async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> None:
+    app = create_app(settings)
+    source = RedisJobSource(settings, name="w-api")
+    stop = threading.Event()
+    thread = threading.Thread(target=Worker(source, ModelRegistry(), settings).run, args=(stop,))
+    thread.start()
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            body = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0,
+                    "sample_rate": 0.04, "expected_batch_size": 8, "delta": 1e-5,
+                    "max_epsilon": 0.45}
+            run = (await c.post("/dp-runs", json=body)).json()
+            step = {"model": "mlp", "inputs": np.zeros((2, 784)).tolist(), "targets": [0, 1],
+                    "outputs": ["clipped_mean"], "dp_run": run["id"]}
+            for i in range(run["max_steps"]):
+                r = await c.post("/per-sample-grads", json=step)
+                assert r.status_code == 200 and r.json()["dp"]["steps"] == i + 1, r.text
+            r = await c.post("/per-sample-grads", json=step)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "privacy_budget_exhausted"
+        runs.forget_stores()  # a restarted api reads the same run from Redis
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            view = (await c.get(f"/dp-runs/{run['id']}")).json()
+            assert view["steps"] == run["max_steps"] and view["steps_left"] == 0
+            assert (await c.post("/per-sample-grads", json=step)).status_code == 409
+    finally:
+        stop.set()
+        thread.join(30)
+        source.close()

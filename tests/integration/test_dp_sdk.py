@@ -1,0 +1,78 @@
+"""psgrad.dp against the real app in-process: a run, its steps, the torch optimizer wrapper,
+the Poisson sampler, and the typed 409 at the budget."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import psgrad
+from psgrad import dp
+from service.api import create_app
+from service.dp import runs
+from tests.support.api import settings
+from tests.support.client import running_app
+
+
+@pytest.fixture
+def client() -> Iterator[psgrad.Client]:
+    runs.forget_stores()
+    app = create_app(settings())
+    with running_app(app) as transport, psgrad.Client(transport=transport,
+                                                      base_url="http://psgrad.test") as c:
+        yield c
+    runs.forget_stores()
+
+
+def test_run_steps_until_the_budget(client: psgrad.Client) -> None:
+    client.models.register("dp-sdk", architecture="mlp",
+                           config={"sizes": [6, 8, 3], "activation": "tanh"})
+    run = dp.create_run(client, "dp-sdk", clip_norm=1.0, noise_multiplier=2.0, delta=1e-5,
+                        expected_batch_size=4, dataset_size=100, max_epsilon=0.45)
+    assert run.sample_rate == pytest.approx(0.04) and run.id.startswith("dp-")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(100, 6)).astype(np.float32), rng.integers(0, 3, 100)
+    weights = client.models.download_weights("dp-sdk")
+    taken = 0
+    with pytest.raises(psgrad.PrivacyBudgetExhausted) as err:
+        for batch in dp.poisson_batches(100, run.sample_rate, steps=1000, rng=rng):
+            if len(batch) == 0:
+                continue
+            step = run.step(x[batch], y[batch], weights=weights)
+            taken += 1
+            assert step.steps == taken and 0 < step.epsilon <= 0.45
+            assert set(step.clipped_mean) == set(weights)
+            weights = {k: w - 0.1 * step.clipped_mean[k] for k, w in weights.items()}
+    assert err.value.http_status == 409
+    doc = dp.get_run(client, run.id).refresh()
+    assert doc["steps"] == taken == doc["max_steps"]
+    with pytest.raises(ValueError):
+        run.step(x[:0], y[:0], weights=weights)
+
+
+def test_torch_optimizer_wrapper_moves_the_weights(client: psgrad.Client) -> None:
+    client.models.register("dp-torch", architecture="mlp",
+                           config={"sizes": [6, 8, 3], "activation": "relu"})
+    run = dp.create_run(client, "dp-torch", clip_norm=1.0, target_epsilon=2.0, delta=1e-5,
+                        sample_rate=0.1, dataset_size=50, steps=10, clip_form="opacus")
+    module = torch.nn.Sequential(OrderedDict(fc1=torch.nn.Linear(6, 8), act1=torch.nn.ReLU(),
+                                             fc2=torch.nn.Linear(8, 3)))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    opt = dp.DPOptimizer(run, module, torch.optim.SGD(module.parameters(), lr=0.1))
+    step = opt.step(np.ones((5, 6), np.float32), np.array([0, 1, 2, 0, 1]))
+    assert step.steps == 1 and step.epsilon > 0
+    for k, v in module.state_dict().items():
+        assert not torch.equal(v, before[k]), k
+
+
+def test_poisson_batches_sample_each_record_at_the_rate() -> None:
+    rng = np.random.default_rng(0)
+    batches = list(dp.poisson_batches(1000, 0.05, rng=rng))
+    assert len(batches) == 20  # one epoch: 1 / q batches
+    sizes = np.array([len(b) for b in batches])
+    assert abs(sizes.mean() - 50) < 6 and len(set(sizes.tolist())) > 1
+    assert all(np.all(np.diff(b) > 0) and b.max() < 1000 for b in batches)

@@ -1,0 +1,159 @@
+"""DP runs in embedded mode: the step counter, the budget (409) across a restart, the
+expected-batch-size division, and the worker's counting hook called twice for one job."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from psgrad._errors import InvalidInput, PrivacyBudgetExhausted, UnknownDPRun
+from service import engine
+from service.dp import runs
+from service.dp.runs import DPRun, FileRunStore, MemoryRunStore, RunStore
+from service.dp.steps import on_result
+from service.registry import ModelRegistry
+from service.validate import parse_request
+from tests.support.api import open_client, settings
+
+Y = [0, 1, 2, 0, 1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_stores() -> Any:
+    runs.forget_stores()
+    yield
+    runs.forget_stores()
+
+
+def record(max_steps: int = 3) -> DPRun:
+    return DPRun(id=runs.new_run_id(), model="mlp", clip_norm=1.0, noise_multiplier=1.0,
+                 sample_rate=0.1, expected_batch_size=8.0, delta=1e-5, max_epsilon=1.0,
+                 max_steps=max_steps, accountant="rdp")
+
+
+@pytest.mark.parametrize("kind", ["memory", "files"])
+def test_a_job_counts_once_and_the_budget_stops_the_run(kind: str, tmp_path: Path) -> None:
+    store: RunStore = MemoryRunStore() if kind == "memory" else FileRunStore(tmp_path)
+    run = record(max_steps=2)
+    store.create(run)
+    assert store.count(run.id, "job-a") == (run, 1)
+    assert store.count(run.id, "job-a") == (run, 1)  # the same job again: not a new step
+    assert store.count(run.id, "job-b")[1] == 2
+    with pytest.raises(PrivacyBudgetExhausted) as err:
+        store.count(run.id, "job-c")
+    assert err.value.status == 409 and err.value.details["steps"] == 2
+    assert store.count(run.id, "job-b")[1] == 2  # a retry of a counted job still answers
+    assert store.get(run.id) == (run, 2)
+    with pytest.raises(UnknownDPRun):
+        store.count("dp-" + "0" * 24, "job-a")
+    if kind == "files":  # a restart: a new store on the same folder keeps steps and job ids
+        again = FileRunStore(tmp_path)
+        assert again.get(run.id) == (run, 2) and again.ids() == [run.id]
+        assert again.count(run.id, "job-a")[1] == 2
+        with pytest.raises(PrivacyBudgetExhausted):
+            again.count(run.id, "job-d")
+        assert again.delete(run.id) and again.get(run.id) is None
+
+
+def test_the_worker_hook_counts_a_job_id_once() -> None:
+    s = settings()
+    run = record(max_steps=5)
+    runs.store_for(s).create(run)
+    fields = {"dp_run": run.id}
+    result = {"model": "mlp", "clipped_mean": {}, "meta": {}}
+    first = on_result("job-1", fields, result, s)
+    second = on_result("job-1", fields, result, s)  # the job delivered again
+    assert first["dp"]["steps"] == second["dp"]["steps"] == 1
+    assert first["dp"]["epsilon"] == second["dp"]["epsilon"] > 0
+    assert list(first)[-1] == "meta"
+    assert on_result("job-2", fields, result, s)["dp"]["steps"] == 2
+    assert on_result("job-3", {}, result, s) is result  # not a DP request: untouched
+
+
+def _run_body(**kw: Any) -> dict[str, Any]:
+    return {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0,
+            "expected_batch_size": 8, "dataset_size": 200, "delta": 1e-5, "max_epsilon": 0.45,
+            **kw}
+
+
+def test_dp_run_clipped_mean_divides_by_the_expected_batch_size() -> None:
+    """A run's step: clip C / (|g| + 1e-6), noise from the CSPRNG (here negligible), divided by
+    the run's expected batch size 8 where the plain clipped_mean divides by B = 5."""
+    registry = ModelRegistry()
+    store = MemoryRunStore()
+    run = dataclasses.replace(record(max_steps=10), noise_multiplier=1e-9, clip_norm=0.5,
+                              clip_form="opacus")
+    store.create(run)
+    shape = registry.get("mlp").input.shape
+    x = np.random.default_rng(1).normal(size=(5, *shape)).astype(np.float32)
+    body = {"model": "mlp", "inputs": x, "targets": np.array(Y), "outputs": ["clipped_mean"]}
+    dp = parse_request({**body, "dp_run": run.id}, registry, dp_runs=store)
+    assert dp.opts.divisor == 8.0 and dp.opts.secure_noise and dp.opts.seed is None
+    assert dp.opts.norm_offset == 1e-6 and dp.opts.clip_norm == 0.5
+    plain = parse_request({**body, "clip_norm": 0.5}, registry)
+    for fast in (True, False):  # the fast-statistics path and the vmap path clip alike
+        got = engine.compute(dp.model, dp.batch, dp.opts, fast_stats=fast)[0]
+        want = engine.compute(plain.model, plain.batch, plain.opts, fast_stats=fast)[0]
+        assert got["meta"]["seed"] is None
+        for k, v in want["clipped_mean"].items():
+            torch.testing.assert_close(got["clipped_mean"][k], v * 5 / 8, rtol=1e-4, atol=1e-6)
+    for bad in ({"seed": 1}, {"clip_norm": 2.0}, {"outputs": ["clipped_mean", "norms"]}):
+        with pytest.raises(InvalidInput):
+            parse_request({**body, "dp_run": run.id, **bad}, registry, dp_runs=store)
+    with pytest.raises(UnknownDPRun):
+        parse_request({**body, "dp_run": "dp-" + "f" * 24}, registry, dp_runs=store)
+
+
+async def _step(c: Any, run_id: str) -> Any:
+    model = (await c.get("/models/mlp")).json()
+    x = np.zeros((2, *model["input"]["shape"])).tolist()
+    return await c.post("/per-sample-grads", json={"model": "mlp", "inputs": x, "targets": [0, 1],
+                                                   "outputs": ["clipped_mean"],
+                                                   "dp_run": run_id})
+
+
+async def test_budget_409_in_embedded_mode_and_across_a_restart(tmp_path: Path) -> None:
+    async with open_client(model_dir=str(tmp_path)) as c:
+        run = (await c.post("/dp-runs", json=_run_body())).json()
+        assert 0 < run["max_steps"] < 20
+        for i in range(run["max_steps"]):
+            r = await _step(c, run["id"])
+            assert r.status_code == 200 and r.json()["dp"]["steps"] == i + 1
+        r = await _step(c, run["id"])
+        assert r.status_code == 409 and r.json()["error"]["code"] == "privacy_budget_exhausted"
+        view = (await c.get(f"/dp-runs/{run['id']}")).json()
+        assert view["steps"] == run["max_steps"] and view["steps_left"] == 0
+        assert view["epsilon_spent"] <= view["max_epsilon"] == 0.45
+        assert set(view["epsilon"]) == {"rdp", "prv"}
+    runs.forget_stores()  # the process "restarts": nothing cached survives
+    async with open_client(model_dir=str(tmp_path)) as c:
+        assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == run["max_steps"]
+        r = await _step(c, run["id"])
+        assert r.status_code == 409
+        assert [x["id"] for x in (await c.get("/dp-runs")).json()["runs"]] == [run["id"]]
+        assert (await c.get("/models")).status_code == 200  # the runs folder is not a model
+        assert (await c.delete(f"/dp-runs/{run['id']}")).status_code == 200
+        assert (await c.get(f"/dp-runs/{run['id']}")).status_code == 404
+        assert (await _step(c, run["id"])).status_code == 404
+
+
+async def test_creating_a_run_checks_its_fields() -> None:
+    async with open_client() as c:
+        solved = (await c.post("/dp-runs", json=_run_body(
+            noise_multiplier=None, target_epsilon=3.0, max_epsilon=None, epochs=2,
+            accountant="prv"))).json()
+        assert solved["planned_steps"] == 50 and solved["max_epsilon"] == 3.0
+        assert solved["noise_multiplier"] > 0 and solved["max_steps"] >= 50
+        for bad in [_run_body(dataset_size=None), _run_body(target_epsilon=1.0),
+                    _run_body(noise_multiplier=None, target_epsilon=1.0),
+                    _run_body(max_epsilon=None), _run_body(accountant="gdp"),
+                    _run_body(sample_rate=0.5)]:
+            r = await c.post("/dp-runs", json=bad)
+            assert r.status_code == 422, (bad, r.text)
+        assert (await c.post("/dp-runs", json=_run_body(model="nope"))).status_code == 404
+        assert (await c.get("/dp-runs/dp-nope")).status_code == 404
