@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import BaseClient, Call, ProgressArg
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
 from psgrad._jobs import AsyncJob
@@ -95,9 +95,7 @@ class AsyncClient(BaseClient):
         """One HTTP exchange with retries; a non-2xx answer raises its typed error."""
         for attempt in itertools.count():
             try:
-                response = await self._http.request(
-                    method, path, content=content, json=json, headers=headers
-                )
+                response = await self._exchange(method, path, content, json, headers)
             except httpx.TransportError as exc:
                 delay = self._after_failure(attempt, exc=exc)
             else:
@@ -106,6 +104,24 @@ class AsyncClient(BaseClient):
                 delay = self._after_failure(attempt, response=response)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
+
+    async def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
+                        headers: Mapping[str, str] | None) -> httpx.Response:
+        """One request; a safetensors answer is read into its arrays as it arrives."""
+        request = self._http.build_request(method, path, content=content, json=json,
+                                           headers=headers)
+        response = await self._http.send(request, stream=True)
+        try:
+            reader = self._answer_reader(path, response)
+            if reader is None:
+                await response.aread()
+            else:
+                async for piece in response.aiter_bytes():
+                    reader.feed(piece)
+                response.extensions[ANSWER] = reader.fields()
+        finally:
+            await response.aclose()
+        return response
 
     async def _call(self, call: Call[T]) -> T:
         """Send a described exchange and read its answer."""
@@ -168,6 +184,7 @@ class AsyncClient(BaseClient):
         projection_seed: int | None = None,
         reference_sketches: Any = None,
         reference_set: str | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -189,6 +206,7 @@ class AsyncClient(BaseClient):
             projection_seed=projection_seed,
             reference_sketches=reference_sketches,
             reference_set=reference_set,
+            answer_dtype=answer_dtype,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
@@ -206,6 +224,7 @@ class AsyncClient(BaseClient):
         weights: Mapping[str, Any] | None = None,
         outputs: Sequence[str] | str = ("updates", "td_errors"),
         params: Sequence[str] | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -222,6 +241,7 @@ class AsyncClient(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
@@ -247,6 +267,7 @@ class AsyncClient(BaseClient):
         rewards: Any = None,
         dones: Any = None,
         gamma: float | None = None,
+        answer_dtype: str | None = None,
     ) -> AsyncJob:
         """Queue the request and return an :class:`AsyncJob`; see ``Client.submit``."""
         fields = self._grads_fields(
@@ -265,6 +286,7 @@ class AsyncClient(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         doc = (await self._post_fields("/jobs", await self._prepare(fields))).json()
         return AsyncJob(

@@ -47,6 +47,7 @@ from psgrad._errors import (
 from psgrad._merge import Fields, Plan, PlanResult, grads_plan
 from psgrad._progress import Progress
 from psgrad._request import grads_fields
+from psgrad._stream import AnswerReader
 from psgrad._types import OUTPUT_NAMES, GradsResult, ModelInfo
 from psgrad._wire import (
     JSON,
@@ -102,6 +103,10 @@ def _retry_after(response: httpx.Response | None) -> float | None:
     return max(0.0, email.utils.mktime_tz(parsed) - time.time())
 
 
+ANSWER = "psgrad.answer"  # response.extensions: the safetensors answer, read as it arrived
+ANSWER_PATHS = ("/per-sample-grads", "/jobs/")
+
+
 class BaseClient:
     """Options common to ``Client`` and ``AsyncClient``; see ``Client`` for their meaning."""
 
@@ -147,10 +152,22 @@ class BaseClient:
     @staticmethod
     def _decode(response: httpx.Response) -> Fields:
         """A result body (safetensors or JSON) as fields with numpy arrays."""
+        streamed = response.extensions.get(ANSWER)
+        if streamed is not None:
+            return dict(streamed)
         ctype = response.headers.get("content-type", "").split(";")[0].strip()
         if ctype == SAFETENSORS:
             return fields_from_safetensors(response.content, RESPONSE_KEY)
         return decode_json_result(response.json())
+
+    @staticmethod
+    def _answer_reader(path: str, response: httpx.Response) -> AnswerReader | None:
+        """A reader for a safetensors answer (read as it arrives, into arrays allocated once),
+        or None: the body is read whole (JSON, errors, model weights)."""
+        ctype = response.headers.get("content-type", "").split(";")[0].strip()
+        if response.is_success and ctype == SAFETENSORS and path.startswith(ANSWER_PATHS):
+            return AnswerReader(RESPONSE_KEY)
+        return None
 
     @staticmethod
     def _error(response: httpx.Response) -> PsgradError:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import BaseClient, Call, ProgressArg
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
 from psgrad._jobs import Job
@@ -114,9 +114,7 @@ class Client(BaseClient):
         """One HTTP exchange with retries; a non-2xx answer raises its typed error."""
         for attempt in itertools.count():
             try:
-                response = self._http.request(
-                    method, path, content=content, json=json, headers=headers
-                )
+                response = self._exchange(method, path, content, json, headers)
             except httpx.TransportError as exc:
                 delay = self._after_failure(attempt, exc=exc)
             else:
@@ -125,6 +123,24 @@ class Client(BaseClient):
                 delay = self._after_failure(attempt, response=response)
             time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
+                  headers: Mapping[str, str] | None) -> httpx.Response:
+        """One request; a safetensors answer is read into its arrays as it arrives."""
+        request = self._http.build_request(method, path, content=content, json=json,
+                                           headers=headers)
+        response = self._http.send(request, stream=True)
+        try:
+            reader = self._answer_reader(path, response)
+            if reader is None:
+                response.read()
+            else:
+                for piece in response.iter_bytes():
+                    reader.feed(piece)
+                response.extensions[ANSWER] = reader.fields()
+        finally:
+            response.close()
+        return response
 
     def _call(self, call: Call[T]) -> T:
         """Send a described exchange and read its answer."""
@@ -187,6 +203,7 @@ class Client(BaseClient):
         projection_seed: int | None = None,
         reference_sketches: Any = None,
         reference_set: str | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -211,6 +228,10 @@ class Client(BaseClient):
                 same seed and k give comparable sketches across requests and processes).
             reference_sketches: [M, k] sketches for ``dots``, made with the same projection.
             reference_set: the id of a ``client.reference_sets`` set, for ``influence``.
+            answer_dtype: ``float16`` or ``bfloat16``: the server answers floating tensors in
+                half the bytes (relative rounding error at most 2^-11 / 2^-8); float16 arrays
+                come back as float16, bfloat16 ones widened exactly to float32 (numpy has no
+                bfloat16).
             as_torch: return torch tensors instead of numpy arrays.
             progress: draw a progress bar on stderr (tqdm if installed), or a callable
                 ``f(done, total)`` called after each request.
@@ -248,6 +269,7 @@ class Client(BaseClient):
             projection_seed=projection_seed,
             reference_sketches=reference_sketches,
             reference_set=reference_set,
+            answer_dtype=answer_dtype,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 
@@ -263,6 +285,7 @@ class Client(BaseClient):
         weights: Mapping[str, Any] | None = None,
         outputs: Sequence[str] | str = ("updates", "td_errors"),
         params: Sequence[str] | None = None,
+        answer_dtype: str | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -285,6 +308,7 @@ class Client(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 
@@ -308,6 +332,7 @@ class Client(BaseClient):
         rewards: Any = None,
         dones: Any = None,
         gamma: float | None = None,
+        answer_dtype: str | None = None,
     ) -> Job:
         """Queue the request (``POST /jobs``) and return at once with a :class:`Job`.
 
@@ -330,6 +355,7 @@ class Client(BaseClient):
             rewards=rewards,
             dones=dones,
             gamma=gamma,
+            answer_dtype=answer_dtype,
         )
         doc = self._post_fields("/jobs", self._prepare(fields)).json()
         return Job(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from psgrad._base import BaseClient, Call, decode_json_result
+from psgrad._base import ANSWER, BaseClient, Call, decode_json_result
 from psgrad._constants import JOB_POLL_INITIAL, JOB_POLL_MAX, JOB_STATUS_HEADER, REQUEST_ID_HEADER
 from psgrad._errors import _BY_CODE as ERRORS_BY_CODE
 from psgrad._errors import (
@@ -48,7 +48,9 @@ def job_state(response: httpx.Response) -> JobState:
     result: Fields | None = None
     doc: dict[str, Any]
     if ctype == SAFETENSORS:
-        result = fields_from_safetensors(response.content, RESPONSE_KEY)
+        streamed = response.extensions.get(ANSWER)
+        result = (dict(streamed) if streamed is not None
+                  else fields_from_safetensors(response.content, RESPONSE_KEY))
         doc = {"status": response.headers.get(JOB_STATUS_HEADER, JobStatus.SUCCEEDED.value)}
     else:
         doc = response.json()

@@ -18,6 +18,7 @@ from psgrad._arrays import param_arrays, to_numpy
 from psgrad._errors import BadRequest, InvalidInput
 from psgrad._merge import Fields
 from psgrad._types import OUTPUT_NAMES
+from psgrad._wire import ANSWER_DTYPES
 
 __all__ = ["grads_fields"]
 
@@ -43,6 +44,7 @@ def grads_fields(
     projection_seed: int | None = None,
     reference_sketches: Any = None,
     reference_set: str | None = None,
+    answer_dtype: str | None = None,
 ) -> Fields:
     """The request of ``per_sample_grads``, ``td0`` and ``submit``: unset options left out."""
     if not isinstance(model, str) or not model:
@@ -76,9 +78,19 @@ def grads_fields(
         "reference_sketches": None if reference_sketches is None
         else to_numpy(reference_sketches, "reference_sketches"),
         "reference_set": reference_set,
+        "answer_dtype": _answer_dtype(answer_dtype),
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     return fields
+
+
+def _answer_dtype(value: str | None) -> str | None:
+    if value is None or value == "float32":
+        return None  # the default: not sent
+    if value not in ANSWER_DTYPES:
+        raise InvalidInput(f"'answer_dtype' must be one of {', '.join(ANSWER_DTYPES)}; "
+                           f"got {value!r}")
+    return value
 
 
 def _number(value: Any, name: str) -> float | None:

@@ -160,6 +160,35 @@ def fields_to_safetensors(fields: Mapping[str, Any], meta_key: str) -> bytes:
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
+ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # what a request's answer_dtype may ask
+# numpy has no bfloat16: the server holds bfloat16 answers as their 16 bits under this named
+# dtype, written to safetensors as BF16; the client widens them to float32 (exactly).
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+
+
+def st_dtype(arr: np.ndarray) -> str:
+    """The safetensors name of an array's dtype (BF16 for the :data:`BFLOAT16` bits)."""
+    if arr.dtype == BFLOAT16:
+        return "BF16"
+    name = str(arr.dtype.newbyteorder("="))
+    if name not in _ST_DTYPES:
+        raise TypeError(f"dtype {arr.dtype} is not one of {DTYPES}")
+    return _ST_DTYPES[name]
+
+
+def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits as float32: the same numbers (bfloat16 is float32's upper half)."""
+    return (bits.view("<u2").astype("<u4") << 16).view(np.float32)
+
+
+def widen_answers(value: Any) -> Any:
+    """``value`` with every :data:`BFLOAT16` array widened to float32 (for JSON and numpy)."""
+    if isinstance(value, np.ndarray) and value.dtype == BFLOAT16:
+        return widen_bfloat16(value)
+    if isinstance(value, dict):
+        return {k: widen_answers(v) for k, v in value.items()}
+    return value
+
 
 def safetensors_parts(fields: Mapping[str, Any], meta_key: str) -> list[bytes | memoryview]:
     """The file of :func:`fields_to_safetensors` as pieces that view the arrays (no copy).
@@ -173,9 +202,7 @@ def safetensors_parts(fields: Mapping[str, Any], meta_key: str) -> list[bytes | 
     offset = 0
     for name, arr in tensors.items():
         little = arr.astype(arr.dtype.newbyteorder("<"), order="C", copy=False)
-        if str(little.dtype) not in _ST_DTYPES:
-            raise TypeError(f"tensor '{name}' has dtype {little.dtype}, not one of {DTYPES}")
-        header[name] = {"dtype": _ST_DTYPES[str(little.dtype)], "shape": list(little.shape),
+        header[name] = {"dtype": st_dtype(little), "shape": list(little.shape),
                         "data_offsets": [offset, offset + little.nbytes]}
         offset += little.nbytes
         if little.nbytes:
@@ -221,7 +248,12 @@ def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX
         tensors = st_load(body)
     except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
-    metadata = header.get("__metadata__") or {}
+    return fields_from_tensors(tensors, header.get("__metadata__") or {}, meta_key)
+
+
+def fields_from_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, Any],
+                        meta_key: str) -> dict[str, Any]:
+    """The fields of a safetensors file from its tensors and its metadata."""
     raw_meta = metadata.get(meta_key, "{}")
     try:
         fields: dict[str, Any] = json.loads(raw_meta)

@@ -21,7 +21,7 @@ class Settings(BaseSettings):
 
     max_body_bytes: int = 512 * 1024 * 1024
     max_batch_size: int = 4096
-    max_result_bytes: int = 1024 * 1024 * 1024
+    max_result_bytes: int = 2 * 1024 * 1024 * 1024  # simple-cnn B=256 grads: 1.2 GB
     max_reference_set_bytes: int = 256 * 1024 * 1024  # one stored reference set's tensors
     max_elements: int = 256 * 1024 * 1024
     request_timeout_s: float = 120.0

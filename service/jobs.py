@@ -17,21 +17,28 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from psgrad._errors import TooLarge
+from psgrad._errors import Overloaded, TooLarge
+from psgrad._stream import AnswerReader
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
+from psgrad._wire import RESPONSE_KEY
 
 __all__ = [
     "SMALLER_ANSWER",
+    "Answer",
+    "AnswerLost",
     "Broker",
     "Job",
     "JobSource",
     "JobState",
     "JobStatus",
     "answer_too_large",
+    "batch_until",
     "new_job_id",
+    "read_answer",
 ]
 
 
@@ -56,9 +63,43 @@ class Job:
         return int(shape[0]) if shape else 1
 
 
+class Answer(Protocol):
+    """A result that arrives in pieces (Redis): the safetensors file of the response fields.
+
+    The header comes first (every size is known before the data); :meth:`pieces` yields the
+    bytes as they land and raises :class:`AnswerLost` when the attempt writing them stops, so a
+    half answer is never served as whole.
+    """
+
+    size: int  # bytes of the whole file
+
+    def pieces(self) -> AsyncIterator[bytes | memoryview]: ...
+
+
+async def read_answer(answer: Answer) -> dict[str, Any]:
+    """The answer's fields, each tensor filled in place as its pieces land (no whole copy)."""
+    reader = AnswerReader(RESPONSE_KEY)
+    async for piece in answer.pieces():
+        reader.feed(piece)
+    return reader.fields()
+
+
+class AnswerLost(Overloaded):
+    """The worker writing an answer stopped mid-answer (died, or the job was canceled or taken
+    over); the job itself is retried by the queue."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"the worker answering job {job_id} stopped mid-answer; the job is "
+                         "retried: retry the request", retry_after=1.0, job_id=job_id)
+
+
 @dataclass
 class JobState:
-    """What ``GET /jobs/{id}`` shows: the status and, once done, the result or the error."""
+    """What ``GET /jobs/{id}`` shows: the status and, once done, the result or the error.
+
+    A result is either whole in memory (``result``, the embedded broker) or an :class:`Answer`
+    read in pieces (``answer``, Redis), which a running job already has while it is written.
+    """
 
     id: str
     status: JobStatus
@@ -66,6 +107,7 @@ class JobState:
     error: dict[str, Any] | None = None  # the JSON error body
     enqueued_at: float | None = None
     finished_at: float | None = None
+    answer: Answer | None = None
 
 
 class Broker(Protocol):
@@ -105,7 +147,8 @@ class JobSource(Protocol):
     Every job taken ends through one of :meth:`succeed`, :meth:`fail` or
     :meth:`acknowledge_canceled`, which each acknowledge it (a Redis job leaves the pending
     list). ``max_value_bytes`` is the largest encoded result the source can store (None: no
-    limit of its own); the loop refuses, before computing, a job whose answer would not fit.
+    limit of its own, as both sources now); the loop refuses, before computing, a job whose
+    answer would not fit.
     """
 
     @property
@@ -113,7 +156,12 @@ class JobSource(Protocol):
 
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
              block_s: float) -> list[Job]:
-        """Wait up to ``block_s`` for a first job, then gather more for up to ``max_delay_s``."""
+        """Wait up to ``block_s`` for a first job and return it with whatever is queued with it.
+
+        The batching rule (:func:`batch_until`): a job that finds the worker idle (nothing was
+        queued when ``take`` was called) runs at once; jobs that queued while the worker was
+        busy are gathered with those that arrive until the oldest has waited ``max_delay_s``.
+        """
 
     def started(self, jobs: list[Job]) -> None:
         """Mark jobs running (and keep their claim fresh on long batches)."""
@@ -131,6 +179,20 @@ class JobSource(Protocol):
 
     def is_canceled(self, job_id: str) -> bool:
         """The job was canceled (or its state is gone): the loop does not compute it."""
+
+
+def batch_until(busy: bool, oldest_enqueued_at: float, max_delay_s: float) -> float:
+    """Until when (epoch seconds) ``take`` gathers more jobs for a batch.
+
+    A lone request must not pay the batching window: when the worker was idle (``busy`` False,
+    the queue empty when it asked) the batch goes at once. Jobs that queued while the worker was
+    busy wait for company only until the oldest has waited ``max_delay_s`` in all: the window
+    bounds a job's wait, it is never a fixed delay added to every request.
+    """
+    if not busy or max_delay_s <= 0:
+        return 0.0
+    now = time.time()
+    return min(now + max_delay_s, max(now, oldest_enqueued_at + max_delay_s))
 
 
 SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, clipped_mean, dot) "

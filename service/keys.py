@@ -41,6 +41,7 @@ STREAM_GROUP = "workers"  # the consumer group every worker reads the job stream
 HEARTBEAT_TTL_FACTOR = 3  # a worker is alive while its heartbeat is younger than 3 beats
 NOTIFY_TTL_S = 60  # the "job done" token outlives the job's end by this much at least
 DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len unless configured
+# (requests are one value and stay under it; answers travel in pieces and have no such cap)
 COMPILE_TTL_S = 7 * 24 * 3600  # compiled artifacts unused this long are dropped
 
 
@@ -50,7 +51,8 @@ def job_stream(prefix: str) -> str:
 
 
 def job_state(prefix: str, job_id: str) -> str:
-    """Hash: status, enqueued_at, deadline, attempts, started_at, finished_at, error, last_error."""
+    """Hash: status, enqueued_at, deadline, attempts, started_at, finished_at, error, last_error,
+    answer (the attempt whose answer is whole)."""
     return f"{prefix}:job:{job_id}"
 
 
@@ -59,9 +61,17 @@ def job_payload(prefix: str, job_id: str) -> str:
     return f"{prefix}:job:{job_id}:payload"
 
 
-def job_result(prefix: str, job_id: str) -> str:
-    """The result as safetensors bytes (key response); written once (SET NX)."""
-    return f"{prefix}:job:{job_id}:result"
+def job_answer(prefix: str, job_id: str) -> str:
+    """Stream of the answer's pieces: a safetensors file (key response) in entries
+    ``{a: attempt, k: head|data, d: bytes}``, then ``{a, k: end}`` once the job succeeded.
+
+    Each delivery (attempt) rewrites it from scratch; only the attempt the state hash names in
+    ``answer`` is whole. Every write renews its TTL, so no piece outlives the job.
+    """
+    return f"{prefix}:job:{job_id}:answer"
+
+
+ANSWER_PIECE_BYTES = 8 << 20  # bytes per stream entry (less where proto-max-bulk-len is lower)
 
 
 def job_notify(prefix: str, job_id: str) -> str:

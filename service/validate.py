@@ -20,7 +20,7 @@ from psgrad._errors import (
     ShapeMismatch,
     TooLarge,
 )
-from psgrad._wire import array_from_json
+from psgrad._wire import ANSWER_DTYPES, array_from_json
 from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.dp.steps import bind
 from service.engine import Batch, Options
@@ -46,7 +46,8 @@ TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask",
                  "reference_sketches")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma", "dp_run", "projection_dim", "projection_seed", "reference_set")
+                 "gamma", "dp_run", "projection_dim", "projection_seed", "reference_set",
+                 "answer_dtype")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 
 
@@ -55,6 +56,7 @@ class ParsedRequest:
     model: LoadedModel
     opts: Options
     batch: Batch
+    answer_dtype: str = "float32"  # the answer's floating tensors: float32, float16, bfloat16
 
     def group_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can run as one engine call on the concatenated batch."""
@@ -169,7 +171,17 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                 f"{', '.join(missing)}", missing=missing,
             )
     batch.reference = {k: v for k, v in batch.reference.items() if k in opts.params}
-    return ParsedRequest(model, opts, batch)
+    return ParsedRequest(model, opts, batch, _answer_dtype(fields.get("answer_dtype")))
+
+
+def _answer_dtype(value: Any) -> str:
+    """The answer's floating dtype; the group key leaves it out (each job is cast alone)."""
+    if value is None:
+        return "float32"
+    if value not in ANSWER_DTYPES:
+        raise InvalidInput(f"'answer_dtype' must be one of {', '.join(ANSWER_DTYPES)}; "
+                           f"got {value!r}", accepted=list(ANSWER_DTYPES))
+    return str(value)
 
 
 def _options(fields: dict[str, Any], model: LoadedModel,

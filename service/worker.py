@@ -1,9 +1,11 @@
 """The worker loop, the same for every broker: take jobs, batch them, run the engine, answer.
 
-Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs, waiting at most
-``PSGRAD_BATCH_MAX_DELAY_MS`` for more after the first (0: one job per round, no cross-request
-batching). Jobs that were canceled or whose deadline passed are dropped; the rest are validated
-one by one (a bad job fails alone with its own error), grouped by
+Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs (0 ms of
+``PSGRAD_BATCH_MAX_DELAY_MS``: one job per round, no cross-request batching). A job that finds
+the worker idle runs at once; jobs that queued while it was busy are batched, waiting for more
+only until the oldest has waited ``PSGRAD_BATCH_MAX_DELAY_MS`` (:func:`service.jobs.batch_until`).
+Jobs that were canceled or whose deadline passed are dropped; the rest are validated one by one
+(a bad job fails alone with its own error), grouped by
 :meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
 concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call
 fails, its jobs are retried one by one so that one job's problem never fails another's.
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from psgrad._errors import DeadlineExceeded, InternalError, PsgradError
+from psgrad._wire import BFLOAT16
 from service import engine
 from service.compile_cache import CompiledFunctions
 from service.config import Settings
@@ -281,6 +284,8 @@ def _result_limit(settings: Settings, source: JobSource) -> tuple[int, str]:
 
 def _check_result_size(parsed: ParsedRequest, limit: int, what: str) -> None:
     size = engine.output_bytes(parsed.model, parsed.opts, parsed.batch.size)
+    if parsed.answer_dtype in _HALF:  # two bytes a number instead of the model's own
+        size = size * 16 // torch.finfo(parsed.model.dtype).bits
     if size > limit:
         outputs = ", ".join(parsed.opts.outputs)
         raise answer_too_large(size, limit, f"{what} ({outputs} for {parsed.batch.size} samples)")
@@ -331,11 +336,22 @@ def _compute(
     return results, time.perf_counter() - start
 
 
-def _to_wire(value: Any) -> Any:
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _to_wire(value: Any, answer_dtype: str = "float32") -> Any:
+    """Tensors as numpy arrays (views where they can be), floating ones in ``answer_dtype``."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").numpy()
+        tensor = value.detach().to("cpu")
+        half = _HALF.get(answer_dtype)
+        if half is None or not tensor.is_floating_point():
+            return tensor.numpy()
+        tensor = tensor.to(half)  # round to nearest even, as torch casts
+        if half is torch.bfloat16:  # numpy has no bfloat16: its bits, named
+            return tensor.view(torch.int16).numpy().view(BFLOAT16)
+        return tensor.numpy()
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        return {k: _to_wire(v, answer_dtype) for k, v in value.items()}
     return value
 
 
@@ -347,6 +363,6 @@ def _wire_result(parsed: ParsedRequest, out: dict[str, Any]) -> dict[str, Any]:
         "loss": parsed.opts.loss,
     }
     for name in parsed.opts.outputs:
-        result[name] = _to_wire(out[name])
+        result[name] = _to_wire(out[name], parsed.answer_dtype)
     result["meta"] = dict(out.get("meta", {}))
     return result

@@ -27,6 +27,7 @@ from psgrad._wire import (
     SAFETENSORS,
     fields_from_safetensors,
     safetensors_parts,
+    widen_answers,
 )
 from service.config import Settings
 from service.validate import KNOWN_FIELDS, decode_json_body
@@ -174,8 +175,10 @@ async def json_response(
     """``doc`` (arrays anywhere in it as nested lists) as JSON; a large one is streamed.
 
     Streaming encodes one sample row at a time (in a thread), so a large answer never holds
-    the whole JSON text or all its Python floats at once.
+    the whole JSON text or all its Python floats at once. bfloat16 answers are written as the
+    float32 numbers they are.
     """
+    doc = widen_answers(doc)
     if _array_bytes(doc) <= INLINE_BYTES:
         return Response(
             dumps(fields_to_json_deep(doc)), status_code=status, media_type=JSON, headers=headers

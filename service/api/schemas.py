@@ -118,6 +118,12 @@ class GradsRequest(BaseModel):
         None, description="dots: [M, k] sketches made with the same projection"
     )
     reference_set: str | None = Field(None, description="influence: a PUT /reference-sets id")
+    answer_dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None,
+        description="the answer's floating tensors: float32 (default), or float16 / bfloat16 for "
+        "half the bytes (relative rounding error at most 2^-11 / 2^-8; float16 overflows past "
+        "65504 and loses precision below 6.1e-5)",
+    )
 
 
 class Timing(BaseModel):

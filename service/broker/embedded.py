@@ -20,7 +20,7 @@ from typing import Any
 
 from psgrad._errors import Overloaded, UnknownJob
 from service.config import Settings
-from service.jobs import Job, JobState, JobStatus
+from service.jobs import Job, JobState, JobStatus, batch_until
 
 __all__ = ["EmbeddedBroker"]
 
@@ -121,6 +121,7 @@ class EmbeddedBroker:
         self, max_jobs: int, max_samples: int, max_delay_s: float, block_s: float
     ) -> list[Job]:
         with self._cond:
+            busy = bool(self._queue)  # these queued while this worker was computing
             end = time.monotonic() + block_s
             while not self._queue:
                 remaining = end - time.monotonic()
@@ -131,13 +132,13 @@ class EmbeddedBroker:
                 return []
             jobs = [self._queue.popleft()]
             samples = jobs[0].size
-            end = time.monotonic() + max_delay_s
+            until = batch_until(busy, jobs[0].enqueued_at, max_delay_s)
             while len(jobs) < max_jobs and samples < max_samples and not self._closed.is_set():
                 if self._queue:
                     jobs.append(self._queue.popleft())
                     samples += jobs[-1].size
                     continue
-                remaining = end - time.monotonic()
+                remaining = until - time.time()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)

@@ -6,10 +6,12 @@ Life of a job (key names in :mod:`service.keys`)::
                   (one Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs)
     worker take   XREADGROUP COUNT n BLOCK ms (and XAUTOCLAIM of jobs idle past the visibility
                   timeout: their worker died); HINCRBY attempts; poison, expired, canceled: ended
-    worker done   one Lua script: SET result NX, HSET state {succeeded|failed}, RPUSH notify,
-                  then XACK + XDEL, so a job is acknowledged only once its result is stored and a
-                  redelivered job cannot answer twice
-    api  wait     BLPOP notify (the api never polls), then read the state and the result
+    worker answer XADD the answer's pieces to its stream (header first, RPUSH notify: the api
+                  relays them as they land; :mod:`service.broker.redis_answer`)
+    worker done   one Lua script: HSET state {succeeded (naming the whole attempt)|failed},
+                  RPUSH notify, then XACK + XDEL, so a job is acknowledged only once its answer is
+                  whole and only the delivery that owns the job can mark it succeeded
+    api  wait     BLPOP notify (the api never polls), then read the state and the answer
 
 This module holds the api side (:class:`RedisBroker`, asyncio) and what both sides share; the
 worker side is :class:`service.broker.redis_source.RedisJobSource` (synchronous, in worker
@@ -39,11 +41,12 @@ from redis.exceptions import (
 )
 
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
-from psgrad._wire import fields_from_safetensors, fields_to_safetensors
+from psgrad._wire import fields_to_safetensors
 from service import keys
+from service.broker.redis_answer import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
-from service.jobs import Job, JobState, JobStatus
+from service.jobs import Answer, Job, JobState, JobStatus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,41 +66,14 @@ redis.call('XADD', KEYS[1], '*', 'id', ARGV[4], 'n', ARGV[5])
 return 1
 """
 
-# KEYS: state, result, notify, stream, payload.
-# ARGV: group, entry id, status, result bytes, error json, finished_at, result ttl, notify ttl
-FINISH_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-local stored = 0
-if st == 'queued' or st == 'running' then
-  local ok = true
-  if ARGV[3] == 'succeeded' then
-    ok = redis.call('SET', KEYS[2], ARGV[4], 'NX', 'EX', ARGV[7])
-  end
-  if ok then
-    redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
-    if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
-    redis.call('EXPIRE', KEYS[1], ARGV[7])
-    redis.call('DEL', KEYS[5])
-    redis.call('RPUSH', KEYS[3], 'done')
-    redis.call('EXPIRE', KEYS[3], ARGV[8])
-    stored = 1
-  end
-end
-if ARGV[2] ~= '' then
-  redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[4], ARGV[2])
-end
-return stored
-"""
-
-# KEYS: state, notify, payload. ARGV: finished_at, result ttl, notify ttl
+# KEYS: state, notify, payload, answer. ARGV: finished_at, result ttl, notify ttl
 CANCEL_LUA = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return false end
 if st == 'queued' or st == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_at', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
-  redis.call('DEL', KEYS[3])
+  redis.call('DEL', KEYS[3], KEYS[4])
   redis.call('RPUSH', KEYS[2], 'done')
   redis.call('EXPIRE', KEYS[2], ARGV[3])
 end
@@ -130,25 +106,19 @@ def encode_payload(job: Job) -> tuple[bytes, int]:
     return fields_to_safetensors(job.fields, "request"), n
 
 
-def encode_result(result: Mapping[str, Any]) -> bytes:
-    return fields_to_safetensors(result, "response")
-
-
-def decode_state(job_id: str, raw: Mapping[Any, Any], result: bytes | None) -> JobState:
-    """The state hash (and the result bytes, once succeeded) as a :class:`JobState`."""
-    h = {text(k): text(v) for k, v in raw.items()}
+def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> JobState:
+    """The state hash (and its readable answer, see :class:`RedisAnswer`) as a :class:`JobState`."""
     status = JobStatus(h["status"])
     state = JobState(
         id=job_id, status=status,
         enqueued_at=float(h["enqueued_at"]) if "enqueued_at" in h else None,
         finished_at=float(h["finished_at"]) if "finished_at" in h else None,
+        answer=answer,
     )
     if "error" in h:
         state.error = json.loads(h["error"])
-    if status is JobStatus.SUCCEEDED:
-        if result is None:  # the result expired a moment before its state
-            raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
-        state.result = fields_from_safetensors(result, "response")
+    if status is JobStatus.SUCCEEDED and answer is None:  # expired a moment before its state
+        raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
     return state
 
 
@@ -234,7 +204,7 @@ class RedisBroker:
 
     async def wait(self, job_id: str, timeout: float) -> JobState:
         state = await self.state(job_id)
-        if state.status.done or timeout <= 0:
+        if state.status.done or state.answer is not None or timeout <= 0:
             return state
         notify = keys.job_notify(self.prefix, job_id)
         popped = await self._call(lambda: asyncio.wait_for(
@@ -247,22 +217,23 @@ class RedisBroker:
         p = self.prefix
 
         async def read() -> list[Any]:
-            async with self.bulk.pipeline(transaction=False) as pipe:
+            async with self.r.pipeline(transaction=False) as pipe:
                 pipe.hgetall(keys.job_state(p, job_id))
-                pipe.get(keys.job_result(p, job_id))
+                pipe.xrange(keys.job_answer(p, job_id), count=1)  # its header, if any
                 return cast("list[Any]", await pipe.execute())
 
-        raw, result = await self._call(read)
+        raw, first = await self._call(read)
         if not raw:
             raise UnknownJob(f"unknown job '{job_id}' (never submitted, or its result expired "
                              f"after {self.settings.result_ttl_s} s)", id=job_id)
-        return decode_state(job_id, raw, result)
+        h = {text(k): text(v) for k, v in raw.items()}
+        return decode_state(job_id, h, RedisAnswer.found(self.blocking, p, job_id, h, first))
 
     async def cancel(self, job_id: str) -> JobState:
         p = self.prefix
         found = await self._call(lambda: self._cancel(
             keys=[keys.job_state(p, job_id), keys.job_notify(p, job_id),
-                  keys.job_payload(p, job_id)],
+                  keys.job_payload(p, job_id), keys.job_answer(p, job_id)],
             args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
         ))
         if not found:
@@ -273,7 +244,7 @@ class RedisBroker:
         p = self.prefix
         try:
             await self._call(lambda: self.r.delete(
-                keys.job_state(p, job_id), keys.job_result(p, job_id),
+                keys.job_state(p, job_id), keys.job_answer(p, job_id),
                 keys.job_payload(p, job_id), keys.job_notify(p, job_id)))
         except Overloaded as exc:  # the keys expire by themselves
             log.warning("could not drop job %s now: %s", job_id, exc.message)

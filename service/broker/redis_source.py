@@ -28,47 +28,25 @@ from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import fields_from_safetensors
 from service import keys
 from service.broker.redis import (
-    FINISH_LUA,
-    encode_result,
     redis_unavailable,
     text,
     value_limit,
 )
+from service.broker.redis_answer import AnswerWriter
+from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, RETRY_LUA, START_LUA
 from service.config import Settings
 from service.connections import connection_kwargs
-from service.jobs import Job, JobStatus, answer_too_large
+from service.jobs import Job, JobStatus, batch_until
 
 log = logging.getLogger(__name__)
 
-# KEYS: state. ARGV: started_at, worker
-START_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'queued' or st == 'running' then
-  redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
-end
-return st
-"""
-
-# KEYS: state, stream. ARGV: group, old entry id, last error json, id, n
-RETRY_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'queued' or st == 'running' then
-  redis.call('HSET', KEYS[1], 'status', 'queued')
-  if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[3]) end
-  redis.call('XADD', KEYS[2], '*', 'id', ARGV[4], 'n', ARGV[5])
-end
-redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[2], ARGV[2])
-return st
-"""
-
-# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL).
-ATTEMPT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-"""
-
 Entry = tuple[str, str, int]  # stream entry id, job id, samples
+
+
+def _entry_time(entry_id: str) -> float:
+    """When an entry was added (epoch seconds): its id starts with Redis's clock in ms."""
+    ms, _, _ = entry_id.partition("-")
+    return int(ms) / 1000.0 if ms.isdigit() else time.time()
 
 
 def consumer_name(device: str = "cpu") -> str:
@@ -93,7 +71,9 @@ class RedisJobSource:
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
-        self.max_value_bytes = self._value_limit()
+        # answers travel in pieces (no cap of one value); each piece fits in one value
+        self.max_value_bytes: int | None = None
+        self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit() // 2)
         self._finish = self.r.register_script(FINISH_LUA)
         self._start = self.r.register_script(START_LUA)
         self._retry = self.r.register_script(RETRY_LUA)
@@ -196,13 +176,18 @@ class RedisJobSource:
                        args=[now, self.name])
 
     def succeed(self, job: Job, result: dict[str, Any]) -> None:
-        data = encode_result(result)
-        if len(data) > self.max_value_bytes:  # Redis would cut the connection: say so instead
-            err = answer_too_large(len(data), self.max_value_bytes,
-                                   "the most Redis keeps in one value (proto-max-bulk-len)")
-            self._end(job, JobStatus.FAILED, b"", json.dumps(err.to_dict()))
+        """Write the answer in pieces, then mark it whole (the end script)."""
+        ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+        writer = AnswerWriter(self.r, self.prefix, job.id, job.attempts, ttl_s=ttl,
+                              piece_bytes=self.piece_bytes)
+        written = self._call(writer.write, result)
+        if written is None:
+            log.error("job %s: Redis failed while its answer was written; it stays pending "
+                      "and is redone after the visibility timeout", job.id)
             return
-        self._end(job, JobStatus.SUCCEEDED, data, "")
+        # not written (no longer ours): the end script only acknowledges, or leaves it to
+        # the delivery that owns it now
+        self._end(job, JobStatus.SUCCEEDED, "")
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         body = json.dumps(error)
@@ -214,10 +199,10 @@ class RedisJobSource:
             if ok:
                 self._forget(job.id)
             return
-        self._end(job, JobStatus.FAILED, b"", body)
+        self._end(job, JobStatus.FAILED, body)
 
     def acknowledge_canceled(self, job: Job) -> None:
-        self._end(job, JobStatus.CANCELED, b"", "")  # the script stores nothing over 'canceled'
+        self._end(job, JobStatus.CANCELED, "")  # the script stores nothing over 'canceled'
 
     def is_canceled(self, job_id: str) -> bool:
         status = self._call(self.r.hget, keys.job_state(self.prefix, job_id), "status")
@@ -241,10 +226,12 @@ class RedisJobSource:
                 raise
         self._group_ready = True
 
-    def _read(self, count: int, block_ms: int) -> list[Entry]:
+    def _read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries; ``block_ms`` None: only those already there (no wait)."""
+        block = None if block_ms is None else max(1, block_ms)
         try:
             reply: Any = self.r.xreadgroup(keys.STREAM_GROUP, self.name, {self.stream: ">"},
-                                           count=count, block=max(1, block_ms))
+                                           count=count, block=block)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -280,12 +267,15 @@ class RedisJobSource:
         self._buffer = []
         got += self._autoclaim(max_jobs)
         if not got:
+            got = self._read(max_jobs, None)  # what queued while this worker was busy
+        busy = bool(got)
+        if not got:
             got = self._read(max_jobs, int(block_s * 1000))
         if got:
-            until = time.monotonic() + max_delay_s
+            until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
             while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
-                   and (left := until - time.monotonic()) > 0):
-                more = self._read(max_jobs - len(got), int(left * 1000))
+                   and (left := until - time.time()) > 0):
+                more = self._read(max_jobs - len(got), max(1, int(left * 1000)))
                 if not more:
                     break
                 got += more
@@ -319,26 +309,26 @@ class RedisJobSource:
             self._entries[job_id] = entry
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
-                self._end_entry(job_id, JobStatus.CANCELED, b"", "")  # ended already: ack only
+                self._end_entry(job_id, JobStatus.CANCELED, "")  # ended already: ack only
                 continue
             if not payload:
                 gone = JobFailed("the job's request expired before a worker could take it")
-                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(gone.to_dict()))
+                self._end_entry(job_id, JobStatus.FAILED, json.dumps(gone.to_dict()))
                 continue
             if int(attempts) > self.settings.max_attempts:
-                self._end_entry(job_id, JobStatus.FAILED, b"", self._poison(state, attempts))
+                self._end_entry(job_id, JobStatus.FAILED, self._poison(state, attempts))
                 continue
             deadline = float(state.get("deadline", "inf"))
             if deadline < now:
                 err = DeadlineExceeded("the job's deadline passed before a worker could take "
                                        "it; it was not computed", waited_s=now - deadline)
-                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(err.to_dict()))
+                self._end_entry(job_id, JobStatus.FAILED, json.dumps(err.to_dict()))
                 continue
             try:
                 fields = fields_from_safetensors(payload, "request")
             except PsgradError as exc:
                 bad = BadRequest(f"the stored request cannot be decoded: {exc.message}")
-                self._end_entry(job_id, JobStatus.FAILED, b"", json.dumps(bad.to_dict()))
+                self._end_entry(job_id, JobStatus.FAILED, json.dumps(bad.to_dict()))
                 continue
             jobs.append(Job(id=job_id, fields=fields, deadline=deadline,
                             enqueued_at=float(state.get("enqueued_at", now)),
@@ -355,20 +345,20 @@ class RedisJobSource:
         )
         return json.dumps(err.to_dict())
 
-    def _end(self, job: Job, status: JobStatus, result: bytes, error: str) -> None:
-        if self._end_entry(job.id, status, result, error):
+    def _end(self, job: Job, status: JobStatus, error: str) -> None:
+        if self._end_entry(job.id, status, error, job.attempts):
             return
         log.error("job %s: could not store its end; it stays pending and is redone after "
                   "the visibility timeout", job.id)
 
-    def _end_entry(self, job_id: str, status: JobStatus, result: bytes, error: str) -> bool:
+    def _end_entry(self, job_id: str, status: JobStatus, error: str, attempt: int = 0) -> bool:
         p = self.prefix
         entry = self._entries.get(job_id)
         ok = self._persist(
             self._finish,
-            keys=[keys.job_state(p, job_id), keys.job_result(p, job_id),
+            keys=[keys.job_state(p, job_id), keys.job_answer(p, job_id),
                   keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
-            args=[keys.STREAM_GROUP, entry[0] if entry else "", status.value, result, error,
+            args=[keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt, error,
                   repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
         )
         if ok:

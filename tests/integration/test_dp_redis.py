@@ -23,7 +23,7 @@ from service.dp.runs import DPRun, RedisRunStore
 from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
 from service.worker import Worker
-from tests.support.redis import prefix_on, redis_or_skip
+from tests.support.redis import prefix_on, redis_or_skip, result_of
 
 
 @pytest.fixture
@@ -82,7 +82,8 @@ async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
         Worker(source, ModelRegistry(), settings).process(taken)
         state = await broker.wait(job.id, 10)
         assert state.status is JobStatus.SUCCEEDED, state.error
-        assert state.result is not None and state.result["dp"]["steps"] == 1
+        result = await result_of(state)
+        assert result is not None and result["dp"]["steps"] == 1
         assert runs.store_for(settings).get(run.id) == (run, 1)
     finally:
         source.close()

@@ -26,7 +26,7 @@ from service.jobs import Job, JobStatus, new_job_id
 from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
 from service.worker import Worker
-from tests.support.redis import OwnRedis, prefix_on, redis_or_skip
+from tests.support.redis import OwnRedis, prefix_on, redis_or_skip, result_of
 
 
 @pytest.fixture
@@ -81,14 +81,15 @@ async def test_submit_take_succeed_wait(settings: Settings) -> None:
         for w in (waiter, waiter2):  # both waiters wake: the token is handed on
             state = await asyncio.wait_for(w, 5)
             assert state.status is JobStatus.SUCCEEDED
-            assert state.result is not None
-            assert state.result["losses"].tolist() == [1.5]
-            assert state.result["timing"] == {"compute_ms": 1.0}
+            result_read = await result_of(state)
+            assert result_read is not None
+            assert result_read["losses"].tolist() == [1.5]
+            assert result_read["timing"] == {"compute_ms": 1.0}
         # a redelivered copy cannot answer again, differently
         source._entries[taken[0].id] = ("0-1", taken[0].id, 1)
         source.succeed(taken[0], {"losses": np.array([9.0], dtype=np.float32)})
-        again = await broker.state(jobs[0].id)
-        assert again.result is not None and again.result["losses"].tolist() == [1.5]
+        again = await result_of(await broker.state(jobs[0].id))
+        assert again is not None and again["losses"].tolist() == [1.5]
 
         source.fail(taken[1], {"error": {"code": "invalid_input", "message": "no"}},
                     retry=False)
@@ -289,9 +290,9 @@ async def test_redis_outage_gives_503_then_recovers(tmp_path: Path) -> None:
         own.kill()
 
 
-async def test_a_result_over_the_value_limit_fails_as_too_large(tmp_path: Path) -> None:
-    """The exact check after encoding: Redis would drop the connection, the job would stay
-    running; it ends failed with a 413 body instead."""
+async def test_a_result_over_the_value_limit_travels_in_pieces(tmp_path: Path) -> None:
+    """Results have no single-value cap: a result larger than proto-max-bulk-len (1 MiB here)
+    is stored as pieces that each fit, and read back whole; requests keep the limit."""
     own = OwnRedis(tmp_path, "--proto-max-bulk-len", "1mb")
     own.start()
     settings = Settings(redis_url=own.url, redis_prefix="bulk", heartbeat_s=0.2)
@@ -299,21 +300,50 @@ async def test_a_result_over_the_value_limit_fails_as_too_large(tmp_path: Path) 
     source = RedisJobSource(settings, name="w")
     try:
         await broker.start()
-        assert source.max_value_bytes == broker.max_value_bytes == 1 << 20
+        assert broker.max_value_bytes == 1 << 20 and source.max_value_bytes is None
+        assert source.piece_bytes <= 1 << 19
         big, fits = job(), job()
         for j in (big, fits):
             await broker.submit(j)
         taken = {t.id: t for t in take_all(source)}
-        source.succeed(taken[big.id], {"grads": np.ones(300_000, dtype=np.float32)})
+        source.started(list(taken.values()))
+        grads = np.arange(900_000, dtype=np.float32)  # 3.6 MB
+        source.succeed(taken[big.id], {"grads": grads, "norms": np.ones(3, np.float32)})
         source.succeed(taken[fits.id], {"grads": np.ones(200_000, dtype=np.float32)})
         state = await broker.wait(big.id, 5)
-        assert state.status is JobStatus.FAILED and state.error is not None
-        assert state.error["error"]["code"] == "too_large", state.error
-        assert state.error["error"]["details"]["limit"] == 1 << 20
-        done = await broker.wait(fits.id, 5)
-        assert done.status is JobStatus.SUCCEEDED and done.result is not None
-        np.testing.assert_array_equal(done.result["grads"], np.ones(200_000, dtype=np.float32))
+        assert state.status is JobStatus.SUCCEEDED and state.answer is not None
+        assert state.answer.size > 3_600_000
+        read = await result_of(state)
+        assert read is not None
+        np.testing.assert_array_equal(read["grads"], grads)
+        entries = redis.Redis.from_url(own.url).xrange(keys.job_answer("bulk", big.id))
+        assert len(entries) >= 8 and all(len(f.get(b"d", b"")) <= 1 << 19 for _, f in entries)
+        done = await result_of(await broker.wait(fits.id, 5))
+        assert done is not None
+        np.testing.assert_array_equal(done["grads"], np.ones(200_000, dtype=np.float32))
     finally:
         source.close()
         await broker.close()
         own.kill()
+
+
+async def test_an_idle_worker_takes_a_lone_job_without_waiting_the_window(
+        settings: Settings) -> None:
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings)
+    try:
+        source.take(1, 1, 0.0, 0.01)  # the consumer group exists: the job below is read
+
+        async def submit_later() -> Job:
+            await asyncio.sleep(0.3)  # the worker is idle, blocked in XREADGROUP
+            j = job(1)
+            await broker.submit(j)
+            return j
+
+        window_s = 60.0  # no test sits this out: waiting for it would time the test out
+        taken, submitted = await asyncio.wait_for(asyncio.gather(
+            asyncio.to_thread(source.take, 64, 512, window_s, 20.0), submit_later()), 20.0)
+        assert [t.id for t in taken] == [submitted.id]
+    finally:
+        source.close()
+        await broker.close()

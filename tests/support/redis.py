@@ -105,3 +105,12 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+async def result_of(state: Any) -> dict[str, Any] | None:
+    """A job state's result: whole (embedded) or read from its answer's pieces (Redis)."""
+    from service.jobs import read_answer
+
+    if state.answer is not None:
+        return await read_answer(state.answer)
+    return state.result  # type: ignore[no-any-return]

@@ -9,15 +9,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.background import BackgroundTask
 
 from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
 from psgrad._wire import JSON, SAFETENSORS
+from service.api.answers import answer_response
 from service.api.body import decode_request, encode_result
 from service.api.deps import ApiKey, StateDep
 from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
-from service.jobs import Job, JobStatus, new_job_id
+from service.jobs import Job, JobStatus, new_job_id, read_answer
 
 router = APIRouter(tags=["per-sample gradients"], dependencies=[ApiKey])
 
@@ -73,16 +75,20 @@ async def per_sample_grads(request: Request, state: StateDep) -> Response:
     (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504.
     """
     job = await new_job(request, state)
-    return await encode_result(request, await answer_of(state, job))
+    return await answer_of(state, job, request)
 
 
-async def answer_of(state: StateDep, job: Job) -> Any:
-    """Wait for ``job``'s answer; past its deadline cancel it (504). It is forgotten after."""
+async def answer_of(state: StateDep, job: Job, request: Request | None = None) -> Any:
+    """Wait for ``job``'s answer; past its deadline cancel it (504). It is forgotten after.
+
+    With ``request``: the HTTP answer (an answer in pieces relayed as they land); without: the
+    result's fields (an answer in pieces read whole first).
+    """
     broker = state.broker
-    done = False
+    done = relayed = False
     try:
         st = await broker.wait(job.id, max(0.0, job.deadline - time.time()))
-        done = st.status.done
+        done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
             raise DeadlineExceeded(
                 f"no answer within {state.settings.request_timeout_s:g} s "
@@ -92,13 +98,20 @@ async def answer_of(state: StateDep, job: Job) -> Any:
             )
         if st.status is JobStatus.FAILED:
             raise error_from_body(st.error, 500)
+        if st.answer is not None:
+            if request is None:
+                return await read_answer(st.answer)
+            relayed = True  # forgotten once relayed, not before
+            return await answer_response(
+                request, st.answer, background=BackgroundTask(broker.forget, job.id))
         if st.status is JobStatus.CANCELED or st.result is None:
             raise JobCanceled(f"job {job.id} was canceled")
-        return st.result
+        return st.result if request is None else await encode_result(request, st.result)
     finally:
         if not done:
             await asyncio.shield(_cancel_quietly(state, job.id))
-        await asyncio.shield(broker.forget(job.id))
+        if not relayed:
+            await asyncio.shield(broker.forget(job.id))
 
 
 async def _cancel_quietly(state: StateDep, job_id: str) -> None:

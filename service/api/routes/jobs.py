@@ -19,11 +19,12 @@ from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import InvalidInput, UnknownJob
 from psgrad._wire import SAFETENSORS
+from service.api.answers import answer_response
 from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import GradsRequest, JobCreated, JobView, errors
-from service.jobs import JobState, JobStatus
+from service.jobs import JobState, JobStatus, read_answer
 from service.validate import TENSOR_DICT_FIELDS, parse_request
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
@@ -67,6 +68,11 @@ async def get_job(job_id: JobId, request: Request, state: StateDep) -> Response:
     """The status; once succeeded the result (a safetensors file when ``Accept`` asks for it,
     else JSON under ``result``), once failed the error under ``error``."""
     st = await state.broker.state(_checked(job_id))
+    if st.status is JobStatus.SUCCEEDED and st.answer is not None:  # Redis: read in pieces
+        if wants_safetensors(request):
+            return await answer_response(
+                request, st.answer, headers={"X-Psgrad-Job-Status": st.status.value})
+        return await json_response({**_view(st), "result": await read_answer(st.answer)})
     if st.result is None:
         return JSONResponse(_view(st))
     if wants_safetensors(request):

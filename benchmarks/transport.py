@@ -1,0 +1,191 @@
+"""Full per-sample gradients over the wire: what each way of serving adds to the engine.
+
+For simple-cnn norms at B=64, grads at B=64 (293 MiB) and grads at B=256 (1.2 GB), one
+interleaved run times:
+
+- engine: parse + engine call + the answer as numpy arrays, in this process;
+- floor: one loopback socket transfer of the answer's bytes (its safetensors size) into a
+  preallocated buffer, measured in the same run: what any server must pay to hand the answer on;
+- embedded: the SDK (safetensors, read into arrays allocated once) against ``psgrad serve``
+  with its in-process worker thread;
+- redis-1 / redis-2: the same through ``psgrad serve`` on Redis with one and with two
+  ``psgrad worker`` processes (the answer goes worker -> Redis -> api -> client in pieces).
+
+Medians per case and method, and the goals: embedded <= engine + 1.5 x floor, Redis <= engine +
+2.5 x floor. Needs Redis at PSGRAD_REDIS_URL (default the local one; keys under a fresh prefix,
+deleted at the end) and about 8 GB of free memory for the B=256 case. A shared 2-core machine:
+the figures are noisy, read the ratios.
+
+    python benchmarks/transport.py [--repeats 3] [--cases norms:64,grads:64,grads:256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+from batching import URL, free_port, serve, start, stop, wait_ready
+
+import psgrad
+from psgrad._wire import RESPONSE_KEY, safetensors_parts
+from service import engine
+from service.registry import ModelRegistry
+from service.validate import parse_request
+
+METHODS = ("engine", "floor", "embedded", "redis-1", "redis-2")
+GOALS = {"embedded": 1.5, "redis-1": 2.5, "redis-2": 2.5}
+
+
+def fields(output: str, batch: int) -> dict[str, Any]:
+    rng = np.random.default_rng(batch)
+    return {"model": "simple-cnn", "outputs": [output],
+            "inputs": rng.random((batch, 1, 28, 28), dtype=np.float32),
+            "targets": rng.integers(0, 10, batch)}
+
+
+def in_process(registry: ModelRegistry, request: dict[str, Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        parsed = parse_request(request, registry)
+        out = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
+        return {k: ({p: t.detach().numpy() for p, t in v.items()} if isinstance(v, dict)
+                    else v.detach().numpy()) for k, v in out.items() if k != "meta"}
+
+    return run
+
+
+class Floor:
+    """One loopback transfer of ``size`` bytes into a preallocated buffer, per call."""
+
+    def __init__(self, size: int) -> None:
+        self.payload = memoryview(np.ones(size, np.uint8))
+        self.buffer = memoryview(np.empty(size, np.uint8))
+
+    def __call__(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            port = server.getsockname()[1]
+
+            def send() -> None:
+                conn, _ = server.accept()
+                with conn:
+                    conn.sendall(self.payload)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                got = 0
+                while got < len(self.buffer):
+                    got += conn.recv_into(self.buffer[got:], len(self.buffer) - got)
+            sender.join()
+
+
+def over_sdk(client: psgrad.Client, request: dict[str, Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        return client.per_sample_grads(request["model"], request["inputs"],
+                                       request["targets"], outputs=request["outputs"])
+
+    return run
+
+
+def answer_bytes(result: dict[str, Any]) -> int:
+    answer = {"model": "simple-cnn", **result}
+    return sum(len(p) for p in safetensors_parts(answer, RESPONSE_KEY))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default="norms:64,grads:64,grads:256")
+    args = parser.parse_args()
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
+    prefixes = [f"psgrad-bench-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    procs = []
+    urls: dict[str, str] = {}
+    try:
+        port = free_port()
+        procs.append(serve(port, workers=1, device="cpu"))
+        urls["embedded"] = f"http://127.0.0.1:{port}"
+        for name, prefix, n in (("redis-1", prefixes[0], 1), ("redis-2", prefixes[1], 2)):
+            port = free_port()
+            settings = {"redis_url": URL, "redis_prefix": prefix, "device": "cpu"}
+            procs.append(serve(port, **settings))
+            procs += [start(["worker", "--device", "cpu"], **settings) for _ in range(n)]
+            urls[name] = f"http://127.0.0.1:{port}"
+        for url in urls.values():
+            wait_ready(url)
+        clients = {name: psgrad.Client(url, timeout=900) for name, url in urls.items()}
+        registry = ModelRegistry()
+        runs: dict[tuple[str, int], dict[str, Callable[[], Any]]] = {}
+        sizes: dict[tuple[str, int], int] = {}
+        for output, batch in cases:
+            request = fields(output, batch)
+            engine_run = in_process(registry, request)
+            sizes[(output, batch)] = answer_bytes(engine_run())
+            runs[(output, batch)] = {"engine": engine_run,
+                                     "floor": Floor(sizes[(output, batch)]),
+                                     **{n: over_sdk(c, request) for n, c in clients.items()}}
+            for fn in runs[(output, batch)].values():  # warm up: caches, first-touch memory
+                fn()
+        times: dict[tuple[str, int], dict[str, list[float]]] = {
+            case: {m: [] for m in METHODS} for case in runs}
+        for rep in range(args.repeats):
+            for case, methods in runs.items():
+                for method, fn in methods.items():
+                    times[case][method].append(timed(fn))
+            print(f"  round {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+        for client in clients.values():
+            client.close()
+    finally:
+        for proc in procs:
+            stop(proc)
+        import redis
+
+        r = redis.Redis.from_url(URL)
+        for prefix in prefixes:
+            doomed = list(r.scan_iter(match=f"{prefix}:*"))
+            if doomed:
+                r.delete(*doomed)
+        r.close()
+    report(times, sizes, args.repeats)
+
+
+def report(times: dict[tuple[str, int], dict[str, list[float]]],
+           sizes: dict[tuple[str, int], int], repeats: int) -> None:
+    print(f"simple-cnn, medians of {repeats} interleaved rounds (ms); goal: embedded <= engine "
+          "+ 1.5 x floor, Redis <= engine + 2.5 x floor")
+    print("| case | answer | engine | floor | embedded | Redis, 1 worker | Redis, 2 workers |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    verdicts = []
+    for (output, batch), per in times.items():
+        med = {m: statistics.median(v) * 1e3 for m, v in per.items()}
+        size = sizes[(output, batch)]
+        cells = [f"{med['engine']:.0f}", f"{med['floor']:.0f}"]
+        for method, k in GOALS.items():
+            excess = (med[method] - med["engine"]) / med["floor"]
+            cells.append(f"{med[method]:.0f} (engine + {excess:.1f} x floor)")
+            if output == "grads":  # a few hundred bytes: the floor is a connection setup
+                verdicts.append(f"{output} B={batch} {method}: "
+                                f"{'met' if excess <= k else 'MISSED'} ({excess:.2f} <= {k})")
+        answer = f"{size / 2**20:.1f} MiB" if size > 2**20 else f"{size} B"
+        print(f"| {output} B={batch} | {answer} | " + " | ".join(cells) + " |")
+    print()
+    print("\n".join(verdicts))
+
+
+if __name__ == "__main__":
+    main()

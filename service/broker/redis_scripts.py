@@ -1,0 +1,73 @@
+"""The worker side's Lua scripts: each changes a job's state and its stream entry together.
+
+Only small values pass through them (ids, statuses, errors, numbers); answers travel as stream
+pieces (:mod:`service.broker.redis_answer`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ATTEMPT_LUA", "FINISH_LUA", "RETRY_LUA", "START_LUA"]
+
+# KEYS: state, answer, notify, stream, payload.
+# ARGV: group, entry id, status, attempt, error json, finished_at, result ttl, notify ttl.
+# 'succeeded' comes after the answer's last piece, and only from the delivery that owns the job
+# (its attempt is the state's latest): it names that attempt as the whole answer. A stale
+# delivery (its job taken over) neither ends nor acknowledges the job: the owner does.
+FINISH_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+local stored = 0
+if st == 'queued' or st == 'running' then
+  if ARGV[3] == 'succeeded' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[4] then
+    return 0
+  end
+  redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
+  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
+  if ARGV[3] == 'succeeded' then
+    redis.call('HSET', KEYS[1], 'answer', ARGV[4])
+    redis.call('XADD', KEYS[2], '*', 'a', ARGV[4], 'k', 'end')
+    redis.call('EXPIRE', KEYS[2], ARGV[7])
+  else
+    redis.call('DEL', KEYS[2])
+  end
+  redis.call('EXPIRE', KEYS[1], ARGV[7])
+  redis.call('DEL', KEYS[5])
+  redis.call('RPUSH', KEYS[3], 'done')
+  redis.call('EXPIRE', KEYS[3], ARGV[8])
+  stored = 1
+elseif st ~= 'succeeded' then
+  redis.call('DEL', KEYS[2])
+end
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[4], ARGV[2])
+end
+return stored
+"""
+
+# KEYS: state. ARGV: started_at, worker
+START_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'queued' or st == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
+end
+return st
+"""
+
+# KEYS: state, stream. ARGV: group, old entry id, last error json, id, n
+RETRY_LUA = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'queued' or st == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'queued')
+  if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[3]) end
+  redis.call('XADD', KEYS[2], '*', 'id', ARGV[4], 'n', ARGV[5])
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+return st
+"""
+
+# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL).
+ATTEMPT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+"""

@@ -1,0 +1,138 @@
+"""``answer_dtype``: float16 and bfloat16 answers hold the float32 answer rounded to nearest, so
+each number is within the format's relative rounding error (2^-11 for float16 in its normal
+range, 2^-8 for bfloat16), on both wire forms and through the SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+import psgrad
+from psgrad._stream import AnswerReader
+from psgrad._wire import RESPONSE_KEY
+from service.api import create_app
+from service.config import Settings
+from tests.support.api import open_client
+from tests.support.client import running_app
+
+MODEL = "value-mlp"
+OUTPUTS = ["grads", "norms", "losses", "mean"]
+# unit roundoff of round to nearest; float16's smallest normal is 2^-14 (below it the absolute
+# error is at most half its subnormal spacing, 2^-25)
+BOUND = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 0.0)}
+
+
+def doc(answer_dtype: str | None = None) -> dict[str, Any]:
+    rng = np.random.default_rng(3)
+    body: dict[str, Any] = {"model": MODEL, "loss": "mse", "outputs": OUTPUTS,
+                            "inputs": rng.normal(size=(6, 8)).tolist(),
+                            "targets": rng.normal(size=6).tolist()}
+    if answer_dtype is not None:
+        body["answer_dtype"] = answer_dtype
+    return body
+
+
+def flat(result: dict[str, Any]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name in OUTPUTS:
+        value = result[name]
+        for key, arr in (value.items() if isinstance(value, dict) else [("", value)]):
+            out[f"{name}.{key}"] = np.asarray(arr)
+    return out
+
+
+def assert_rounded(half: dict[str, np.ndarray], full: dict[str, np.ndarray], dtype: str) -> None:
+    rel, tiny = BOUND[dtype]
+    assert list(half) == list(full)
+    for name, ref in full.items():
+        got = half[name].astype(np.float64)
+        ref64 = ref.astype(np.float64)
+        assert got.shape == ref64.shape, name
+        assert np.all(np.abs(got - ref64) <= rel * np.abs(ref64) + tiny), name
+        assert np.any(got != ref64) or not np.any(ref64), f"{name} was not rounded"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_safetensors_answers_are_half_the_bytes_and_rounded(dtype: str) -> None:
+    accept = {"Accept": "application/x-safetensors"}
+    async with open_client() as c:
+        full = await c.post("/per-sample-grads", json=doc(), headers=accept)
+        half = await c.post("/per-sample-grads", json=doc(dtype), headers=accept)
+    assert full.status_code == half.status_code == 200, half.text
+    header = len(half.content[:8]) + int.from_bytes(half.content[:8], "little")
+    assert len(half.content) - header < (len(full.content) - header) * 0.51
+    st_name = {"float16": "F16", "bfloat16": "BF16"}[dtype]
+    assert st_name in half.content[:header].decode()
+    read = []
+    for body in (full.content, half.content):
+        reader = AnswerReader(RESPONSE_KEY)
+        reader.feed(body)
+        read.append(flat(reader.fields()))
+    assert_rounded(read[1], read[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_json_answers_hold_the_rounded_numbers(dtype: str) -> None:
+    async with open_client() as c:
+        full = (await c.post("/per-sample-grads", json=doc())).json()
+        half = (await c.post("/per-sample-grads", json=doc(dtype))).json()
+    assert_rounded(flat(half), flat(full), dtype)
+
+
+async def test_an_unknown_answer_dtype_is_422() -> None:
+    async with open_client() as c:
+        r = await c.post("/per-sample-grads", json=doc("int8"))
+    assert r.status_code == 422, r.text
+    assert "answer_dtype" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[httpx.BaseTransport]:
+    with running_app(create_app(Settings(workers=1, batch_max_delay_ms=0.0))) as t:
+        yield t
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_the_sdk_returns_float16_and_widened_bfloat16_arrays(
+        transport: httpx.BaseTransport, binary: bool) -> None:
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(5, 8)).astype(np.float32), rng.normal(size=5).astype(np.float32)
+    with psgrad.Client("http://app", transport=transport, binary=binary) as client:
+        answers = {dtype: client.per_sample_grads(MODEL, x, y, loss="mse", outputs=OUTPUTS,
+                                                  answer_dtype=dtype)
+                   for dtype in ("float32", "float16", "bfloat16")}
+        with pytest.raises(psgrad.InvalidInput):
+            client.per_sample_grads(MODEL, x, y, loss="mse", answer_dtype="float64")
+    full = flat({n: answers["float32"][n] for n in OUTPUTS})
+    for dtype, want in (("float16", np.float16), ("bfloat16", np.float32)):
+        half = flat({n: answers[dtype][n] for n in OUTPUTS})
+        if binary:
+            assert all(a.dtype == want for a in half.values()), dtype
+        assert_rounded(half, full, dtype)
+
+
+async def test_embedded_answers_stream_in_pieces_the_reader_fills_in_place() -> None:
+    """Embedded mode: the safetensors answer goes out as its header, then views of the arrays
+    (no copy of the whole answer); read piece by piece it equals the JSON answer."""
+    rng = np.random.default_rng(4)
+    body = {"model": "mlp", "inputs": rng.normal(size=(3, 784)).tolist(), "targets": [1, 2, 3]}
+    async with open_client() as c:
+        want = (await c.post("/per-sample-grads", json=body)).json()
+        reader = AnswerReader(RESPONSE_KEY)
+        pieces = 0
+        async with c.stream("POST", "/per-sample-grads", json=body,
+                            headers={"Accept": "application/x-safetensors"}) as r:
+            assert r.status_code == 200
+            size = int(r.headers["content-length"])
+            async for chunk in r.aiter_raw():  # in-process: one chunk; a socket: many
+                for start in range(0, len(chunk), 1 << 20):
+                    reader.feed(chunk[start:start + (1 << 20)])
+                    pieces += 1
+    assert size > 8_000_000 and pieces > 1  # 8 MB of grads
+    got = reader.fields()
+    for name, arr in got["grads"].items():
+        np.testing.assert_allclose(arr, np.asarray(want["grads"][name], np.float32), rtol=1e-6)

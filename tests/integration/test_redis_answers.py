@@ -1,0 +1,197 @@
+"""Answers through Redis in pieces: relayed whole or not at all, expiring, deleted with the job,
+dropped on cancel, and a worker killed (-9) mid-answer leaving its job to be retried."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from psgrad._stream import AnswerReader
+from psgrad._wire import RESPONSE_KEY
+from service import keys
+from service.broker.redis import RedisBroker
+from service.broker.redis_answer import AnswerWriter, pieces
+from service.broker.redis_source import RedisJobSource
+from service.config import Settings
+from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
+from tests.integration.test_redis_distributed import (
+    check_answer,
+    cluster,
+    env_of,
+    job_done,
+    make_registry,
+)
+from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
+
+RESULT = {"model": "x", "grads": {"w": np.arange(300_000, dtype=np.float32)},
+          "norms": np.ones(4, np.float32)}
+
+
+@pytest.fixture
+def shared() -> Iterator[redis.Redis]:
+    client = redis_or_skip()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(shared: redis.Redis) -> Iterator[Settings]:
+    with prefix_on(shared) as prefix:
+        yield Settings(redis_url=SHARED_URL, redis_prefix=prefix, visibility_timeout_s=0.5,
+                       result_ttl_s=30, heartbeat_s=0.2)
+
+
+def job() -> Job:
+    fields: dict[str, Any] = {"model": "mlp", "inputs": np.zeros((1, 4), np.float32)}
+    return Job(id=new_job_id(), fields=fields, deadline=time.time() + 60)
+
+
+async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
+        settings: Settings, shared: redis.Redis) -> None:
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    try:
+        j = job()
+        await broker.submit(j)
+        taken = source.take(1, 10, 0.0, 1.0)
+        source.started(taken)
+        writer = AnswerWriter(shared, settings.redis_prefix, j.id, taken[0].attempts, ttl_s=30,
+                              piece_bytes=64 << 10)
+        from psgrad._wire import safetensors_parts
+
+        head, *data = safetensors_parts(RESULT, RESPONSE_KEY)
+        assert writer.begin(bytes(head))
+        cut = list(pieces(data, 64 << 10))
+        writer.add(shared, cut[0])
+        state = await broker.wait(j.id, 5)  # the header landed: the answer is readable
+        assert state.status is JobStatus.RUNNING and state.answer is not None
+        reading = asyncio.create_task(read_answer(state.answer))
+        await asyncio.sleep(0.2)
+        assert not reading.done()
+        assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
+        key = keys.job_answer(settings.redis_prefix, j.id)
+        assert not shared.exists(key)
+        with pytest.raises(AnswerLost):
+            await asyncio.wait_for(reading, 10)
+        for piece in cut[1:3]:  # the worker goes on writing: the key it re-creates expires
+            writer.add(shared, piece)
+        assert 0 < shared.ttl(key) <= 30
+        source.succeed(taken[0], RESULT)  # nothing stored over 'canceled'
+        assert not shared.exists(key)
+        assert (await broker.state(j.id)).status is JobStatus.CANCELED
+    finally:
+        source.close()
+        await broker.close()
+
+
+async def test_answers_expire_and_are_deleted_with_the_job(
+        settings: Settings, shared: redis.Redis) -> None:
+    short = settings.model_copy(update={"result_ttl_s": 2})
+    broker, source = RedisBroker(short), RedisJobSource(short, name="w")
+    try:
+        jobs = [job(), job()]
+        for j in jobs:
+            await broker.submit(j)
+        taken = source.take(2, 10, 0.0, 1.0)
+        source.started(taken)
+        for t in taken:
+            source.succeed(t, RESULT)
+        key = keys.job_answer(short.redis_prefix, jobs[0].id)
+        assert 0 < shared.ttl(key) <= 2
+        read = await read_answer((await broker.state(jobs[0].id)).answer)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
+        await broker.forget(jobs[1].id)
+        assert not shared.exists(keys.job_answer(short.redis_prefix, jobs[1].id))
+        await asyncio.sleep(2.5)
+        assert not shared.exists(key)
+    finally:
+        source.close()
+        await broker.close()
+
+
+HALF_WRITER = """
+import os, signal, sys, numpy as np
+from psgrad._wire import RESPONSE_KEY, safetensors_parts
+from service.broker.redis_answer import AnswerWriter, pieces
+from service.broker.redis_source import RedisJobSource
+from service.config import Settings
+
+source = RedisJobSource(Settings(), name="doomed")
+taken = []
+while not taken:
+    taken = source.take(1, 10, 0.0, 1.0)
+source.started(taken)
+result = {"grads": {"w": np.ones(1_000_000, np.float32)}}
+head, *data = safetensors_parts(result, RESPONSE_KEY)
+writer = AnswerWriter(source.r, source.prefix, taken[0].id, taken[0].attempts, ttl_s=60)
+writer.begin(bytes(head))
+for piece in list(pieces(data, 64 << 10))[:5]:
+    writer.add(source.r, piece)
+print("half written", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+async def test_a_worker_killed_mid_answer_leaves_the_job_to_be_retried(
+        tmp_path: Path, shared: redis.Redis) -> None:
+    with prefix_on(shared) as prefix:
+        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=0) as c:
+            rng = np.random.default_rng(1)
+            request = {"model": "mlp", "inputs": rng.standard_normal((1, 784)).tolist(),
+                       "targets": [3]}  # grads: 2.7 MB
+            created = await c.client.post("/jobs", json=request)
+            job_id = created.json()["job_id"]
+            doomed = subprocess.run([sys.executable, "-c", HALF_WRITER], env=env_of(c.settings),
+                                    capture_output=True, timeout=120,
+                                    cwd=str(Path(__file__).resolve().parents[2]))
+            assert doomed.returncode == -9, doomed.stderr.decode()[-2000:]
+            state = await c.broker.state(job_id)  # attempt 1's half answer is all there is
+            assert state.status is JobStatus.RUNNING and state.answer is not None
+            reading = asyncio.create_task(read_answer(state.answer))
+            view = (await c.client.get(f"/jobs/{job_id}")).json()
+            assert view["status"] == "running" and view["result"] is None
+            half = await c.client.get(f"/jobs/{job_id}",
+                                      headers={"Accept": "application/x-safetensors"})
+            assert half.headers["content-type"].startswith("application/json")
+            c.start_worker()  # takes the job over after the visibility timeout
+            with pytest.raises(AnswerLost):
+                await asyncio.wait_for(reading, 60)
+            view = await job_done(c.client, job_id)
+            assert view["status"] == "succeeded", view
+            assert c.job_hash(job_id)["answer"] == "2"
+            reference = make_registry(c.settings)
+            check_answer(view["result"], request, reference)
+            binary = await c.client.get(f"/jobs/{job_id}",
+                                        headers={"Accept": "application/x-safetensors"})
+            reader = AnswerReader(RESPONSE_KEY)
+            reader.feed(binary.content)
+            check_answer(reader.fields(), request, reference)
+            reference.store.close()
+
+
+async def test_the_sync_route_relays_the_answer_and_forgets_it(
+        tmp_path: Path, shared: redis.Redis) -> None:
+    with prefix_on(shared) as prefix:
+        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1) as c:
+            rng = np.random.default_rng(2)
+            request = {"model": "mlp", "inputs": rng.standard_normal((2, 784)).tolist(),
+                       "targets": [3, 1], "answer_dtype": "float16"}
+            r = await c.client.post("/per-sample-grads", json=request,
+                                    headers={"Accept": "application/x-safetensors"})
+            assert r.status_code == 200, r.text
+            assert int(r.headers["content-length"]) == len(r.content)
+            reader = AnswerReader(RESPONSE_KEY)
+            reader.feed(r.content)
+            fields = reader.fields()
+            assert fields["grads"]["fc1.weight"].dtype == np.float16
+            await asyncio.sleep(0.3)  # the background task forgets the job once relayed
+            assert not list(shared.scan_iter(match=f"{prefix}:job:*:answer"))
+
