@@ -38,7 +38,10 @@ class Progress:
             if self._bar is None or self._bar.total != total:
                 if self._bar is not None:
                     self._bar.close()
-                self._bar = self._tqdm(total=total, desc=self.desc, unit="sample")
+                self._bar = self._tqdm(  # "done/total samples", as the plain bar reads
+                    total=total, desc=self.desc, unit="sample",
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} samples "
+                    "[{elapsed}<{remaining}, {rate_fmt}]")
             self._bar.update(done - self._bar.n)
             return
         if done < self._done:  # the plan started again with smaller chunks

@@ -8,6 +8,7 @@ and the SDK's combined answer over chunks must equal it.
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import numpy as np
@@ -151,7 +152,9 @@ def test_progress_callback_reaches_the_total() -> None:
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
 
 
-def test_plain_progress_bar_draws_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plain_progress_bar_draws_on_stderr(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # the plain bar, tqdm installed or not
     with make_client(FakeServer(limit=3)) as client:
         client.per_sample_grads("lin", np.ones((7, 2), np.float32), outputs=["norms"],
                                 progress=True)
