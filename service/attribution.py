@@ -34,7 +34,7 @@ def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection 
     dim, seed = fields.get("projection_dim"), fields.get("projection_seed")
     if dim is None:
         if seed is not None:
-            raise BadRequest("'projection_seed' needs 'projection_dim' (k, up to 8192)")
+            raise InvalidInput("'projection_seed' needs 'projection_dim' (k, up to 8192)")
         if "projection" in outputs:
             raise InvalidInput(f"output 'projection' needs 'projection_dim' (k, 1 to {MAX_DIM})")
         return None

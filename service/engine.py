@@ -59,7 +59,10 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     if sum(segments) != batch.size:
         raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
     call = prepare(model, batch, opts, segments, budget_bytes=budget_bytes, compiled=compiled)
-    strategies = _STRATEGIES if fast_stats else (_VMAP,)
+    # compiled functions (PSGRAD_COMPILE=1) are the vmap strategy's: per-sample gradients go
+    # through them; summaries still take fast statistics when those apply
+    vmap_only = not fast_stats or (compiled is not None and call.need.grads)
+    strategies = (_VMAP,) if vmap_only else _STRATEGIES
     with _LOCKS[hash(model.structure or model.ref) % len(_LOCKS)]:
         result = _run(strategies, call)
     return assemble(call, result)

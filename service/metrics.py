@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.fast_stats._plan import PLANS
+from service.lru import LockedLRU
 from service.strategies import per_sample
 
 __all__ = ["TIME_BUCKETS", "WorkerMetrics"]
@@ -22,20 +24,27 @@ TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 
 
 class _CacheCollector(Collector):
-    """The per-sample function cache's lookups, read on scrape (the cache counts them)."""
+    """The compute caches' lookups, read on scrape (each cache counts them): the per-sample
+    functions (``vmap``) and the fast-statistics plans (one per model structure and call shape).
+    """
+
+    CACHES: dict[str, LockedLRU[object, object]] = {
+        "per_sample_fn": per_sample.FUNCTIONS,  # type: ignore[dict-item]
+        "fast_stats_plan": PLANS,  # type: ignore[dict-item]
+    }
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "psgrad_cache_hits",
-            "lookups of the transformed-function cache that found an entry",
+        hits = CounterMetricFamily(
+            "psgrad_cache_hits", "lookups of a compute cache that found an entry",
             labels=["cache"],
         )
-        family.add_metric(["per_sample_fn"], per_sample.FUNCTIONS.hits)
-        yield family
         misses = CounterMetricFamily(
-            "psgrad_cache_misses", "lookups that had to build the function", labels=["cache"]
+            "psgrad_cache_misses", "lookups that had to build the entry", labels=["cache"]
         )
-        misses.add_metric(["per_sample_fn"], per_sample.FUNCTIONS.misses)
+        for name, cache in self.CACHES.items():
+            hits.add_metric([name], cache.hits)
+            misses.add_metric([name], cache.misses)
+        yield hits
         yield misses
 
 

@@ -92,11 +92,11 @@ def batch_inputs(raw: Any, model: LoadedModel) -> tuple[torch.Tensor, dict[str, 
     if isinstance(raw, dict):
         names = [s.name for s in specs]
         if set(raw) != set(names):
-            raise BadRequest(f"'inputs' names {', '.join(sorted(map(str, raw))) or 'nothing'}; "
+            raise InvalidInput(f"'inputs' names {', '.join(sorted(map(str, raw))) or 'nothing'}; "
                              f"'{model.id}' takes {', '.join(names)}", expected=names)
         arrays = [raw[n] for n in names]
     elif len(specs) > 1:
-        raise BadRequest(f"'{model.id}' takes several inputs: send 'inputs' as an object "
+        raise InvalidInput(f"'{model.id}' takes several inputs: send 'inputs' as an object "
                          f"{{{', '.join(s.name for s in specs)}}} of tensors")
     else:
         arrays = [raw]

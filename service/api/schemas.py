@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.dp.runs import RUN_ID_RE
 from service.losses import LOSSES
 from service.model_store import ID_RE, REF_RE
 from service.outputs import OUTPUTS
@@ -93,7 +94,9 @@ class GradsRequest(BaseModel):
         None, description="token losses: 1 for the positions that count, 0 for padding, [B, T]"
     )
     dp_run: str | None = Field(
-        None, description="a DP run id (POST /dp-runs): this request is one DP-SGD step. "
+        None,
+        pattern=f"^{RUN_ID_RE.pattern}$",
+        description="a DP run id (POST /dp-runs): this request is one DP-SGD step. "
         "outputs must be ['clipped_mean']; the run's clip_norm and noise_multiplier are used, the "
         "noise N(0, (noise_multiplier * clip_norm)^2) is drawn from the server's CSPRNG (no "
         "seed), the noisy sum is divided by the run's expected batch size, and the step is "
@@ -117,7 +120,9 @@ class GradsRequest(BaseModel):
     reference_sketches: Tensor | None = Field(
         None, description="dots: [M, k] sketches made with the same projection"
     )
-    reference_set: str | None = Field(None, description="influence: a PUT /reference-sets id")
+    reference_set: str | None = Field(
+        None, pattern=MODEL_ID, description="influence: a PUT /reference-sets id"
+    )
     answer_dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
         None,
         description="the answer's floating tensors: float32 (default), or float16 / bfloat16 for "

@@ -104,7 +104,7 @@ async def _check(fields: dict[str, Any], state: StateDep) -> None:
     for: the schema's word on everything but tensor contents. A refused body gets the error the
     worker would give it (``unknown_loss``, ...), else a general ``invalid_input``."""
     doc = {k: _stand_in(v) for k, v in fields.items()}
-    for name in TENSOR_DICT_FIELDS:
+    for name in ("inputs", *TENSOR_DICT_FIELDS):  # named inputs, {param: tensor}
         if isinstance(doc.get(name), dict):
             doc[name] = {k: _stand_in(v) for k, v in doc[name].items()}
     try:

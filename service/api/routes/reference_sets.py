@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import NotFound
 from service.api.body import decode_request
 from service.api.deps import ApiKey, RegistryDep, StateDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
-from service.api.schemas import ReferenceSetDoc, errors
+from service.api.schemas import MODEL_ID, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
 from service.reference_sets import check_size, joined, make_set, set_request, split
 from service.validate import parse_request
+
+# Documented, not checked by FastAPI: the store refuses another id itself (400).
+SetId = Annotated[
+    str, Path(description="a reference set id", json_schema_extra={"pattern": MODEL_ID})
+]
 
 router = APIRouter(prefix="/reference-sets", tags=["data attribution"], dependencies=[ApiKey])
 
@@ -34,7 +39,7 @@ def _missing(set_id: str) -> NotFound:
     responses=errors(400, 401, 404, 413, 415, 422, 503, 504),
     summary="Compute and keep a batch's sketches (projection_dim) or gradients",
 )
-async def put_reference_set(set_id: str, request: Request, state: StateDep) -> dict[str, Any]:
+async def put_reference_set(set_id: SetId, request: Request, state: StateDep) -> dict[str, Any]:
     """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
     projection_seed) without outputs; an existing set of this id is replaced. A batch larger
     than ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
@@ -65,7 +70,7 @@ async def put_reference_set(set_id: str, request: Request, state: StateDep) -> d
 
 @router.get("/{set_id}", response_model=ReferenceSetDoc, responses=errors(400, 401, 404),
             summary="How a reference set was made, without its tensors")
-async def get_reference_set(set_id: str, registry: RegistryDep) -> dict[str, Any]:
+async def get_reference_set(set_id: SetId, registry: RegistryDep) -> dict[str, Any]:
     doc = await run_in_threadpool(registry.references.doc, set_id)
     if doc is None:
         raise _missing(set_id)
@@ -73,7 +78,7 @@ async def get_reference_set(set_id: str, registry: RegistryDep) -> dict[str, Any
 
 
 @router.delete("/{set_id}", responses=errors(400, 401, 404), summary="Delete a reference set")
-async def delete_reference_set(set_id: str, registry: RegistryDep) -> dict[str, Any]:
+async def delete_reference_set(set_id: SetId, registry: RegistryDep) -> dict[str, Any]:
     if not await run_in_threadpool(registry.references.delete, set_id):
         raise _missing(set_id)
     return {"id": set_id, "deleted": True}
