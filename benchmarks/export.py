@@ -23,13 +23,13 @@ dependencies: without ``--no-deps`` pip replaces torch).
 from __future__ import annotations
 
 import argparse
-import gc
 import io
 import os
 import statistics
-import time
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates anything
@@ -44,6 +44,10 @@ from service.config import Settings
 from service.registration import register_exported
 from service.registry import ModelRegistry
 from service.validate import parse_request
+from tests.support.export import Logits  # (input_ids, attention_mask) -> logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_stats import interleaved, ratio  # rounds interleaved; median per-round ratios
 
 OUTPUTS = ("grads", "norms")
 METHODS = ("loop", "vmap", "fast")
@@ -70,17 +74,6 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.blocks(F.relu(self.bn(self.stem(x))))
         return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
-
-
-class Logits(nn.Module):
-    """A Hugging Face model as a function of (input_ids, attention_mask) -> logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
 @dataclass
@@ -204,22 +197,7 @@ def time_model(name: str, rounds: int) -> tuple[Case, dict[tuple[str, str], list
         diff = float(np.max(np.abs(got - want.numpy()) / (1 + want.numpy())))
         print(f"{name}: {method} norms vs the loop: max relative diff {diff:.1e}")
         assert diff < 3e-3, (name, method, diff)
-    for fn in fns.values():
-        fn()  # warm: plans, transformed functions, allocator
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            gc.collect()
-            start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
-    return case, times, paths
-
-
-def ratio(times: dict[tuple[str, str], list[float]], key: tuple[str, str],
-          base: tuple[str, str]) -> float:
-    """The median over rounds of the time ratio within a round (both measured moments apart)."""
-    return statistics.median(a / b for a, b in zip(times[key], times[base], strict=True))
+    return case, interleaved(fns, rounds), paths
 
 
 def main() -> None:

@@ -132,6 +132,12 @@ def time_all(arch: str, rounds: int) -> dict[tuple[str, str], list[float]]:
         for m in METHODS
         if (fn := method(model, batch, m, o)) is not None
     }
+    return interleaved(fns, rounds)
+
+
+def interleaved(fns: dict[tuple[str, str], Callable[[], Any]], rounds: int
+                ) -> dict[tuple[str, str], list[float]]:
+    """Seconds of each of ``fns`` per round after one warm call, every one once per round."""
     for fn in fns.values():
         fn()  # warm: plans, transformed functions, allocator
     times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
