@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -42,7 +43,8 @@ def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int
             capture_output=True, timeout=timeout_s, env=env, check=False,
         )
     except subprocess.TimeoutExpired:
-        raise TooLarge(f"checking the program took more than {timeout_s:g} s; it was stopped",
+        raise TooLarge(f"checking the program took more than {timeout_s:g} s of wall-clock time "
+                       "and was stopped (PSGRAD_EXPORT_TIMEOUT_S): send a smaller program",
                        limit=timeout_s) from None
     head, _, tail = done.stdout.partition(b"\n")
     try:
@@ -50,8 +52,12 @@ def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
+        if done.returncode == -signal.SIGXCPU:
+            raise TooLarge(f"checking the program used more than {cpu_s} s of CPU time and was "
+                           "stopped (PSGRAD_EXPORT_CPU_S): send a smaller program", limit=cpu_s)
         raise TooLarge(f"checking the program stopped (exit {done.returncode}): it needs more "
-                       f"than {memory_mb} MiB or {cpu_s} s of CPU time", limit=memory_mb)
+                       f"than {memory_mb} MiB (PSGRAD_EXPORT_MEMORY_MB) or {cpu_s} s of CPU time "
+                       "(PSGRAD_EXPORT_CPU_S)", limit=memory_mb)
     if "error" in answer:
         raise error_from_body(answer, int(answer.get("status", 422)))
     return answer, tail
@@ -61,7 +67,8 @@ def _limit_self() -> None:
     memory = int(os.environ.get("PSGRAD_CHILD_MEMORY_MB", "4096")) << 20
     cpu = int(os.environ.get("PSGRAD_CHILD_CPU_S", "60"))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    # SIGXCPU at the soft limit (the api names it), SIGKILL a moment later if it is ignored
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 2))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 

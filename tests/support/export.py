@@ -12,6 +12,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -162,6 +163,28 @@ def program(data: bytes) -> dict[str, Any]:
 
 def with_program(data: bytes, doc: dict[str, Any]) -> bytes:
     return rewrite(data, {"models/model.json": json.dumps(doc).encode()})
+
+
+def deep(data: bytes, n: int, after: str = "relu") -> bytes:
+    """``data`` with a chain of ``n`` more relu nodes after the node ``after``.
+
+    A legitimate program (every op allowed, the output unchanged) whose checking costs CPU in
+    proportion to ``n``: parsing, building and the dry run all walk every node.
+    """
+    doc = program(data)
+    nodes = doc["graph_module"]["graph"]["nodes"]
+    at = next(i for i, node in enumerate(nodes) if node["name"] == after)
+    names = [after, *(f"deep{k}" for k in range(1, n + 1))]
+    chain = [{"target": "torch.ops.aten.relu.default", "name": out, "metadata": {},
+              "inputs": [{"name": "self", "arg": {"as_tensor": {"name": src}}, "kind": 1}],
+              "outputs": [{"as_tensor": {"name": out}}]}
+             for src, out in pairwise(names)]
+    for node in nodes[at + 1:]:
+        for arg in node["inputs"]:
+            if arg["arg"].get("as_tensor", {}).get("name") == after:
+                arg["arg"]["as_tensor"]["name"] = names[-1]
+    nodes[at + 1:at + 1] = chain
+    return with_program(data, doc)
 
 
 # ----------------------------------------------------------------------------- transformers

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
+from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from tests.support.api import open_client
-from tests.support.export import CASES, TOL, exported, program, with_program
+from tests.support.api import TD0, open_client
+from tests.support.export import CASES, TOL, deep, exported, program, with_program
 from tests.support.reference import Loop, per_sample_loop
 
 PT2 = "application/x-torch-export"
@@ -105,3 +108,41 @@ def test_a_stored_program_is_rebuilt_by_another_process_through_the_same_loader(
     x = CASES["gpt"].example(1)
     with torch.no_grad():
         torch.testing.assert_close(again.module(x), exported("gpt")[0](x), **TOL)
+
+
+# A chain of 60,000 relus: about 30 s of CPU to check on our machines, far above the limits
+# below, so either limit stops it whatever the load (CPU time does not grow with contention).
+HEAVY_NODES = 60_000
+
+
+@cache
+def _heavy() -> bytes:
+    return deep(exported("cnn")[1], HEAVY_NODES)
+
+
+async def _refused_then_serving(c: Any, setting: str) -> None:
+    r = await c.put("/models/heavy", content=_heavy(), headers={"content-type": PT2})
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_large" and setting in error["message"], error
+    assert (await c.get("/models/heavy")).status_code == 404
+    assert (await c.get("/healthz")).status_code == 200
+    r = await c.post("/per-sample-grads", json={**TD0, "outputs": ["grads"]})  # no child
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["grads"]["theta"], [[-7.2, -3.6, 7.2]], rtol=1e-6)
+
+
+async def test_a_registration_over_the_cpu_limit_is_stopped_and_the_server_keeps_serving(
+        ) -> None:
+    async with open_client(max_graph_nodes=100_000, export_cpu_s=4,
+                           export_timeout_s=600) as c:
+        await _refused_then_serving(c, "PSGRAD_EXPORT_CPU_S")
+
+
+async def test_a_registration_over_the_wall_clock_limit_is_stopped_and_the_server_keeps_serving(
+        ) -> None:
+    async with open_client(max_graph_nodes=100_000, export_cpu_s=600,
+                           export_timeout_s=3) as c:
+        started = time.monotonic()
+        await _refused_then_serving(c, "PSGRAD_EXPORT_TIMEOUT_S")
+    assert time.monotonic() - started < 300  # stopped, not run to its end
