@@ -14,7 +14,7 @@ output (``grads``, ``norms``) it times:
 - ``fast``: ``engine.compute`` with fast statistics on, when they serve the call
   (``meta.path == "fast_stats"``; otherwise "declines": the call took the vmap route).
 
-Every method runs once per round, rounds interleave; times are medians and ratios the median
+Every method runs once per round, rounds interleaved; times are medians and ratios the median
 of per-round ratios (our machine is shared). Before timing, each method's norms are checked
 against the loop's. Needs ``transformers`` (``pip install --no-deps transformers`` plus its small
 dependencies: without ``--no-deps`` pip replaces torch).
@@ -47,7 +47,7 @@ from service.validate import parse_request
 from tests.support.export import Logits  # (input_ids, attention_mask) -> logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_stats import interleave, ratio  # rounds interleave; median per-round ratios
+from fast_stats import interleave, ratio  # rounds interleaved; median per-round ratios
 
 OUTPUTS = ("grads", "norms")
 METHODS = ("loop", "vmap", "fast")
