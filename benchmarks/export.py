@@ -207,7 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, medians of "
-          f"{args.rounds} interleave rounds; x loop = median per-round ratio to the loop\n")
+          f"{args.rounds} interleaved rounds; x loop = median per-round ratio to the loop\n")
     rows = ["| model | B | output | method | time ms | x loop |", "|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         case, times, paths = time_model(name, args.rounds)
