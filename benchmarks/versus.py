@@ -3,10 +3,12 @@
 Runs one of this folder's benchmark scripts alternately in a checkout of ``--base`` (a git
 worktree made for the run, removed after) and in this checkout, ``--runs`` times each, so that
 both sides share the machine's load. Each run prints a Markdown table; rows are matched by their
-text columns, and for each row this prints the median time of each side and ``head / base``.
+text columns, and for each row this prints the median of each side and ``head / base`` of one
+column: the time (``median ms``/``time ms``) by default, or ``--column`` (``"x floor"``: a ratio
+measured within each run, which a shared machine's changing load does not move).
 
     python benchmarks/versus.py --base c3f476f --runs 3 engine.py --repeats 5
-    python benchmarks/versus.py --base c3f476f --runs 3 fast_stats.py --rounds 3
+    python benchmarks/versus.py --base c3f476f --runs 3 --column "x floor" fast_stats.py --rounds 3
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ HERE = Path(__file__).resolve().parent
 TIME_COLUMNS = ("median ms", "time ms")
 
 
-def rows(text: str) -> dict[str, float]:
-    """{row label: time} from the first Markdown table with a time column."""
+def rows(text: str, columns: tuple[str, ...] = TIME_COLUMNS) -> dict[str, float]:
+    """{row label: value} from the first Markdown table with one of ``columns`` (the text
+    columns before it label the row)."""
     out: dict[str, float] = {}
     column = None
     label_columns: list[int] = []
@@ -33,10 +36,11 @@ def rows(text: str) -> dict[str, float]:
         if not line.startswith("|") or set("".join(cells)) <= set("-: "):
             continue
         if column is None:
-            found = [i for i, c in enumerate(cells) if c in TIME_COLUMNS]
+            found = [i for i, c in enumerate(cells) if c in columns]
             if found:
                 column = found[0]
-                label_columns = list(range(column))
+                first = min(i for i, c in enumerate(cells) if c in (*columns, *TIME_COLUMNS))
+                label_columns = list(range(first))
             continue
         if len(cells) > column:
             try:
@@ -46,21 +50,23 @@ def rows(text: str) -> dict[str, float]:
     return out
 
 
-def run(tree: Path, script: str, args: list[str]) -> dict[str, float]:
+def run(tree: Path, script: str, args: list[str], columns: tuple[str, ...]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, str(tree / "benchmarks" / script), *args], cwd=tree,
                           env=env, capture_output=True, text=True, check=True)
-    return rows(done.stdout)
+    return rows(done.stdout, columns)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the git revision to compare against")
     parser.add_argument("--runs", type=int, default=3, help="runs of the script per side")
+    parser.add_argument("--column", help="the column to compare (default: the time)")
     parser.add_argument("script", help="a script of benchmarks/, e.g. engine.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     opts = parser.parse_args()
     head = HERE.parent
+    columns = (opts.column,) if opts.column else TIME_COLUMNS
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(head), "worktree", "add", "-q", "--detach", str(base),
@@ -69,7 +75,7 @@ def main() -> int:
             times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
             for i in range(opts.runs):
                 for side, tree in (("base", base), ("head", head)):
-                    for label, t in run(tree, opts.script, opts.args).items():
+                    for label, t in run(tree, opts.script, opts.args, columns).items():
                         times[side].setdefault(label, []).append(t)
                     print(f"run {i + 1}/{opts.runs} {side} done", file=sys.stderr)
         finally:
@@ -77,11 +83,12 @@ def main() -> int:
                            check=False)
     print(f"{opts.script} {' '.join(opts.args)}: base {opts.base} vs this checkout, "
           f"medians of {opts.runs} interleaved runs\n")
-    print("| row | base ms | head ms | head / base |\n|---|---:|---:|---:|")
+    what = opts.column or "ms"
+    print(f"| row | base {what} | head {what} | head / base |\n|---|---:|---:|---:|")
     for label, got in times["head"].items():
         if label in times["base"]:
             b, h = statistics.median(times["base"][label]), statistics.median(got)
-            print(f"| {label} | {b:.1f} | {h:.1f} | {h / b:.2f} |")
+            print(f"| {label} | {b:.2f} | {h:.2f} | {h / b:.2f} |")
     return 0
 
 
