@@ -81,8 +81,9 @@ async def test_token_cross_entropy_without_a_mask() -> None:
 
 
 BAD = [
-    ({"inputs": [[1, 2, 3]]}, 400, "bad_request"),  # several inputs need an object
-    ({"inputs": {"input_ids": [[1, 2, 3]]}}, 400, "bad_request"),  # one missing
+    # well-formed (the schema admits a tensor or an object of them) but not this model's: 422
+    ({"inputs": [[1, 2, 3]]}, 422, "invalid_input"),  # several inputs need an object
+    ({"inputs": {"input_ids": [[1, 2, 3]]}}, 422, "invalid_input"),  # one missing
     ({"inputs": {"input_ids": [[1] * 40], "attention_mask": [[1] * 40]},
       "targets": [[1] * 40]}, 422, "shape_mismatch"),  # beyond the exported range
     ({"inputs": {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1]]}}, 422, "shape_mismatch"),
