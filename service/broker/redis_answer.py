@@ -37,6 +37,10 @@ from service.jobs import AnswerLost, JobStatus
 __all__ = ["AnswerWriter", "RedisAnswer", "answer_size"]
 
 POLL_MS = 1000  # a reader waiting for the next piece checks the job's state this often
+# Answers at least this large are read over a plain socket of their own (see RawStreamReader);
+# smaller ones share the api's client: one socket and one blocked thread per answer would starve
+# many concurrent small requests (the default executor has a few threads on a small host).
+RAW_MIN_BYTES = 64 << 20
 
 # KEYS: state, answer, notify. ARGV: attempt, header bytes, ttl. Only the delivery that owns an
 # unfinished job starts its answer (a stale one, its job taken over or ended, writes nothing).
@@ -149,7 +153,8 @@ class RedisAnswer:
         yield self.head
         last: Any = self.head_id
         held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
-        raw = RawStreamReader.open(self.r)
+        raw = (await asyncio.to_thread(RawStreamReader.open, self.r)
+               if answer_size(self.head) >= RAW_MIN_BYTES else None)
         try:
             async for entries in self._entries(raw, key, last):
                 for _, fields in entries:

@@ -18,6 +18,7 @@ import redis
 from psgrad._stream import AnswerReader
 from psgrad._wire import RESPONSE_KEY
 from service import keys
+from service.broker import redis_answer
 from service.broker.redis import RedisBroker
 from service.broker.redis_answer import AnswerWriter, pieces
 from service.broker.redis_source import RedisJobSource
@@ -55,8 +56,12 @@ def job() -> Job:
     return Job(id=new_job_id(), fields=fields, deadline=time.time() + 60)
 
 
+# 0: every answer read over its own plain socket (RawStreamReader), as large answers are
+@pytest.mark.parametrize("raw_min", [0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
 async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
-        settings: Settings, shared: redis.Redis) -> None:
+        settings: Settings, shared: redis.Redis, raw_min: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", raw_min)
     broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
     try:
         j = job()
@@ -92,8 +97,11 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         await broker.close()
 
 
+@pytest.mark.parametrize("raw_min", [0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
 async def test_answers_expire_and_are_deleted_with_the_job(
-        settings: Settings, shared: redis.Redis) -> None:
+        settings: Settings, shared: redis.Redis, raw_min: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", raw_min)
     short = settings.model_copy(update={"result_ttl_s": 2})
     broker, source = RedisBroker(short), RedisJobSource(short, name="w")
     try:
