@@ -24,13 +24,8 @@ from service.broker.redis_answer import AnswerWriter, pieces
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
 from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
-from tests.integration.test_redis_distributed import (
-    check_answer,
-    cluster,
-    env_of,
-    job_done,
-    make_registry,
-)
+from service.registry import make_registry
+from tests.support.cluster import check_answer, cluster, env_of, job_done
 from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
 
 RESULT = {"model": "x", "grads": {"w": np.arange(300_000, dtype=np.float32)},

@@ -14,8 +14,8 @@ import torch
 
 from service.registry import load_model
 from service.strategies.projection import Projection
-from tests.integration.test_redis_distributed import cluster
 from tests.support.api import open_client
+from tests.support.cluster import cluster
 from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
 from tests.support.reference import per_sample_loop
 
