@@ -16,7 +16,7 @@ computed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,13 +47,15 @@ _LOCKS = tuple(threading.Lock() for _ in range(64))
 
 def compute(model: LoadedModel, batch: Batch, opts: Options,
             segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30,
-            compiled: CompiledFunctions | None = None, fast_stats: bool = True
-            ) -> list[dict[str, Any]]:
+            compiled: CompiledFunctions | None = None, fast_stats: bool = True,
+            on_norms: Callable[[torch.Tensor], None] | None = None) -> list[dict[str, Any]]:
     """Every requested output, for each segment of the batch (one segment per job).
 
     With ``compiled`` (``PSGRAD_COMPILE=1``) the per-sample function runs under torch.compile
     in padded pieces of preferred sizes (:mod:`service.compile_cache`); results are the same.
     With ``fast_stats`` (``PSGRAD_FAST_STATS``, default on) fast statistics are tried first.
+    ``on_norms`` gets the whole batch's per-sample gradient norms ``[B]`` when the outputs needed
+    squared norms anyway (the status page's histogram); it never makes the call compute them.
     """
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
@@ -65,7 +67,7 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     strategies = (_VMAP,) if vmap_only else _STRATEGIES
     with _LOCKS[hash(model.structure or model.ref) % len(_LOCKS)]:
         result = _run(strategies, call)
-    return assemble(call, result)
+    return assemble(call, result, on_norms)
 
 
 def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[int], *,

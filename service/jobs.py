@@ -140,6 +140,10 @@ class Broker(Protocol):
         In-process workers do not report to the broker: the app asks their pool as well.
         """
 
+    async def worker_snapshots(self) -> list[dict[str, Any]]:
+        """The status (:mod:`service.status`) each worker published through the broker, with
+        ``alive``; in-process workers publish none (the app asks their pool)."""
+
 
 class JobSource(Protocol):
     """The worker loop's side: take a batch of jobs, then end each one exactly one way.

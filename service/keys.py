@@ -89,8 +89,18 @@ def worker_heartbeat(prefix: str, name: str) -> str:
     return f"{prefix}:worker:{name}"
 
 
+WORKER_STATUS_TTL_S = 300  # a dead worker's last status stays on the status page this long
+
+
+def worker_status(prefix: str, name: str) -> str:
+    """JSON of the worker's :meth:`service.status.WorkerStatus.snapshot`, written with each
+    heartbeat; it outlives the heartbeat (``WORKER_STATUS_TTL_S``) so a dead worker shows dead."""
+    return f"{prefix}:worker:{name}:status"
+
+
 def worker_names(prefix: str) -> str:
-    """Set of worker names that ever beat (pruned of dead ones by readers)."""
+    """Set of worker names that ever beat (pruned by readers of names whose heartbeat and
+    status both expired)."""
     return f"{prefix}:workers"
 
 

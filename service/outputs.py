@@ -133,8 +133,13 @@ class Segment:
         return {k: fn(p) for k, p in self.params.items()}
 
 
-def assemble(call: Call, result: Result) -> list[dict[str, Any]]:
-    """Each job's answer: its requested outputs and ``meta`` (the strategy's, then its own)."""
+def assemble(call: Call, result: Result,
+             on_norms: Callable[[torch.Tensor], None] | None = None) -> list[dict[str, Any]]:
+    """Each job's answer: its requested outputs and ``meta`` (the strategy's, then its own).
+
+    ``on_norms`` gets every sample's whole-gradient norm when the records hold squared norms (a
+    sum over the parameters, computed once with the ``norms`` output); else it is not called.
+    """
     assembly = Assembly(call, result)
     meta = dict(result.meta)
     if call.need.proj and call.opts.projection is not None:  # which matrix each parameter got
@@ -144,6 +149,8 @@ def assemble(call: Call, result: Result) -> list[dict[str, Any]]:
         seg = Segment(assembly, s, a, b)
         out = {name: get_output(name).assemble(seg) for name in call.opts.outputs}
         answers.append({**out, "meta": {**meta, **seg.meta}})
+    if on_norms is not None and call.need.sq:
+        on_norms(assembly.norms)
     return answers
 
 

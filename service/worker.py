@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,7 @@ from service.dp.runs import store_for as dp_runs
 from service.dp.steps import on_result as count_dp_step
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry
+from service.status import WorkerStatus
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
 
@@ -69,8 +70,11 @@ class Worker:
         settings: Settings,
         observer: WorkerObserver | None = None,
         compiled: CompiledFunctions | None = None,
+        *,
+        name: str = "worker",
     ) -> None:
         self.compiled = compiled  # PSGRAD_COMPILE=1: torch.compile, padded sizes
+        self.status = WorkerStatus(name, str(registry.device))  # what GET /status shows
         self.source = source
         self.registry = registry
         self.settings = settings
@@ -140,8 +144,13 @@ class Worker:
         return None
 
     def _run_group(self, items: list[tuple[Job, ParsedRequest]]) -> None:
+        model = items[0][1].model.ref
+        self.status.batch_started(
+            jobs=len(items), samples=sum(p.batch.size for _, p in items), model=model)
+        norms: list[torch.Tensor] = []  # the norms the engine computed anyway (for the page)
         try:
-            results, compute_s = _compute([p for _, p in items], self.settings, self.compiled)
+            results, compute_s = _compute(
+                [p for _, p in items], self.settings, self.compiled, on_norms=norms.append)
         except Exception as exc:
             if len(items) > 1:  # isolate: whatever went wrong, each job gets its own answer
                 log.warning(
@@ -159,8 +168,13 @@ class Worker:
                 log.exception("computing job %s failed unexpectedly", job.id)
                 self._fail(job, _internal(job), retry=True)
             return
+        finally:
+            self.status.batch_ended()
         samples = sum(p.batch.size for _, p in items)
         self.observer.observe_batch(jobs=len(items), samples=samples, compute_s=compute_s)
+        self.status.batch_done(samples=samples)
+        for found in norms:
+            self.status.observe_norms(model, found)
         started = time.time() - compute_s
         for (job, parsed), out in zip(items, results, strict=True):
             result = _wire_result(parsed, out)
@@ -184,6 +198,7 @@ class Worker:
                 samples=parsed.batch.size,
                 status="succeeded",
             )
+            self.status.job_ended(queue_s=max(0.0, started - job.enqueued_at), status="succeeded")
             try:
                 self.source.succeed(job, result)
             except Exception:
@@ -206,6 +221,7 @@ class Worker:
     def _observe_end(self, job: Job, status: str) -> None:
         queue_s = max(0.0, time.time() - job.enqueued_at)
         self.observer.observe_job(queue_s=queue_s, samples=job.size, status=status)
+        self.status.job_ended(queue_s=queue_s, status=status)
 
 
 class WorkerPool:
@@ -235,16 +251,16 @@ class WorkerPool:
         compiled = CompiledFunctions(settings, writer=False) if settings.compile else None
         return cls(
             [
-                Worker(source, registry, settings, observer, compiled)
-                for _ in range(settings.workers)
+                Worker(source, registry, settings, observer, compiled, name=f"psgrad-worker-{i}")
+                for i in range(settings.workers)
             ]
         )
 
     def start(self) -> None:
         self._stop.clear()
-        for i, work in enumerate(self.workers):
+        for work in self.workers:
             thread = threading.Thread(
-                target=work.run, args=(self._stop,), name=f"psgrad-worker-{i}", daemon=True
+                target=work.run, args=(self._stop,), name=work.status.name, daemon=True
             )
             thread.start()
             self._threads.append(thread)
@@ -253,6 +269,11 @@ class WorkerPool:
     def alive(self) -> bool:
         """At least one loop runs and none was told to stop (the app's readiness asks this)."""
         return not self._stop.is_set() and any(t.is_alive() for t in self._threads)
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """Each loop's :meth:`WorkerStatus.snapshot`, with ``alive``: its thread runs."""
+        running = {t.name for t in self._threads if t.is_alive() and not self._stop.is_set()}
+        return [{**w.status.snapshot(), "alive": w.status.name in running} for w in self.workers]
 
     def stop(self) -> None:
         """Tell every loop to stop after the round in hand."""
@@ -319,7 +340,8 @@ def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
 
 
 def _compute(
-    group: Sequence[ParsedRequest], settings: Settings, compiled: CompiledFunctions | None = None
+    group: Sequence[ParsedRequest], settings: Settings, compiled: CompiledFunctions | None = None,
+    on_norms: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     first = group[0]
     batch = _concat([p.batch for p in group])
@@ -332,6 +354,7 @@ def _compute(
         budget_bytes=settings.memory_budget_mb << 20,
         compiled=compiled,
         fast_stats=settings.fast_stats,
+        on_norms=on_norms,
     )
     return results, time.perf_counter() - start
 

@@ -60,7 +60,9 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     compiled = CompiledFunctions(settings, source.r, writer=True) if settings.compile else None
-    work = Worker(source, registry, settings, observer=metrics, compiled=compiled)
+    work = Worker(source, registry, settings, observer=metrics, compiled=compiled,
+                  name=source.name)
+    source.status = work.status.snapshot_json  # published with each heartbeat
     loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
     source.start()
     loop.start()

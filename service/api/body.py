@@ -29,6 +29,7 @@ from psgrad._wire import (
     safetensors_parts,
     widen_answers,
 )
+from service.api.status import note_model
 from service.config import Settings
 from service.validate import KNOWN_FIELDS, decode_json_body
 
@@ -83,6 +84,7 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
         fields: dict[str, Any] = await run_in_threadpool(decode, body, settings)
     else:
         fields = decode(body, settings)
+    note_model(request.scope, fields.get("model"))  # the status page counts by model
     _precheck(fields)
     inputs = fields.get("inputs")
     if isinstance(inputs, dict):  # named inputs: the first one's batch

@@ -13,7 +13,10 @@ import time
 from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.status import RequestStats, error_code
 from service.metrics import TIME_BUCKETS, WorkerMetrics
+
+ERROR_BODY_BYTES = 8192  # an error answer's body is read this far for its code (status page)
 
 
 class Metrics(WorkerMetrics):
@@ -36,6 +39,7 @@ class Metrics(WorkerMetrics):
             registry=r,
         )
         self.queue_depth = Gauge("psgrad_queue_depth", "jobs waiting in the queue", registry=r)
+        self.recent = RequestStats()  # the status page's view of the same requests
 
     def render(self, queue_depth: int | None) -> bytes:
         if queue_depth is not None:
@@ -44,7 +48,8 @@ class Metrics(WorkerMetrics):
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by the matched route template and the answered status."""
+    """Counts every HTTP request by the matched route template and the answered status; for the
+    status page also by model and, for an error answer, by its code (read from its body)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -55,11 +60,14 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = [500]
+        error = bytearray()  # the start of an error answer's body
         start = time.perf_counter()
 
         async def observing_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif status[0] >= 400 and len(error) < ERROR_BODY_BYTES:
+                error.extend(message.get("body", b"")[:ERROR_BODY_BYTES])
             await send(message)
 
         try:
@@ -69,4 +77,8 @@ class MetricsMiddleware:
             self.metrics.requests.labels(
                 route=route, method=scope.get("method", ""), status=str(status[0])
             ).inc()
-            self.metrics.latency.labels(route=route).observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.latency.labels(route=route).observe(seconds)
+            self.metrics.recent.observe(
+                scope, route=route, status=status[0], seconds=seconds,
+                code=error_code(bytes(error)) if status[0] >= 400 else None)

@@ -115,6 +115,10 @@ class EmbeddedBroker:
         """Started and not closed; whether a worker serves the queue is the pool's to say."""
         return self._loop is not None and not self._closed.is_set()
 
+    async def worker_snapshots(self) -> list[dict[str, Any]]:
+        """None: the worker threads report to their pool, not to the queue."""
+        return []
+
     # --- JobSource (the worker threads' side) ---
 
     def take(

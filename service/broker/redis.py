@@ -130,6 +130,17 @@ def value_limit(config: Mapping[Any, Any] | None) -> int:
     return keys.DEFAULT_MAX_VALUE_BYTES
 
 
+def _status_doc(raw: Any) -> dict[str, Any]:
+    """A published worker status, or ``{}`` when absent or unreadable (never an error)."""
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 class RedisBroker:
     """The api's side of the Redis broker (asyncio). Holds no state a restart would lose."""
 
@@ -259,23 +270,44 @@ class RedisBroker:
             return False
 
     async def live_workers(self) -> int:
-        """Workers whose heartbeat has not expired; names of dead ones are pruned."""
-        p = self.prefix
-        names = [text(n) for n in await self._call(lambda: self.r.smembers(keys.worker_names(p)))]
-        if not names:
-            return 0
+        """Workers whose heartbeat has not expired."""
+        return sum(1 for w in await self._workers(with_status=False) if w["alive"])
 
-        async def alive_flags() -> list[Any]:
+    async def worker_snapshots(self) -> list[dict[str, Any]]:
+        """Every worker's last published status (:mod:`service.status`), with ``alive``: a
+        dead worker's stays until its status key expires (``keys.WORKER_STATUS_TTL_S``)."""
+        return await self._workers(with_status=True)
+
+    async def _workers(self, *, with_status: bool) -> list[dict[str, Any]]:
+        """``{**status, "id", "alive"}`` per known worker (the status only ``with_status``);
+        names whose heartbeat and status both expired are pruned from the set."""
+        p = self.prefix
+        names = sorted(text(n) for n in
+                       await self._call(lambda: self.r.smembers(keys.worker_names(p))))
+        if not names:
+            return []
+
+        async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 for name in names:
                     pipe.exists(keys.worker_heartbeat(p, name))
+                    if with_status:
+                        pipe.get(keys.worker_status(p, name))
+                    else:
+                        pipe.exists(keys.worker_status(p, name))
                 return cast("list[Any]", await pipe.execute())
 
-        alive = await self._call(alive_flags)
-        dead = [n for n, a in zip(names, alive, strict=True) if not a]
+        replies = await self._call(read)
+        found, dead = [], []
+        for name, alive, status in zip(names, replies[::2], replies[1::2], strict=True):
+            if not alive and not status:
+                dead.append(name)
+                continue
+            doc = _status_doc(status) if with_status else {}
+            found.append({**doc, "id": name, "alive": bool(alive)})
         if dead:
             await self._call(lambda: self.r.srem(keys.worker_names(p), *dead))
-        return sum(1 for a in alive if a)
+        return found
 
     @staticmethod
     def _translate(exc: BaseException) -> PsgradError:

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -87,6 +88,8 @@ class RedisJobSource:
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
+        # the worker's status as JSON (service.status), published with every heartbeat
+        self.status: Callable[[], str] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -100,7 +103,8 @@ class RedisJobSource:
             self._keeper.join(timeout=5)
         if deregister:
             try:
-                self.r.delete(keys.worker_heartbeat(self.prefix, self.name))
+                self.r.delete(keys.worker_heartbeat(self.prefix, self.name),
+                              keys.worker_status(self.prefix, self.name))
                 self.r.srem(keys.worker_names(self.prefix), self.name)
             except RedisError:
                 pass
@@ -121,16 +125,31 @@ class RedisJobSource:
         return 0.0 if since is None else time.monotonic() - since
 
     def beat(self) -> None:
-        """Write the heartbeat that ``/readyz`` reads, and refresh the claim on held jobs."""
+        """Write the heartbeat that ``/readyz`` reads (and the status ``/status`` reads), and
+        refresh the claim on held jobs."""
         ttl = keys.heartbeat_ttl_s(self.settings.heartbeat_s)
         with self._lock:
             held: list[Any] = list(self._held)
         pipe = self.r.pipeline(transaction=False)
         pipe.set(keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
         pipe.sadd(keys.worker_names(self.prefix), self.name)
+        status = self._status()
+        if status is not None:
+            pipe.set(keys.worker_status(self.prefix, self.name), status,
+                     ex=keys.WORKER_STATUS_TTL_S)
         if held:
             pipe.xclaim(self.stream, keys.STREAM_GROUP, self.name, 0, held, justid=True)
         pipe.execute()
+
+    def _status(self) -> str | None:
+        """The status to publish; a failure to make it never stops the heartbeat."""
+        if self.status is None:
+            return None
+        try:
+            return self.status()
+        except Exception:
+            log.exception("the worker's status could not be written; the heartbeat goes on")
+            return None
 
     def _keep(self) -> None:
         period = max(0.05, min(self.settings.heartbeat_s,

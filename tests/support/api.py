@@ -1,14 +1,18 @@
-"""For the api tests: an app on the embedded broker with its lifespan run, its httpx client, request
-bodies in both wire forms, and the engine called directly on the same request."""
+"""For the api tests: an app on the embedded broker with its lifespan run, its httpx client, an
+app served over real HTTP, request bodies in both wire forms, and the engine called directly on
+the same request."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
 import numpy as np
+import uvicorn
 from fastapi import FastAPI
 
 from psgrad._wire import REQUEST_KEY, RESPONSE_KEY, fields_from_safetensors, fields_to_safetensors
@@ -17,6 +21,7 @@ from service.api import create_app
 from service.config import Settings
 from service.registry import ModelRegistry
 from service.validate import decode_json_body, parse_request
+from tests.support.client import free_port
 
 SAFETENSORS = "application/x-safetensors"
 # The MindSpore tutorial's TD(0) example, checked by hand in the README ("TD(0) semantics"):
@@ -56,6 +61,28 @@ async def open_client(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
     ):
         client.app = app  # type: ignore[attr-defined]
         yield client
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """``app`` under uvicorn on a free loopback port, in a thread, its lifespan running; yields
+    its URL and stops it after."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(600):
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def app_of(client: httpx.AsyncClient) -> FastAPI:

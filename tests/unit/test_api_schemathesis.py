@@ -17,15 +17,12 @@ running); examples per operation are bounded so the whole file takes well under 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import hypothesis
 import pytest
 import schemathesis
-import uvicorn
 from schemathesis.config import SchemathesisConfig
 from schemathesis.core.failures import FailureGroup
 from schemathesis.openapi.checks import RejectedPositiveData
@@ -33,8 +30,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.api import create_app
 from service.validate import TENSOR_DICT_FIELDS, TENSOR_FIELDS
-from tests.support.api import settings
-from tests.support.client import free_port
+from tests.support.api import serving, settings
 
 SETTINGS = settings(
     request_timeout_s=60,
@@ -69,22 +65,8 @@ def _raw_archive(_ctx: object, value: object) -> bytes:
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(SETTINGS), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if server.started:
-            break
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
+    with serving(create_app(SETTINGS)) as url:
+        yield url
 
 
 @schema.parametrize()

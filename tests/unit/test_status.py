@@ -1,0 +1,216 @@
+"""The status page's data (``GET /status.json``) in embedded mode, its pieces, the page and auth.
+
+Redis mode: tests/integration/test_status_redis.py; the page in a browser:
+tests/e2e/test_status_page.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.api.status import MAX_LABELS, OTHER, RequestStats
+from service.registry import ModelRegistry
+from service.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
+from service.validate import decode_json_body, parse_request
+from tests.support.api import app_of, open_client
+from tests.support.reference import loop_of
+
+rng = np.random.default_rng(7)
+MLP = {  # norms on the zoo mlp: 6 samples
+    "model": "mlp",
+    "inputs": rng.standard_normal((6, 784)).astype(np.float32).round(3).tolist(),
+    "targets": rng.integers(0, 10, 6).tolist(),
+    "outputs": ["norms"],
+}
+VALUE = {
+    "model": "value-mlp",
+    "loss": "mse",
+    "inputs": rng.standard_normal((5, 8)).astype(np.float32).round(3).tolist(),
+    "targets": rng.standard_normal(5).astype(np.float32).round(3).tolist(),
+}
+
+
+def buckets(norms: np.ndarray) -> list[int]:
+    """The expected histogram: each norm's bucket among NORM_EDGES, counted."""
+    idx = np.searchsorted(np.asarray(NORM_EDGES), norms, side="right")
+    return np.bincount(idx, minlength=len(NORM_EDGES) + 1).tolist()  # type: ignore[no-any-return]
+
+
+def reference_norms(doc: dict[str, Any]) -> np.ndarray:
+    """Each sample's gradient norm from the per-sample loop (tests/support/reference.py)."""
+    parsed = parse_request(decode_json_body(doc, max_elements=1 << 24), ModelRegistry())
+    norms = loop_of(parsed.model, parsed.batch, parsed.opts).norms.double().numpy()
+    edges = np.asarray(NORM_EDGES)  # none so close to an edge that rounding could move it
+    assert np.abs(norms[:, None] / edges[None, :] - 1).min() > 1e-4
+    return norms
+
+
+def model_row(view: dict[str, Any], model: str) -> dict[str, Any]:
+    return next(m for m in view["models"] if m["model"] == model)
+
+
+def norms_of(view: dict[str, Any], model_id: str) -> dict[str, Any] | None:
+    found = [h for h in view["norms"] if h["model"].split("@")[0] == model_id]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+# --- the pieces -------------------------------------------------------------------------------
+
+
+def test_time_ring_sums_only_its_window() -> None:
+    ring = TimeRing(slots=10, slice_s=1.0)
+    ring.add(3, now=100.2)
+    ring.add(4, now=100.9)
+    ring.add(5, now=105.0)
+    assert ring.total(now=105.5) == 12
+    assert ring.total(now=109.99) == 12  # slices 100..109: all still in
+    assert ring.total(now=110.0) == 5  # slice 100 left the window
+    ring.add(1, now=115.0)  # slot of slice 105 reused
+    assert ring.total(now=115.0) == 1
+    counts = TimeRing(4, 30.0)
+    counts.add(np.array([1, 0]), now=0.0)
+    counts.add(np.array([0, 2]), now=31.0)
+    assert counts.total(now=60.0, zero=np.zeros(2, int)).tolist() == [1, 2]
+    assert counts.total(now=120.0, zero=np.zeros(2, int)).tolist() == [0, 2]
+
+
+def test_recent_and_percentiles() -> None:
+    recent = Recent(maxlen=4)
+    for i in range(6):
+        recent.add(float(i), now=1000.0 + i)
+    assert recent.values(window_s=100, now=1005.0) == [2.0, 3.0, 4.0, 5.0]  # the last 4
+    assert recent.values(window_s=1.5, now=1005.0) == [4.0, 5.0]
+    assert percentiles([]) == {"count": 0, "p50": None, "p99": None}
+    values = [float(v) for v in range(1, 101)]
+    assert percentiles(values[::-1]) == {"count": 100, "p50": 50.0, "p99": 99.0}
+    assert percentiles([7.0]) == {"count": 1, "p50": 7.0, "p99": 7.0}
+
+
+def test_worker_status_batch_counts_and_norm_buckets() -> None:
+    status = WorkerStatus("w", "cpu")
+    assert status.snapshot()["batch"] is None
+    status.batch_started(jobs=2, samples=9, model="mlp@1")
+    batch = status.snapshot()["batch"]
+    assert batch["jobs"] == 2 and batch["samples"] == 9 and batch["model"] == "mlp@1"
+    status.batch_done(samples=9)
+    status.batch_ended()
+    status.job_ended(queue_s=0.25, status="succeeded")
+    status.job_ended(queue_s=0.5, status="failed")
+    snap = status.snapshot()
+    assert snap["batch"] is None and snap["samples_done"] == 9
+    assert (snap["jobs_done"], snap["jobs_failed"], snap["jobs_canceled"]) == (1, 1, 0)
+    assert snap["queue_wait_ms"] == [250.0, 500.0] and snap["samples_per_s"] == 0.9
+    norms = torch.tensor([0.0, 1e-9, 1.0, 1.5, 2e6, float("inf"), float("nan")])
+    status.observe_norms("mlp@1", norms)
+    counts = status.snapshot()["norms"]["mlp@1"]
+    assert len(counts) == len(NORM_EDGES) + 1 and sum(counts) == 7
+    assert counts[0] == 2  # zero and below 1e-6
+    assert counts[NORM_EDGES.index(1.0) + 1] == 2  # [1, 10^0.25): 1.0 and 1.5 (1.78 is the edge)
+    assert counts[-1] == 3  # at or above 1e6, inf, NaN
+    status.observe_norms("other@1", torch.ones(3))
+    assert set(status.snapshot()["norms"]) == {"mlp@1", "other@1"}
+
+
+def test_request_stats_bound_the_models_clients_name() -> None:
+    stats = RequestStats()
+    for i in range(MAX_LABELS + 5):
+        scope = {"method": "POST", "psgrad.model": f"model-{i}"}
+        stats.observe(scope, route="/per-sample-grads", status=404, seconds=0.01,
+                      code="unknown_model")
+    view = stats.view(now=0.0)
+    assert len(view["models"]) == MAX_LABELS + 1
+    assert model_row(view, OTHER)["requests"] == 5
+    stats.observe({"method": "BREW"}, route="unmatched", status=405, seconds=0.0, code=None)
+    assert {(r["route"], r["method"]) for r in stats.view(0.0)["routes"]} == {
+        ("/per-sample-grads", "POST"), ("unmatched", "OTHER")}
+
+
+# --- the api, embedded mode -------------------------------------------------------------------
+
+
+async def test_status_json_follows_requests_errors_and_norms() -> None:
+    async with open_client(workers=2) as c:
+        view = (await c.get("/status.json")).json()
+        assert view["mode"] == "embedded" and view["broker_error"] is None
+        assert [w["id"] for w in view["workers"]] == ["psgrad-worker-0", "psgrad-worker-1"]
+        assert all(w["alive"] and w["device"] == "cpu" and w["jobs_done"] == 0
+                   for w in view["workers"])
+        assert view["queue"] == {"depth": 0, "wait_ms": {"count": 0, "p50": None, "p99": None}}
+        assert view["norms"] == [] and view["models"] == [] and view["errors"] == []
+
+        r = await c.post("/per-sample-grads", json=MLP)
+        assert r.status_code == 200, r.text
+        view = (await c.get("/status.json")).json()
+        assert sum(w["jobs_done"] for w in view["workers"]) == 1
+        assert sum(w["samples_done"] for w in view["workers"]) == 6
+        assert view["queue"]["wait_ms"]["count"] == 1
+        grads = next(r for r in view["routes"] if r["route"] == "/per-sample-grads")
+        assert grads["method"] == "POST" and grads["requests"] == 1 and grads["errors"] == 0
+        assert grads["latency_ms"]["count"] == 1 and grads["latency_ms"]["p50"] > 0
+        hist = norms_of(view, "mlp")
+        assert hist is not None and hist["count"] == 6
+        assert hist["counts"] == buckets(reference_norms(MLP))
+        assert view["norm_edges"] == list(NORM_EDGES)
+
+        # errors: a shape the model refuses, an unknown model, a body that is not JSON
+        bad = {**MLP, "inputs": [[0.0] * 5] * 2, "targets": [1, 2]}
+        assert (await c.post("/per-sample-grads", json=bad)).status_code == 422
+        assert (await c.post("/per-sample-grads", json={**MLP, "model": "nope"})).status_code == 404
+        r = await c.post("/per-sample-grads", content=b"{", headers={"content-type":
+                                                                       "application/json"})
+        assert r.status_code == 400
+        view = (await c.get("/status.json")).json()
+        errors = {(e["model"], e["code"]): e["count"] for e in view["errors"]}
+        assert errors == {("mlp", "shape_mismatch"): 1, ("nope", "unknown_model"): 1,
+                          (None, "bad_request"): 1}
+        assert model_row(view, "mlp") == {"model": "mlp", "requests": 2, "errors": 1,
+                                          "codes": {"shape_mismatch": 1}}
+        assert sum(w["jobs_failed"] for w in view["workers"]) == 2  # shape and unknown model
+        assert norms_of(view, "mlp")["count"] == 6  # type: ignore[index]  # failures add none
+
+        # no norms computed, none shown; clipped_mean computes them: its histogram appears
+        r = await c.post("/per-sample-grads", json={**VALUE, "outputs": ["grads", "mean"]})
+        assert r.status_code == 200
+        assert norms_of((await c.get("/status.json")).json(), "value-mlp") is None
+        clipped = {**VALUE, "outputs": ["clipped_mean"], "clip_norm": 0.5}
+        assert (await c.post("/per-sample-grads", json=clipped)).status_code == 200
+        hist = norms_of((await c.get("/status.json")).json(), "value-mlp")
+        assert hist is not None and hist["counts"] == buckets(reference_norms(clipped))
+        pool = app_of(c).state.psgrad.workers
+    assert not any(w["alive"] for w in pool.snapshots())  # the lifespan stopped the threads
+
+
+async def test_status_json_needs_a_key_the_page_does_not() -> None:
+    async with open_client(api_keys="user-key", admin_keys="admin-key") as c:
+        r = await c.get("/status.json")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        for key in ("user-key", "admin-key"):
+            r = await c.get("/status.json", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and r.json()["workers"][0]["alive"], key
+        r = await c.get("/status.json", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        view = (await c.get("/status.json", headers={"Authorization": "Bearer user-key"})).json()
+        assert {(e["model"], e["code"]): e["count"] for e in view["errors"]} == {
+            (None, "unauthorized"): 2}
+        page = await c.get("/status")  # holds no data: served without a key
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "connect-src 'self'" in page.headers["content-security-policy"]
+    assert 'fetch("status.json"' in page.text and "Authorization" in page.text
+    assert "http://" not in page.text.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in page.text and "<link" not in page.text  # works offline
+
+
+async def test_openapi_documents_both_routes() -> None:
+    async with open_client() as c:
+        doc = (await c.get("/openapi.json")).json()
+    page = doc["paths"]["/status"]["get"]["responses"]["200"]["content"]
+    assert "text/html" in page
+    data = doc["paths"]["/status.json"]["get"]
+    schema = data["responses"]["200"]["content"]["application/json"]["schema"]
+    assert schema == {"$ref": "#/components/schemas/StatusView"} and "401" in data["responses"]
+    fields = doc["components"]["schemas"]["StatusView"]["properties"]
+    assert {"workers", "queue", "routes", "models", "errors", "norms", "norm_edges"} <= set(fields)
