@@ -39,9 +39,10 @@ __all__ = [
 
 WINDOW_S = 300  # "recent": queue waits, latencies and norm histograms cover the last 5 minutes
 RATE_S = 10  # samples/s: the samples of the batches finished in the last 10 s
-# Norm histogram buckets: log-spaced, 4 per decade from 1e-6 to 1e6; bucket 0 holds norms below
+# Norm histogram buckets: log-spaced, 8 per decade from 1e-6 to 1e6; bucket 0 holds norms below
 # the first edge (zeros too), the last one norms at or above the last edge (and inf/NaN).
-NORM_EDGES: tuple[float, ...] = tuple(10.0 ** (e / 4) for e in range(-24, 25))
+PER_DECADE = 8
+NORM_EDGES: tuple[float, ...] = tuple(10.0 ** (e / PER_DECADE) for e in range(-48, 49))
 MAX_MODELS = 32  # histograms kept per worker; the least recently updated model goes first
 
 

@@ -81,4 +81,4 @@ class MetricsMiddleware:
             self.metrics.latency.labels(route=route).observe(seconds)
             self.metrics.recent.observe(
                 scope, route=route, status=status[0], seconds=seconds,
-                code=error_code(bytes(error)) if status[0] >= 400 else None)
+                code=error_code(bytes(error), status[0]) if status[0] >= 400 else None)

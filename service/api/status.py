@@ -46,14 +46,14 @@ def note_model(scope: Scope, model: Any) -> None:
         scope[_SCOPE_KEY] = model if REF_RE.fullmatch(model) else INVALID
 
 
-def error_code(body: bytes) -> str:
-    """The ``error.code`` of an error answer's JSON body, or ``unknown`` when it has none."""
+def error_code(body: bytes, status: int) -> str:
+    """The ``error.code`` of an error answer's JSON body; ``http_<status>`` for an answer that
+    is not an error body (``/readyz``'s 503)."""
     try:
-        doc = orjson.loads(body)
-        code = doc["error"]["code"]
+        code = orjson.loads(body)["error"]["code"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "unknown"
-    return code[:64] if isinstance(code, str) else "unknown"
+        code = None
+    return code[:64] if isinstance(code, str) else f"http_{status}"
 
 
 class _Route:
@@ -90,7 +90,7 @@ class RequestStats:
             counts["requests"] += 1
         if status >= 400:
             stats.errors += 1
-            code = code or "unknown"
+            code = code or f"http_{status}"
             self.errors[(model, code)] += 1
             if model is not None:
                 counts["errors"] += 1
@@ -155,7 +155,8 @@ class WorkerView(BaseModel):
 
 
 class QueueView(BaseModel):
-    depth: int | None = Field(description="jobs waiting; null when the broker did not answer")
+    depth: int | None = Field(description="jobs in the queue (Redis: the stream, which holds a "
+                              "job until its end is stored); null when the broker did not answer")
     wait_ms: Percentiles = Field(description="time jobs waited before their engine call, over "
                                  "every worker's recent jobs")
 

@@ -33,18 +33,11 @@ from tests.support.cluster import (
 from tests.support.redis import (
     SHARED_URL,
     OwnRedis,
+    fresh_prefix,
     metric,
-    prefix_on,
-    redis_or_skip,
 )
 
-
-@pytest.fixture
-def prefix() -> Any:
-    client = redis_or_skip()
-    with prefix_on(client) as p:
-        yield p
-    client.close()
+prefix = pytest.fixture(fresh_prefix)
 
 
 @pytest.fixture

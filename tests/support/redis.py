@@ -45,6 +45,15 @@ def prefix_on(client: redis.Redis) -> Iterator[str]:
                 client.delete(*doomed)
 
 
+def fresh_prefix() -> Iterator[str]:
+    """A fixture's body (``prefix = pytest.fixture(fresh_prefix)``): a fresh prefix on the shared
+    Redis, its keys deleted after; the test skips without a Redis."""
+    client = redis_or_skip()
+    with prefix_on(client) as p:
+        yield p
+    client.close()
+
+
 class OwnRedis:
     """A private redis-server on a free port, to stop and restart without touching 6379."""
 

@@ -6,25 +6,26 @@ tests/e2e/test_status_page.py.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from service.api.status import MAX_LABELS, OTHER, RequestStats
-from service.registry import ModelRegistry
 from service.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
-from service.validate import decode_json_body, parse_request
 from tests.support.api import app_of, open_client
-from tests.support.reference import loop_of
+from tests.support.status import (
+    buckets,
+    hold_compute,
+    norms_of,
+    norms_request,
+    reference_norms,
+)
 
 rng = np.random.default_rng(7)
-MLP = {  # norms on the zoo mlp: 6 samples
-    "model": "mlp",
-    "inputs": rng.standard_normal((6, 784)).astype(np.float32).round(3).tolist(),
-    "targets": rng.integers(0, 10, 6).tolist(),
-    "outputs": ["norms"],
-}
+MLP = norms_request(6, seed=7)
 VALUE = {
     "model": "value-mlp",
     "loss": "mse",
@@ -33,29 +34,8 @@ VALUE = {
 }
 
 
-def buckets(norms: np.ndarray) -> list[int]:
-    """The expected histogram: each norm's bucket among NORM_EDGES, counted."""
-    idx = np.searchsorted(np.asarray(NORM_EDGES), norms, side="right")
-    return np.bincount(idx, minlength=len(NORM_EDGES) + 1).tolist()  # type: ignore[no-any-return]
-
-
-def reference_norms(doc: dict[str, Any]) -> np.ndarray:
-    """Each sample's gradient norm from the per-sample loop (tests/support/reference.py)."""
-    parsed = parse_request(decode_json_body(doc, max_elements=1 << 24), ModelRegistry())
-    norms = loop_of(parsed.model, parsed.batch, parsed.opts).norms.double().numpy()
-    edges = np.asarray(NORM_EDGES)  # none so close to an edge that rounding could move it
-    assert np.abs(norms[:, None] / edges[None, :] - 1).min() > 1e-4
-    return norms
-
-
 def model_row(view: dict[str, Any], model: str) -> dict[str, Any]:
     return next(m for m in view["models"] if m["model"] == model)
-
-
-def norms_of(view: dict[str, Any], model_id: str) -> dict[str, Any] | None:
-    found = [h for h in view["norms"] if h["model"].split("@")[0] == model_id]
-    assert len(found) <= 1
-    return found[0] if found else None
 
 
 # --- the pieces -------------------------------------------------------------------------------
@@ -109,7 +89,8 @@ def test_worker_status_batch_counts_and_norm_buckets() -> None:
     counts = status.snapshot()["norms"]["mlp@1"]
     assert len(counts) == len(NORM_EDGES) + 1 and sum(counts) == 7
     assert counts[0] == 2  # zero and below 1e-6
-    assert counts[NORM_EDGES.index(1.0) + 1] == 2  # [1, 10^0.25): 1.0 and 1.5 (1.78 is the edge)
+    one = NORM_EDGES.index(1.0) + 1  # the bucket [1, 10^(1/8)) = [1, 1.33)
+    assert counts[one] == 1 and counts[one + 1] == 1  # 1.0; 1.5 in [1.33, 1.78)
     assert counts[-1] == 3  # at or above 1e6, inf, NaN
     status.observe_norms("other@1", torch.ones(3))
     assert set(status.snapshot()["norms"]) == {"mlp@1", "other@1"}
@@ -182,6 +163,22 @@ async def test_status_json_follows_requests_errors_and_norms() -> None:
         assert hist is not None and hist["counts"] == buckets(reference_norms(clipped))
         pool = app_of(c).state.psgrad.workers
     assert not any(w["alive"] for w in pool.snapshots())  # the lifespan stopped the threads
+
+
+async def test_the_batch_in_hand_shows_while_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    started, release = hold_compute(monkeypatch)
+    async with open_client() as c:
+        answer = asyncio.create_task(c.post("/per-sample-grads", json=MLP))
+        try:
+            assert await asyncio.to_thread(started.wait, 60)
+            [w] = (await c.get("/status.json")).json()["workers"]
+            assert w["batch"]["jobs"] == 1 and w["batch"]["samples"] == 6
+            assert w["batch"]["model"].startswith("mlp@") and w["jobs_done"] == 0
+        finally:
+            release.set()
+        assert (await answer).status_code == 200
+        [w] = (await c.get("/status.json")).json()["workers"]
+        assert w["batch"] is None and w["jobs_done"] == 1
 
 
 async def test_status_json_needs_a_key_the_page_does_not() -> None:
