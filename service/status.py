@@ -43,6 +43,7 @@ RATE_S = 10  # samples/s: the samples of the batches finished in the last 10 s
 # the first edge (zeros too), the last one norms at or above the last edge (and inf/NaN).
 PER_DECADE = 8
 NORM_EDGES: tuple[float, ...] = tuple(10.0 ** (e / PER_DECADE) for e in range(-48, 49))
+_EDGES = np.asarray(NORM_EDGES)
 MAX_MODELS = 32  # histograms kept per worker; the least recently updated model goes first
 
 
@@ -100,9 +101,8 @@ class TimeRing:
 def norm_counts(norms: torch.Tensor) -> np.ndarray:
     """Counts of ``norms`` per :data:`NORM_EDGES` bucket (``len(NORM_EDGES) + 1`` of them)."""
     values = norms.detach().reshape(-1).to("cpu", torch.float64).numpy()
-    values = np.nan_to_num(values, nan=np.inf)  # a NaN norm lands in the last bucket, visibly
-    idx = np.searchsorted(NORM_EDGES, values, side="right")
-    return np.bincount(idx, minlength=len(NORM_EDGES) + 1).astype(np.int64)
+    idx = np.searchsorted(_EDGES, values, side="right")  # NaN sorts last: the last bucket
+    return np.bincount(idx, minlength=len(_EDGES) + 1)
 
 
 class WorkerStatus:
