@@ -68,7 +68,12 @@ def _slots(value: Any, index: dict[fx.Node, int]) -> Any:
     return value
 
 
+_NESTED = (list, tuple, dict)
+
+
 def _fill(value: Any, values: list[Any]) -> Any:
+    """``value`` with every slot replaced by its value; lists are new ones on every call, as in
+    fx's code, so no op can change the graph's literals."""
     if type(value) is _Slot:
         return values[value.index]
     if type(value) is list or type(value) is tuple:
@@ -76,6 +81,13 @@ def _fill(value: Any, values: list[Any]) -> Any:
     if type(value) is dict:
         return {k: _fill(v, values) for k, v in value.items()}
     return value
+
+
+def _args(args: tuple[Any, ...], values: list[Any]) -> list[Any]:
+    """:func:`_fill` of a call's positional arguments, unrolled one level: most are slots or
+    numbers, and this is the walk's inner loop."""
+    return [values[a.index] if type(a) is _Slot else _fill(a, values) if type(a) in _NESTED
+            else a for a in args]
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,8 @@ class NodeWalk:
         values: list[Any] = [None] * len(self.steps)
         for i, step in enumerate(self.steps):
             if step.op == "call_function":
-                out = step.target(*_fill(step.args, values), **_fill(step.kwargs, values))
+                out = step.target(*_args(step.args, values),
+                                  **(_fill(step.kwargs, values) if step.kwargs else {}))
             elif step.op == "get_attr":
                 out = module
                 for part in step.target:
