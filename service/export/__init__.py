@@ -3,7 +3,8 @@
 ``torch.export.load`` unpickles, evaluates and executes parts of an archive; a client's archive
 only ever goes through this package: :mod:`.archive` (the zip, under limits), :mod:`.payloads`
 (raw tensor bytes), :mod:`.graph` (the signature and the nodes, against the allow-list in
-:mod:`.ops`) and :mod:`.module` (the fx module and its dry run on ``meta``).
+:mod:`.ops`), :mod:`.module` (the module and its dry run on ``meta``) and :mod:`.interpreter`
+(which runs the graph node by node: no code is generated from it).
 """
 
 from service.export.archive import Archive, ArchiveLimits, read_archive

@@ -2,7 +2,7 @@
 
 A stored version's config is what the child process checked (:mod:`service.export.child`):
 the pruned program, the shapes of its tensors, the tied names and the dry run's measures.
-:meth:`ExportedFamily.build` rebuilds the fx module through the same strict graph builder, so a
+:meth:`ExportedFamily.build` rebuilds the module through the same strict graph builder, so a
 version read back from a file or from Redis is held to the same allow-list as a fresh archive.
 """
 

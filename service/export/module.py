@@ -1,4 +1,4 @@
-"""From a client's archive to a checked :class:`torch.fx.GraphModule`.
+"""From a client's archive to a checked :class:`~service.export.interpreter.ExportedModule`.
 
 :func:`read_program` is the whole registration-time path: the archive (zip limits, entry
 names), the program (version, signature), the tensors (raw bytes, tied weights) and a dry run
@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from psgrad._errors import InvalidArchive, PsgradError, RefusedProgram, TooLarge
 from service.export.archive import CONSTANTS_CONFIG, WEIGHTS_CONFIG, ArchiveLimits, read_archive
 from service.export.graph import Program, UserInput, build_graph, parse_program
+from service.export.interpreter import RESERVED, ExportedModule, Step
 from service.export.payloads import read_payloads
 
 _SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}|[0-9]{1,6}")
-_RESERVED = frozenset(dir(fx.GraphModule))
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ def token_bounds(program: Program, rows: dict[str, int]) -> dict[str, int]:
     return highs
 
 
-def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
-    """The fx module of ``exported`` on ``device`` with its own tensors loaded."""
+def materialise(exported: Exported, device: torch.device) -> ExportedModule:
+    """The module of ``exported`` on ``device`` with its own tensors loaded."""
     specs = {k: (list(t.shape), t.dtype) for k, t in exported.tensors.items()}
     module = build_module(exported.program, specs, exported.params, exported.aliases, device)
     with torch.no_grad():
@@ -119,30 +119,30 @@ def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
 
 def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype]],
                  params: tuple[str, ...], aliases: dict[str, str],
-                 device: torch.device | None = None) -> fx.GraphModule:
-    """An fx module of ``program`` with empty tensors of ``specs`` (load the weights after)."""
-    root = nn.Module()
-    for name, (shape, dtype) in specs.items():
-        owner, leaf = _owner(root, name)
-        value = torch.empty(shape, dtype=dtype, device=device)
-        if name in params:
-            owner.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
-        else:
-            owner.register_buffer(leaf, value)
+                 device: torch.device | None = None) -> ExportedModule:
+    """The module of ``program`` with empty tensors of ``specs`` (load the weights after)."""
     attrs: dict[str, str] = {}
     for value_name, name in (*program.params, *program.buffers):
         canonical = aliases.get(name)
         if canonical not in specs:
             raise InvalidArchive(f"'{name}' has no tensor in the archive", parameter=name)
         attrs[value_name] = canonical
-    graph = build_graph(program, attrs)
-    return fx.GraphModule(root, graph, class_name="ExportedProgram")
+    root = ExportedModule(build_graph(program, attrs))
+    for name in dict.fromkeys([*attrs.values(), *specs]):  # in the signature's order
+        shape, dtype = specs[name]
+        owner, leaf = _owner(root, name)
+        value = torch.empty(shape, dtype=dtype, device=device)
+        if name in params:
+            owner.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+        else:
+            owner.register_buffer(leaf, value)
+    return root
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The submodule that holds ``name`` ('a.b.weight' -> root.a.b, 'weight'), made on demand."""
     parts = name.split(".")
-    if len(parts) > 16 or not all(_SEGMENT.fullmatch(p) and p not in _RESERVED for p in parts):
+    if len(parts) > 16 or not all(_SEGMENT.fullmatch(p) and p not in RESERVED for p in parts):
         raise RefusedProgram(f"tensor name {name[:100]!r} is refused: names are dotted "
                              "identifiers that are not attributes of a torch module",
                              parameter=name[:100])
@@ -168,7 +168,7 @@ def largest_sizes(user: UserInput) -> list[int]:
     return sizes
 
 
-def dry_run(module: fx.GraphModule, program: Program, max_activations: int, *,
+def dry_run(module: ExportedModule, program: Program, max_activations: int, *,
             largest: bool = False) -> tuple[tuple[int, ...], int]:
     """Run ``module`` (built on ``meta``) on the exported example sizes, counting activations.
 
@@ -176,21 +176,18 @@ def dry_run(module: fx.GraphModule, program: Program, max_activations: int, *,
     """
     counted = [0]
 
-    class Counting(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            for t in out if isinstance(out, list | tuple) else (out,):
-                if isinstance(t, torch.Tensor) and n.op == "call_function":
-                    counted[0] += t.numel()
-            if counted[0] > max_activations:
-                raise TooLarge(f"one sample's activations exceed {max_activations} elements "
-                               f"(at '{n.name}')", limit=max_activations)
-            return out
+    def count(step: Step, out: Any) -> None:
+        for t in out if isinstance(out, list | tuple) else (out,):
+            if isinstance(t, torch.Tensor) and step.op == "call_function":
+                counted[0] += t.numel()
+        if counted[0] > max_activations:
+            raise TooLarge(f"one sample's activations exceed {max_activations} elements "
+                           f"(at '{step.name}')", limit=max_activations)
 
     inputs = [torch.empty(largest_sizes(u) if largest else u.hints, dtype=u.dtype, device="meta")
               for u in program.inputs]
     try:
-        out = Counting(module).run(*inputs)
+        out = module.walk.run(module, inputs, count)
     except PsgradError:
         raise
     except Exception as exc:  # any failure of a client's graph is the client's
