@@ -7,14 +7,16 @@ engine's answer from a strategy's records): the two only agree when the answer i
   samples.
 - :data:`AGGREGATE`: a value of the whole batch (``mean``, ``variance``, ``clipped_mean``) or one
   that depends on it (``cosine_mean``, against the batch mean). No sample's part of it can be
-  read off the answer, so the engine computes it again over the verified samples alone (same
-  model, weights, options and strategy; ``clipped_mean`` without its noise), and that is
-  compared with the same statistic of the loop's gradients.
+  read off the answer, so the engine computes it again with the verified samples as a segment
+  of their own (the others a second one, the noise off): the first segment is compared with
+  the loop's statistic of those samples, and the answer with :class:`Whole`, the loop's
+  samples combined with the engine's statistic of the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -22,10 +24,11 @@ import torch
 
 from service.engine import Batch, Options
 from service.losses import get_loss
+from service.outputs import noised_mean
 from service.strategies.base import Tensors, clip_factors, total
 from service.verify.loop import Loop
 
-__all__ = ["AGGREGATE", "PER_SAMPLE", "Expected"]
+__all__ = ["AGGREGATE", "PER_SAMPLE", "Expected", "Whole"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +74,66 @@ class Expected:
         return {k: g.mean(0) for k, g in self.grads.items()}
 
 
+class Whole:
+    """The job's statistics over all its samples: the loop's for the verified ones, combined
+    exactly (in float64) with the engine's statistics of the others (``rest``: that segment's
+    noiseless outputs, None when every sample was verified)."""
+
+    def __init__(self, e: Expected, rest: dict[str, Any] | None, n_rest: int,
+                 seed: int | None) -> None:
+        self.e, self.k, self.n_rest = e, len(e.losses), n_rest
+        self.rest = {name: _float64(v) for name, v in (rest or {}).items() if name != "meta"}
+        self.seed = seed  # the answer's noise seed (meta.seed)
+
+    @cached_property
+    def mean(self) -> Tensors:
+        if not self.rest:
+            return self.e.mean
+        n = self.k + self.n_rest
+        return {p: (self.k * m + self.n_rest * self.rest["mean"][p]) / n
+                for p, m in self.e.mean.items()}
+
+    @cached_property
+    def variance(self) -> Tensors:
+        """Chan's parallel formula: M2 = M2_a + M2_b + delta^2 n_a n_b / n."""
+        own = AGGREGATE["variance"](self.e)
+        if not self.rest:
+            return dict(own)
+        n = self.k + self.n_rest
+        out = {}
+        for p, v in own.items():
+            delta = self.rest["mean"][p] - self.e.mean[p]
+            m2 = (v * self.k + self.rest["variance"][p] * self.n_rest
+                  + delta.pow(2) * (self.k * self.n_rest / n))
+            out[p] = m2 / n
+        return out
+
+    @cached_property
+    def clipped_mean(self) -> Tensors | None:
+        """The clipped sums added up, then noised and divided as the answer was (the same seeded
+        draw); None for a DP run's noise from the OS CSPRNG, which nothing can draw again."""
+        opts = self.e.opts
+        if opts.secure_noise and opts.noise_multiplier:
+            return None
+        sums = _clipped_sums(self.e)
+        if self.rest:
+            divisor = opts.divisor or self.n_rest
+            sums = {p: s + self.rest["clipped_mean"][p] * divisor for p, s in sums.items()}
+        value, _ = noised_mean(sums, replace(opts, seed=self.seed), self.k + self.n_rest)
+        return value
+
+    @cached_property
+    def cosine_mean(self) -> torch.Tensor:
+        """The verified samples' cosines with the mean of the whole job."""
+        return _cosine(self.e, self.mean)
+
+
+def _float64(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _float64(v) for k, v in value.items()}
+    return value.detach().cpu().double()
+
+
 def _updates(e: Expected) -> Tensors:
     updates = get_loss(e.opts.loss).updates
     assert updates is not None, "validation lets 'updates' through only for losses that have it"
@@ -89,16 +152,21 @@ def _self_influence(e: Expected) -> torch.Tensor:
     return e.norms.pow(2)
 
 
+def _clipped_sums(e: Expected) -> Tensors:
+    factors = clip_factors(e.opts.clip_norm, e.norms, e.opts.norm_offset)
+    return {k: torch.tensordot(factors, g, dims=1) for k, g in e.grads.items()}
+
+
 def _clipped_mean(e: Expected) -> Tensors:
     """Noiseless: the clipped sum over the samples, divided as the request divides it."""
-    factors = clip_factors(e.opts.clip_norm, e.norms, e.opts.norm_offset)
     divisor = e.opts.divisor or len(e.norms)
-    return {k: torch.tensordot(factors, g, dims=1) / divisor for k, g in e.grads.items()}
+    return {k: s / divisor for k, s in _clipped_sums(e).items()}
 
 
-def _cosine_mean(e: Expected) -> torch.Tensor:
-    mean_norm = total([m.pow(2).sum() for m in e.mean.values()]).sqrt()
-    dots = total([_rows(g) @ e.mean[k].flatten() for k, g in e.grads.items()])
+def _cosine(e: Expected, mean: Tensors) -> torch.Tensor:
+    """Each sample's cosine with ``mean`` (0 where a norm is 0, as the engine defines it)."""
+    mean_norm = total([m.pow(2).sum() for m in mean.values()]).sqrt()
+    dots = total([_rows(g) @ mean[k].flatten() for k, g in e.grads.items()])
     return (dots / (e.norms * mean_norm)).nan_to_num(0.0, posinf=0.0, neginf=0.0)
 
 
@@ -122,7 +190,7 @@ AGGREGATE: dict[str, Want] = {
     "mean": lambda e: e.mean,
     "variance": lambda e: {k: g.var(0, unbiased=False) for k, g in e.grads.items()},
     "clipped_mean": _clipped_mean,
-    "cosine_mean": _cosine_mean,
+    "cosine_mean": lambda e: _cosine(e, e.mean),
 }
 # Of one sample the variance is 0 and the cosine with the mean 1, whatever the gradient: these
 # take at least two samples, when the batch has them.

@@ -208,6 +208,30 @@ def test_one_sample_statistics_take_two() -> None:
     assert len(verified(parsed, answer_of(parsed), k=1)["samples"]) == 1
 
 
+def test_verified_gradients_stay_within_the_memory_budget() -> None:
+    """simple-cnn: 1.2 M parameters, 24 MB a verified sample: 50 MB holds two of them."""
+    parsed = request("simple-cnn", {}, "nll", n=8, outputs=("norms",))
+    parsed = replace(parsed, opts=replace(parsed.opts, params=tuple(parsed.model.params)))
+    answer = answer_of(parsed)
+    assert len(verified(parsed, answer, k=8, memory_budget_mb=50)["samples"]) == 2
+    assert len(verified(parsed, answer, k=8, memory_budget_mb=1)["samples"]) == 1
+    assert len(verified(parsed, answer, k=8)["samples"]) == 8
+
+
+def test_dp_run_options_are_verified_as_the_run_divides_and_clips() -> None:
+    """A DP run's step: the run's divisor and Opacus's norm offset; its CSPRNG noise is off in
+    the check (no seed can draw it again)."""
+    parsed = request("mlp", {"sizes": [6, 5, 3]}, "cross_entropy", outputs=("clipped_mean",))
+    parsed = replace(parsed, opts=replace(parsed.opts, divisor=9.5, norm_offset=1e-6,
+                                          secure_noise=True, noise_multiplier=0.0, seed=None,
+                                          clip_norm=2.0))
+    report = verified(parsed, answer_of(parsed), k=4)
+    assert report["max_abs_diff"] <= 3e-3
+    wrong = replace(parsed, opts=replace(parsed.opts, divisor=None))  # the engine's own divisor
+    with pytest.raises(VerificationFailed):
+        verified(parsed, answer_of(wrong), k=4)
+
+
 # ----------------------------------------------------------------------------- wrong answers
 
 
@@ -230,6 +254,32 @@ def test_a_wrong_gradient_in_the_strategy_is_caught(monkeypatch: pytest.MonkeyPa
         assert err.details["sample"] == 4
         assert "sample 4's" in err.message
     assert "withheld" in err.message
+
+
+@pytest.mark.parametrize("name", ["mean", "variance", "clipped_mean", "cosine_mean"])
+def test_a_wrong_statistic_in_the_answer_alone_is_caught(name: str) -> None:
+    """The engine is right, the answer is not (as a merge or an assembly gone wrong would make
+    it): the check of the answer against the loop's samples and the engine's others catches it,
+    noise included (clipped_mean is noised here, the seed drawn again)."""
+    parsed = request("value-mlp", {"sizes": [4, 5]}, "mse", outputs=(name,))
+    answer = answer_of(parsed)
+    verified(parsed, answer, k=2)  # right as it is
+    if name == "cosine_mean":
+        answer[name] = answer[name].clone()
+        answer[name][choose(6, 2, 11)[1]] += 0.01
+    else:
+        answer[name] = {k: v + 0.01 for k, v in answer[name].items()}
+    with pytest.raises(VerificationFailed) as caught:
+        verified(parsed, answer, k=2)
+    assert caught.value.details["check"] == "in the answer"
+    assert "in the answer differs from the per-sample loop" in caught.value.message
+
+
+def test_a_dp_runs_noise_is_left_out_of_the_answers_check() -> None:
+    """CSPRNG noise cannot be drawn again: clipped_mean is then checked on the segment only."""
+    parsed = request("mlp", {"sizes": [6, 5, 3]}, "cross_entropy", outputs=("clipped_mean",))
+    parsed = replace(parsed, opts=replace(parsed.opts, secure_noise=True, seed=None, divisor=6.0))
+    assert verified(parsed, answer_of(parsed), k=2)["max_abs_diff"] <= 3e-3
 
 
 def test_a_wrong_sample_not_drawn_goes_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
