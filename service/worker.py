@@ -230,18 +230,18 @@ class Worker:
         how = verify.plan(job.id, parsed, self.settings)
         if how is None:
             return None
-        start, report, failed = time.perf_counter(), {}, True
+        start = time.perf_counter()
         try:
             report = verify.check(parsed, out, how, settings=self.settings, compiled=self.compiled)
-            failed = False
-            return report
         except VerificationFailed as exc:
             log.error("job %s failed verification: %s", job.id, exc.message)
-            report = exc.details.get("verify", {})
-            raise
-        finally:
-            self.observer.observe_verify(samples=len(report.get("samples", ())), failed=failed,
+            samples = len(exc.details.get("verify", {}).get("samples", ()))
+            self.observer.observe_verify(samples=samples, failed=True,
                                          seconds=time.perf_counter() - start)
+            raise
+        self.observer.observe_verify(samples=len(report["samples"]), failed=False,
+                                     seconds=time.perf_counter() - start)
+        return report
 
     def _fail(self, job: Job, exc: PsgradError, *, retry: bool) -> None:
         self._observe_end(job, "failed")
