@@ -14,11 +14,11 @@ ratios). Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates anything
@@ -33,6 +33,9 @@ from service.validate import ParsedRequest
 from service.verify import Plan, check
 from tests.support.batches import make_batch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_stats import interleave, ratio  # rounds interleaved; median per-round ratios
+
 CASES = [  # (model, config, batch size, output, k)
     ("simple-cnn", {}, 64, "norms", 1),
     ("simple-cnn", {}, 64, "norms", 8),
@@ -41,20 +44,6 @@ CASES = [  # (model, config, batch size, output, k)
     ("mlp", {}, 256, "norms", 1),
     ("mlp", {}, 256, "clipped_mean", 1),
 ]
-
-
-def cpu_times(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """CPU seconds per key and round: each callable warmed once, then once per round."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            gc.collect()
-            start = time.process_time()
-            fn()
-            times[key].append(time.process_time() - start)
-    return times
 
 
 def main() -> None:
@@ -75,15 +64,13 @@ def main() -> None:
         parsed = ParsedRequest(model, opts, batch)
         answer: dict[str, Any] = engine.compute(model, batch, opts)[0]
         how = Plan(k, 0, "request")
-        times = cpu_times({
+        times = interleave({
             "engine": lambda: engine.compute(model, batch, opts),  # noqa: B023
             "verify": lambda: check(parsed, answer, how, settings=settings),  # noqa: B023
-        }, args.rounds)
+        }, args.rounds, clock=time.process_time)
         ms = {key: statistics.median(v) * 1000 for key, v in times.items()}
-        ratio = statistics.median(v / e for v, e in zip(times["verify"], times["engine"],
-                                                         strict=True))
         print(f"| {arch} | {n} | {output} | {k} | {ms['engine']:.1f} | {ms['verify']:.1f} | "
-              f"{ratio:.2f} |")
+              f"{ratio(times, 'verify', 'engine'):.2f} |")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
