@@ -185,6 +185,8 @@ class AsyncClient(BaseClient):
         reference_sketches: Any = None,
         reference_set: str | None = None,
         answer_dtype: str | None = None,
+        verify: int | None = None,
+        verify_seed: int | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -207,6 +209,8 @@ class AsyncClient(BaseClient):
             reference_sketches=reference_sketches,
             reference_set=reference_set,
             answer_dtype=answer_dtype,
+            verify=verify,
+            verify_seed=verify_seed,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
@@ -225,6 +229,8 @@ class AsyncClient(BaseClient):
         outputs: Sequence[str] | str = ("updates", "td_errors"),
         params: Sequence[str] | None = None,
         answer_dtype: str | None = None,
+        verify: int | None = None,
+        verify_seed: int | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -242,6 +248,8 @@ class AsyncClient(BaseClient):
             dones=dones,
             gamma=gamma,
             answer_dtype=answer_dtype,
+            verify=verify,
+            verify_seed=verify_seed,
         )
         return await self._compute(
             fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
@@ -268,6 +276,8 @@ class AsyncClient(BaseClient):
         dones: Any = None,
         gamma: float | None = None,
         answer_dtype: str | None = None,
+        verify: int | None = None,
+        verify_seed: int | None = None,
     ) -> AsyncJob:
         """Queue the request and return an :class:`AsyncJob`; see ``Client.submit``."""
         fields = self._grads_fields(
@@ -287,6 +297,8 @@ class AsyncClient(BaseClient):
             dones=dones,
             gamma=gamma,
             answer_dtype=answer_dtype,
+            verify=verify,
+            verify_seed=verify_seed,
         )
         doc = (await self._post_fields("/jobs", await self._prepare(fields))).json()
         return AsyncJob(

@@ -204,6 +204,8 @@ class Client(BaseClient):
         reference_sketches: Any = None,
         reference_set: str | None = None,
         answer_dtype: str | None = None,
+        verify: int | None = None,
+        verify_seed: int | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -232,6 +234,12 @@ class Client(BaseClient):
                 half the bytes (relative rounding error at most 2^-11 / 2^-8); float16 arrays
                 come back as float16, bfloat16 ones widened exactly to float32 (numpy has no
                 bfloat16).
+            verify, verify_seed: the server recomputes ``verify`` samples of each request
+                (up to 64; the batch may be split into several) one at a time with the
+                per-sample loop and compares the outputs: ``result.meta["verify"]`` reports the
+                samples (indices into this batch) and the largest difference, and a wrong answer
+                raises ``VerificationFailed`` instead of being returned. ``verify_seed`` picks
+                the samples (default: each request's job id).
             as_torch: return torch tensors instead of numpy arrays.
             progress: draw a progress bar on stderr (tqdm if installed), or a callable
                 ``f(done, total)`` called after each request.
@@ -270,6 +278,8 @@ class Client(BaseClient):
             reference_sketches=reference_sketches,
             reference_set=reference_set,
             answer_dtype=answer_dtype,
+            verify=verify,
+            verify_seed=verify_seed,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 
@@ -286,6 +296,8 @@ class Client(BaseClient):
         outputs: Sequence[str] | str = ("updates", "td_errors"),
         params: Sequence[str] | None = None,
         answer_dtype: str | None = None,
+        verify: int | None = None,
+        verify_seed: int | None = None,
         as_torch: bool = False,
         progress: ProgressArg = False,
         chunk_size: int | None = None,
@@ -309,6 +321,8 @@ class Client(BaseClient):
             dones=dones,
             gamma=gamma,
             answer_dtype=answer_dtype,
+            verify=verify,
+            verify_seed=verify_seed,
         )
         return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
 
@@ -333,6 +347,8 @@ class Client(BaseClient):
         dones: Any = None,
         gamma: float | None = None,
         answer_dtype: str | None = None,
+        verify: int | None = None,
+        verify_seed: int | None = None,
     ) -> Job:
         """Queue the request (``POST /jobs``) and return at once with a :class:`Job`.
 
@@ -356,6 +372,8 @@ class Client(BaseClient):
             dones=dones,
             gamma=gamma,
             answer_dtype=answer_dtype,
+            verify=verify,
+            verify_seed=verify_seed,
         )
         doc = self._post_fields("/jobs", self._prepare(fields)).json()
         return Job(

@@ -24,6 +24,7 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     ├── DeadlineExceeded (504)
     ├── JobFailed (500)              a job ended failed without a more precise error
     └── InternalError (500)          a bug: the message never carries a traceback
+        └── VerificationFailed (500) ``verify``: the answer differed from the per-sample loop
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ __all__ = [
     "UnknownOutput",
     "UnknownParameter",
     "UnsupportedMediaType",
+    "VerificationFailed",
     "error_from_body",
 ]
 
@@ -262,6 +264,16 @@ class JobFailed(PsgradError):
 class InternalError(PsgradError):
     code = "internal_error"
     status = 500
+
+
+class VerificationFailed(InternalError):
+    """A verified answer (``verify``) differed from the per-sample loop beyond the tolerance.
+
+    The answer is withheld: it is wrong (a bug or a faulty device), never served as right.
+    ``details`` say which output, sample and difference; retrying may land on another worker.
+    """
+
+    code = "verification_failed"
 
 
 def error_from_body(

@@ -23,6 +23,9 @@ How each output is combined over chunks of sizes n_1 .. n_k (B = sum n_c):
   cosine_i = dot_i / (norm_i * |mean|), 0 where a norm is 0, as the server defines it. A batch
   that fits in one request is computed by the server in one pass.
 
+With ``verify`` each request is verified on its own samples; ``meta["verify"]`` of a split batch
+merges their reports (:func:`merge_verify`).
+
 A 413 answer for a chunk of more than one sample shrinks the chunk (to the ``limit`` the server
 names when it is a batch-size limit, else half) and the plan starts again; the limit learned is
 returned so the client remembers it.
@@ -141,6 +144,33 @@ def cosine(dot: np.ndarray, norms: np.ndarray, mean: Mapping[str, np.ndarray]) -
     return np.nan_to_num(cos, nan=0.0, posinf=0.0, neginf=0.0).astype(dot.dtype)
 
 
+def merge_verify(answers: list[tuple[int, Fields]]) -> dict[str, Any] | None:
+    """One ``meta.verify`` for a batch split into requests (each verified on its own samples):
+    the samples as indices into the whole batch, each output's largest difference (None: one
+    was not finite), the requests' seeds in order, their time summed."""
+    reports = [(start, (a.get("meta") or {}).get("verify")) for start, a in answers]
+    found = [(start, r) for start, r in reports if isinstance(r, dict)]
+    if not found:
+        return None
+
+    def worst(values: list[Any]) -> float | None:
+        return None if None in values else max(values, default=0.0)
+
+    checked: dict[str, list[Any]] = {}
+    for _, r in found:
+        for name, diff in (r.get("checked") or {}).items():
+            checked.setdefault(name, []).append(diff)
+    return {
+        "samples": sorted({start + int(i) for start, r in found for i in r.get("samples", ())}),
+        "seeds": [r.get("seed") for _, r in found],
+        "source": found[0][1].get("source"),
+        "max_abs_diff": worst([r.get("max_abs_diff") for _, r in found]),
+        "tolerance": found[0][1].get("tolerance"),
+        "checked": {name: worst(diffs) for name, diffs in checked.items()},
+        "ms": round(sum(float(r.get("ms") or 0.0) for _, r in found), 3),
+    }
+
+
 def _slice(fields: Fields, start: int, stop: int) -> Fields:
     return {
         k: (v[start:stop] if k in SAMPLE_FIELDS and isinstance(v, np.ndarray) else v)
@@ -224,6 +254,7 @@ def _run(
         if progress:
             progress(b, total)
     answers = list(parts)
+    starts = [a for a, _ in bounds]
     result = _combine(parts, counts, first, answers)
     if two_pass:
         mean = result["mean"]
@@ -237,6 +268,10 @@ def _run(
                 progress(size + b, total)
         result["cosine_mean"] = cosine(concat(dots), result["norms"], mean)
         result["timing"], result["meta"]["requests"] = _timing(answers), len(answers)
+        starts += starts
+    verified = merge_verify(list(zip(starts, answers, strict=True)))
+    if verified is not None:
+        result["meta"]["verify"] = verified
     return _ordered(result, wanted)
 
 

@@ -18,7 +18,7 @@ from psgrad._arrays import param_arrays, to_numpy
 from psgrad._errors import BadRequest, InvalidInput
 from psgrad._merge import Fields
 from psgrad._types import OUTPUT_NAMES
-from psgrad._wire import ANSWER_DTYPES
+from psgrad._wire import ANSWER_DTYPES, MAX_VERIFY
 
 __all__ = ["grads_fields"]
 
@@ -45,6 +45,8 @@ def grads_fields(
     reference_sketches: Any = None,
     reference_set: str | None = None,
     answer_dtype: str | None = None,
+    verify: int | None = None,
+    verify_seed: int | None = None,
 ) -> Fields:
     """The request of ``per_sample_grads``, ``td0`` and ``submit``: unset options left out."""
     if not isinstance(model, str) or not model:
@@ -55,12 +57,6 @@ def grads_fields(
     noise = _number(noise_multiplier, "noise_multiplier")
     if noise is not None and noise < 0:
         raise InvalidInput("'noise_multiplier' must be >= 0")
-    if seed is not None and (
-        isinstance(seed, bool)
-        or not isinstance(seed, (int, np.integer))
-        or not 0 <= int(seed) < 2**63
-    ):
-        raise BadRequest("'seed' must be an integer in [0, 2**63)")
     fields: Fields = {"model": model, "inputs": to_numpy(inputs, "inputs"), "outputs": outs}
     samples = {"targets": targets, "next_inputs": next_inputs, "rewards": rewards, "dones": dones}
     optional: dict[str, Any] = {
@@ -71,7 +67,7 @@ def grads_fields(
         "reference": param_arrays(reference, "reference"),
         "clip_norm": _number(clip_norm, "clip_norm"),
         "noise_multiplier": noise,
-        "seed": None if seed is None else int(seed),
+        "seed": _integer(seed, "seed", 2**63 - 1, "[0, 2**63)"),
         "gamma": _number(gamma, "gamma"),
         "projection_dim": projection_dim,
         "projection_seed": projection_seed,
@@ -79,9 +75,22 @@ def grads_fields(
         else to_numpy(reference_sketches, "reference_sketches"),
         "reference_set": reference_set,
         "answer_dtype": _answer_dtype(answer_dtype),
+        # 0 is the server's default (its PSGRAD_VERIFY_FRACTION decides): not sent
+        "verify": _integer(verify, "verify", MAX_VERIFY, f"[0, {MAX_VERIFY}]") or None,
+        "verify_seed": _integer(verify_seed, "verify_seed", 2**63 - 1, "[0, 2**63)"),
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     return fields
+
+
+def _integer(value: Any, name: str, high: int, shown: str) -> int | None:
+    """An integer option in [0, high], or None when unset; ``shown`` is the range as told."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= int(value) <= high:
+        raise BadRequest(f"'{name}' must be an integer in {shown}")
+    return int(value)
 
 
 def _answer_dtype(value: str | None) -> str | None:

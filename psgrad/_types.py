@@ -48,7 +48,9 @@ class GradsResult:
         timing: ``queue_ms`` and ``compute_ms`` summed over the requests that made the result,
             plus ``total_ms`` as seen by the client.
         meta: the server's notes (``route``, ``chunk_size``, ``seed`` of the noise, ...);
-            ``requests`` is how many HTTP requests the client split the batch into.
+            ``requests`` is how many HTTP requests the client split the batch into; ``verify``
+            (with ``verify=k``, or when the server's operator verifies a fraction of the
+            jobs) the samples recomputed with the per-sample loop and the largest difference.
     """
 
     model: str

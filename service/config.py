@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Annotated
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from psgrad._wire import MAX_VERIFY
 
 
 class Settings(BaseSettings):
@@ -42,6 +46,9 @@ class Settings(BaseSettings):
     redis_transfer_timeout_s: float = 60.0  # commands that move payloads and results (MBs-GBs)
     worker_redis_grace_s: float = 30.0  # a worker that cannot reach Redis this long exits 1
     worker_metrics_port: int = 0  # psgrad worker serves Prometheus /metrics here (0: off)
+    # the fraction of jobs that did not ask for `verify` verified anyway, on this many samples
+    verify_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    verify_samples: Annotated[int, Field(ge=1, le=MAX_VERIFY)] = 1
 
     max_layers: int = 64
     max_parameters: int = 50_000_000

@@ -32,8 +32,8 @@ from service.strategies.vmap import Vmap, chunk_size
 if TYPE_CHECKING:
     from service.compile_cache import CompiledFunctions
 
-__all__ = ["Batch", "Options", "chunk_size", "compute", "output_bytes", "per_sample_fn",
-           "warm_up"]
+__all__ = ["Batch", "Options", "chunk_size", "compute", "lock_for", "output_bytes",
+           "per_sample_fn", "prepare", "warm_up"]
 
 PER_SAMPLE_GRADS = frozenset({"grads", "updates"})  # outputs that keep every per-sample gradient
 _VMAP = Vmap()
@@ -65,9 +65,15 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     # through them; summaries still take fast statistics when those apply
     vmap_only = not fast_stats or (compiled is not None and call.need.grads)
     strategies = (_VMAP,) if vmap_only else _STRATEGIES
-    with _LOCKS[hash(model.structure or model.ref) % len(_LOCKS)]:
+    with lock_for(model):
         result = _run(strategies, call)
     return assemble(call, result, on_norms)
+
+
+def lock_for(model: LoadedModel) -> threading.Lock:
+    """The lock held while anything runs ``model``'s module through ``functional_call`` (the
+    engine's strategies, and the verification loop of :mod:`service.verify`). Not reentrant."""
+    return _LOCKS[hash(model.structure or model.ref) % len(_LOCKS)]
 
 
 def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[int], *,

@@ -82,6 +82,17 @@ class WorkerMetrics:
         self.jobs = Counter(
             "psgrad_jobs", "jobs finished by the workers, by status", ["status"], registry=r
         )
+        self.verified_jobs = Counter(
+            "psgrad_verified_jobs", "jobs whose answer was verified (verify, or "
+            "PSGRAD_VERIFY_FRACTION), failed ones included", registry=r)
+        self.verified_samples = Counter(
+            "psgrad_verified_samples", "samples recomputed with the per-sample loop", registry=r)
+        self.verify_failures = Counter(
+            "psgrad_verification_failures", "verified answers that differed from the per-sample "
+            "loop (each failed its job with verification_failed)", registry=r)
+        self.verify_seconds = Histogram(
+            "psgrad_verification_seconds", "duration of one job's verification",
+            buckets=TIME_BUCKETS, registry=r)
         r.register(_CacheCollector())
 
     def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
@@ -93,3 +104,10 @@ class WorkerMetrics:
     def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
         self.queue_wait.observe(queue_s)
         self.jobs.labels(status=status).inc()
+
+    def observe_verify(self, *, samples: int, seconds: float, failed: bool) -> None:
+        self.verified_jobs.inc()
+        self.verified_samples.inc(samples)
+        self.verify_seconds.observe(seconds)
+        if failed:
+            self.verify_failures.inc()

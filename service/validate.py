@@ -20,7 +20,7 @@ from psgrad._errors import (
     ShapeMismatch,
     TooLarge,
 )
-from psgrad._wire import ANSWER_DTYPES, array_from_json
+from psgrad._wire import ANSWER_DTYPES, MAX_VERIFY, array_from_json
 from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.dp.steps import bind
 from service.engine import Batch, Options
@@ -47,7 +47,7 @@ TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask",
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
                  "gamma", "dp_run", "projection_dim", "projection_seed", "reference_set",
-                 "answer_dtype")
+                 "answer_dtype", "verify", "verify_seed")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 
 
@@ -57,6 +57,8 @@ class ParsedRequest:
     opts: Options
     batch: Batch
     answer_dtype: str = "float32"  # the answer's floating tensors: float32, float16, bfloat16
+    verify: int = 0  # samples the worker recomputes with the per-sample loop (service.verify)
+    verify_seed: int | None = None  # picks them; None: the job id does
 
     def group_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can run as one engine call on the concatenated batch."""
@@ -122,6 +124,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     ref = fields.get("model")
     if not isinstance(ref, str) or not ref:
         raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
+    checks = _verify(fields)
     model = registry.get(ref)
     opts = _options(fields, model, dp_runs)
     loss = get_loss(opts.loss)
@@ -160,7 +163,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
         sketches = None if raw is None else tensor_of(raw, "reference_sketches", model.dtype)
         opts = references(model, opts, batch, reference, sketches, fields.get("reference_set"),
                           reference_sets)
-        return ParsedRequest(model, opts, batch)
+        return ParsedRequest(model, opts, batch, verify=checks[0], verify_seed=checks[1])
     refuse_unread(fields)
     batch.reference = param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
@@ -171,7 +174,24 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                 f"{', '.join(missing)}", missing=missing,
             )
     batch.reference = {k: v for k, v in batch.reference.items() if k in opts.params}
-    return ParsedRequest(model, opts, batch, _answer_dtype(fields.get("answer_dtype")))
+    return ParsedRequest(model, opts, batch, _answer_dtype(fields.get("answer_dtype")),
+                         verify=checks[0], verify_seed=checks[1])
+
+
+def _verify(fields: dict[str, Any]) -> tuple[int, int | None]:
+    """``verify`` (0 to MAX_VERIFY samples; more than the batch has checks them all) and
+    ``verify_seed``; the group key leaves them out (each job is verified alone)."""
+    k, seed = fields.get("verify"), fields.get("verify_seed")
+    if k is not None and (not _integer(k) or not 0 <= k <= MAX_VERIFY):
+        raise BadRequest(f"'verify' must be an integer in [0, {MAX_VERIFY}]: the samples "
+                         "recomputed with the per-sample loop to check the answer")
+    if seed is not None and (not _integer(seed) or not 0 <= seed < 2**63):
+        raise BadRequest("'verify_seed' must be an integer in [0, 2**63)")
+    return int(k or 0), None if seed is None else int(seed)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _answer_dtype(value: Any) -> str:

@@ -8,7 +8,9 @@ Jobs that were canceled or whose deadline passed are dropped; the rest are valid
 (a bad job fails alone with its own error), grouped by
 :meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
 concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call
-fails, its jobs are retried one by one so that one job's problem never fails another's.
+fails, its jobs are retried one by one so that one job's problem never fails another's. A job
+asked to be verified (``verify``, or drawn by ``PSGRAD_VERIFY_FRACTION``) is checked on its own
+samples (:mod:`service.verify`) before its answer is stored; a wrong answer fails it alone.
 
 The loop knows the queue only as a :class:`service.jobs.JobSource`. In embedded mode the app's
 lifespan runs ``PSGRAD_WORKERS`` loops in threads (:class:`WorkerPool`); with Redis each
@@ -18,17 +20,19 @@ lifespan runs ``PSGRAD_WORKERS`` loops in threads (:class:`WorkerPool`); with Re
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Final, Protocol, TypeVar
 
 import torch
 
-from psgrad._errors import DeadlineExceeded, InternalError, PsgradError
+from psgrad._errors import DeadlineExceeded, InternalError, PsgradError, VerificationFailed
 from psgrad._wire import BFLOAT16
-from service import engine
+from service import engine, verify
 from service.compile_cache import CompiledFunctions
 from service.config import Settings
 from service.dp.runs import store_for as dp_runs
@@ -43,6 +47,15 @@ log = logging.getLogger("psgrad.worker")
 
 __all__ = ["Worker", "WorkerObserver", "WorkerPool"]
 
+T = TypeVar("T")
+
+
+class _Failed(enum.Enum):
+    FAILED = "failed"
+
+
+_FAILED: Final = _Failed.FAILED  # what Worker._attempt answers once the job has failed
+
 
 class WorkerObserver(Protocol):
     """Receives what the loop measures (:class:`service.metrics.WorkerMetrics` implements it)."""
@@ -51,12 +64,17 @@ class WorkerObserver(Protocol):
 
     def observe_job(self, *, queue_s: float, samples: int, status: str) -> None: ...
 
+    def observe_verify(self, *, samples: int, seconds: float, failed: bool) -> None: ...
+
 
 class _NoObserver:
     def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
         pass
 
     def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
+        pass
+
+    def observe_verify(self, *, samples: int, seconds: float, failed: bool) -> None:
         pass
 
 
@@ -177,6 +195,10 @@ class Worker:
             self.status.observe_norms(model, found)
         started = time.time() - compute_s
         for (job, parsed), out in zip(items, results, strict=True):
+            # before anything leaves: a wrong answer is never stored, nor a DP step counted
+            checked = self._attempt(job, "verifying", partial(self._verified, job, parsed, out))
+            if checked is _FAILED:
+                continue
             result = _wire_result(parsed, out)
             result["timing"] = {
                 "queue_ms": round(max(0.0, started - job.enqueued_at) * 1000, 3),
@@ -184,14 +206,13 @@ class Worker:
             }
             meta = result.pop("meta")  # last, after timing, as documented
             result["meta"] = {**meta, "batch_jobs": len(items), "batch_samples": samples}
-            try:  # a DP run's step: counted once per job id, or refused (nothing released)
-                result = count_dp_step(job.id, job.fields, result, self.settings)
-            except PsgradError as exc:
-                self._fail(job, exc, retry=False)
-                continue
-            except Exception:
-                log.exception("counting the DP step of job %s failed", job.id)
-                self._fail(job, _internal(job), retry=True)
+            if checked is not None:
+                result["meta"]["verify"] = checked
+            # a DP run's step: counted once per job id, or refused (nothing released)
+            counted = self._attempt(job, "counting the DP step",
+                                    partial(count_dp_step, job.id, job.fields, result,
+                                            self.settings), retry=True)
+            if counted is _FAILED:
                 continue
             self.observer.observe_job(
                 queue_s=max(0.0, started - job.enqueued_at),
@@ -200,9 +221,42 @@ class Worker:
             )
             self.status.job_ended(queue_s=max(0.0, started - job.enqueued_at), status="succeeded")
             try:
-                self.source.succeed(job, result)
+                self.source.succeed(job, counted)
             except Exception:
                 log.exception("storing the result of job %s failed", job.id)
+
+    def _attempt(self, job: Job, what: str, step: Callable[[], T], *, retry: bool = False
+                 ) -> T | _Failed:
+        """``step()``, or ``_FAILED`` once the job has failed with its error; an unexpected
+        error is logged and fails it as internal (``retry``: the queue may deliver it again)."""
+        try:
+            return step()
+        except PsgradError as exc:
+            self._fail(job, exc, retry=False)
+        except Exception:
+            log.exception("%s of job %s failed unexpectedly", what, job.id)
+            self._fail(job, _internal(job), retry=retry)
+        return _FAILED
+
+    def _verified(self, job: Job, parsed: ParsedRequest, out: dict[str, Any]
+                  ) -> dict[str, Any] | None:
+        """``meta.verify`` when the job is verified (asked, or drawn by
+        ``PSGRAD_VERIFY_FRACTION``); raises :class:`VerificationFailed` for a wrong answer."""
+        how = verify.plan(job.id, parsed, self.settings)
+        if how is None:
+            return None
+        start = time.perf_counter()
+        try:
+            report = verify.check(parsed, out, how, settings=self.settings, compiled=self.compiled)
+        except VerificationFailed as exc:
+            log.error("job %s failed verification: %s", job.id, exc.message)
+            samples = len(exc.details.get("verify", {}).get("samples", ()))
+            self.observer.observe_verify(samples=samples, failed=True,
+                                         seconds=time.perf_counter() - start)
+            raise
+        self.observer.observe_verify(samples=len(report["samples"]), failed=False,
+                                     seconds=time.perf_counter() - start)
+        return report
 
     def _fail(self, job: Job, exc: PsgradError, *, retry: bool) -> None:
         self._observe_end(job, "failed")

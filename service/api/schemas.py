@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from psgrad._wire import MAX_VERIFY
 from service.dp.runs import RUN_ID_RE
 from service.losses import LOSSES
 from service.model_store import ID_RE, REF_RE
@@ -129,6 +130,19 @@ class GradsRequest(BaseModel):
         "half the bytes (relative rounding error at most 2^-11 / 2^-8; float16 overflows past "
         "65504 and loses precision below 6.1e-5)",
     )
+    verify: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_VERIFY,
+        description="recompute this many samples (all, if the batch has fewer) one at a time "
+        "with the per-sample loop and compare every output that can be compared; the report is "
+        "meta.verify, and a difference beyond the tolerance fails the request with 500 "
+        "verification_failed instead of answering. 0 or absent: the server's "
+        "PSGRAD_VERIFY_FRACTION decides",
+    )
+    verify_seed: int | None = Field(
+        None, ge=0, lt=2**63, description="picks the verified samples (default: the job id)"
+    )
 
 
 class Timing(BaseModel):
@@ -175,7 +189,8 @@ class GradsResponse(BaseModel):
     meta: dict[str, Any] = Field(
         description="how it was computed: route, chunk_size, method per parameter, path and "
         "form (fast statistics only), batch_jobs and batch_samples of the engine call, seed "
-        "(clipped_mean: the noise seed)"
+        "(clipped_mean: the noise seed), verify (when verified: samples, seed, source, "
+        "max_abs_diff, tolerance {atol, rtol}, checked {output: max_abs_diff}, ms)"
     )
 
 
@@ -272,6 +287,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         415: "the Content-Type is not one this route reads (the message names them)",
         422: "the request cannot be computed (shapes, dtypes, losses, outputs, ...)",
         503: "queue full or broker down: retry after the Retry-After header",
+        500: "verification_failed: a verified answer (verify) differed from the per-sample "
+        "loop, so it was withheld; internal_error: a bug",
         504: "the deadline passed",
     }.items()
 }

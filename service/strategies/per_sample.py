@@ -21,6 +21,7 @@ from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
 
 PerSampleFn = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
+SampleLoss = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
 FUNCTIONS: LockedLRU[tuple[Any, ...], PerSampleFn] = LockedLRU(64)  # hits/misses on /metrics
 
 
@@ -44,7 +45,10 @@ def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSample
     return FUNCTIONS.get_or_make(key, lambda: _build(model, loss_name, gamma))
 
 
-def _build(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
+def sample_loss_of(model: LoadedModel, loss_name: str, gamma: float) -> SampleLoss:
+    """``(selected, others, buffers, sample) -> (loss, aux)`` of ONE sample, run as a batch of
+    one: what ``vmap(grad)`` differentiates here, and what :mod:`service.verify` differentiates
+    with plain autograd, one sample at a time."""
     loss = get_loss(loss_name)
     module = model.module
     named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
@@ -59,7 +63,11 @@ def _build(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
 
         return loss.fn(forward, sample, gamma)
 
-    one = grad_and_value(sample_loss, has_aux=True)
+    return sample_loss
+
+
+def _build(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
+    one = grad_and_value(sample_loss_of(model, loss_name, gamma), has_aux=True)
     return _looped(one) if model.route == "loop" else vmap(one, in_dims=(None, None, None, 0))
 
 

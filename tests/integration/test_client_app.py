@@ -1,5 +1,7 @@
 """The SDK against the real app in-process (embedded broker): sync over a portal, async over
-``httpx.ASGITransport``. Chunked answers must equal the server's own unchunked answers."""
+``httpx.ASGITransport``. Chunked answers must equal the server's own unchunked answers; with
+``verify`` the report is ``result.meta["verify"]``, a split batch's samples placed in the whole
+batch, and a wrong answer raises ``psgrad.VerificationFailed``."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import pytest
 import psgrad
 from service.api import create_app
 from service.config import Settings
+from service.verify import choose
+from tests.support import faults
 from tests.support.client import running_app
 
 MODEL = "value-mlp"  # 8 -> 64 -> 64 -> 1, small enough for exact checks on a shared CPU
@@ -219,3 +223,63 @@ def test_keys_are_sent_and_refusals_are_typed() -> None:
             assert user.models.list()
             with pytest.raises(psgrad.Forbidden):
                 user.models.delete("whatever")
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def test_verify_one_request_reports_it(client: psgrad.Client) -> None:
+    x, y = batch(7)
+    got = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["norms", "mean"], verify=3,
+                                  verify_seed=2)
+    report = got.meta["verify"]
+    assert report["samples"] == choose(7, 3, 2) and report["seed"] == 2
+    assert list(report["checked"]) == ["norms", "mean"] and report["max_abs_diff"] <= 3e-3
+    plain = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["norms"])
+    assert "verify" not in plain.meta
+
+
+def test_verify_of_a_split_batch_places_each_requests_samples(client: psgrad.Client) -> None:
+    x, y = batch(40, seed=1)
+    got = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["grads", "variance"],
+                                  verify=2, verify_seed=5)
+    report = got.meta["verify"]
+    assert got.meta["requests"] == 3
+    want = [start + i for start, n in ((0, 16), (16, 16), (32, 8)) for i in choose(n, 2, 5)]
+    assert report["samples"] == sorted(want) and report["seeds"] == [5, 5, 5]
+    assert list(report["checked"]) == ["grads", "variance", "mean"]  # mean: Chan's merge asks it
+    assert report["max_abs_diff"] == max(report["checked"].values()) <= 3e-3
+    cos = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["cosine_mean"], verify=1)
+    assert cos.meta["requests"] == 6 and "dot" in cos.meta["verify"]["checked"]
+
+
+def test_verify_through_jobs_and_td0(client: psgrad.Client) -> None:
+    x, y = batch(5, seed=2)
+    result = client.submit(MODEL, x, y, loss="mse", outputs=["losses"], verify=5).result(
+        timeout=60)
+    assert result.meta["verify"]["samples"] == [0, 1, 2, 3, 4]
+    td = client.td0("linear-value", x[:, :3], y, x[:, 3:6], verify=2, verify_seed=0)
+    assert td.meta["verify"]["samples"] == choose(5, 2, 0)
+    with pytest.raises(psgrad.BadRequest, match=r"'verify' must be an integer in \[0, 64\]"):
+        client.per_sample_grads(MODEL, x, y, loss="mse", verify=65)
+
+
+async def test_verify_through_the_async_client() -> None:
+    app = create_app(Settings(workers=1, batch_max_delay_ms=0.0))
+    async with app.router.lifespan_context(app), psgrad.AsyncClient(
+            base_url="http://app", transport=httpx.ASGITransport(app=app)) as c:
+        x, y = batch(4, seed=3)
+        got = await c.per_sample_grads(MODEL, x, y, loss="mse", outputs=["norms"], verify=2,
+                                       verify_seed=1)
+    assert got.meta["verify"]["samples"] == choose(4, 2, 1)
+
+
+def test_a_wrong_verified_answer_raises(transport: httpx.BaseTransport,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    faults.wrong_output(monkeypatch, "norms", row=1)
+    x, y = batch(3, seed=4)
+    with psgrad.Client(base_url="http://app", transport=transport, max_retries=0) as client, \
+            pytest.raises(psgrad.VerificationFailed) as caught:
+        client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["norms"], verify=3)
+    assert caught.value.http_status == 500 and caught.value.details["sample"] == 1
+    assert isinstance(caught.value, psgrad.InternalError)

@@ -41,7 +41,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
         "when Accept names application/x-safetensors",
         "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
     },
-    **errors(400, 401, 404, 409, 413, 415, 422, 503, 504),
+    **errors(400, 401, 404, 409, 413, 415, 422, 500, 503, 504),
 }
 
 
