@@ -135,17 +135,19 @@ def time_all(arch: str, rounds: int) -> dict[tuple[str, str], list[float]]:
     return interleave(fns, rounds)
 
 
-def interleave(fns: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, list[float]]:
-    """Seconds per key and round: every callable warmed once, then once per round."""
+def interleave(fns: dict[Any, Callable[[], Any]], rounds: int,
+               clock: Callable[[], float] = time.perf_counter) -> dict[Any, list[float]]:
+    """Seconds per key and round: every callable warmed once, then once per round (wall time,
+    or ``clock``: ``time.process_time`` for the CPU time of one thread's work)."""
     for fn in fns.values():
         fn()  # warm: plans, transformed functions, allocator
     times: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             gc.collect()
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[key].append(time.perf_counter() - start)
+            times[key].append(clock() - start)
     return times
 
 
