@@ -164,6 +164,11 @@ def main() -> None:
     for text, value, met in goals:
         print(f"| {text} | {value:.2f} | {'yes' if met else 'NO'} |")
     print("\n" + "\n".join(bounds + notes))
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    if busy and args.clock == "wall":
+        print(f"\nmore runnable threads than {os.cpu_count()} cores: wall-clock times include "
+              "the waits for a core, more of them the more parallel ops a method runs; "
+              "--threads 1 --clock cpu measures the work alone")
 
 
 if __name__ == "__main__":
