@@ -21,7 +21,9 @@ Times are medians over the rounds; ``x floor`` is the median of the per-round ra
 compares runs made moments apart, which our shared machine needs) with their range over the
 rounds beside it: a median time need not be the median ratio times the median floor when the
 load changes between rounds. Peak memory is the resident-set high-water mark of one warm call in
-a fresh subprocess, as in ``benchmarks/fast_stats.py``. Prints the load average and a Markdown
+a fresh subprocess, as in ``benchmarks/fast_stats.py``. ``--clock cpu`` times the process's
+CPU time instead of the wall clock: with ``--threads 1``, the work without the waits for a core
+that a loaded machine adds (most at every parallel op). Prints the load average and a Markdown
 table, whether the goals are met (within 2x of the floor, at least 5x faster than
 materialise-then-project) and the most that second goal allows: materialise-then-project over
 ``pass``.
