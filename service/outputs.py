@@ -94,7 +94,7 @@ class Assembly:
     @cached_property
     def sketches(self) -> torch.Tensor:
         """[B, k] each sample's sketch: the sum of its parameters' parts."""
-        return total([_get(p.proj) for p in self.result.params.values()])
+        return _get(self.result.sketch)
 
     @cached_property
     def dots(self) -> torch.Tensor:

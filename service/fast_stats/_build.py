@@ -34,7 +34,7 @@ def build_sources(setup: Setup, run: Run, plan: Plan, budget: Budget) -> list[So
         activation_numel=model.activation_numel,
     )
     out = [_source(name, found, ctx) for name, found in _uses_per_param(run.uses, plan.tracked)]
-    named = dict(model.module.named_modules())
+    named = dict(model.module.named_modules()) if plan.modules else {}
     for name, replayed in plan.modules.items():
         same = all(plan.owners.get(k) == name for k in replayed)
         method = "direct" if same and name else "vmap"

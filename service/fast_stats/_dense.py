@@ -15,6 +15,7 @@ from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import Materialised, Source, SourceContext, cat
 from service.strategies.base import Bounds, Tensors, total
+from service.strategies.projection import Projection
 
 
 class Dense(Materialised):
@@ -56,6 +57,9 @@ class Zero(Dense):
 
     def answer(self) -> Tensors:
         return {self.names[0]: self.full.contiguous()}  # an answer owns its memory
+
+    def project(self, projection: Projection, out: torch.Tensor) -> None:
+        """A zero gradient adds nothing to a sketch."""
 
 
 class DenseGroup(Source):

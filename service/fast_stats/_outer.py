@@ -79,13 +79,12 @@ class OuterSource(Materialised):
         assert out is not None
         return {name: out}
 
-    def project(self, projection: Projection) -> Tensors:
+    def project(self, projection: Projection, out: torch.Tensor) -> None:
         """Kronecker sketches from each block's inputs and output gradients (two small GEMMs
-        per block); the per-sample gradients are never built."""
+        and a batched one per block); the per-sample gradients are never built."""
         name = self.names[0]
-        shape = self.shapes[name]
-        return {name: cat([projection.project_outer(name, shape, a, g)
-                           for _, _, a, g in self.blocks(0, self.batch)])}
+        for x, y, a, g in self.blocks(0, self.batch):
+            projection.project_outer(name, self.shapes[name], a, g, out[x:y])
 
     def _sq(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if self._form == "outer":

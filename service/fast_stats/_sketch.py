@@ -2,29 +2,30 @@
 
 Kept apart from the statistics' two passes: a sketch needs neither norms nor means, only one
 more look at what each source holds (a Linear's or a convolution's inputs and output gradients,
-an embedding's token rows, or materialised gradients for the rest).
+an embedding's token rows, or materialised gradients for the rest). Only the sum over the
+selected parameters is ever answered, so every source adds its part into one ``[B, k]`` buffer
+(no buffer per parameter to allocate and add up) and the small dense ones go in together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
 from service.fast_stats._source import Source
-from service.strategies.base import Call, ParamStats
+from service.strategies.base import Call
 
 
-def with_sketches(call: Call, found: Sequence[Source], params: dict[str, ParamStats]
-                  ) -> dict[str, ParamStats]:
-    """``params`` with each parameter's part of the sketches, when the call needs them."""
+def sketch(call: Call, found: Sequence[Source]) -> torch.Tensor | None:
+    """Each sample's sketch over the selected parameters, ``[B, k]``, when the call needs it."""
     projection = call.opts.projection
     if not call.need.proj:
-        return params
+        return None
     assert projection is not None, "validation asks for a projection with 'proj'"
-    parts = {}
+    out = torch.zeros((call.size, projection.k), dtype=call.model.dtype,
+                      device=next(iter(call.params.values())).device)
     with torch.no_grad():  # the captured inputs are part of the forward graph
         for source in found:
-            parts.update(source.project(projection))
-    return {k: replace(p, proj=parts[k]) for k, p in params.items()}
+            source.project(projection, out)
+    return out

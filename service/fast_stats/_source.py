@@ -85,11 +85,10 @@ class Source:
         form straight into the buffer)."""
         return self.grads(0, self.batch)
 
-
-    def project(self, projection: Projection) -> Tensors:
-        """Each parameter's part of every sample's sketch, ``{name: [B, k]}``, from the
+    def project(self, projection: Projection, out: torch.Tensor) -> None:
+        """Adds its parameters' part of every sample's sketch to ``out`` ``[B, k]``, from the
         materialised gradients; a family with a structured form overrides it."""
-        return {k: projection.project(k, g) for k, g in self.grads(0, self.batch).items()}
+        projection.project_many(self.grads(0, self.batch), out)
 
 
 def answers(found: Sequence[Source]) -> Tensors:
@@ -151,12 +150,9 @@ class Materialised(Source):
             keep_rows(out, self.batch, lo, hi, grads)
         return out
 
-    def project(self, projection: Projection) -> Tensors:
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
-        for _, _, grads in self.chunks():
-            for k, g in grads.items():
-                parts[k].append(projection.project(k, g))
-        return {k: cat(v) for k, v in parts.items()}
+    def project(self, projection: Projection, out: torch.Tensor) -> None:
+        for lo, hi, grads in self.chunks():
+            projection.project_many(grads, out[lo:hi])
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         def zeros(k: str, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward
-from service.fast_stats._sketch import with_sketches
+from service.fast_stats._sketch import sketch
 from service.fast_stats._source import Source, answers
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
 
@@ -70,8 +70,9 @@ class FastStats:
             grads = answers(found)
             # what the sources held can go: any statistic is read off the answer now
             found = grouped([Dense(k, grads[k], budget, "answer") for k in call.selected])
-        params = with_sketches(call, found, _stats(call, found, grads))
-        return Result(losses=losses, aux=aux, params=params, meta=meta)
+        params = _stats(call, found, grads)
+        return Result(losses=losses, aux=aux, params=params, meta=meta,
+                      sketch=sketch(call, found))
 
 
 def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamStats]:

@@ -90,7 +90,8 @@ class Need:
         clipped: each segment's sum of gradients scaled by :func:`clip_factors` (needs ``sq``).
         cos: each sample's dot product with its segment's mean gradient (needs ``mean``, ``sq``).
         proj: each sample's sketch ``[B, k]`` under the call's projection
-            (:mod:`service.strategies.projection`); a parameter's part, summed over parameters.
+            (:mod:`service.strategies.projection`), over all selected parameters: the sum of
+            their parts, so only the sum is kept (``Result.sketch``).
         dots: each sample's dot products with the call's M ``references``, ``[B, M]``.
     """
 
@@ -125,7 +126,6 @@ class ParamStats:
     m2: tuple[torch.Tensor, ...] | None = None
     clipped: tuple[torch.Tensor, ...] | None = None
     cos: torch.Tensor | None = None
-    proj: torch.Tensor | None = None  # [B, k]: this parameter's part of each sketch
     dots: torch.Tensor | None = None  # [B, M]: this parameter's part of each dot product
 
 
@@ -138,6 +138,7 @@ class Result:
     aux: torch.Tensor
     params: dict[str, ParamStats]
     meta: dict[str, Any]
+    sketch: torch.Tensor | None = None  # [B, k] with ``proj``: each sample's whole sketch
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ KRONECKER = "kronecker"
 DENSE = "dense"
 MAX_DIM = 8192
 _BLOCK_BYTES = 4 << 20  # one dense block of a projection matrix, float32
+_GROUP_BYTES = 16 << 20  # one side-by-side matrix of small dense projections
 _FACTORS: LockedLRU[tuple[object, ...], torch.Tensor] = LockedLRU(256)
 
 
@@ -59,14 +60,15 @@ class Projection:
         """A ``[rows, cols]`` Gaussian block scaled by ``1/sqrt(rows)``, in ``like``'s dtype and
         device; cached, since a model's factors repeat on every call."""
         key = (self.k, self.seed, name, tuple(shape), part, rows, cols, like.dtype, like.device)
+        return _FACTORS.get_or_make(key, lambda: self._draw(name, shape, part, rows, cols, like))
 
-        def make() -> torch.Tensor:
-            digest = hashlib.sha256(repr(key[:5]).encode()).digest()
-            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            block = torch.randn(rows, cols, generator=gen, dtype=torch.float32)
-            return (block / math.sqrt(rows)).to(like.device, like.dtype)
-
-        return _FACTORS.get_or_make(key, make)
+    def _draw(self, name: str, shape: torch.Size | tuple[int, ...], part: str, rows: int,
+              cols: int, like: torch.Tensor) -> torch.Tensor:
+        """The block itself, from a seed derived from (seed, k, name, shape, part) alone."""
+        digest = hashlib.sha256(repr((self.k, self.seed, name, tuple(shape), part)).encode())
+        gen = torch.Generator().manual_seed(int.from_bytes(digest.digest()[:8], "little") >> 1)
+        block = torch.randn(rows, cols, generator=gen, dtype=torch.float32)
+        return (block / math.sqrt(rows)).to(like.device, like.dtype)
 
     def kronecker(self, name: str, shape: torch.Size | tuple[int, ...], like: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,47 +81,110 @@ class Projection:
     def dense_blocks(self, name: str, shape: torch.Size | tuple[int, ...], like: torch.Tensor
                      ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(start, stop, P[:, start:stop])`` over the columns of a dense projection."""
-        numel = math.prod(shape)
-        step = max(1, _BLOCK_BYTES // (4 * self.k))
-        for start in range(0, numel, step):
-            stop = min(numel, start + step)
+        for start, stop in self._columns(shape):
             yield start, stop, self.factor(name, shape, f"dense{start}", self.k, stop - start,
                                            like)
 
+    def _columns(self, shape: torch.Size | tuple[int, ...]) -> Iterator[tuple[int, int]]:
+        """The column ranges of a dense projection's blocks (4 MiB of float32 each)."""
+        numel = math.prod(shape)
+        step = max(1, _BLOCK_BYTES // (4 * self.k))
+        for start in range(0, numel, step):
+            yield start, min(numel, start + step)
+
+    def side_by_side(self, members: Sequence[tuple[str, torch.Size | tuple[int, ...]]],
+                     like: torch.Tensor) -> torch.Tensor:
+        """``[k, sum of numels]``: the dense projections of several parameters side by side,
+        block for block the matrices :meth:`dense_blocks` gives, so that their sketches are one
+        GEMM of the gradients side by side; cached as one matrix (its blocks are not)."""
+        key = (self.k, self.seed, "side by side", tuple((k, tuple(s)) for k, s in members),
+               like.dtype, like.device)
+
+        def make() -> torch.Tensor:
+            return torch.cat([self._draw(name, shape, f"dense{a}", self.k, b - a, like)
+                              for name, shape in members for a, b in self._columns(shape)], 1)
+
+        return _FACTORS.get_or_make(key, make)
+
     def project(self, name: str, grads: torch.Tensor) -> torch.Tensor:
         """``[n, k]`` sketches of materialised per-sample gradients ``[n, *shape]``."""
+        out = grads.new_zeros((grads.shape[0], self.k))
+        self.project_into(name, grads, out)
+        return out
+
+    def project_into(self, name: str, grads: torch.Tensor, out: torch.Tensor) -> None:
+        """Adds the sketches of materialised per-sample gradients ``[n, *shape]`` to ``out``
+        ``[n, k]`` (contiguous)."""
         n, shape = grads.shape[0], grads.shape[1:]
         if kind_of(shape) == KRONECKER:
             p_out, p_in = self.kronecker(name, shape, grads)
             mat = grads.reshape(n, *matrix_shape(shape))
-            return (p_out @ (mat @ p_in.t())).reshape(n, self.k)
+            out.view(n, *self.split).add_(p_out @ (mat @ p_in.t()))
+            return
         flat = grads.reshape(n, -1)
-        out = flat.new_zeros((n, self.k))
         for start, stop, block in self.dense_blocks(name, shape, grads):
             out.addmm_(flat[:, start:stop], block.t())
-        return out
+
+    def project_many(self, grads: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Adds the sketches of several parameters' per-sample gradients ``{name: [n, *shape]}``
+        to ``out`` ``[n, k]``: the small dense ones (biases, norms' scales) side by side, one
+        GEMM per 16 MiB of their matrix instead of one per parameter, the rest one by one."""
+        n = out.shape[0]
+        cap = max(1, _GROUP_BYTES // (4 * self.k))  # columns of one side-by-side matrix
+        run: list[tuple[str, torch.Tensor]] = []
+        width = 0
+
+        def flush() -> None:
+            if len(run) == 1:
+                self.project_into(*run[0], out)
+            elif run:
+                flat = torch.cat([g.reshape(n, -1) for _, g in run], 1)
+                matrix = self.side_by_side([(k, g.shape[1:]) for k, g in run], flat)
+                out.addmm_(flat, matrix.t())
+            run.clear()
+
+        for name, g in grads.items():
+            numel = math.prod(g.shape[1:])
+            if kind_of(g.shape[1:]) != DENSE or numel > cap:
+                self.project_into(name, g, out)
+                continue
+            if width + numel > cap:
+                flush()
+                width = 0
+            run.append((name, g))
+            width += numel
+        flush()
 
     def project_outer(self, name: str, shape: torch.Size | tuple[int, ...], a: torch.Tensor,
-                      g: torch.Tensor) -> torch.Tensor:
+                      g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[n, k]`` sketches of per-sample gradients ``sum_t g_t a_t^T`` per group, from
         ``a`` ``[n, groups, T, d]`` and ``g`` ``[n, groups, T, p]``, the weight being the
-        ``[groups * p, d]`` matrix: never the ``[n, groups * p, d]`` gradients themselves."""
+        ``[groups * p, d]`` matrix: never the ``[n, groups * p, d]`` gradients themselves.
+        With ``out`` (``[n, k]``, contiguous) they are added to it, which is returned."""
         p_out, p_in = self.kronecker(name, shape, g)
         n, groups, _, p = g.shape
         k_out, k_in = self.split
+        out = g.new_zeros((n, self.k)) if out is None else out
+        ap = (a @ p_in.t().to(a.dtype)).to(g.dtype)  # [n, groups, T, k_in]
+        if groups == 1:  # (P_out G^T) (A P_in^T) per sample: two GEMMs and one batched one
+            out.view(n, k_out, k_in).baddbmm_(p_out @ g[:, 0].transpose(-1, -2), ap[:, 0])
+            return out
         gp = torch.einsum("ngtp,gop->ngto", g, p_out.reshape(k_out, groups, p).transpose(0, 1))
-        ap = a @ p_in.t().to(a.dtype)
-        return torch.einsum("ngto,ngti->noi", gp, ap.to(gp.dtype)).reshape(n, k_out * k_in)
+        out.view(n, k_out, k_in).add_(torch.einsum("ngto,ngti->noi", gp, ap))
+        return out
 
     def project_rows(self, name: str, shape: torch.Size | tuple[int, ...], rows: torch.Tensor,
-                     g: torch.Tensor) -> torch.Tensor:
+                     g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[n, k]`` sketches of per-sample gradients ``sum_t e_{rows_t} g_t^T`` (an embedding
-        table's: row ``rows[i, t]`` gets ``g[i, t]``), from the ids and the rows alone."""
+        table's: row ``rows[i, t]`` gets ``g[i, t]``), from the ids and the rows alone; added
+        to ``out`` as :meth:`project_outer` does."""
         p_out, p_in = self.kronecker(name, shape, g)
-        n = g.shape[0]
-        gp = g @ p_in.t()  # [n, T, k_in]
-        po = p_out.t()[rows]  # [n, T, k_out]
-        return torch.einsum("nto,nti->noi", po, gp).reshape(n, self.k)
+        n, t = rows.shape
+        k_out, k_in = self.split
+        out = g.new_zeros((n, self.k)) if out is None else out
+        po = p_out.index_select(1, rows.reshape(-1)).view(k_out, n, t).transpose(0, 1)
+        out.view(n, k_out, k_in).baddbmm_(po, g @ p_in.t())  # [n, k_out, T] [n, T, k_in]
+        return out
 
 
 def kind_of(shape: torch.Size | tuple[int, ...]) -> str:

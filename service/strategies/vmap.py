@@ -102,7 +102,7 @@ class _Accumulator:
         self.sq: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         self.dot: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         self.cos: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
-        self.proj: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        self.sketch: list[torch.Tensor] = []  # [n, k] per chunk, over every parameter
         self.dots: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         self.kept: Tensors = {}  # {param: [B, *shape]}: the single chunk's own, or one buffer
         self.count = [0 for _ in segments]  # per segment: count, mean, M2, clipped sums
@@ -137,8 +137,9 @@ class _Accumulator:
         if need.proj:
             projection = self.call.opts.projection
             assert projection is not None, "validation asks for a projection with 'proj'"
-            for k, g in grads.items():
-                self.proj[k].append(projection.project(k, g))
+            sketch = losses.new_zeros((stop - start, projection.k), dtype=self.call.model.dtype)
+            projection.project_many(grads, sketch)
+            self.sketch.append(sketch)
         if need.dots:
             for k, g in grads.items():
                 refs = self.call.references[k]
@@ -190,9 +191,9 @@ class _Accumulator:
                 m2=per_segment(self.m2, k) if need.m2 else None,
                 clipped=per_segment(self.clipped, k) if need.clipped else None,
                 cos=torch.cat(self.cos[k]) if need.cos else None,
-                proj=torch.cat(self.proj[k]) if need.proj else None,
                 dots=torch.cat(self.dots[k]) if need.dots else None,
             )
             for k in self.names
         }
-        return Result(torch.cat(self.losses), torch.cat(self.aux), params, dict(meta))
+        return Result(torch.cat(self.losses), torch.cat(self.aux), params, dict(meta),
+                      torch.cat(self.sketch) if need.proj else None)

@@ -76,6 +76,20 @@ def test_dense_sketch_is_one_matrix_built_block_by_block() -> None:
     assert kind_of((300,)) == "dense" and kind_of((3, 4, 5)) == "kronecker"
 
 
+def test_small_dense_sketches_side_by_side_equal_one_by_one() -> None:
+    """``project_many`` puts small dense parameters' matrices side by side (one GEMM per 16 MiB
+    of matrix) and adds every sketch into one buffer: the same matrices as one parameter at a
+    time, with the runs split where the cap falls and larger or Kronecker ones on their own."""
+    proj = Projection(8192, 4)  # 16 MiB of 8192-row float32 columns: runs of 512 columns
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a": (300,), "b": (3, 4), "c": (200,), "d": (100,), "e": (700,), "f": (5,)}
+    grads = {k: torch.randn(3, *s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
+    out = torch.ones(3, 8192, dtype=torch.float64)
+    proj.project_many(grads, out)
+    want = 1 + sum(proj.project(k, g) for k, g in grads.items())
+    assert_close(out, want, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_outer_form_equals_the_dense_formula(groups: int) -> None:
     """``sum_t (P_out g_t) (x) (P_in a_t)`` per group == P applied to ``G^T A`` materialised."""

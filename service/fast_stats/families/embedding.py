@@ -77,10 +77,10 @@ class EmbeddingSource(Materialised):
     def answer(self) -> Tensors:
         return self.grads(0, self.batch)  # one index_add into zeros: no chunk to copy
 
-    def project(self, projection: Projection) -> Tensors:
+    def project(self, projection: Projection, out: torch.Tensor) -> None:
         """Kronecker sketches from the (token, gradient row) pairs: no dense table per sample."""
         name = self.names[0]
-        return {name: projection.project_rows(name, self.shapes[name], self.tokens, self.g)}
+        projection.project_rows(name, self.shapes[name], self.tokens, self.g, out)
 
     def _dots(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         return (self.g[lo:hi] * ref.to(self.g.dtype)[self.tokens[lo:hi]]).sum((1, 2))
