@@ -32,6 +32,7 @@ class ExportLimits:
     max_weight_bytes: int = 500 * 1024 * 1024
     max_parameters: int = 50_000_000
     max_activations: int = 32 * 1024 * 1024  # elements of every intermediate of one sample
+    batch_check_s: float = 20.0  # CPU seconds the batch check (:mod:`.batch`) may take
 
 
 @dataclass
@@ -119,8 +120,10 @@ def materialise(exported: Exported, device: torch.device) -> fx.GraphModule:
 
 def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype]],
                  params: tuple[str, ...], aliases: dict[str, str],
-                 device: torch.device | None = None) -> fx.GraphModule:
-    """An fx module of ``program`` with empty tensors of ``specs`` (load the weights after)."""
+                 device: torch.device | None = None,
+                 values: dict[str, fx.Node] | None = None) -> fx.GraphModule:
+    """An fx module of ``program`` with empty tensors of ``specs`` (load the weights after);
+    ``values`` as :func:`~service.export.graph.build_graph` fills it."""
     root = nn.Module()
     for name, (shape, dtype) in specs.items():
         owner, leaf = _owner(root, name)
@@ -135,7 +138,7 @@ def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype
         if canonical not in specs:
             raise InvalidArchive(f"'{name}' has no tensor in the archive", parameter=name)
         attrs[value_name] = canonical
-    graph = build_graph(program, attrs)
+    graph = build_graph(program, attrs, values)
     return fx.GraphModule(root, graph, class_name="ExportedProgram")
 
 
