@@ -261,7 +261,8 @@ def rewrite(program: Program, choices: Sequence[Choice]) -> Program:
         out.extend(before.get(i, ()))
         out.append(node)
     doc["graph_module"]["graph"]["nodes"] = out
-    return parse_program(doc, max_nodes=len(out))
+    # the stored document has no range constraints to read dynamic sizes from again
+    return replace(parse_program(doc, max_nodes=len(out)), inputs=program.inputs)
 
 
 def _call(target: str, inputs: list[tuple[str, Any]], output: dict[str, Any]) -> dict[str, Any]:
