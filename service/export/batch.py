@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import resource
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -81,9 +82,11 @@ class Choice:
 
 def make_batched(exported: Exported, limits: ExportLimits) -> tuple[Program, bool]:
     """The program to store and whether it serves whole batches (its rewrites checked)."""
-    deadline = time.process_time() + limits.batch_check_s
+    deadline = _deadline(limits.batch_check_s)
     tried: set[tuple[Choice, ...]] = set()
     for tier in TIERS:
+        if time.process_time() > deadline:
+            break
         choices = _choose(exported, tier)
         if choices is None or choices in tried:
             continue
@@ -92,6 +95,16 @@ def make_batched(exported: Exported, limits: ExportLimits) -> tuple[Program, boo
         if _checked(replace(exported, program=program), deadline):
             return program, True
     return exported.program, False
+
+
+def _deadline(budget_s: float) -> float:
+    """When the check gives up (CPU time): after ``budget_s``, and never past half of what the
+    process's CPU limit leaves, so checking a batch never makes a registration fail."""
+    now = time.process_time()
+    soft, _ = resource.getrlimit(resource.RLIMIT_CPU)
+    if soft == resource.RLIM_INFINITY:
+        return now + budget_s
+    return min(now + budget_s, now + (soft - now) / 2)
 
 
 def _sites(program: Program) -> Iterator[Site]:
@@ -309,7 +322,7 @@ def _checked(exported: Exported, deadline: float) -> bool:
             out = meta(*_meta_inputs(program, BATCH, largest=largest))
             if not isinstance(out, torch.Tensor) or out.shape[:1] != (BATCH,):
                 return False
-        return _same_numbers(exported, deadline)
+        return time.process_time() < deadline and _same_numbers(exported, deadline)
     except Exception:  # a client's graph that fails at a batch stays on one sample
         return False
 
