@@ -81,17 +81,25 @@ class Choice:
 
 
 def make_batched(exported: Exported, limits: ExportLimits) -> tuple[Program, bool]:
-    """The program to store and whether it serves whole batches (its rewrites checked)."""
+    """The program to store and whether it serves whole batches (its rewrites checked).
+
+    Serving whole batches is an optimisation: whatever goes wrong here (a graph that fails at a
+    batch, numbers that differ, the CPU budget spent) leaves the program as it came, on the
+    vmap route; it never refuses a registration.
+    """
     deadline = _deadline(limits.batch_check_s)
     tried: set[tuple[Choice, ...]] = set()
     for tier in TIERS:
         if time.process_time() > deadline:
             break
-        choices = _choose(exported, tier)
-        if choices is None or choices in tried:
+        try:
+            choices = _choose(exported, tier)
+            if choices is None or choices in tried:
+                continue
+            tried.add(choices)
+            program = rewrite(exported.program, choices) if choices else exported.program
+        except Exception:  # a client's graph: any failure leaves it on one sample at a time
             continue
-        tried.add(choices)
-        program = rewrite(exported.program, choices) if choices else exported.program
         if _checked(replace(exported, program=program), deadline):
             return program, True
     return exported.program, False
@@ -109,7 +117,7 @@ def _deadline(budget_s: float) -> float:
 
 def _sites(program: Program) -> Iterator[Site]:
     for i, node in enumerate(program.doc["graph_module"]["graph"]["nodes"]):
-        target, named = node["target"], {a["name"]: a["arg"] for a in node["inputs"]}
+        target, named = node["target"], {a["name"]: a.get("arg") for a in node["inputs"]}
         if target in _LEADING and _leading_one(named.get(_LEADING[target])):
             yield Site(i, "leading", _LEADING[target])
         elif target in _FACTORIES and _leading_one(named.get(_FACTORIES[target])):
@@ -161,7 +169,7 @@ def _choose(exported: Exported, allowed: Sequence[str]) -> tuple[Choice, ...] | 
     nodes = exported.program.doc["graph_module"]["graph"]["nodes"]
     sites = {}
     for site in _sites(exported.program):
-        out = nodes[site.index]["outputs"][0].get("as_tensor", {}).get("name")
+        out = (nodes[site.index]["outputs"] or [{}])[0].get("as_tensor", {}).get("name")
         if out in values:
             sites[values[out]] = site
     ones: dict[fx.Node, tuple[int, ...]] = {}
@@ -254,7 +262,7 @@ def rewrite(program: Program, choices: Sequence[Choice]) -> Program:
         arg = next(a for a in nodes[site.index]["inputs"] if a["name"] == site.arg)
         if site.kind == "lift":
             ids = arg["arg"]["as_tensor"]["name"]
-            name = _fresh(f"{BATCH_NAME}_{ids}", taken)
+            name = _fresh(f"{BATCH_NAME}_ids", taken)
             size = [{"as_name": batch}, *[{"as_int": -1}] * (choice.rank - 1)]
             before.setdefault(site.index, []).append(
                 _call(_EXPAND, [("self", {"as_tensor": {"name": ids}}),
