@@ -3,7 +3,9 @@
 ``torch.export.load`` unpickles, evaluates and executes parts of an archive; a client's archive
 only ever goes through this package: :mod:`.archive` (the zip, under limits), :mod:`.payloads`
 (raw tensor bytes), :mod:`.graph` (the signature and the nodes, against the allow-list in
-:mod:`.ops`) and :mod:`.module` (the fx module and its dry run on ``meta``).
+:mod:`.ops`) and :mod:`.module` (the fx module and its dry run on ``meta``). :mod:`.batch`
+makes the traced batch of one generic where the program allows, so that fast statistics can run
+it on whole batches.
 """
 
 from service.export.archive import Archive, ArchiveLimits, read_archive
