@@ -52,9 +52,10 @@ class ModelFamily:
     # False for families with no usable default config (``sequential``): they are built only
     # from a registered spec, never served or listed under the family's own name.
     standalone: ClassVar[bool] = True
-    # False for modules that run on a batch of one only (exported programs): the registry then
-    # takes the output shape and activation count from :meth:`measured` instead of a batch.
-    batched: ClassVar[bool] = True
+    # False where the registry must not run an example batch (exported programs, checked in
+    # their own child process): it then takes the output shape and activation count from
+    # :meth:`measured`.
+    dry_run: ClassVar[bool] = True
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         raise NotImplementedError
@@ -69,6 +70,11 @@ class ModelFamily:
     def loss_info(self, config: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The default loss and the accepted losses (a family may derive them from the config)."""
         return self.default_loss, self.losses
+
+    def batched(self, config: dict[str, Any]) -> bool:
+        """Whether the module runs on whole batches (fast statistics need it), not only on a
+        batch of one (an exported program whose traced batch could not be made generic)."""
+        return True
 
     def measured(self, config: dict[str, Any]) -> tuple[tuple[int, ...], int]:
         """Per-sample output shape and activation count of an unbatched family's model."""

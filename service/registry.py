@@ -18,6 +18,7 @@ from safetensors.torch import load as st_load
 from torch import nn
 
 from models import ZOO, TensorSpec, get_family
+from models.examples import example, one_at_a_time
 from psgrad._errors import (
     BatchCoupling,
     InternalError,
@@ -59,7 +60,9 @@ class LoadedModel:
     losses: tuple[str, ...]
     activation_numel: int
     route: str = "vmap"  # "loop" for layers that vmap cannot batch (recurrent layers)
-    batched: bool = True  # False: the module runs one sample at a time only (exported graphs)
+    # False: the module runs one sample at a time only (an exported graph whose traced batch
+    # of one could not be made generic, :mod:`service.export.batch`)
+    batched: bool = True
     structure: str = ""  # digest of architecture and config: versions that differ only in weights
     extra: dict[str, Any] = field(default_factory=dict)
     # every input in the module's order when it takes several (``input`` is the first)
@@ -135,7 +138,7 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
     specs = family.input_specs(config)
     spec = specs[0]
     default_loss, losses = family.loss_info(config)
-    if family.batched:
+    if family.dry_run:
         output_shape, activations = _dry_run(module, spec, device)
     else:
         output_shape, activations = family.measured(config)
@@ -146,7 +149,7 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
         id=model_id, version=weights_digest(architecture, config, state_now),
         architecture=architecture, config=config, module=module, params=params, buffers=buffers,
         input=spec, output_shape=output_shape, default_loss=default_loss, losses=losses,
-        activation_numel=activations, route=route, batched=family.batched,
+        activation_numel=activations, route=route, batched=family.batched(config),
         structure=weights_digest(architecture, config, {}), extra=family.describe(config),
         inputs=specs if len(specs) > 1 else (),
     )
@@ -196,11 +199,7 @@ def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
             layers=batch_stats,
         )
     gen = torch.Generator().manual_seed(1)
-    if spec.dtype.startswith("int"):
-        x = torch.randint(0, spec.high or 2, (3, *spec.shape), generator=gen)
-    else:
-        x = torch.randn((3, *spec.shape), generator=gen, dtype=getattr(torch, spec.dtype))
-    x = x.to(device)
+    x = example(spec.shape, getattr(torch, spec.dtype), spec.high, 3, gen).to(device)
     if x.is_floating_point():
         x = x.to(next(module.parameters()).dtype)
     before = {k: v.clone() for k, v in module.named_buffers()}
@@ -223,7 +222,7 @@ def _dry_run(module: nn.Module, spec: TensorSpec, device: torch.device
         raise InvalidModelSpec("the model must return one tensor with the batch dimension first")
     try:
         with torch.no_grad():
-            singles = torch.cat([module(x[i : i + 1]) for i in range(3)])
+            singles = one_at_a_time(module, (x,))
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
         raise BatchCoupling(  # runs on a batch of three, fails on one sample alone
             f"the model runs on a batch but fails on one sample alone ({exc}): it depends on "

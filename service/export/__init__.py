@@ -4,7 +4,9 @@
 only ever goes through this package: :mod:`.archive` (the zip, under limits), :mod:`.payloads`
 (raw tensor bytes), :mod:`.graph` (the signature and the nodes, against the allow-list in
 :mod:`.ops`), :mod:`.module` (the module and its dry run on ``meta``) and :mod:`.interpreter`
-(which runs the graph node by node: no code is generated from it).
+(which runs the graph node by node: no code is generated from it). :mod:`.batch`
+makes the traced batch of one generic where the program allows, so that fast statistics can run
+it on whole batches.
 """
 
 from service.export.archive import Archive, ArchiveLimits, read_archive

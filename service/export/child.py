@@ -77,6 +77,7 @@ def main() -> int:
     from safetensors.torch import save
 
     from service.export.archive import ArchiveLimits
+    from service.export.batch import make_batched
     from service.export.module import ExportLimits, read_program
 
     out = sys.stdout.buffer
@@ -84,6 +85,7 @@ def main() -> int:
         raw = json.loads(sys.argv[1])
         limits = ExportLimits(archive=ArchiveLimits(**raw.pop("archive")), **raw)
         exported = read_program(sys.stdin.buffer.read(), limits)
+        program, batched = make_batched(exported, limits)
         tensors = save({k: v.contiguous() for k, v in exported.tensors.items()})
     except PsgradError as exc:
         return _refuse(exc)
@@ -91,9 +93,9 @@ def main() -> int:
         return _refuse(TooLarge("checking the program ran out of memory"))
     except RecursionError:
         return _refuse(RefusedProgram("the program nests too deeply"))
-    program = exported.program
     answer = {
         "program": program.doc,
+        "batched": batched,
         "inputs": [{"name": u.name, "shape": list(u.shape), "hints": list(u.hints),
                     "dtype": str(u.dtype).removeprefix("torch."),
                     "dynamic": [list(d) for d in u.dynamic],

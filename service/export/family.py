@@ -1,7 +1,8 @@
 """Exported programs as a model family: the registry builds them like any other model.
 
 A stored version's config is what the child process checked (:mod:`service.export.child`):
-the pruned program, the shapes of its tensors, the tied names and the dry run's measures.
+the pruned program (its batch made generic where :mod:`service.export.batch` could, which
+``batched`` says), the shapes of its tensors, the tied names and the dry run's measures.
 :meth:`ExportedFamily.build` rebuilds the module through the same strict graph builder, so a
 version read back from a file or from Redis is held to the same allow-list as a fresh archive.
 """
@@ -26,11 +27,11 @@ ARCHITECTURE = "exported"
 class ExportedFamily(ModelFamily):
     name: ClassVar[str] = ARCHITECTURE
     standalone: ClassVar[bool] = False
-    batched: ClassVar[bool] = False
+    dry_run: ClassVar[bool] = False
     default_config: ClassVar[dict[str, Any]] = {
         "program": None, "inputs": [], "tensors": {}, "parameters": [], "aliases": {},
-        "output_shape": [], "activations": 0, "default_loss": "cross_entropy",
-        "losses": ["cross_entropy"], "description": "",
+        "output_shape": [], "activations": 0, "batched": False,
+        "default_loss": "cross_entropy", "losses": ["cross_entropy"], "description": "",
     }
 
     def build(self, config: dict[str, Any]) -> nn.Module:
@@ -50,6 +51,9 @@ class ExportedFamily(ModelFamily):
                                 tuple((d, lo, hi, str(sym)) for d, lo, hi, sym
                                       in u.get("dynamic", ())))
                      for u in inputs)
+
+    def batched(self, config: dict[str, Any]) -> bool:
+        return bool(config["batched"])  # decided, and checked, at registration
 
     def loss_info(self, config: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         return config["default_loss"], tuple(config["losses"])

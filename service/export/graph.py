@@ -200,11 +200,14 @@ def device_of(tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
-def build_graph(program: Program, attrs: dict[str, str]) -> fx.Graph:
+def build_graph(program: Program, attrs: dict[str, str],
+                values: dict[str, fx.Node] | None = None) -> fx.Graph:
     """The fx graph of ``program``; ``attrs`` maps graph values to module attributes.
 
     Device arguments read the device of the first parameter at run time, so one graph serves
-    on whatever device its module is moved to (``meta`` for the dry run included).
+    on whatever device its module is moved to (``meta`` for the dry run included). ``values``,
+    when given, is filled with the fx node of every named value of the program (what the batch
+    check (:mod:`.batch`) needs to relate the graph back to the document).
     """
     graph = fx.Graph()
     env: dict[str, tuple[str, Any]] = {}  # name -> ("tensor" | "sym", fx node)
@@ -220,6 +223,8 @@ def build_graph(program: Program, attrs: dict[str, str]) -> fx.Graph:
     if kind != "tensor":
         raise InvalidArchive(f"the output '{program.output}' is not a tensor of the graph")
     graph.output(out)
+    if values is not None:
+        values.update({k: v for k, (_, v) in env.items() if isinstance(v, fx.Node)})
     return graph
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from psgrad._errors import InvalidArchive, PsgradError, RefusedProgram, TooLarge
 from service.export.archive import CONSTANTS_CONFIG, WEIGHTS_CONFIG, ArchiveLimits, read_archive
@@ -32,6 +32,7 @@ class ExportLimits:
     max_weight_bytes: int = 500 * 1024 * 1024
     max_parameters: int = 50_000_000
     max_activations: int = 32 * 1024 * 1024  # elements of every intermediate of one sample
+    batch_check_s: float = 20.0  # CPU seconds the batch check (:mod:`.batch`) may take
 
 
 @dataclass
@@ -119,15 +120,17 @@ def materialise(exported: Exported, device: torch.device) -> ExportedModule:
 
 def build_module(program: Program, specs: dict[str, tuple[list[int], torch.dtype]],
                  params: tuple[str, ...], aliases: dict[str, str],
-                 device: torch.device | None = None) -> ExportedModule:
-    """The module of ``program`` with empty tensors of ``specs`` (load the weights after)."""
+                 device: torch.device | None = None,
+                 values: dict[str, fx.Node] | None = None) -> ExportedModule:
+    """The module of ``program`` with empty tensors of ``specs`` (load the weights after);
+    ``values`` as :func:`~service.export.graph.build_graph` fills it."""
     attrs: dict[str, str] = {}
     for value_name, name in (*program.params, *program.buffers):
         canonical = aliases.get(name)
         if canonical not in specs:
             raise InvalidArchive(f"'{name}' has no tensor in the archive", parameter=name)
         attrs[value_name] = canonical
-    root = ExportedModule(build_graph(program, attrs))
+    root = ExportedModule(build_graph(program, attrs, values))
     for name in dict.fromkeys([*attrs.values(), *specs]):  # in the signature's order
         shape, dtype = specs[name]
         owner, leaf = _owner(root, name)

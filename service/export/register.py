@@ -25,6 +25,7 @@ def export_limits(settings: Settings) -> ExportLimits:
         archive=ArchiveLimits(max_unpacked_bytes=settings.max_weight_bytes + (64 << 20)),
         max_nodes=settings.max_graph_nodes, max_weight_bytes=settings.max_weight_bytes,
         max_parameters=settings.max_parameters, max_activations=settings.max_model_activations,
+        batch_check_s=settings.export_cpu_s / 3,
     )
 
 
@@ -46,6 +47,7 @@ def check_program(data: bytes, settings: Settings, *, default_loss: str,
                     for k, t in state.items()},
         "parameters": answer["parameters"], "aliases": answer["aliases"],
         "output_shape": answer["output_shape"], "activations": answer["activations"],
+        "batched": bool(answer["batched"]),
         "default_loss": default_loss, "losses": losses, "description": description,
     }
     return config, state

@@ -100,6 +100,25 @@ class Capture(TorchFunctionMode):
             and t.shape[0] == self.batch
         )
 
+    def batch_rows(self, t: Any) -> bool:
+        """Batch first, or a flattening of a batch-first tensor that keeps its memory
+        (``x.view(-1, d)`` of a contiguous ``[B, T, d]``): sample i owns rows ``i*T`` to
+        ``(i+1)*T - 1``, in order."""
+        if self.is_batched(t):
+            return True
+        base = t._base if isinstance(t, torch.Tensor) else None
+        return (
+            base is not None
+            and self.is_batched(base)
+            and id(t) not in self.consts
+            and t.dim() > 0
+            and t.shape[0] % self.batch == 0
+            and t.numel() == base.numel()
+            and t.data_ptr() == base.data_ptr()
+            and t.is_contiguous()
+            and base.is_contiguous()
+        )
+
     def unclaimed(
         self,
         func: Any,

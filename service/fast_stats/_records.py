@@ -107,9 +107,10 @@ class Use:
 
 @dataclass(frozen=True)
 class ModuleCall:
-    """One call ``module(x)`` of a replayed module: its input and its output's gradient."""
+    """One call ``module(x)`` of a replayed module: its inputs (several for a whole model
+    that takes several, batch first) and its output's gradient."""
 
-    x: torch.Tensor
+    xs: tuple[torch.Tensor, ...]
     g: torch.Tensor | None = None
 
 

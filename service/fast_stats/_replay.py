@@ -107,11 +107,13 @@ class ModuleReplay(Materialised):
         total: list[torch.Tensor] | None = None
         for call in self.calls:
 
-            def one(x_i: torch.Tensor, g_i: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            def one(
+                xs_i: tuple[torch.Tensor, ...], g_i: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
                 def run(*vals: torch.Tensor) -> torch.Tensor:
                     local = {**self.local, **dict(zip(self.mine, vals, strict=True))}
                     out: torch.Tensor = functional_call(
-                        self.module, (local, self.buffers), (x_i.unsqueeze(0),)
+                        self.module, (local, self.buffers), tuple(x.unsqueeze(0) for x in xs_i)
                     )
                     return out
 
@@ -119,7 +121,8 @@ class ModuleReplay(Materialised):
                 return tuple(back(g_i.unsqueeze(0)))
 
             assert call.g is not None
-            part = list(vmap(one)(call.x[lo:hi].detach(), call.g[lo:hi]))
+            xs = tuple(x[lo:hi].detach() for x in call.xs)
+            part = list(vmap(one)(xs, call.g[lo:hi]))
             total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
         assert total is not None
         return dict(zip(self.names, total, strict=True))

@@ -25,7 +25,7 @@ from service.fast_stats._capture import Capture
 from service.fast_stats._records import ModuleCall, Signature, Unsupported, Use
 from service.losses import get_loss
 from service.registry import LoadedModel
-from service.strategies.base import Tensors
+from service.strategies.base import NAMED_INPUT, Tensors
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class _ModuleHooks:
         self.replayed = tuple(replayed)
         self.batch = batch
         self.probe = probe
-        self.calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {
+        self.calls: dict[str, list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {
             k: [] for k in replayed
         }
         self.simple: dict[str, bool] = {}
@@ -138,7 +138,7 @@ class _ModuleHooks:
 
     def _keep(self, name: str, _m: nn.Module, args: Any, out: Any) -> None:
         if self._mine() and args and isinstance(out, torch.Tensor):
-            self.calls[name].append((args[0], out))
+            self.calls[name].append((tuple(args), out))  # several: the whole model's inputs
 
     def _push(self, name: str, _m: nn.Module, args: Any, kwargs: Any) -> None:
         if self._mine():
@@ -206,8 +206,9 @@ def forward_backward(setup: Setup, plan: Plan, *, probe: bool = False,
     consts |= {id(v) for v in buffers.values()}
     hooks = _ModuleHooks(module, list(plan.modules), setup.size, probe=probe)
     cap = Capture(tracked, consts, setup.size, hooks.stack if probe else None)
+    inputs = (samples["inputs"], *(samples[NAMED_INPUT + s.name] for s in model.inputs[1:]))
     with hooks, cap:
-        out = functional_call(module, (live, buffers), (samples["inputs"],))
+        out = functional_call(module, (live, buffers), inputs)
     if not isinstance(out, torch.Tensor):
         raise Unsupported("the model does not return one tensor")
     next_out = None

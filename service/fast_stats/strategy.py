@@ -8,8 +8,9 @@ time into the same buffer. Statistics asked for besides are then read off those 
 
 It declines (the engine then runs ``vmap``) when the call wants dots against gradient references,
 when the model takes the per-sample loop or runs one
-sample at a time only (an exported graph with its batch of one written in), when the probe found
-no plan, and when the call reads its parameters unlike the probe did.
+sample at a time only (an exported graph whose traced batch of one could not be made generic,
+:mod:`service.export.batch`), when the probe found no plan, and when the call reads its
+parameters unlike the probe did.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from service.fast_stats._build import build_sources
 from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
-from service.fast_stats._run import Setup, forward_backward
+from service.fast_stats._run import Plan, Run, Setup, forward_backward
 from service.fast_stats._sketch import sketch
 from service.fast_stats._source import Source, answers
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
@@ -52,6 +53,15 @@ class FastStats:
         if tuple(u.signature for u in run.uses) != plan.signature:
             return None  # the model read its parameters differently from the probe: play safe
         losses, aux = run.losses, run.aux
+        # the captured inputs are activations of the forward graph: nothing computed from them
+        # may join it (an answer that requires grad cannot be read as an array, and holds the
+        # graph)
+        with torch.no_grad():
+            return self._answer(call, setup, plan, run, losses, aux)
+
+    def _answer(self, call: Call, setup: Setup, plan: Plan, run: Run, losses: torch.Tensor,
+                aux: torch.Tensor) -> Result:
+        need, model = call.need, call.model
         budget = Budget(call.budget_bytes)
         found = grouped(build_sources(setup, run, plan, budget))
         del run  # each source holds what it still needs; the rest (LayerNorm inputs, gradients

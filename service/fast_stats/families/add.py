@@ -28,7 +28,8 @@ class Added:
         return None
 
 
-@register_family(torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+@register_family(torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+                 torch.ops.aten.add.Tensor)
 class Add(Family[Added]):
     method = "direct"
 
@@ -44,7 +45,8 @@ class Add(Family[Added]):
         self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         found: dict[int, str],
     ) -> Captured | None:
-        if kwargs or len(args) != 2 or len(found) != 1:
+        if set(kwargs) - {"alpha"} or kwargs.get("alpha", 1) != 1 or len(args) != 2 or \
+                len(found) != 1:
             return None
         p, x = (args[0], args[1]) if id(args[0]) in found else (args[1], args[0])
         if id(p) not in found or not cap.is_batched(x) or p.dim() >= x.dim():

@@ -25,7 +25,11 @@ from service.fast_stats._records import Use
 from service.fast_stats._source import Source, SourceContext, cat
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_DIMS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+_ATEN = torch.ops.aten
+# the functions and the aten overloads an exported graph calls (same arguments, same order)
+_DIMS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3,
+         _ATEN.conv1d.default: 1, _ATEN.conv2d.default: 2, _ATEN.conv3d.default: 3,
+         _ATEN.conv1d.padding: 1, _ATEN.conv2d.padding: 2, _ATEN.conv3d.padding: 3}
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ class ConvSource(OuterSource):
             )
 
 
-@register_family(torch.conv1d, torch.conv2d, torch.conv3d)
+@register_family(*_DIMS)
 class Conv(Family[ConvInput]):
     method = "conv"
 

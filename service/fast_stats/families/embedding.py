@@ -22,6 +22,8 @@ from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
 _NAMES = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+_ATEN = torch.ops.aten.embedding.default  # exported graphs: the weight first, no max_norm
+_ATEN_NAMES = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class EmbeddingSource(Materialised):
         )}
 
 
-@register_family(F.embedding)
+@register_family(F.embedding, _ATEN)
 class Embedding(Family[TokenInput]):
     method = "embedding"
 
@@ -138,7 +140,12 @@ class Embedding(Family[TokenInput]):
         self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         found: dict[int, str],
     ) -> Captured | None:
-        x, w, padding, max_norm, _, by_freq, sparse = bind(args, kwargs, _NAMES)
+        if func is _ATEN:
+            w, x, padding, by_freq, sparse = bind(args, kwargs, _ATEN_NAMES)
+            max_norm = None
+            padding = None if padding is None or padding < 0 else padding  # aten's -1: none
+        else:
+            x, w, padding, max_norm, _, by_freq, sparse = bind(args, kwargs, _NAMES)
         if (
             max_norm is not None
             or by_freq

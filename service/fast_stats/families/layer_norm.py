@@ -1,4 +1,5 @@
-"""``F.layer_norm``'s affine parameters, from the saved input and output gradient.
+"""``F.layer_norm``'s affine parameters (and ``aten.layer_norm``'s, in exported graphs), from the
+saved input and output gradient.
 
 Their per-sample gradients are small (the parameter's own size per sample), so they are built
 directly instead of replaying the op under ``vmap``: the weight gets ``sum(g * x_hat)`` and the
@@ -37,7 +38,7 @@ class NormInput:
         return self.shape
 
 
-@register_family(F.layer_norm)
+@register_family(F.layer_norm, torch.ops.aten.layer_norm.default)  # same first five arguments
 class LayerNorm(Family[NormInput]):
     method = "direct"
 

@@ -1,8 +1,12 @@
-"""Linear layers: ``F.linear``, and the two projections inside ``F.multi_head_attention_forward``.
+"""Linear layers: ``F.linear`` (``aten.linear`` in exported graphs), ``aten.addmm`` (Hugging
+Face's ``Conv1D``, exported), and the two projections inside ``F.multi_head_attention_forward``.
 
 The per-sample gradient of a linear weight is ``sum_t g_it a_it^T`` over the positions t of
 sample i (:class:`~.._outer.OuterSource`); several calls of one weight add positions (an RNN's
-steps). A bias's is ``sum_t g_it``, held whole.
+steps). A bias's is ``sum_t g_it``, held whole. ``addmm(bias, x, w)`` reads its weight as
+``[in, out]``, the transpose of a linear weight: its role is ``weight_t``, whose gradient
+``sum_t a_it g_it^T`` is the same outer-product source with the two sides swapped. Inputs may be
+batch first or their flattening ``[B * T, d]`` (``x.view(-1, d)``), rows in sample order.
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ class LinearSource(OuterSource):
 
 
 _MHA = inspect.signature(F.multi_head_attention_forward)
+_ADDMM = torch.ops.aten.addmm.default
 
 
-@register_family(F.linear, F.multi_head_attention_forward)
+@register_family(F.linear, F.multi_head_attention_forward, torch.ops.aten.linear.default, _ADDMM)
 class Linear(Family[LinearInput]):
     method = "linear"
 
@@ -68,6 +73,8 @@ class Linear(Family[LinearInput]):
             parts = [r[:, 0] if r.shape[1] == 1 else r.sum(1) for r in rows]
             return dense_sum(name, parts, ctx, self.method)
         a = [p.a.reshape(batch, -1, p.a.shape[-1]) for p in map(self.payload, uses)]
+        if role == "weight_t":  # [in, out]: sum_t a_t g_t^T, the outer product swapped
+            return LinearSource(name, cat(rows, 1), cat(a, 1), ctx)
         return LinearSource(name, cat(a, 1), cat(rows, 1), ctx)
 
     def capture(
@@ -76,11 +83,30 @@ class Linear(Family[LinearInput]):
     ) -> Captured | None:
         if func is F.multi_head_attention_forward:
             return self._attention(cap, args, kwargs, found)
+        if func is _ADDMM:
+            return self._addmm(cap, func, args, kwargs, found)
         x, w, b = bind(args, kwargs, ("input", "weight", "bias"))
-        if id(x) in found or not cap.is_batched(x) or x.dim() < 2:
+        if id(x) in found or not cap.batch_rows(x) or x.dim() < 2:
             return None
         out = func(*args, **kwargs)
         return out, [self.use(func, roles_of(found, weight=w, bias=b), LinearInput(x), out)]
+
+    def _addmm(
+        self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+        found: dict[int, str],
+    ) -> Captured | None:
+        """``bias + x @ w`` on rows ``x`` [B * T, in] of the batch, ``w`` [in, out]."""
+        b, x, w, beta, alpha = bind(args, kwargs, ("self", "mat1", "mat2", "beta", "alpha"))
+        if (
+            beta not in (None, 1)
+            or alpha not in (None, 1)
+            or id(x) in found
+            or not cap.batch_rows(x)
+            or (id(b) in found and b.dim() != 1)
+        ):
+            return None
+        out = func(*args, **kwargs)
+        return out, [self.use(func, roles_of(found, weight_t=w, bias=b), LinearInput(x), out)]
 
     def _attention(
         self, cap: Capture, args: tuple[Any, ...], kwargs: dict[str, Any], found: dict[int, str]
