@@ -38,8 +38,10 @@ def settings_for(url: str, prefix: str, **overrides: Any) -> Settings:
     base: dict[str, Any] = {
         "redis_url": url, "redis_prefix": prefix, "device": "cpu", "heartbeat_s": 0.3,
         "visibility_timeout_s": 2.0, "batch_max_delay_ms": 5.0, "batch_max_samples": 16,
-        "result_ttl_s": 60, "request_timeout_s": 90.0, "redis_timeout_s": 1.0,
-        "worker_redis_grace_s": 60.0,
+        "result_ttl_s": 60, "request_timeout_s": 90.0, "worker_redis_grace_s": 60.0,
+        # 3 s, not 1: a hundred concurrent requests open as many connections, and on a loaded
+        # 2-core host a connect alone took over a second (503 overloaded: the drain test failed)
+        "redis_timeout_s": 3.0,
     }
     return Settings(**{**base, **overrides})
 
