@@ -16,6 +16,7 @@ from psgrad._errors import TooLarge
 from psgrad._jobs import Job
 from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import Models
+from psgrad._receive import receive_answer
 from psgrad._reference_sets import ReferenceSets
 from psgrad._types import GradsResult, JobStatus
 
@@ -135,8 +136,7 @@ class Client(BaseClient):
             if reader is None:
                 response.read()
             else:
-                for piece in response.iter_bytes():
-                    reader.feed(piece)
+                receive_answer(response, reader)
                 response.extensions[ANSWER] = reader.fields()
         finally:
             response.close()

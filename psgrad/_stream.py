@@ -39,7 +39,7 @@ class AnswerReader:
 
     def feed(self, piece: bytes | memoryview) -> None:
         data = memoryview(piece).cast("B")
-        if self._header_len is None or len(self._head) < 8 + self._header_len:
+        if not self._header_done():
             data = self._take_header(data)
         while data.nbytes:
             if self._index >= len(self._tensors):
@@ -51,14 +51,31 @@ class AnswerReader:
             data = data[n:]
             self._skip_full()
 
+    def space(self) -> memoryview | None:
+        """Where the body's next bytes belong: the unfilled rest of the tensor being filled.
+
+        For receiving in place (``recv_into`` it, then :meth:`wrote`); None while the header
+        is incomplete (:meth:`feed` those bytes) and once every tensor is full.
+        """
+        if not self._header_done() or self._index >= len(self._tensors):
+            return None
+        return self._tensors[self._index][3][self._filled:]
+
+    def wrote(self, n: int) -> None:
+        """``n`` bytes were written into the start of :meth:`space`."""
+        self._filled += n
+        self._skip_full()
+
     def fields(self) -> dict[str, Any]:
         """The answer's fields; refuses an answer that ended early."""
-        if self._header_len is None or len(self._head) < 8 + self._header_len or (
-                self._index < len(self._tensors)):
+        if not self._header_done() or self._index < len(self._tensors):
             raise BadRequest("the safetensors answer ended before all its bytes arrived")
         tensors = {name: widen_bfloat16(arr) if dtype == "BF16" else arr
                    for name, dtype, arr, _ in self._tensors}
         return fields_from_tensors(tensors, self._metadata, self.meta_key)
+
+    def _header_done(self) -> bool:
+        return self._header_len is not None and len(self._head) == 8 + self._header_len
 
     def _take_header(self, data: memoryview) -> memoryview:
         if self._header_len is None:

@@ -20,13 +20,15 @@ before the last piece: a half answer is never served as whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis
 import redis.asyncio as aioredis
 
@@ -37,6 +39,8 @@ from service.jobs import AnswerLost, JobStatus
 __all__ = ["AnswerWriter", "RedisAnswer", "answer_size"]
 
 POLL_MS = 1000  # a reader waiting for the next piece checks the job's state this often
+READ_COUNT = 8  # pieces per XREAD: one batch is relayed while the next is read
+LINE_READ = 4096  # bytes per read of reply lines (what follows them is the next piece's start)
 # Answers at least this large are read over a plain socket of their own (see RawStreamReader);
 # smaller ones share the api's client: one socket and one blocked thread per answer would starve
 # many concurrent small requests (the default executor has a few threads on a small host).
@@ -93,8 +97,9 @@ class AnswerWriter:
                                 self.attempt, head, self.ttl_s))
 
     def add(self, pipe: Any, piece: bytes | memoryview) -> None:
-        pipe.xadd(self.key, {"a": self.attempt, "k": "data", "d": piece})
-        pipe.expire(self.key, self.ttl_s)  # a stream re-created after a cancel expires too
+        # NOMKSTREAM: a piece never re-creates a stream a cancel deleted (nor one that expired),
+        # so no key outlives the job and the TTL set by BEGIN_LUA covers every piece
+        pipe.xadd(self.key, {"a": self.attempt, "k": "data", "d": piece}, nomkstream=True)
 
 
 def pieces(parts: list[bytes | memoryview], size: int) -> Iterator[bytes | memoryview]:
@@ -151,12 +156,11 @@ class RedisAnswer:
         """The header, then each piece as it lands; the last only once the answer is whole."""
         key = keys.job_answer(self.prefix, self.job_id)
         yield self.head
-        last: Any = self.head_id
         held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.r)
-               if answer_size(self.head) >= RAW_MIN_BYTES else None)
-        try:
-            async for entries in self._entries(raw, key, last):
+               if self.size >= RAW_MIN_BYTES else None)
+        async with contextlib.aclosing(self._entries(raw, key, self.head_id)) as batches:
+            async for entries in batches:
                 for _, fields in entries:
                     f = {_text(k): v for k, v in fields.items()}
                     attempt = int(_text(f.get("a", b"0")))
@@ -171,24 +175,40 @@ class RedisAnswer:
                     if held is not None:
                         yield held
                     held = f["d"]
+
+    async def _entries(self, raw: RawStreamReader | None, key: str,
+                       last: Any) -> AsyncGenerator[list[tuple[bytes, dict[bytes, Any]]], None]:
+        """Batches of new entries after ``last``, until the caller stops; closes ``raw``.
+
+        The next batch is already being read (the raw reader in a thread) while the caller
+        relays this one: Redis's reply and the client's transfer overlap.
+        """
+        pending = asyncio.ensure_future(self._xread(raw, key, last))
+        try:
+            while True:
+                reply = await pending
+                entries = reply[0][1] if reply else []
+                if not entries:
+                    await self._check()
+                    pending = asyncio.ensure_future(self._xread(raw, key, last))
+                    continue
+                last = entries[-1][0]
+                pending = asyncio.ensure_future(self._xread(raw, key, last))
+                yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
         finally:
+            if raw is not None:
+                raw.shutdown()  # the read under way (blocked up to POLL_MS) ends now
+            else:
+                pending.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await pending
             if raw is not None:
                 raw.close()
 
-    async def _entries(self, raw: RawStreamReader | None, key: str,
-                       last: Any) -> AsyncIterator[list[tuple[bytes, dict[bytes, Any]]]]:
-        """Batches of new entries after ``last``, until the caller stops."""
-        while True:
-            if raw is not None:
-                reply: Any = await asyncio.to_thread(raw.xread, key, bytes(last), 4, POLL_MS)
-            else:
-                reply = await self.r.xread({key: last}, count=4, block=POLL_MS)
-            entries = reply[0][1] if reply else []
-            if not entries:
-                await self._check()
-                continue
-            last = entries[-1][0]
-            yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
+    async def _xread(self, raw: RawStreamReader | None, key: str, last: Any) -> Any:
+        if raw is not None:
+            return await asyncio.to_thread(raw.xread, key, bytes(last), READ_COUNT, POLL_MS)
+        return await self.r.xread({key: last}, count=READ_COUNT, block=POLL_MS)
 
     async def _check(self) -> None:
         """No piece for a while: go on waiting only while this attempt may still finish."""
@@ -243,6 +263,11 @@ class RawStreamReader:
             raise
         return reader
 
+    def shutdown(self) -> None:
+        """End a read blocked in another thread (closing alone does not wake it)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -271,7 +296,7 @@ class RawStreamReader:
 
     def _line(self) -> bytes:
         while (end := self.buf.find(b"\r\n")) < 0:
-            chunk = self.sock.recv(1 << 16)
+            chunk = self.sock.recv(LINE_READ)
             if not chunk:
                 raise redis.ConnectionError("Redis closed the connection")
             self.buf += chunk
@@ -280,11 +305,10 @@ class RawStreamReader:
         return line
 
     def _bulk(self, n: int) -> memoryview:
-        out = bytearray(n + 2)
+        view = np.empty(n + 2, np.uint8).data  # not zeroed first, as bytearray(n) is
         have = min(len(self.buf), n + 2)
-        out[:have] = self.buf[:have]
+        view[:have] = self.buf[:have]
         del self.buf[:have]
-        view = memoryview(out)
         while have < n + 2:
             got = self.sock.recv_into(view[have:])
             if not got:
