@@ -39,6 +39,12 @@ class Client(BaseClient):
     does through JSON; float32 arrays and lists (read as float32) are sent as they are, and
     integer and boolean arrays (class targets, token ids, dones) are never cast.
 
+    Large answers (hundreds of MB of per-sample gradients) are read as they arrive straight into
+    their arrays. The client keeps the large arrays of its last two answers and reads a later
+    answer into those you no longer refer to (no array, view or torch tensor of them is alive):
+    in a loop that asks for gradients every step, each answer lands in memory already in use,
+    which on a virtual machine is several times faster than new memory. ``close()`` lets it go.
+
     Args:
         base_url: the server's address (the one positional argument).
         api_key: sent as ``Authorization: Bearer <key>``.
@@ -89,6 +95,7 @@ class Client(BaseClient):
 
     def close(self) -> None:
         self._http.close()
+        self._memory.release()
 
     def __enter__(self) -> Client:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,8 +29,10 @@ _NP_DTYPES = {"F32": "<f4", "F64": "<f8", "F16": "<f2", "BF16": "<u2", "I64": "<
 class AnswerReader:
     """Feed the body's pieces in order (:meth:`feed`), then take the fields (:meth:`fields`)."""
 
-    def __init__(self, meta_key: str) -> None:
+    def __init__(self, meta_key: str, empty: Callable[[list[int], str], np.ndarray] = np.empty
+                 ) -> None:
         self.meta_key = meta_key
+        self._empty = empty  # allocates each tensor (psgrad._memory lends dropped answers')
         self._head = bytearray()
         self._header_len: int | None = None
         self._metadata: dict[str, Any] = {}
@@ -110,7 +113,7 @@ class AnswerReader:
             if dtype not in _NP_DTYPES or not isinstance(shape, list) or len(shape) > MAX_NDIM + 1 \
                     or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise BadRequest(f"tensor '{name}': bad dtype or shape in the header")
-            arr = np.empty(shape, dtype=_NP_DTYPES[dtype])
+            arr = self._empty(shape, _NP_DTYPES[dtype])
             if start != offset or end - start != arr.nbytes:
                 raise BadRequest(f"tensor '{name}': its offsets do not match its shape")
             offset = end

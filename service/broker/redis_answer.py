@@ -32,6 +32,7 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
+from psgrad._memory import unreferenced
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
 from service import keys
 from service.jobs import AnswerLost, JobStatus
@@ -41,6 +42,8 @@ __all__ = ["AnswerWriter", "RedisAnswer", "answer_size"]
 POLL_MS = 1000  # a reader waiting for the next piece checks the job's state this often
 READ_COUNT = 8  # pieces per XREAD: one batch is relayed while the next is read
 LINE_READ = 4096  # bytes per read of reply lines (what follows them is the next piece's start)
+KEEP_BUFFERS = 3 * READ_COUNT  # pieces a reader receives into again: a batch read, a batch
+# relayed, and what the server's socket still holds
 # Answers at least this large are read over a plain socket of their own (see RawStreamReader);
 # smaller ones share the api's client: one socket and one blocked thread per answer would starve
 # many concurrent small requests (the default executor has a few threads on a small host).
@@ -152,14 +155,20 @@ class RedisAnswer:
             return None
         return cls(r, prefix, job_id, attempt, entry_id, bytes(f["d"]))
 
-    async def pieces(self) -> AsyncIterator[bytes | memoryview]:
-        """The header, then each piece as it lands; the last only once the answer is whole."""
+    async def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
+        """The header, then each piece as it lands; the last only once the answer is whole.
+
+        ``consume``: entries leave the stream once read (XTRIM MINID): Redis then stores the
+        pieces still to come in the memory of those relayed, where a whole answer kept until
+        it is forgotten takes new memory each time (a page fault per 4 KiB in Redis).
+        """
         key = keys.job_answer(self.prefix, self.job_id)
         yield self.head
         held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.r)
                if self.size >= RAW_MIN_BYTES else None)
-        async with contextlib.aclosing(self._entries(raw, key, self.head_id)) as batches:
+        entries_of = self._entries(raw, key, self.head_id, consume)
+        async with contextlib.aclosing(entries_of) as batches:
             async for entries in batches:
                 for _, fields in entries:
                     f = {_text(k): v for k, v in fields.items()}
@@ -176,8 +185,8 @@ class RedisAnswer:
                         yield held
                     held = f["d"]
 
-    async def _entries(self, raw: RawStreamReader | None, key: str,
-                       last: Any) -> AsyncGenerator[list[tuple[bytes, dict[bytes, Any]]], None]:
+    async def _entries(self, raw: RawStreamReader | None, key: str, last: Any, consume: bool
+                       ) -> AsyncGenerator[list[tuple[bytes, dict[bytes, Any]]], None]:
         """Batches of new entries after ``last``, until the caller stops; closes ``raw``.
 
         The next batch is already being read (the raw reader in a thread) while the caller
@@ -194,6 +203,8 @@ class RedisAnswer:
                     continue
                 last = entries[-1][0]
                 pending = asyncio.ensure_future(self._xread(raw, key, last))
+                if consume:  # read into memory here: Redis may reuse theirs
+                    await self.r.xtrim(key, minid=bytes(last), approximate=False)
                 yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
         finally:
             if raw is not None:
@@ -242,6 +253,7 @@ class RawStreamReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self._buffers: list[tuple[int, np.ndarray]] = []  # pieces' buffers, lent again once free
 
     @classmethod
     def open(cls, client: aioredis.Redis) -> RawStreamReader | None:
@@ -305,7 +317,7 @@ class RawStreamReader:
         return line
 
     def _bulk(self, n: int) -> memoryview:
-        view = np.empty(n + 2, np.uint8).data  # not zeroed first, as bytearray(n) is
+        view = self._buffer(n + 2).data
         have = min(len(self.buf), n + 2)
         view[:have] = self.buf[:have]
         del self.buf[:have]
@@ -315,3 +327,14 @@ class RawStreamReader:
                 raise redis.ConnectionError("Redis closed the connection")
             have += got
         return view[:n]
+
+    def _buffer(self, size: int) -> np.ndarray:
+        """A buffer a relayed piece no longer needs (its pages are written already: new
+        memory costs a page fault per 4 KiB, more than receiving into it), else a new one."""
+        for entry in self._buffers:
+            if entry[1].nbytes == size and unreferenced(entry):
+                return entry[1]
+        buffer = np.empty(size, np.uint8)  # not zeroed first, as bytearray(n) is
+        if len(self._buffers) < KEEP_BUFFERS:
+            self._buffers.append((0, buffer))
+        return buffer

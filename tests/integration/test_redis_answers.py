@@ -120,6 +120,37 @@ async def test_answers_expire_and_are_deleted_with_the_job(
         await broker.close()
 
 
+@pytest.mark.parametrize("raw_min", [0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
+async def test_a_consumed_answer_leaves_redis_as_it_is_read(
+        settings: Settings, shared: redis.Redis, raw_min: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read once (the sync route): the entries go as they are read; read whole otherwise."""
+    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", raw_min)
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    source.piece_bytes = 64 << 10  # 19 pieces
+    try:
+        jobs = [job(), job()]
+        for j in jobs:
+            await broker.submit(j)
+        taken = source.take(2, 10, 0.0, 1.0)
+        source.started(taken)
+        for t in taken:
+            source.succeed(t, RESULT)
+        kept, consumed = (keys.job_answer(settings.redis_prefix, j.id) for j in jobs)
+        assert shared.xlen(kept) == shared.xlen(consumed) > 20
+        for j, consume in ((jobs[0], False), (jobs[1], True)):
+            answer = (await broker.state(j.id)).answer
+            assert answer is not None
+            read = await read_answer(answer, consume=consume)
+            np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
+            np.testing.assert_array_equal(read["norms"], RESULT["norms"])
+        assert shared.xlen(kept) > 20 and shared.xlen(consumed) <= 1
+        assert 0 < shared.ttl(consumed) <= 30
+    finally:
+        source.close()
+        await broker.close()
+
+
 HALF_WRITER = """
 import os, signal, sys, numpy as np
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
