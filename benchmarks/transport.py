@@ -6,15 +6,19 @@ interleaved run times:
 - engine: parse + engine call + the answer as numpy arrays, in this process;
 - floor: one loopback socket transfer of the answer's bytes (its safetensors size) into a
   preallocated buffer, measured in the same run: what any server must pay to hand the answer on;
-- embedded: the SDK (safetensors, read into arrays allocated once) against ``psgrad serve``
-  with its in-process worker thread;
+- embedded: the SDK (safetensors received from the socket into the answer's arrays, in the
+  memory of its earlier answers once they are dropped, as each round's are) against
+  ``psgrad serve`` with its in-process worker thread;
 - redis-1 / redis-2: the same through ``psgrad serve`` on Redis with one and with two
   ``psgrad worker`` processes (the answer goes worker -> Redis -> api -> client in pieces).
 
 Medians per case and method, and the goals: embedded <= engine + 1.5 x floor, Redis <= engine +
-2.5 x floor. Needs Redis at PSGRAD_REDIS_URL (default the local one; keys under a fresh prefix,
-deleted at the end) and about 8 GB of free memory for the B=256 case. A shared 2-core machine:
-the figures are noisy, read the ratios.
+2.5 x floor. A second table subtracts from each HTTP call the server's own queue and compute
+time (the answer's ``timing``): on a shared machine the engine's time varies by a factor of two
+between calls, which the first table's differences inherit. Needs Redis at PSGRAD_REDIS_URL
+(default the local one; keys under a fresh prefix, deleted at the end) and about 10 GB of free
+memory for the B=256 case (each client keeps the memory of its last answers to read the next
+into). A shared 2-core machine: the figures are noisy, read the ratios.
 
     python benchmarks/transport.py [--repeats 3] [--cases norms:64,grads:64,grads:256]
 """
@@ -101,10 +105,16 @@ def answer_bytes(result: dict[str, Any]) -> int:
     return sum(len(p) for p in safetensors_parts(answer, RESPONSE_KEY))
 
 
-def timed(fn: Callable[[], Any]) -> float:
+def timed(fn: Callable[[], Any]) -> tuple[float, float | None]:
+    """Seconds end to end and, for an answer over HTTP, those beyond the server's own queue and
+    compute (its ``timing``): what moving the request and the answer cost, engine noise aside."""
     started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+    out = fn()
+    elapsed = time.perf_counter() - started
+    timing = getattr(out, "timing", None)
+    if not timing:
+        return elapsed, None
+    return elapsed, elapsed - (timing["queue_ms"] + timing["compute_ms"]) / 1e3
 
 
 def main() -> None:
@@ -143,10 +153,15 @@ def main() -> None:
                 fn()
         times: dict[tuple[str, int], dict[str, list[float]]] = {
             case: {m: [] for m in METHODS} for case in runs}
+        beyond: dict[tuple[str, int], dict[str, list[float]]] = {
+            case: {m: [] for m in GOALS} for case in runs}
         for rep in range(args.repeats):
             for case, methods in runs.items():
                 for method, fn in methods.items():
-                    times[case][method].append(timed(fn))
+                    elapsed, wire = timed(fn)
+                    times[case][method].append(elapsed)
+                    if wire is not None:
+                        beyond[case][method].append(wire)
             print(f"  round {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
         for client in clients.values():
             client.close()
@@ -161,10 +176,11 @@ def main() -> None:
             if doomed:
                 r.delete(*doomed)
         r.close()
-    report(times, sizes, args.repeats)
+    report(times, beyond, sizes, args.repeats)
 
 
 def report(times: dict[tuple[str, int], dict[str, list[float]]],
+           beyond: dict[tuple[str, int], dict[str, list[float]]],
            sizes: dict[tuple[str, int], int], repeats: int) -> None:
     print(f"simple-cnn, medians of {repeats} interleaved rounds (ms); goal: embedded <= engine "
           "+ 1.5 x floor, Redis <= engine + 2.5 x floor")
@@ -185,6 +201,16 @@ def report(times: dict[tuple[str, int], dict[str, list[float]]],
         print(f"| {output} B={batch} | {answer} | " + " | ".join(cells) + " |")
     print()
     print("\n".join(verdicts))
+    print()
+    print("time beyond the server's own queue + compute (its answer's timing), median ms (x floor):"
+          " the wire's share, whatever the engine's noise")
+    print("| case | floor | embedded | Redis, 1 worker | Redis, 2 workers |")
+    print("|---|---:|---:|---:|---:|")
+    for (output, batch), per in beyond.items():
+        floor = statistics.median(times[(output, batch)]["floor"]) * 1e3
+        cells = [f"{statistics.median(v) * 1e3:.0f} ({statistics.median(v) * 1e3 / floor:.1f})"
+                 for v in per.values()]
+        print(f"| {output} B={batch} | {floor:.0f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class AsyncClient(BaseClient):
 
     async def close(self) -> None:
         await self._http.aclose()
+        self._memory.release()
 
     async def __aenter__(self) -> AsyncClient:
         return self

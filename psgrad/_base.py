@@ -44,6 +44,7 @@ from psgrad._errors import (
     PsgradError,
     error_from_body,
 )
+from psgrad._memory import AnswerMemory
 from psgrad._merge import Fields, Plan, PlanResult, grads_plan
 from psgrad._progress import Progress
 from psgrad._request import grads_fields
@@ -135,6 +136,7 @@ class BaseClient:
         if self.api_key:
             self._headers["Authorization"] = f"Bearer {self.api_key}"
         self._dtypes: dict[str, np.dtype | None] = {}  # model -> the dtype it computes in
+        self._memory = AnswerMemory()  # large answers' buffers, lent again once dropped
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r})"
@@ -152,7 +154,7 @@ class BaseClient:
     @staticmethod
     def _decode(response: httpx.Response) -> Fields:
         """A result body (safetensors or JSON) as fields with numpy arrays."""
-        streamed = response.extensions.get(ANSWER)
+        streamed = response.extensions.pop(ANSWER, None)  # the response may outlive it
         if streamed is not None:
             return dict(streamed)
         ctype = response.headers.get("content-type", "").split(";")[0].strip()
@@ -160,13 +162,13 @@ class BaseClient:
             return fields_from_safetensors(response.content, RESPONSE_KEY)
         return decode_json_result(response.json())
 
-    @staticmethod
-    def _answer_reader(path: str, response: httpx.Response) -> AnswerReader | None:
-        """A reader for a safetensors answer (read as it arrives, into arrays allocated once),
-        or None: the body is read whole (JSON, errors, model weights)."""
+    def _answer_reader(self, path: str, response: httpx.Response) -> AnswerReader | None:
+        """A reader for a safetensors answer (read as it arrives, into arrays allocated once,
+        in memory of answers the caller dropped where there is some), or None: the body is read
+        whole (JSON, errors, model weights)."""
         ctype = response.headers.get("content-type", "").split(";")[0].strip()
         if response.is_success and ctype == SAFETENSORS and path.startswith(ANSWER_PATHS):
-            return AnswerReader(RESPONSE_KEY)
+            return AnswerReader(RESPONSE_KEY, self._memory.allocator())
         return None
 
     @staticmethod

@@ -48,7 +48,7 @@ def job_state(response: httpx.Response) -> JobState:
     result: Fields | None = None
     doc: dict[str, Any]
     if ctype == SAFETENSORS:
-        streamed = response.extensions.get(ANSWER)
+        streamed = response.extensions.pop(ANSWER, None)  # the response may outlive it
         result = (dict(streamed) if streamed is not None
                   else fields_from_safetensors(response.content, RESPONSE_KEY))
         doc = {"status": response.headers.get(JOB_STATUS_HEADER, JobStatus.SUCCEEDED.value)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,8 +29,10 @@ _NP_DTYPES = {"F32": "<f4", "F64": "<f8", "F16": "<f2", "BF16": "<u2", "I64": "<
 class AnswerReader:
     """Feed the body's pieces in order (:meth:`feed`), then take the fields (:meth:`fields`)."""
 
-    def __init__(self, meta_key: str) -> None:
+    def __init__(self, meta_key: str, empty: Callable[[list[int], str], np.ndarray] = np.empty
+                 ) -> None:
         self.meta_key = meta_key
+        self._empty = empty  # allocates each tensor (psgrad._memory lends dropped answers')
         self._head = bytearray()
         self._header_len: int | None = None
         self._metadata: dict[str, Any] = {}
@@ -39,7 +42,7 @@ class AnswerReader:
 
     def feed(self, piece: bytes | memoryview) -> None:
         data = memoryview(piece).cast("B")
-        if self._header_len is None or len(self._head) < 8 + self._header_len:
+        if not self._header_done():
             data = self._take_header(data)
         while data.nbytes:
             if self._index >= len(self._tensors):
@@ -51,14 +54,31 @@ class AnswerReader:
             data = data[n:]
             self._skip_full()
 
+    def space(self) -> memoryview | None:
+        """Where the body's next bytes belong: the unfilled rest of the tensor being filled.
+
+        For receiving in place (``recv_into`` it, then :meth:`wrote`); None while the header
+        is incomplete (:meth:`feed` those bytes) and once every tensor is full.
+        """
+        if not self._header_done() or self._index >= len(self._tensors):
+            return None
+        return self._tensors[self._index][3][self._filled:]
+
+    def wrote(self, n: int) -> None:
+        """``n`` bytes were written into the start of :meth:`space`."""
+        self._filled += n
+        self._skip_full()
+
     def fields(self) -> dict[str, Any]:
         """The answer's fields; refuses an answer that ended early."""
-        if self._header_len is None or len(self._head) < 8 + self._header_len or (
-                self._index < len(self._tensors)):
+        if not self._header_done() or self._index < len(self._tensors):
             raise BadRequest("the safetensors answer ended before all its bytes arrived")
         tensors = {name: widen_bfloat16(arr) if dtype == "BF16" else arr
                    for name, dtype, arr, _ in self._tensors}
         return fields_from_tensors(tensors, self._metadata, self.meta_key)
+
+    def _header_done(self) -> bool:
+        return self._header_len is not None and len(self._head) == 8 + self._header_len
 
     def _take_header(self, data: memoryview) -> memoryview:
         if self._header_len is None:
@@ -93,7 +113,7 @@ class AnswerReader:
             if dtype not in _NP_DTYPES or not isinstance(shape, list) or len(shape) > MAX_NDIM + 1 \
                     or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise BadRequest(f"tensor '{name}': bad dtype or shape in the header")
-            arr = np.empty(shape, dtype=_NP_DTYPES[dtype])
+            arr = self._empty(shape, _NP_DTYPES[dtype])
             if start != offset or end - start != arr.nbytes:
                 raise BadRequest(f"tensor '{name}': its offsets do not match its shape")
             offset = end

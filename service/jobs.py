@@ -73,13 +73,15 @@ class Answer(Protocol):
 
     size: int  # bytes of the whole file
 
-    def pieces(self) -> AsyncIterator[bytes | memoryview]: ...
+    def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
+        """``consume``: each piece leaves the store once read (an answer read once, then
+        forgotten: the store reuses that memory for the pieces still to come)."""
 
 
-async def read_answer(answer: Answer) -> dict[str, Any]:
+async def read_answer(answer: Answer, *, consume: bool = False) -> dict[str, Any]:
     """The answer's fields, each tensor filled in place as its pieces land (no whole copy)."""
     reader = AnswerReader(RESPONSE_KEY)
-    async for piece in answer.pieces():
+    async for piece in answer.pieces(consume=consume):
         reader.feed(piece)
     return reader.fields()
 

@@ -27,15 +27,20 @@ async def answer_response(
     *,
     headers: dict[str, str] | None = None,
     background: BackgroundTask | None = None,
+    consume: bool = False,
 ) -> Response:
-    """The answer in the form the client accepts: safetensors relayed piece by piece, or JSON."""
+    """The answer in the form the client accepts: safetensors relayed piece by piece, or JSON.
+
+    ``consume``: the answer is relayed once and then forgotten, so its pieces leave Redis as
+    they are read (see :meth:`service.jobs.Answer.pieces`).
+    """
     if wants_safetensors(request):
         return StreamingResponse(
-            answer.pieces(),
+            answer.pieces(consume=consume),
             media_type=SAFETENSORS,
             headers={**(headers or {}), "content-length": str(answer.size)},
             background=background,
         )
-    response = await json_response(await read_answer(answer), headers=headers)
+    response = await json_response(await read_answer(answer, consume=consume), headers=headers)
     response.background = background
     return response

@@ -33,7 +33,7 @@ from service.api.status import note_model
 from service.config import Settings
 from service.validate import KNOWN_FIELDS, decode_json_body
 
-STREAM_CHUNK = 4 << 20  # bytes per write of a streamed safetensors answer
+STREAM_CHUNK = 1 << 20  # bytes per write of a streamed safetensors answer
 JSON_CHUNK = 1 << 20  # array bytes per piece of a streamed JSON answer
 INLINE_BYTES = 64 * 1024  # smaller bodies decode on the loop (a thread hop costs more)
 

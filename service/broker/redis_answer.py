@@ -20,16 +20,19 @@ before the last piece: a half answer is never served as whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis
 import redis.asyncio as aioredis
 
+from psgrad._memory import unreferenced
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
 from service import keys
 from service.jobs import AnswerLost, JobStatus
@@ -37,6 +40,10 @@ from service.jobs import AnswerLost, JobStatus
 __all__ = ["AnswerWriter", "RedisAnswer", "answer_size"]
 
 POLL_MS = 1000  # a reader waiting for the next piece checks the job's state this often
+READ_COUNT = 8  # pieces per XREAD: one batch is relayed while the next is read
+LINE_READ = 4096  # bytes per read of reply lines (what follows them is the next piece's start)
+KEEP_BUFFERS = 3 * READ_COUNT  # pieces a reader receives into again: a batch read, a batch
+# relayed, and what the server's socket still holds
 # Answers at least this large are read over a plain socket of their own (see RawStreamReader);
 # smaller ones share the api's client: one socket and one blocked thread per answer would starve
 # many concurrent small requests (the default executor has a few threads on a small host).
@@ -93,8 +100,9 @@ class AnswerWriter:
                                 self.attempt, head, self.ttl_s))
 
     def add(self, pipe: Any, piece: bytes | memoryview) -> None:
-        pipe.xadd(self.key, {"a": self.attempt, "k": "data", "d": piece})
-        pipe.expire(self.key, self.ttl_s)  # a stream re-created after a cancel expires too
+        # NOMKSTREAM: a piece never re-creates a stream a cancel deleted (nor one that expired),
+        # so no key outlives the job and the TTL set by BEGIN_LUA covers every piece
+        pipe.xadd(self.key, {"a": self.attempt, "k": "data", "d": piece}, nomkstream=True)
 
 
 def pieces(parts: list[bytes | memoryview], size: int) -> Iterator[bytes | memoryview]:
@@ -147,16 +155,21 @@ class RedisAnswer:
             return None
         return cls(r, prefix, job_id, attempt, entry_id, bytes(f["d"]))
 
-    async def pieces(self) -> AsyncIterator[bytes | memoryview]:
-        """The header, then each piece as it lands; the last only once the answer is whole."""
+    async def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
+        """The header, then each piece as it lands; the last only once the answer is whole.
+
+        ``consume``: entries leave the stream once read (XTRIM MINID): Redis then stores the
+        pieces still to come in the memory of those relayed, where a whole answer kept until
+        it is forgotten takes new memory each time (a page fault per 4 KiB in Redis).
+        """
         key = keys.job_answer(self.prefix, self.job_id)
         yield self.head
-        last: Any = self.head_id
         held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.r)
-               if answer_size(self.head) >= RAW_MIN_BYTES else None)
-        try:
-            async for entries in self._entries(raw, key, last):
+               if self.size >= RAW_MIN_BYTES else None)
+        entries_of = self._entries(raw, key, self.head_id, consume)
+        async with contextlib.aclosing(entries_of) as batches:
+            async for entries in batches:
                 for _, fields in entries:
                     f = {_text(k): v for k, v in fields.items()}
                     attempt = int(_text(f.get("a", b"0")))
@@ -171,24 +184,42 @@ class RedisAnswer:
                     if held is not None:
                         yield held
                     held = f["d"]
+
+    async def _entries(self, raw: RawStreamReader | None, key: str, last: Any, consume: bool
+                       ) -> AsyncGenerator[list[tuple[bytes, dict[bytes, Any]]], None]:
+        """Batches of new entries after ``last``, until the caller stops; closes ``raw``.
+
+        The next batch is already being read (the raw reader in a thread) while the caller
+        relays this one: Redis's reply and the client's transfer overlap.
+        """
+        pending = asyncio.ensure_future(self._xread(raw, key, last))
+        try:
+            while True:
+                reply = await pending
+                entries = reply[0][1] if reply else []
+                if not entries:
+                    await self._check()
+                    pending = asyncio.ensure_future(self._xread(raw, key, last))
+                    continue
+                last = entries[-1][0]
+                pending = asyncio.ensure_future(self._xread(raw, key, last))
+                if consume:  # read into memory here: Redis may reuse theirs
+                    await self.r.xtrim(key, minid=bytes(last), approximate=False)
+                yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
         finally:
+            if raw is not None:
+                raw.shutdown()  # the read under way (blocked up to POLL_MS) ends now
+            else:
+                pending.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await pending
             if raw is not None:
                 raw.close()
 
-    async def _entries(self, raw: RawStreamReader | None, key: str,
-                       last: Any) -> AsyncIterator[list[tuple[bytes, dict[bytes, Any]]]]:
-        """Batches of new entries after ``last``, until the caller stops."""
-        while True:
-            if raw is not None:
-                reply: Any = await asyncio.to_thread(raw.xread, key, bytes(last), 4, POLL_MS)
-            else:
-                reply = await self.r.xread({key: last}, count=4, block=POLL_MS)
-            entries = reply[0][1] if reply else []
-            if not entries:
-                await self._check()
-                continue
-            last = entries[-1][0]
-            yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
+    async def _xread(self, raw: RawStreamReader | None, key: str, last: Any) -> Any:
+        if raw is not None:
+            return await asyncio.to_thread(raw.xread, key, bytes(last), READ_COUNT, POLL_MS)
+        return await self.r.xread({key: last}, count=READ_COUNT, block=POLL_MS)
 
     async def _check(self) -> None:
         """No piece for a while: go on waiting only while this attempt may still finish."""
@@ -222,6 +253,7 @@ class RawStreamReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self._buffers: list[tuple[int, np.ndarray]] = []  # pieces' buffers, lent again once free
 
     @classmethod
     def open(cls, client: aioredis.Redis) -> RawStreamReader | None:
@@ -242,6 +274,11 @@ class RawStreamReader:
             reader.close()
             raise
         return reader
+
+    def shutdown(self) -> None:
+        """End a read blocked in another thread (closing alone does not wake it)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.sock.close()
@@ -271,7 +308,7 @@ class RawStreamReader:
 
     def _line(self) -> bytes:
         while (end := self.buf.find(b"\r\n")) < 0:
-            chunk = self.sock.recv(1 << 16)
+            chunk = self.sock.recv(LINE_READ)
             if not chunk:
                 raise redis.ConnectionError("Redis closed the connection")
             self.buf += chunk
@@ -280,14 +317,24 @@ class RawStreamReader:
         return line
 
     def _bulk(self, n: int) -> memoryview:
-        out = bytearray(n + 2)
+        view = self._buffer(n + 2).data
         have = min(len(self.buf), n + 2)
-        out[:have] = self.buf[:have]
+        view[:have] = self.buf[:have]
         del self.buf[:have]
-        view = memoryview(out)
         while have < n + 2:
             got = self.sock.recv_into(view[have:])
             if not got:
                 raise redis.ConnectionError("Redis closed the connection")
             have += got
         return view[:n]
+
+    def _buffer(self, size: int) -> np.ndarray:
+        """A buffer a relayed piece no longer needs (its pages are written already: new
+        memory costs a page fault per 4 KiB, more than receiving into it), else a new one."""
+        for entry in self._buffers:
+            if entry[1].nbytes == size and unreferenced(entry):
+                return entry[1]
+        buffer = np.empty(size, np.uint8)  # not zeroed first, as bytearray(n) is
+        if len(self._buffers) < KEEP_BUFFERS:
+            self._buffers.append((0, buffer))
+        return buffer

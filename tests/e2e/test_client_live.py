@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file, save_file
 
 import psgrad
@@ -49,6 +50,29 @@ def test_the_sdk_over_http_chunks_and_matches(url: str) -> None:
     # mean over all 70 from the server's per-chunk means weighted by size = the chunked mean
     assert set(chunked.mean) == set(first.mean)
     assert chunked.cosine_mean.shape == (70,) and np.all(np.abs(chunked.cosine_mean) <= 1 + 1e-5)
+
+
+def test_large_answers_land_in_their_arrays_and_match_the_per_sample_loop(url: str) -> None:
+    """Grads of 3 MB a sample: the sync SDK receives them from the socket into the arrays
+    (psgrad._receive), closes that connection and goes on with a new one."""
+    from service.registry import ModelRegistry
+    from tests.support.reference import per_sample_loop
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 784)).astype(np.float32)
+    y = np.array([1, 7, 3])
+    with psgrad.Client(base_url=url) as client:
+        answers = [client.per_sample_grads("mlp", x, y, outputs=["grads", "norms"])
+                   for _ in range(2)]
+    module = ModelRegistry().get("mlp").module
+    want = per_sample_loop(module, {"inputs": torch.from_numpy(x),
+                                    "targets": torch.from_numpy(y)}, "cross_entropy")
+    for got in answers:
+        assert sum(g.nbytes for g in got.grads.values()) > 3 << 20
+        assert list(got.grads) == list(want.grads)
+        for k, g in want.grads.items():
+            np.testing.assert_allclose(got.grads[k], g.numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(got.norms, want.norms.numpy(), rtol=1e-4)
 
 
 async def test_the_async_sdk_over_http(url: str) -> None:

@@ -51,12 +51,27 @@ def job() -> Job:
     return Job(id=new_job_id(), fields=fields, deadline=time.time() + 60)
 
 
-# 0: every answer read over its own plain socket (RawStreamReader), as large answers are
-@pytest.mark.parametrize("raw_min", [0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
+async def answered(broker: RedisBroker, source: RedisJobSource, n: int) -> list[Job]:
+    """``n`` jobs submitted, taken and answered with RESULT."""
+    jobs = [job() for _ in range(n)]
+    for j in jobs:
+        await broker.submit(j)
+    taken = source.take(n, 10, 0.0, 1.0)
+    source.started(taken)
+    for t in taken:
+        source.succeed(t, RESULT)
+    return jobs
+
+
+@pytest.fixture(params=[0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
+def both_readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0: every answer read over its own plain socket (RawStreamReader), as large answers are."""
+    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", request.param)
+
+
+@pytest.mark.usefixtures("both_readers")
 async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
-        settings: Settings, shared: redis.Redis, raw_min: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", raw_min)
+        settings: Settings, shared: redis.Redis) -> None:
     broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
     try:
         j = job()
@@ -81,9 +96,9 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         assert not shared.exists(key)
         with pytest.raises(AnswerLost):
             await asyncio.wait_for(reading, 10)
-        for piece in cut[1:3]:  # the worker goes on writing: the key it re-creates expires
+        for piece in cut[1:3]:  # the worker goes on writing: its pieces re-create nothing
             writer.add(shared, piece)
-        assert 0 < shared.ttl(key) <= 30
+        assert not shared.exists(key)
         source.succeed(taken[0], RESULT)  # nothing stored over 'canceled'
         assert not shared.exists(key)
         assert (await broker.state(j.id)).status is JobStatus.CANCELED
@@ -92,21 +107,13 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         await broker.close()
 
 
-@pytest.mark.parametrize("raw_min", [0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
+@pytest.mark.usefixtures("both_readers")
 async def test_answers_expire_and_are_deleted_with_the_job(
-        settings: Settings, shared: redis.Redis, raw_min: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", raw_min)
+        settings: Settings, shared: redis.Redis) -> None:
     short = settings.model_copy(update={"result_ttl_s": 2})
     broker, source = RedisBroker(short), RedisJobSource(short, name="w")
     try:
-        jobs = [job(), job()]
-        for j in jobs:
-            await broker.submit(j)
-        taken = source.take(2, 10, 0.0, 1.0)
-        source.started(taken)
-        for t in taken:
-            source.succeed(t, RESULT)
+        jobs = await answered(broker, source, 2)
         key = keys.job_answer(short.redis_prefix, jobs[0].id)
         assert 0 < shared.ttl(key) <= 2
         read = await read_answer((await broker.state(jobs[0].id)).answer)  # type: ignore[arg-type]
@@ -115,6 +122,29 @@ async def test_answers_expire_and_are_deleted_with_the_job(
         assert not shared.exists(keys.job_answer(short.redis_prefix, jobs[1].id))
         await asyncio.sleep(2.5)
         assert not shared.exists(key)
+    finally:
+        source.close()
+        await broker.close()
+
+
+@pytest.mark.usefixtures("both_readers")
+async def test_a_consumed_answer_leaves_redis_as_it_is_read(
+        settings: Settings, shared: redis.Redis) -> None:
+    """Read once (the sync route): the entries go as they are read; read whole otherwise."""
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    source.piece_bytes = 64 << 10  # 19 pieces
+    try:
+        jobs = await answered(broker, source, 2)
+        kept, consumed = (keys.job_answer(settings.redis_prefix, j.id) for j in jobs)
+        assert shared.xlen(kept) == shared.xlen(consumed) > 20
+        for j, consume in ((jobs[0], False), (jobs[1], True)):
+            answer = (await broker.state(j.id)).answer
+            assert answer is not None
+            read = await read_answer(answer, consume=consume)
+            np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
+            np.testing.assert_array_equal(read["norms"], RESULT["norms"])
+        assert shared.xlen(kept) > 20 and shared.xlen(consumed) <= 1
+        assert 0 < shared.ttl(consumed) <= 30
     finally:
         source.close()
         await broker.close()

@@ -100,10 +100,11 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None) -
             raise error_from_body(st.error, 500)
         if st.answer is not None:
             if request is None:
-                return await read_answer(st.answer)
+                return await read_answer(st.answer, consume=True)
             relayed = True  # forgotten once relayed, not before
             return await answer_response(
-                request, st.answer, background=BackgroundTask(broker.forget, job.id))
+                request, st.answer, background=BackgroundTask(broker.forget, job.id),
+                consume=True)
         if st.status is JobStatus.CANCELED or st.result is None:
             raise JobCanceled(f"job {job.id} was canceled")
         return st.result if request is None else await encode_result(request, st.result)
