@@ -66,12 +66,15 @@ def job_answer(prefix: str, job_id: str) -> str:
     ``{a: attempt, k: head|data, d: bytes}``, then ``{a, k: end}`` once the job succeeded.
 
     Each delivery (attempt) rewrites it from scratch; only the attempt the state hash names in
-    ``answer`` is whole. Every write renews its TTL, so no piece outlives the job.
+    ``answer`` is whole. Every write renews its TTL, so no piece outlives the job. An answer of
+    at most :data:`ANSWER_INLINE_BYTES` is one ``head`` entry holding the whole file, written
+    with the job's end in one round trip.
     """
     return f"{prefix}:job:{job_id}:answer"
 
 
 ANSWER_PIECE_BYTES = 8 << 20  # bytes per stream entry (less where proto-max-bulk-len is lower)
+ANSWER_INLINE_BYTES = 64 << 10  # answers up to this size go whole with the job's end
 
 
 def job_notify(prefix: str, job_id: str) -> str:

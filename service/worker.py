@@ -4,7 +4,7 @@ Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs (0 ms
 ``PSGRAD_BATCH_MAX_DELAY_MS``: one job per round, no cross-request batching). A job that finds
 the worker idle runs at once; jobs that queued while it was busy are batched, waiting for more
 only until the oldest has waited ``PSGRAD_BATCH_MAX_DELAY_MS`` (:func:`service.jobs.batch_until`).
-Jobs that were canceled or whose deadline passed are dropped; the rest are validated one by one
+Jobs whose deadline passed or that were canceled are dropped; the rest are validated one by one
 (a bad job fails alone with its own error), grouped by
 :meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
 concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call
@@ -82,6 +82,8 @@ class Worker:
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
+        if self.settings.torch_threads > 0:  # process-wide: on a host whose cores the api shares
+            torch.set_num_threads(self.settings.torch_threads)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
         while not stop.is_set():
             try:
@@ -98,9 +100,7 @@ class Worker:
         now = time.time()
         live: list[Job] = []
         for job in jobs:
-            if self.source.is_canceled(job.id):
-                self._skip_canceled(job)
-            elif job.deadline < now:
+            if job.deadline < now:
                 self._fail(
                     job,
                     DeadlineExceeded(
@@ -114,9 +114,13 @@ class Worker:
                 live.append(job)
         if not live:
             return
-        self.source.started(live)
-        groups: dict[tuple[Any, ...], list[tuple[Job, ParsedRequest]]] = {}
+        running = self.source.started(live)  # marks them running; canceled ones are left out
+        kept = {id(job) for job in running}
         for job in live:
+            if id(job) not in kept:
+                self._skip_canceled(job)
+        groups: dict[tuple[Any, ...], list[tuple[Job, ParsedRequest]]] = {}
+        for job in running:
             parsed = self._parse(job)
             if parsed is not None:
                 groups.setdefault(parsed.group_key(), []).append((job, parsed))
@@ -162,6 +166,7 @@ class Worker:
         samples = sum(p.batch.size for _, p in items)
         self.observer.observe_batch(jobs=len(items), samples=samples, compute_s=compute_s)
         started = time.time() - compute_s
+        done: list[tuple[Job, dict[str, Any]]] = []
         for (job, parsed), out in zip(items, results, strict=True):
             result = _wire_result(parsed, out)
             result["timing"] = {
@@ -184,10 +189,11 @@ class Worker:
                 samples=parsed.batch.size,
                 status="succeeded",
             )
-            try:
-                self.source.succeed(job, result)
-            except Exception:
-                log.exception("storing the result of job %s failed", job.id)
+            done.append((job, result))
+        try:  # all of the group's answers at once (Redis: one round trip for small ones)
+            self.source.succeed_all(done)
+        except Exception:
+            log.exception("storing the results of jobs %s failed", ", ".join(j.id for j, _ in done))
 
     def _fail(self, job: Job, exc: PsgradError, *, retry: bool) -> None:
         self._observe_end(job, "failed")

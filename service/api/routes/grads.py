@@ -87,7 +87,7 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None) -
     broker = state.broker
     done = relayed = False
     try:
-        st = await broker.wait(job.id, max(0.0, job.deadline - time.time()))
+        st = await broker.wait(job.id, max(0.0, job.deadline - time.time()), fresh=True)
         done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
             raise DeadlineExceeded(
