@@ -44,7 +44,12 @@ class Metrics(WorkerMetrics):
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by the matched route template and the answered status."""
+    """Counts every HTTP request by the matched route template and the answered status.
+
+    A request counts when its answer's last byte is handed to the server, not when the app
+    returns: background tasks (forgetting the job) run after that, and a server may already
+    serve the client's next request on the connection (uvicorn's httptools protocol does).
+    """
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -54,19 +59,31 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = [500]
+        status = 500
+        counted = False
         start = time.perf_counter()
 
+        def count() -> None:
+            nonlocal counted
+            if counted:
+                return
+            counted = True
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(
+                route=route, method=scope.get("method", ""), status=str(status)
+            ).inc()
+            self.metrics.latency.labels(route=route).observe(time.perf_counter() - start)
+
         async def observing_send(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status = message["status"]
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last:
+                count()  # before the send: the client may ask again as soon as it has it
             await send(message)
 
         try:
             await self.app(scope, receive, observing_send)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.requests.labels(
-                route=route, method=scope.get("method", ""), status=str(status[0])
-            ).inc()
-            self.metrics.latency.labels(route=route).observe(time.perf_counter() - start)
+            count()  # no last body sent (an error, a client gone): counted all the same

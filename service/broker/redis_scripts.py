@@ -74,8 +74,10 @@ redis.call('XDEL', KEYS[2], ARGV[2])
 return st
 """
 
-# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL).
+# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL);
+# returns the count and the state hash after it (field, value, field, value, ...).
 ATTEMPT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, {}} end
+local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+return {n, redis.call('HGETALL', KEYS[1])}
 """

@@ -323,16 +323,15 @@ class RedisJobSource:
         p = self.prefix
         pipe = self.r.pipeline(transaction=False)
         for _, job_id, _ in entries:
-            script_in(pipe, ATTEMPT_LUA, [keys.job_state(p, job_id)], [])
-            pipe.hgetall(keys.job_state(p, job_id))
+            script_in(pipe, ATTEMPT_LUA, [keys.job_state(p, job_id)], [])  # with the state
             pipe.get(keys.job_payload(p, job_id))
         replies = pipe.execute()
         jobs: list[Job] = []
         now = time.time()
         for i, entry in enumerate(entries):
             job_id = entry[1]
-            attempts, raw, payload = replies[3 * i : 3 * i + 3]
-            state = {text(k): text(v) for k, v in raw.items()}
+            (attempts, raw), payload = replies[2 * i : 2 * i + 2]
+            state = {text(raw[j]): text(raw[j + 1]) for j in range(0, len(raw), 2)}
             self._entries[job_id] = entry
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):

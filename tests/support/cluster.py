@@ -38,7 +38,9 @@ def settings_for(url: str, prefix: str, **overrides: Any) -> Settings:
     base: dict[str, Any] = {
         "redis_url": url, "redis_prefix": prefix, "device": "cpu", "heartbeat_s": 0.3,
         "visibility_timeout_s": 2.0, "batch_max_delay_ms": 5.0, "batch_max_samples": 16,
-        "result_ttl_s": 60, "request_timeout_s": 90.0, "redis_timeout_s": 1.0,
+        # Redis timeouts as deployed (2 s): the in-process client shares the api's event loop,
+        # and 100 requests at once keep a turn of it busy for most of a second on a loaded host
+        "result_ttl_s": 60, "request_timeout_s": 90.0, "redis_timeout_s": 2.0,
         "worker_redis_grace_s": 60.0,
     }
     return Settings(**{**base, **overrides})
