@@ -42,6 +42,7 @@ from service.jobs import Job, JobStatus, batch_until
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, int]  # stream entry id, job id, samples
+GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers
 
 
 def _entry_time(entry_id: str) -> float:
@@ -302,10 +303,14 @@ class RedisJobSource:
             until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
             while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
                    and (left := until - time.time()) > 0):
-                more = self._read(max_jobs - len(got), max(1, int(left * 1000)))
-                if not more:
-                    break
-                got += more
+                # Poll rather than BLOCK for the few ms left: Redis times a blocked read out
+                # at its next cron tick (up to 100 ms at the default hz 10), not after the ms
+                # asked for, so each window that ended without a newcomer stalled the batch.
+                more = self._read(max_jobs - len(got), None)
+                if more:
+                    got += more
+                else:
+                    time.sleep(min(left, GATHER_POLL_S))
         batch: list[Entry] = []
         samples = 0
         for i, entry in enumerate(got):  # at least one job, however large

@@ -347,3 +347,33 @@ async def test_an_idle_worker_takes_a_lone_job_without_waiting_the_window(
     finally:
         source.close()
         await broker.close()
+
+
+async def test_a_gathered_batch_ends_with_its_window_not_at_a_redis_timer_tick(
+        tmp_path: Path) -> None:
+    """Jobs queued while the worker was busy wait for company only the window (20 ms here).
+
+    Redis times a blocked read out at its next cron tick (every second at ``hz 1``, every
+    100 ms by default), not after the ms asked for: a gather that blocked in Redis for the
+    window's last ms sat out the tick instead (a lone client's one-sample requests waited
+    up to 100 ms). Five batches: a blocking gather would wait out a tick in each (up to 1 s).
+    """
+    own = OwnRedis(tmp_path, "--hz", "1")
+    own.start()
+    settings = Settings(redis_url=own.url, redis_prefix="tick", heartbeat_s=0.2)
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        source.take(1, 1, 0.0, 0.01)  # the consumer group exists
+        for _ in range(5):
+            queued = job(1)
+            await broker.submit(queued)  # queued while the worker was busy: it may wait 20 ms
+            started = time.monotonic()
+            taken = await asyncio.to_thread(source.take, 64, 512, 0.02, 5.0)
+            assert time.monotonic() - started < 0.5
+            assert [t.id for t in taken] == [queued.id]
+            source.succeed(taken[0], {"norms": np.ones(1, np.float32)})
+    finally:
+        source.close()
+        await broker.close()
+        own.kill()
