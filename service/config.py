@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     batch_max_delay_ms: float = 5.0
     batch_max_samples: int = 512
     workers: int = 1
+    torch_threads: int = 0  # intra-op threads of a worker process (0: torch's own choice)
 
     api_keys: str = ""
     admin_keys: str = ""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -122,8 +122,9 @@ class Broker(Protocol):
     async def submit(self, job: Job) -> None:
         """Enqueue; raises :class:`psgrad.Overloaded` when the queue is full or unreachable."""
 
-    async def wait(self, job_id: str, timeout: float) -> JobState:
-        """Block until the job is done or ``timeout`` passes (then returns its current state)."""
+    async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
+        """Block until the job is done or ``timeout`` passes (then returns its current state);
+        ``fresh``: the caller submitted the job just now (a broker may skip a first look)."""
 
     async def state(self, job_id: str) -> JobState:
         """Raises :class:`psgrad.UnknownJob` for an unknown or expired job."""
@@ -169,11 +170,16 @@ class JobSource(Protocol):
         busy are gathered with those that arrive until the oldest has waited ``max_delay_s``.
         """
 
-    def started(self, jobs: list[Job]) -> None:
-        """Mark jobs running (and keep their claim fresh on long batches)."""
+    def started(self, jobs: list[Job]) -> list[Job]:
+        """Mark jobs running (and keep their claim fresh on long batches); returns those to
+        compute, leaving out the ones canceled meanwhile (the loop acknowledges them)."""
 
     def succeed(self, job: Job, result: dict[str, Any]) -> None:
         """Store the result and acknowledge; a job canceled meanwhile stays ``canceled``."""
+
+    def succeed_all(self, done: Sequence[tuple[Job, dict[str, Any]]]) -> None:
+        """:meth:`succeed` for each job of an engine call, together (Redis: small answers and
+        every end in one round trip)."""
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         """Store the error and acknowledge; with ``retry`` a transient failure may be delivered
@@ -182,9 +188,6 @@ class JobSource(Protocol):
     def acknowledge_canceled(self, job: Job) -> None:
         """Acknowledge a job the loop skips because it was canceled: nothing is stored, its
         state stays ``canceled``, and it is never delivered again."""
-
-    def is_canceled(self, job_id: str) -> bool:
-        """The job was canceled (or its state is gone): the loop does not compute it."""
 
 
 def batch_until(busy: bool, oldest_enqueued_at: float, max_delay_s: float) -> float:

@@ -66,7 +66,9 @@ def job_answer(prefix: str, job_id: str) -> str:
     ``{a: attempt, k: head|data, d: bytes}``, then ``{a, k: end}`` once the job succeeded.
 
     Each delivery (attempt) rewrites it from scratch; only the attempt the state hash names in
-    ``answer`` is whole. Every write renews its TTL, so no piece outlives the job.
+    ``answer`` is whole. Every write renews its TTL, so no piece outlives the job. An answer of
+    at most :data:`ANSWER_INLINE_BYTES` is one ``head`` entry holding the whole file, written
+    with the job's end in one round trip.
     """
     return f"{prefix}:job:{job_id}:answer"
 
@@ -76,6 +78,7 @@ def job_answer(prefix: str, job_id: str) -> str:
 # byte), large enough that the work per piece is small beside its bytes; just under 1 MiB, as
 # an entry of exactly 1 MiB plus its stream bytes would take jemalloc's next size (1.25 MiB).
 ANSWER_PIECE_BYTES = (1 << 20) - (4 << 10)
+ANSWER_INLINE_BYTES = 64 << 10  # answers up to this size go whole with the job's end
 
 
 def job_notify(prefix: str, job_id: str) -> str:

@@ -4,7 +4,7 @@ Each round takes up to ``PSGRAD_BATCH_MAX_SAMPLES`` samples of queued jobs (0 ms
 ``PSGRAD_BATCH_MAX_DELAY_MS``: one job per round, no cross-request batching). A job that finds
 the worker idle runs at once; jobs that queued while it was busy are batched, waiting for more
 only until the oldest has waited ``PSGRAD_BATCH_MAX_DELAY_MS`` (:func:`service.jobs.batch_until`).
-Jobs that were canceled or whose deadline passed are dropped; the rest are validated one by one
+Jobs whose deadline passed or that were canceled are dropped; the rest are validated one by one
 (a bad job fails alone with its own error), grouped by
 :meth:`service.validate.ParsedRequest.group_key`, and each group runs as ONE engine call on the
 concatenated batch with one segment per job, so per-job statistics stay per job. If a merged call
@@ -104,6 +104,8 @@ class Worker:
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
+        if self.settings.torch_threads > 0:  # process-wide: on a host whose cores the api shares
+            torch.set_num_threads(self.settings.torch_threads)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
         while not stop.is_set():
             try:
@@ -120,9 +122,7 @@ class Worker:
         now = time.time()
         live: list[Job] = []
         for job in jobs:
-            if self.source.is_canceled(job.id):
-                self._skip_canceled(job)
-            elif job.deadline < now:
+            if job.deadline < now:
                 self._fail(
                     job,
                     DeadlineExceeded(
@@ -136,9 +136,13 @@ class Worker:
                 live.append(job)
         if not live:
             return
-        self.source.started(live)
-        groups: dict[tuple[Any, ...], list[tuple[Job, ParsedRequest]]] = {}
+        running = self.source.started(live)  # marks them running; canceled ones are left out
+        kept = {id(job) for job in running}
         for job in live:
+            if id(job) not in kept:
+                self._skip_canceled(job)
+        groups: dict[tuple[Any, ...], list[tuple[Job, ParsedRequest]]] = {}
+        for job in running:
             parsed = self._parse(job)
             if parsed is not None:
                 groups.setdefault(parsed.group_key(), []).append((job, parsed))
@@ -194,6 +198,7 @@ class Worker:
         for found in norms:
             self.status.observe_norms(model, found)
         started = time.time() - compute_s
+        done: list[tuple[Job, dict[str, Any]]] = []
         for (job, parsed), out in zip(items, results, strict=True):
             # before anything leaves: a wrong answer is never stored, nor a DP step counted
             checked = self._attempt(job, "verifying", partial(self._verified, job, parsed, out))
@@ -220,10 +225,11 @@ class Worker:
                 status="succeeded",
             )
             self.status.job_ended(queue_s=max(0.0, started - job.enqueued_at), status="succeeded")
-            try:
-                self.source.succeed(job, counted)
-            except Exception:
-                log.exception("storing the result of job %s failed", job.id)
+            done.append((job, counted))
+        try:  # all of the group's answers at once (Redis: one round trip for small ones)
+            self.source.succeed_all(done)
+        except Exception:
+            log.exception("storing the results of jobs %s failed", ", ".join(j.id for j, _ in done))
 
     def _attempt(self, job: Job, what: str, step: Callable[[], T], *, retry: bool = False
                  ) -> T | _Failed:

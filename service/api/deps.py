@@ -1,5 +1,8 @@
 """Shared pieces of the routes as typed dependencies: state, settings, broker, registry, keys.
 
+Every dependency is ``async``: FastAPI runs a plain ``def`` dependency in a thread pool, and three
+thread hops cost a one-sample request more than all of its own work on the event loop.
+
 ``ApiKey`` guards every data route and ``AdminKey`` model registration and deletion. With no keys
 configured both let everyone in (the server then refuses to bind beyond loopback unless told
 to, see :mod:`service.cli`). Keys are compared in constant time.
@@ -39,7 +42,7 @@ class AppState:
         return await self.broker.ready()
 
 
-def get_app_state(request: Request) -> AppState:
+async def get_app_state(request: Request) -> AppState:
     state: AppState = request.app.state.psgrad
     return state
 
@@ -47,15 +50,15 @@ def get_app_state(request: Request) -> AppState:
 StateDep = Annotated[AppState, Depends(get_app_state)]
 
 
-def get_settings_dep(state: StateDep) -> Settings:
+async def get_settings_dep(state: StateDep) -> Settings:
     return state.settings
 
 
-def get_broker(state: StateDep) -> Broker:
+async def get_broker(state: StateDep) -> Broker:
     return state.broker
 
 
-def get_registry(state: StateDep) -> ModelRegistry:
+async def get_registry(state: StateDep) -> ModelRegistry:
     return state.registry
 
 
@@ -86,14 +89,14 @@ def _given(credentials: HTTPAuthorizationCredentials | None) -> str:
     return credentials.credentials
 
 
-def require_key(settings: SettingsDep, credentials: Credentials) -> None:
+async def require_key(settings: SettingsDep, credentials: Credentials) -> None:
     """Any configured key (API or admin) passes; no keys configured: everyone passes."""
     keys = settings.api_key_set | settings.admin_key_set
     if keys and not key_matches(_given(credentials), keys):
         raise Unauthorized("the API key is not valid")
 
 
-def require_admin(settings: SettingsDep, credentials: Credentials) -> None:
+async def require_admin(settings: SettingsDep, credentials: Credentials) -> None:
     """Only an admin key passes (for registering and deleting models)."""
     admin, api = settings.admin_key_set, settings.api_key_set
     if not admin and not api:

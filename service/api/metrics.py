@@ -49,7 +49,12 @@ class Metrics(WorkerMetrics):
 
 class MetricsMiddleware:
     """Counts every HTTP request by the matched route template and the answered status; for the
-    status page also by model and, for an error answer, by its code (read from its body)."""
+    status page also by model and, for an error answer, by its code (read from its body).
+
+    A request counts when its answer's last byte is handed to the server, not when the app
+    returns: background tasks (forgetting the job) run after that, and a server may already
+    serve the client's next request on the connection (uvicorn's httptools protocol does).
+    """
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -59,26 +64,38 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = [500]
+        status = 500
+        counted = False
         error = bytearray()  # the start of an error answer's body
         start = time.perf_counter()
 
+        def count() -> None:
+            nonlocal counted
+            if counted:
+                return
+            counted = True
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(
+                route=route, method=scope.get("method", ""), status=str(status)
+            ).inc()
+            seconds = time.perf_counter() - start
+            self.metrics.latency.labels(route=route).observe(seconds)
+            self.metrics.recent.observe(
+                scope, route=route, status=status, seconds=seconds,
+                code=error_code(bytes(error), status) if status >= 400 else None)
+
         async def observing_send(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            elif status[0] >= 400 and len(error) < ERROR_BODY_BYTES:
+                status = message["status"]
+            elif status >= 400 and len(error) < ERROR_BODY_BYTES:
                 error.extend(message.get("body", b"")[:ERROR_BODY_BYTES])
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last:
+                count()  # before the send: the client may ask again as soon as it has it
             await send(message)
 
         try:
             await self.app(scope, receive, observing_send)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.requests.labels(
-                route=route, method=scope.get("method", ""), status=str(status[0])
-            ).inc()
-            seconds = time.perf_counter() - start
-            self.metrics.latency.labels(route=route).observe(seconds)
-            self.metrics.recent.observe(
-                scope, route=route, status=status[0], seconds=seconds,
-                code=error_code(bytes(error), status[0]) if status[0] >= 400 else None)
+            count()  # no last body sent (an error, a client gone): counted all the same

@@ -16,6 +16,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from psgrad._errors import Overloaded, UnknownJob
@@ -70,7 +71,7 @@ class EmbeddedBroker:
             self._queue.append(job)
             self._cond.notify()
 
-    async def wait(self, job_id: str, timeout: float) -> JobState:
+    async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         state = await self.state(job_id)
         event = self._waiters.get(job_id)
         if not state.status.done and event is not None and timeout > 0:
@@ -148,16 +149,24 @@ class EmbeddedBroker:
                 self._cond.wait(remaining)
             return jobs
 
-    def started(self, jobs: list[Job]) -> None:
+    def started(self, jobs: list[Job]) -> list[Job]:
+        running = []
         with self._cond:
             for job in jobs:
                 state = self._states.get(job.id)
-                if state is not None and state.status is JobStatus.QUEUED:
-                    state.status = JobStatus.RUNNING
+                if state is None or state.status.done:  # canceled (or forgotten) meanwhile
+                    continue
+                state.status = JobStatus.RUNNING
+                running.append(job)
+        return running
 
     def succeed(self, job: Job, result: dict[str, Any]) -> None:
+        self.succeed_all([(job, result)])
+
+    def succeed_all(self, done: Sequence[tuple[Job, dict[str, Any]]]) -> None:
         with self._cond:
-            self._finish_locked(job.id, JobStatus.SUCCEEDED, result=result)
+            for job, result in done:
+                self._finish_locked(job.id, JobStatus.SUCCEEDED, result=result)
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         with self._cond:  # in process there is nobody else to retry: fail at once
@@ -165,10 +174,6 @@ class EmbeddedBroker:
 
     def acknowledge_canceled(self, job: Job) -> None:
         """Nothing to do: the job left the queue when it was taken and its state is final."""
-
-    def is_canceled(self, job_id: str) -> bool:
-        state = self._states.get(job_id)
-        return state is None or state.status is JobStatus.CANCELED
 
     # --- internals (call with the lock held) ---
 

@@ -6,12 +6,15 @@ Life of a job (key names in :mod:`service.keys`)::
                   (one Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs)
     worker take   XREADGROUP COUNT n BLOCK ms (and XAUTOCLAIM of jobs idle past the visibility
                   timeout: their worker died); HINCRBY attempts; poison, expired, canceled: ended
+    worker start  one pipeline per batch marks its jobs running and learns which were canceled
     worker answer XADD the answer's pieces to its stream (header first, RPUSH notify: the api
                   relays them as they land; :mod:`service.broker.redis_answer`)
     worker done   one Lua script: HSET state {succeeded (naming the whole attempt)|failed},
                   RPUSH notify, then XACK + XDEL, so a job is acknowledged only once its answer is
-                  whole and only the delivery that owns the job can mark it succeeded
-    api  wait     BLPOP notify (the api never polls), then read the state and the answer
+                  whole and only the delivery that owns the job can mark it succeeded; an answer
+                  of at most 64 KiB is written whole by this script (one round trip in all)
+    api  wait     BLPOP notify (the api never polls), then read the state and the answer (a
+                  small answer is whole in its first entry: one round trip reads both)
 
 This module holds the api side (:class:`RedisBroker`, asyncio) and what both sides share; the
 worker side is :class:`service.broker.redis_source.RedisJobSource` (synchronous, in worker
@@ -213,27 +216,35 @@ class RedisBroker:
                 retry_after=RETRY_AFTER_FULL_S, limit=self.settings.max_queue_depth,
             )
 
-    async def wait(self, job_id: str, timeout: float) -> JobState:
-        state = await self.state(job_id)
-        if state.status.done or state.answer is not None or timeout <= 0:
-            return state
+    async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
+        """BLPOP on the job's notify list, then its state. ``fresh``: the job was submitted
+        just now, so its end cannot have been announced long enough ago for the announcement
+        to have expired: block at once, without reading the state first (one round trip less).
+        """
+        if not fresh or timeout <= 0:
+            state = await self.state(job_id)
+            if state.status.done or state.answer is not None or timeout <= 0:
+                return state
         notify = keys.job_notify(self.prefix, job_id)
         popped = await self._call(lambda: asyncio.wait_for(
             self.blocking.blpop([notify], timeout=max(timeout, 0.01)), timeout + 5.0))
-        if popped is not None:  # hand the token on: any other waiter of this job wakes too
-            await self._call(lambda: self.r.rpush(notify, b"done"))
-        return await self.state(job_id)
+        # hand the token on (any other waiter of this job wakes too) with the state's read; a
+        # fresh job's only waiter is the one that submitted it
+        return await self.state(job_id, hand_on=popped is not None and not fresh)
 
-    async def state(self, job_id: str) -> JobState:
+    async def state(self, job_id: str, *, hand_on: bool = False) -> JobState:
         p = self.prefix
 
         async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
+                if hand_on:
+                    pipe.rpush(keys.job_notify(p, job_id), b"done")
+                    pipe.expire(keys.job_notify(p, job_id), keys.NOTIFY_TTL_S)
                 pipe.hgetall(keys.job_state(p, job_id))
                 pipe.xrange(keys.job_answer(p, job_id), count=1)  # its header, if any
                 return cast("list[Any]", await pipe.execute())
 
-        raw, first = await self._call(read)
+        *_, raw, first = await self._call(read)
         if not raw:
             raise UnknownJob(f"unknown job '{job_id}' (never submitted, or its result expired "
                              f"after {self.settings.result_ttl_s} s)", id=job_id)

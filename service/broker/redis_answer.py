@@ -84,6 +84,10 @@ class AnswerWriter:
         False when the job is no longer this attempt's to answer (ended, or taken over).
         """
         head, *data = safetensors_parts(result, RESPONSE_KEY)
+        return self.write_parts(head, data)
+
+    def write_parts(self, head: bytes | memoryview, data: list[bytes | memoryview]) -> bool:
+        """:meth:`write` of an answer already cut into its header and its tensors' bytes."""
         if not self.begin(bytes(head)):
             return False
         pipe = self.r.pipeline(transaction=False)
@@ -134,6 +138,7 @@ class RedisAnswer:
     attempt: str
     head_id: bytes
     head: bytes
+    complete: bool = False  # a whole answer written inline: the head entry is the whole file
 
     def __post_init__(self) -> None:
         self.size = answer_size(self.head)
@@ -153,7 +158,9 @@ class RedisAnswer:
         writing = status == JobStatus.RUNNING.value and state.get("attempts") == attempt
         if _text(f.get("k", b"")) != "head" or not (whole or writing):
             return None
-        return cls(r, prefix, job_id, attempt, entry_id, bytes(f["d"]))
+        head = bytes(f["d"])
+        return cls(r, prefix, job_id, attempt, entry_id, head,
+                   complete=whole and len(head) >= answer_size(head))
 
     async def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
         """The header, then each piece as it lands; the last only once the answer is whole.
@@ -164,6 +171,8 @@ class RedisAnswer:
         """
         key = keys.job_answer(self.prefix, self.job_id)
         yield self.head
+        if self.complete:  # a small answer, whole in its one entry: nothing more to read
+            return
         held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.r)
                if self.size >= RAW_MIN_BYTES else None)

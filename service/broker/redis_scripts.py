@@ -1,7 +1,8 @@
 """The worker side's Lua scripts: each changes a job's state and its stream entry together.
 
-Only small values pass through them (ids, statuses, errors, numbers); answers travel as stream
-pieces (:mod:`service.broker.redis_answer`).
+Only small values pass through them (ids, statuses, errors, numbers, and an answer of at most
+:data:`service.keys.ANSWER_INLINE_BYTES`, written whole by the end script in the
+same round trip); larger answers travel as stream pieces (:mod:`service.broker.redis_answer`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 __all__ = ["ATTEMPT_LUA", "FINISH_LUA", "RETRY_LUA", "START_LUA"]
 
 # KEYS: state, answer, notify, stream, payload.
-# ARGV: group, entry id, status, attempt, error json, finished_at, result ttl, notify ttl.
+# ARGV: group, entry id, status, attempt, error json, finished_at, result ttl, notify ttl,
+# inline answer.
 # 'succeeded' comes after the answer's last piece, and only from the delivery that owns the job
-# (its attempt is the state's latest): it names that attempt as the whole answer. A stale
-# delivery (its job taken over) neither ends nor acknowledges the job: the owner does.
+# (its attempt is the state's latest): it names that attempt as the whole answer. A small answer
+# comes inline (a non-empty last argument): the whole file is written here as the 'head' entry,
+# in place of whatever an earlier attempt left, so one round trip answers and ends the job. A
+# stale delivery (its job taken over) neither ends nor acknowledges the job: the owner does.
 FINISH_LUA = """
 local st = redis.call('HGET', KEYS[1], 'status')
 local stored = 0
@@ -23,6 +27,10 @@ if st == 'queued' or st == 'running' then
   redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
   if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
   if ARGV[3] == 'succeeded' then
+    if ARGV[9] ~= '' then
+      redis.call('DEL', KEYS[2])
+      redis.call('XADD', KEYS[2], '*', 'a', ARGV[4], 'k', 'head', 'd', ARGV[9])
+    end
     redis.call('HSET', KEYS[1], 'answer', ARGV[4])
     redis.call('XADD', KEYS[2], '*', 'a', ARGV[4], 'k', 'end')
     redis.call('EXPIRE', KEYS[2], ARGV[7])
@@ -66,8 +74,10 @@ redis.call('XDEL', KEYS[2], ARGV[2])
 return st
 """
 
-# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL).
+# KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL);
+# returns the count and the state hash after it (field, value, field, value, ...).
 ATTEMPT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, {}} end
+local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+return {n, redis.call('HGETALL', KEYS[1])}
 """

@@ -19,14 +19,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.exceptions import RedisError, ResponseError
 
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
-from psgrad._wire import fields_from_safetensors
+from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, safetensors_parts
 from service import keys
 from service.broker.redis import (
     redis_unavailable,
@@ -42,12 +42,22 @@ from service.jobs import Job, JobStatus, batch_until
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, int]  # stream entry id, job id, samples
+GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers
 
 
 def _entry_time(entry_id: str) -> float:
     """When an entry was added (epoch seconds): its id starts with Redis's clock in ms."""
     ms, _, _ = entry_id.partition("-")
     return int(ms) / 1000.0 if ms.isdigit() else time.time()
+
+
+def script_in(pipe: Any, lua: str, keys_: list[str], args: list[Any]) -> None:
+    """Queue a script on a pipeline as EVAL of its text (Redis caches it by its hash).
+
+    redis-py sends a pipeline holding registered scripts after a ``SCRIPT EXISTS`` of its
+    own, one round trip more each time; the text of these scripts is a few hundred bytes.
+    """
+    pipe.eval(lua, len(keys_), *keys_, *args)
 
 
 def consumer_name(device: str = "cpu") -> str:
@@ -75,10 +85,7 @@ class RedisJobSource:
         # answers travel in pieces (no cap of one value); each piece fits in one value
         self.max_value_bytes: int | None = None
         self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit() // 2)
-        self._finish = self.r.register_script(FINISH_LUA)
-        self._start = self.r.register_script(START_LUA)
         self._retry = self.r.register_script(RETRY_LUA)
-        self._attempt = self.r.register_script(ATTEMPT_LUA)
         self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
         self._held: set[str] = set()  # entry ids this worker holds (buffered or in a batch)
         self._buffer: list[Entry] = []  # read but over the batch limits: next take starts here
@@ -188,25 +195,49 @@ class RedisJobSource:
             return []
         return jobs
 
-    def started(self, jobs: list[Job]) -> None:
+    def started(self, jobs: list[Job]) -> list[Job]:
+        """Mark the batch running in one round trip; the jobs canceled (or ended) meanwhile are
+        left out. If Redis does not answer, all of them run (their ends are retried)."""
         now = repr(time.time())
+        pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            self._call(self._start, keys=[keys.job_state(self.prefix, job.id)],
-                       args=[now, self.name])
+            script_in(pipe, START_LUA, [keys.job_state(self.prefix, job.id)], [now, self.name])
+        statuses = self._call(pipe.execute)
+        if statuses is None:
+            return list(jobs)
+        live = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+        return [job for job, st in zip(jobs, statuses, strict=True)
+                if st is not None and text(st) in live]
 
     def succeed(self, job: Job, result: dict[str, Any]) -> None:
-        """Write the answer in pieces, then mark it whole (the end script)."""
-        ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
-        writer = AnswerWriter(self.r, self.prefix, job.id, job.attempts, ttl_s=ttl,
-                              piece_bytes=self.piece_bytes)
-        written = self._call(writer.write, result)
-        if written is None:
-            log.error("job %s: Redis failed while its answer was written; it stays pending "
-                      "and is redone after the visibility timeout", job.id)
-            return
-        # not written (no longer ours): the end script only acknowledges, or leaves it to
-        # the delivery that owns it now
-        self._end(job, JobStatus.SUCCEEDED, "")
+        self.succeed_all([(job, result)])
+
+    def succeed_all(self, done: Sequence[tuple[Job, dict[str, Any]]]) -> None:
+        """Write each answer, then mark them whole (the end script, one round trip for all).
+
+        An answer of at most ``ANSWER_INLINE_BYTES`` goes whole with its end script; a larger
+        one is written in pieces first (:class:`AnswerWriter`).
+        """
+        ends: list[tuple[Job, bytes]] = []
+        for job, result in done:
+            head, *data = safetensors_parts(result, RESPONSE_KEY)
+            if len(head) + sum(len(d) for d in data) <= keys.ANSWER_INLINE_BYTES:
+                ends.append((job, b"".join([head, *data])))
+                continue
+            ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+            writer = AnswerWriter(self.r, self.prefix, job.id, job.attempts, ttl_s=ttl,
+                                  piece_bytes=self.piece_bytes)
+            if self._call(writer.write_parts, head, data) is None:
+                log.error("job %s: Redis failed while its answer was written; it stays pending "
+                          "and is redone after the visibility timeout", job.id)
+                continue
+            # not written (no longer ours): the end script only acknowledges, or leaves it to
+            # the delivery that owns it now
+            ends.append((job, b""))
+        if ends and not self._end_entries(
+                [(job.id, JobStatus.SUCCEEDED, "", job.attempts, answer) for job, answer in ends]):
+            log.error("jobs %s: could not store their ends; they stay pending and are redone "
+                      "after the visibility timeout", ", ".join(job.id for job, _ in ends))
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         body = json.dumps(error)
@@ -222,10 +253,6 @@ class RedisJobSource:
 
     def acknowledge_canceled(self, job: Job) -> None:
         self._end(job, JobStatus.CANCELED, "")  # the script stores nothing over 'canceled'
-
-    def is_canceled(self, job_id: str) -> bool:
-        status = self._call(self.r.hget, keys.job_state(self.prefix, job_id), "status")
-        return status is not None and text(status) == JobStatus.CANCELED.value
 
     # --- internals -------------------------------------------------------------------------
 
@@ -294,10 +321,14 @@ class RedisJobSource:
             until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
             while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
                    and (left := until - time.time()) > 0):
-                more = self._read(max_jobs - len(got), max(1, int(left * 1000)))
-                if not more:
-                    break
-                got += more
+                # Poll rather than BLOCK for the few ms left: Redis times a blocked read out
+                # at its next cron tick (up to 100 ms at the default hz 10), not after the ms
+                # asked for, so each window that ended without a newcomer stalled the batch.
+                more = self._read(max_jobs - len(got), None)
+                if more:
+                    got += more
+                else:
+                    time.sleep(min(left, GATHER_POLL_S))
         batch: list[Entry] = []
         samples = 0
         for i, entry in enumerate(got):  # at least one job, however large
@@ -315,16 +346,15 @@ class RedisJobSource:
         p = self.prefix
         pipe = self.r.pipeline(transaction=False)
         for _, job_id, _ in entries:
-            self._attempt(keys=[keys.job_state(p, job_id)], client=pipe)
-            pipe.hgetall(keys.job_state(p, job_id))
+            script_in(pipe, ATTEMPT_LUA, [keys.job_state(p, job_id)], [])  # with the state
             pipe.get(keys.job_payload(p, job_id))
         replies = pipe.execute()
         jobs: list[Job] = []
         now = time.time()
         for i, entry in enumerate(entries):
             job_id = entry[1]
-            attempts, raw, payload = replies[3 * i : 3 * i + 3]
-            state = {text(k): text(v) for k, v in raw.items()}
+            (attempts, raw), payload = replies[2 * i : 2 * i + 2]
+            state = {text(raw[j]): text(raw[j + 1]) for j in range(0, len(raw), 2)}
             self._entries[job_id] = entry
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
@@ -371,24 +401,37 @@ class RedisJobSource:
                   "the visibility timeout", job.id)
 
     def _end_entry(self, job_id: str, status: JobStatus, error: str, attempt: int = 0) -> bool:
+        return self._end_entries([(job_id, status, error, attempt, b"")])
+
+    def _end_entries(self, ends: list[tuple[str, JobStatus, str, int, bytes]]) -> bool:
+        """The end script of each (job id, status, error, attempt, inline answer), pipelined:
+        one round trip, retried as a whole through a short Redis blip (each end is idempotent).
+        """
         p = self.prefix
-        entry = self._entries.get(job_id)
-        ok = self._persist(
-            self._finish,
-            keys=[keys.job_state(p, job_id), keys.job_answer(p, job_id),
-                  keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
-            args=[keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt, error,
-                  repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
-        )
+        now = repr(time.time())
+
+        def store() -> Any:  # a fresh pipeline each try: one that ran is empty
+            pipe = self.r.pipeline(transaction=False)
+            for job_id, status, error, attempt, answer in ends:
+                entry = self._entries.get(job_id)
+                script_in(pipe, FINISH_LUA,
+                          [keys.job_state(p, job_id), keys.job_answer(p, job_id),
+                           keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
+                          [keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt,
+                           error, now, self.settings.result_ttl_s, keys.NOTIFY_TTL_S, answer])
+            return pipe.execute()
+
+        ok = self._persist(store)
         if ok:
-            self._forget(job_id)
+            for job_id, *_ in ends:
+                self._forget(job_id)
         return ok
 
-    def _persist(self, script: Any, **kwargs: Any) -> bool:
+    def _persist(self, store: Any, **kwargs: Any) -> bool:
         """Store an end, retrying through a short Redis blip (the result is worth keeping)."""
         until = time.monotonic() + max(self.settings.redis_timeout_s * 3, 5.0)
         while True:
-            self._call(script, **kwargs)
+            self._call(store, **kwargs)
             if self._failing_since is None:
                 return True
             if time.monotonic() > until or self._stop.is_set():

@@ -56,6 +56,10 @@ async def new_job(
     if check is not None:
         await check(fields, state)
     job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s)
+    # Yield once before the broker call: requests that arrive together then decode in one turn
+    # of the event loop and only afterwards arm their Redis timeouts, which a whole burst's
+    # decoding in between would otherwise eat (connects timed out under 100 requests at once).
+    await asyncio.sleep(0)
     await state.broker.submit(job)
     return job
 
@@ -87,7 +91,7 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None) -
     broker = state.broker
     done = relayed = False
     try:
-        st = await broker.wait(job.id, max(0.0, job.deadline - time.time()))
+        st = await broker.wait(job.id, max(0.0, job.deadline - time.time()), fresh=True)
         done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
             raise DeadlineExceeded(
