@@ -9,6 +9,7 @@ measured within each run, which a shared machine's changing load does not move).
 
     python benchmarks/versus.py --base c3f476f --runs 3 engine.py --repeats 5
     python benchmarks/versus.py --base c3f476f --runs 3 --column "x floor" fast_stats.py --rounds 3
+    python benchmarks/versus.py --base main --runs 3 --head-script grads.py --cases mlp:1024
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def rows(text: str, columns: tuple[str, ...] = TIME_COLUMNS) -> dict[str, float]
     return out
 
 
-def run(tree: Path, script: str, args: list[str], columns: tuple[str, ...]) -> dict[str, float]:
+def run(tree: Path, script: Path, args: list[str], columns: tuple[str, ...]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, str(tree / "benchmarks" / script), *args], cwd=tree,
+    done = subprocess.run([sys.executable, str(script), *args], cwd=tree,
                           env=env, capture_output=True, text=True, check=True)
     return rows(done.stdout, columns)
 
@@ -62,6 +63,9 @@ def main() -> int:
     parser.add_argument("--base", required=True, help="the git revision to compare against")
     parser.add_argument("--runs", type=int, default=3, help="runs of the script per side")
     parser.add_argument("--column", help="the column to compare (default: the time)")
+    parser.add_argument("--head-script", action="store_true",
+                        help="run this checkout's script on both sides (a benchmark the base "
+                             "does not have; only the code it imports differs)")
     parser.add_argument("script", help="a script of benchmarks/, e.g. engine.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     opts = parser.parse_args()
@@ -75,7 +79,8 @@ def main() -> int:
             times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
             for i in range(opts.runs):
                 for side, tree in (("base", base), ("head", head)):
-                    for label, t in run(tree, opts.script, opts.args, columns).items():
+                    script = (head if opts.head_script else tree) / "benchmarks" / opts.script
+                    for label, t in run(tree, script, opts.args, columns).items():
                         times[side].setdefault(label, []).append(t)
                     print(f"run {i + 1}/{opts.runs} {side} done", file=sys.stderr)
         finally:

@@ -67,15 +67,22 @@ class OuterSource(Materialised):
         return {self.names[0]: cat(parts)}
 
     def answer(self) -> Tensors:
-        """``G_i^T A_i`` by one batched matmul per block, written straight into the answer."""
+        """``G_i^T A_i`` per block, written straight into the answer (allocated once, never
+        zeroed): one position is an outer product, a broadcast multiply that writes each
+        element once (a batched matmul of inner size 1 is slower, see
+        ``docs/architecture.md``); more positions are one batched matmul."""
         name = self.names[0]
         out: torch.Tensor | None = None
         for x, y, a, g in self.blocks(0, self.batch):
             if out is None:
                 out = g.new_empty((self.batch, *self.shapes[name]))
             n = (y - x) * self.groups
+            view = out[x:y].view(n, self.p, self.d)
             gt, a = g.detach().transpose(-1, -2).reshape(n, self.p, -1), a.detach()
-            torch.bmm(gt, a.reshape(n, -1, self.d), out=out[x:y].view(n, self.p, self.d))
+            if self.t == 1:
+                torch.mul(gt, a.reshape(n, 1, self.d), out=view)
+            else:
+                torch.bmm(gt, a.reshape(n, -1, self.d), out=view)
         assert out is not None
         return {name: out}
 

@@ -21,6 +21,7 @@ from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
 from service.fast_stats._replay import ModuleReplay, OpReplay
 from service.fast_stats._source import Materialised
+from service.fast_stats.families import conv
 from service.fast_stats.families.conv import ConvSource
 from service.plugins import Registry
 from service.registry import LoadedModel, load_model
@@ -596,6 +597,29 @@ def test_grads_of_sequences_and_convolutions(
     assert meta["method"]["0.weight"] == layers[0]["type"].rstrip("123d").lower()
 
 
+@pytest.mark.parametrize(
+    ("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES
+                          if layers[0]["type"].startswith("Conv")])
+def test_grads_of_convolutions_folded_into_groups(
+    layers: list[dict[str, Any]], shape: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-folded weight-gradient convolution (strides, dilation, groups, "same"
+    padding) writes the same answer; these layers are too small to take it on their own."""
+    folded = []
+    real = conv.per_sample_weight_grads
+
+    def spy(*args: Any) -> torch.Tensor:
+        folded.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(conv, "FOLD_MIN_FIELD", 0)
+    monkeypatch.setattr(conv, "FOLD_MIN_POSITIONS", 0)
+    monkeypatch.setattr(conv, "per_sample_weight_grads", spy)
+    model = _sequential(layers, shape)
+    check(model, make_batch(model, 4), outputs=GRADS, segments=[3, 1])
+    assert 4 in folded  # the call's batch, not only the probe's
+
+
 def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:
     layers = [_l("Embedding", 7, 3, padding_idx=0), _l("Linear", 3, 4), _l("Mean", dim=1),
               _l("Linear", 4, 2)]
@@ -632,6 +656,7 @@ def test_grads_of_tied_and_replayed_parameters(
 
 def test_convolutions_unfolded_a_sample_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ConvSource, "chunk_size", lambda self: 1)
+    monkeypatch.setattr(ConvSource, "folded", lambda self: False)  # conv2 would fold
     model = zoo("simple-cnn", SMALL["simple-cnn"])
     check(model, make_batch(model, 3), outputs=GRADS, segments=[2, 1])
 

@@ -23,6 +23,7 @@ from service.fast_stats._family import Captured, Family, register_family
 from service.fast_stats._outer import Block, OuterSource
 from service.fast_stats._records import Use
 from service.fast_stats._source import Source, SourceContext, cat
+from service.strategies.base import Tensors
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _ATEN = torch.ops.aten
@@ -122,6 +123,49 @@ class ConvSource(OuterSource):
                 a.view(y - x, self.groups, self.d, -1).transpose(-1, -2),
                 g.view(y - x, self.groups, self.p, -1).transpose(-1, -2),
             )
+
+    def answer(self) -> Tensors:
+        """Every sample's weight gradient, allocated once: by one weight-gradient convolution
+        with the batch folded into the groups where that is faster (:meth:`folded`), else by
+        the unfolded chunks' batched matmuls written straight into the answer."""
+        if not self.folded():
+            return super().answer()
+        name = self.names[0]
+        out = per_sample_weight_grads(self.xs[0].detach(), self.gs[0].detach(), self.geometry,
+                                      self.shapes[name])
+        return {name: out.view(self.batch, *self.shapes[name])}
+
+    def folded(self) -> bool:
+        """Whether the batch-folded convolution (:func:`per_sample_weight_grads`) beats
+        unfolding: it skips the copy of every receptive field, which pays off when the
+        fields are wide and many (``d`` and ``T``); on few input channels or few positions
+        oneDNN's grouped kernels are slower than the batched matmul, and they scale badly
+        on two threads shared with other work (measured in ``docs/architecture.md``)."""
+        return (len(self.xs) == 1 and self.xs[0].dtype == torch.float32
+                and self.d >= FOLD_MIN_FIELD and self.t >= FOLD_MIN_POSITIONS)
+
+
+FOLD_MIN_FIELD = 64  # in_channels / groups * kernel elements
+FOLD_MIN_POSITIONS = 100  # output positions per sample
+
+
+def per_sample_weight_grads(
+    x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Size
+) -> torch.Tensor:
+    """``[B * out_channels, in / groups, *kernel]``: every sample's weight gradient by one
+    weight-gradient convolution with the batch folded into the groups (what ``vmap`` does)."""
+    n, nd = x.shape[0], len(geo.kernel)
+    padding = [a for a, _ in geo.pads]
+    if any(a != b for a, b in geo.pads):  # "same" with an even kernel: pad explicitly
+        x = F.pad(x, [p for pair in reversed(geo.pads) for p in pair])
+        padding = [0] * nd
+    like = x.new_empty((1,) * (nd + 2)).expand(n * shape[0], *shape[1:])  # only its shape is read
+    return torch.ops.aten.convolution_backward(
+        g.reshape(1, n * g.shape[1], *g.shape[2:]),
+        x.reshape(1, n * x.shape[1], *x.shape[2:]),
+        like, None, list(geo.stride), padding, list(geo.dilation), False, [0] * nd,
+        n * geo.groups, [False, True, False],
+    )[1]
 
 
 @register_family(*_DIMS)

@@ -1,0 +1,90 @@
+"""Full per-sample gradients: the tutorial's vmap(grad), BackPACK and psgrad's engine, interleaved.
+
+    python benchmarks/grads.py [--cases simple-cnn:256,mlp:1024] [--rounds 7] [--threads N]
+
+The ``grads`` output only, in one process, for compare.py's cases (the same seeded data and
+method code, from ``compare_methods``): each method is prepared and called once, then timed in
+rounds that interleave the methods so that they share the machine's load alike. After each call
+the process hands freed memory back (``malloc_trim``, untimed), so every call pays its own page
+faults, as in compare.py. Prints each method's median and its time divided by vmap's in the
+same round (the median of those ratios, which a shared machine's changing load moves less than
+the times). compare.py is the full comparison (peak memory, agreement with the per-sample loop,
+every method and output); this is the quick check of the grads path, and with
+``versus.py --head-script`` an A/B of it against another revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates anything
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_methods as cm
+
+CASES = "simple-cnn:64,simple-cnn:256,mlp:256,mlp:1024,tiny-transformer:64,value-mlp:4096"
+METHODS = ("vmap", "backpack", "psgrad-engine")
+
+
+def _trim() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def bench(case: cm.Case, rounds: int) -> list[tuple[str, str, float, float]]:
+    """(case, method, median ms, median ratio to vmap) for each method that applies."""
+    s = cm.setup(case, torch.device("cpu"))
+    calls = {}
+    for method in METHODS:
+        fn = cm.IN_PROCESS[method](s, "grads", 1.0)
+        # the first call warms (plans, per-sample functions); one that raises does not apply
+        if not isinstance(fn, cm.NotApplicable) and not isinstance(cm.first_call(fn),
+                                                                   cm.NotApplicable):
+            calls[method] = fn
+        _trim()
+    times: dict[str, list[float]] = {m: [] for m in calls}
+    for _ in range(rounds):
+        for method, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[method].append(time.perf_counter() - start)
+            _trim()
+    rows = []
+    for method, ts in times.items():
+        ratio = statistics.median(t / v for t, v in zip(ts, times["vmap"], strict=True))
+        rows.append((case.label, method, 1000 * statistics.median(ts), ratio))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=CASES, help="arch:batch,... (compare.py's cases)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per case")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")  # library deprecation chatter
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}, {args.rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.1f}\n", file=sys.stderr)
+    print("| case | method | median ms | ÷ vmap |\n|---|---|---:|---:|")
+    for text in args.cases.split(","):
+        arch, batch = text.split(":")
+        for case, method, ms, ratio in bench(cm.Case(arch, int(batch)), args.rounds):
+            print(f"| {case} | {method} | {ms:.1f} | {ratio:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
