@@ -6,11 +6,13 @@ The ``grads`` output only, in one process, for compare.py's cases (the same seed
 method code, from ``compare_methods``): each method is prepared and called once, then timed in
 rounds that interleave the methods so that they share the machine's load alike. After each call
 the process hands freed memory back (``malloc_trim``, untimed), so every call pays its own page
-faults, as in compare.py. Prints each method's median and its time divided by vmap's in the
-same round (the median of those ratios, which a shared machine's changing load moves less than
-the times). compare.py is the full comparison (peak memory, agreement with the per-sample loop,
-every method and output); this is the quick check of the grads path, and with
-``versus.py --head-script`` an A/B of it against another revision.
+faults, as in compare.py. Prints each method's median, its time divided by vmap's in the same
+round (the median of those ratios, which a shared machine's changing load moves less than the
+times) and its median user CPU time (all threads; what the load moves least, though threads
+that spin waiting for each other count too; the system time of the page faults, which swings
+the most on a shared virtual machine, is left out). compare.py is the full comparison (peak
+memory, agreement with the per-sample loop, every method and output); this is the quick check
+of the grads path, and with ``versus.py --head-script`` an A/B of it against another revision.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import ctypes
 import gc
 import os
+import resource
 import statistics
 import sys
 import time
@@ -36,13 +39,18 @@ CASES = "simple-cnn:64,simple-cnn:256,mlp:256,mlp:1024,tiny-transformer:64,value
 METHODS = ("vmap", "backpack", "psgrad-engine")
 
 
+def _user() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
 def _trim() -> None:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def bench(case: cm.Case, rounds: int) -> list[tuple[str, str, float, float]]:
-    """(case, method, median ms, median ratio to vmap) for each method that applies."""
+def bench(case: cm.Case, rounds: int) -> list[tuple[str, str, float, float, float]]:
+    """(case, method, median ms, median ratio to vmap, median user CPU ms) for each method that
+    applies."""
     s = cm.setup(case, torch.device("cpu"))
     calls = {}
     for method in METHODS:
@@ -53,16 +61,19 @@ def bench(case: cm.Case, rounds: int) -> list[tuple[str, str, float, float]]:
             calls[method] = fn
         _trim()
     times: dict[str, list[float]] = {m: [] for m in calls}
+    user: dict[str, list[float]] = {m: [] for m in calls}
     for _ in range(rounds):
         for method, fn in calls.items():
-            start = time.perf_counter()
+            start, start_user = time.perf_counter(), _user()
             fn()
             times[method].append(time.perf_counter() - start)
+            user[method].append(_user() - start_user)
             _trim()
     rows = []
     for method, ts in times.items():
         ratio = statistics.median(t / v for t, v in zip(ts, times["vmap"], strict=True))
-        rows.append((case.label, method, 1000 * statistics.median(ts), ratio))
+        rows.append((case.label, method, 1000 * statistics.median(ts), ratio,
+                     1000 * statistics.median(user[method])))
     return rows
 
 
@@ -78,11 +89,11 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}, {args.rounds} rounds, "
           f"load average {os.getloadavg()[0]:.1f}\n", file=sys.stderr)
-    print("| case | method | median ms | ÷ vmap |\n|---|---|---:|---:|")
+    print("| case | method | median ms | ÷ vmap | user ms |\n|---|---|---:|---:|---:|")
     for text in args.cases.split(","):
         arch, batch = text.split(":")
-        for case, method, ms, ratio in bench(cm.Case(arch, int(batch)), args.rounds):
-            print(f"| {case} | {method} | {ms:.1f} | {ratio:.2f} |", flush=True)
+        for case, method, ms, ratio, cpu_ms in bench(cm.Case(arch, int(batch)), args.rounds):
+            print(f"| {case} | {method} | {ms:.1f} | {ratio:.2f} | {cpu_ms:.1f} |", flush=True)
     return 0
 
 
