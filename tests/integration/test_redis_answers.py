@@ -228,3 +228,42 @@ async def test_the_sync_route_relays_the_answer_and_forgets_it(
             await asyncio.sleep(0.3)  # the background task forgets the job once relayed
             assert not list(shared.scan_iter(match=f"{prefix}:job:*:answer"))
 
+
+
+async def test_a_small_answer_goes_whole_with_the_jobs_end_and_only_from_its_owner(
+        settings: Settings, shared: redis.Redis) -> None:
+    """Answers of at most ANSWER_INLINE_BYTES are written by the end script itself: the stream
+    holds the whole file in its one 'head' entry (then 'end'), read without another round trip;
+    a larger answer of the same engine call still goes in pieces. A delivery whose job was taken
+    over (a newer attempt) stores nothing and does not end the job."""
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    try:
+        small_job, big_job, stale_job = job(), job(), job()
+        for j in (small_job, big_job, stale_job):
+            await broker.submit(j)
+        taken = {t.id: t for t in source.take(3, 10, 0.0, 1.0)}
+        assert source.started(list(taken.values())) == list(taken.values())
+        small = {"model": "x", "norms": np.arange(4, dtype=np.float32)}
+        source.succeed_all([(taken[small_job.id], small), (taken[big_job.id], RESULT)])
+
+        entries = shared.xrange(keys.job_answer(settings.redis_prefix, small_job.id))
+        assert [e[1][b"k"] for e in entries] == [b"head", b"end"]
+        state = await broker.state(small_job.id)
+        assert state.status is JobStatus.SUCCEEDED and state.answer is not None
+        assert state.answer.size == len(entries[0][1][b"d"]) <= keys.ANSWER_INLINE_BYTES
+        assert getattr(state.answer, "complete", False)  # nothing more to read
+        read = await read_answer(state.answer)
+        np.testing.assert_array_equal(read["norms"], small["norms"])
+        big = await read_answer((await broker.state(big_job.id)).answer)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(big["grads"]["w"], RESULT["grads"]["w"])
+        big_entries = shared.xrange(keys.job_answer(settings.redis_prefix, big_job.id))
+        assert len(big_entries) > 3  # head, pieces, end
+
+        # another delivery took the stale one's job over: its small answer is not stored
+        shared.hincrby(keys.job_state(settings.redis_prefix, stale_job.id), "attempts", 1)
+        source.succeed(taken[stale_job.id], small)
+        assert (await broker.state(stale_job.id)).status is JobStatus.RUNNING
+        assert not shared.exists(keys.job_answer(settings.redis_prefix, stale_job.id))
+    finally:
+        source.close()
+        await broker.close()
