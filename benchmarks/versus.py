@@ -3,13 +3,14 @@
 Runs one of this folder's benchmark scripts alternately in a checkout of ``--base`` (a git
 worktree made for the run, removed after) and in this checkout, ``--runs`` times each, so that
 both sides share the machine's load. Each run prints a Markdown table; rows are matched by their
-text columns, and for each row this prints the median of each side and ``head / base`` of one
-column: the time (``median ms``/``time ms``) by default, or ``--column`` (``"x floor"``: a ratio
-measured within each run, which a shared machine's changing load does not move).
+text columns, and for each row this prints the median of each side and ``head / base`` of a
+column: the time (``median ms``/``time ms``) by default, or each ``--column`` (``"x floor"``: a
+ratio measured within each run, which a shared machine's changing load does not move).
 
     python benchmarks/versus.py --base c3f476f --runs 3 engine.py --repeats 5
     python benchmarks/versus.py --base c3f476f --runs 3 --column "x floor" fast_stats.py --rounds 3
-    python benchmarks/versus.py --base main --runs 3 --head-script grads.py --cases mlp:1024
+    python benchmarks/versus.py --base main --runs 3 --column "÷ vmap" --column "user ms" \
+        --head-script grads.py --cases mlp:1024
 """
 
 from __future__ import annotations
@@ -51,18 +52,19 @@ def rows(text: str, columns: tuple[str, ...] = TIME_COLUMNS) -> dict[str, float]
     return out
 
 
-def run(tree: Path, script: Path, args: list[str], columns: tuple[str, ...]) -> dict[str, float]:
+def run(tree: Path, script: Path, args: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, str(script), *args], cwd=tree,
                           env=env, capture_output=True, text=True, check=True)
-    return rows(done.stdout, columns)
+    return done.stdout
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the git revision to compare against")
     parser.add_argument("--runs", type=int, default=3, help="runs of the script per side")
-    parser.add_argument("--column", help="the column to compare (default: the time)")
+    parser.add_argument("--column", action="append",
+                        help="a column to compare (default: the time); repeat for several")
     parser.add_argument("--head-script", action="store_true",
                         help="run this checkout's script on both sides (a benchmark the base "
                              "does not have; only the code it imports differs)")
@@ -70,30 +72,35 @@ def main() -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     opts = parser.parse_args()
     head = HERE.parent
-    columns = (opts.column,) if opts.column else TIME_COLUMNS
+    wanted = [(c,) for c in opts.column] if opts.column else [TIME_COLUMNS]
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(head), "worktree", "add", "-q", "--detach", str(base),
                         opts.base], check=True)
         try:
-            times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+            # per column: side -> row -> one value per run
+            values: list[dict[str, dict[str, list[float]]]] = [
+                {"base": {}, "head": {}} for _ in wanted]
             for i in range(opts.runs):
                 for side, tree in (("base", base), ("head", head)):
                     script = (head if opts.head_script else tree) / "benchmarks" / opts.script
-                    for label, t in run(tree, script, opts.args, columns).items():
-                        times[side].setdefault(label, []).append(t)
+                    text = run(tree, script, opts.args)
+                    for columns, times in zip(wanted, values, strict=True):
+                        for label, t in rows(text, columns).items():
+                            times[side].setdefault(label, []).append(t)
                     print(f"run {i + 1}/{opts.runs} {side} done", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(head), "worktree", "remove", "--force", str(base)],
                            check=False)
     print(f"{opts.script} {' '.join(opts.args)}: base {opts.base} vs this checkout, "
-          f"medians of {opts.runs} interleaved runs\n")
-    what = opts.column or "ms"
-    print(f"| row | base {what} | head {what} | head / base |\n|---|---:|---:|---:|")
-    for label, got in times["head"].items():
-        if label in times["base"]:
-            b, h = statistics.median(times["base"][label]), statistics.median(got)
-            print(f"| {label} | {b:.2f} | {h:.2f} | {h / b:.2f} |")
+          f"medians of {opts.runs} interleaved runs")
+    for columns, times in zip(wanted, values, strict=True):
+        what = columns[0] if opts.column else "ms"
+        print(f"\n| row | base {what} | head {what} | head / base |\n|---|---:|---:|---:|")
+        for label, got in times["head"].items():
+            if label in times["base"]:
+                b, h = statistics.median(times["base"][label]), statistics.median(got)
+                print(f"| {label} | {b:.2f} | {h:.2f} | {h / b:.2f} |")
     return 0
 
 
