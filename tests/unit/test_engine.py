@@ -23,6 +23,7 @@ from service import engine
 from service.engine import Batch, Options
 from service.outputs import OUTPUTS
 from service.registry import LoadedModel, load_model
+from tests.support.batches import SMALL_TRANSFORMER
 from tests.support.reference import ATTRIBUTION, reference
 
 CPU = torch.device("cpu")
@@ -41,15 +42,6 @@ FEW = settings(
 )
 
 # (architecture, small config, loss): every zoo family with each loss it accepts.
-SMALL_TRANSFORMER = {
-    "vocab": 11,
-    "seq_len": 5,
-    "d_model": 8,
-    "nhead": 2,
-    "dim_ff": 16,
-    "layers": 2,
-    "classes": 3,
-}
 CASES = [
     ("simple-cnn", {}, "nll"),  # the tutorial's CNN: it has only its real default size
     ("mlp", {"sizes": [6, 5, 3]}, "cross_entropy"),

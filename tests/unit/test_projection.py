@@ -22,12 +22,10 @@ from service.reference_store import MemoryReferenceStore, ReferenceSet
 from service.registry import LoadedModel, ModelRegistry, load_model
 from service.strategies.projection import Projection, kind_of
 from service.validate import decode_json_body, parse_request
-from tests.support.batches import make_batch
+from tests.support.batches import SMALL_TRANSFORMER, make_batch
 from tests.support.reference import assert_close, attribution, per_sample_loop
 
 CPU = torch.device("cpu")
-SMALL_TRANSFORMER = {"vocab": 11, "seq_len": 5, "d_model": 8, "nhead": 2, "dim_ff": 16,
-                     "layers": 2, "classes": 3}
 CASES = [
     ("simple-cnn", {}, "nll"),
     ("mlp", {"sizes": [6, 5, 3]}, "cross_entropy"),
