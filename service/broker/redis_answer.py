@@ -87,13 +87,27 @@ class AnswerWriter:
         return self.write_parts(head, data)
 
     def write_parts(self, head: bytes | memoryview, data: list[bytes | memoryview]) -> bool:
-        """:meth:`write` of an answer already cut into its header and its tensors' bytes."""
+        """:meth:`write` of an answer already cut into its header and its tensors' bytes.
+
+        The commands are packed here, each piece sent as the view it is: redis-py's pipeline
+        (with hiredis, its packer) copies every argument into one buffer first, which made
+        writing an answer take twice as long as sending it.
+        """
         if not self.begin(bytes(head)):
             return False
-        pipe = self.r.pipeline(transaction=False)
-        for piece in pieces(data, self.piece_bytes):
-            self.add(pipe, piece)
-        pipe.execute()
+        conn = self.r.connection_pool.get_connection()
+        try:
+            sent = 0
+            for piece in pieces(data, self.piece_bytes):
+                conn.send_packed_command(command_parts(*self._xadd(), piece), check_health=False)
+                sent += 1
+            for _ in range(sent):  # a piece after a cancel adds nothing (NOMKSTREAM: a nil)
+                conn.read_response()
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: the socket is never lent again
+            raise
+        finally:
+            self.r.connection_pool.release(conn)
         return True
 
     def begin(self, head: bytes) -> bool:
@@ -103,10 +117,30 @@ class AnswerWriter:
         return bool(self.r.eval(BEGIN_LUA, 3, state, self.key, self.notify,
                                 self.attempt, head, self.ttl_s))
 
-    def add(self, pipe: Any, piece: bytes | memoryview) -> None:
+    def add(self, r: redis.Redis, piece: bytes | memoryview) -> None:
+        """One piece by one command (what :meth:`write_parts` sends for each)."""
+        r.execute_command(*self._xadd(), piece)
+
+    def _xadd(self) -> list[bytes]:
         # NOMKSTREAM: a piece never re-creates a stream a cancel deleted (nor one that expired),
         # so no key outlives the job and the TTL set by BEGIN_LUA covers every piece
-        pipe.xadd(self.key, {"a": self.attempt, "k": "data", "d": piece}, nomkstream=True)
+        return [b"XADD", self.key.encode(), b"NOMKSTREAM", b"*", b"a", self.attempt.encode(),
+                b"k", b"data", b"d"]
+
+
+def command_parts(*args: bytes | memoryview) -> list[bytes | memoryview]:
+    """``args`` as one RESP command: small ones joined, a large one left as it is (a view of
+    the answer's memory, sent without a copy)."""
+    parts: list[bytes | memoryview] = []
+    small = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        small.append(b"$%d\r\n" % len(arg))
+        if len(arg) < LINE_READ:
+            small += [bytes(arg), b"\r\n"]
+            continue
+        parts += [b"".join(small), arg]
+        small = [b"\r\n"]
+    return [*parts, b"".join(small)]
 
 
 def pieces(parts: list[bytes | memoryview], size: int) -> Iterator[bytes | memoryview]:
@@ -298,8 +332,7 @@ class RawStreamReader:
                          str(block_ms).encode(), b"STREAMS", key.encode(), last)
 
     def call(self, *args: bytes) -> Any:
-        self.sock.sendall(b"*%d\r\n" % len(args)
-                          + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args))
+        self.sock.sendall(b"".join(command_parts(*args)))
         return self._value()
 
     def _value(self) -> Any:

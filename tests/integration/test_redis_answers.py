@@ -267,3 +267,27 @@ async def test_a_small_answer_goes_whole_with_the_jobs_end_and_only_from_its_own
     finally:
         source.close()
         await broker.close()
+
+
+def test_pieces_are_sent_as_views_of_the_answer() -> None:
+    piece = memoryview(np.arange(4096, dtype=np.uint8))
+    parts = redis_answer.command_parts(b"XADD", b"k", b"*", b"d", piece)
+    assert parts[1] is piece  # the piece's own memory, never a copy
+    assert b"".join(parts) == (b"*5\r\n$4\r\nXADD\r\n$1\r\nk\r\n$1\r\n*\r\n$1\r\nd\r\n$4096\r\n"
+                               + piece.tobytes() + b"\r\n")
+
+
+def test_a_refused_piece_raises_and_leaves_no_unread_replies(
+        settings: Settings, shared: redis.Redis) -> None:
+    """An error reply mid-answer (here the stream's key holds a string) is raised, and the
+    connection with the later pieces' replies unread is dropped, not lent to the next command."""
+    source = RedisJobSource(settings, name="w")
+    writer = AnswerWriter(source.r, source.prefix, "j", 1, ttl_s=30, piece_bytes=64 << 10)
+    writer.begin = lambda head: True  # type: ignore[method-assign]
+    shared.set(writer.key, b"not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        writer.write_parts(b"", [memoryview(np.zeros(1 << 20, np.uint8))])
+    for i in range(5):  # every later command gets its own reply
+        assert source.r.echo(f"after {i}") == f"after {i}".encode()
+    shared.delete(writer.key)
+    source.close()
