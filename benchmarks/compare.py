@@ -238,14 +238,6 @@ def prepare_http(job: dict[str, Any]) -> tuple[Calls, dict[str, Any]]:
             answer = client._compute(fields, as_torch=False, progress=False, chunk_size=None)
             return {output: getattr(answer, output)}
 
-        answer_bytes = 4 * s.case.batch * sum(p.numel() for p in s.model.params.values())
-        if output == "grads" and answer_bytes > job.get("max_value", answer_bytes):
-            out[output] = {
-                "na": f"answer {answer_bytes / 2**20:.0f} MiB > Redis's "
-                f"proto-max-bulk-len {job['max_value'] / 2**20:.0f} MiB: psgrad cannot "
-                "store it (the job never finishes; not sent)"
-            }
-            continue
         try:
             with Peak(torch.device("cpu"), job["pids"]) as peak:
                 result = fn()
@@ -407,17 +399,6 @@ def server(mode: str, device: str) -> Iterator[tuple[str, list[int]]]:
             client.close()
 
 
-def redis_value_limit() -> int:
-    """The largest value Redis accepts (``proto-max-bulk-len``): a bigger answer cannot be kept."""
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        return int(client.config_get("proto-max-bulk-len")["proto-max-bulk-len"] or 512 << 20)
-    finally:
-        client.close()
-
-
 # --- the run ------------------------------------------------------------------------------------
 
 
@@ -454,8 +435,6 @@ def run_case(case: cm.Case, args: argparse.Namespace, tmp: Path) -> dict[str, An
                     mode = "redis" if method == "psgrad-redis" else "embedded"
                     url, pids = stack.enter_context(server(mode, args.device))
                     job |= {"url": url, "pids": pids}
-                    if mode == "redis":
-                        job["max_value"] = redis_value_limit()
                 children[method] = Child(job)
                 results[method] = children[method].ready()
             except RuntimeError as exc:

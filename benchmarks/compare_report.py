@@ -39,7 +39,7 @@ in the cell's time, at least 3, or 2 for calls over a second; at most 10); after
 method's process hands freed memory back (`malloc_trim`, untimed), so every call pays its own
 page faults, for every method alike. The servers run with `PSGRAD_MAX_RESULT_BYTES=16 GiB` and,
 for Redis, `PSGRAD_REDIS_TIMEOUT_S=120` (the 2 s default fails storing answers of a few hundred
-MB here); an answer larger than Redis's `proto-max-bulk-len` is not sent (see n/a). TD(0): every
+MB here); answers move through Redis in pieces, so no size is refused. TD(0): every
 method gets the same pseudo-loss (target - V(s))^2 with the target r + 0.99 (1 - done) V(s')
 from a forward under `no_grad` (the stopped gradient), so the libraries' hooks see an ordinary
 per-sample loss. `clipped_mean` uses clip_norm = the median of the loop's norms and no noise, so
