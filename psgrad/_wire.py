@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import math
 import struct
@@ -169,11 +170,16 @@ BFLOAT16 = np.dtype([("bfloat16", "<u2")])
 
 def st_dtype(arr: np.ndarray) -> str:
     """The safetensors name of an array's dtype (BF16 for the :data:`BFLOAT16` bits)."""
-    if arr.dtype == BFLOAT16:
+    return _st_name(arr.dtype)
+
+
+@functools.cache
+def _st_name(dtype: np.dtype[Any]) -> str:  # once per dtype: comparing and naming dtypes is slow
+    if dtype == BFLOAT16:
         return "BF16"
-    name = str(arr.dtype.newbyteorder("="))
+    name = str(dtype.newbyteorder("="))
     if name not in _ST_DTYPES:
-        raise TypeError(f"dtype {arr.dtype} is not one of {DTYPES}")
+        raise TypeError(f"dtype {dtype} is not one of {DTYPES}")
     return _ST_DTYPES[name]
 
 

@@ -162,6 +162,9 @@ async def encode_result(
     if wants_safetensors(request):
         parts = safetensors_parts(result, RESPONSE_KEY)  # views of the arrays: no copy
         size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        if size <= INLINE_BYTES:  # one write: a streamed body costs a task and a cancel scope
+            return Response(b"".join(parts), status_code=status, media_type=SAFETENSORS,
+                            headers=headers)
         return StreamingResponse(
             _chunks(parts),
             status_code=status,

@@ -136,3 +136,35 @@ async def test_embedded_answers_stream_in_pieces_the_reader_fills_in_place() -> 
     got = reader.fields()
     for name, arr in got["grads"].items():
         np.testing.assert_allclose(arr, np.asarray(want["grads"][name], np.float32), rtol=1e-6)
+
+
+async def test_small_answers_go_in_one_write() -> None:
+    """An answer of at most 64 KiB is one plain response (no streaming task), whole and equal to
+    the JSON answer; a larger one is streamed (above)."""
+    rng = np.random.default_rng(5)
+    body = {"model": "mlp", "inputs": rng.normal(size=(4, 784)).tolist(), "targets": [1, 2, 3, 4],
+            "outputs": ["norms", "losses"]}
+    async with open_client() as c:
+        want = (await c.post("/per-sample-grads", json=body)).json()
+        r = await c.post("/per-sample-grads", json=body,
+                         headers={"Accept": "application/x-safetensors"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-safetensors"
+    assert int(r.headers["content-length"]) == len(r.content) < 64 * 1024
+    reader = AnswerReader(RESPONSE_KEY)
+    reader.feed(r.content)
+    got = reader.fields()
+    for name in ("norms", "losses"):
+        np.testing.assert_allclose(got[name], np.asarray(want[name], np.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize(("floats", "streamed"), [(1000, False), (100_000, True)])
+async def test_only_answers_over_64_kib_are_streamed(floats: int, streamed: bool) -> None:
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+
+    from service.api.body import encode_result
+
+    request = Request({"type": "http", "method": "POST", "path": "/", "query_string": b"",
+                       "headers": [(b"accept", b"application/x-safetensors")]})
+    response = await encode_result(request, {"norms": np.ones(floats, np.float32)})
+    assert isinstance(response, StreamingResponse) is streamed
