@@ -20,10 +20,16 @@ _MISSING = object()
 
 
 class LockedLRU(Generic[K, V]):
-    """At most ``size`` entries; ``hits`` and ``misses`` count :meth:`get_or_make` lookups."""
+    """At most ``size`` entries, and with ``weigh`` at most ``budget`` of their total weight
+    (bytes, say; the newest entry stays even if it alone is heavier); ``hits`` and ``misses``
+    count :meth:`get_or_make` lookups."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, budget: int | None = None,
+                 weigh: Callable[[V], int] | None = None) -> None:
         self.size = size
+        self.budget = budget
+        self.weigh = weigh
+        self.weight = 0
         self.hits = 0
         self.misses = 0
         self._data: OrderedDict[K, V] = OrderedDict()
@@ -50,11 +56,12 @@ class LockedLRU(Generic[K, V]):
         """Remove every entry whose key ``keep`` rejects."""
         with self._lock:
             for key in [k for k in self._data if not keep(k)]:
-                del self._data[key]
+                self._remove(key)
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self.weight = 0
 
     def __len__(self) -> int:
         return len(self._data)
@@ -66,8 +73,17 @@ class LockedLRU(Generic[K, V]):
         if keep_first and key in self._data:
             self._data.move_to_end(key)
             return self._data[key]
+        if key in self._data:
+            self._remove(key)
         self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.size:
-            self._data.popitem(last=False)
+        self.weight += self._weight_of(value)
+        while len(self._data) > self.size or (
+                self.budget is not None and self.weight > self.budget and len(self._data) > 1):
+            self._remove(next(iter(self._data)))
         return value
+
+    def _remove(self, key: K) -> None:
+        self.weight -= self._weight_of(self._data.pop(key))
+
+    def _weight_of(self, value: V) -> int:
+        return 0 if self.weigh is None else self.weigh(value)

@@ -39,7 +39,10 @@ DENSE = "dense"
 MAX_DIM = 8192
 _BLOCK_BYTES = 4 << 20  # one dense block of a projection matrix, float32
 _GROUP_BYTES = 16 << 20  # one side-by-side matrix of small dense projections
-_FACTORS: LockedLRU[tuple[object, ...], torch.Tensor] = LockedLRU(256)
+# Matrices drawn, kept for the next call of the same model: at most 512 MiB of them (at k = 8192
+# one dense block is 4 MiB and one side-by-side matrix 16 MiB)
+_FACTORS: LockedLRU[tuple[object, ...], torch.Tensor] = LockedLRU(
+    256, budget=512 << 20, weigh=lambda t: t.element_size() * t.nelement())
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Projection:
     def factor(self, name: str, shape: torch.Size | tuple[int, ...], part: str, rows: int,
                cols: int, like: torch.Tensor) -> torch.Tensor:
         """A ``[rows, cols]`` Gaussian block scaled by ``1/sqrt(rows)``, in ``like``'s dtype and
-        device; cached, since a model's factors repeat on every call."""
+        device; cached (up to 512 MiB in all), since a model's factors repeat on every call."""
         key = (self.k, self.seed, name, tuple(shape), part, rows, cols, like.dtype, like.device)
         return _FACTORS.get_or_make(key, lambda: self._draw(name, shape, part, rows, cols, like))
 

@@ -171,6 +171,27 @@ print(json.dumps(engine.compute(model, batch, opts)[0]["projection"].tolist()))
 """
 
 
+def test_matrices_evicted_from_a_small_cache_are_drawn_again_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache of drawn matrices is bounded in bytes; what it evicts is drawn again from its
+    seed, so sketches do not depend on what the cache held."""
+    from service.lru import LockedLRU
+    from service.strategies import projection as module
+
+    model = model_for("simple-cnn", {})
+    batch = batch_for(model, 8, 3)
+    opts = Options("nll", ("projection",), tuple(model.params), projection=Projection(512, 5))
+    module._FACTORS.clear()
+    [roomy] = engine.compute(model, batch, opts)
+    small = LockedLRU[tuple[object, ...], torch.Tensor](
+        256, budget=64 << 10, weigh=lambda t: t.element_size() * t.nelement())
+    monkeypatch.setattr(module, "_FACTORS", small)
+    for _ in range(2):
+        [tight] = engine.compute(model, batch, opts)
+        assert torch.equal(tight["projection"], roomy["projection"])
+        assert small.weight <= 64 << 10 or len(small) == 1
+
+
 def test_sketches_are_the_same_in_another_process() -> None:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD], check=True, env=env,
