@@ -31,8 +31,8 @@ from typing import Any, Final, Protocol, TypeVar
 import torch
 
 from psgrad._errors import DeadlineExceeded, InternalError, PsgradError, VerificationFailed
-from psgrad._wire import BFLOAT16
 from service import engine, verify
+from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
 from service.config import Settings
 from service.dp.runs import store_for as dp_runs
@@ -204,7 +204,7 @@ class Worker:
             checked = self._attempt(job, "verifying", partial(self._verified, job, parsed, out))
             if checked is _FAILED:
                 continue
-            result = _wire_result(parsed, out)
+            result = result_fields(parsed, out)
             result["timing"] = {
                 "queue_ms": round(max(0.0, started - job.enqueued_at) * 1000, 3),
                 "compute_ms": round(compute_s * 1000, 3),
@@ -365,38 +365,11 @@ def _result_limit(settings: Settings, source: JobSource) -> tuple[int, str]:
 
 def _check_result_size(parsed: ParsedRequest, limit: int, what: str) -> None:
     size = engine.output_bytes(parsed.model, parsed.opts, parsed.batch.size)
-    if parsed.answer_dtype in _HALF:  # two bytes a number instead of the model's own
+    if parsed.answer_dtype in HALF:  # two bytes a number instead of the model's own
         size = size * 16 // torch.finfo(parsed.model.dtype).bits
     if size > limit:
         outputs = ", ".join(parsed.opts.outputs)
         raise answer_too_large(size, limit, f"{what} ({outputs} for {parsed.batch.size} samples)")
-
-
-def _concat(batches: Sequence[engine.Batch]) -> engine.Batch:
-    """One batch from several that share a group key (same weights, reference, shapes)."""
-    first = batches[0]
-    if len(batches) == 1:
-        return first
-
-    def cat(name: str) -> torch.Tensor | None:
-        parts = [getattr(b, name) for b in batches]
-        return None if parts[0] is None else torch.cat(parts)
-
-    inputs = cat("inputs")
-    assert inputs is not None
-    return engine.Batch(
-        inputs=inputs,
-        targets=cat("targets"),
-        next_inputs=cat("next_inputs"),
-        rewards=cat("rewards"),
-        dones=cat("dones"),
-        mask=cat("mask"),
-        weights=first.weights,
-        reference=first.reference,
-        named={k: torch.cat([b.named[k] for b in batches]) for k in first.named},
-        references=first.references,
-        sketches=first.sketches,
-    )
 
 
 def _compute(
@@ -404,7 +377,7 @@ def _compute(
     on_norms: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     first = group[0]
-    batch = _concat([p.batch for p in group])
+    batch = engine.Batch.joined([p.batch for p in group])
     start = time.perf_counter()
     results = engine.compute(
         first.model,
@@ -417,35 +390,3 @@ def _compute(
         on_norms=on_norms,
     )
     return results, time.perf_counter() - start
-
-
-_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _to_wire(value: Any, answer_dtype: str = "float32") -> Any:
-    """Tensors as numpy arrays (views where they can be), floating ones in ``answer_dtype``."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().to("cpu")
-        half = _HALF.get(answer_dtype)
-        if half is None or not tensor.is_floating_point():
-            return tensor.numpy()
-        tensor = tensor.to(half)  # round to nearest even, as torch casts
-        if half is torch.bfloat16:  # numpy has no bfloat16: its bits, named
-            return tensor.view(torch.int16).numpy().view(BFLOAT16)
-        return tensor.numpy()
-    if isinstance(value, dict):
-        return {k: _to_wire(v, answer_dtype) for k, v in value.items()}
-    return value
-
-
-def _wire_result(parsed: ParsedRequest, out: dict[str, Any]) -> dict[str, Any]:
-    """The response fields of one job: JSON values and numpy arrays, in the documented order."""
-    result: dict[str, Any] = {
-        "model": parsed.model.ref,
-        "batch_size": parsed.batch.size,
-        "loss": parsed.opts.loss,
-    }
-    for name in parsed.opts.outputs:
-        result[name] = _to_wire(out[name], parsed.answer_dtype)
-    result["meta"] = dict(out.get("meta", {}))
-    return result

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -75,6 +75,18 @@ class Batch:
     def samples(self) -> Tensors:
         own = {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
         return own | {NAMED_INPUT + k: v for k, v in self.named.items()} if self.named else own
+
+    @classmethod
+    def joined(cls, batches: Sequence[Batch]) -> Batch:
+        """One batch of several that share weights, references and shapes: their samples one
+        after another (a merged call of several jobs)."""
+        first = batches[0]
+        if len(batches) == 1:
+            return first
+        own: dict[str, Any] = {k: torch.cat([getattr(b, k) for b in batches])
+               for k in SAMPLE_FIELDS if getattr(first, k) is not None}
+        named = {k: torch.cat([b.named[k] for b in batches]) for k in first.named}
+        return replace(first, **own, named=named)
 
 
 @dataclass(frozen=True)

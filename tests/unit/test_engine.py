@@ -410,3 +410,23 @@ def test_zoo_weights_do_not_depend_on_threads_building_at_once() -> None:
         for i, state in got:
             for k, v in state.items():
                 assert torch.equal(v, want[i][k]), f"{configs[i][0]} {k}"
+
+
+def test_joined_batches_are_their_samples_one_after_another() -> None:
+    """A merged call's batch: every per-sample field (named inputs too) concatenated in order,
+    what the jobs share (weights, references) taken once; a lone batch is itself."""
+    rng = torch.Generator().manual_seed(0)
+    weights = {"w": torch.ones(2)}
+
+    def part(n: int) -> Batch:
+        return Batch(inputs=torch.randn(n, 3, generator=rng), targets=torch.arange(n),
+                     rewards=torch.randn(n, generator=rng), weights=weights,
+                     named={"extra": torch.randn(n, 2, generator=rng)})
+
+    a, b = part(2), part(3)
+    joined = Batch.joined([a, b])
+    assert joined.size == 5 and joined.weights is weights and joined.dones is None
+    for name in ("inputs", "targets", "rewards"):
+        assert torch.equal(getattr(joined, name), torch.cat([getattr(a, name), getattr(b, name)]))
+    assert torch.equal(joined.named["extra"], torch.cat([a.named["extra"], b.named["extra"]]))
+    assert Batch.joined([a]) is a
