@@ -316,3 +316,18 @@ async def test_exported_gpt2_with_named_inputs_served_by_a_worker_process(
     for k, g in want.grads.items():
         np.testing.assert_allclose(np.asarray(r.json()["grads"][k]), g.numpy(), **EXPORT_TOL,
                                    err_msg=k)
+
+
+async def test_more_waiting_requests_than_a_default_pool_all_get_their_answers(
+        tmp_path: Path, prefix: str, registry: Any) -> None:
+    """Every sync request waits on a Redis connection of its own (BLPOP): 150 waiting at once,
+    more than redis-py's default pool of 100, all get their answers (none a 503)."""
+    async with cluster(tmp_path, SHARED_URL, prefix, n_workers=0) as c:
+        requests = [{"model": "value-mlp", "loss": "mse", "inputs": [[0.1 * (i % 7)] * 8],
+                     "targets": [0.5], "outputs": ["norms"]} for i in range(150)]
+        posting = asyncio.ensure_future(post_all(c.client, requests))
+        await wait_until(lambda: c.xlen() >= 150, 60, "150 jobs queued, their requests waiting")
+        c.start_worker()
+        answers = await asyncio.wait_for(posting, 120)
+        assert [a.status_code for a in answers] == [200] * 150, answers[0].text
+        check_answer(answers[-1].json(), requests[-1], registry)
