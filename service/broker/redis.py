@@ -144,16 +144,6 @@ def _status_doc(raw: Any) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-POOL_CONNECTIONS = 100  # per pool of short commands: what a burst of requests shares
-
-
-def _pooled(url: str, wait_s: float, kwargs: dict[str, Any]) -> aioredis.Redis:
-    """A client whose callers wait up to ``wait_s`` for a free connection when all of its pool's
-    are in use (a burst of requests), instead of failing at once (redis-py's default pool)."""
-    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=POOL_CONNECTIONS, timeout=wait_s, **kwargs))
-
-
 class RedisBroker:
     """The api's side of the Redis broker (asyncio). Holds no state a restart would lose."""
 
@@ -162,18 +152,19 @@ class RedisBroker:
             raise InternalError("RedisBroker needs PSGRAD_REDIS_URL")
         self.settings = settings
         self.prefix = settings.redis_prefix
-        kwargs = connection_kwargs(settings)
-        self.r = _pooled(settings.redis_url, settings.redis_timeout_s, kwargs)
-        self.bulk = _pooled(settings.redis_url, settings.redis_transfer_timeout_s,
-                            connection_kwargs(settings, bulk=True))
+        # Pools open connections as concurrent requests need them and keep them: room for
+        # every request the queue admits at once (redis-py's default cap, 100, answered the
+        # 101st of a burst with a 503); a waiting request holds one BLPOP connection, queued
+        # or computing, hence twice as many of those
+        room = max(settings.max_queue_depth, 100)
+        kwargs = {**connection_kwargs(settings), "max_connections": room}
+        self.r = aioredis.Redis.from_url(settings.redis_url, **kwargs)
+        self.bulk = aioredis.Redis.from_url(
+            settings.redis_url, **connection_kwargs(settings, bulk=True), max_connections=room)
         self.max_value_bytes = keys.DEFAULT_MAX_VALUE_BYTES
-        # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead.
-        # Each waiting request holds one of its connections, so it has room for every request
-        # the queue admits, queued or computing (redis-py's default, 100, answered the 101st
-        # waiter with a 503)
+        # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
-            settings.redis_url, **{**kwargs, "socket_timeout": None,
-                                   "max_connections": 2 * max(settings.max_queue_depth, 100)})
+            settings.redis_url, **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
         self._submit = self.bulk.register_script(SUBMIT_LUA)
         self._cancel = self.r.register_script(CANCEL_LUA)
 
