@@ -41,7 +41,7 @@ import numpy as np
 from batching import URL, free_port, serve, start, stop, wait_ready
 
 import psgrad
-from psgrad._wire import RESPONSE_KEY, safetensors_parts
+from psgrad._wire import RESPONSE_KEY, parts_size, safetensors_parts
 from service import engine
 from service.registry import ModelRegistry
 from service.validate import parse_request
@@ -102,7 +102,7 @@ def over_sdk(client: psgrad.Client, request: dict[str, Any]) -> Callable[[], Any
 
 def answer_bytes(result: dict[str, Any]) -> int:
     answer = {"model": "simple-cnn", **result}
-    return sum(len(p) for p in safetensors_parts(answer, RESPONSE_KEY))
+    return parts_size(safetensors_parts(answer, RESPONSE_KEY))
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, float | None]:

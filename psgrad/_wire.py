@@ -219,6 +219,12 @@ def safetensors_parts(fields: Mapping[str, Any], meta_key: str) -> list[bytes | 
     return [struct.pack("<Q", len(raw)) + raw, *parts]
 
 
+def parts_size(parts: list[bytes | memoryview]) -> int:
+    """Bytes of the file that :func:`safetensors_parts` cut into ``parts`` (its views are of
+    bytes, so their length is their size)."""
+    return sum(len(part) for part in parts)
+
+
 def _split_fields(fields: Mapping[str, Any], meta_key: str
                   ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     tensors: dict[str, np.ndarray] = {}

@@ -26,6 +26,7 @@ from psgrad._wire import (
     RESPONSE_KEY,
     SAFETENSORS,
     fields_from_safetensors,
+    parts_size,
     safetensors_parts,
     widen_answers,
 )
@@ -161,7 +162,7 @@ async def encode_result(
     """The answer in the form the client accepts (encoded in a thread: it may be 300 MB)."""
     if wants_safetensors(request):
         parts = safetensors_parts(result, RESPONSE_KEY)  # views of the arrays: no copy
-        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        size = parts_size(parts)
         if size <= INLINE_BYTES:  # one write: a streamed body costs a task and a cancel scope
             return Response(b"".join(parts), status_code=status, media_type=SAFETENSORS,
                             headers=headers)

@@ -26,7 +26,7 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
-from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, safetensors_parts
+from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, parts_size, safetensors_parts
 from service import keys
 from service.broker.redis import (
     redis_unavailable,
@@ -221,7 +221,7 @@ class RedisJobSource:
         ends: list[tuple[Job, bytes]] = []
         for job, result in done:
             head, *data = safetensors_parts(result, RESPONSE_KEY)
-            if len(head) + sum(len(d) for d in data) <= keys.ANSWER_INLINE_BYTES:
+            if parts_size([head, *data]) <= keys.ANSWER_INLINE_BYTES:
                 ends.append((job, b"".join([head, *data])))
                 continue
             ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
