@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_methods as cm
 import compare_report
 
+from service.registry import set_tf32
+
 HERE = Path(__file__).resolve().parent
 PSGRAD = str(Path(sys.executable).with_name("psgrad"))
 REDIS_URL = os.environ.get("PSGRAD_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -255,6 +257,7 @@ def child(job: dict[str, Any]) -> None:
     """Prepare, answer ``READY <json>``, then time one call per output named on stdin."""
     warnings.simplefilter("ignore")  # library deprecation chatter; results are checked instead
     torch.manual_seed(0)
+    set_tf32(False)  # float32 on CUDA for every method, the loop too, as psgrad's workers run
     http = job["method"] in HTTP_METHODS
     calls, out = prepare_http(job) if http else prepare_in_process(job)
     device = torch.device("cpu" if http else job["device"])

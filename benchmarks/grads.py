@@ -1,6 +1,7 @@
 """Full per-sample gradients: the tutorial's vmap(grad), BackPACK and psgrad's engine, interleaved.
 
     python benchmarks/grads.py [--cases simple-cnn:256,mlp:1024] [--rounds 7] [--threads N]
+                               [--device cuda]
 
 The ``grads`` output only, in one process, for compare.py's cases (the same seeded data and
 method code, from ``compare_methods``): each method is prepared and called once, then timed in
@@ -35,6 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_methods as cm
 
+from service.registry import set_tf32
+
 CASES = "simple-cnn:64,simple-cnn:256,mlp:256,mlp:1024,tiny-transformer:64,value-mlp:4096"
 METHODS = ("vmap", "backpack", "psgrad-engine")
 
@@ -48,10 +51,12 @@ def _trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def bench(case: cm.Case, rounds: int) -> list[tuple[str, str, float, float, float]]:
+def bench(case: cm.Case, rounds: int, device: torch.device
+          ) -> list[tuple[str, str, float, float, float]]:
     """(case, method, median ms, median ratio to vmap, median user CPU ms) for each method that
-    applies."""
-    s = cm.setup(case, torch.device("cpu"))
+    applies; on CUDA each call is timed to the end of its kernels."""
+    s = cm.setup(case, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     calls = {}
     for method in METHODS:
         fn = cm.IN_PROCESS[method](s, "grads", 1.0)
@@ -66,6 +71,7 @@ def bench(case: cm.Case, rounds: int) -> list[tuple[str, str, float, float, floa
         for method, fn in calls.items():
             start, start_user = time.perf_counter(), _user()
             fn()
+            sync()
             times[method].append(time.perf_counter() - start)
             user[method].append(_user() - start_user)
             _trim()
@@ -82,17 +88,22 @@ def main() -> int:
     parser.add_argument("--cases", default=CASES, help="arch:batch,... (compare.py's cases)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # library deprecation chatter
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_tf32(False)  # float32 on CUDA for every method, as psgrad's workers run
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}, {args.rounds} rounds, "
-          f"load average {os.getloadavg()[0]:.1f}\n", file=sys.stderr)
+          f"load average {os.getloadavg()[0]:.1f}, device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + "\n",
+          file=sys.stderr)
     print("| case | method | median ms | ÷ vmap | user ms |\n|---|---|---:|---:|---:|")
     for text in args.cases.split(","):
         arch, batch = text.split(":")
-        for case, method, ms, ratio, cpu_ms in bench(cm.Case(arch, int(batch)), args.rounds):
+        for case, method, ms, ratio, cpu_ms in bench(cm.Case(arch, int(batch)), args.rounds,
+                                                     torch.device(args.device)):
             print(f"| {case} | {method} | {ms:.1f} | {ratio:.2f} | {cpu_ms:.1f} |", flush=True)
     return 0
 

@@ -21,6 +21,10 @@ memory for the B=256 case (each client keeps the memory of its last answers to r
 into). A shared 2-core machine: the figures are noisy, read the ratios.
 
     python benchmarks/transport.py [--repeats 3] [--cases norms:64,grads:64,grads:256]
+                                   [--device cuda]
+
+With ``--device cuda`` every server and the in-process engine compute on the GPU; the engine's
+time then includes copying its answer to host memory, which every server pays as well.
 """
 
 from __future__ import annotations
@@ -38,12 +42,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
+import torch
 from batching import URL, free_port, serve, start, stop, wait_ready
 
 import psgrad
 from psgrad._wire import RESPONSE_KEY, parts_size, safetensors_parts
 from service import engine
-from service.registry import ModelRegistry
+from service.registry import ModelRegistry, set_tf32
 from service.validate import parse_request
 
 METHODS = ("engine", "floor", "embedded", "redis-1", "redis-2")
@@ -61,8 +66,8 @@ def in_process(registry: ModelRegistry, request: dict[str, Any]) -> Callable[[],
     def run() -> Any:
         parsed = parse_request(request, registry)
         out = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
-        return {k: ({p: t.detach().numpy() for p, t in v.items()} if isinstance(v, dict)
-                    else v.detach().numpy()) for k, v in out.items() if k != "meta"}
+        return {k: ({p: t.detach().cpu().numpy() for p, t in v.items()} if isinstance(v, dict)
+                    else v.detach().cpu().numpy()) for k, v in out.items() if k != "meta"}
 
     return run
 
@@ -121,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default="norms:64,grads:64,grads:256")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
     prefixes = [f"psgrad-bench-{uuid.uuid4().hex[:8]}" for _ in range(2)]
@@ -128,18 +134,19 @@ def main() -> None:
     urls: dict[str, str] = {}
     try:
         port = free_port()
-        procs.append(serve(port, workers=1, device="cpu"))
+        procs.append(serve(port, workers=1, device=args.device))
         urls["embedded"] = f"http://127.0.0.1:{port}"
         for name, prefix, n in (("redis-1", prefixes[0], 1), ("redis-2", prefixes[1], 2)):
             port = free_port()
-            settings = {"redis_url": URL, "redis_prefix": prefix, "device": "cpu"}
+            settings = {"redis_url": URL, "redis_prefix": prefix, "device": args.device}
             procs.append(serve(port, **settings))
-            procs += [start(["worker", "--device", "cpu"], **settings) for _ in range(n)]
+            procs += [start(["worker", "--device", args.device], **settings) for _ in range(n)]
             urls[name] = f"http://127.0.0.1:{port}"
         for url in urls.values():
             wait_ready(url)
         clients = {name: psgrad.Client(url, timeout=900) for name, url in urls.items()}
-        registry = ModelRegistry()
+        set_tf32(False)  # as the servers' workers run
+        registry = ModelRegistry(torch.device(args.device))
         runs: dict[tuple[str, int], dict[str, Callable[[], Any]]] = {}
         sizes: dict[tuple[str, int], int] = {}
         for output, batch in cases:
@@ -176,6 +183,8 @@ def main() -> None:
             if doomed:
                 r.delete(*doomed)
         r.close()
+    print(f"device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
     report(times, beyond, sizes, args.repeats)
 
 

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     batch_max_samples: int = 512
     workers: int = 1
     torch_threads: int = 0  # intra-op threads of a worker process (0: torch's own choice)
+    # CUDA's TF32 convolutions and matrix products: faster on Ampere and later, but with a 10-bit
+    # mantissa (per-sample gradients off by ~1e-2 from float32's); off, answers are float32's
+    allow_tf32: bool = False
 
     api_keys: str = ""
     admin_keys: str = ""

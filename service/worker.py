@@ -38,7 +38,7 @@ from service.config import Settings
 from service.dp.runs import store_for as dp_runs
 from service.dp.steps import on_result as count_dp_step
 from service.jobs import Job, JobSource, answer_too_large
-from service.registry import ModelRegistry
+from service.registry import ModelRegistry, set_tf32
 from service.status import WorkerStatus
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
@@ -106,6 +106,7 @@ class Worker:
         max_jobs = max_samples if delay_s > 0 else 1
         if self.settings.torch_threads > 0:  # process-wide: on a host whose cores the api shares
             torch.set_num_threads(self.settings.torch_threads)
+        set_tf32(self.settings.allow_tf32)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
         while not stop.is_set():
             try:

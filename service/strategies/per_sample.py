@@ -9,6 +9,7 @@ get the per-sample loop instead (route ``loop``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,8 @@ def sample_loss_of(model: LoadedModel, loss_name: str, gamma: float) -> SampleLo
     loss = get_loss(loss_name)
     module = model.module
     named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
+    on_cuda = next(iter(model.params.values())).is_cuda
+    switch = _without_cudnn if model.route == "loop" and on_cuda else contextlib.nullcontext
 
     def sample_loss(selected: Tensors, others: Tensors, buffers: Tensors,
                     sample: Tensors) -> Any:
@@ -61,9 +64,20 @@ def sample_loss_of(model: LoadedModel, loss_name: str, gamma: float) -> SampleLo
         def forward(x: torch.Tensor) -> torch.Tensor:
             return functional_call(module, (params, buffers), (x.unsqueeze(0), *rest)).squeeze(0)
 
-        return loss.fn(forward, sample, gamma)
+        with switch():
+            return loss.fn(forward, sample, gamma)
 
     return sample_loss
+
+
+def _without_cudnn() -> contextlib.AbstractContextManager[None]:
+    """cuDNN's recurrent kernels differentiate only in training mode and read raw data pointers,
+    which torch.func's gradient tensors do not have: on CUDA the loop route runs stock recurrent
+    layers on torch's own kernels. The switch is process-wide, so while a loop-route job runs,
+    other worker threads' convolutions on CUDA run without cuDNN too (same results, slower)."""
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(enabled=False, benchmark=cudnn.benchmark,  # the rest as they are
+                       deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32)
 
 
 def _build(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:

@@ -71,8 +71,9 @@ def test_large_answers_land_in_their_arrays_and_match_the_per_sample_loop(url: s
         assert sum(g.nbytes for g in got.grads.values()) > 3 << 20
         assert list(got.grads) == list(want.grads)
         for k, g in want.grads.items():
-            np.testing.assert_allclose(got.grads[k], g.numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
-        np.testing.assert_allclose(got.norms, want.norms.numpy(), rtol=1e-4)
+            np.testing.assert_allclose(got.grads[k], g.cpu().numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=k)
+        np.testing.assert_allclose(got.norms, want.norms.cpu().numpy(), rtol=1e-4)
 
 
 async def test_the_async_sdk_over_http(url: str) -> None:

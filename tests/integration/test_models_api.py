@@ -269,11 +269,12 @@ async def test_stock_recurrent_layers_take_the_loop_route(request: pytest.Fixtur
     async with serve() as client:
         response = await client.post("/per-sample-grads", headers=USER, json={
             "model": "stock-gru", "inputs": x.tolist(), "targets": y.tolist(),
-            "outputs": ["grads", "norms"]})
+            "outputs": ["grads", "norms"], "verify": 2})
         assert response.status_code == 200, response.text
         state = await _weights(client, "stock-gru")
     body = response.json()
     assert body["meta"]["route"] == "loop"
+    assert len(body["meta"]["verify"]["samples"]) == 2  # the loop checked the loop route too
     reference = StockGRU().build({})
     reference.load_state_dict(state)
     loop = per_sample_loop(reference, {"inputs": x, "targets": y}, case.loss)

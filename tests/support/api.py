@@ -120,7 +120,7 @@ def in_process(doc: dict[str, Any], registry: ModelRegistry | None = None) -> di
 def _np(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _np(v) for k, v in value.items()}
-    return value.detach().numpy()
+    return value.detach().cpu().numpy()
 
 
 def assert_outputs(got: dict[str, Any], want: dict[str, Any], *, exact: bool = False) -> None:

@@ -132,8 +132,11 @@ def per_sample_loop(
             named[name].copy_(value)
     wanted = list(params or named)
     chosen = [named[k] for k in wanted]
-    fields = {k: v for k, v in data.items() if v is not None and not isinstance(v, Mapping)}
-    named = dict(data["inputs"]) if isinstance(data["inputs"], Mapping) else {}
+    device = next(module.parameters()).device  # the batch goes where the module is
+    fields = {k: torch.as_tensor(v).to(device) for k, v in data.items()
+              if v is not None and not isinstance(v, Mapping)}
+    named = ({k: torch.as_tensor(v).to(device) for k, v in data["inputs"].items()}
+             if isinstance(data["inputs"], Mapping) else {})
     if named:
         fields["inputs"] = named.pop(next(iter(named)))
     grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}

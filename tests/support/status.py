@@ -31,7 +31,7 @@ def reference_norms(doc: dict[str, Any], registry: ModelRegistry | None = None) 
     """Each sample's gradient norm from the per-sample loop (tests/support/reference.py)."""
     parsed = parse_request(decode_json_body(doc, max_elements=1 << 24),
                            registry or ModelRegistry())
-    norms = loop_of(parsed.model, parsed.batch, parsed.opts).norms.double().numpy()
+    norms = loop_of(parsed.model, parsed.batch, parsed.opts).norms.double().cpu().numpy()
     edges = np.asarray(NORM_EDGES)  # none so close to an edge that rounding could move it
     assert np.abs(norms[:, None] / edges[None, :] - 1).min() > 1e-4
     return norms

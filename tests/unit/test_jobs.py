@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from service.api import create_app
 from service.broker.embedded import EmbeddedBroker
@@ -88,3 +89,21 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
     assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
     assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "failed"}) is None
     assert state.status is JobStatus.CANCELED and state.error is None and state.result is None
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_worker_lets_cuda_use_tf32_only_when_asked(allowed: bool) -> None:
+    """PSGRAD_ALLOW_TF32 (off by default): a worker sets torch's two TF32 switches as told before
+    its first job, so CUDA answers are float32's unless an operator trades digits for speed."""
+    assert settings().allow_tf32 is False
+    was = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = not allowed
+    stop = threading.Event()
+    stop.set()  # run sets up, then returns before taking anything
+    try:
+        s = settings(workers=0, allow_tf32=allowed)
+        Worker(EmbeddedBroker(s), ModelRegistry(), s, WorkerMetrics()).run(stop)
+        assert torch.backends.cudnn.allow_tf32 is allowed
+        assert torch.backends.cuda.matmul.allow_tf32 is allowed
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = was
