@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, parts_size, safetensors_parts
@@ -34,22 +34,13 @@ from service.broker.redis import (
     value_limit,
 )
 from service.broker.redis_answer import AnswerWriter
+from service.broker.redis_intake import Entry, StreamIntake
 from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, RETRY_LUA, START_LUA
 from service.config import Settings
 from service.connections import connection_kwargs
-from service.jobs import Job, JobStatus, batch_until
+from service.jobs import Job, JobStatus
 
 log = logging.getLogger(__name__)
-
-Entry = tuple[str, str, int]  # stream entry id, job id, samples
-GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers
-
-
-def _entry_time(entry_id: str) -> float:
-    """When an entry was added (epoch seconds): its id starts with Redis's clock in ms."""
-    ms, _, _ = entry_id.partition("-")
-    return int(ms) / 1000.0 if ms.isdigit() else time.time()
-
 
 def script_in(pipe: Any, lua: str, keys_: list[str], args: list[Any]) -> None:
     """Queue a script on a pipeline as EVAL of its text (Redis caches it by its hash).
@@ -86,12 +77,8 @@ class RedisJobSource:
         self.max_value_bytes: int | None = None
         self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit() // 2)
         self._retry = self.r.register_script(RETRY_LUA)
+        self.intake = StreamIntake(self.r, settings, self.stream, self.name)
         self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
-        self._held: set[str] = set()  # entry ids this worker holds (buffered or in a batch)
-        self._buffer: list[Entry] = []  # read but over the batch limits: next take starts here
-        self._lock = threading.Lock()
-        self._group_ready = False
-        self._autoclaim_at = 0.0
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -120,11 +107,10 @@ class RedisJobSource:
     def requeue_buffered(self) -> None:
         """Hand back jobs read but not started (on shutdown): queued again at once, not after
         the visibility timeout. Their delivery was not counted as an attempt."""
-        buffered, self._buffer = self._buffer, []
-        for entry_id, job_id, n in buffered:
+        for entry_id, job_id, n in self.intake.take_buffered():
             self._call(self._retry, keys=[keys.job_state(self.prefix, job_id), self.stream],
                        args=[keys.STREAM_GROUP, entry_id, "", job_id, n])
-            self._release([entry_id])
+            self.intake.release([entry_id])
 
     def unreachable_for(self) -> float:
         """Seconds since Redis last failed a call with none succeeding since; 0 when fine."""
@@ -135,8 +121,7 @@ class RedisJobSource:
         """Write the heartbeat that ``/readyz`` reads (and the status ``/status`` reads), and
         refresh the claim on held jobs."""
         ttl = keys.heartbeat_ttl_s(self.settings.heartbeat_s)
-        with self._lock:
-            held: list[Any] = list(self._held)
+        held: list[Any] = self.intake.held()
         pipe = self.r.pipeline(transaction=False)
         pipe.set(keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
         pipe.sadd(keys.worker_names(self.prefix), self.name)
@@ -185,13 +170,13 @@ class RedisJobSource:
 
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
              block_s: float) -> list[Job]:
-        entries = self._call(self._gather, max_jobs, max_samples, max_delay_s, block_s)
+        entries = self._call(self.intake.gather, max_jobs, max_samples, max_delay_s, block_s)
         if entries is None:
             self._stop.wait(min(block_s, 0.5))  # Redis down: do not spin
             return []
         jobs = self._call(self._load, entries)
         if jobs is None:  # entries stay pending here and are taken over after the timeout
-            self._release([e[0] for e in entries])
+            self.intake.release([e[0] for e in entries])
             return []
         return jobs
 
@@ -261,85 +246,6 @@ class RedisJobSource:
             return value_limit(self.r.config_get("proto-max-bulk-len"))
         except RedisError:  # CONFIG disabled, or Redis not up yet: the default
             return keys.DEFAULT_MAX_VALUE_BYTES
-
-    def _ensure_group(self) -> None:
-        if self._group_ready:
-            return
-        try:  # from id 0: jobs queued before any worker existed are read too
-            self.r.xgroup_create(self.stream, keys.STREAM_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._group_ready = True
-
-    def _read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries; ``block_ms`` None: only those already there (no wait)."""
-        block = None if block_ms is None else max(1, block_ms)
-        try:
-            reply: Any = self.r.xreadgroup(keys.STREAM_GROUP, self.name, {self.stream: ">"},
-                                           count=count, block=block)
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self._group_ready = False  # Redis lost its data (restart without persistence)
-            self._ensure_group()
-            return []
-        return [self._entry(eid, f) for _, msgs in reply or [] for eid, f in msgs if f]
-
-    @staticmethod
-    def _entry(eid: Any, fields: dict[Any, Any]) -> Entry:
-        f = {text(k): text(v) for k, v in fields.items()}
-        return text(eid), f.get("id", ""), int(f.get("n", "1"))
-
-    def _autoclaim(self, count: int) -> list[Entry]:
-        """Jobs pending longer than the visibility timeout (their worker died): ours now."""
-        now = time.monotonic()
-        vis = self.settings.visibility_timeout_s
-        if now < self._autoclaim_at:
-            return []
-        self._autoclaim_at = now + max(0.05, min(1.0, vis / 2))
-        reply: Any = self.r.xautoclaim(self.stream, keys.STREAM_GROUP, self.name,
-                                       int(vis * 1000), "0-0", count=count)
-        claimed = reply[1]
-        with self._lock:
-            held = set(self._held)
-        return [self._entry(eid, f) for eid, f in claimed
-                if f and text(eid) not in held]
-
-    def _gather(self, max_jobs: int, max_samples: int, max_delay_s: float,
-                block_s: float) -> list[Entry]:
-        self._ensure_group()
-        got = self._buffer
-        self._buffer = []
-        got += self._autoclaim(max_jobs)
-        if not got:
-            got = self._read(max_jobs, None)  # what queued while this worker was busy
-        busy = bool(got)
-        if not got:
-            got = self._read(max_jobs, int(block_s * 1000))
-        if got:
-            until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
-            while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
-                   and (left := until - time.time()) > 0):
-                # Poll rather than BLOCK for the few ms left: Redis times a blocked read out
-                # at its next cron tick (up to 100 ms at the default hz 10), not after the ms
-                # asked for, so each window that ended without a newcomer stalled the batch.
-                more = self._read(max_jobs - len(got), None)
-                if more:
-                    got += more
-                else:
-                    time.sleep(min(left, GATHER_POLL_S))
-        batch: list[Entry] = []
-        samples = 0
-        for i, entry in enumerate(got):  # at least one job, however large
-            if batch and (len(batch) >= max_jobs or samples + entry[2] > max_samples):
-                self._buffer = got[i:]
-                break
-            batch.append(entry)
-            samples += entry[2]
-        with self._lock:
-            self._held.update(e[0] for e in got)
-        return batch
 
     def _load(self, entries: list[Entry]) -> list[Job]:
         """Count the attempt, read state and payload; end poison, expired and canceled jobs."""
@@ -441,8 +347,4 @@ class RedisJobSource:
     def _forget(self, job_id: str) -> None:
         entry = self._entries.pop(job_id, None)
         if entry is not None:
-            self._release([entry[0]])
-
-    def _release(self, entry_ids: list[str]) -> None:
-        with self._lock:
-            self._held.difference_update(entry_ids)
+            self.intake.release([entry[0]])
