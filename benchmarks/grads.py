@@ -7,13 +7,14 @@ The ``grads`` output only, in one process, for compare.py's cases (the same seed
 method code, from ``compare_methods``): each method is prepared and called once, then timed in
 rounds that interleave the methods so that they share the machine's load alike. After each call
 the process hands freed memory back (``malloc_trim``, untimed), so every call pays its own page
-faults, as in compare.py. Prints each method's median, its time divided by vmap's in the same
-round (the median of those ratios, which a shared machine's changing load moves less than the
-times) and its median user CPU time (all threads; what the load moves least, though threads
-that spin waiting for each other count too; the system time of the page faults, which swings
-the most on a shared virtual machine, is left out). compare.py is the full comparison (peak
-memory, agreement with the per-sample loop, every method and output); this is the quick check
-of the grads path, and with ``versus.py --head-script`` an A/B of it against another revision.
+faults, as in compare.py. Prints each method's median, its time divided by vmap's and by
+BackPACK's in the same round (the medians of those ratios, which a shared machine's changing
+load moves less than the times) and its median user CPU time (all threads; what the load moves
+least, though threads that spin waiting for each other count too; the system time of the page
+faults, which swings the most on a shared virtual machine, is left out). compare.py is the full
+comparison (peak memory, agreement with the per-sample loop, every method and output); this is
+the quick check of the grads path, and with ``versus.py --head-script`` an A/B of it against
+another revision.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def _trim() -> None:
 
 
 def bench(case: cm.Case, rounds: int, device: torch.device
-          ) -> list[tuple[str, str, float, float, float]]:
-    """(case, method, median ms, median ratio to vmap, median user CPU ms) for each method that
-    applies; on CUDA each call is timed to the end of its kernels."""
+          ) -> list[tuple[str, str, float, float, float | None, float]]:
+    """(case, method, median ms, median ratio to vmap and to BackPACK (None where BackPACK
+    does not apply), median user CPU ms) for each method that applies; on CUDA each call is
+    timed to the end of its kernels."""
     s = cm.setup(case, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     calls = {}
@@ -77,10 +79,16 @@ def bench(case: cm.Case, rounds: int, device: torch.device
             _trim()
     rows = []
     for method, ts in times.items():
-        ratio = statistics.median(t / v for t, v in zip(ts, times["vmap"], strict=True))
-        rows.append((case.label, method, 1000 * statistics.median(ts), ratio,
+        to_backpack = paired(ts, times["backpack"]) if "backpack" in times else None
+        rows.append((case.label, method, 1000 * statistics.median(ts),
+                     paired(ts, times["vmap"]), to_backpack,
                      1000 * statistics.median(user[method])))
     return rows
+
+
+def paired(ts: list[float], others: list[float]) -> float:
+    """The median of the per-round ratios: what a shared machine's changing load moves least."""
+    return statistics.median(t / o for t, o in zip(ts, others, strict=True))
 
 
 def main() -> int:
@@ -99,12 +107,14 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + "\n",
           file=sys.stderr)
-    print("| case | method | median ms | ÷ vmap | user ms |\n|---|---|---:|---:|---:|")
+    print("| case | method | median ms | ÷ vmap | ÷ BackPACK | user ms |\n"
+          "|---|---|---:|---:|---:|---:|")
     for text in args.cases.split(","):
         arch, batch = text.split(":")
-        for case, method, ms, ratio, cpu_ms in bench(cm.Case(arch, int(batch)), args.rounds,
-                                                     torch.device(args.device)):
-            print(f"| {case} | {method} | {ms:.1f} | {ratio:.2f} | {cpu_ms:.1f} |", flush=True)
+        for case, method, ms, *ratios, cpu_ms in bench(cm.Case(arch, int(batch)), args.rounds,
+                                                       torch.device(args.device)):
+            cells = " | ".join("" if r is None else f"{r:.2f}" for r in ratios)
+            print(f"| {case} | {method} | {ms:.1f} | {cells} | {cpu_ms:.1f} |", flush=True)
     return 0
 
 
