@@ -135,16 +135,16 @@ def per_sample_loop(
     device = next(module.parameters()).device  # the batch goes where the module is
     fields = {k: torch.as_tensor(v).to(device) for k, v in data.items()
               if v is not None and not isinstance(v, Mapping)}
-    named = ({k: torch.as_tensor(v).to(device) for k, v in data["inputs"].items()}
-             if isinstance(data["inputs"], Mapping) else {})
-    if named:
-        fields["inputs"] = named.pop(next(iter(named)))
+    by_name = ({k: torch.as_tensor(v).to(device) for k, v in data["inputs"].items()}
+               if isinstance(data["inputs"], Mapping) else {})
+    if by_name:
+        fields["inputs"] = by_name.pop(next(iter(by_name)))
     grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
     value_grads: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
     losses, aux = [], []
     for i in range(len(fields["inputs"])):
         sample = {k: v[i : i + 1] for k, v in fields.items()}
-        rest = [v[i : i + 1] for v in named.values()]
+        rest = [v[i : i + 1] for v in by_name.values()]
         value, extra = LOSSES[loss](lambda x, rest=rest: module(x, *rest), sample, gamma)
         _append(grads, chosen, torch.autograd.grad(value, chosen, allow_unused=True))
         if loss == "td0":

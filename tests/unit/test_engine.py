@@ -430,3 +430,22 @@ def test_joined_batches_are_their_samples_one_after_another() -> None:
         assert torch.equal(getattr(joined, name), torch.cat([getattr(a, name), getattr(b, name)]))
     assert torch.equal(joined.named["extra"], torch.cat([a.named["extra"], b.named["extra"]]))
     assert Batch.joined([a]) is a
+
+
+def test_the_loop_routes_cudnn_switch_keeps_torchs_other_cudnn_settings() -> None:
+    """On CUDA the loop route runs stock recurrent layers with cuDNN off (its recurrent kernels
+    cannot be differentiated by torch.func, nor in eval mode); the switch must leave the other
+    cuDNN settings as the operator set them, during the call and after it."""
+    from service.strategies.per_sample import _without_cudnn
+
+    cudnn = torch.backends.cudnn
+    was = cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32
+    cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = True, True, True, False
+    try:
+        with _without_cudnn():
+            assert not cudnn.enabled
+            assert (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == (True, True, False)
+        assert (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == (
+            True, True, True, False)
+    finally:
+        cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = was
