@@ -26,7 +26,7 @@ from service.config import Settings
 from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
 from service.registry import make_registry
 from tests.support.cluster import check_answer, cluster, env_of, job_done
-from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
+from tests.support.redis import SHARED_URL, OwnRedis, prefix_on, redis_or_skip
 
 RESULT = {"model": "x", "grads": {"w": np.arange(300_000, dtype=np.float32)},
           "norms": np.ones(4, np.float32)}
@@ -291,3 +291,35 @@ def test_a_refused_piece_raises_and_leaves_no_unread_replies(
         assert source.r.echo(f"after {i}") == f"after {i}".encode()
     shared.delete(writer.key)
     source.close()
+
+
+async def test_answers_over_a_unix_socket_are_read_by_the_plain_socket_reader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``unix://`` Redis URL (api, workers and Redis on one host): large answers still go
+    through :class:`RawStreamReader`, over the socket file, not redis-py's slower parser."""
+    path = tmp_path / "redis.sock"
+    own = OwnRedis(tmp_path, "--unixsocket", str(path), "--unixsocketperm", "700")
+    own.start()
+    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", 0)
+    opened: list[bool] = []
+    open_reader = redis_answer.RawStreamReader.open
+
+    def spy(client: Any) -> redis_answer.RawStreamReader | None:
+        reader = open_reader(client)
+        opened.append(reader is not None)
+        return reader
+
+    monkeypatch.setattr(redis_answer.RawStreamReader, "open", spy)
+    settings = Settings(redis_url=f"unix://{path}", redis_prefix="unix-test", result_ttl_s=30)
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    try:
+        jobs = await answered(broker, source, 2)
+        for j in jobs:
+            read = await read_answer((await broker.state(j.id)).answer)  # type: ignore[arg-type]
+            np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
+            np.testing.assert_array_equal(read["norms"], RESULT["norms"])
+        assert opened == [True, True]
+    finally:
+        source.close()
+        await broker.close()
+        own.kill()
