@@ -48,6 +48,7 @@ from batching import URL, free_port, serve, start, stop, wait_ready
 import psgrad
 from psgrad._wire import RESPONSE_KEY, parts_size, safetensors_parts
 from service import engine
+from service.answer_fields import to_wire
 from service.registry import ModelRegistry, set_tf32
 from service.validate import parse_request
 
@@ -66,8 +67,7 @@ def in_process(registry: ModelRegistry, request: dict[str, Any]) -> Callable[[],
     def run() -> Any:
         parsed = parse_request(request, registry)
         out = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
-        return {k: ({p: t.detach().cpu().numpy() for p, t in v.items()} if isinstance(v, dict)
-                    else v.detach().cpu().numpy()) for k, v in out.items() if k != "meta"}
+        return {k: to_wire(v) for k, v in out.items() if k != "meta"}
 
     return run
 

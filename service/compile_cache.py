@@ -127,7 +127,7 @@ class CompiledFunctions:
     def signature(self, model: Any, loss: str, gamma: float, selected: Tensors,
                   piece: Tensors) -> str:
         """Everything the compiled code depends on; weights are arguments, so not them."""
-        device = next(iter(model.params.values())).device
+        device = model.device
         device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                        else device.type)
         parts = [torch.__version__, device_name, model.structure or model.ref, loss,

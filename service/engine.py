@@ -79,7 +79,7 @@ def lock_for(model: LoadedModel) -> threading.Lock:
 def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[int], *,
             budget_bytes: int = 1 << 30, compiled: CompiledFunctions | None = None) -> Call:
     """The call a strategy sees: per-call weights applied, every tensor on the model's device."""
-    device = next(iter(model.params.values())).device
+    device = model.device
     weights = {k: v.to(device, model.dtype) for k, v in batch.weights.items()}
     return Call(
         model=model,

@@ -88,6 +88,10 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
     def describe(self) -> dict[str, Any]:
         """The document of ``GET /models/{id}``; parameters in the module's own order."""
         return {

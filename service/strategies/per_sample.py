@@ -41,7 +41,7 @@ def warm_up() -> None:
 
 def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:
     """``(selected, other_params, buffers, samples) -> (grads, (losses, aux))`` over a batch."""
-    key = (model.structure or model.ref, str(next(iter(model.params.values())).device),
+    key = (model.structure or model.ref, str(model.device),
            model.dtype, loss_name, gamma, model.route)
     return FUNCTIONS.get_or_make(key, lambda: _build(model, loss_name, gamma))
 
@@ -53,7 +53,7 @@ def sample_loss_of(model: LoadedModel, loss_name: str, gamma: float) -> SampleLo
     loss = get_loss(loss_name)
     module = model.module
     named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
-    on_cuda = next(iter(model.params.values())).is_cuda
+    on_cuda = model.device.type == "cuda"
     switch = _without_cudnn if model.route == "loop" and on_cuda else contextlib.nullcontext
 
     def sample_loss(selected: Tensors, others: Tensors, buffers: Tensors,
