@@ -223,7 +223,7 @@ CPU_OF = ("clients", "api", "worker", "redis")
 async def throughput(base: str, seconds: float, pids: dict[str, int | None], kind: str
                      ) -> tuple[float, float, dict[str, float]]:
     """Requests per second of CLIENTS closed-loop clients, the mean jobs per engine call, and
-    the CPU milliseconds per request of each process in ``pids`` (None: this one, the clients).
+    the CPU milliseconds per request of each process in ``pids`` (None: not measurable).
     """
     bodies = [body(i) for i in range(CLIENTS)]
     done = 0
@@ -241,11 +241,11 @@ async def throughput(base: str, seconds: float, pids: dict[str, int | None], kin
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
         posts = [poster(base, data, kind, http) for data in bodies]
         await asyncio.gather(*(post() for post in posts))  # warm up, connections open
-        before = {name: cpu_s(pid) if pid else time.process_time() for name, pid in pids.items()}
+        before = {name: cpu_s(pid) for name, pid in pids.items()}
         started = time.monotonic()
         await asyncio.gather(*(client(post) for post in posts))
         elapsed = time.monotonic() - started
-        after = {name: cpu_s(pid) if pid else time.process_time() for name, pid in pids.items()}
+        after = {name: cpu_s(pid) for name, pid in pids.items()}
         for post in posts:
             if isinstance(getattr(post, "__self__", None), RawClient):
                 await post.__self__.close()  # type: ignore[attr-defined]
@@ -300,7 +300,7 @@ async def main() -> None:
                                torch_threads=args.torch_threads, **redis_settings)
                 try:
                     await ready(base)
-                    pids = {"clients": None, "api": api.pid, "worker": worker.pid,
+                    pids = {"clients": os.getpid(), "api": api.pid, "worker": worker.pid,
                             "redis": redis_pid(url)}
                     rate, jobs, used = await throughput(base, args.seconds, pids, args.client)
                     rates[mode].append(rate)

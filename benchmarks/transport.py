@@ -30,6 +30,7 @@ time then includes copying its answer to host memory, which every server pays as
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import sys
@@ -43,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
-from batching import URL, free_port, serve, start, stop, wait_ready
+from batching import URL, cpu_s, free_port, redis_pid, serve, start, stop, wait_ready
 
 import psgrad
 from psgrad._wire import RESPONSE_KEY, parts_size, safetensors_parts
@@ -54,6 +55,8 @@ from service.validate import parse_request
 
 METHODS = ("engine", "floor", "embedded", "redis-1", "redis-2")
 GOALS = {"embedded": 1.5, "redis-1": 2.5, "redis-2": 2.5}
+CROSSINGS = {"embedded": 1, "redis-1": 3, "redis-2": 3}  # sockets an answer's bytes cross
+Processes = dict[str, list[int | None]]  # a role (client, api, workers, redis) -> its pids
 
 
 def fields(output: str, batch: int) -> dict[str, Any]:
@@ -76,8 +79,8 @@ class Floor:
     """One loopback transfer of ``size`` bytes into a preallocated buffer, per call."""
 
     def __init__(self, size: int) -> None:
-        self.payload = memoryview(np.ones(size, np.uint8))
-        self.buffer = memoryview(np.empty(size, np.uint8))
+        self.payload = np.ones(size, np.uint8).data
+        self.buffer = np.empty(size, np.uint8).data
 
     def __call__(self) -> None:
         with socket.create_server(("127.0.0.1", 0)) as server:
@@ -132,16 +135,22 @@ def main() -> None:
     prefixes = [f"psgrad-bench-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     procs = []
     urls: dict[str, str] = {}
+    me: Processes = {"client": [os.getpid()]}
+    pids: dict[str, Processes] = {"engine": me, "floor": me}
     try:
         port = free_port()
         procs.append(serve(port, workers=1, device=args.device))
         urls["embedded"] = f"http://127.0.0.1:{port}"
+        pids["embedded"] = {**me, "api": [procs[-1].pid]}
         for name, prefix, n in (("redis-1", prefixes[0], 1), ("redis-2", prefixes[1], 2)):
             port = free_port()
             settings = {"redis_url": URL, "redis_prefix": prefix, "device": args.device}
-            procs.append(serve(port, **settings))
-            procs += [start(["worker", "--device", args.device], **settings) for _ in range(n)]
+            api = serve(port, **settings)
+            workers = [start(["worker", "--device", args.device], **settings) for _ in range(n)]
+            procs += [api, *workers]
             urls[name] = f"http://127.0.0.1:{port}"
+            pids[name] = {**me, "api": [api.pid], "workers": [w.pid for w in workers],
+                          "redis": [redis_pid(URL)]}
         for url in urls.values():
             wait_ready(url)
         clients = {name: psgrad.Client(url, timeout=900) for name, url in urls.items()}
@@ -162,10 +171,15 @@ def main() -> None:
             case: {m: [] for m in METHODS} for case in runs}
         beyond: dict[tuple[str, int], dict[str, list[float]]] = {
             case: {m: [] for m in GOALS} for case in runs}
+        cpu: dict[tuple[str, int], dict[str, list[dict[str, float]]]] = {
+            case: {m: [] for m in METHODS} for case in runs}
         for rep in range(args.repeats):
             for case, methods in runs.items():
                 for method, fn in methods.items():
+                    before = cpu_ms(pids[method])
                     elapsed, wire = timed(fn)
+                    after = cpu_ms(pids[method])
+                    cpu[case][method].append({k: after[k] - v for k, v in before.items()})
                     times[case][method].append(elapsed)
                     if wire is not None:
                         beyond[case][method].append(wire)
@@ -186,6 +200,7 @@ def main() -> None:
     print(f"device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
     report(times, beyond, sizes, args.repeats)
+    report_cpu(cpu, times)
 
 
 def report(times: dict[tuple[str, int], dict[str, list[float]]],
@@ -221,6 +236,44 @@ def report(times: dict[tuple[str, int], dict[str, list[float]]],
                  for v in per.values()]
         print(f"| {output} B={batch} | {floor:.0f} | " + " | ".join(cells) + " |")
 
+
+
+def cpu_ms(processes: Processes) -> dict[str, float]:
+    """CPU milliseconds so far of each role's processes (a pid of None: not measurable)."""
+    return {role: 1e3 * sum(cpu_s(pid) for pid in group) for role, group in processes.items()}
+
+
+def report_cpu(cpu: dict[tuple[str, int], dict[str, list[dict[str, float]]]],
+               times: dict[tuple[str, int], dict[str, list[float]]]) -> None:
+    """CPU per call of every process that took part, and the least time the sockets allow.
+
+    Each socket an answer crosses costs at least what the floor's one transfer of the same
+    bytes costs in CPU (the kernel copies it in and out). Spread over every core of this host,
+    ``crossings x floor CPU / cores`` is the least wall time the crossings alone can take,
+    before any framing, Redis's own copies or Python: a goal below it cannot be met on this
+    host without moving fewer bytes or crossing fewer sockets.
+    """
+    cores = len(os.sched_getaffinity(0))
+    print()
+    print("CPU per call, median ms, by process; the least wall time of the answer's socket "
+          f"crossings (each costs the floor's CPU) on this host's {cores} cores, in floors")
+    print("| case | method | client | api | workers | redis | total | crossings | least |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for (output, batch), per in cpu.items():
+        if output != "grads":
+            continue
+        floor = statistics.median(times[(output, batch)]["floor"]) * 1e3
+        floor_cpu = statistics.median(sum(c.values()) for c in per["floor"])
+        for method in ("engine", "floor", *GOALS):
+            calls = per[method]
+            med = {role: statistics.median(c[role] for c in calls) for role in calls[0]}
+            total = statistics.median(sum(c.values()) for c in calls)
+            cells = [f"{med[role]:.0f}" if role in med else "" for role in
+                     ("client", "api", "workers", "redis")]
+            n = CROSSINGS.get(method)
+            least = f"{n} | {n * floor_cpu / cores / floor:.1f}" if n else " | "
+            print(f"| grads B={batch} | {method} | " + " | ".join(cells)
+                  + f" | {total:.0f} | {least} |")
 
 if __name__ == "__main__":
     main()
