@@ -15,7 +15,9 @@ interleaved run times:
 Medians per case and method, and the goals: embedded <= engine + 1.5 x floor, Redis <= engine +
 2.5 x floor. A second table subtracts from each HTTP call the server's own queue and compute
 time (the answer's ``timing``): on a shared machine the engine's time varies by a factor of two
-between calls, which the first table's differences inherit. Needs Redis at PSGRAD_REDIS_URL
+between calls, which the first table's differences inherit. A third gives the CPU each process
+(client, api, workers, Redis) spent per call, read from ``/proc``, and the least time the
+answer's socket crossings can take on this host's cores. Needs Redis at PSGRAD_REDIS_URL
 (default the local one; keys under a fresh prefix, deleted at the end) and about 10 GB of free
 memory for the B=256 case (each client keeps the memory of its last answers to read the next
 into). A shared 2-core machine: the figures are noisy, read the ratios.
@@ -235,7 +237,6 @@ def report(times: dict[tuple[str, int], dict[str, list[float]]],
         cells = [f"{statistics.median(v) * 1e3:.0f} ({statistics.median(v) * 1e3 / floor:.1f})"
                  for v in per.values()]
         print(f"| {output} B={batch} | {floor:.0f} | " + " | ".join(cells) + " |")
-
 
 
 def cpu_ms(processes: Processes) -> dict[str, float]:
