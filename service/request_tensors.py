@@ -47,9 +47,26 @@ def _array(value: Any, name: str) -> np.ndarray:
     return value
 
 
+# torch dtypes numpy has too: a request's arrays are cast and checked there
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32,
+                 torch.float64: np.float64, torch.int64: np.int64}
+
+
 def _to_tensor(arr: np.ndarray, dtype: torch.dtype, name: str) -> torch.Tensor:
-    t = torch.tensor(np.asarray(arr, order="C")).to(dtype)  # ascontiguousarray makes 0-d 1-d
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    """A C-ordered copy of ``arr`` in ``dtype``, refused when a float in it is not finite after
+    the cast (a float64 beyond float32's range becomes inf). Cast and checked in numpy where it
+    has the dtype: on a request's small arrays torch's conversion and check took five times as
+    long (a seventh of the worker thread's work in a DP-SGD step of a small MLP)."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:  # bfloat16: numpy has no such dtype
+        t = torch.tensor(np.asarray(arr, order="C")).to(dtype)
+        finite = not t.is_floating_point() or bool(torch.isfinite(t).all())
+    else:
+        with np.errstate(over="ignore"):  # an overflow becomes inf, refused below
+            copy = np.array(arr, dtype=np_dtype, order="C")
+        finite = copy.dtype.kind != "f" or bool(np.isfinite(copy).all())
+        t = torch.from_numpy(copy)
+    if not finite:
         raise NonFinite(f"'{name}' contains NaN or infinity")
     return t
 

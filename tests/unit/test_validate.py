@@ -269,6 +269,22 @@ def test_non_finite_inputs_and_weights(registry: ModelRegistry, bad: float) -> N
     )
 
 
+def test_values_beyond_the_model_dtype_are_refused_after_the_cast(registry: ModelRegistry) -> None:
+    """float64 numbers (as JSON sends them) are cast to the model's float32: one too large for it
+    becomes inf there and is refused; the others arrive cast, C-ordered and owned."""
+    too_large = np.array([0.2, 1e300, 0.1])
+    refused(registry, {**TD0, "weights": {"theta": too_large}}, NonFinite, "weights.theta")
+    sent = np.array([[0.2, 0.3], [0.5, 0.7], [0.1, 0.4]]).T[0]  # a strided float64 view
+    parsed = parse(registry, {**TD0, "weights": {"theta": sent}})
+    theta = parsed.batch.weights["theta"]
+    assert theta.dtype == torch.float32 and theta.is_contiguous()
+    assert theta.tolist() == [np.float32(v) for v in sent]
+    own = np.array([0.2, 0.5, 0.1], np.float32)  # already the model's dtype and C-ordered
+    theta = parse(registry, {**TD0, "weights": {"theta": own}}).batch.weights["theta"]
+    own[0] = 9.0  # the tensor is a copy all the same: the request's buffer may be reused
+    assert theta[0].item() == np.float32(0.2)
+
+
 # ------------------------------------------------------------------ weights
 
 
