@@ -91,7 +91,7 @@ def sample_inputs(value: Any, model: LoadedModel, name: str,
         high = spec.high or 2**62
         if arr.size and (arr.min() < 0 or arr.max() >= high):
             raise InvalidInput(f"'{name}' holds token ids outside [0, {high})")
-        return torch.tensor(arr.astype(np.int64))
+        return _to_tensor(arr, torch.int64, name)
     if arr.dtype.kind not in "iuf":
         raise DtypeMismatch(f"'{name}' has dtype {arr.dtype}; '{model.id}' takes {spec.dtype}")
     if arr.dtype.kind == "f" and arr.dtype.itemsize > torch.finfo(model.dtype).bits // 8:
@@ -161,7 +161,7 @@ def token_targets(value: Any, model: LoadedModel, batch: Batch) -> torch.Tensor:
                             f"{length}]; got {arr.dtype} {list(arr.shape)}")
     if arr.size and (arr.min() < 0 or arr.max() >= vocab):
         raise TargetOutOfRange(f"'targets' must be token ids in [0, {vocab})", classes=vocab)
-    return torch.tensor(arr.astype(np.int64))
+    return _to_tensor(arr, torch.int64, "targets")
 
 
 def _sequence_length(model: LoadedModel, batch: Batch) -> int:
@@ -183,7 +183,7 @@ def mask_of(value: Any, batch: Batch, model: LoadedModel) -> torch.Tensor:
             not np.isin(arr, (0, 1)).all():
         raise InvalidInput(f"'mask' must hold 0 or 1 per target token, shape "
                            f"{list(want or ())}; got {list(arr.shape)}")
-    return torch.tensor(arr.astype(np.float64)).to(model.dtype)
+    return _to_tensor(arr, model.dtype, "mask")
 
 
 def targets_of(value: Any, model: LoadedModel, classification: bool, size: int) -> torch.Tensor:
@@ -206,7 +206,7 @@ def targets_of(value: Any, model: LoadedModel, classification: bool, size: int) 
                 f"'targets' must be class indices in [0, {n_classes}) for '{model.id}'; got "
                 f"values from {int(arr.min())} to {int(arr.max())}", classes=n_classes,
             )
-        return torch.tensor(arr.astype(np.int64))
+        return _to_tensor(arr, torch.int64, "targets")
     want = (size, *model.output_shape)
     if math.prod(arr.shape) != math.prod(want) or (arr.ndim > 1 and tuple(arr.shape) != want):
         raise ShapeMismatch(f"'targets' has shape {list(arr.shape)}; '{model.id}' outputs "
