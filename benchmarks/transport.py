@@ -272,9 +272,9 @@ def report_cpu(cpu: dict[tuple[str, int], dict[str, list[dict[str, float]]]],
             cells = [f"{med[role]:.0f}" if role in med else "" for role in
                      ("client", "api", "workers", "redis")]
             n = CROSSINGS.get(method)
-            least = f"{n} | {n * floor_cpu / cores / floor:.1f}" if n else " | "
-            print(f"| grads B={batch} | {method} | " + " | ".join(cells)
-                  + f" | {total:.0f} | {least} |")
+            least = [str(n), f"{n * floor_cpu / cores / floor:.1f}"] if n else ["", ""]
+            print("| " + " | ".join([f"grads B={batch}", method, *cells, f"{total:.0f}", *least])
+                  + " |")
 
 if __name__ == "__main__":
     main()
