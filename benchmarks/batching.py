@@ -198,10 +198,14 @@ def redis_pid(url: str) -> int | None:
         client.close()
 
 
-def private_redis() -> tuple[subprocess.Popen[bytes], str]:
+def private_redis(aof_dir: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A ``redis-server`` of this benchmark's own on a free port: no persistence, or with
+    ``aof_dir`` an append-only file there (``appendfsync everysec``), as docker-compose.yml runs
+    Redis."""
     port = free_port()
+    persist = ["--appendonly", "yes", "--dir", aof_dir] if aof_dir else ["--appendonly", "no"]
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"],
+                             "--save", "", *persist],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     import redis

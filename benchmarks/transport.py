@@ -18,12 +18,15 @@ time (the answer's ``timing``): on a shared machine the engine's time varies by 
 between calls, which the first table's differences inherit. A third gives the CPU each process
 (client, api, workers, Redis) spent per call, read from ``/proc``, and the least time the
 answer's socket crossings can take on this host's cores. Needs Redis at PSGRAD_REDIS_URL
-(default the local one; keys under a fresh prefix, deleted at the end) and about 10 GB of free
-memory for the B=256 case (each client keeps the memory of its last answers to read the next
-into). A shared 2-core machine: the figures are noisy, read the ratios.
+(default the local one; keys under a fresh prefix, deleted at the end), or with
+``--private-redis`` a ``redis-server`` of its own (no persistence; with ``--appendonly`` an
+append-only file in a temporary folder, as docker-compose.yml runs Redis: every piece of every
+answer is then also written to that file), and about 10 GB of free memory for the B=256 case
+(each client keeps the memory of its last answers to read the next into). A shared 2-core
+machine: the figures are noisy, read the ratios.
 
     python benchmarks/transport.py [--repeats 3] [--cases norms:64,grads:64,grads:256]
-                                   [--device cuda]
+                                   [--device cuda] [--private-redis [--appendonly]]
 
 With ``--device cuda`` every server and the in-process engine compute on the GPU; the engine's
 time then includes copying its answer to host memory, which every server pays as well.
@@ -36,6 +39,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -46,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
-from batching import URL, cpu_s, free_port, redis_pid, serve, start, stop, wait_ready
+from batching import URL, cpu_s, free_port, private_redis, redis_pid, serve, start, stop, wait_ready
 
 import psgrad
 from psgrad._wire import RESPONSE_KEY, parts_size, safetensors_parts
@@ -132,7 +136,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default="norms:64,grads:64,grads:256")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--private-redis", action="store_true",
+                        help="a redis-server of its own on a free port, no persistence")
+    parser.add_argument("--appendonly", action="store_true",
+                        help="with --private-redis: an append-only file, as docker-compose.yml")
     args = parser.parse_args()
+    if args.appendonly and not args.private_redis:
+        parser.error("--appendonly needs --private-redis")
+    with tempfile.TemporaryDirectory(prefix="psgrad-aof-") as aof_dir:
+        own_redis, url = (private_redis(aof_dir if args.appendonly else None)
+                          if args.private_redis else (None, URL))
+        try:
+            run(args, url)
+        finally:
+            if own_redis is not None:
+                stop(own_redis)
+    print("Redis: " + ("its own, append-only file on (as docker-compose.yml)" if args.appendonly
+                       else "its own, no persistence" if args.private_redis else url))
+
+
+def run(args: argparse.Namespace, redis_url: str) -> None:
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
     prefixes = [f"psgrad-bench-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     procs = []
@@ -146,13 +169,13 @@ def main() -> None:
         pids["embedded"] = {**me, "api": [procs[-1].pid]}
         for name, prefix, n in (("redis-1", prefixes[0], 1), ("redis-2", prefixes[1], 2)):
             port = free_port()
-            settings = {"redis_url": URL, "redis_prefix": prefix, "device": args.device}
+            settings = {"redis_url": redis_url, "redis_prefix": prefix, "device": args.device}
             api = serve(port, **settings)
             workers = [start(["worker", "--device", args.device], **settings) for _ in range(n)]
             procs += [api, *workers]
             urls[name] = f"http://127.0.0.1:{port}"
             pids[name] = {**me, "api": [api.pid], "workers": [w.pid for w in workers],
-                          "redis": [redis_pid(URL)]}
+                          "redis": [redis_pid(redis_url)]}
         for url in urls.values():
             wait_ready(url)
         clients = {name: psgrad.Client(url, timeout=900) for name, url in urls.items()}
@@ -193,7 +216,7 @@ def main() -> None:
             stop(proc)
         import redis
 
-        r = redis.Redis.from_url(URL)
+        r = redis.Redis.from_url(redis_url)
         for prefix in prefixes:
             doomed = list(r.scan_iter(match=f"{prefix}:*"))
             if doomed:
