@@ -145,8 +145,9 @@ class Worker:
         groups: dict[tuple[Any, ...], list[tuple[Job, ParsedRequest]]] = {}
         for job in running:
             parsed = self._parse(job)
-            if parsed is not None:
-                groups.setdefault(parsed.group_key(), []).append((job, parsed))
+            if parsed is not None:  # a lone job needs no key (it hashes the weights sent)
+                key = parsed.group_key() if len(running) > 1 else ()
+                groups.setdefault(key, []).append((job, parsed))
         for items in groups.values():
             self._run_group(items)
 
