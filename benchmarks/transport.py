@@ -152,7 +152,8 @@ def main() -> None:
             if own_redis is not None:
                 stop(own_redis)
     print("Redis: " + ("its own, append-only file on (as docker-compose.yml)" if args.appendonly
-                       else "its own, no persistence" if args.private_redis else url))
+                       else "its own, no persistence" if args.private_redis
+                       else "PSGRAD_REDIS_URL's (its persistence as configured there)"))
 
 
 def run(args: argparse.Namespace, redis_url: str) -> None:
