@@ -21,12 +21,14 @@ answer's socket crossings can take on this host's cores. Needs Redis at PSGRAD_R
 (default the local one; keys under a fresh prefix, deleted at the end), or with
 ``--private-redis`` a ``redis-server`` of its own (no persistence; with ``--appendonly`` an
 append-only file in a temporary folder, as docker-compose.yml runs Redis: every piece of every
-answer is then also written to that file), and about 10 GB of free memory for the B=256 case
-(each client keeps the memory of its last answers to read the next into). A shared 2-core
-machine: the figures are noisy, read the ratios.
+answer is then also written to that file; with ``--answers-redis`` also a second one without
+persistence for the answers' pieces, as docker-compose.yml's ``redis-answers``), and about 10 GB
+of free memory for the B=256 case (each client keeps the memory of its last answers to read the
+next into). A shared 2-core machine: the figures are noisy, read the ratios.
 
     python benchmarks/transport.py [--repeats 3] [--cases norms:64,grads:64,grads:256]
-                                   [--device cuda] [--private-redis [--appendonly]]
+                                   [--device cuda]
+                                   [--private-redis [--appendonly] [--answers-redis]]
 
 With ``--device cuda`` every server and the in-process engine compute on the GPU; the engine's
 time then includes copying its answer to host memory, which every server pays as well.
@@ -155,23 +157,33 @@ def main() -> None:
                         help="a redis-server of its own on a free port, no persistence")
     parser.add_argument("--appendonly", action="store_true",
                         help="with --private-redis: an append-only file, as docker-compose.yml")
+    parser.add_argument("--answers-redis", action="store_true",
+                        help="with --private-redis: the answers' pieces in a second one, without "
+                        "persistence (docker-compose.yml's redis-answers)")
     args = parser.parse_args()
-    if args.appendonly and not args.private_redis:
-        parser.error("--appendonly needs --private-redis")
+    if (args.appendonly or args.answers_redis) and not args.private_redis:
+        parser.error("--appendonly and --answers-redis need --private-redis")
+    servers = []
     with tempfile.TemporaryDirectory(prefix="psgrad-aof-") as aof_dir:
-        own_redis, url = (private_redis(aof_dir if args.appendonly else None)
-                          if args.private_redis else (None, URL))
         try:
-            run(args, url)
+            url, answers_url = URL, None
+            if args.private_redis:
+                servers.append(private_redis(aof_dir if args.appendonly else None))
+                url = servers[-1][1]
+            if args.answers_redis:
+                servers.append(private_redis())
+                answers_url = servers[-1][1]
+            run(args, url, answers_url)
         finally:
-            if own_redis is not None:
-                stop(own_redis)
+            for proc, _ in servers:
+                stop(proc)
     print("Redis: " + ("its own, append-only file on (as docker-compose.yml)" if args.appendonly
                        else "its own, no persistence" if args.private_redis
-                       else "PSGRAD_REDIS_URL's (its persistence as configured there)"))
+                       else "PSGRAD_REDIS_URL's (its persistence as configured there)")
+          + ("; the answers' pieces in a second one, no persistence" if answers_url else ""))
 
 
-def run(args: argparse.Namespace, redis_url: str) -> None:
+def run(args: argparse.Namespace, redis_url: str, answers_url: str | None) -> None:
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
     prefixes = [f"psgrad-bench-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     procs = []
@@ -185,13 +197,14 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
         pids["embedded"] = {**me, "api": [procs[-1].pid]}
         for name, prefix, n in (("redis-1", prefixes[0], 1), ("redis-2", prefixes[1], 2)):
             port = free_port()
-            settings = {"redis_url": redis_url, "redis_prefix": prefix, "device": args.device}
+            settings = {"redis_url": redis_url, "redis_prefix": prefix, "device": args.device,
+                        **({"answer_redis_url": answers_url} if answers_url else {})}
             api = serve(port, **settings)
             workers = [start(["worker", "--device", args.device], **settings) for _ in range(n)]
             procs += [api, *workers]
             urls[name] = f"http://127.0.0.1:{port}"
             pids[name] = {**me, "api": [api.pid], "workers": [w.pid for w in workers],
-                          "redis": [redis_pid(redis_url)]}
+                          "redis": [redis_pid(u) for u in (redis_url, answers_url) if u]}
         for url in urls.values():
             wait_ready(url)
         clients = {name: psgrad.Client(url, timeout=900) for name, url in urls.items()}

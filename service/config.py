@@ -16,6 +16,9 @@ class Settings(BaseSettings):
 
     redis_url: str | None = None
     redis_prefix: str = "psgrad"
+    # where large answers' bytes go (a Redis without persistence: they are written once, read
+    # once and expire); unset: the same Redis as the queue
+    answer_redis_url: str | None = None
     device: str = "auto"
     memory_budget_mb: int = 1024
     fast_stats: bool = True
@@ -62,6 +65,11 @@ class Settings(BaseSettings):
     export_memory_mb: int = 4096  # address space of the process that checks a .pt2 archive
     export_cpu_s: int = 60  # CPU seconds of that process
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
+
+    @property
+    def pieces_redis_url(self) -> str | None:
+        """The Redis that holds large answers' pieces (:func:`service.keys.job_pieces`)."""
+        return self.answer_redis_url or self.redis_url
 
     @property
     def api_key_set(self) -> frozenset[str]:

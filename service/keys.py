@@ -62,15 +62,23 @@ def job_payload(prefix: str, job_id: str) -> str:
 
 
 def job_answer(prefix: str, job_id: str) -> str:
-    """Stream of the answer's pieces: a safetensors file (key response) in entries
-    ``{a: attempt, k: head|data, d: bytes}``, then ``{a, k: end}`` once the job succeeded.
+    """Stream of the answer's ends: its safetensors header (key response) in an entry
+    ``{a: attempt, k: head, d: bytes}``, then ``{a, k: end}`` once the job succeeded; the bytes
+    in between are in :func:`job_pieces`.
 
     Each delivery (attempt) rewrites it from scratch; only the attempt the state hash names in
-    ``answer`` is whole. Every write renews its TTL, so no piece outlives the job. An answer of
-    at most :data:`ANSWER_INLINE_BYTES` is one ``head`` entry holding the whole file, written
-    with the job's end in one round trip.
+    ``answer`` is whole. An answer of at most :data:`ANSWER_INLINE_BYTES` is one ``head`` entry
+    holding the whole file, written with the job's end in one round trip.
     """
     return f"{prefix}:job:{job_id}:answer"
+
+
+def job_pieces(prefix: str, job_id: str, attempt: int | str) -> str:
+    """Stream of one attempt's answer bytes after its header, in entries ``{d: bytes}`` of at
+    most :data:`ANSWER_PIECE_BYTES`, in the answers' Redis (``PSGRAD_ANSWER_REDIS_URL``; by
+    default the one Redis). One stream per attempt: a stale delivery still writing never mixes
+    its bytes into its successor's. It expires with the job and is deleted with it."""
+    return f"{prefix}:job:{job_id}:pieces:{attempt}"
 
 
 # Bytes per answer stream entry (less where proto-max-bulk-len is lower). Small enough that

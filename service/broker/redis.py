@@ -7,8 +7,9 @@ Life of a job (key names in :mod:`service.keys`)::
     worker take   XREADGROUP COUNT n BLOCK ms (and XAUTOCLAIM of jobs idle past the visibility
                   timeout: their worker died); HINCRBY attempts; poison, expired, canceled: ended
     worker start  one pipeline per batch marks its jobs running and learns which were canceled
-    worker answer XADD the answer's pieces to its stream (header first, RPUSH notify: the api
-                  relays them as they land; :mod:`service.broker.redis_answer`)
+    worker answer XADD the answer's header to its stream (RPUSH notify: the api relays the
+                  bytes as they land) and its bytes in pieces to the attempt's pieces stream,
+                  in the answers' Redis if one is configured (:mod:`service.broker.redis_answer`)
     worker done   one Lua script: HSET state {succeeded (naming the whole attempt)|failed},
                   RPUSH notify, then XACK + XDEL, so a job is acknowledged only once its answer is
                   whole and only the delivery that owns the job can mark it succeeded; an answer
@@ -165,8 +166,19 @@ class RedisBroker:
         # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
             settings.redis_url, **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
+        # large answers' pieces: in a Redis of their own where one is configured
+        self.pieces, self.pieces_blocking = self.r, self.blocking
+        if settings.answer_redis_url:
+            self.pieces = aioredis.Redis.from_url(settings.answer_redis_url, **kwargs)
+            self.pieces_blocking = aioredis.Redis.from_url(
+                settings.answer_redis_url,
+                **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
         self._submit = self.bulk.register_script(SUBMIT_LUA)
         self._cancel = self.r.register_script(CANCEL_LUA)
+
+    def _clients(self) -> list[aioredis.Redis]:
+        return list({id(c): c for c in (self.r, self.bulk, self.blocking, self.pieces,
+                                         self.pieces_blocking)}.values())
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run ``op``; Redis errors become :class:`psgrad.Overloaded` (503) or a 500.
@@ -181,7 +193,7 @@ class RedisBroker:
             except (RedisConnectionError, RedisTimeoutError, asyncio.TimeoutError) as exc:
                 if attempt or not isinstance(exc, RedisConnectionError):
                     raise self._translate(exc) from exc
-                for client in (self.r, self.bulk, self.blocking):
+                for client in self._clients():
                     await client.connection_pool.disconnect(inuse_connections=False)
             except RedisError as exc:
                 raise self._translate(exc) from exc
@@ -197,7 +209,7 @@ class RedisBroker:
             log.warning("Redis is not reachable at start-up: %s", exc.message)
 
     async def close(self) -> None:
-        for client in (self.r, self.bulk, self.blocking):
+        for client in self._clients():
             await client.aclose()
 
     async def submit(self, job: Job) -> None:
@@ -254,7 +266,8 @@ class RedisBroker:
             raise UnknownJob(f"unknown job '{job_id}' (never submitted, or its result expired "
                              f"after {self.settings.result_ttl_s} s)", id=job_id)
         h = {text(k): text(v) for k, v in raw.items()}
-        return decode_state(job_id, h, RedisAnswer.found(self.blocking, p, job_id, h, first))
+        return decode_state(job_id, h, RedisAnswer.found(self.blocking, self.pieces_blocking, p,
+                                                         job_id, h, first))
 
     async def cancel(self, job_id: str) -> JobState:
         p = self.prefix
@@ -265,22 +278,41 @@ class RedisBroker:
         ))
         if not found:
             raise UnknownJob(f"unknown job '{job_id}'", id=job_id)
+        if text(found) in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
+            await self._delete([], self._pieces(job_id))  # later pieces re-create nothing
         return await self.state(job_id)
 
     async def forget(self, job_id: str) -> None:
         p = self.prefix
         try:
-            await self._call(lambda: self.r.delete(
-                keys.job_state(p, job_id), keys.job_answer(p, job_id),
-                keys.job_payload(p, job_id), keys.job_notify(p, job_id)))
+            await self._delete([keys.job_state(p, job_id), keys.job_answer(p, job_id),
+                                keys.job_payload(p, job_id), keys.job_notify(p, job_id)],
+                               self._pieces(job_id))
         except Overloaded as exc:  # the keys expire by themselves
             log.warning("could not drop job %s now: %s", job_id, exc.message)
+
+    def _pieces(self, job_id: str) -> list[str]:
+        """Every pieces stream the job's deliveries may have written (one per attempt)."""
+        return [keys.job_pieces(self.prefix, job_id, attempt)
+                for attempt in range(1, self.settings.max_attempts + 1)]
+
+    async def _delete(self, queue_keys: list[str], piece_keys: list[str]) -> None:
+        """Delete keys of the queue's Redis and of the answers' (one command where they are
+        the same Redis)."""
+        if self.pieces is self.r:
+            await self._call(lambda: self.r.delete(*queue_keys, *piece_keys))
+            return
+        if queue_keys:
+            await self._call(lambda: self.r.delete(*queue_keys))
+        await self._call(lambda: self.pieces.delete(*piece_keys))
 
     async def queue_depth(self) -> int:
         return int(await self._call(lambda: self.r.xlen(keys.job_stream(self.prefix))))
 
     async def ready(self) -> bool:
         try:
+            if self.pieces is not self.r:  # answers could not be written nor read without it
+                await self._call(self.pieces.ping)
             return await self.live_workers() > 0
         except (Overloaded, InternalError):
             return False

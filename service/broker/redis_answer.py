@@ -2,19 +2,22 @@
 
 One value in Redis holds at most ``proto-max-bulk-len`` (512 MiB by default), and a result passed
 whole through a Lua script is copied several times and waits until it is complete. Here the
-worker writes the answer's safetensors file to the job's answer stream (:func:`keys.job_answer`):
-the header first (every size is known up front), then the tensors' bytes in pieces of at most
-:data:`keys.ANSWER_PIECE_BYTES`, each a plain ``XADD`` of a view of the arrays (never a Lua
-argument, never a copy of the whole answer). Every piece renews the stream's TTL, and a push to
-the job's notify list wakes the api as soon as the header lands, so it relays the answer while it
-is written.
+worker writes the answer's safetensors file in two streams: its header (every size is known up
+front) to the job's answer stream (:func:`keys.job_answer`), with a push to the job's notify list
+that wakes the api at once; the tensors' bytes, in pieces of at most
+:data:`keys.ANSWER_PIECE_BYTES`, to the attempt's pieces stream (:func:`keys.job_pieces`), each a
+plain ``XADD`` of a view of the arrays (never a Lua argument, never a copy of the whole answer).
+The pieces stream may live in another Redis (``PSGRAD_ANSWER_REDIS_URL``): one without
+persistence, so that an append-only file kept for the queue's sake does not receive every byte of
+every answer too.
 
-Whole or nothing: the delivery that owns a running job rewrites the stream from scratch under its
-attempt number (``BEGIN_LUA``, with the small header; the data never passes through Lua); only the
+Whole or nothing: the delivery that owns a running job writes its header under its attempt
+number (``BEGIN_LUA``, with the small header; the data never passes through Lua); only the
 worker's end script (``FINISH_LUA``) marks the answer whole, after the last piece, by naming the
-attempt in the state hash and appending an ``end`` entry. A reader that sees another attempt's
-pieces, or its job leave ``running`` without that mark, raises :class:`service.jobs.AnswerLost`
-before the last piece: a half answer is never served as whole.
+attempt in the state hash and appending an ``end`` entry to the answer stream. The api relays
+every piece but the last as it lands and the last only after that mark; if the job leaves
+``running`` without it (canceled, taken over, its worker dead) or the pieces are gone, the reader
+raises :class:`service.jobs.AnswerLost` first: a half answer is never served as whole.
 """
 
 from __future__ import annotations
@@ -65,17 +68,20 @@ return 1
 
 
 class AnswerWriter:
-    """Writes one attempt's answer to the job's stream (worker side, synchronous)."""
+    """Writes one attempt's answer (worker side, synchronous): its header and end mark to the
+    queue's Redis ``r``, its bytes to the answers' Redis ``pr`` (the same one by default)."""
 
-    def __init__(self, r: redis.Redis, prefix: str, job_id: str, attempt: int, *,
-                 ttl_s: int, piece_bytes: int = keys.ANSWER_PIECE_BYTES) -> None:
+    def __init__(self, r: redis.Redis, pr: redis.Redis, prefix: str, job_id: str, attempt: int,
+                 *, ttl_s: int, result_ttl_s: int | None = None,
+                 piece_bytes: int = keys.ANSWER_PIECE_BYTES) -> None:
         self.r = r
+        self.pr = pr
         self.prefix = prefix
         self.job_id = job_id
-        self.key = keys.job_answer(prefix, job_id)
-        self.notify = keys.job_notify(prefix, job_id)
+        self.key = keys.job_pieces(prefix, job_id, attempt)
         self.attempt = str(attempt)
-        self.ttl_s = ttl_s
+        self.ttl_s = ttl_s  # while the job may still run
+        self.result_ttl_s = result_ttl_s or ttl_s  # once written: as the job's end sets its keys
         self.piece_bytes = max(1, piece_bytes)
 
     def write(self, result: Mapping[str, Any]) -> bool:
@@ -93,39 +99,54 @@ class AnswerWriter:
         (with hiredis, its packer) copies every argument into one buffer first, which made
         writing an answer take twice as long as sending it.
         """
+        cut = pieces(data, self.piece_bytes)
+        self.open(next(cut, b""))
         if not self.begin(bytes(head)):
+            self.pr.delete(self.key)
             return False
-        conn = self.r.connection_pool.get_connection()
+        conn = self.pr.connection_pool.get_connection()
         try:
             sent = 0
-            for piece in pieces(data, self.piece_bytes):
+            for piece in cut:
                 conn.send_packed_command(command_parts(*self._xadd(), piece), check_health=False)
                 sent += 1
+            conn.send_packed_command(command_parts(
+                b"EXPIRE", self.key.encode(), b"%d" % self.result_ttl_s), check_health=False)
+            sent += 1
             for _ in range(sent):  # a piece after a cancel adds nothing (NOMKSTREAM: a nil)
                 conn.read_response()
         except BaseException:
             conn.disconnect()  # replies may be left unread: the socket is never lent again
             raise
         finally:
-            self.r.connection_pool.release(conn)
+            self.pr.connection_pool.release(conn)
         return True
+
+    def open(self, first: bytes | memoryview) -> None:
+        """Create the pieces stream with the first piece, and its TTL. Before the header: the
+        api, woken by the header, finds the stream; every later piece only appends to it
+        (``NOMKSTREAM``), so a cancel, which deletes it, stops the rest."""
+        with self.pr.pipeline(transaction=False) as pipe:
+            pipe.execute_command(b"XADD", self.key.encode(), b"*", b"d", first)
+            pipe.expire(self.key, self.ttl_s)
+            pipe.execute()
 
     def begin(self, head: bytes) -> bool:
         """Drop what an earlier attempt left, write the header (a few hundred bytes of names
         and shapes) and wake the api, if the job still runs as this attempt."""
         state = keys.job_state(self.prefix, self.job_id)
-        return bool(self.r.eval(BEGIN_LUA, 3, state, self.key, self.notify,
-                                self.attempt, head, self.ttl_s))
+        return bool(self.r.eval(BEGIN_LUA, 3, state, keys.job_answer(self.prefix, self.job_id),
+                                keys.job_notify(self.prefix, self.job_id), self.attempt,
+                                head, self.ttl_s))
 
-    def add(self, r: redis.Redis, piece: bytes | memoryview) -> None:
+    def add(self, piece: bytes | memoryview) -> None:
         """One piece by one command (what :meth:`write_parts` sends for each)."""
-        r.execute_command(*self._xadd(), piece)
+        self.pr.execute_command(*self._xadd(), piece)
 
     def _xadd(self) -> list[bytes]:
         # NOMKSTREAM: a piece never re-creates a stream a cancel deleted (nor one that expired),
-        # so no key outlives the job and the TTL set by BEGIN_LUA covers every piece
-        return [b"XADD", self.key.encode(), b"NOMKSTREAM", b"*", b"a", self.attempt.encode(),
-                b"k", b"data", b"d"]
+        # so no key outlives the job and the TTL set by open() covers every piece
+        return [b"XADD", self.key.encode(), b"NOMKSTREAM", b"*", b"d"]
 
 
 def command_parts(*args: bytes | memoryview) -> list[bytes | memoryview]:
@@ -166,7 +187,8 @@ def _text(value: Any) -> str:
 class RedisAnswer:
     """One attempt's answer as the api reads it (a :class:`service.jobs.Answer`)."""
 
-    r: aioredis.Redis  # a client without a socket timeout: XREAD blocks
+    r: aioredis.Redis  # the queue's Redis, a client without a socket timeout: XREAD blocks
+    pr: aioredis.Redis  # the answers' Redis (may be ``r``), the same kind of client
     prefix: str
     job_id: str
     attempt: str
@@ -178,10 +200,10 @@ class RedisAnswer:
         self.size = answer_size(self.head)
 
     @classmethod
-    def found(cls, r: aioredis.Redis, prefix: str, job_id: str, state: Mapping[str, str],
-              first: list[Any]) -> RedisAnswer | None:
-        """The answer a state hash and the stream's first entry show, if it is readable: the
-        named whole one of a succeeded job, or the one a running job is writing now."""
+    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, prefix: str, job_id: str,
+              state: Mapping[str, str], first: list[Any]) -> RedisAnswer | None:
+        """The answer a state hash and the answer stream's first entry show, if it is readable:
+        the named whole one of a succeeded job, or the one a running job is writing now."""
         if not first:
             return None
         entry_id, fields = first[0]
@@ -193,7 +215,7 @@ class RedisAnswer:
         if _text(f.get("k", b"")) != "head" or not (whole or writing):
             return None
         head = bytes(f["d"])
-        return cls(r, prefix, job_id, attempt, entry_id, head,
+        return cls(r, pr, prefix, job_id, attempt, entry_id, head,
                    complete=whole and len(head) >= answer_size(head))
 
     async def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
@@ -203,51 +225,52 @@ class RedisAnswer:
         pieces still to come in the memory of those relayed, where a whole answer kept until
         it is forgotten takes new memory each time (a page fault per 4 KiB in Redis).
         """
-        key = keys.job_answer(self.prefix, self.job_id)
         yield self.head
         if self.complete:  # a small answer, whole in its one entry: nothing more to read
             return
-        held: bytes | memoryview | None = None  # sent once the next piece (or end) is seen
-        raw = (await asyncio.to_thread(RawStreamReader.open, self.r)
+        left = self.size - len(self.head)
+        held: bytes | memoryview = b""  # sent once the next piece (or the end mark) is seen
+        raw = (await asyncio.to_thread(RawStreamReader.open, self.pr)
                if self.size >= RAW_MIN_BYTES else None)
-        entries_of = self._entries(raw, key, self.head_id, consume)
-        async with contextlib.aclosing(entries_of) as batches:
+        key = keys.job_pieces(self.prefix, self.job_id, self.attempt)
+        async with contextlib.aclosing(self._entries(raw, key, consume)) as batches:
             async for entries in batches:
                 for _, fields in entries:
-                    f = {_text(k): v for k, v in fields.items()}
-                    attempt = int(_text(f.get("a", b"0")))
-                    if attempt > int(self.attempt):  # taken over: this answer will never end
-                        raise AnswerLost(self.job_id)
-                    if attempt < int(self.attempt):  # a stale delivery still writing: not ours
-                        continue
-                    if _text(f.get("k", b"")) == "end":
-                        if held is not None:
-                            yield held
-                        return
-                    if held is not None:
+                    if held:
                         yield held
-                    held = f["d"]
+                    held = fields[b"d"]
+                    left -= len(held)
+                if left <= 0:
+                    break
+        if left < 0:  # more bytes than the header promised: never served as this answer
+            raise AnswerLost(self.job_id)
+        await self._ended()
+        yield held
 
-    async def _entries(self, raw: RawStreamReader | None, key: str, last: Any, consume: bool
+    async def _entries(self, raw: RawStreamReader | None, key: str, consume: bool
                        ) -> AsyncGenerator[list[tuple[bytes, dict[bytes, Any]]], None]:
-        """Batches of new entries after ``last``, until the caller stops; closes ``raw``.
+        """Batches of the pieces stream's entries, until the caller stops; closes ``raw``.
 
         The next batch is already being read (the raw reader in a thread) while the caller
         relays this one: Redis's reply and the client's transfer overlap.
         """
+        last: Any = b"0-0"
+        ended = False  # the job had ended at the last check: no piece can still come
         pending = asyncio.ensure_future(self._xread(raw, key, last))
         try:
             while True:
                 reply = await pending
                 entries = reply[0][1] if reply else []
                 if not entries:
-                    await self._check()
+                    if ended:  # the job ended with pieces missing: expired, or Redis lost them
+                        raise AnswerLost(self.job_id)
+                    ended = await self._check()
                     pending = asyncio.ensure_future(self._xread(raw, key, last))
                     continue
                 last = entries[-1][0]
                 pending = asyncio.ensure_future(self._xread(raw, key, last))
                 if consume:  # read into memory here: Redis may reuse theirs
-                    await self.r.xtrim(key, minid=bytes(last), approximate=False)
+                    await self.pr.xtrim(key, minid=bytes(last), approximate=False)
                 yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
         finally:
             if raw is not None:
@@ -262,18 +285,34 @@ class RedisAnswer:
     async def _xread(self, raw: RawStreamReader | None, key: str, last: Any) -> Any:
         if raw is not None:
             return await asyncio.to_thread(raw.xread, key, bytes(last), READ_COUNT, POLL_MS)
-        return await self.r.xread({key: last}, count=READ_COUNT, block=POLL_MS)
+        return await self.pr.xread({key: last}, count=READ_COUNT, block=POLL_MS)
 
-    async def _check(self) -> None:
-        """No piece for a while: go on waiting only while this attempt may still finish."""
+    async def _ended(self) -> None:
+        """Every byte is in: wait for the end mark that names this attempt's answer whole."""
+        key = keys.job_answer(self.prefix, self.job_id)
+        while True:
+            reply: Any = await self.r.xread({key: self.head_id}, count=1, block=POLL_MS)
+            if not reply:
+                if await self._check():  # named whole in the state (its mark expired first)
+                    return
+                continue
+            _, fields = reply[0][1][0]
+            f = {_text(k): _text(v) for k, v in fields.items()}
+            if f.get("a") != self.attempt or f.get("k") != "end":  # another attempt's header
+                raise AnswerLost(self.job_id)
+            return
+
+    async def _check(self) -> bool:
+        """No news for a while: go on waiting only while this attempt may still finish.
+        True when it has finished (its answer named whole), False while it still runs."""
         status, attempts, answer = await self.r.hmget(
             keys.job_state(self.prefix, self.job_id), ["status", "attempts", "answer"])
         status, attempts, answer = (None if v is None else _text(v)
                                     for v in (status, attempts, answer))
         if status == JobStatus.RUNNING.value and attempts == self.attempt:
-            return
+            return False
         if status == JobStatus.SUCCEEDED.value and answer == self.attempt:
-            return
+            return True
         raise AnswerLost(self.job_id)
 
 

@@ -73,9 +73,13 @@ class RedisJobSource:
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
+        # large answers' pieces: in a Redis of their own where one is configured
+        self.pr = (redis.Redis.from_url(settings.answer_redis_url,
+                                        **connection_kwargs(settings, bulk=True))
+                   if settings.answer_redis_url else self.r)
         # answers travel in pieces (no cap of one value); each piece fits in one value
         self.max_value_bytes: int | None = None
-        self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit() // 2)
+        self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
         self._retry = self.r.register_script(RETRY_LUA)
         self.intake = StreamIntake(self.r, settings, self.stream, self.name)
         self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
@@ -103,6 +107,7 @@ class RedisJobSource:
             except RedisError:
                 pass
         self.r.close()
+        self.pr.close()
 
     def requeue_buffered(self) -> None:
         """Hand back jobs read but not started (on shutdown): queued again at once, not after
@@ -210,7 +215,8 @@ class RedisJobSource:
                 ends.append((job, b"".join([head, *data])))
                 continue
             ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
-            writer = AnswerWriter(self.r, self.prefix, job.id, job.attempts, ttl_s=ttl,
+            writer = AnswerWriter(self.r, self.pr, self.prefix, job.id, job.attempts, ttl_s=ttl,
+                                  result_ttl_s=self.settings.result_ttl_s,
                                   piece_bytes=self.piece_bytes)
             if self._call(writer.write_parts, head, data) is None:
                 log.error("job %s: Redis failed while its answer was written; it stays pending "
@@ -241,9 +247,10 @@ class RedisJobSource:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _value_limit(self) -> int:
+    @staticmethod
+    def _value_limit(r: redis.Redis) -> int:
         try:
-            return value_limit(self.r.config_get("proto-max-bulk-len"))
+            return value_limit(r.config_get("proto-max-bulk-len"))
         except RedisError:  # CONFIG disabled, or Redis not up yet: the default
             return keys.DEFAULT_MAX_VALUE_BYTES
 

@@ -43,6 +43,7 @@ API_KEY = "compose-test-key"
 # Settings whose compose value differs from the code's default on purpose.
 DELIBERATE = {
     "redis_url": "compose runs Redis; the code defaults to the embedded broker",
+    "answer_redis_url": "compose runs a Redis without persistence for large answers",
     "memory_budget_mb": "a GPU has more memory than the laptop default assumes",
     "api_keys": "required: the api refuses a non-loopback host without keys",
     "worker_metrics_port": "each worker container serves its metrics; off for bare processes",
@@ -179,6 +180,7 @@ def test_services_restart_and_workers_get_time_to_drain(gpu_config: dict[str, An
         # A worker finishes its batch after SIGTERM; compose kills it after the grace period.
         assert seconds(service["stop_grace_period"]) >= 60, name
         assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+        assert service["depends_on"]["redis-answers"]["condition"] == "service_healthy", name
 
 
 def test_redis_keeps_the_queue(gpu_config: dict[str, Any]) -> None:
@@ -193,9 +195,27 @@ def test_redis_keeps_the_queue(gpu_config: dict[str, Any]) -> None:
     assert "redis-data" in gpu_config["volumes"]
 
 
+def test_answers_go_to_a_redis_without_persistence(
+    gpu_config: dict[str, Any], cpu_config: dict[str, Any]
+) -> None:
+    answers = gpu_config["services"]["redis-answers"]
+    assert str(answers["image"]) == str(gpu_config["services"]["redis"]["image"])
+    command = [str(a) for a in answers["command"]]
+    assert command[command.index("--appendonly") + 1] == "no"
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "redis-cli ping" in healthcheck_text(answers)
+    assert not answers.get("volumes")
+    for config in (gpu_config, cpu_config):
+        for name in ("api", *workers(config)):
+            env = config["services"][name]["environment"]
+            assert env["PSGRAD_ANSWER_REDIS_URL"] == "redis://redis-answers:6379/0", name
+
+
 def test_api_waits_for_redis_and_reports_health(gpu_config: dict[str, Any]) -> None:
     api = gpu_config["services"]["api"]
     assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert api["depends_on"]["redis-answers"]["condition"] == "service_healthy"
     assert "/healthz" in healthcheck_text(api)
     assert "8000" in healthcheck_text(api)
     ports = api["ports"]
@@ -380,7 +400,7 @@ def test_compose_commands_are_psgrad_subcommands(
     commands = {tuple(default_cmd)}
     for config in (gpu_config, cpu_config):
         for name, service in started(config).items():
-            if name != "redis":
+            if name not in ("redis", "redis-answers"):
                 commands.add(tuple(service["command"]))
     assert {c[0] for c in commands} == {"serve", "worker"}
     for command in sorted(commands):
@@ -493,31 +513,37 @@ def test_compose_processes_serve_a_request_on_loopback(
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("PSGRAD_")}
     base_env.update(image_env())
 
-    # Redis with the compose file's arguments, on its own port and directory.
-    redis_port = free_port()
-    redis_cmd = [str(a) for a in services["redis"]["command"]]
-    assert shutil.which(redis_cmd[0]), f"{redis_cmd[0]} is not installed"
-    processes.start(
-        "redis",
-        [*redis_cmd, "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-        base_env,
-    )
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    # Both Redis servers with the compose file's arguments, each on its own port and directory.
+    import redis
+
+    urls = {}
+    for service in ("redis", "redis-answers"):
+        port, folder = free_port(), tmp_path / service
+        folder.mkdir()
+        cmd = [str(a) for a in services[service]["command"]]
+        assert shutil.which(cmd[0]), f"{cmd[0]} is not installed"
+        processes.start(
+            service,
+            [*cmd, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
+            base_env,
+        )
+        urls[service] = f"redis://127.0.0.1:{port}/0"
 
     def service_env(name: str) -> dict[str, str]:
         env = {k: str(v) for k, v in services[name]["environment"].items()}
         assert env["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
-        return {**base_env, **env, "PSGRAD_REDIS_URL": redis_url}
+        assert env["PSGRAD_ANSWER_REDIS_URL"] == "redis://redis-answers:6379/0"
+        return {**base_env, **env, "PSGRAD_REDIS_URL": urls["redis"],
+                "PSGRAD_ANSWER_REDIS_URL": urls["redis-answers"]}
 
-    def redis_up() -> bool:
-        import redis
-
+    def redis_up(url: str) -> bool:
         try:
-            return bool(redis.Redis.from_url(redis_url).ping())
+            return bool(redis.Redis.from_url(url).ping())
         except redis.ConnectionError:  # not an OSError: redis-server is still starting
             return False
 
-    wait_for("redis", redis_up, processes)
+    for service, url in urls.items():
+        wait_for(service, lambda url=url: redis_up(url), processes)
 
     metrics_ports: dict[str, int] = {}
 
@@ -572,6 +598,19 @@ def test_compose_processes_serve_a_request_on_loopback(
             array = array_from_json(got, name=output, max_elements=1000)
             np.testing.assert_allclose(array, want, atol=1e-5, err_msg=output)
 
+        # A large answer (mlp's grads of one sample: fc1's alone are 1.6 MB): its bytes go
+        # through the answers' Redis, not the queue's, whose append-only file would get them too.
+        rng = np.random.default_rng(0)
+        large = {"model": "mlp", "inputs": rng.standard_normal((1, 784)).tolist(),
+                 "targets": [3], "outputs": ["grads"]}
+        grads = http.post("/per-sample-grads", json=large, headers=auth)
+        assert grads.status_code == 200, f"{grads.text[:500]}\n{processes.tails()}"
+        assert np.asarray(grads.json()["grads"]["fc1.weight"]).shape == (1, 512, 784)
+
+        received = {service: int(redis.Redis.from_url(url).info("stats")["total_net_input_bytes"])
+                    for service, url in urls.items()}
+        assert received["redis-answers"] > 1_600_000 > 1_000_000 > received["redis"], received
+
         # /metrics needs no key and has every metric docs/operations.md names.
         scraped = http.get("/metrics")
         assert scraped.status_code == 200
@@ -584,11 +623,11 @@ def test_compose_processes_serve_a_request_on_loopback(
             if line.startswith("# TYPE ")
         }
         assert not [m for m in named if m.removesuffix("_total") not in exposed], exposed
-        # the workers' own pages: together they counted the one job
+        # the workers' own pages: together they counted the two jobs
         pages = [httpx.get(f"http://127.0.0.1:{metrics_ports[name]}/metrics").text
                  for name in cpu_workers]
         assert all("psgrad_compute_seconds_bucket" in page for page in pages)
-        assert sum(metric(page, 'psgrad_jobs_total{status="succeeded"}') for page in pages) == 1
+        assert sum(metric(page, 'psgrad_jobs_total{status="succeeded"}') for page in pages) == 2
 
         # An upgrade as docs/operations.md does it: the workers get SIGTERM and drain (exit 0);
         # a job queued meanwhile waits in Redis, through an api restart, for the new worker.

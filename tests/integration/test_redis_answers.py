@@ -1,13 +1,15 @@
 """Answers through Redis in pieces: relayed whole or not at all, expiring, deleted with the job,
-dropped on cancel, and a worker killed (-9) mid-answer leaving its job to be retried."""
+dropped on cancel, and a worker killed (-9) mid-answer leaving its job to be retried; with the
+pieces in the queue's Redis and in a Redis of their own (``PSGRAD_ANSWER_REDIS_URL``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from service.broker.redis_source import RedisJobSource
 from service.config import Settings
 from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
 from service.registry import make_registry
+from tests.support.client import free_port
 from tests.support.cluster import check_answer, cluster, env_of, job_done
 from tests.support.redis import SHARED_URL, OwnRedis, prefix_on, redis_or_skip
 
@@ -39,11 +42,46 @@ def shared() -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(params=[False, True], ids=["one-redis", "answers-redis"])
+def answers_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
+    """Where the answers' pieces go: the queue's Redis (None), or a private redis-server of
+    their own, as docker-compose.yml runs one."""
+    if not request.param:
+        yield None
+        return
+    own = OwnRedis(tmp_path)
+    own.start()
+    yield own.url
+    own.kill()
+
+
 @pytest.fixture
-def settings(shared: redis.Redis) -> Iterator[Settings]:
+def pieces_r(shared: redis.Redis, answers_url: str | None) -> Iterator[redis.Redis]:
+    """A client of the Redis that holds the answers' pieces."""
+    if answers_url is None:
+        yield shared
+        return
+    client = redis.Redis.from_url(answers_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(shared: redis.Redis, answers_url: str | None) -> Iterator[Settings]:
     with prefix_on(shared) as prefix:
         yield Settings(redis_url=SHARED_URL, redis_prefix=prefix, visibility_timeout_s=0.5,
-                       result_ttl_s=30, heartbeat_s=0.2)
+                       result_ttl_s=30, heartbeat_s=0.2, answer_redis_url=answers_url)
+
+
+@contextlib.asynccontextmanager
+async def queue(settings: Settings) -> AsyncIterator[tuple[RedisBroker, RedisJobSource]]:
+    """The api's broker and a worker's source on ``settings``, closed after."""
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    try:
+        yield broker, source
+    finally:
+        source.close()
+        await broker.close()
 
 
 def job() -> Job:
@@ -71,21 +109,24 @@ def both_readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.usefixtures("both_readers")
 async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
-        settings: Settings, shared: redis.Redis) -> None:
-    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
-    try:
+        settings: Settings, shared: redis.Redis, pieces_r: redis.Redis) -> None:
+    async with queue(settings) as (broker, source):
         j = job()
         await broker.submit(j)
         taken = source.take(1, 10, 0.0, 1.0)
         source.started(taken)
-        writer = AnswerWriter(shared, settings.redis_prefix, j.id, taken[0].attempts, ttl_s=30,
-                              piece_bytes=64 << 10)
+        writer = AnswerWriter(source.r, source.pr, settings.redis_prefix, j.id,
+                              taken[0].attempts, ttl_s=30, piece_bytes=64 << 10)
         from psgrad._wire import safetensors_parts
 
         head, *data = safetensors_parts(RESULT, RESPONSE_KEY)
-        assert writer.begin(bytes(head))
         cut = list(pieces(data, 64 << 10))
-        writer.add(shared, cut[0])
+        writer.open(cut[0])
+        assert writer.begin(bytes(head))
+        writer.add(cut[1])
+        assert pieces_r.xlen(writer.key) == 2
+        if pieces_r is not shared:  # the bytes are in the answers' Redis alone
+            assert not shared.exists(writer.key)
         state = await broker.wait(j.id, 5)  # the header landed: the answer is readable
         assert state.status is JobStatus.RUNNING and state.answer is not None
         reading = asyncio.create_task(read_answer(state.answer))
@@ -93,61 +134,90 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         assert not reading.done()
         assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
         key = keys.job_answer(settings.redis_prefix, j.id)
-        assert not shared.exists(key)
+        assert not shared.exists(key) and not pieces_r.exists(writer.key)
         with pytest.raises(AnswerLost):
             await asyncio.wait_for(reading, 10)
-        for piece in cut[1:3]:  # the worker goes on writing: its pieces re-create nothing
-            writer.add(shared, piece)
-        assert not shared.exists(key)
+        for piece in cut[2:4]:  # the worker goes on writing: its pieces re-create nothing
+            writer.add(piece)
+        assert not pieces_r.exists(writer.key)
         source.succeed(taken[0], RESULT)  # nothing stored over 'canceled'
-        assert not shared.exists(key)
+        assert not shared.exists(key) and not pieces_r.exists(writer.key)
         assert (await broker.state(j.id)).status is JobStatus.CANCELED
-    finally:
-        source.close()
-        await broker.close()
 
 
 @pytest.mark.usefixtures("both_readers")
 async def test_answers_expire_and_are_deleted_with_the_job(
-        settings: Settings, shared: redis.Redis) -> None:
+        settings: Settings, shared: redis.Redis, pieces_r: redis.Redis) -> None:
     short = settings.model_copy(update={"result_ttl_s": 2})
-    broker, source = RedisBroker(short), RedisJobSource(short, name="w")
-    try:
+    async with queue(short) as (broker, source):
         jobs = await answered(broker, source, 2)
-        key = keys.job_answer(short.redis_prefix, jobs[0].id)
-        assert 0 < shared.ttl(key) <= 2
+        head, data = (keys.job_answer(short.redis_prefix, jobs[0].id),
+                      keys.job_pieces(short.redis_prefix, jobs[0].id, 1))
+        assert 0 < shared.ttl(head) <= 2 and 0 < pieces_r.ttl(data) <= 2
         read = await read_answer((await broker.state(jobs[0].id)).answer)  # type: ignore[arg-type]
         np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
+        assert pieces_r.exists(keys.job_pieces(short.redis_prefix, jobs[1].id, 1))
         await broker.forget(jobs[1].id)
         assert not shared.exists(keys.job_answer(short.redis_prefix, jobs[1].id))
+        assert not pieces_r.exists(keys.job_pieces(short.redis_prefix, jobs[1].id, 1))
         await asyncio.sleep(2.5)
-        assert not shared.exists(key)
-    finally:
-        source.close()
-        await broker.close()
+        assert not shared.exists(head) and not pieces_r.exists(data)
 
 
 @pytest.mark.usefixtures("both_readers")
 async def test_a_consumed_answer_leaves_redis_as_it_is_read(
-        settings: Settings, shared: redis.Redis) -> None:
+        settings: Settings, pieces_r: redis.Redis) -> None:
     """Read once (the sync route): the entries go as they are read; read whole otherwise."""
-    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
-    source.piece_bytes = 64 << 10  # 19 pieces
-    try:
+    async with queue(settings) as (broker, source):
+        source.piece_bytes = 64 << 10  # 19 pieces of grads, 1 of norms
         jobs = await answered(broker, source, 2)
-        kept, consumed = (keys.job_answer(settings.redis_prefix, j.id) for j in jobs)
-        assert shared.xlen(kept) == shared.xlen(consumed) > 20
+        kept, consumed = (keys.job_pieces(settings.redis_prefix, j.id, 1) for j in jobs)
+        assert pieces_r.xlen(kept) == pieces_r.xlen(consumed) == 20
         for j, consume in ((jobs[0], False), (jobs[1], True)):
             answer = (await broker.state(j.id)).answer
             assert answer is not None
             read = await read_answer(answer, consume=consume)
             np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
             np.testing.assert_array_equal(read["norms"], RESULT["norms"])
-        assert shared.xlen(kept) > 20 and shared.xlen(consumed) <= 1
-        assert 0 < shared.ttl(consumed) <= 30
-    finally:
-        source.close()
-        await broker.close()
+        assert pieces_r.xlen(kept) == 20 and pieces_r.xlen(consumed) <= 1
+        assert 0 < pieces_r.ttl(consumed) <= 30
+
+
+@pytest.mark.usefixtures("both_readers")
+async def test_an_answer_whose_pieces_are_gone_is_lost_not_awaited(
+        settings: Settings, pieces_r: redis.Redis) -> None:
+    """A succeeded job whose pieces left Redis (expired first, or the answers' Redis restarted):
+    its reader raises within a poll or two instead of waiting for bytes that cannot come."""
+    async with queue(settings) as (broker, source):
+        (j,) = await answered(broker, source, 1)
+        pieces_r.delete(keys.job_pieces(settings.redis_prefix, j.id, 1))
+        state = await broker.state(j.id)
+        assert state.status is JobStatus.SUCCEEDED and state.answer is not None
+        started = time.monotonic()
+        with pytest.raises(AnswerLost):
+            await asyncio.wait_for(read_answer(state.answer), 10)
+        assert time.monotonic() - started < 3 * redis_answer.POLL_MS / 1000
+
+
+async def test_the_api_is_ready_only_with_its_answers_redis(
+        shared: redis.Redis, answers_url: str | None) -> None:
+    """With a Redis of their own for the answers, ``/readyz`` needs it too (no answer could be
+    written or read without it): here one that answers, and one where nothing listens."""
+    if answers_url is None:
+        pytest.skip("the answers' Redis is the queue's")
+    with prefix_on(shared) as prefix:
+        source = RedisJobSource(Settings(redis_url=SHARED_URL, redis_prefix=prefix), name="w")
+        source.beat()
+        try:
+            for url, ready in ((answers_url, True), (f"redis://127.0.0.1:{free_port()}/0", False)):
+                broker = RedisBroker(Settings(redis_url=SHARED_URL, redis_prefix=prefix,
+                                              answer_redis_url=url))
+                try:
+                    assert await broker.ready() is ready
+                finally:
+                    await broker.close()
+        finally:
+            source.close()
 
 
 HALF_WRITER = """
@@ -164,19 +234,23 @@ while not taken:
 source.started(taken)
 result = {"grads": {"w": np.ones(1_000_000, np.float32)}}
 head, *data = safetensors_parts(result, RESPONSE_KEY)
-writer = AnswerWriter(source.r, source.prefix, taken[0].id, taken[0].attempts, ttl_s=60)
+writer = AnswerWriter(source.r, source.pr, source.prefix, taken[0].id, taken[0].attempts,
+                      ttl_s=60)
+cut = list(pieces(data, 64 << 10))
+writer.open(cut[0])
 writer.begin(bytes(head))
-for piece in list(pieces(data, 64 << 10))[:5]:
-    writer.add(source.r, piece)
+for piece in cut[1:5]:
+    writer.add(piece)
 print("half written", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
 async def test_a_worker_killed_mid_answer_leaves_the_job_to_be_retried(
-        tmp_path: Path, shared: redis.Redis) -> None:
+        tmp_path: Path, shared: redis.Redis, answers_url: str | None) -> None:
     with prefix_on(shared) as prefix:
-        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=0) as c:
+        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=0,
+                           answer_redis_url=answers_url) as c:
             rng = np.random.default_rng(1)
             request = {"model": "mlp", "inputs": rng.standard_normal((1, 784)).tolist(),
                        "targets": [3]}  # grads: 2.7 MB
@@ -211,9 +285,11 @@ async def test_a_worker_killed_mid_answer_leaves_the_job_to_be_retried(
 
 
 async def test_the_sync_route_relays_the_answer_and_forgets_it(
-        tmp_path: Path, shared: redis.Redis) -> None:
+        tmp_path: Path, shared: redis.Redis, pieces_r: redis.Redis,
+        answers_url: str | None) -> None:
     with prefix_on(shared) as prefix:
-        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1) as c:
+        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1,
+                           answer_redis_url=answers_url) as c:
             rng = np.random.default_rng(2)
             request = {"model": "mlp", "inputs": rng.standard_normal((2, 784)).tolist(),
                        "targets": [3, 1], "answer_dtype": "float16"}
@@ -227,17 +303,17 @@ async def test_the_sync_route_relays_the_answer_and_forgets_it(
             assert fields["grads"]["fc1.weight"].dtype == np.float16
             await asyncio.sleep(0.3)  # the background task forgets the job once relayed
             assert not list(shared.scan_iter(match=f"{prefix}:job:*:answer"))
+            assert not list(pieces_r.scan_iter(match=f"{prefix}:job:*:pieces:*"))
 
 
 
 async def test_a_small_answer_goes_whole_with_the_jobs_end_and_only_from_its_owner(
-        settings: Settings, shared: redis.Redis) -> None:
+        settings: Settings, shared: redis.Redis, pieces_r: redis.Redis) -> None:
     """Answers of at most ANSWER_INLINE_BYTES are written by the end script itself: the stream
     holds the whole file in its one 'head' entry (then 'end'), read without another round trip;
     a larger answer of the same engine call still goes in pieces. A delivery whose job was taken
     over (a newer attempt) stores nothing and does not end the job."""
-    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
-    try:
+    async with queue(settings) as (broker, source):
         small_job, big_job, stale_job = job(), job(), job()
         for j in (small_job, big_job, stale_job):
             await broker.submit(j)
@@ -257,16 +333,15 @@ async def test_a_small_answer_goes_whole_with_the_jobs_end_and_only_from_its_own
         big = await read_answer((await broker.state(big_job.id)).answer)  # type: ignore[arg-type]
         np.testing.assert_array_equal(big["grads"]["w"], RESULT["grads"]["w"])
         big_entries = shared.xrange(keys.job_answer(settings.redis_prefix, big_job.id))
-        assert len(big_entries) > 3  # head, pieces, end
+        assert [e[1][b"k"] for e in big_entries] == [b"head", b"end"]  # the bytes: in pieces
+        assert pieces_r.xlen(keys.job_pieces(settings.redis_prefix, big_job.id, 1)) > 1
+        assert not pieces_r.exists(keys.job_pieces(settings.redis_prefix, small_job.id, 1))
 
         # another delivery took the stale one's job over: its small answer is not stored
         shared.hincrby(keys.job_state(settings.redis_prefix, stale_job.id), "attempts", 1)
         source.succeed(taken[stale_job.id], small)
         assert (await broker.state(stale_job.id)).status is JobStatus.RUNNING
         assert not shared.exists(keys.job_answer(settings.redis_prefix, stale_job.id))
-    finally:
-        source.close()
-        await broker.close()
 
 
 def test_pieces_are_sent_as_views_of_the_answer() -> None:
@@ -278,18 +353,19 @@ def test_pieces_are_sent_as_views_of_the_answer() -> None:
 
 
 def test_a_refused_piece_raises_and_leaves_no_unread_replies(
-        settings: Settings, shared: redis.Redis) -> None:
+        settings: Settings, pieces_r: redis.Redis) -> None:
     """An error reply mid-answer (here the stream's key holds a string) is raised, and the
     connection with the later pieces' replies unread is dropped, not lent to the next command."""
     source = RedisJobSource(settings, name="w")
-    writer = AnswerWriter(source.r, source.prefix, "j", 1, ttl_s=30, piece_bytes=64 << 10)
+    writer = AnswerWriter(source.r, source.pr, source.prefix, "j", 1, ttl_s=30,
+                          piece_bytes=64 << 10)
+    writer.open = lambda first: pieces_r.set(writer.key, b"not a stream")  # type: ignore
     writer.begin = lambda head: True  # type: ignore[method-assign]
-    shared.set(writer.key, b"not a stream")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         writer.write_parts(b"", [memoryview(np.zeros(1 << 20, np.uint8))])
     for i in range(5):  # every later command gets its own reply
-        assert source.r.echo(f"after {i}") == f"after {i}".encode()
-    shared.delete(writer.key)
+        assert source.pr.echo(f"after {i}") == f"after {i}".encode()
+    pieces_r.delete(writer.key)
     source.close()
 
 
@@ -311,15 +387,14 @@ async def test_answers_over_a_unix_socket_are_read_by_the_plain_socket_reader(
 
     monkeypatch.setattr(redis_answer.RawStreamReader, "open", spy)
     settings = Settings(redis_url=f"unix://{path}", redis_prefix="unix-test", result_ttl_s=30)
-    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
     try:
-        jobs = await answered(broker, source, 2)
-        for j in jobs:
-            read = await read_answer((await broker.state(j.id)).answer)  # type: ignore[arg-type]
-            np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
-            np.testing.assert_array_equal(read["norms"], RESULT["norms"])
-        assert opened == [True, True]
+        async with queue(settings) as (broker, source):
+            jobs = await answered(broker, source, 2)
+            for j in jobs:
+                answer = (await broker.state(j.id)).answer
+                read = await read_answer(answer)  # type: ignore[arg-type]
+                np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
+                np.testing.assert_array_equal(read["norms"], RESULT["norms"])
+            assert opened == [True, True]
     finally:
-        source.close()
-        await broker.close()
         own.kill()
