@@ -200,11 +200,12 @@ async def test_an_answer_whose_pieces_are_gone_is_lost_not_awaited(
 
 
 async def test_the_api_is_ready_only_with_its_answers_redis(
-        shared: redis.Redis, answers_url: str | None) -> None:
+        shared: redis.Redis, tmp_path: Path) -> None:
     """With a Redis of their own for the answers, ``/readyz`` needs it too (no answer could be
     written or read without it): here one that answers, and one where nothing listens."""
-    if answers_url is None:
-        pytest.skip("the answers' Redis is the queue's")
+    own = OwnRedis(tmp_path)
+    own.start()
+    answers_url = own.url
     with prefix_on(shared) as prefix:
         source = RedisJobSource(Settings(redis_url=SHARED_URL, redis_prefix=prefix), name="w")
         source.beat()
@@ -218,6 +219,7 @@ async def test_the_api_is_ready_only_with_its_answers_redis(
                     await broker.close()
         finally:
             source.close()
+            own.kill()
 
 
 HALF_WRITER = """
