@@ -67,11 +67,6 @@ class Settings(BaseSettings):
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
 
     @property
-    def pieces_redis_url(self) -> str | None:
-        """The Redis that holds large answers' pieces (:func:`service.keys.job_pieces`)."""
-        return self.answer_redis_url or self.redis_url
-
-    @property
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
 
