@@ -30,7 +30,7 @@ def build_sources(setup: Setup, run: Run, plan: Plan, budget: Budget) -> list[So
         params=params,
         buffers=model.buffers,
         dtype=model.dtype,
-        device=next(iter(params.values())).device,
+        device=model.device,
         activation_numel=model.activation_numel,
     )
     out = [_source(name, found, ctx) for name, found in _uses_per_param(run.uses, plan.tracked)]

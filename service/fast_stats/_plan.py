@@ -38,7 +38,7 @@ def plan_for(setup: Setup) -> Plan | None:
         setup.loss,
         setup.selected,
         tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in setup.samples.items()),
-        str(next(iter(setup.params.values())).device),
+        str(model.device),
     )
     return PLANS.get_or_make(key, lambda: _probe(setup))
 

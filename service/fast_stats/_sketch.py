@@ -24,7 +24,7 @@ def sketch(call: Call, found: Sequence[Source]) -> torch.Tensor | None:
         return None
     assert projection is not None, "validation asks for a projection with 'proj'"
     out = torch.zeros((call.size, projection.k), dtype=call.model.dtype,
-                      device=next(iter(call.params.values())).device)
+                      device=call.model.device)
     with torch.no_grad():  # the captured inputs are part of the forward graph
         for source in found:
             source.project(projection, out)
