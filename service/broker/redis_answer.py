@@ -233,12 +233,12 @@ class RedisAnswer:
         raw = (await asyncio.to_thread(RawStreamReader.open, self.pr)
                if self.size >= RAW_MIN_BYTES else None)
         key = keys.job_pieces(self.prefix, self.job_id, self.attempt)
-        async with contextlib.aclosing(self._entries(raw, key, consume)) as batches:
-            async for entries in batches:
-                for _, fields in entries:
+        async with contextlib.aclosing(self._batches(raw, key, consume)) as batches:
+            async for batch in batches:
+                for piece in batch:
                     if held:
                         yield held
-                    held = fields[b"d"]
+                    held = piece
                     left -= len(held)
                 if left <= 0:
                     break
@@ -247,9 +247,9 @@ class RedisAnswer:
         await self._ended()
         yield held
 
-    async def _entries(self, raw: RawStreamReader | None, key: str, consume: bool
-                       ) -> AsyncGenerator[list[tuple[bytes, dict[bytes, Any]]], None]:
-        """Batches of the pieces stream's entries, until the caller stops; closes ``raw``.
+    async def _batches(self, raw: RawStreamReader | None, key: str, consume: bool
+                       ) -> AsyncGenerator[list[bytes | memoryview], None]:
+        """Batches of the pieces stream's pieces, until the caller stops; closes ``raw``.
 
         The next batch is already being read (the raw reader in a thread) while the caller
         relays this one: Redis's reply and the client's transfer overlap.
@@ -271,7 +271,7 @@ class RedisAnswer:
                 pending = asyncio.ensure_future(self._xread(raw, key, last))
                 if consume:  # read into memory here: Redis may reuse theirs
                     await self.pr.xtrim(key, minid=bytes(last), approximate=False)
-                yield [(bytes(eid), _pairs(fields)) for eid, fields in entries]
+                yield [_pairs(fields)[b"d"] for _, fields in entries]
         finally:
             if raw is not None:
                 raw.shutdown()  # the read under way (blocked up to POLL_MS) ends now
