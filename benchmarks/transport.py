@@ -328,5 +328,6 @@ def report_cpu(cpu: dict[tuple[str, int], dict[str, list[dict[str, float]]]],
             print("| " + " | ".join([f"grads B={batch}", method, *cells, f"{total:.0f}", *least])
                   + " |")
 
+
 if __name__ == "__main__":
     main()
