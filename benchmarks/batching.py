@@ -198,16 +198,19 @@ def redis_pid(url: str) -> int | None:
         client.close()
 
 
-def private_redis(aof_dir: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def private_redis(aof_dir: str | None = None, socket_dir: str | None = None
+                  ) -> tuple[subprocess.Popen[bytes], str]:
     """A ``redis-server`` of this benchmark's own on a free port: no persistence, or with
     ``aof_dir`` an append-only file there (``appendfsync everysec``), as docker-compose.yml runs
-    Redis."""
+    Redis. With ``socket_dir`` it also listens on a Unix socket there, and its URL names that."""
     port = free_port()
     persist = ["--appendonly", "yes", "--dir", aof_dir] if aof_dir else ["--appendonly", "no"]
+    sock = f"{socket_dir}/redis-{port}.sock" if socket_dir else None
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", *persist],
+                             "--save", "", *persist,
+                             *(["--unixsocket", sock, "--unixsocketperm", "700"] if sock else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"unix://{sock}?db=0" if sock else f"redis://127.0.0.1:{port}/0"
     import redis
 
     until = time.monotonic() + 30

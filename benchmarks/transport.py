@@ -157,21 +157,26 @@ def main() -> None:
                         help="a redis-server of its own on a free port, no persistence")
     parser.add_argument("--appendonly", action="store_true",
                         help="with --private-redis: an append-only file, as docker-compose.yml")
+    parser.add_argument("--unix-socket", action="store_true",
+                        help="with --answers-redis: the answers' Redis reached over a Unix socket "
+                        "(docker-compose.yml's redis-answers)")
     parser.add_argument("--answers-redis", action="store_true",
                         help="with --private-redis: the answers' pieces in a second one, without "
                         "persistence (docker-compose.yml's redis-answers)")
     args = parser.parse_args()
     if (args.appendonly or args.answers_redis) and not args.private_redis:
         parser.error("--appendonly and --answers-redis need --private-redis")
+    if args.unix_socket and not args.answers_redis:
+        parser.error("--unix-socket needs --answers-redis")
     servers = []
-    with tempfile.TemporaryDirectory(prefix="psgrad-aof-") as aof_dir:
+    with tempfile.TemporaryDirectory(prefix="psgrad-redis-") as tmp:
         try:
             url, answers_url = URL, None
             if args.private_redis:
-                servers.append(private_redis(aof_dir if args.appendonly else None))
+                servers.append(private_redis(tmp if args.appendonly else None))
                 url = servers[-1][1]
             if args.answers_redis:
-                servers.append(private_redis())
+                servers.append(private_redis(socket_dir=tmp if args.unix_socket else None))
                 answers_url = servers[-1][1]
             run(args, url, answers_url)
         finally:
@@ -180,7 +185,8 @@ def main() -> None:
     print("Redis: " + ("its own, append-only file on (as docker-compose.yml)" if args.appendonly
                        else "its own, no persistence" if args.private_redis
                        else "PSGRAD_REDIS_URL's (its persistence as configured there)")
-          + ("; the answers' pieces in a second one, no persistence" if answers_url else ""))
+          + ("; the answers' pieces in a second one, no persistence" if answers_url else "")
+          + (", over a Unix socket" if args.unix_socket else ""))
 
 
 def run(args: argparse.Namespace, redis_url: str, answers_url: str | None) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from fnmatch import fnmatch
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -150,6 +150,17 @@ def mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def readonly(service: dict[str, Any], target: str) -> bool:
+    """Whether the volume mounted at ``target`` is mounted read-only."""
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            if volume.split(":")[1] == target:
+                return volume.split(":")[2:] == ["ro"]
+        elif volume["target"] == target:
+            return bool(volume.get("read_only"))
+    raise AssertionError(f"nothing mounted at {target}")
+
+
 def healthcheck_text(service: dict[str, Any]) -> str:
     test = service["healthcheck"]["test"]
     return " ".join(test) if isinstance(test, list) else str(test)
@@ -204,12 +215,21 @@ def test_answers_go_to_a_redis_without_persistence(
     assert command[command.index("--appendonly") + 1] == "no"
     assert command[command.index("--save") + 1] == ""
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
-    assert "redis-cli ping" in healthcheck_text(answers)
-    assert not answers.get("volumes")
+    # Reached over a Unix socket in a volume of its own, in /data: the image's entrypoint gives
+    # that folder (its working directory) to the redis user, which creates the socket there.
+    sock = PurePosixPath(command[command.index("--unixsocket") + 1])
+    assert sock.parent == PurePosixPath("/data")
+    assert int(command[command.index("--unixsocketperm") + 1], 8) & 0o006 == 0o006  # uid 10001
+    [(volume, target)] = mounts(answers)
+    assert target == "/data" and volume in gpu_config["volumes"], answers["volumes"]
+    assert f"redis-cli -s {sock} ping" in healthcheck_text(answers)
     for config in (gpu_config, cpu_config):
         for name in ("api", *workers(config)):
-            env = config["services"][name]["environment"]
-            assert env["PSGRAD_ANSWER_REDIS_URL"] == "redis://redis-answers:6379/0", name
+            service = config["services"][name]
+            [there] = [t for v, t in mounts(service) if v == volume]
+            assert readonly(service, there), name
+            assert (service["environment"]["PSGRAD_ANSWER_REDIS_URL"]
+                    == f"unix://{there}/{sock.name}?db=0"), name
 
 
 def test_api_waits_for_redis_and_reports_health(gpu_config: dict[str, Any]) -> None:
@@ -513,7 +533,8 @@ def test_compose_processes_serve_a_request_on_loopback(
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("PSGRAD_")}
     base_env.update(image_env())
 
-    # Both Redis servers with the compose file's arguments, each on its own port and directory.
+    # Both Redis servers with the compose file's arguments, each on its own port and directory;
+    # the answers' one with its Unix socket in its folder, where the api and workers reach it.
     import redis
 
     urls = {}
@@ -522,17 +543,22 @@ def test_compose_processes_serve_a_request_on_loopback(
         folder.mkdir()
         cmd = [str(a) for a in services[service]["command"]]
         assert shutil.which(cmd[0]), f"{cmd[0]} is not installed"
+        urls[service] = f"redis://127.0.0.1:{port}/0"
+        if "--unixsocket" in cmd:
+            sock = folder / PurePosixPath(cmd[cmd.index("--unixsocket") + 1]).name
+            cmd = with_option(cmd, "--unixsocket", str(sock))
+            urls[service] = f"unix://{sock}?db=0"
         processes.start(
             service,
             [*cmd, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)],
             base_env,
         )
-        urls[service] = f"redis://127.0.0.1:{port}/0"
+    assert urls["redis-answers"].startswith("unix://")
 
     def service_env(name: str) -> dict[str, str]:
         env = {k: str(v) for k, v in services[name]["environment"].items()}
         assert env["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
-        assert env["PSGRAD_ANSWER_REDIS_URL"] == "redis://redis-answers:6379/0"
+        assert env["PSGRAD_ANSWER_REDIS_URL"].startswith("unix:///run/redis-answers/")
         return {**base_env, **env, "PSGRAD_REDIS_URL": urls["redis"],
                 "PSGRAD_ANSWER_REDIS_URL": urls["redis-answers"]}
 

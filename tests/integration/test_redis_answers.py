@@ -45,11 +45,12 @@ def shared() -> Iterator[redis.Redis]:
 @pytest.fixture(params=[False, True], ids=["one-redis", "answers-redis"])
 def answers_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
     """Where the answers' pieces go: the queue's Redis (None), or a private redis-server of
-    their own, as docker-compose.yml runs one."""
+    their own, as docker-compose.yml runs one (reached over a Unix socket), here with a password
+    as docs/operations.md sets one up for workers on other hosts."""
     if not request.param:
         yield None
         return
-    own = OwnRedis(tmp_path)
+    own = OwnRedis(tmp_path, password="answers-secret", unix_socket=True)
     own.start()
     yield own.url
     own.kill()
@@ -375,8 +376,7 @@ async def test_answers_over_a_unix_socket_are_read_by_the_plain_socket_reader(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``unix://`` Redis URL (api, workers and Redis on one host): large answers still go
     through :class:`RawStreamReader`, over the socket file, not redis-py's slower parser."""
-    path = tmp_path / "redis.sock"
-    own = OwnRedis(tmp_path, "--unixsocket", str(path), "--unixsocketperm", "700")
+    own = OwnRedis(tmp_path, unix_socket=True)
     own.start()
     monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", 0)
     opened: list[bool] = []
@@ -388,7 +388,7 @@ async def test_answers_over_a_unix_socket_are_read_by_the_plain_socket_reader(
         return reader
 
     monkeypatch.setattr(redis_answer.RawStreamReader, "open", spy)
-    settings = Settings(redis_url=f"unix://{path}", redis_prefix="unix-test", result_ttl_s=30)
+    settings = Settings(redis_url=own.url, redis_prefix="unix-test", result_ttl_s=30)
     try:
         async with queue(settings) as (broker, source):
             jobs = await answered(broker, source, 2)

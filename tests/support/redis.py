@@ -55,26 +55,39 @@ def fresh_prefix() -> Iterator[str]:
 
 
 class OwnRedis:
-    """A private redis-server on a free port, to stop and restart without touching 6379."""
+    """A private redis-server on a free port, to stop and restart without touching 6379.
 
-    def __init__(self, tmp: Path, *options: str) -> None:
+    ``password``: it asks for one. ``unix_socket``: it also listens on a socket file in ``tmp``,
+    and :attr:`url` names that (docker-compose.yml's ``redis-answers``, reached so).
+    """
+
+    def __init__(self, tmp: Path, *options: str, password: str | None = None,
+                 unix_socket: bool = False) -> None:
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed")
         self.port = free_port()
         self.dir = tmp
-        self.options = options  # more redis-server options, e.g. "--proto-max-bulk-len", "1mb"
+        self.password = password
+        self.socket = tmp / f"redis-{self.port}.sock" if unix_socket else None
+        self.options = [  # more redis-server options, e.g. "--proto-max-bulk-len", "1mb"
+            *options, *(["--requirepass", password] if password else []),
+            *(["--unixsocket", str(self.socket), "--unixsocketperm", "700"] if self.socket
+              else [])]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f"password={self.password}" if self.password else ""
+        if self.socket:
+            return f"unix://{self.socket}?db=0" + (f"&{auth}" if auth else "")
+        return f"redis://127.0.0.1:{self.port}/0" + (f"?{auth}" if auth else "")
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.dir), *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1)
         for _ in range(100):
             try:
                 client.ping()
