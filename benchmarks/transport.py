@@ -22,13 +22,15 @@ answer's socket crossings can take on this host's cores. Needs Redis at PSGRAD_R
 ``--private-redis`` a ``redis-server`` of its own (no persistence; with ``--appendonly`` an
 append-only file in a temporary folder, as docker-compose.yml runs Redis: every piece of every
 answer is then also written to that file; with ``--answers-redis`` also a second one without
-persistence for the answers' pieces, as docker-compose.yml's ``redis-answers``), and about 10 GB
-of free memory for the B=256 case (each client keeps the memory of its last answers to read the
-next into). A shared 2-core machine: the figures are noisy, read the ratios.
+persistence for the answers' pieces, as docker-compose.yml's ``redis-answers``, and with
+``--unix-socket`` reached over a socket file, as compose's api and workers reach it), and about
+10 GB of free memory for the B=256 case (each client keeps the memory of its last answers to read
+the next into). A shared 2-core machine: the figures are noisy, read the ratios.
 
     python benchmarks/transport.py [--repeats 3] [--cases norms:64,grads:64,grads:256]
                                    [--device cuda]
-                                   [--private-redis [--appendonly] [--answers-redis]]
+                                   [--private-redis [--appendonly]
+                                    [--answers-redis [--unix-socket]]]
 
 With ``--device cuda`` every server and the in-process engine compute on the GPU; the engine's
 time then includes copying its answer to host memory, which every server pays as well.
