@@ -25,6 +25,7 @@ from psgrad._errors import Overloaded, TooLarge
 from psgrad._stream import AnswerReader
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 from psgrad._wire import RESPONSE_KEY
+from service.tenants import DEFAULT_TENANT
 
 __all__ = [
     "SMALLER_ANSWER",
@@ -55,6 +56,7 @@ class Job:
     deadline: float  # epoch seconds; a job whose deadline passed is not computed
     enqueued_at: float = field(default_factory=time.time)
     attempts: int = 1
+    tenant: str = DEFAULT_TENANT  # who made it (service.tenants); only they (or an admin) see it
 
     @property
     def size(self) -> int:
@@ -110,6 +112,7 @@ class JobState:
     enqueued_at: float | None = None
     finished_at: float | None = None
     answer: Answer | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 class Broker(Protocol):

@@ -1,0 +1,34 @@
+"""Who a request belongs to: tenants, their role and their quotas.
+
+Every key belongs to one tenant; jobs, DP runs and reference sets belong to the tenant whose key
+made them. With no keys configured (loopback dev mode) every request belongs to
+:data:`DEFAULT_TENANT`. This module holds only the records; reading keys is the api's job and
+enforcing quotas the broker's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_TENANT", "Quotas", "Tenant"]
+
+DEFAULT_TENANT = "default"  # the one tenant of a server without keys, and of data made before
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """A tenant's limits; None: no limit of its own (the server's defaults apply)."""
+
+    queued_samples: int | None = None  # samples queued or running at once
+    concurrent_jobs: int | None = None  # jobs queued or running at once
+    requests_per_s: float | None = None  # sustained request rate (a token bucket)
+    weight: float = 1.0  # its share of the workers relative to other tenants
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """The caller of a request, as its key says."""
+
+    name: str
+    admin: bool = False
+    quotas: Quotas = field(default_factory=Quotas)
