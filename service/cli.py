@@ -60,7 +60,7 @@ def serve(
     settings = settings or get_settings()
     if workers is not None:
         settings = settings.model_copy(update={"workers": workers})
-    if not (settings.api_key_set or settings.admin_key_set):
+    if not settings.keys_configured:
         if not is_loopback(host) and not insecure_no_auth:
             log.error(
                 "refusing to serve on %s without API keys: anyone who reaches it could use it. "
@@ -78,7 +78,13 @@ def serve(
         else (f"embedded broker, {settings.workers} worker thread(s)")
     )
     log.info("psgrad api on http://%s:%d (%s)", host, port, mode)
-    app = create_app(settings)
+    from service.keyring import KeysError
+
+    try:
+        app = create_app(settings)
+    except KeysError as exc:
+        log.error("%s", exc)
+        return EXIT_REFUSED
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
     uvicorn.Server(config).run()
     return EXIT_OK

@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     # mantissa (simple-cnn's per-sample gradients moved by ~1e-2 on an H100); off: float32
     allow_tf32: bool = False
 
-    api_keys: str = ""
+    api_keys: str = ""  # comma-separated: `name:secret` (tenant name) or a bare secret
     admin_keys: str = ""
+    keys_file: str | None = None  # TOML, or JSON (*.json): tenants' keys, roles, quotas
 
     result_ttl_s: int = 3600
     visibility_timeout_s: float = 60.0
@@ -65,6 +66,11 @@ class Settings(BaseSettings):
     export_memory_mb: int = 4096  # address space of the process that checks a .pt2 archive
     export_cpu_s: int = 60  # CPU seconds of that process
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
+
+    @property
+    def keys_configured(self) -> bool:
+        """Any key is configured (else the server is open: loopback dev mode)."""
+        return bool(self.api_key_set or self.admin_key_set or self.keys_file)
 
     @property
     def api_key_set(self) -> frozenset[str]:

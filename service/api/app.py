@@ -17,6 +17,7 @@ from service.broker import make_broker
 from service.broker.embedded import EmbeddedBroker
 from service.config import Settings, get_settings
 from service.jobs import Broker
+from service.keyring import Keyring, install_sighup
 from service.registry import ModelRegistry, make_registry
 from service.worker import WorkerPool
 
@@ -47,12 +48,13 @@ def create_app(
     workers = None
     if isinstance(broker, EmbeddedBroker):
         workers = WorkerPool.over(broker, registry, settings, metrics)
-    state = AppState(
-        settings=settings, broker=broker, registry=registry, metrics=metrics, workers=workers
-    )
+    keyring = Keyring(settings.api_keys, settings.admin_keys, settings.keys_file)
+    state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics,
+                     workers=workers, keyring=keyring)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        install_sighup()  # SIGHUP: re-read PSGRAD_KEYS_FILE
         await broker.start()
         if workers is not None:
             workers.start()

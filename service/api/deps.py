@@ -3,15 +3,16 @@
 Every dependency is ``async``: FastAPI runs a plain ``def`` dependency in a thread pool, and three
 thread hops cost a one-sample request more than all of its own work on the event loop.
 
-``ApiKey`` guards every data route and ``AdminKey`` model registration and deletion. With no keys
-configured both let everyone in (the server then refuses to bind beyond loopback unless told
-to, see :mod:`service.cli`). Keys are compared in constant time.
+``TenantDep`` is the caller's :class:`~service.tenants.Tenant`, read from its key (see
+:mod:`service.keyring`); every data route needs it, and ``AdminDep`` (an admin key) guards model
+registration and deletion. With no keys configured every request is the default tenant with
+every right (the server then refuses to bind beyond loopback unless told to, see
+:mod:`service.cli`). Keys are compared as SHA-256 digests, in constant time.
 """
 
 from __future__ import annotations
 
-import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -21,7 +22,9 @@ from psgrad._errors import Forbidden, Unauthorized
 from service.api.metrics import Metrics
 from service.config import Settings
 from service.jobs import Broker
+from service.keyring import Keyring
 from service.registry import ModelRegistry
+from service.tenants import Tenant
 from service.worker import WorkerPool
 
 
@@ -34,6 +37,7 @@ class AppState:
     registry: ModelRegistry
     metrics: Metrics
     workers: WorkerPool | None = None
+    keyring: Keyring = field(default_factory=Keyring)  # default: no keys (dev mode)
 
     async def ready(self) -> bool:
         """The broker answers and a worker serves the queue (the pool's, or Redis heartbeats)."""
@@ -68,19 +72,10 @@ RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
 
 _bearer = HTTPBearer(
     auto_error=False,
-    description="an API key (PSGRAD_API_KEYS) or an admin "
-    "key (PSGRAD_ADMIN_KEYS), as 'Authorization: Bearer <key>'",
+    description="an API key (PSGRAD_API_KEYS, PSGRAD_KEYS_FILE) or an admin key "
+    "(PSGRAD_ADMIN_KEYS, or role admin in the keys file), as 'Authorization: Bearer <key>'",
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-
-
-def key_matches(given: str, keys: frozenset[str]) -> bool:
-    """Constant time in the key's content: every configured key is compared."""
-    found = False
-    raw = given.encode()
-    for key in keys:
-        found |= hmac.compare_digest(raw, key.encode())
-    return found
 
 
 def _given(credentials: HTTPAuthorizationCredentials | None) -> str:
@@ -89,28 +84,31 @@ def _given(credentials: HTTPAuthorizationCredentials | None) -> str:
     return credentials.credentials
 
 
-async def require_key(settings: SettingsDep, credentials: Credentials) -> None:
-    """Any configured key (API or admin) passes; no keys configured: everyone passes."""
-    keys = settings.api_key_set | settings.admin_key_set
-    if keys and not key_matches(_given(credentials), keys):
+async def get_tenant(state: StateDep, credentials: Credentials) -> Tenant:
+    """The tenant whose key the request carries (401 without a valid one); with no keys
+    configured, the default tenant with every right (loopback dev mode, as before tenants)."""
+    keyring = state.keyring
+    if not keyring.configured:
+        return keyring.dev_tenant()
+    tenant = keyring.lookup(_given(credentials))
+    if tenant is None:
         raise Unauthorized("the API key is not valid")
+    return tenant
 
 
-async def require_admin(settings: SettingsDep, credentials: Credentials) -> None:
-    """Only an admin key passes (for registering and deleting models)."""
-    admin, api = settings.admin_key_set, settings.api_key_set
-    if not admin and not api:
-        return
-    given = _given(credentials)
-    if admin and key_matches(given, admin):
-        return
-    if key_matches(given, api):
+TenantDep = Annotated[Tenant, Depends(get_tenant)]
+
+
+async def require_admin(tenant: TenantDep, state: StateDep) -> Tenant:
+    """Only an admin key passes (registering and deleting models, other tenants' resources)."""
+    if not tenant.admin:
         raise Forbidden(
             "this needs an admin key (PSGRAD_ADMIN_KEYS); an API key is not enough"
-            + ("" if admin else ": no admin key is configured on this server")
+            + ("" if state.keyring.has_admin else ": no admin key is configured on this server")
         )
-    raise Unauthorized("the API key is not valid")
+    return tenant
 
 
-ApiKey = Depends(require_key)
+AdminDep = Annotated[Tenant, Depends(require_admin)]
+ApiKey = Depends(get_tenant)  # for a router or route that needs a key but not its tenant
 AdminKey = Depends(require_admin)

@@ -15,13 +15,14 @@ from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
 from psgrad._wire import JSON, SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import decode_request, encode_result
-from service.api.deps import ApiKey, StateDep
+from service.api.deps import StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
 from service.jobs import Job, JobStatus, new_job_id, read_answer
+from service.tenants import Tenant
 
-router = APIRouter(tags=["per-sample gradients"], dependencies=[ApiKey])
+router = APIRouter(tags=["per-sample gradients"])
 
 REQUEST_BODY: dict[str, Any] = {
     "requestBody": {
@@ -48,14 +49,17 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 async def new_job(
     request: Request,
     state: StateDep,
+    tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
 ) -> Job:
-    """Decode the body, ``check`` it, enqueue it; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``."""
+    """Decode the body, ``check`` it, enqueue it as ``tenant``'s; the deadline is
+    ``PSGRAD_REQUEST_TIMEOUT_S``."""
     fields = await decode_request(request, state.settings)
     await dp_precheck(fields, state.settings)  # 404 / 409 now for a DP run with no step left
     if check is not None:
         await check(fields, state)
-    job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s)
+    job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s,
+              tenant=tenant.name)
     # Yield once before the broker call: requests that arrive together then decode in one turn
     # of the event loop and only afterwards arm their Redis timeouts, which a whole burst's
     # decoding in between would otherwise eat (connects timed out under 100 requests at once).
@@ -71,14 +75,14 @@ async def new_job(
     responses=RESPONSES,
     summary="Per-sample gradients and their statistics",
 )
-async def per_sample_grads(request: Request, state: StateDep) -> Response:
+async def per_sample_grads(request: Request, state: StateDep, tenant: TenantDep) -> Response:
     """Compute the requested outputs for one batch and wait for them.
 
     The job joins the queue and may be computed together with other clients' jobs that share
     its model, loss and options; its answer is exactly its own. Past the deadline
     (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504.
     """
-    job = await new_job(request, state)
+    job = await new_job(request, state, tenant)
     return await answer_of(state, job, request)
 
 

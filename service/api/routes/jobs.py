@@ -21,7 +21,7 @@ from psgrad._errors import InvalidInput, UnknownJob
 from psgrad._wire import SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import encode_result, json_response, wants_safetensors
-from service.api.deps import ApiKey, StateDep
+from service.api.deps import ApiKey, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import GradsRequest, JobCreated, JobView, errors
 from service.jobs import JobState, JobStatus, read_answer
@@ -42,12 +42,12 @@ JobId = Annotated[str, Path(json_schema_extra={"pattern": JOB_ID})]
     responses=errors(400, 401, 404, 409, 413, 415, 422, 503),
     summary="Queue a computation",
 )
-async def create_job(request: Request, state: StateDep) -> JSONResponse:
+async def create_job(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     """Queue the same body as ``POST /per-sample-grads``; poll ``GET /jobs/{job_id}``.
 
     What the schema forbids is refused at once (4xx); what needs the model fails the job.
     """
-    job = await new_job(request, state, check=_check)
+    job = await new_job(request, state, tenant, check=_check)
     return JSONResponse(
         {"job_id": job.id, "status": JobStatus.QUEUED.value},
         status_code=202,

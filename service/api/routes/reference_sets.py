@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import NotFound
 from service.api.body import decode_request
-from service.api.deps import ApiKey, RegistryDep, StateDep
+from service.api.deps import ApiKey, RegistryDep, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
 from service.api.schemas import MODEL_ID, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
@@ -39,7 +39,9 @@ def _missing(set_id: str) -> NotFound:
     responses=errors(400, 401, 404, 413, 415, 422, 503, 504),
     summary="Compute and keep a batch's sketches (projection_dim) or gradients",
 )
-async def put_reference_set(set_id: SetId, request: Request, state: StateDep) -> dict[str, Any]:
+async def put_reference_set(
+    set_id: SetId, request: Request, state: StateDep, tenant: TenantDep
+) -> dict[str, Any]:
     """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
     projection_seed) without outputs; an existing set of this id is replaced. A batch larger
     than ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
@@ -54,7 +56,7 @@ async def put_reference_set(set_id: SetId, request: Request, state: StateDep) ->
 
     fields = await run_in_threadpool(check)
     deadline = time.time() + state.settings.request_timeout_s
-    jobs = [Job(new_job_id(), part, deadline=deadline)
+    jobs = [Job(new_job_id(), part, deadline=deadline, tenant=tenant.name)
             for part in split(fields, state.settings.max_batch_size)]
     for job in jobs:
         await state.broker.submit(job)
