@@ -66,7 +66,8 @@ class EmbeddedBroker:
                     retry_after=1.0,
                     queue_depth=len(self._queue),
                 )
-            self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at)
+            self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at,
+                                            tenant=job.tenant)
             self._waiters[job.id] = asyncio.Event()
             self._queue.append(job)
             self._cond.notify()

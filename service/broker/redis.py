@@ -51,6 +51,7 @@ from service.broker.redis_answer import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
+from service.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,12 +60,13 @@ RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
 _UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
 
-# KEYS: stream, state, payload. ARGV: max depth, ttl, payload, id, n, enqueued_at, deadline
+# KEYS: stream, state, payload. ARGV: max depth, ttl, payload, id, n, enqueued_at, deadline,
+# tenant
 SUBMIT_LUA = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2])
 redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[6], 'deadline', ARGV[7],
-           'attempts', '0', 'n', ARGV[5])
+           'attempts', '0', 'n', ARGV[5], 'tenant', ARGV[8])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('XADD', KEYS[1], '*', 'id', ARGV[4], 'n', ARGV[5])
 return 1
@@ -117,7 +119,7 @@ def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> Jo
         id=job_id, status=status,
         enqueued_at=float(h["enqueued_at"]) if "enqueued_at" in h else None,
         finished_at=float(h["finished_at"]) if "finished_at" in h else None,
-        answer=answer,
+        answer=answer, tenant=h.get("tenant", DEFAULT_TENANT),  # none: made before tenants
     )
     if "error" in h:
         state.error = json.loads(h["error"])
@@ -225,7 +227,7 @@ class RedisBroker:
         accepted = await self._call(lambda: self._submit(
             keys=[keys.job_stream(p), keys.job_state(p, job.id), keys.job_payload(p, job.id)],
             args=[self.settings.max_queue_depth, ttl, payload, job.id, n,
-                  repr(job.enqueued_at), repr(job.deadline)],
+                  repr(job.enqueued_at), repr(job.deadline), job.tenant],
         ))
         if not accepted:
             raise Overloaded(

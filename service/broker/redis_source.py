@@ -39,6 +39,7 @@ from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, RETRY_LUA, STA
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus
+from service.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,8 @@ class RedisJobSource:
                 continue
             jobs.append(Job(id=job_id, fields=fields, deadline=deadline,
                             enqueued_at=float(state.get("enqueued_at", now)),
-                            attempts=int(attempts)))
+                            attempts=int(attempts),
+                            tenant=state.get("tenant", DEFAULT_TENANT)))
         return jobs
 
     def _poison(self, state: dict[str, str], attempts: int) -> str:

@@ -5,11 +5,10 @@ pieces in the queue's Redis and in a Redis of their own (``PSGRAD_ANSWER_REDIS_U
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
 from service.registry import make_registry
 from tests.support.client import free_port
 from tests.support.cluster import check_answer, cluster, env_of, job_done
-from tests.support.redis import SHARED_URL, OwnRedis, prefix_on, redis_or_skip
+from tests.support.redis import SHARED_URL, OwnRedis, prefix_on, queue, redis_or_skip
 
 RESULT = {"model": "x", "grads": {"w": np.arange(300_000, dtype=np.float32)},
           "norms": np.ones(4, np.float32)}
@@ -72,17 +71,6 @@ def settings(shared: redis.Redis, answers_url: str | None) -> Iterator[Settings]
     with prefix_on(shared) as prefix:
         yield Settings(redis_url=SHARED_URL, redis_prefix=prefix, visibility_timeout_s=0.5,
                        result_ttl_s=30, heartbeat_s=0.2, answer_redis_url=answers_url)
-
-
-@contextlib.asynccontextmanager
-async def queue(settings: Settings) -> AsyncIterator[tuple[RedisBroker, RedisJobSource]]:
-    """The api's broker and a worker's source on ``settings``, closed after."""
-    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
-    try:
-        yield broker, source
-    finally:
-        source.close()
-        await broker.close()
 
 
 def job() -> Job:

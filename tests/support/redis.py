@@ -10,13 +10,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from service.broker.redis import RedisBroker
+from service.broker.redis_source import RedisJobSource
+from service.config import Settings
 from tests.support.client import free_port
 
 SHARED_URL = os.environ.get("PSGRAD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -43,6 +46,17 @@ def prefix_on(client: redis.Redis) -> Iterator[str]:
             doomed = list(client.scan_iter(match=f"{prefix}:*", count=1000))
             if doomed:
                 client.delete(*doomed)
+
+
+@contextlib.asynccontextmanager
+async def queue(settings: Settings) -> AsyncIterator[tuple[RedisBroker, RedisJobSource]]:
+    """The api's broker and a worker's source (consumer ``w``) on ``settings``, closed after."""
+    broker, source = RedisBroker(settings), RedisJobSource(settings, name="w")
+    try:
+        yield broker, source
+    finally:
+        source.close()
+        await broker.close()
 
 
 def fresh_prefix() -> Iterator[str]:
