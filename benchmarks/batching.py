@@ -211,13 +211,19 @@ def private_redis(aof_dir: str | None = None, socket_dir: str | None = None
                              *(["--unixsocket", sock, "--unixsocketperm", "700"] if sock else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"unix://{sock}?db=0" if sock else f"redis://127.0.0.1:{port}/0"
+    wait_redis(url)
+    return proc, url
+
+
+def wait_redis(url: str, timeout: float = 30.0) -> None:
+    """Return once the Redis at ``url`` answers a ping (a server just started)."""
     import redis
 
-    until = time.monotonic() + 30
+    until = time.monotonic() + timeout
     while True:
         try:
             redis.Redis.from_url(url).ping()
-            return proc, url
+            return
         except redis.ConnectionError:
             if time.monotonic() > until:
                 raise

@@ -57,7 +57,9 @@ def job_state(prefix: str, job_id: str) -> str:
 
 
 def job_payload(prefix: str, job_id: str) -> str:
-    """The request as safetensors bytes (``psgrad._wire.fields_to_safetensors``, key request)."""
+    """The request as safetensors bytes (``psgrad._wire.fields_to_safetensors``, key request),
+    in the answers' Redis where one is configured (written once, read once: kept out of the
+    queue's append-only file)."""
     return f"{prefix}:job:{job_id}:payload"
 
 

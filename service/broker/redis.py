@@ -3,7 +3,9 @@
 Life of a job (key names in :mod:`service.keys`)::
 
     api  submit   SET payload (safetensors) + HSET state {queued, deadline, ...} + XADD stream
-                  (one Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs)
+                  (one Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs);
+                  with an answers' Redis the payload is SET there first, out of the queue's
+                  append-only file (the script then sets the rest)
     worker take   XREADGROUP COUNT n BLOCK ms (and XAUTOCLAIM of jobs idle past the visibility
                   timeout: their worker died); HINCRBY attempts; poison, expired, canceled: ended
     worker start  one pipeline per batch marks its jobs running and learns which were canceled
@@ -26,6 +28,7 @@ recovers by itself: every call opens a fresh connection when the pooled one is b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -60,11 +63,11 @@ RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
 _UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
 
-# KEYS: stream, state, payload. ARGV: max depth, ttl, payload, id, n, enqueued_at, deadline,
-# tenant
+# KEYS: stream, state, payload. ARGV: max depth, ttl, payload ('': stored in the answers' Redis),
+# id, n, enqueued_at, deadline, tenant
 SUBMIT_LUA = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2])
+if ARGV[3] ~= '' then redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2]) end
 redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[6], 'deadline', ARGV[7],
            'attempts', '0', 'n', ARGV[5], 'tenant', ARGV[8])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
@@ -168,19 +171,23 @@ class RedisBroker:
         # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
             settings.redis_url, **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
-        # large answers' pieces: in a Redis of their own where one is configured
-        self.pieces, self.pieces_blocking = self.r, self.blocking
+        # large answers' pieces and the requests' payloads: in a Redis of their own where one
+        # is configured (written once, read once: kept out of the queue's append-only file)
+        self.pieces, self.pieces_blocking, self.pieces_bulk = self.r, self.blocking, self.bulk
         if settings.answer_redis_url:
             self.pieces = aioredis.Redis.from_url(settings.answer_redis_url, **kwargs)
             self.pieces_blocking = aioredis.Redis.from_url(
                 settings.answer_redis_url,
                 **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
+            self.pieces_bulk = aioredis.Redis.from_url(
+                settings.answer_redis_url, **connection_kwargs(settings, bulk=True),
+                max_connections=room)
         self._submit = self.bulk.register_script(SUBMIT_LUA)
         self._cancel = self.r.register_script(CANCEL_LUA)
 
     def _clients(self) -> list[aioredis.Redis]:
         return list({id(c): c for c in (self.r, self.bulk, self.blocking, self.pieces,
-                                         self.pieces_blocking)}.values())
+                                         self.pieces_blocking, self.pieces_bulk)}.values())
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run ``op``; Redis errors become :class:`psgrad.Overloaded` (503) or a 500.
@@ -224,11 +231,21 @@ class RedisBroker:
                 limit=self.max_value_bytes, size=len(payload))
         ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
         p = self.prefix
-        accepted = await self._call(lambda: self._submit(
-            keys=[keys.job_stream(p), keys.job_state(p, job.id), keys.job_payload(p, job.id)],
-            args=[self.settings.max_queue_depth, ttl, payload, job.id, n,
-                  repr(job.enqueued_at), repr(job.deadline), job.tenant],
-        ))
+        payload_key = keys.job_payload(p, job.id)
+        apart = self.pieces_bulk is not self.bulk
+        if apart:  # first: a worker reads the payload once it finds the job in the stream
+            await self._call(lambda: self.pieces_bulk.set(payload_key, payload, ex=ttl))
+        accepted = 0
+        try:
+            accepted = await self._call(lambda: self._submit(
+                keys=[keys.job_stream(p), keys.job_state(p, job.id), payload_key],
+                args=[self.settings.max_queue_depth, ttl, b"" if apart else payload, job.id, n,
+                      repr(job.enqueued_at), repr(job.deadline), job.tenant],
+            ))
+        finally:
+            if apart and not accepted:  # no job names it (else it expires with its TTL)
+                with contextlib.suppress(PsgradError):
+                    await self._delete([], [payload_key])
         if not accepted:
             raise Overloaded(
                 f"the job queue is full ({self.settings.max_queue_depth} jobs); retry shortly",
@@ -281,22 +298,23 @@ class RedisBroker:
         if not found:
             raise UnknownJob(f"unknown job '{job_id}'", id=job_id)
         if text(found) in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
-            await self._delete([], self._pieces(job_id))  # later pieces re-create nothing
+            await self._delete([], self._bulk_keys(job_id))  # later pieces re-create nothing
         return await self.state(job_id)
 
     async def forget(self, job_id: str) -> None:
         p = self.prefix
         try:
             await self._delete([keys.job_state(p, job_id), keys.job_answer(p, job_id),
-                                keys.job_payload(p, job_id), keys.job_notify(p, job_id)],
-                               self._pieces(job_id))
+                                keys.job_notify(p, job_id)], self._bulk_keys(job_id))
         except Overloaded as exc:  # the keys expire by themselves
             log.warning("could not drop job %s now: %s", job_id, exc.message)
 
-    def _pieces(self, job_id: str) -> list[str]:
-        """Every pieces stream the job's deliveries may have written (one per attempt)."""
-        return [keys.job_pieces(self.prefix, job_id, attempt)
-                for attempt in range(1, self.settings.max_attempts + 1)]
+    def _bulk_keys(self, job_id: str) -> list[str]:
+        """The job's keys in the answers' Redis: its payload and every pieces stream its
+        deliveries may have written (one per attempt)."""
+        return [keys.job_payload(self.prefix, job_id),
+                *(keys.job_pieces(self.prefix, job_id, attempt)
+                  for attempt in range(1, self.settings.max_attempts + 1))]
 
     async def _delete(self, queue_keys: list[str], piece_keys: list[str]) -> None:
         """Delete keys of the queue's Redis and of the answers' (one command where they are

@@ -74,7 +74,8 @@ class RedisJobSource:
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
-        # large answers' pieces: in a Redis of their own where one is configured
+        # large answers' pieces and the requests' payloads: in a Redis of their own where one
+        # is configured
         self.pr = (redis.Redis.from_url(settings.answer_redis_url,
                                         **connection_kwargs(settings, bulk=True))
                    if settings.answer_redis_url else self.r)
@@ -258,16 +259,20 @@ class RedisJobSource:
     def _load(self, entries: list[Entry]) -> list[Job]:
         """Count the attempt, read state and payload; end poison, expired and canceled jobs."""
         p = self.prefix
+        payload_keys = [keys.job_payload(p, job_id) for _, job_id, _ in entries]
         pipe = self.r.pipeline(transaction=False)
         for _, job_id, _ in entries:
             script_in(pipe, ATTEMPT_LUA, [keys.job_state(p, job_id)], [])  # with the state
-            pipe.get(keys.job_payload(p, job_id))
-        replies = pipe.execute()
+        if self.pr is self.r:
+            pipe.mget(payload_keys)
+            *counted, payloads = pipe.execute()
+        else:  # the payloads are in the answers' Redis
+            counted = pipe.execute()
+            payloads = self.pr.mget(payload_keys)
         jobs: list[Job] = []
         now = time.time()
-        for i, entry in enumerate(entries):
+        for entry, (attempts, raw), payload in zip(entries, counted, payloads, strict=True):
             job_id = entry[1]
-            (attempts, raw), payload = replies[2 * i : 2 * i + 2]
             state = {text(raw[j]): text(raw[j + 1]) for j in range(0, len(raw), 2)}
             self._entries[job_id] = entry
             status = state.get("status")
@@ -275,7 +280,9 @@ class RedisJobSource:
                 self._end_entry(job_id, JobStatus.CANCELED, "")  # ended already: ack only
                 continue
             if not payload:
-                gone = JobFailed("the job's request expired before a worker could take it")
+                gone = JobFailed("the job's request is gone (it expired before a worker could "
+                                 "take it, or was lost with a restart of the answers' Redis): "
+                                 "send it again")
                 self._end_entry(job_id, JobStatus.FAILED, json.dumps(gone.to_dict()))
                 continue
             if int(attempts) > self.settings.max_attempts:
@@ -325,6 +332,8 @@ class RedisJobSource:
         p = self.prefix
         now = repr(time.time())
 
+        stored: list[Any] = []
+
         def store() -> Any:  # a fresh pipeline each try: one that ran is empty
             pipe = self.r.pipeline(transaction=False)
             for job_id, status, error, attempt, answer in ends:
@@ -334,12 +343,17 @@ class RedisJobSource:
                            keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
                           [keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt,
                            error, now, self.settings.result_ttl_s, keys.NOTIFY_TTL_S, answer])
-            return pipe.execute()
+            stored[:] = pipe.execute()
 
         ok = self._persist(store)
         if ok:
             for job_id, *_ in ends:
                 self._forget(job_id)
+            # payloads in the answers' Redis: the end script dropped only the queue's copy
+            ended = [keys.job_payload(p, end[0]) for end, done in zip(ends, stored, strict=True)
+                     if done]
+            if ended and self.pr is not self.r:
+                self._call(self.pr.delete, *ended)  # else they expire with their TTL
         return ok
 
     def _persist(self, store: Any, **kwargs: Any) -> bool:

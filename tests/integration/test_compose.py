@@ -200,6 +200,11 @@ def test_redis_keeps_the_queue(gpu_config: dict[str, Any]) -> None:
     command = [str(a) for a in redis["command"]]
     assert command[command.index("--appendonly") + 1] == "yes"
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    # forks only for rewrites of the append-only file (what a restart loads), and those sized
+    # to the traffic: about 4 kB per job (benchmarks/soak.py), 256 MiB is half an hour at 37/s
+    assert command[command.index("--save") + 1] == ""
+    min_size = command[command.index("--auto-aof-rewrite-min-size") + 1]
+    assert min_size.endswith("mb") and int(min_size.removesuffix("mb")) >= 256, min_size
     assert "redis-cli ping" in healthcheck_text(redis)
     volumes = dict(mounts(redis))
     assert volumes.get("redis-data") == "/data", redis.get("volumes")

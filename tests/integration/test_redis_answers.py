@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import redis
 
+from psgrad._errors import Overloaded
 from psgrad._stream import AnswerReader
 from psgrad._wire import RESPONSE_KEY
 from service import keys
@@ -333,6 +334,51 @@ async def test_a_small_answer_goes_whole_with_the_jobs_end_and_only_from_its_own
         source.succeed(taken[stale_job.id], small)
         assert (await broker.state(stale_job.id)).status is JobStatus.RUNNING
         assert not shared.exists(keys.job_answer(settings.redis_prefix, stale_job.id))
+
+
+
+async def test_payloads_live_beside_the_answers_and_go_when_their_job_ends(
+        settings: Settings, shared: redis.Redis, pieces_r: redis.Redis,
+        answers_url: str | None) -> None:
+    """A request's payload is written once and read once, like an answer: with an answers'
+    Redis it goes there, out of the queue's append-only file (whose rewrites it drove). It stays
+    while its job may still run (a retry reads it again) and goes when the job ends, is canceled
+    or is refused by a full queue; a job whose payload is gone fails with what to do."""
+    full = settings.model_copy(update={"max_queue_depth": 4})
+    p = full.redis_prefix
+    async with queue(full) as (broker, source):
+        done, canceled, retried, lost = jobs = [job() for _ in range(4)]
+        for j in jobs:
+            await broker.submit(j)
+        for j in jobs:
+            assert pieces_r.exists(keys.job_payload(p, j.id))
+            assert bool(shared.exists(keys.job_payload(p, j.id))) is (answers_url is None)
+        refused = job()
+        with pytest.raises(Overloaded):
+            await broker.submit(refused)
+        assert not pieces_r.exists(keys.job_payload(p, refused.id))
+
+        pieces_r.delete(keys.job_payload(p, lost.id))
+        taken = {t.id: t for t in source.take(4, 10, 0.0, 1.0)}
+        assert set(taken) == {done.id, canceled.id, retried.id}
+        gone = await broker.state(lost.id)
+        assert gone.status is JobStatus.FAILED and gone.error is not None
+        assert "send it again" in gone.error["error"]["message"]
+        source.started(list(taken.values()))
+        source.succeed(taken[done.id], RESULT)
+        assert not pieces_r.exists(keys.job_payload(p, done.id))
+        await broker.cancel(canceled.id)
+        assert not pieces_r.exists(keys.job_payload(p, canceled.id))
+        source.fail(taken[retried.id], {"error": {"code": "internal_error", "message": "x"}},
+                    retry=True)
+        assert pieces_r.exists(keys.job_payload(p, retried.id))
+        [again] = source.take(1, 10, 0.0, 1.0)
+        assert again.id == retried.id and again.attempts == 2
+        np.testing.assert_array_equal(again.fields["inputs"], retried.fields["inputs"])
+        source.started([again])
+        source.succeed(again, RESULT)
+        assert not pieces_r.exists(keys.job_payload(p, retried.id))
+        assert not shared.exists(keys.job_payload(p, retried.id))
 
 
 def test_pieces_are_sent_as_views_of_the_answer() -> None:
