@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     export_memory_mb: int = 4096  # address space of the process that checks a .pt2 archive
     export_cpu_s: int = 60  # CPU seconds of that process
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
+    # CPU seconds of one DP run's privacy accounting (a child process, killed past them)
+    dp_accounting_cpu_s: Annotated[int, Field(ge=1)] = 5
 
     @property
     def keys_configured(self) -> bool:

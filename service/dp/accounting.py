@@ -14,20 +14,30 @@ probability ``sample_rate`` and the clipped sum gets N(0, (noise_multiplier * cl
   quantity Opacus's ``PRVAccountant`` bounds by another discretisation.
 
 Results are cached: a run asks for the same few values on every step.
+
+The work is bounded. ``prv``'s grid of privacy-loss values grows as 1 / sigma^2 (one step at
+sigma 0.01 took 47 s of CPU), so it takes a noise multiplier of at least :data:`PRV_MIN_NOISE`,
+refused before anything is computed; and the searches of ``POST /dp-runs`` (the noise multiplier
+for a target, the budget in steps) run in a child process under a CPU-time limit
+(:func:`bounded`, ``PSGRAD_DP_ACCOUNTING_CPU_S``), killed past it, so no request holds a core
+for longer whatever the run's numbers.
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
+import resource
 from collections.abc import Callable
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
 
 import dp_accounting
 from dp_accounting import mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from psgrad._errors import InvalidInput
+from psgrad._errors import InvalidInput, PsgradError, error_from_body
 from service.lru import LockedLRU
 
 ACCOUNTANTS = ("rdp", "prv")
@@ -35,6 +45,11 @@ RDP_ORDERS: tuple[float, ...] = (*range(2, 65), 72, 80, 96, 128, 192, 256)
 PLD_INTERVAL = 1e-3  # the PLD's grid of privacy-loss values (pessimistic: errs upwards)
 MAX_STEPS = 10**6  # a budget that allows more is reported as this many steps
 MAX_NOISE = 1e4
+# prv below this noise: one evaluation takes from a second (0.1) to a minute (0.01) of CPU
+PRV_MIN_NOISE = 0.3
+LIMIT_NAME = "PSGRAD_DP_ACCOUNTING_CPU_S"
+
+R = TypeVar("R")
 
 _CACHE: LockedLRU[tuple[Any, ...], float] = LockedLRU(4096)
 
@@ -72,6 +87,23 @@ def epsilon(accountant: str, noise_multiplier: float, sample_rate: float, steps:
     return _CACHE.get_or_make(key, make)
 
 
+def epsilon_within(cpu_s: int, accountant: str, noise_multiplier: float, sample_rate: float,
+                   steps: int, delta: float) -> float | None:
+    """:func:`epsilon` computed in a child under ``cpu_s`` seconds of CPU (see :func:`bounded`),
+    or None where that is not enough or the accountant does not take this noise: for an
+    epsilon shown beside the run's own, never needed to count a step."""
+    if steps <= 0 or accountant == "rdp":  # rdp: milliseconds at any setting
+        return epsilon(accountant, noise_multiplier, sample_rate, steps, delta)
+    if accountant == "prv" and noise_multiplier < PRV_MIN_NOISE:
+        return None
+    key = (accountant, noise_multiplier, sample_rate, steps, delta)
+    try:
+        return _CACHE.get_or_make(key, lambda: bounded(
+            cpu_s, epsilon, accountant, noise_multiplier, sample_rate, steps, delta))
+    except InvalidInput:
+        return None
+
+
 def max_steps(accountant: str, noise_multiplier: float, sample_rate: float, delta: float,
               max_epsilon: float) -> int:
     """The most steps whose epsilon stays within ``max_epsilon`` (at most :data:`MAX_STEPS`)."""
@@ -81,10 +113,12 @@ def max_steps(accountant: str, noise_multiplier: float, sample_rate: float, delt
 
     if eps(1) > max_epsilon:
         return 0
-    if eps(MAX_STEPS) <= max_epsilon:
-        return MAX_STEPS
     lo, hi = 1, 2
-    while eps(hi) <= max_epsilon:  # epsilon grows with the steps: find a bracket, then bisect
+    # epsilon grows with the steps: find a bracket, then bisect. Upwards from 1, so that no
+    # step count far past the budget is evaluated (prv's cost grows with the epsilon)
+    while eps(hi) <= max_epsilon:
+        if hi == MAX_STEPS:
+            return MAX_STEPS
         lo, hi = hi, min(2 * hi, MAX_STEPS)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -99,11 +133,18 @@ def noise_for(accountant: str, target_epsilon: float, sample_rate: float, steps:
     ``dp_accounting.mechanism_calibration`` (Brent's method over the noise multiplier); the
     answer is checked and nudged up so that it never exceeds the target.
     """
+    low = PRV_MIN_NOISE if accountant == "prv" else 0.0
+    if low and epsilon(accountant, low, sample_rate, steps, delta) <= target_epsilon:
+        raise InvalidInput(
+            f"epsilon {target_epsilon:g} in {steps} step(s) needs a noise multiplier below "
+            f"{PRV_MIN_NOISE:g}, the smallest the prv accountant takes (its work grows as "
+            "1 / sigma^2): use accountant 'rdp', a smaller target_epsilon or more steps")
     try:
         sigma = float(mechanism_calibration.calibrate_dp_mechanism(
             _accountant(accountant), lambda s: _event(s, sample_rate, steps),
             target_epsilon, delta,
-            bracket_interval=mechanism_calibration.LowerEndpointAndGuess(0.0, 1.0), tol=1e-4))
+            bracket_interval=mechanism_calibration.LowerEndpointAndGuess(low, max(1.0, 2 * low)),
+            tol=1e-4))
     except mechanism_calibration.NoBracketIntervalFoundError:
         sigma = math.inf
     while sigma <= MAX_NOISE and epsilon(accountant, sigma, sample_rate, steps,
@@ -114,3 +155,84 @@ def noise_for(accountant: str, target_epsilon: float, sample_rate: float, steps:
                            f"{target_epsilon:g} in {steps} steps: raise the target or take "
                            "fewer steps")
     return sigma
+
+
+def plan(accountant: str, noise_multiplier: float | None, target_epsilon: float | None,
+         sample_rate: float, steps: int | None, delta: float,
+         max_epsilon: float) -> tuple[float, int, float]:
+    """A new run's numbers: (the noise multiplier, given or solved for ``target_epsilon`` in
+    ``steps``; the most steps within ``max_epsilon``; the epsilon of its first step). Run it
+    through :func:`bounded`."""
+    sigma = noise_multiplier
+    if sigma is None:
+        assert target_epsilon is not None and steps
+        sigma = noise_for(accountant, target_epsilon, sample_rate, steps, delta)
+    n = max_steps(accountant, sigma, sample_rate, delta, max_epsilon)
+    return sigma, n, epsilon(accountant, sigma, sample_rate, 1, delta)
+
+
+def check_noise(accountant: str, noise_multiplier: float) -> None:
+    """Refuse, before any work, a noise multiplier the accountant cannot evaluate cheaply."""
+    if accountant == "prv" and noise_multiplier < PRV_MIN_NOISE:
+        raise InvalidInput(
+            f"the prv accountant takes a noise_multiplier of at least {PRV_MIN_NOISE:g} (got "
+            f"{noise_multiplier:g}; its work grows as 1 / sigma^2, minutes of CPU at 0.01): use "
+            "accountant 'rdp', which is fast at any noise", accountant=accountant,
+            min_noise_multiplier=PRV_MIN_NOISE)
+
+
+def bounded(cpu_s: int, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)`` in a child process that may use ``cpu_s`` seconds of CPU, then is killed.
+
+    The accountant's calls cannot be interrupted in a thread, and their cost depends on the
+    run's numbers; a child forked from a fork server (started once per process with this module
+    loaded, so a call costs milliseconds, not an interpreter's start) bounds it. ``fn`` must be
+    a module-level function; what it raises comes back (a :class:`PsgradError`, or a
+    ``ValueError`` for what dp-accounting refuses).
+
+    Raises:
+        InvalidInput: the child used its CPU time (422, naming the setting).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # effective when the server starts (once)
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, cpu_s, fn, args), daemon=True)
+    child.start()
+    send.close()
+    try:
+        # the wall clock is a backstop only (a loaded host): the child's own limit is CPU time
+        if receive.poll(4 * cpu_s + 10):
+            kind, value = receive.recv()
+        else:
+            kind, value = "limit", None
+    except EOFError:  # the kernel stopped it at its CPU limit
+        kind, value = "limit", None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+    if kind == "ok":
+        return value
+    if kind == "error":
+        raise error_from_body(value, int(value.get("status", 422)))
+    if kind == "value":
+        raise ValueError(value)
+    raise InvalidInput(
+        f"the privacy accounting of this run needs more than {cpu_s} s of CPU ({LIMIT_NAME}) "
+        "and was stopped: use accountant 'rdp' (fast at any setting), a larger noise "
+        "multiplier or a smaller max_epsilon, or ask the operator to raise the limit",
+        limit=cpu_s, setting=LIMIT_NAME)
+
+
+def _child(send: Connection, cpu_s: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    # SIGXCPU (which ends the process) at the soft limit, SIGKILL a second later
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    try:
+        send.send(("ok", fn(*args)))
+    except PsgradError as exc:
+        send.send(("error", {**exc.to_dict(), "status": exc.status}))
+    except (ArithmeticError, ValueError) as exc:
+        send.send(("value", str(exc)))
+    finally:
+        send.close()

@@ -27,18 +27,56 @@ from service.strategies.base import Options
 RUN_SETS = ("clip_norm", "noise_multiplier", "seed")
 
 
-def make_run(spec: Mapping[str, Any]) -> DPRun:
-    """A new run from the body of ``POST /dp-runs`` (already type-checked by its schema)."""
+def make_run(spec: Mapping[str, Any], cpu_s: int = 5) -> DPRun:
+    """A new run from the body of ``POST /dp-runs`` (already type-checked by its schema).
+
+    What is refused cheaply is refused before any accounting (:func:`check_spec`); the
+    accounting itself runs under ``cpu_s`` seconds of CPU (``PSGRAD_DP_ACCOUNTING_CPU_S``).
+
+    Raises:
+        InvalidInput: a field out of range, a limit passed, or a run that can take no step.
+    """
+    from service.dp import accounting  # scipy and dp-accounting load on first use, not at start
+
+    q, batch, steps = check_spec(spec)
+    accountant, delta = spec.get("accountant") or "rdp", spec["delta"]
+    target, budget = spec.get("target_epsilon"), spec.get("max_epsilon")
+    budget = target if budget is None else budget
+    assert budget is not None  # check_spec saw to it
     try:
-        return _make_run(spec)
+        sigma, max_steps, first = accounting.bounded(
+            cpu_s, accounting.plan, accountant, spec.get("noise_multiplier"), target, q, steps,
+            delta, budget)
     except (ArithmeticError, ValueError) as exc:  # extreme values the accountant cannot take
         raise InvalidInput(f"the accountant cannot evaluate this run ({exc}): use a noise "
                            "multiplier, sampling rate and delta in the usual ranges") from None
+    if max_steps < 1:
+        raise InvalidInput(
+            f"this run could never take a step: one step spends epsilon {first:.4g} ({accountant}, "
+            f"delta {delta:g}), more than max_epsilon {budget:g}; raise max_epsilon to at least "
+            f"{first:.4g}, or raise the noise multiplier or lower the sampling rate",
+            first_step_epsilon=first, max_epsilon=budget)
+    return DPRun(
+        id=new_run_id(), model=spec["model"], clip_norm=spec["clip_norm"],
+        noise_multiplier=float(sigma), sample_rate=float(q), expected_batch_size=float(batch),
+        delta=delta, max_epsilon=budget, max_steps=max_steps, accountant=accountant,
+        clip_form=spec.get("clip_form") or "exact", dataset_size=spec.get("dataset_size"),
+        planned_steps=steps, target_epsilon=target, created=time.time())
 
 
-def _make_run(spec: Mapping[str, Any]) -> DPRun:
-    from service.dp import accounting  # scipy and dp-accounting load on first use, not at start
+def check_spec(spec: Mapping[str, Any]) -> tuple[float, float, int | None]:
+    """The checks that need no accounting: finite numbers, two of the three sampling fields,
+    one of noise and target, a budget, the planned steps within the cap, and a noise the
+    accountant evaluates cheaply. Answers (sample rate, expected batch size, planned steps).
 
+    The schema refuses Infinity and NaN already; this holds for every caller."""
+    from service.dp import accounting
+
+    bad = sorted(k for k, v in spec.items()
+                 if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        raise InvalidInput(f"{', '.join(bad)} must be finite numbers (not Infinity or NaN)",
+                           fields=bad)
     q, batch, size = spec.get("sample_rate"), spec.get("expected_batch_size"), spec.get(
         "dataset_size")
     if size is not None and batch is not None:
@@ -58,38 +96,40 @@ def _make_run(spec: Mapping[str, Any]) -> DPRun:
     steps, epochs = spec.get("steps"), spec.get("epochs")
     if steps is None and epochs is not None:
         steps = int(epochs / q)  # as Opacus counts an epoch: 1 / sample_rate steps
-    accountant = spec.get("accountant") or "rdp"
-    delta = spec["delta"]
+        if steps > accounting.MAX_STEPS:
+            raise InvalidInput(
+                f"{epochs:g} epochs at sample_rate {q:g} are {steps} steps, more than the "
+                f"{accounting.MAX_STEPS} a run may plan: plan fewer epochs or a larger "
+                "sampling rate", max_steps=accounting.MAX_STEPS)
     target, sigma = spec.get("target_epsilon"), spec.get("noise_multiplier")
     if (target is None) == (sigma is None):
         raise InvalidInput("give exactly one of noise_multiplier and target_epsilon")
-    if sigma is None:
-        assert target is not None
-        if not steps:
-            raise InvalidInput("target_epsilon needs the planned 'steps' or 'epochs' to solve "
-                               "for the noise multiplier")
-        sigma = accounting.noise_for(accountant, target, q, steps, delta)
-    budget = spec.get("max_epsilon", None)
-    budget = target if budget is None else budget
-    if budget is None:
+    if sigma is None and not steps:
+        raise InvalidInput("target_epsilon needs the planned 'steps' or 'epochs' to solve "
+                           "for the noise multiplier")
+    if spec.get("max_epsilon") is None and target is None:
         raise InvalidInput("give 'max_epsilon' (the budget) or 'target_epsilon'")
-    return DPRun(
-        id=new_run_id(), model=spec["model"], clip_norm=spec["clip_norm"],
-        noise_multiplier=float(sigma), sample_rate=float(q), expected_batch_size=float(batch),
-        delta=delta, max_epsilon=budget,
-        max_steps=accounting.max_steps(accountant, sigma, q, delta, budget),
-        accountant=accountant, clip_form=spec.get("clip_form") or "exact",
-        dataset_size=size, planned_steps=steps, target_epsilon=target, created=time.time())
+    if sigma is not None:
+        accounting.check_noise(spec.get("accountant") or "rdp", sigma)
+    return q, batch, steps
 
 
-def describe(run: DPRun, steps: int) -> dict[str, Any]:
-    """``GET /dp-runs/{id}``: the run, its steps and epsilon under each accountant."""
+def describe(run: DPRun, steps: int, cpu_s: int = 5) -> dict[str, Any]:
+    """``GET /dp-runs/{id}``: the run, its steps and epsilon under each accountant.
+
+    The run's own accountant is computed here (no dearer than when the run was made: the
+    budget search evaluated its last step); the other only within ``cpu_s`` seconds of CPU,
+    and left out of ``epsilon`` past that (prv of an rdp run at a small noise multiplier)."""
     from service.dp import accounting
 
-    eps = {name: accounting.epsilon(name, run.noise_multiplier, run.sample_rate, steps,
-                                    run.delta) for name in accounting.ACCOUNTANTS}
+    args = (run.noise_multiplier, run.sample_rate, steps, run.delta)
+    eps = {name: (accounting.epsilon(name, *args) if name == run.accountant
+                  else accounting.epsilon_within(cpu_s, name, *args))
+           for name in accounting.ACCOUNTANTS}
     spent = eps[run.accountant]
-    return {**dataclasses.asdict(run), "steps": steps, "epsilon": eps, "epsilon_spent": spent,
+    assert spent is not None
+    return {**dataclasses.asdict(run), "steps": steps,
+            "epsilon": {k: v for k, v in eps.items() if v is not None}, "epsilon_spent": spent,
             "steps_left": max(0, run.max_steps - steps),
             "budget_left": max(0.0, run.max_epsilon - spent)}
 

@@ -26,7 +26,8 @@ SAMPLING = ("The accounting assumes Poisson sampling: each record joins each bat
 
 
 class DPRunCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # JSON bodies may carry Infinity and NaN literals: every float must be finite
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str = Field(description="the model the run trains: an id, or 'id@version'",
                        examples=["mlp"])
     clip_norm: float = Field(gt=0, description="C: each sample's whole gradient is scaled by "
@@ -77,7 +78,8 @@ class DPRunView(BaseModel):
     max_steps: int = Field(description="the most steps within max_epsilon under the accountant")
     steps: int = Field(description="steps counted so far (one per dp_run request that "
                        "succeeded; a retried job counts once)")
-    epsilon: dict[str, float] = Field(description="epsilon spent so far under each accountant")
+    epsilon: dict[str, float] = Field(description="epsilon spent so far under each accountant "
+                                      "(the other one left out past its CPU-time limit)")
     epsilon_spent: float = Field(description="epsilon under the run's accountant")
     steps_left: int
     budget_left: float = Field(description="max_epsilon - epsilon_spent")
@@ -97,13 +99,17 @@ def _checked(run_id: str) -> str:
              summary="Start a DP-SGD run")
 async def create_run(body: DPRunCreate, settings: SettingsDep,
                      registry: RegistryDep) -> dict[str, Any]:
-    """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two."""
+    """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two.
+
+    422 for a number that is not finite, a run that could never take a step (its first step
+    alone passes max_epsilon), prv below its smallest noise multiplier, more planned steps than
+    the cap, or accounting past PSGRAD_DP_ACCOUNTING_CPU_S seconds of CPU."""
     spec = body.model_dump()
     await run_in_threadpool(registry.describe, body.model)  # 404 for an unknown model
-    run = await run_in_threadpool(make_run, spec)
+    run = await run_in_threadpool(make_run, spec, settings.dp_accounting_cpu_s)
     store = store_for(settings)
     await run_in_threadpool(store.create, run)
-    return await run_in_threadpool(describe, run, 0)
+    return await run_in_threadpool(describe, run, 0, settings.dp_accounting_cpu_s)
 
 
 @router.get("", response_model=DPRunList, responses=errors(400, 401), summary="Every DP run")
@@ -130,7 +136,7 @@ async def get_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
     found = await run_in_threadpool(store_for(settings).get, _checked(run_id))
     if found is None:
         raise unknown(run_id)
-    return await run_in_threadpool(describe, *found)
+    return await run_in_threadpool(describe, *found, settings.dp_accounting_cpu_s)
 
 
 @router.delete("/{run_id}", responses=errors(400, 401, 403, 404), dependencies=[AdminKey],
