@@ -25,7 +25,7 @@ from psgrad._errors import Overloaded, TooLarge
 from psgrad._stream import AnswerReader
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 from psgrad._wire import RESPONSE_KEY
-from service.tenants import DEFAULT_TENANT
+from service.tenants import DEFAULT_TENANT, Quotas
 
 __all__ = [
     "SMALLER_ANSWER",
@@ -122,8 +122,10 @@ class Broker(Protocol):
 
     async def close(self) -> None: ...
 
-    async def submit(self, job: Job) -> None:
-        """Enqueue; raises :class:`psgrad.Overloaded` when the queue is full or unreachable."""
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
+        """Enqueue in its tenant's queue; raises :class:`psgrad.Overloaded` when the queue is
+        full or unreachable, :class:`psgrad.RateLimited` past one of the tenant's ``quotas``
+        (:mod:`service.quotas`; None: the server's defaults and weight 1)."""
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         """Block until the job is done or ``timeout`` passes (then returns its current state);

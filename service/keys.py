@@ -46,8 +46,63 @@ COMPILE_TTL_S = 7 * 24 * 3600  # compiled artifacts unused this long are dropped
 
 
 def job_stream(prefix: str) -> str:
-    """The stream of queued job ids (entry fields ``id`` and ``n`` samples); acked entries go."""
+    """The ticket stream: one entry ``{t: tenant}`` per job queued or running; acked ones go.
+
+    A worker reads a ticket (``XREADGROUP`` in :data:`STREAM_GROUP`) for each job it takes, in
+    the same script that picks whose job that is (:mod:`service.broker.redis_fair`), so the
+    group's ``lag`` is the number of jobs queued and not yet taken (what an autoscaler such as
+    KEDA's ``redis-streams`` scaler reads, ``lagCount``) and its pending entries the jobs
+    running. An entry ``{id, n}`` is a job queued by an api from before tenants: taken as is.
+    """
     return f"{prefix}:jobs"
+
+
+def job_tickets(prefix: str) -> str:
+    """Hash: ticket entry id -> ``"<n> <job id>"``, the job a worker took with that ticket (a
+    worker taking over a dead one's tickets with ``XAUTOCLAIM`` learns their jobs here)."""
+    return f"{prefix}:jobs:tickets"
+
+
+# The keys of one tenant end with its name: the scripts that choose a tenant themselves are
+# handed the key with an empty name (e.g. ``tenant_queue(prefix, "")``) and append the name.
+
+
+def tenant_queue(prefix: str, tenant: str) -> str:
+    """List of a tenant's queued jobs, oldest first, each ``"<n> <job id>"``."""
+    return f"{prefix}:queue:{tenant}"
+
+
+def tenant_jobs(prefix: str, tenant: str) -> str:
+    """Sorted set of a tenant's jobs queued or running (``"<n> <job id>"``), scored by when their
+    state expires: its quotas of jobs and samples count these (an expired one drops out)."""
+    return f"{prefix}:tenant-jobs:{tenant}"
+
+
+def tenant_rate(prefix: str, tenant: str) -> str:
+    """Hash of a tenant's request token bucket: ``tokens`` and ``at`` (Redis's clock, s)."""
+    return f"{prefix}:tenant-rate:{tenant}"
+
+
+def fair_active(prefix: str) -> str:
+    """Sorted set of the tenants with jobs queued, scored by their pass (the samples served to
+    them over their weight): the lowest is served next."""
+    return f"{prefix}:fair:active"
+
+
+def fair_passes(prefix: str) -> str:
+    """Hash: tenant -> its pass when its queue last emptied (a tenant that leaves and comes back
+    gains nothing: it resumes at the larger of this and the virtual time)."""
+    return f"{prefix}:fair:passes"
+
+
+def fair_weights(prefix: str) -> str:
+    """Hash: tenant -> its weight (``Quotas.weight``), as its latest request said."""
+    return f"{prefix}:fair:weights"
+
+
+def fair_vtime(prefix: str) -> str:
+    """String: the virtual time, the pass at which the job taken last was started."""
+    return f"{prefix}:fair:vtime"
 
 
 def job_state(prefix: str, job_id: str) -> str:

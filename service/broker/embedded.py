@@ -6,6 +6,9 @@ app's lifespan) call its :class:`JobSource` methods. It moves jobs and nothing e
 thread and knows no model. All state is behind one condition variable; a finished job wakes its
 waiter on the event loop with ``call_soon_threadsafe``. Finished jobs are kept for
 ``PSGRAD_RESULT_TTL_S`` (the sync route forgets its job as soon as it has the answer).
+
+Jobs wait in a :class:`service.fair_queue.FairQueue` (one queue per tenant, served by weighted
+fair order) and each tenant's quotas are checked at submit (:mod:`service.quotas`).
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from psgrad._errors import Overloaded, UnknownJob
 from service.config import Settings
+from service.fair_queue import FairQueue
 from service.jobs import Job, JobState, JobStatus, batch_until
+from service.quotas import TenantUsage, limits
+from service.tenants import Quotas
 
 __all__ = ["EmbeddedBroker"]
 
@@ -34,7 +39,9 @@ class EmbeddedBroker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._cond = threading.Condition()
-        self._queue: deque[Job] = deque()
+        self._queue = FairQueue()
+        self._usage = TenantUsage()
+        self._held: dict[str, tuple[str, int]] = {}  # job id -> (tenant, samples), until it ends
         self._states: dict[str, JobState] = {}
         self._waiters: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -56,20 +63,24 @@ class EmbeddedBroker:
                 self._finish_locked(job.id, JobStatus.CANCELED, error=None)
             self._queue.clear()
 
-    async def submit(self, job: Job) -> None:
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
         limit = self.settings.max_queue_depth
+        lim = limits(quotas, self.settings)
         with self._cond:
             self._purge_locked()
-            if len(self._queue) >= limit:
+            depth = len(self._queue)
+            if depth >= limit:
                 raise Overloaded(
                     f"the queue is full ({limit} jobs waiting): retry after a moment",
                     retry_after=1.0,
-                    queue_depth=len(self._queue),
+                    queue_depth=depth,
                 )
+            self._usage.admit(job.tenant, job.size, lim)
+            self._held[job.id] = (job.tenant, job.size)
             self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at,
                                             tenant=job.tenant)
             self._waiters[job.id] = asyncio.Event()
-            self._queue.append(job)
+            self._queue.push(job, lim.weight)
             self._cond.notify()
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
@@ -98,15 +109,13 @@ class EmbeddedBroker:
             if state is None:
                 raise UnknownJob(f"unknown job '{job_id}'", job_id=job_id)
             if not state.status.done:
-                for job in self._queue:
-                    if job.id == job_id:
-                        self._queue.remove(job)
-                        break
+                self._queue.remove(job_id)
                 self._finish_locked(job_id, JobStatus.CANCELED, error=None)
         return await self.state(job_id)
 
     async def forget(self, job_id: str) -> None:
         with self._cond:
+            self._release_locked(job_id)
             self._states.pop(job_id, None)
             self._waiters.pop(job_id, None)
 
@@ -136,13 +145,17 @@ class EmbeddedBroker:
                 self._cond.wait(remaining)
             if self._closed.is_set():
                 return []
-            jobs = [self._queue.popleft()]
-            samples = jobs[0].size
-            until = batch_until(busy, jobs[0].enqueued_at, max_delay_s)
+            first = self._queue.pop()
+            assert first is not None  # the queue is not empty
+            jobs, samples = [first], first.size
+            until = batch_until(busy, first.enqueued_at, max_delay_s)
             while len(jobs) < max_jobs and samples < max_samples and not self._closed.is_set():
-                if self._queue:
-                    jobs.append(self._queue.popleft())
-                    samples += jobs[-1].size
+                if self._queue:  # the next in fair order, if it fits; else the batch is full
+                    job = self._queue.pop(max_samples - samples)
+                    if job is None:
+                        break
+                    jobs.append(job)
+                    samples += job.size
                     continue
                 remaining = until - time.time()
                 if remaining <= 0:
@@ -189,12 +202,19 @@ class EmbeddedBroker:
         state = self._states.get(job_id)
         if state is None or state.status.done:  # canceled (or forgotten) meanwhile: keep that
             return
+        self._release_locked(job_id)
         state.status, state.result, state.error = status, result, error
         state.finished_at = time.time()
         event = self._waiters.get(job_id)
         if event is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 self._loop.call_soon_threadsafe(event.set)
+
+    def _release_locked(self, job_id: str) -> None:
+        """The job no longer counts towards its tenant's quotas."""
+        held = self._held.pop(job_id, None)
+        if held is not None:
+            self._usage.release(*held)
 
     def _purge_locked(self) -> None:
         now = time.time()

@@ -2,12 +2,15 @@
 
 Life of a job (key names in :mod:`service.keys`)::
 
-    api  submit   SET payload (safetensors) + HSET state {queued, deadline, ...} + XADD stream
-                  (one Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs);
-                  with an answers' Redis the payload is SET there first, out of the queue's
+    api  submit   the tenant's quotas checked, SET payload (safetensors) + HSET state {queued,
+                  deadline, tenant, ...} + RPUSH tenant queue + XADD a ticket to the stream (one
+                  Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs); with
+                  an answers' Redis the payload is SET there first, out of the queue's
                   append-only file (the script then sets the rest)
-    worker take   XREADGROUP COUNT n BLOCK ms (and XAUTOCLAIM of jobs idle past the visibility
-                  timeout: their worker died); HINCRBY attempts; poison, expired, canceled: ended
+    worker take   one Lua script pops jobs in fair order across tenants, each with a ticket read
+                  by XREADGROUP (:mod:`service.broker.redis_fair`; XREAD BLOCK while there is
+                  none), and XAUTOCLAIM of tickets idle past the visibility timeout (their worker
+                  died); HINCRBY attempts; poison, expired, canceled: ended
     worker start  one pipeline per batch marks its jobs running and learns which were canceled
     worker answer XADD the answer's header to its stream (RPUSH notify: the api relays the
                   bytes as they land) and its bytes in pieces to the attempt's pieces stream,
@@ -51,10 +54,12 @@ from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, Unk
 from psgrad._wire import fields_to_safetensors
 from service import keys
 from service.broker.redis_answer import RedisAnswer
+from service.broker.redis_fair import SUBMIT_LUA, UNCOUNT
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
-from service.tenants import DEFAULT_TENANT
+from service.quotas import limits, refusal, too_large_for_quota
+from service.tenants import DEFAULT_TENANT, Quotas
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,23 +68,14 @@ RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
 _UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
 
-# KEYS: stream, state, payload. ARGV: max depth, ttl, payload ('': stored in the answers' Redis),
-# id, n, enqueued_at, deadline, tenant
-SUBMIT_LUA = """
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-if ARGV[3] ~= '' then redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2]) end
-redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[6], 'deadline', ARGV[7],
-           'attempts', '0', 'n', ARGV[5], 'tenant', ARGV[8])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('XADD', KEYS[1], '*', 'id', ARGV[4], 'n', ARGV[5])
-return 1
-"""
-
-# KEYS: state, notify, payload, answer. ARGV: finished_at, result ttl, notify ttl
-CANCEL_LUA = """
+# KEYS: state, notify, payload, answer. ARGV: finished_at, result ttl, notify ttl, tenant jobs
+# key for an empty name, job id. A queued job stays in its tenant's queue: the worker that
+# takes it finds it canceled and only acknowledges it.
+CANCEL_LUA = UNCOUNT + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return false end
 if st == 'queued' or st == 'running' then
+  uncount(KEYS[1], ARGV[4], ARGV[5])
   redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_at', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('DEL', KEYS[3], KEYS[4])
@@ -221,7 +217,7 @@ class RedisBroker:
         for client in self._clients():
             await client.aclose()
 
-    async def submit(self, job: Job) -> None:
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
         payload, n = encode_payload(job)
         if len(payload) > self.max_value_bytes:
             raise TooLarge(
@@ -229,28 +225,40 @@ class RedisBroker:
                 f"{self.max_value_bytes} bytes in one value (proto-max-bulk-len): send smaller "
                 "batches (psgrad.Client splits a large batch for you)",
                 limit=self.max_value_bytes, size=len(payload))
+        lim = limits(quotas, self.settings)
+        if lim.queued_samples is not None and n > lim.queued_samples:
+            raise too_large_for_quota(job.tenant, n, lim.queued_samples)
         ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
-        p = self.prefix
+        p, t = self.prefix, job.tenant
         payload_key = keys.job_payload(p, job.id)
         apart = self.pieces_bulk is not self.bulk
         if apart:  # first: a worker reads the payload once it finds the job in the stream
             await self._call(lambda: self.pieces_bulk.set(payload_key, payload, ex=ttl))
-        accepted = 0
+        refused = ""
         try:
-            accepted = await self._call(lambda: self._submit(
-                keys=[keys.job_stream(p), keys.job_state(p, job.id), payload_key],
+            reply = await self._call(lambda: self._submit(
+                keys=[keys.job_stream(p), keys.job_state(p, job.id), payload_key,
+                      keys.tenant_queue(p, t), keys.fair_active(p), keys.fair_passes(p),
+                      keys.fair_weights(p), keys.fair_vtime(p), keys.tenant_jobs(p, t),
+                      keys.tenant_rate(p, t)],
                 args=[self.settings.max_queue_depth, ttl, b"" if apart else payload, job.id, n,
-                      repr(job.enqueued_at), repr(job.deadline), job.tenant],
+                      repr(job.enqueued_at), repr(job.deadline), t, repr(lim.weight),
+                      lim.concurrent_jobs or 0, lim.queued_samples or 0,
+                      lim.requests_per_s or 0, repr(lim.burst)],
             ))
+            refused, *detail = [text(v) for v in reply]
         finally:
-            if apart and not accepted:  # no job names it (else it expires with its TTL)
+            if apart and refused != "ok":  # no job names it (else it expires with its TTL)
                 with contextlib.suppress(PsgradError):
                     await self._delete([], [payload_key])
-        if not accepted:
+        if refused == "ok":
+            return
+        if refused == "depth":
             raise Overloaded(
                 f"the job queue is full ({self.settings.max_queue_depth} jobs); retry shortly",
                 retry_after=RETRY_AFTER_FULL_S, limit=self.settings.max_queue_depth,
             )
+        raise refusal(t, lim, refused, float(detail[0]), n)
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         """BLPOP on the job's notify list, then its state. ``fresh``: the job was submitted
@@ -293,7 +301,8 @@ class RedisBroker:
         found = await self._call(lambda: self._cancel(
             keys=[keys.job_state(p, job_id), keys.job_notify(p, job_id),
                   keys.job_payload(p, job_id), keys.job_answer(p, job_id)],
-            args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S],
+            args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S,
+                  keys.tenant_jobs(p, ""), job_id],
         ))
         if not found:
             raise UnknownJob(f"unknown job '{job_id}'", id=job_id)

@@ -1,5 +1,6 @@
-"""How a worker reads jobs from the Redis stream: new entries, entries taken over from dead
-workers, and the batching window, with the entries it holds (buffered or in a batch)."""
+"""How a worker takes jobs: in fair order across tenants with a ticket each
+(:mod:`service.broker.redis_fair`), tickets taken over from dead workers, and the batching
+window, with the tickets it holds (buffered or in a batch)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from redis.exceptions import ResponseError
 
 from service import keys
 from service.broker.redis import text
+from service.broker.redis_fair import PICK_LUA
 from service.config import Settings
 from service.jobs import batch_until
 
-Entry = tuple[str, str, int]  # stream entry id, job id, samples
+Entry = tuple[str, str, int]  # ticket (stream entry id), job id, samples
 GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers
 
 
@@ -26,11 +28,11 @@ def _entry_time(entry_id: str) -> float:
 
 
 class StreamIntake:
-    """One worker's reading of the job stream in the consumer group, as consumer ``name``.
+    """One worker's taking of jobs in the consumer group, as consumer ``name``.
 
-    :meth:`gather` returns a batch of entries within the limits and keeps the rest buffered for
-    the next call; every entry read stays held (its claim refreshed by the heartbeat, never
-    claimed back by this worker) until :meth:`release`.
+    :meth:`gather` returns a batch of entries within the limits; tickets taken over from a dead
+    worker beyond them stay buffered for the next call. Every ticket read stays held (its claim
+    refreshed by the heartbeat, never claimed back by this worker) until :meth:`release`.
     """
 
     def __init__(self, r: redis.Redis, settings: Settings, stream: str, name: str) -> None:
@@ -40,6 +42,12 @@ class StreamIntake:
         self._lock = threading.Lock()  # the heartbeat's thread reads the held ids
         self._group_ready = False
         self._autoclaim_at = 0.0
+        self._pick = r.register_script(PICK_LUA)
+        p = settings.redis_prefix
+        self._pick_keys = [stream, keys.fair_active(p), keys.fair_passes(p), keys.fair_weights(p),
+                           keys.fair_vtime(p), keys.job_tickets(p)]
+        self._queue_base = keys.tenant_queue(p, "")
+        self._tickets = keys.job_tickets(p)
 
     def held(self) -> list[str]:
         with self._lock:
@@ -60,22 +68,26 @@ class StreamIntake:
         got = self._buffer
         self._buffer = []
         got += self._autoclaim(max_jobs)
-        if not got:
-            got = self._read(max_jobs, None)  # what queued while this worker was busy
-        busy = bool(got)
-        if not got:
-            got = self._read(max_jobs, int(block_s * 1000))
+        full = False
+        if not got:  # what queued while this worker was busy
+            got, full, last = self._take(max_jobs, max_samples, first=True)
+            busy = bool(got)
+            if not got and self._wait(last, block_s):
+                got, full, _ = self._take(max_jobs, max_samples, first=True)
+        else:
+            busy = True
         if got:
             until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
-            while (len(got) < max_jobs and sum(e[2] for e in got) < max_samples
+            while (not full and len(got) < max_jobs
+                   and (room := max_samples - sum(e[2] for e in got)) > 0
                    and (left := until - time.time()) > 0):
                 # Poll rather than BLOCK for the few ms left: Redis times a blocked read out
                 # at its next cron tick (up to 100 ms at the default hz 10), not after the ms
                 # asked for, so each window that ended without a newcomer stalled the batch.
-                more = self._read(max_jobs - len(got), None)
+                more, full, _ = self._take(max_jobs - len(got), room, first=False)
                 if more:
                     got += more
-                else:
+                elif not full:
                     time.sleep(min(left, GATHER_POLL_S))
         batch: list[Entry] = []
         samples = 0
@@ -99,19 +111,27 @@ class StreamIntake:
                 raise
         self._group_ready = True
 
-    def _read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries; ``block_ms`` None: only those already there (no wait)."""
-        block = None if block_ms is None else max(1, block_ms)
+    def _take(self, max_jobs: int, room: int, *, first: bool) -> tuple[list[Entry], bool, str]:
+        """Jobs in fair order while they fit in ``room`` samples (``first``: the first whatever
+        its size), each with its ticket; whether the next did not fit; the stream's last id."""
         try:
-            reply: Any = self.r.xreadgroup(keys.STREAM_GROUP, self.name, {self.stream: ">"},
-                                           count=count, block=block)
+            reply: Any = self._pick(keys=self._pick_keys,
+                                    args=[keys.STREAM_GROUP, self.name, self._queue_base,
+                                          max_jobs, room, int(first)])
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             self._group_ready = False  # Redis lost its data (restart without persistence)
             self._ensure_group()
-            return []
-        return [_entry(eid, f) for _, msgs in reply or [] for eid, f in msgs if f]
+            return [], False, "0-0"
+        last, full, *taken = (text(v) for v in reply)
+        return [_bound(eid, element) for eid, element in zip(taken[::2], taken[1::2],
+                                                             strict=True)], full == "1", last
+
+    def _wait(self, last: str, block_s: float) -> bool:
+        """Block up to ``block_s`` until a ticket newer than ``last`` arrives (a job queued)."""
+        reply: Any = self.r.xread({self.stream: last}, count=1, block=max(1, int(block_s * 1000)))
+        return bool(reply)
 
     def _autoclaim(self, count: int) -> list[Entry]:
         """Jobs pending longer than the visibility timeout (their worker died): ours now."""
@@ -123,9 +143,26 @@ class StreamIntake:
         reply: Any = self.r.xautoclaim(self.stream, keys.STREAM_GROUP, self.name,
                                        int(vis * 1000), "0-0", count=count)
         held = set(self.held())
-        return [_entry(eid, f) for eid, f in reply[1] if f and text(eid) not in held]
+        found = [(text(eid), {text(k): text(v) for k, v in f.items()})
+                 for eid, f in reply[1] if f and text(eid) not in held]
+        if not found:
+            return []
+        bound = self.r.hmget(self._tickets, [eid for eid, _ in found])
+        entries, stale = [], []
+        for (eid, fields), element in zip(found, bound, strict=True):
+            if "id" in fields:  # an older api's entry: the job itself
+                entries.append((eid, fields["id"], int(fields.get("n", "1"))))
+            elif element:
+                entries.append(_bound(eid, text(element)))
+            else:  # a ticket no job was taken with (cannot happen: taken in one script)
+                stale.append(eid)
+        if stale:
+            self.r.xack(self.stream, keys.STREAM_GROUP, *stale)
+            self.r.xdel(self.stream, *stale)
+        return entries
 
 
-def _entry(eid: Any, fields: dict[Any, Any]) -> Entry:
-    f = {text(k): text(v) for k, v in fields.items()}
-    return text(eid), f.get("id", ""), int(f.get("n", "1"))
+def _bound(eid: str, element: str) -> Entry:
+    """A ticket and the job it was taken with (``"<n> <job id>"``)."""
+    n, _, job_id = element.partition(" ")
+    return eid, job_id, int(n)

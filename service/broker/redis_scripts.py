@@ -7,17 +7,20 @@ same round trip); larger answers travel as stream pieces (:mod:`service.broker.r
 
 from __future__ import annotations
 
-__all__ = ["ATTEMPT_LUA", "FINISH_LUA", "RETRY_LUA", "START_LUA"]
+from service.broker.redis_fair import UNCOUNT
 
-# KEYS: state, answer, notify, stream, payload.
+__all__ = ["ATTEMPT_LUA", "FINISH_LUA", "START_LUA"]
+
+# KEYS: state, answer, notify, stream, payload, tickets.
 # ARGV: group, entry id, status, attempt, error json, finished_at, result ttl, notify ttl,
-# inline answer.
+# inline answer, job id, tenant jobs key for an empty name (the job leaves its tenant's count).
+# (The retry script is the fair scheduler's: service/broker/redis_fair.py.)
 # 'succeeded' comes after the answer's last piece, and only from the delivery that owns the job
 # (its attempt is the state's latest): it names that attempt as the whole answer. A small answer
 # comes inline (a non-empty last argument): the whole file is written here as the 'head' entry,
 # in place of whatever an earlier attempt left, so one round trip answers and ends the job. A
 # stale delivery (its job taken over) neither ends nor acknowledges the job: the owner does.
-FINISH_LUA = """
+FINISH_LUA = UNCOUNT + """
 local st = redis.call('HGET', KEYS[1], 'status')
 local stored = 0
 if st == 'queued' or st == 'running' then
@@ -39,6 +42,7 @@ if st == 'queued' or st == 'running' then
   end
   redis.call('EXPIRE', KEYS[1], ARGV[7])
   redis.call('DEL', KEYS[5])
+  uncount(KEYS[1], ARGV[11], ARGV[10])
   redis.call('RPUSH', KEYS[3], 'done')
   redis.call('EXPIRE', KEYS[3], ARGV[8])
   stored = 1
@@ -48,6 +52,7 @@ end
 if ARGV[2] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
   redis.call('XDEL', KEYS[4], ARGV[2])
+  redis.call('HDEL', KEYS[6], ARGV[2])
 end
 return stored
 """
@@ -58,19 +63,6 @@ local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'queued' or st == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
 end
-return st
-"""
-
-# KEYS: state, stream. ARGV: group, old entry id, last error json, id, n
-RETRY_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if st == 'queued' or st == 'running' then
-  redis.call('HSET', KEYS[1], 'status', 'queued')
-  if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[3]) end
-  redis.call('XADD', KEYS[2], '*', 'id', ARGV[4], 'n', ARGV[5])
-end
-redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[2], ARGV[2])
 return st
 """
 

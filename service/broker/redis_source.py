@@ -34,8 +34,9 @@ from service.broker.redis import (
     value_limit,
 )
 from service.broker.redis_answer import AnswerWriter
+from service.broker.redis_fair import RETRY_LUA
 from service.broker.redis_intake import Entry, StreamIntake
-from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, RETRY_LUA, START_LUA
+from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, START_LUA
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus
@@ -114,9 +115,8 @@ class RedisJobSource:
     def requeue_buffered(self) -> None:
         """Hand back jobs read but not started (on shutdown): queued again at once, not after
         the visibility timeout. Their delivery was not counted as an attempt."""
-        for entry_id, job_id, n in self.intake.take_buffered():
-            self._call(self._retry, keys=[keys.job_state(self.prefix, job_id), self.stream],
-                       args=[keys.STREAM_GROUP, entry_id, "", job_id, n])
+        for entry_id, job_id, _ in self.intake.take_buffered():
+            self._call(self._retry, **self._retry_args(job_id, entry_id, ""))
             self.intake.release([entry_id])
 
     def unreachable_for(self) -> float:
@@ -236,9 +236,7 @@ class RedisJobSource:
         body = json.dumps(error)
         entry = self._entries.get(job.id)
         if retry and job.attempts < self.settings.max_attempts and entry is not None:
-            ok = self._persist(self._retry, keys=[keys.job_state(self.prefix, job.id),
-                                                  self.stream],
-                               args=[keys.STREAM_GROUP, entry[0], body, job.id, entry[2]])
+            ok = self._persist(self._retry, **self._retry_args(job.id, entry[0], body))
             if ok:
                 self._forget(job.id)
             return
@@ -248,6 +246,14 @@ class RedisJobSource:
         self._end(job, JobStatus.CANCELED, "")  # the script stores nothing over 'canceled'
 
     # --- internals -------------------------------------------------------------------------
+
+    def _retry_args(self, job_id: str, entry_id: str, error: str) -> dict[str, list[Any]]:
+        """The retry script's keys and arguments: the job goes first in its tenant's queue."""
+        p = self.prefix
+        return {"keys": [keys.job_state(p, job_id), self.stream, keys.job_tickets(p),
+                         keys.fair_active(p), keys.fair_passes(p), keys.fair_vtime(p)],
+                "args": [keys.STREAM_GROUP, entry_id, error, job_id, keys.tenant_queue(p, ""),
+                         DEFAULT_TENANT]}
 
     @staticmethod
     def _value_limit(r: redis.Redis) -> int:
@@ -340,9 +346,11 @@ class RedisJobSource:
                 entry = self._entries.get(job_id)
                 script_in(pipe, FINISH_LUA,
                           [keys.job_state(p, job_id), keys.job_answer(p, job_id),
-                           keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id)],
+                           keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id),
+                           keys.job_tickets(p)],
                           [keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt,
-                           error, now, self.settings.result_ttl_s, keys.NOTIFY_TTL_S, answer])
+                           error, now, self.settings.result_ttl_s, keys.NOTIFY_TTL_S, answer,
+                           job_id, keys.tenant_jobs(p, "")])
             stored[:] = pipe.execute()
 
         ok = self._persist(store)

@@ -64,7 +64,7 @@ async def new_job(
     # of the event loop and only afterwards arm their Redis timeouts, which a whole burst's
     # decoding in between would otherwise eat (connects timed out under 100 requests at once).
     await asyncio.sleep(0)
-    await state.broker.submit(job)
+    await state.broker.submit(job, tenant.quotas)
     return job
 
 

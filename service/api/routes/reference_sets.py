@@ -59,7 +59,7 @@ async def put_reference_set(
     jobs = [Job(new_job_id(), part, deadline=deadline, tenant=tenant.name)
             for part in split(fields, state.settings.max_batch_size)]
     for job in jobs:
-        await state.broker.submit(job)
+        await state.broker.submit(job, tenant.quotas)
     result = joined(list(await asyncio.gather(*(answer_of(state, job) for job in jobs))))
 
     def keep() -> dict[str, Any]:
