@@ -37,8 +37,8 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str | None = None,
+    port: int | None = None,
     *,
     insecure_no_auth: bool = False,
     workers: int | None = None,
@@ -47,7 +47,9 @@ def serve(
 ) -> int:
     """Run the api under uvicorn; without ``PSGRAD_REDIS_URL`` it also runs the worker threads.
 
-    With no keys configured it refuses a non-loopback ``host`` unless ``insecure_no_auth``.
+    ``host`` and ``port`` default to ``PSGRAD_LISTEN_HOST`` (loopback) and
+    ``PSGRAD_LISTEN_PORT``. With no keys configured it refuses a non-loopback ``host`` unless
+    ``insecure_no_auth``.
     """
     import uvicorn
 
@@ -58,6 +60,8 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = settings or get_settings()
+    host = settings.listen_host if host is None else host
+    port = settings.listen_port if port is None else port
     if workers is not None:
         settings = settings.model_copy(update={"workers": workers})
     if not settings.keys_configured:
@@ -106,8 +110,10 @@ def add_server_commands(sub: Any) -> None:
         "worker threads of this process (embedded broker). Settings come from "
         "PSGRAD_* environment variables.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--host", default=None,
+                   help="interface to bind (default: PSGRAD_LISTEN_HOST, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port (default: PSGRAD_LISTEN_PORT, else 8000)")
     p.add_argument("--workers", type=int, default=None,
                    help="embedded worker threads (default: PSGRAD_WORKERS, 1)")
     p.add_argument("--insecure-no-auth", action="store_true",

@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     redis_transfer_timeout_s: float = 60.0  # commands that move payloads and results (MBs-GBs)
     worker_redis_grace_s: float = 30.0  # a worker that cannot reach Redis this long exits 1
     worker_metrics_port: int = 0  # psgrad worker serves Prometheus /metrics here (0: off)
+    # where processes listen: loopback unless set (compose and deploy/kubernetes/ set them)
+    listen_host: str = "127.0.0.1"  # psgrad serve's interface when --host is not given
+    listen_port: int = 8000  # psgrad serve's port when --port is not given
+    worker_metrics_host: str = "127.0.0.1"  # the interface of a worker's metrics
     # the fraction of jobs that did not ask for `verify` verified anyway, on this many samples
     verify_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     verify_samples: Annotated[int, Field(ge=1, le=MAX_VERIFY)] = 1
@@ -86,6 +90,71 @@ class Settings(BaseSettings):
     @property
     def admin_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.admin_keys.split(",") if k.strip())
+
+
+# The processes of a Redis deployment: ``psgrad serve`` with PSGRAD_REDIS_URL (the api) and
+# ``psgrad worker``. ``psgrad serve`` without Redis runs both in one process and reads every setting.
+API = "api"
+WORKER = "worker"
+BOTH = frozenset({API, WORKER})
+EMBEDDED_ONLY: frozenset[str] = frozenset()  # read only by ``psgrad serve`` without Redis
+
+# Which process reads each setting: docker-compose*.yml and deploy/kubernetes/ give each process
+# exactly the settings it reads (tests/unit/test_settings_readers.py checks them, and checks this
+# table against the modules each process imports). A setting both read must have one value for
+# both: PSGRAD_RESULT_TTL_S set for the api alone changed nothing, as workers store the results.
+READ_BY: dict[str, frozenset[str]] = {
+    "redis_url": BOTH,
+    "redis_prefix": BOTH,
+    "answer_redis_url": BOTH,
+    "device": frozenset({API}),  # the api's model checks; a worker's device is its --device
+    "memory_budget_mb": frozenset({WORKER}),
+    "fast_stats": frozenset({WORKER}),
+    "compile": frozenset({WORKER}),
+    "compile_secret": frozenset({WORKER}),
+    "model_dir": EMBEDDED_ONLY,  # with Redis, models live in Redis
+    "max_body_bytes": frozenset({API}),
+    "max_batch_size": BOTH,  # checked at the api and again where the worker decodes
+    "max_result_bytes": frozenset({WORKER}),
+    "max_reference_set_bytes": frozenset({API}),
+    "max_elements": frozenset({API}),
+    "request_timeout_s": frozenset({API}),
+    "max_queue_depth": frozenset({API}),
+    "batch_max_delay_ms": frozenset({WORKER}),
+    "batch_max_samples": frozenset({WORKER}),
+    "workers": EMBEDDED_ONLY,  # worker threads of the embedded broker
+    "torch_threads": frozenset({WORKER}),
+    "allow_tf32": frozenset({WORKER}),
+    "api_keys": frozenset({API}),
+    "admin_keys": frozenset({API}),
+    "keys_file": frozenset({API}),
+    "result_ttl_s": BOTH,  # workers store results with it; the api its jobs' first TTL
+    "visibility_timeout_s": frozenset({WORKER}),
+    "max_attempts": BOTH,
+    "heartbeat_s": frozenset({WORKER}),
+    "redis_timeout_s": BOTH,
+    "redis_transfer_timeout_s": BOTH,
+    "worker_redis_grace_s": frozenset({WORKER}),
+    "worker_metrics_port": frozenset({WORKER}),
+    "listen_host": frozenset({API}),
+    "listen_port": frozenset({API}),
+    "worker_metrics_host": frozenset({WORKER}),
+    "verify_fraction": frozenset({WORKER}),
+    "verify_samples": frozenset({WORKER}),
+    "max_layers": frozenset({API}),  # registration runs in the api
+    "max_parameters": frozenset({API}),
+    "max_weight_bytes": frozenset({API}),
+    "max_model_activations": frozenset({API}),
+    "max_graph_nodes": frozenset({API}),
+    "export_memory_mb": frozenset({API}),
+    "export_cpu_s": frozenset({API}),
+    "export_timeout_s": frozenset({API}),
+}
+
+
+def read_by(process: str) -> list[str]:
+    """The settings ``process`` (:data:`API` or :data:`WORKER`) reads, in declaration order."""
+    return [name for name in Settings.model_fields if process in READ_BY.get(name, BOTH)]
 
 
 @lru_cache

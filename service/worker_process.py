@@ -43,12 +43,15 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     metrics = WorkerMetrics()
     if settings.worker_metrics_port:
         try:
-            start_http_server(settings.worker_metrics_port, registry=metrics.registry)
+            start_http_server(settings.worker_metrics_port, addr=settings.worker_metrics_host,
+                              registry=metrics.registry)
         except OSError as exc:
-            log.error("cannot serve metrics on port %d (PSGRAD_WORKER_METRICS_PORT): %s",
+            log.error("cannot serve metrics on %s port %d (PSGRAD_WORKER_METRICS_HOST, "
+                      "PSGRAD_WORKER_METRICS_PORT): %s", settings.worker_metrics_host,
                       settings.worker_metrics_port, exc)
             return EXIT_CONFIG
-        log.info("metrics on http://0.0.0.0:%d/metrics", settings.worker_metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.worker_metrics_host,
+                 settings.worker_metrics_port)
     registry = make_registry(settings)
     source = RedisJobSource(settings, name=consumer_name(str(registry.device)))
     stop = threading.Event()

@@ -31,7 +31,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from psgrad._wire import array_from_json
-from service.config import Settings
+from service.config import API, WORKER, Settings, read_by
 from tests.support.client import free_port
 from tests.support.redis import metric
 
@@ -47,6 +47,8 @@ DELIBERATE = {
     "memory_budget_mb": "a GPU has more memory than the laptop default assumes",
     "api_keys": "required: the api refuses a non-loopback host without keys",
     "worker_metrics_port": "each worker container serves its metrics; off for bare processes",
+    "listen_host": "the api listens on its container's interface; bare processes on loopback",
+    "worker_metrics_host": "the same for a worker's metrics (the port is not published)",
 }
 
 
@@ -251,7 +253,9 @@ def test_api_waits_for_redis_and_reports_health(gpu_config: dict[str, Any]) -> N
     else:
         published, target = port["published"], port["target"]
     assert (int(published), int(target)) == (8000, 8000)
-    assert api["command"][api["command"].index("--port") + 1] == "8000"
+    assert api["command"] == ["serve"]  # where it listens: its settings
+    assert api["environment"]["PSGRAD_LISTEN_PORT"] == "8000"
+    assert api["environment"]["PSGRAD_LISTEN_HOST"] == "0.0.0.0"
     assert api["environment"]["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
     for service in workers(gpu_config).values():
         assert service["environment"]["PSGRAD_REDIS_URL"] == "redis://redis:6379/0"
@@ -287,8 +291,48 @@ def test_compose_settings_are_settings_with_the_code_defaults(
                 field = key.removeprefix("PSGRAD_").lower()
                 assert field in fields, f"{name}: {key} is no setting of service/config.py"
                 parsed = getattr(Settings(**{field: value}), field)
+                if fields[field].default is None and value == "":
+                    parsed = None  # `${PSGRAD_X:-}`: unset, as the code takes an empty value
                 if field not in DELIBERATE:
                     assert parsed == fields[field].default, (name, key, value)
+
+
+def process_of(service: dict[str, Any]) -> str:
+    """Which psgrad process a service runs: `serve` is the api (it has a Redis URL)."""
+    command = list(service["command"])
+    assert command[0] in ("serve", "worker"), command
+    assert service["environment"]["PSGRAD_REDIS_URL"], "serve without Redis is no api"
+    return API if command[0] == "serve" else WORKER
+
+
+def test_each_process_gets_every_setting_it_reads_and_no_other(
+    gpu_config: dict[str, Any], cpu_config: dict[str, Any]
+) -> None:
+    """service/config.py READ_BY: a setting a process reads can be set for it (from .env or
+    the shell), and none is given to a process that ignores it; PSGRAD_RESULT_TTL_S reaches the
+    workers, which store the results, with the api's value."""
+    for config in (gpu_config, cpu_config):
+        for name, service in started(config).items():
+            if name in ("redis", "redis-answers"):
+                continue
+            process = process_of(service)
+            given = {k.removeprefix("PSGRAD_").lower() for k in service["environment"]}
+            wanted = set(read_by(process))
+            assert given == wanted, (name, f"missing {sorted(wanted - given)}",
+                                     f"not read {sorted(given - wanted)}")
+        api = config["services"]["api"]["environment"]
+        for name, service in workers(config).items():
+            for key, value in service["environment"].items():
+                if key in api and key != "PSGRAD_ANSWER_REDIS_URL":
+                    assert api[key] == value, (name, key)
+
+
+def test_a_setting_in_env_reaches_every_process_that_reads_it(tmp_path: Path) -> None:
+    config = compose_config(GPU_FILES, tmp_path, env={"PSGRAD_API_KEYS": API_KEY,
+                                                      "PSGRAD_RESULT_TTL_S": "77"})
+    for name, service in started(config).items():
+        if name not in ("redis", "redis-answers"):
+            assert service["environment"]["PSGRAD_RESULT_TTL_S"] == "77", name
 
 
 def test_cpu_override_runs_cpu_workers_and_no_gpu(
@@ -582,13 +626,20 @@ def test_compose_processes_serve_a_request_on_loopback(
         """Compose gives each worker container its own port 9400; here each gets a free one."""
         env = service_env(name)
         assert env["PSGRAD_WORKER_METRICS_PORT"] == "9400"
+        assert env["PSGRAD_WORKER_METRICS_HOST"] == "0.0.0.0"
         metrics_ports[name] = free_port()
-        return {**env, "PSGRAD_WORKER_METRICS_PORT": str(metrics_ports[name])}
+        return {**env, "PSGRAD_WORKER_METRICS_PORT": str(metrics_ports[name]),
+                "PSGRAD_WORKER_METRICS_HOST": "127.0.0.1"}
 
     api_port = free_port()
-    api_cmd = with_option(services["api"]["command"], "--host", "127.0.0.1")
-    api_cmd = with_option(api_cmd, "--port", str(api_port))
-    processes.start("api", [psgrad, *api_cmd], service_env("api"))
+    api_cmd = list(services["api"]["command"])
+
+    def api_env(port: int) -> dict[str, str]:
+        env = service_env("api")
+        assert env["PSGRAD_LISTEN_HOST"] == "0.0.0.0"  # in its container; here loopback
+        return {**env, "PSGRAD_LISTEN_HOST": "127.0.0.1", "PSGRAD_LISTEN_PORT": str(port)}
+
+    processes.start("api", [psgrad, *api_cmd], api_env(api_port))
     cpu_workers = sorted(workers(config))
     assert len(cpu_workers) == 2
     for name in cpu_workers:
@@ -671,8 +722,7 @@ def test_compose_processes_serve_a_request_on_loopback(
         assert processes.stop("api") in (0, -signal.SIGTERM), processes.tails()
 
     new_port = free_port()
-    new_api = with_option(api_cmd, "--port", str(new_port))
-    processes.start("api-new", [psgrad, *new_api], service_env("api"))
+    processes.start("api-new", [psgrad, *api_cmd], api_env(new_port))
     name = cpu_workers[0]
     processes.start(f"{name}-new", [psgrad, *services[name]["command"]], worker_env(name))
     with httpx.Client(base_url=f"http://127.0.0.1:{new_port}", timeout=60) as http:
