@@ -93,7 +93,7 @@ class Settings(BaseSettings):
 
 
 # The processes of a Redis deployment: ``psgrad serve`` with PSGRAD_REDIS_URL (the api) and
-# ``psgrad worker``. ``psgrad serve`` without Redis runs both in one process and reads every setting.
+# ``psgrad worker``. ``psgrad serve`` without Redis runs both in one process, reading them all.
 API = "api"
 WORKER = "worker"
 BOTH = frozenset({API, WORKER})
@@ -149,6 +149,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "export_memory_mb": frozenset({API}),
     "export_cpu_s": frozenset({API}),
     "export_timeout_s": frozenset({API}),
+    "dp_accounting_cpu_s": frozenset({API}),  # DP runs are made and described by the api
 }
 
 

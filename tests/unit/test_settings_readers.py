@@ -96,3 +96,10 @@ def test_every_listening_address_is_a_setting_on_loopback_by_default() -> None:
     # `psgrad serve` without --host takes PSGRAD_LISTEN_HOST (nothing on the command line wins)
     serve = build_parser(add_server_commands).parse_args(["serve"])
     assert serve.host is None and serve.port is None
+
+
+def test_serve_takes_its_address_from_the_settings_and_keeps_its_refusal() -> None:
+    """PSGRAD_LISTEN_HOST beyond loopback without keys is refused as --host would be."""
+    from service.cli import EXIT_REFUSED, serve
+
+    assert serve(settings=Settings(listen_host="0.0.0.0")) == EXIT_REFUSED
