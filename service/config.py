@@ -128,6 +128,9 @@ READ_BY: dict[str, frozenset[str]] = {
     "api_keys": frozenset({API}),
     "admin_keys": frozenset({API}),
     "keys_file": frozenset({API}),
+    "tenant_max_queued_samples": frozenset({API}),  # quotas are checked at admission
+    "tenant_max_jobs": frozenset({API}),
+    "tenant_requests_per_s": frozenset({API}),
     "result_ttl_s": BOTH,  # workers store results with it; the api its jobs' first TTL
     "visibility_timeout_s": frozenset({WORKER}),
     "max_attempts": BOTH,

@@ -25,8 +25,8 @@ FROM_A_FLAG = {("device", WORKER)}
 
 
 def test_every_setting_is_in_the_table_and_nothing_else() -> None:
-    assert list(READ_BY) == list(Settings.model_fields), (
-        "service/config.py READ_BY must list every setting, in declaration order: "
+    assert set(READ_BY) == set(Settings.model_fields), (
+        "service/config.py READ_BY must list every setting: "
         f"missing {sorted(set(Settings.model_fields) - set(READ_BY))}, "
         f"unknown {sorted(set(READ_BY) - set(Settings.model_fields))}")
     for name, readers in READ_BY.items():
