@@ -142,8 +142,9 @@ class Broker(Protocol):
 
     async def queue_depth(self) -> int: ...
 
-    async def ready(self) -> bool:
-        """The broker answers and, where workers report to it (Redis heartbeats), one is alive.
+    async def ready(self, *, need_worker: bool = True) -> bool:
+        """The broker answers and, where workers report to it (Redis heartbeats) and
+        ``need_worker``, one is alive.
 
         In-process workers do not report to the broker: the app asks their pool as well.
         """

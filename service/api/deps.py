@@ -39,11 +39,12 @@ class AppState:
     workers: WorkerPool | None = None
     keyring: Keyring = field(default_factory=Keyring)  # default: no keys (dev mode)
 
-    async def ready(self) -> bool:
-        """The broker answers and a worker serves the queue (the pool's, or Redis heartbeats)."""
-        if self.workers is not None and not self.workers.alive():
+    async def ready(self, *, need_worker: bool = True) -> bool:
+        """The broker answers and (``need_worker``) a worker serves the queue (the pool's, or
+        Redis heartbeats)."""
+        if need_worker and self.workers is not None and not self.workers.alive():
             return False
-        return await self.broker.ready()
+        return await self.broker.ready(need_worker=need_worker)
 
 
 async def get_app_state(request: Request) -> AppState:

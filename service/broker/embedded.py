@@ -122,7 +122,7 @@ class EmbeddedBroker:
     async def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def ready(self) -> bool:
+    async def ready(self, *, need_worker: bool = True) -> bool:
         """Started and not closed; whether a worker serves the queue is the pool's to say."""
         return self._loop is not None and not self._closed.is_set()
 

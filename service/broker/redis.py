@@ -338,10 +338,12 @@ class RedisBroker:
     async def queue_depth(self) -> int:
         return int(await self._call(lambda: self.r.xlen(keys.job_stream(self.prefix))))
 
-    async def ready(self) -> bool:
+    async def ready(self, *, need_worker: bool = True) -> bool:
         try:
             if self.pieces is not self.r:  # answers could not be written nor read without it
                 await self._call(self.pieces.ping)
+            if not need_worker:  # jobs can be queued: workers may be scaled to zero for now
+                return bool(await self._call(self.r.ping))
             return await self.live_workers() > 0
         except (Overloaded, InternalError):
             return False

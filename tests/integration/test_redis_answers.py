@@ -27,6 +27,7 @@ from service.broker.redis_source import RedisJobSource
 from service.config import Settings
 from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
 from service.registry import make_registry
+from tests.support.api import open_client
 from tests.support.client import free_port
 from tests.support.cluster import check_answer, cluster, env_of, job_done
 from tests.support.redis import SHARED_URL, OwnRedis, prefix_on, queue, redis_or_skip
@@ -434,3 +435,20 @@ async def test_answers_over_a_unix_socket_are_read_by_the_plain_socket_reader(
             assert opened == [True, True]
     finally:
         own.kill()
+
+
+async def test_readiness_without_a_worker_for_workers_scaled_to_zero(
+        shared: redis.Redis, tmp_path: Path) -> None:
+    """``/readyz?need_worker=false`` (deploy/kubernetes/'s readiness probe): ready once jobs can
+    be queued, with no worker alive (KEDA starts one when the job is queued), and not ready
+    without either Redis."""
+    own = OwnRedis(tmp_path)
+    own.start()
+    with prefix_on(shared) as prefix:
+        async with open_client(redis_url=SHARED_URL, redis_prefix=prefix,
+                               answer_redis_url=own.url) as c:
+            assert (await c.get("/readyz")).status_code == 503  # no worker alive
+            scaled = await c.get("/readyz", params={"need_worker": "false"})
+            assert scaled.status_code == 200 and scaled.json()["ready"] is True
+            own.kill()
+            assert (await c.get("/readyz", params={"need_worker": "false"})).status_code == 503

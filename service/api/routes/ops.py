@@ -26,10 +26,12 @@ async def healthz() -> dict[str, str]:
     summary="Broker reachable and a worker alive",
     responses={503: {"model": Ready, "description": "not ready"}},
 )
-async def readyz(state: StateDep) -> JSONResponse:
+async def readyz(state: StateDep, need_worker: bool = True) -> JSONResponse:
+    """``need_worker=false``: ready once jobs can be queued, with no worker alive yet, as where
+    workers scale to zero (deploy/kubernetes/: the api must take the job that wakes them)."""
     broker = type(state.broker).__name__
     try:
-        ready = await state.ready()
+        ready = await state.ready(need_worker=need_worker)
         depth: int | None = await state.broker.queue_depth()
     except Exception as exc:
         log.warning("readiness check failed: %s", exc)
