@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
-from service.reference_store import ReferenceSet
+from service.reference_store import ReferenceSet, set_name
 from service.registry import LoadedModel
 from service.strategies.base import Batch, Options
 from service.strategies.projection import MAX_DIM, Projection
@@ -119,8 +119,9 @@ def _reference_set(set_id: Any, sets: ReferenceSets | None) -> ReferenceSet:
                            "with PUT /reference-sets/{id}")
     found = sets.get(set_id) if sets is not None else None
     if found is None:
-        raise NotFound(f"reference set '{set_id}' not found: create it with "
-                       f"PUT /reference-sets/{set_id}")
+        name = set_name(set_id)  # the api sends the set's key in its tenant's namespace
+        raise NotFound(f"reference set '{name}' not found: create it with "
+                       f"PUT /reference-sets/{name}")
     return found
 
 

@@ -31,13 +31,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from service.tenants import DEFAULT_TENANT, Quotas, Tenant
+from service.tenants import DEFAULT_TENANT, TENANT_NAME, Quotas, Tenant
 
 __all__ = ["KeyEntry", "Keyring", "KeysError", "digest", "install_sighup", "parse_keys_file"]
 
 log = logging.getLogger("psgrad.keys")
 
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _QUOTA_FIELDS = {f.name for f in fields(Quotas)}
 _hup = [0]  # SIGHUPs received by this process: each keyring re-reads its file once per signal

@@ -16,7 +16,7 @@ import numpy as np
 
 from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
 from service.model_store import is_safe_id
-from service.reference_store import ReferenceSet
+from service.reference_store import ReferenceSet, set_key
 from service.registry import LoadedModel, ModelRegistry
 from service.strategies.base import Options
 
@@ -24,11 +24,25 @@ SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 _READ = ("reference", "reference_sketches", "reference_set", "outputs")
 
 
+def checked_id(set_id: str) -> str:
+    if not is_safe_id(set_id):
+        raise BadRequest("a reference set id is 1-64 of a-z 0-9 . _ -, not starting with . _ -")
+    return set_id
+
+
+def scope_reference(fields: dict[str, Any], tenant: str) -> None:
+    """A request's ``reference_set`` names a set of its own tenant: the field becomes that
+    set's store key (:func:`service.reference_store.set_key`), so no request reads another
+    tenant's set."""
+    name = fields.get("reference_set")
+    if isinstance(name, str):  # anything else: the request validation says what is wrong
+        fields["reference_set"] = set_key(tenant, checked_id(name))
+
+
 def set_request(set_id: str, fields: dict[str, Any]) -> dict[str, Any]:
     """The job's fields: the body's batch and options, asking for sketches or gradients
     (checked next by the request validation, before the size of the set)."""
-    if not is_safe_id(set_id):
-        raise BadRequest("a reference set id is 1-64 of a-z 0-9 . _ -, not starting with . _ -")
+    checked_id(set_id)
     extra = sorted(k for k in _READ if fields.get(k) is not None)
     if extra:
         raise InvalidInput(f"a reference set is made from a batch; leave out: {', '.join(extra)}")

@@ -7,6 +7,10 @@ size limit, full gradients ``{param: [M, *shape]}``) and keeps them here; a requ
 (``<dir>/_reference_sets/<id>.json`` beside ``<id>.safetensors``, written atomically, tensors
 first), or Redis (one hash per set, key names in :mod:`service.keys`), so every worker of a
 Redis deployment reads the same sets. A set holds JSON and safetensors bytes, never a pickle.
+
+Each tenant names its sets in a namespace of its own: the stores hold a set under its key,
+:func:`set_key` (the id itself for the default tenant, so that sets made before tenants existed
+are the default tenant's; ``<tenant>~<id>`` for any other, ``~`` being in no id).
 """
 
 from __future__ import annotations
@@ -24,6 +28,22 @@ from safetensors.numpy import save as st_save
 from service import keys
 from service.config import Settings
 from service.model_store import _write_atomic, is_safe_id
+from service.tenants import DEFAULT_TENANT, TENANT_NAME
+
+
+def set_key(tenant: str, set_id: str) -> str:
+    """Where the stores keep ``tenant``'s set ``set_id`` (an id checked by the caller)."""
+    return set_id if tenant == DEFAULT_TENANT else f"{tenant}~{set_id}"
+
+
+def set_name(key: str) -> str:
+    """The id a tenant gave the set stored under ``key``."""
+    return key.rpartition("~")[2]
+
+
+def _safe_key(key: str) -> bool:
+    tenant, sep, set_id = key.partition("~")
+    return is_safe_id(set_id) and bool(TENANT_NAME.fullmatch(tenant)) if sep else is_safe_id(key)
 
 
 @dataclass(frozen=True)
@@ -40,11 +60,17 @@ class ReferenceSet:
     created: float
     tensors: dict[str, np.ndarray]
     nbytes: int = 0  # of the tensors, kept in the spec so that GET needs no tensors
+    tenant: str = DEFAULT_TENANT  # whose it is (the namespace of its id)
+
+    @property
+    def key(self) -> str:
+        return set_key(self.tenant, self.id)
 
     def doc(self) -> dict[str, Any]:
         """``GET /reference-sets/{id}``: everything but the tensors."""
         k, seed = self.projection if self.projection is not None else (None, None)
-        return {"id": self.id, "model": self.model, "loss": self.loss, "params": list(self.params),
+        return {"id": self.id, "tenant": self.tenant, "model": self.model, "loss": self.loss,
+                "params": list(self.params),
                 "shapes": self.shapes, "projection_dim": k, "projection_seed": seed,
                 "count": self.count, "created": self.created,
                 "bytes": self.nbytes or sum(int(v.nbytes) for v in self.tensors.values())}
@@ -62,11 +88,12 @@ class ReferenceSet:
         return cls(d["id"], d["model"], d["loss"], tuple(d["params"]), d["shapes"],
                    (int(k), int(seed)) if k is not None else None, int(d["count"]),
                    float(d["created"]), dict(st_load(data)) if data is not None else {},
-                   int(d.get("bytes", 0)))
+                   int(d.get("bytes", 0)), str(d.get("tenant", DEFAULT_TENANT)))
 
 
 class ReferenceStore:
-    """The interface of every backend; safe to call from threads."""
+    """The interface of every backend; safe to call from threads. Sets are read and deleted
+    by their :func:`set_key`."""
 
     def put(self, ref: ReferenceSet) -> None:
         raise NotImplementedError
@@ -89,7 +116,7 @@ class MemoryReferenceStore(ReferenceStore):
 
     def put(self, ref: ReferenceSet) -> None:
         with self._lock:
-            self._sets[ref.id] = ref
+            self._sets[ref.key] = ref
 
     def get(self, set_id: str) -> ReferenceSet | None:
         with self._lock:
@@ -106,11 +133,11 @@ class FileReferenceStore(ReferenceStore):
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _paths(self, set_id: str) -> tuple[Path, Path]:
-        name = set_id if is_safe_id(set_id) else "_"  # an unsafe id names no file
+        name = set_id if _safe_key(set_id) else "_"  # an unsafe key names no file
         return self.root / f"{name}.json", self.root / f"{name}.safetensors"
 
     def put(self, ref: ReferenceSet) -> None:
-        spec, data = self._paths(ref.id)
+        spec, data = self._paths(ref.key)
         _write_atomic(data, ref.tensor_bytes())
         _write_atomic(spec, ref.spec_json().encode())
 
@@ -142,7 +169,7 @@ class RedisReferenceStore(ReferenceStore):
         self.prefix = prefix
 
     def put(self, ref: ReferenceSet) -> None:
-        self.r.hset(keys.reference_set(self.prefix, ref.id),
+        self.r.hset(keys.reference_set(self.prefix, ref.key),
                     mapping={"spec": ref.spec_json(), "tensors": ref.tensor_bytes()})
 
     def get(self, set_id: str) -> ReferenceSet | None:

@@ -8,6 +8,9 @@ it is a handful of counters, a bounded deque and fixed-size rings, touched once 
 never per sample; one lock per worker, shared only with the reader of :meth:`snapshot` (the page,
 about once a second).
 
+Norm histograms are kept per model and, for the tenants' own views of the page, per tenant and
+model (a merged batch's norms are split by job, each job's slice counted for its tenant).
+
 :meth:`snapshot` is a plain JSON-ready dict: in embedded mode the api reads it from the worker
 threads (:meth:`service.worker.WorkerPool.snapshots`), in Redis mode each ``psgrad worker``
 publishes it with its heartbeat and the api aggregates every worker's (:mod:`service.api.status`).
@@ -45,6 +48,7 @@ PER_DECADE = 8
 NORM_EDGES: tuple[float, ...] = tuple(10.0 ** (e / PER_DECADE) for e in range(-48, 49))
 _EDGES = np.asarray(NORM_EDGES)
 MAX_MODELS = 32  # histograms kept per worker; the least recently updated model goes first
+MAX_TENANT_HISTOGRAMS = 256  # (tenant, model) histograms kept per worker, the same way
 
 
 def percentiles(values: Sequence[float], qs: Iterable[float] = (50, 99)) -> dict[str, Any]:
@@ -118,9 +122,12 @@ class WorkerStatus:
         self._waits = Recent()
         self._batch: dict[str, Any] | None = None
         self._norms: dict[str, TimeRing] = {}  # model ref -> bucket counts, in 30 s slices
+        self._tenant_norms: dict[tuple[str, str], TimeRing] = {}  # (tenant, model) -> the same
 
-    def batch_started(self, *, jobs: int, samples: int, model: str) -> None:
-        batch = {"jobs": jobs, "samples": samples, "model": model, "since": time.time()}
+    def batch_started(self, *, jobs: int, samples: int, model: str,
+                      tenants: Sequence[str] = ()) -> None:
+        batch = {"jobs": jobs, "samples": samples, "model": model, "since": time.time(),
+                 "tenants": sorted(set(tenants))}
         self._batch = batch  # one reference swap: readers see the old batch or the new one
 
     def batch_ended(self) -> None:
@@ -136,17 +143,24 @@ class WorkerStatus:
             self.jobs[status] = self.jobs.get(status, 0) + 1
             self._waits.add(round(queue_s * 1000, 3))
 
-    def observe_norms(self, model: str, norms: torch.Tensor) -> None:
-        """Fold one engine call's per-sample norms into ``model``'s recent histogram."""
+    def observe_norms(self, model: str, norms: torch.Tensor,
+                      owners: Sequence[tuple[str, int]] = ()) -> None:
+        """Fold one engine call's per-sample norms into ``model``'s recent histogram, and each
+        job's slice into its tenant's (``owners``: each job's tenant and samples, in batch
+        order; norms of another length count for the model only)."""
         counts = norm_counts(norms)
+        flat = norms.detach().reshape(-1)
+        mine: dict[str, np.ndarray] = {}
+        if owners and sum(n for _, n in owners) == flat.numel():
+            at = 0
+            for tenant, n in owners:
+                part = norm_counts(flat[at : at + n])
+                mine[tenant] = mine[tenant] + part if tenant in mine else part
+                at += n
         with self._lock:
-            ring = self._norms.pop(model, None)  # re-inserted last: most recently updated
-            if ring is None:
-                ring = TimeRing(10, WINDOW_S / 10)
-                if len(self._norms) >= MAX_MODELS:
-                    self._norms.pop(next(iter(self._norms)))
-            ring.add(counts)
-            self._norms[model] = ring
+            _fold(self._norms, model, counts, MAX_MODELS)
+            for tenant, part in mine.items():
+                _fold(self._tenant_norms, (tenant, model), part, MAX_TENANT_HISTOGRAMS)
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """This worker now, as JSON values (published as is with a Redis heartbeat)."""
@@ -154,6 +168,7 @@ class WorkerStatus:
         zero = np.zeros(len(NORM_EDGES) + 1, dtype=np.int64)
         with self._lock:
             norms = {m: r.total(now, zero) for m, r in self._norms.items()}
+            by_tenant = {k: r.total(now, zero) for k, r in self._tenant_norms.items()}
             doc = {
                 "id": self.name,
                 "host": self.host,
@@ -170,7 +185,23 @@ class WorkerStatus:
             }
         doc["batch"] = self._batch
         doc["norms"] = {m: c.tolist() for m, c in norms.items() if c.any()}
+        tenant_norms: dict[str, dict[str, list[int]]] = {}
+        for (tenant, model), c in by_tenant.items():
+            if c.any():
+                tenant_norms.setdefault(tenant, {})[model] = c.tolist()
+        doc["tenant_norms"] = tenant_norms
         return doc
 
     def snapshot_json(self) -> str:
         return json.dumps(self.snapshot(), separators=(",", ":"))
+
+
+def _fold(rings: dict[Any, TimeRing], key: Any, counts: np.ndarray, most: int) -> None:
+    """Add ``counts`` to ``key``'s ring; past ``most`` rings the least recently updated goes."""
+    ring = rings.pop(key, None)  # re-inserted last: most recently updated
+    if ring is None:
+        ring = TimeRing(10, WINDOW_S / 10)
+        if len(rings) >= most:
+            rings.pop(next(iter(rings)))
+    ring.add(counts)
+    rings[key] = ring

@@ -8,11 +8,14 @@ enforcing quotas the broker's.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_TENANT", "Quotas", "Tenant"]
+__all__ = ["DEFAULT_TENANT", "TENANT_NAME", "Quotas", "Tenant"]
 
 DEFAULT_TENANT = "default"  # the one tenant of a server without keys, and of data made before
+# a tenant's name: it is part of Redis keys and file names, so never ':', '/' or '~'
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,8 @@ class Worker:
     def _run_group(self, items: list[tuple[Job, ParsedRequest]]) -> None:
         model = items[0][1].model.ref
         self.status.batch_started(
-            jobs=len(items), samples=sum(p.batch.size for _, p in items), model=model)
+            jobs=len(items), samples=sum(p.batch.size for _, p in items), model=model,
+            tenants=[j.tenant for j, _ in items])
         norms: list[torch.Tensor] = []  # the norms the engine computed anyway (for the page)
         try:
             results, compute_s = _compute(
@@ -197,8 +198,8 @@ class Worker:
         samples = sum(p.batch.size for _, p in items)
         self.observer.observe_batch(jobs=len(items), samples=samples, compute_s=compute_s)
         self.status.batch_done(samples=samples)
-        for found in norms:
-            self.status.observe_norms(model, found)
+        for found in norms:  # each job's norms count for its tenant too (its status view)
+            self.status.observe_norms(model, found, [(j.tenant, p.batch.size) for j, p in items])
         started = time.time() - compute_s
         done: list[tuple[Job, dict[str, Any]]] = []
         for (job, parsed), out in zip(items, results, strict=True):

@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from psgrad._errors import Forbidden, Unauthorized
 from service.api.metrics import Metrics
+from service.api.status import note_tenant
 from service.config import Settings
 from service.jobs import Broker
 from service.keyring import Keyring
@@ -85,15 +86,15 @@ def _given(credentials: HTTPAuthorizationCredentials | None) -> str:
     return credentials.credentials
 
 
-async def get_tenant(state: StateDep, credentials: Credentials) -> Tenant:
+async def get_tenant(request: Request, state: StateDep, credentials: Credentials) -> Tenant:
     """The tenant whose key the request carries (401 without a valid one); with no keys
     configured, the default tenant with every right (loopback dev mode, as before tenants)."""
     keyring = state.keyring
-    if not keyring.configured:
-        return keyring.dev_tenant()
-    tenant = keyring.lookup(_given(credentials))
+    tenant = (keyring.dev_tenant() if not keyring.configured
+              else keyring.lookup(_given(credentials)))
     if tenant is None:
         raise Unauthorized("the API key is not valid")
+    note_tenant(request.scope, tenant.name)  # the status page's per-tenant counters
     return tenant
 
 
@@ -113,3 +114,42 @@ async def require_admin(tenant: TenantDep, state: StateDep) -> Tenant:
 AdminDep = Annotated[Tenant, Depends(require_admin)]
 ApiKey = Depends(get_tenant)  # for a router or route that needs a key but not its tenant
 AdminKey = Depends(require_admin)
+
+TenantParam = Annotated[
+    str | None,
+    Query(
+        alias="tenant",
+        max_length=64,
+        description="admin keys only: act on this tenant's resources (lists: only this "
+        "tenant's; without it an admin lists every tenant's)",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose resources a request may see: the caller's own; an admin's, every tenant's (or the
+    one its ``tenant`` parameter names)."""
+
+    caller: Tenant
+    asked: str | None = None  # the ``tenant`` parameter (admins only)
+
+    @property
+    def owner(self) -> str:
+        """The tenant whose namespace a named resource (a reference set) is read from or
+        written to, and whose a new resource becomes."""
+        return self.asked or self.caller.name
+
+    def sees(self, owner: str) -> bool:
+        """A resource of ``owner``, addressed by its id, is visible (else: 404)."""
+        return owner == self.owner or (self.caller.admin and self.asked is None)
+
+
+async def get_scope(tenant: TenantDep, asked: TenantParam = None) -> Scope:
+    if asked is not None and asked != tenant.name and not tenant.admin:
+        raise Forbidden("the 'tenant' parameter needs an admin key: leave it out to act on "
+                        "your own resources")
+    return Scope(tenant, asked)
+
+
+ScopeDep = Annotated[Scope, Depends(get_scope)]

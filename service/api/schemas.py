@@ -223,6 +223,13 @@ class JobView(BaseModel):
     error: ErrorInfo | None = Field(None, description="once failed")
 
 
+class JobDeleted(JobView):
+    deleted: Literal["canceled", "removed"] = Field(
+        description="canceled: it was queued or running and is now canceled (readable until "
+        "PSGRAD_RESULT_TTL_S); removed: it had finished (perhaps during this call: its status "
+        "says how) and is gone with its result (GET answers 404 from now on)")
+
+
 class TensorInfo(BaseModel):
     shape: list[int]
     dtype: str
@@ -254,6 +261,7 @@ class ModelDeleted(BaseModel):
 
 class ReferenceSetDoc(BaseModel):
     id: str
+    tenant: str = Field(description="whose set it is: ids are each tenant's own")
     model: str = Field(description="the model version that computed it: 'id@version'")
     loss: str
     params: list[str]

@@ -11,6 +11,11 @@ with its heartbeat (:meth:`service.broker.redis.RedisBroker.worker_snapshots`). 
 norm histograms are merged over the workers (the raw recent waits, so the percentiles are exact;
 the histograms share their buckets, :data:`service.status.NORM_EDGES`). Latency and request
 counts are this api process's: several api replicas each show their own.
+
+Each tenant sees its own view: the requests its keys made (routes, models, errors), the norm
+histograms of its own jobs, and a worker's batch in hand only while one of its jobs is in it;
+the workers' counters and the queue are the service's and shown to all. An admin sees every
+tenant's (requests without a valid key too), or one tenant's view with ``?tenant=``.
 """
 
 from __future__ import annotations
@@ -38,12 +43,18 @@ OTHER = "(other)"
 INVALID = "(invalid)"  # a model field that is not an id or id@version
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 _SCOPE_KEY = "psgrad.model"
+_TENANT_KEY = "psgrad.tenant"
 
 
 def note_model(scope: Scope, model: Any) -> None:
     """Tell the request's counters which model its body named (strings only; others ignored)."""
     if isinstance(model, str):
         scope[_SCOPE_KEY] = model if REF_RE.fullmatch(model) else INVALID
+
+
+def note_tenant(scope: Scope, tenant: str) -> None:
+    """Tell the request's counters whose request it is (set once its key is read)."""
+    scope[_TENANT_KEY] = tenant
 
 
 def error_code(body: bytes, status: int) -> str:
@@ -68,14 +79,27 @@ class _Route:
 class RequestStats:
     """Requests since the api started, their recent latencies, and error answers by code."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_tenant: bool = True) -> None:
         self.routes: dict[tuple[str, str], _Route] = {}
         self.models: dict[str, Counter[str]] = {}  # model -> {"requests": n, "errors": n, code: n}
         self.errors: Counter[tuple[str | None, str]] = Counter()
+        # each tenant's own counters (tenants are the configured keys': a bounded set)
+        self.tenants: dict[str, RequestStats] | None = {} if per_tenant else None
 
     def observe(self, scope: Scope, *, route: str, status: int, seconds: float,
                 code: str | None) -> None:
-        """One answered request (``code``: its error code when ``status`` >= 400)."""
+        """One answered request (``code``: its error code when ``status`` >= 400), counted
+        for every tenant's view and for its own tenant's."""
+        self._observe(scope, route=route, status=status, seconds=seconds, code=code)
+        tenant = scope.get(_TENANT_KEY)
+        if self.tenants is not None and isinstance(tenant, str):
+            own = self.tenants.get(tenant)
+            if own is None:
+                own = self.tenants[tenant] = RequestStats(per_tenant=False)
+            own._observe(scope, route=route, status=status, seconds=seconds, code=code)
+
+    def _observe(self, scope: Scope, *, route: str, status: int, seconds: float,
+                 code: str | None) -> None:
         method = scope.get("method", "")  # routes are the app's templates: a bounded set
         key = (route, method if method in _METHODS else "OTHER")
         stats = self.routes.get(key)
@@ -96,7 +120,11 @@ class RequestStats:
                 counts["errors"] += 1
                 counts[code] += 1
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float, tenant: str | None = None) -> dict[str, Any]:
+        """Every request's counters, or (``tenant``) that tenant's own."""
+        if tenant is not None:
+            own = (self.tenants or {}).get(tenant)
+            return (own or RequestStats(per_tenant=False)).view(now)
         routes = [
             {"route": route, "method": method, "requests": s.requests, "errors": s.errors,
              "latency_ms": _ms(percentiles(s.latency.values(WINDOW_S, now)))}
@@ -135,6 +163,8 @@ class BatchInHand(BaseModel):
     samples: int
     model: str = Field(description="'id@version'")
     since: float = Field(description="epoch seconds when the call started")
+    tenants: list[str] = Field(default_factory=list, description="whose jobs are in it (a "
+                               "tenant's view: only its own name)")
 
 
 class WorkerView(BaseModel):
@@ -193,6 +223,8 @@ class StatusView(BaseModel):
     """``GET /status.json``: the workers, the queue, requests and recent gradient norms."""
 
     time: float = Field(description="epoch seconds")
+    tenant: str | None = Field(description="whose requests, errors and norms this view shows; "
+                               "null: every tenant's (an admin key's view)")
     mode: Literal["embedded", "redis"]
     window_s: int = Field(description="what 'recent' means: waits, latencies and norms")
     broker_error: str | None = Field(description="why the workers or the queue are missing")
@@ -207,8 +239,8 @@ class StatusView(BaseModel):
                                        "compute them: norms, layer_norms, clipped_mean, ...)")
 
 
-async def status_view(state: AppState) -> dict[str, Any]:
-    """The page's data now (a :class:`StatusView`)."""
+async def status_view(state: AppState, tenant: str | None = None) -> dict[str, Any]:
+    """The page's data now (a :class:`StatusView`): every tenant's, or ``tenant``'s own."""
     now = time.time()
     broker_error = None
     workers: list[dict[str, Any]] = []
@@ -225,27 +257,39 @@ async def status_view(state: AppState) -> dict[str, Any]:
     norms: dict[str, list[int]] = {}
     for w in workers:
         waits += [v for v in w.get("queue_wait_ms", ()) if isinstance(v, (int, float))]
-        for model, counts in (w.get("norms") or {}).items():
+        found = w.get("norms") if tenant is None else _mapping(w.get("tenant_norms")).get(tenant)
+        for model, counts in _mapping(found).items():
             if isinstance(counts, list) and len(counts) == len(NORM_EDGES) + 1:
                 have = norms.setdefault(model, [0] * len(counts))
                 norms[model] = [a + int(b) for a, b in zip(have, counts, strict=True)]
     return {
         "time": now,
+        "tenant": tenant,
         "mode": "embedded" if state.workers is not None else "redis",
         "window_s": WINDOW_S,
         "broker_error": broker_error,
-        "workers": [_worker(w) for w in workers],
+        "workers": [_worker(w, tenant) for w in workers],
         "queue": {"depth": depth, "wait_ms": _ms(percentiles(waits))},
-        **state.metrics.recent.view(now),
+        **state.metrics.recent.view(now, tenant),
         "norm_edges": list(NORM_EDGES),
         "norms": [{"model": m, "count": sum(c), "counts": c} for m, c in sorted(norms.items())],
     }
 
 
-def _worker(doc: Mapping[str, Any]) -> dict[str, Any]:
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _worker(doc: Mapping[str, Any], tenant: str | None = None) -> dict[str, Any]:
     """A snapshot as a :class:`WorkerView` row; what a worker did not publish (or published
-    in another form: another version) is null or 0, never an error."""
+    in another form: another version) is null or 0, never an error. For ``tenant``'s view the
+    batch in hand shows only while one of its jobs is in it."""
     row = _row(doc)
+    batch = row["batch"]
+    if tenant is not None and batch is not None:
+        tenants = batch.get("tenants")
+        row["batch"] = ({**batch, "tenants": [tenant]} if isinstance(tenants, list)
+                        and tenant in tenants else None)
     try:
         return WorkerView.model_validate(row).model_dump()
     except ValidationError:

@@ -23,6 +23,7 @@ from psgrad._errors import PrivacyBudgetExhausted, UnknownDPRun
 from service import keys
 from service.config import Settings
 from service.connections import connection_kwargs
+from service.tenants import DEFAULT_TENANT
 
 RUN_ID_RE = re.compile(r"dp-[0-9a-f]{24}")
 CLIP_FORMS = {"exact": 0.0, "opacus": 1e-6}  # the norm offset of each clip-factor form
@@ -64,6 +65,8 @@ class DPRun:
     planned_steps: int | None = None
     target_epsilon: float | None = None
     created: float = 0.0
+    tenant: str = DEFAULT_TENANT  # who made it: only they take its steps (runs made before
+    # tenants existed have no such field and belong to the default tenant)
 
     @property
     def norm_offset(self) -> float:

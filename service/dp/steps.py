@@ -183,13 +183,14 @@ def on_result(job_id: str, fields: Mapping[str, Any], result: dict[str, Any],
     return out
 
 
-async def precheck(fields: Mapping[str, Any], settings: Settings) -> None:
-    """Refuse before queueing: an unknown run (404), or one whose budget is spent (409)."""
+async def precheck(fields: Mapping[str, Any], settings: Settings, tenant: str) -> None:
+    """Refuse before queueing: an unknown run or another tenant's (404: a step spends only
+    the caller's own runs, admins' included), or one whose budget is spent (409)."""
     run_id = fields.get("dp_run")
     if not isinstance(run_id, str):
         return
     found = await asyncio.to_thread(store_for(settings).get, run_id)
-    if found is None:
+    if found is None or found[0].tenant != tenant:
         raise unknown(run_id)
     if found[1] >= found[0].max_steps:
         raise exhausted(*found)

@@ -191,6 +191,8 @@ async def test_status_json_needs_a_key_the_page_does_not() -> None:
         r = await c.get("/status.json", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         view = (await c.get("/status.json", headers={"Authorization": "Bearer user-key"})).json()
+        assert view["errors"] == []  # requests without a valid key are nobody's: admins see them
+        view = (await c.get("/status.json", headers={"Authorization": "Bearer admin-key"})).json()
         assert {(e["model"], e["code"]): e["count"] for e in view["errors"]} == {
             (None, "unauthorized"): 2}
         page = await c.get("/status")  # holds no data: served without a key

@@ -3,17 +3,31 @@
 A run fixes the mechanism (clip norm, noise multiplier, sampling rate, expected batch size) and
 the budget; a ``clipped_mean`` request with ``dp_run`` is one step of it. Creating and reading
 need an API key; deleting a run (and with it the record of the budget spent) an admin key.
+
+A run belongs to the tenant that made it: another tenant gets 404 for it everywhere (read, and
+a step naming it); only its own tenant takes its steps. Admin keys read, list and delete every
+tenant's runs (``?tenant=`` narrows the list to one tenant).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
+from service.api.deps import (
+    AdminDep,
+    ApiKey,
+    RegistryDep,
+    Scope,
+    ScopeDep,
+    SettingsDep,
+    TenantDep,
+    TenantParam,
+)
 from service.api.schemas import errors
 from service.dp.runs import RUN_ID_RE, store_for, unknown
 from service.dp.steps import describe, make_run
@@ -66,6 +80,7 @@ class DPRunCreate(BaseModel):
 class DPRunView(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str = Field(description="the run id to send as 'dp_run'")
+    tenant: str = Field(description="the tenant that made it (only its keys take its steps)")
     model: str
     clip_norm: float
     noise_multiplier: float = Field(description="sigma (given or solved)")
@@ -86,7 +101,8 @@ class DPRunView(BaseModel):
 
 
 class DPRunList(BaseModel):
-    runs: list[dict[str, Any]] = Field(description="id, model, steps, max_steps, accountant")
+    runs: list[dict[str, Any]] = Field(description="id, tenant, model, steps, max_steps, "
+                                       "accountant")
 
 
 def _checked(run_id: str) -> str:
@@ -97,53 +113,67 @@ def _checked(run_id: str) -> str:
 
 @router.post("", status_code=201, response_model=DPRunView, responses=errors(400, 401, 404, 422),
              summary="Start a DP-SGD run")
-async def create_run(body: DPRunCreate, settings: SettingsDep,
-                     registry: RegistryDep) -> dict[str, Any]:
+async def create_run(body: DPRunCreate, settings: SettingsDep, registry: RegistryDep,
+                     tenant: TenantDep) -> dict[str, Any]:
     """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two.
+    The run is the caller's tenant's.
 
     422 for a number that is not finite, a run that could never take a step (its first step
     alone passes max_epsilon), prv below its smallest noise multiplier, more planned steps than
     the cap, or accounting past PSGRAD_DP_ACCOUNTING_CPU_S seconds of CPU."""
     spec = body.model_dump()
     await run_in_threadpool(registry.describe, body.model)  # 404 for an unknown model
-    run = await run_in_threadpool(make_run, spec, settings.dp_accounting_cpu_s)
+    made = await run_in_threadpool(make_run, spec, settings.dp_accounting_cpu_s)
+    run = replace(made, tenant=tenant.name)
     store = store_for(settings)
     await run_in_threadpool(store.create, run)
     return await run_in_threadpool(describe, run, 0, settings.dp_accounting_cpu_s)
 
 
-@router.get("", response_model=DPRunList, responses=errors(400, 401), summary="Every DP run")
-async def list_runs(settings: SettingsDep) -> dict[str, Any]:
+@router.get("", response_model=DPRunList, responses=errors(400, 401, 403),
+            summary="The caller's DP runs (an admin's: every tenant's)")
+async def list_runs(settings: SettingsDep, scope: ScopeDep) -> dict[str, Any]:
     store = store_for(settings)
 
     def brief() -> list[dict[str, Any]]:
         out = []
         for run_id in store.ids():
             found = store.get(run_id)
-            if found is not None:
+            if found is not None and scope.sees(found[0].tenant):
                 run, steps = found
-                out.append({"id": run.id, "model": run.model, "steps": steps,
+                out.append({"id": run.id, "tenant": run.tenant, "model": run.model,
+                            "steps": steps,
                             "max_steps": run.max_steps, "accountant": run.accountant})
         return out
 
     return {"runs": await run_in_threadpool(brief)}
 
 
-@router.get("/{run_id}", response_model=DPRunView, responses=errors(400, 401, 404),
+@router.get("/{run_id}", response_model=DPRunView, responses=errors(400, 401, 403, 404),
             summary="A run's steps, epsilon and budget left")
-async def get_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
+async def get_run(run_id: str, settings: SettingsDep, scope: ScopeDep) -> dict[str, Any]:
     """Epsilon under both accountants (prv takes up to a second on a CPU)."""
     found = await run_in_threadpool(store_for(settings).get, _checked(run_id))
-    if found is None:
+    if found is None or not scope.sees(found[0].tenant):
         raise unknown(run_id)
     return await run_in_threadpool(describe, *found, settings.dp_accounting_cpu_s)
 
 
-@router.delete("/{run_id}", responses=errors(400, 401, 403, 404), dependencies=[AdminKey],
+@router.delete("/{run_id}", responses=errors(400, 401, 403, 404),
                summary="Delete a run (admin)")
-async def delete_run(run_id: str, settings: SettingsDep) -> dict[str, Any]:
-    """The run and its record of the budget spent go; its id then answers 404."""
-    if not await run_in_threadpool(store_for(settings).delete, _checked(run_id)):
+async def delete_run(run_id: str, settings: SettingsDep, admin: AdminDep,
+                     tenant: TenantParam = None) -> dict[str, Any]:
+    """The run and its record of the budget spent go; its id then answers 404. With
+    ``tenant``: only a run of that tenant."""
+    store = store_for(settings)
+
+    def delete() -> bool:
+        found = store.get(_checked(run_id))
+        if found is None or not Scope(admin, tenant).sees(found[0].tenant):
+            return False
+        return store.delete(run_id)
+
+    if not await run_in_threadpool(delete):
         raise unknown(run_id)
     return {"id": run_id, "deleted": True}
 

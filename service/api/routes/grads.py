@@ -20,6 +20,7 @@ from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
 from service.jobs import Job, JobStatus, new_job_id, read_answer
+from service.reference_sets import scope_reference
 from service.tenants import Tenant
 
 router = APIRouter(tags=["per-sample gradients"])
@@ -55,9 +56,11 @@ async def new_job(
     """Decode the body, ``check`` it, enqueue it as ``tenant``'s; the deadline is
     ``PSGRAD_REQUEST_TIMEOUT_S``."""
     fields = await decode_request(request, state.settings)
-    await dp_precheck(fields, state.settings)  # 404 / 409 now for a DP run with no step left
+    # 404 now for another tenant's DP run, 409 for one with no step left
+    await dp_precheck(fields, state.settings, tenant.name)
     if check is not None:
         await check(fields, state)
+    scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s,
               tenant=tenant.name)
     # Yield once before the broker call: requests that arrive together then decode in one turn

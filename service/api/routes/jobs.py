@@ -4,11 +4,15 @@ Results stay for ``PSGRAD_RESULT_TTL_S`` after the job finishes (or until ``DELE
 ``GET`` answers 404. A body is checked against the OpenAPI schema before it is queued (what
 the document forbids is refused, not answered 202); what needs the model (shapes, names) is the
 worker's to check, and a job it refuses ends ``failed`` with the error.
+
+A job is its tenant's: another tenant's key gets the very 404 of a job that does not exist; an
+admin key reads and deletes any.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated, Any
 
 import numpy as np
@@ -23,8 +27,9 @@ from service.api.answers import answer_response
 from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, new_job
-from service.api.schemas import GradsRequest, JobCreated, JobView, errors
+from service.api.schemas import GradsRequest, JobCreated, JobDeleted, JobView, errors
 from service.jobs import JobState, JobStatus, read_answer
+from service.tenants import Tenant
 from service.validate import TENSOR_DICT_FIELDS, parse_request
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
@@ -64,10 +69,11 @@ async def create_job(request: Request, state: StateDep, tenant: TenantDep) -> JS
         **errors(400, 401, 404),
     },
 )
-async def get_job(job_id: JobId, request: Request, state: StateDep) -> Response:
+async def get_job(job_id: JobId, request: Request, state: StateDep,
+                  tenant: TenantDep) -> Response:
     """The status; once succeeded the result (a safetensors file when ``Accept`` asks for it,
     else JSON under ``result``), once failed the error under ``error``."""
-    st = await state.broker.state(_checked(job_id))
+    st = await _state(state, job_id, tenant)
     if st.status is JobStatus.SUCCEEDED and st.answer is not None:  # Redis: read in pieces
         if wants_safetensors(request):
             return await answer_response(
@@ -84,19 +90,28 @@ async def get_job(job_id: JobId, request: Request, state: StateDep) -> Response:
 
 @router.delete(
     "/{job_id}",
-    response_model=JobView,
+    response_model=JobDeleted,
     responses=errors(400, 401, 404),
     summary="Cancel a queued or running job; remove a finished one",
 )
-async def cancel_job(job_id: JobId, state: StateDep) -> JSONResponse:
-    """A queued or running job becomes ``canceled`` (readable until ``PSGRAD_RESULT_TTL_S``); a
-    finished one (succeeded, failed or canceled) is removed with its result: ``GET`` answers 404
-    after. The answer is the job as it was before this call removed it, or as canceled."""
-    before = await state.broker.state(_checked(job_id))
-    if before.status.done:
-        await state.broker.forget(job_id)
-        return JSONResponse(_view(before))
-    return JSONResponse(_view(await state.broker.cancel(job_id)))
+async def cancel_job(job_id: JobId, state: StateDep, tenant: TenantDep) -> JSONResponse:
+    """A queued or running job becomes ``canceled`` (readable until ``PSGRAD_RESULT_TTL_S``):
+    ``deleted`` is ``canceled``. A finished one (succeeded, failed or canceled), also one that
+    finished while this call ran, is removed with its result (``GET`` answers 404 after):
+    ``deleted`` is ``removed`` and the rest is the job as it finished."""
+    broker = state.broker
+    before = await _state(state, job_id, tenant)
+    if not before.status.done:
+        asked = time.time()
+        try:
+            after = await broker.cancel(job_id)  # atomic: cancels only a queued or running job
+        except UnknownJob:  # forgotten meanwhile (its sync request took its answer)
+            raise _unknown(job_id, state) from None
+        if after.status is JobStatus.CANCELED and (after.finished_at or 0.0) >= asked:
+            return JSONResponse({**_view(after), "deleted": "canceled"})
+        before = after  # it finished meanwhile: removed, as any finished job
+    await broker.forget(job_id)
+    return JSONResponse({**_view(before), "deleted": "removed"})
 
 
 async def _check(fields: dict[str, Any], state: StateDep) -> None:
@@ -124,10 +139,25 @@ def _stand_in(value: Any) -> Any:
     return value
 
 
-def _checked(job_id: str) -> str:
+def _unknown(job_id: str, state: StateDep) -> UnknownJob:
+    """One answer for a job that never existed, expired, or is another tenant's."""
+    return UnknownJob(f"unknown job '{job_id[:80]}': it never existed, or it finished more "
+                      f"than {state.settings.result_ttl_s} s ago (PSGRAD_RESULT_TTL_S) and "
+                      "was removed", job_id=job_id[:80])
+
+
+async def _state(state: StateDep, job_id: str, tenant: Tenant) -> JobState:
+    """The job's state, if it is the caller's (or the caller is an admin); else 404, the
+    answer for a job that does not exist."""
     if not re.fullmatch(JOB_ID, job_id):
-        raise UnknownJob(f"unknown job '{job_id[:80]}'", job_id=job_id[:80])
-    return job_id
+        raise _unknown(job_id, state)
+    try:
+        st = await state.broker.state(job_id)
+    except UnknownJob:
+        raise _unknown(job_id, state) from None
+    if st.tenant != tenant.name and not tenant.admin:
+        raise _unknown(job_id, state)
+    return st
 
 
 def _view(st: JobState) -> dict[str, Any]:

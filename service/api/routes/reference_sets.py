@@ -1,10 +1,15 @@
 """``/reference-sets``: make (``PUT``), describe (``GET``) and delete (``DELETE``) a kept set of
-per-sample sketches or gradients, which ``influence`` requests then score against."""
+per-sample sketches or gradients, which ``influence`` requests then score against.
+
+Set ids are the tenant's own: two tenants may each have a set ``train``, and neither sees the
+other's (404). An admin key reaches another tenant's sets with ``?tenant=<name>``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -12,11 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import NotFound
 from service.api.body import decode_request
-from service.api.deps import ApiKey, RegistryDep, StateDep, TenantDep
+from service.api.deps import ApiKey, Scope, ScopeDep, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
 from service.api.schemas import MODEL_ID, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
-from service.reference_sets import check_size, joined, make_set, set_request, split
+from service.reference_sets import check_size, checked_id, joined, make_set, set_request, split
+from service.reference_store import set_key
 from service.validate import parse_request
 
 # Documented, not checked by FastAPI: the store refuses another id itself (400).
@@ -25,6 +31,11 @@ SetId = Annotated[
 ]
 
 router = APIRouter(prefix="/reference-sets", tags=["data attribution"], dependencies=[ApiKey])
+
+
+def _key(scope: Scope, set_id: str) -> str:
+    """The store key of the set ``set_id`` in the namespace the caller reaches."""
+    return set_key(scope.owner, checked_id(set_id))
 
 
 def _missing(set_id: str) -> NotFound:
@@ -36,11 +47,11 @@ def _missing(set_id: str) -> NotFound:
     "/{set_id}",
     response_model=ReferenceSetDoc,
     openapi_extra=REQUEST_BODY,
-    responses=errors(400, 401, 404, 413, 415, 422, 503, 504),
+    responses=errors(400, 401, 403, 404, 413, 415, 422, 503, 504),
     summary="Compute and keep a batch's sketches (projection_dim) or gradients",
 )
 async def put_reference_set(
-    set_id: SetId, request: Request, state: StateDep, tenant: TenantDep
+    set_id: SetId, request: Request, state: StateDep, tenant: TenantDep, scope: ScopeDep
 ) -> dict[str, Any]:
     """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
     projection_seed) without outputs; an existing set of this id is replaced. A batch larger
@@ -63,24 +74,26 @@ async def put_reference_set(
     result = joined(list(await asyncio.gather(*(answer_of(state, job) for job in jobs))))
 
     def keep() -> dict[str, Any]:
-        ref = make_set(set_id, fields, result, registry)
+        ref = replace(make_set(set_id, fields, result, registry), tenant=scope.owner)
         registry.references.put(ref)
         return ref.doc()
 
     return await run_in_threadpool(keep)
 
 
-@router.get("/{set_id}", response_model=ReferenceSetDoc, responses=errors(400, 401, 404),
+@router.get("/{set_id}", response_model=ReferenceSetDoc, responses=errors(400, 401, 403, 404),
             summary="How a reference set was made, without its tensors")
-async def get_reference_set(set_id: SetId, registry: RegistryDep) -> dict[str, Any]:
-    doc = await run_in_threadpool(registry.references.doc, set_id)
+async def get_reference_set(set_id: SetId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
+    doc = await run_in_threadpool(state.registry.references.doc, _key(scope, set_id))
     if doc is None:
         raise _missing(set_id)
     return doc
 
 
-@router.delete("/{set_id}", responses=errors(400, 401, 404), summary="Delete a reference set")
-async def delete_reference_set(set_id: SetId, registry: RegistryDep) -> dict[str, Any]:
-    if not await run_in_threadpool(registry.references.delete, set_id):
+@router.delete("/{set_id}", responses=errors(400, 401, 403, 404),
+               summary="Delete a reference set")
+async def delete_reference_set(set_id: SetId, state: StateDep,
+                               scope: ScopeDep) -> dict[str, Any]:
+    if not await run_in_threadpool(state.registry.references.delete, _key(scope, set_id)):
         raise _missing(set_id)
     return {"id": set_id, "deleted": True}

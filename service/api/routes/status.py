@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
-from service.api.deps import ApiKey, StateDep
+from service.api.deps import ScopeDep, StateDep
 from service.api.schemas import errors
 from service.api.status import StatusView, status_view
 
@@ -56,13 +56,16 @@ async def status_page() -> HTMLResponse:
 @router.get(
     "/status.json",
     response_model=StatusView,
-    dependencies=[ApiKey],
     summary="The status page's data",
-    responses=errors(401),
+    responses=errors(401, 403),
 )
-async def status_json(state: StateDep) -> dict[str, Any]:
+async def status_json(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
     """Each worker (alive, device, jobs and samples done, samples/s, the batch in hand), the
     queue (depth, recent waits), per-route latency, requests and errors by model and code, and
     each model's recent per-sample gradient norm histogram. In Redis mode the workers are what
-    each published with its last heartbeat."""
-    return await status_view(state)
+    each published with its last heartbeat.
+
+    A tenant's key sees its own requests, errors and norms; an admin key every tenant's, or
+    one tenant's with ``?tenant=``."""
+    viewer = scope.asked if scope.caller.admin else scope.caller.name
+    return await status_view(state, viewer)
