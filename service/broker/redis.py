@@ -212,6 +212,16 @@ class RedisBroker:
             pass
         except Overloaded as exc:  # the api still starts; it answers 503 until Redis is back
             log.warning("Redis is not reachable at start-up: %s", exc.message)
+            return
+        # The consumer group exists before any worker does (workers create it too): its lag,
+        # the jobs queued, is what an autoscaler reads to start the first worker.
+        stream = keys.job_stream(self.prefix)
+        try:
+            await self._call(lambda: self.r.xgroup_create(stream, keys.STREAM_GROUP, id="0",
+                                                          mkstream=True))
+        except (InternalError, Overloaded) as exc:
+            if "BUSYGROUP" not in exc.message:
+                log.warning("could not create the workers' consumer group: %s", exc.message)
 
     async def close(self) -> None:
         for client in self._clients():

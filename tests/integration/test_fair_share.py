@@ -199,6 +199,7 @@ async def test_the_group_lag_counts_the_jobs_queued(shared: redis.Redis) -> None
     with prefix_on(shared) as prefix:
         async with redis_queue(Settings(redis_url=SHARED_URL, redis_prefix=prefix)) as (api,
                                                                                        source):
+            await api.start()  # creates the group: no worker has yet
             for t in ("a", "a", "b", "a", "b"):
                 await api.submit(job(t, n=2))
 
@@ -206,7 +207,8 @@ async def test_the_group_lag_counts_the_jobs_queued(shared: redis.Redis) -> None
                 groups = shared.xinfo_groups(keys.job_stream(prefix))
                 return {g["name"].decode(): g for g in groups}[keys.STREAM_GROUP]
 
-            await asyncio.to_thread(take, source, 4)  # creates the group; takes two jobs
+            assert group()["lag"] == 5 and group()["pending"] == 0
+            await asyncio.to_thread(take, source, 4)  # two jobs
             assert group()["lag"] == 3 and group()["pending"] == 2
 
 
