@@ -9,6 +9,7 @@ order, never a timing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -257,13 +258,25 @@ async def test_requests_per_s_quota(queue: tuple[Any, Any]) -> None:
     await api.submit(job("a"), quotas)
 
 
-async def test_past_a_quota_the_api_answers_429_with_retry_after() -> None:
-    async with open_client(tenant_requests_per_s=0.01) as client:
-        first = await client.post("/per-sample-grads", json={**TD0, "outputs": ["norms"]})
-        assert first.status_code == 200, first.text
-        second = await client.post("/jobs", json={**TD0, "outputs": ["norms"]})
-        assert second.status_code == 429
-        assert int(second.headers["Retry-After"]) >= 1
-        error = second.json()["error"]
-        assert error["code"] == "rate_limited" and error["details"]["quota"] == "requests_per_s"
-        assert "requests_per_s = 0.01" in error["message"]
+@pytest.mark.parametrize("mode", ["embedded", "redis"])
+async def test_past_a_quota_the_api_answers_429_with_retry_after(mode: str) -> None:
+    with contextlib.ExitStack() as stack:
+        where: dict[str, Any] = {}
+        if mode == "redis":
+            where = {"redis_url": SHARED_URL,
+                     "redis_prefix": stack.enter_context(prefix_on(redis_or_skip()))}
+        async with open_client(tenant_requests_per_s=0.01, api_keys="a:key-a,b:key-b",
+                               **where) as client:
+            body = {**TD0, "outputs": ["norms"]}
+            a, b = ({"Authorization": f"Bearer key-{t}"} for t in "ab")
+            first = await client.post("/jobs", json=body, headers=a)
+            assert first.status_code == 202, first.text
+            second = await client.post("/jobs", json=body, headers=a)
+            assert second.status_code == 429
+            assert int(second.headers["Retry-After"]) >= 1
+            error = second.json()["error"]
+            assert error["code"] == "rate_limited"
+            assert error["details"]["quota"] == "requests_per_s"
+            assert "tenant 'a' is over its quota requests_per_s = 0.01" in error["message"]
+            other = await client.post("/jobs", json=body, headers=b)  # b's own bucket
+            assert other.status_code == 202, other.text
