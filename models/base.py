@@ -8,9 +8,11 @@ per-sample input spec, and the losses that fit. Families register themselves wit
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+import torch
 from torch import nn
 
 from psgrad._errors import InvalidModelSpec, UnknownModel
@@ -40,6 +42,13 @@ class TensorSpec:
         if self.dynamic:
             out["dynamic"] = {str(d): [lo, hi] for d, lo, hi, _ in self.dynamic}
         return out
+
+
+class RequestCheck(Protocol):
+    """``check(inputs, max_activations)``: one sample's activations at these inputs' sizes;
+    raises a 4xx error for inputs the model must not run on."""
+
+    def __call__(self, inputs: Sequence[torch.Tensor], max_activations: int) -> int: ...
 
 
 class ModelFamily:
@@ -79,6 +88,11 @@ class ModelFamily:
     def measured(self, config: dict[str, Any]) -> tuple[tuple[int, ...], int]:
         """Per-sample output shape and activation count of an unbatched family's model."""
         raise NotImplementedError
+
+    def request_check(self, config: dict[str, Any], module: nn.Module) -> RequestCheck | None:
+        """What checks a request's inputs against ``module`` before it runs (an exported
+        program's sizes and indices), or None: fixed shapes, measured at registration."""
+        return None
 
     def describe(self, config: dict[str, Any]) -> dict[str, Any]:
         """Extra fields of ``GET /models/{id}`` (an exported program's inputs, tied names)."""

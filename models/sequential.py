@@ -356,6 +356,7 @@ def trace(config: dict[str, Any], module: nn.Module, max_activations: int | None
         numel += x.numel()
         if max_activations is not None and numel > max_activations:
             raise TooLarge(f"one sample makes more than {max_activations} activation elements "
-                           f"by layer {name} ({entry['type']}); the limit is {max_activations}",
+                           f"by layer {name} ({entry['type']}); the limit is {max_activations}: "
+                           f"raise PSGRAD_MAX_MODEL_ACTIVATIONS (now {max_activations})",
                            limit=max_activations, layer=int(name))
     return tuple(x.shape[1:]), numel

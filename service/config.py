@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from psgrad._errors import TooLarge
 from psgrad._wire import MAX_VERIFY
+
+T = TypeVar("T")
 
 
 class Settings(BaseSettings):
@@ -147,7 +151,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "max_layers": frozenset({API}),  # registration runs in the api
     "max_parameters": frozenset({API}),
     "max_weight_bytes": frozenset({API}),
-    "max_model_activations": frozenset({API}),
+    "max_model_activations": BOTH,  # registration, and a worker at the sizes a request sends
     "max_graph_nodes": frozenset({API}),
     "export_memory_mb": frozenset({API}),
     "export_cpu_s": frozenset({API}),
@@ -159,6 +163,21 @@ READ_BY: dict[str, frozenset[str]] = {
 def read_by(process: str) -> list[str]:
     """The settings ``process`` (:data:`API` or :data:`WORKER`) reads, in declaration order."""
     return [name for name in Settings.model_fields if process in READ_BY.get(name, BOTH)]
+
+
+def raise_setting(field: str, value: object) -> str:
+    """What a 413 says of the limit it hit: the setting to raise, and its value now."""
+    return f"raise PSGRAD_{field.upper()} (now {value})"
+
+
+def with_setting(field: str, value: object, fn: Callable[..., T], *args: Any,
+                 **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, its 413 naming the setting behind its limit (a check shared
+    with the client, which has no settings to name)."""
+    try:
+        return fn(*args, **kwargs)
+    except TooLarge as exc:
+        raise TooLarge(f"{exc.message}: {raise_setting(field, value)}", **exc.details) from None
 
 
 @lru_cache

@@ -215,7 +215,8 @@ SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, 
                   "batches (psgrad.Client splits a large batch for you)")
 
 
-def answer_too_large(size: int, limit: int, what: str) -> TooLarge:
-    """The 413 for an answer of ``size`` bytes over ``limit``; ``what`` says whose limit."""
-    return TooLarge(f"the answer would be {size} bytes; {what} is {limit} bytes: {SMALLER_ANSWER}",
-                    limit=limit, size=size)
+def answer_too_large(size: int, limit: int, what: str, setting: str) -> TooLarge:
+    """The 413 for an answer of ``size`` bytes over ``limit``; ``what`` says whose limit,
+    ``setting`` how to raise it."""
+    return TooLarge(f"the answer would be {size} bytes; {what} is {limit} bytes: {SMALLER_ANSWER}"
+                    f"; or {setting}", limit=limit, size=size)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
+from service.config import raise_setting
 from service.model_store import is_safe_id
 from service.reference_store import ReferenceSet, set_key
 from service.registry import LoadedModel, ModelRegistry
@@ -56,9 +57,10 @@ def check_size(model: LoadedModel, opts: Options, count: int, max_bytes: int) ->
            else sum(model.params[p].numel() for p in opts.params))
     size = count * per * model.dtype.itemsize
     if size > max_bytes:
-        raise TooLarge(f"the reference set would hold {size} bytes; the limit is {max_bytes} "
-                       "(PSGRAD_MAX_REFERENCE_SET_BYTES): send 'projection_dim' to keep "
-                       "sketches, or fewer samples or parameters", limit=max_bytes, size=size)
+        raise TooLarge(f"the reference set would hold {size} bytes; the limit is {max_bytes}: "
+                       "send 'projection_dim' to keep sketches, or fewer samples or "
+                       f"parameters, or {raise_setting('max_reference_set_bytes', max_bytes)}",
+                       limit=max_bytes, size=size)
 
 
 def split(fields: dict[str, Any], limit: int) -> list[dict[str, Any]]:

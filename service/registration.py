@@ -13,9 +13,11 @@ id may not equal a zoo name: zoo names always mean the zoo model (409 Conflict o
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -35,13 +37,15 @@ from psgrad._errors import (
     UnsupportedMediaType,
 )
 from psgrad._wire import array_from_json, fields_from_safetensors
-from service.config import Settings
+from service.config import Settings, raise_setting, with_setting
 from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
 from service.losses import get_loss
 from service.model_store import ID_RE, VERSION_RE, ModelRecord
 from service.registry import LoadedModel, ModelRegistry, load_model
 
+P = ParamSpec("P")
+R = TypeVar("R")
 SPEC_KEYS = ("layers", "input", "default_loss", "losses")
 EXPORT_MEDIA_TYPE = "application/x-torch-export"
 
@@ -82,6 +86,22 @@ def split_ref(ref: str) -> tuple[str, str | None]:
     return model_id, version or None
 
 
+def _loader(fn: Callable[P, R]) -> Callable[P, R]:
+    """A registration path whose input nests too deeply for Python (a RecursionError anywhere
+    in reading, checking or storing it) answers 422, not 500."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except RecursionError:
+            raise InvalidModelSpec("the model's description nests too deeply: send plain "
+                                   "lists and objects a few levels deep") from None
+
+    return run
+
+
+@_loader
 def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) -> LoadedModel:
     """``PUT /models/{id}``: a new version from a spec and optional inline weights."""
     check_id(model_id)
@@ -106,7 +126,8 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
         raise InvalidModelSpec("'config' must be an object")
     layers = raw.get("layers") if sequential and raw else None
     if isinstance(layers, list) and len(layers) > limits.max_layers:
-        raise TooLarge(f"the spec has {len(layers)} layers; the limit is {limits.max_layers}",
+        raise TooLarge(f"the spec has {len(layers)} layers; the limit is {limits.max_layers}: "
+                       f"{raise_setting('max_layers', limits.max_layers)}",
                        limit=limits.max_layers)
     family = get_family(architecture)
     config = family.config(raw)
@@ -123,6 +144,7 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
     return _add(registry, model_id, architecture, config, state)
 
 
+@_loader
 def register_exported(registry: ModelRegistry, model_id: str, data: bytes, settings: Settings,
                       *, default_loss: str, losses: list[str], description: str = ""
                       ) -> LoadedModel:
@@ -133,6 +155,7 @@ def register_exported(registry: ModelRegistry, model_id: str, data: bytes, setti
     return _add(registry, model_id, EXPORTED, config, state)
 
 
+@_loader
 def replace_weights(registry: ModelRegistry, model_id: str, body: bytes,
                     limits: Limits) -> LoadedModel:
     """``PUT /models/{id}/weights``: a new version of the newest architecture with these weights."""
@@ -145,7 +168,9 @@ def replace_weights(registry: ModelRegistry, model_id: str, body: bytes,
                            f"PUT /models/{model_id}")
     if len(body) > limits.max_weight_bytes + (1 << 20):
         raise TooLarge(f"the weights are {len(body)} bytes; the limit is "
-                       f"{limits.max_weight_bytes}", limit=limits.max_weight_bytes)
+                       f"{limits.max_weight_bytes}: "
+                       f"{raise_setting('max_weight_bytes', limits.max_weight_bytes)}",
+                       limit=limits.max_weight_bytes)
     meta = _measure(record.architecture, record.config, limits)
     state = _check_state(meta, decode_weights(body), limits)
     return _add(registry, model_id, record.architecture, record.config, state)
@@ -215,10 +240,14 @@ def _measure(architecture: str, config: dict[str, Any], limits: Limits) -> torch
     n_bytes = sum(t.numel() * t.element_size() for t in tensors)
     if n_params > limits.max_parameters:
         raise TooLarge(f"the model has {n_params} parameters; the limit is "
-                       f"{limits.max_parameters}", limit=limits.max_parameters)
+                       f"{limits.max_parameters}: "
+                       f"{raise_setting('max_parameters', limits.max_parameters)}",
+                       limit=limits.max_parameters)
     if n_bytes > limits.max_weight_bytes:
         raise TooLarge(f"the model's weights take {n_bytes} bytes; the limit is "
-                       f"{limits.max_weight_bytes}", limit=limits.max_weight_bytes)
+                       f"{limits.max_weight_bytes}: "
+                       f"{raise_setting('max_weight_bytes', limits.max_weight_bytes)}",
+                       limit=limits.max_weight_bytes)
     if architecture == "sequential":
         trace(config, module, limits.max_activations)
     return module
@@ -230,7 +259,8 @@ def _json_state(weights: dict[str, Any], meta: torch.nn.Module,
     own = dict(meta.named_parameters()) | dict(meta.named_buffers())
     state = {}
     for name, value in weights.items():
-        arr = array_from_json(value, name=f"weights.{name}", max_elements=limits.max_elements)
+        arr = with_setting("max_elements", limits.max_elements, array_from_json, value,
+                           name=f"weights.{name}", max_elements=limits.max_elements)
         t = torch.from_numpy(np.array(arr, order="C"))
         if isinstance(value, list) and name in own and not t.dtype.is_complex:
             t = t.to(own[name].dtype)
@@ -250,7 +280,8 @@ def _check_state(meta: torch.nn.Module, state: dict[str, torch.Tensor],
         )
     total = sum(t.numel() * t.element_size() for t in state.values())
     if total > limits.max_weight_bytes:
-        raise TooLarge(f"the weights take {total} bytes; the limit is {limits.max_weight_bytes}",
+        raise TooLarge(f"the weights take {total} bytes; the limit is {limits.max_weight_bytes}: "
+                       f"{raise_setting('max_weight_bytes', limits.max_weight_bytes)}",
                        limit=limits.max_weight_bytes)
     for name, t in state.items():
         want = own[name]

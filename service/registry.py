@@ -18,6 +18,7 @@ from safetensors.torch import load as st_load
 from torch import nn
 
 from models import ZOO, TensorSpec, get_family
+from models.base import RequestCheck
 from models.examples import example, one_at_a_time
 from psgrad._errors import (
     BatchCoupling,
@@ -79,6 +80,8 @@ class LoadedModel:
     extra: dict[str, Any] = field(default_factory=dict)
     # every input in the module's order when it takes several (``input`` is the first)
     inputs: tuple[TensorSpec, ...] = ()
+    # checks a request's inputs before the model runs (exported programs: sizes, indices)
+    check: RequestCheck | None = None
 
     @property
     def ref(self) -> str:
@@ -167,7 +170,7 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
         input=spec, output_shape=output_shape, default_loss=default_loss, losses=losses,
         activation_numel=activations, route=route, batched=family.batched(config),
         structure=weights_digest(architecture, config, {}), extra=family.describe(config),
-        inputs=specs if len(specs) > 1 else (),
+        inputs=specs if len(specs) > 1 else (), check=family.request_check(config, module),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from psgrad._errors import (
 )
 from psgrad._wire import ANSWER_DTYPES, MAX_VERIFY, array_from_json
 from service.attribution import ReferenceSets, projection_of, references, refuse_unread
+from service.config import raise_setting, with_setting
 from service.dp.steps import bind
 from service.engine import Batch, Options
 from service.losses import get_loss
@@ -89,10 +90,9 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
         # a model's named inputs: an object of tensors (a tensor's {dtype, shape, data} object is
         # told apart by its dtype, a string where named inputs hold tensors)
         if name == "inputs" and isinstance(value, dict) and not isinstance(value.get("dtype"), str):
-            fields[name] = {k: array_from_json(v, name=f"inputs.{k}", max_elements=max_elements)
-                            for k, v in value.items()}
+            fields[name] = {k: _array(v, f"inputs.{k}", max_elements) for k, v in value.items()}
         elif value is not None:
-            fields[name] = array_from_json(value, name=name, max_elements=max_elements)
+            fields[name] = _array(value, name, max_elements)
     for name in TENSOR_DICT_FIELDS:
         group = fields.get(name)
         if group is None:
@@ -100,20 +100,28 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
         if not isinstance(group, dict):
             raise BadRequest(f"'{name}' must be an object mapping parameter names to tensors")
         fields[name] = {
-            k: array_from_json(v, name=f"{name}.{k}", max_elements=max_elements)
+            k: _array(v, f"{name}.{k}", max_elements)
             for k, v in group.items()
         }
     return fields
 
 
+def _array(value: Any, name: str, max_elements: int) -> Any:
+    return with_setting("max_elements", max_elements, array_from_json, value, name=name,
+                        max_elements=max_elements)
+
+
 def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                   max_batch_size: int | None = None,
+                  max_activations: int | None = None,
                   dp_runs: RunStore | None = None,
                   reference_sets: ReferenceSets | None = None) -> ParsedRequest:
     """Check a decoded request against its model and build the engine's arguments.
 
     ``dp_runs`` holds the DP runs a ``dp_run`` field may name (:mod:`service.dp`),
-    ``reference_sets`` the reference sets a ``reference_set`` field may name.
+    ``reference_sets`` the reference sets a ``reference_set`` field may name. A model with a
+    request check (exported programs) is held, at the sizes sent, to ``max_activations``
+    (``PSGRAD_MAX_MODEL_ACTIVATIONS``) and its indices to their tables, before it runs.
     """
     unknown = sorted(set(fields) - KNOWN_FIELDS)
     if unknown:
@@ -133,8 +141,13 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     if max_batch_size is not None and size > max_batch_size:
         raise TooLarge(
             f"the batch has {size} samples; the limit is {max_batch_size}: split it into "
-            "smaller batches (the SDK does this for you)", limit=max_batch_size, size=size,
+            f"smaller batches (the SDK does this for you) or "
+            f"{raise_setting('max_batch_size', max_batch_size)}", limit=max_batch_size, size=size,
         )
+    if model.check is not None:
+        numel = model.check([inputs, *named.values()], max_activations or 1 << 62)
+        if numel != model.activation_numel:  # chunks are sized for what these sizes take
+            model = replace(model, activation_numel=numel)
     batch = Batch(inputs=inputs, named=named)
     if "targets" in loss.needs:
         batch.targets = (token_targets(fields.get("targets"), model, batch) if loss.tokens

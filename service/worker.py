@@ -34,7 +34,7 @@ from psgrad._errors import DeadlineExceeded, InternalError, PsgradError, Verific
 from service import engine, verify
 from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
-from service.config import Settings
+from service.config import Settings, raise_setting
 from service.dp.runs import store_for as dp_runs
 from service.dp.steps import on_result as count_dp_step
 from service.jobs import Job, JobSource, answer_too_large
@@ -155,6 +155,7 @@ class Worker:
         try:
             parsed = parse_request(
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
+                max_activations=self.settings.max_model_activations,
                 dp_runs=dp_runs(self.settings),
                 reference_sets=self.registry.references,
             )
@@ -357,22 +358,27 @@ def _internal(job: Job) -> InternalError:
     )
 
 
-def _result_limit(settings: Settings, source: JobSource) -> tuple[int, str]:
-    """PSGRAD_MAX_RESULT_BYTES, or less when the source stores less (Redis: one value)."""
-    limit, what = settings.max_result_bytes, "the limit (PSGRAD_MAX_RESULT_BYTES)"
+def _result_limit(settings: Settings, source: JobSource) -> tuple[int, str, str]:
+    """PSGRAD_MAX_RESULT_BYTES, or less when the source stores less (Redis: one value); what
+    the limit is, and how to raise it."""
+    limit = settings.max_result_bytes
+    what = "the limit (PSGRAD_MAX_RESULT_BYTES)"
+    how = raise_setting("max_result_bytes", limit)
     store = source.max_value_bytes
     if store is not None and store * 63 // 64 < limit:  # room for the encoding's header
         limit, what = store * 63 // 64, "the most the job queue keeps in one value (Redis)"
-    return limit, what
+        how = f"raise Redis's proto-max-bulk-len (now {store})"
+    return limit, what, how
 
 
-def _check_result_size(parsed: ParsedRequest, limit: int, what: str) -> None:
+def _check_result_size(parsed: ParsedRequest, limit: int, what: str, how: str) -> None:
     size = engine.output_bytes(parsed.model, parsed.opts, parsed.batch.size)
     if parsed.answer_dtype in HALF:  # two bytes a number instead of the model's own
         size = size * 16 // torch.finfo(parsed.model.dtype).bits
     if size > limit:
         outputs = ", ".join(parsed.opts.outputs)
-        raise answer_too_large(size, limit, f"{what} ({outputs} for {parsed.batch.size} samples)")
+        raise answer_too_large(size, limit, f"{what} ({outputs} for {parsed.batch.size} samples)",
+                               how)
 
 
 def _compute(

@@ -31,7 +31,7 @@ from psgrad._wire import (
     widen_answers,
 )
 from service.api.status import note_model
-from service.config import Settings
+from service.config import Settings, raise_setting
 from service.validate import KNOWN_FIELDS, decode_json_body
 
 STREAM_CHUNK = 1 << 20  # bytes per write of a streamed safetensors answer
@@ -60,9 +60,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def _too_large(size: int, limit: int, *, at_least: bool = False) -> TooLarge:
     return TooLarge(
-        f"the body is {'more than ' if at_least else ''}{size} bytes; the limit is {limit} "
-        "(PSGRAD_MAX_BODY_BYTES): send smaller batches, or the binary safetensors form instead "
-        "of JSON lists",
+        f"the body is {'more than ' if at_least else ''}{size} bytes; the limit is {limit}: "
+        "send smaller batches, or the binary safetensors form instead of JSON lists, or "
+        f"{raise_setting('max_body_bytes', limit)}",
         limit=limit,
         size=size,
     )
@@ -93,8 +93,9 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     if (one_job and isinstance(inputs, np.ndarray) and inputs.ndim
             and inputs.shape[0] > settings.max_batch_size):
         raise TooLarge(
-            f"the batch has {inputs.shape[0]} samples; the limit is {settings.max_batch_size} "
-            "(PSGRAD_MAX_BATCH_SIZE): split it into smaller batches (the SDK does this for you)",
+            f"the batch has {inputs.shape[0]} samples; the limit is {settings.max_batch_size}: "
+            "split it into smaller batches (the SDK does this for you), or "
+            f"{raise_setting('max_batch_size', settings.max_batch_size)}",
             limit=settings.max_batch_size,
             size=int(inputs.shape[0]),
         )
@@ -141,7 +142,8 @@ def _decode_safetensors(body: bytes, settings: Settings) -> dict[str, Any]:
             if isinstance(arr, np.ndarray) and arr.size > settings.max_elements:
                 raise TooLarge(
                     f"tensor '{name}' has {arr.size} elements; the limit is "
-                    f"{settings.max_elements}",
+                    f"{settings.max_elements}: "
+                    f"{raise_setting('max_elements', settings.max_elements)}",
                     limit=settings.max_elements,
                 )
     return fields

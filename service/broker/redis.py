@@ -232,8 +232,9 @@ class RedisBroker:
         if len(payload) > self.max_value_bytes:
             raise TooLarge(
                 f"the request takes {len(payload)} bytes in the job queue; Redis keeps at most "
-                f"{self.max_value_bytes} bytes in one value (proto-max-bulk-len): send smaller "
-                "batches (psgrad.Client splits a large batch for you)",
+                f"{self.max_value_bytes} bytes in one value: send smaller batches (psgrad.Client "
+                "splits a large batch for you), or raise Redis's proto-max-bulk-len (now "
+                f"{self.max_value_bytes})",
                 limit=self.max_value_bytes, size=len(payload))
         lim = limits(quotas, self.settings)
         if lim.queued_samples is not None and n > lim.queued_samples:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psgrad._errors import InvalidArchive, RefusedProgram, TooLarge
+from service.config import raise_setting
 
 ROOT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 WEIGHT_RE = re.compile(r"data/weights/(weight_[0-9]{1,6})")
@@ -40,6 +41,11 @@ REFUSED_PREFIXES = {  # what torch.export.load would execute or unpickle, named 
     "extra/": "extra files",
     "models/": "a second program (one archive holds one program named 'model')",
 }
+
+
+SLACK = 64 << 20  # what an archive may unpack to beyond PSGRAD_MAX_WEIGHT_BYTES: its JSON
+FIXED_LIMIT = ("a fixed limit of psgrad's archive reader, far above what torch.export.save "
+               "writes: no setting raises it")
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,8 @@ def read_archive(data: bytes, limits: ArchiveLimits) -> Archive:
         raise InvalidArchive(f"the body is not a readable zip archive ({exc}); send the file "
                              "torch.export.save wrote") from None
     if len(infos) > limits.max_entries:
-        raise TooLarge(f"the archive has {len(infos)} entries; the limit is {limits.max_entries}",
-                       limit=limits.max_entries)
+        raise TooLarge(f"the archive has {len(infos)} entries; the limit is {limits.max_entries} "
+                       f"({FIXED_LIMIT})", limit=limits.max_entries)
     entries = _classify(infos, limits)
     with zf:
         blobs = {rel: _read(zf, info, limits) for rel, info in entries.items()
@@ -123,7 +129,8 @@ def _classify(infos: list[zipfile.ZipInfo], limits: ArchiveLimits) -> dict[str, 
         if (info.compress_type != zipfile.ZIP_STORED
                 and info.file_size > limits.max_ratio * max(info.compress_size, 1)):
             raise TooLarge(f"entry '{name[:120]}' unpacks {info.file_size} bytes from "
-                           f"{info.compress_size}: refused as a zip bomb", entry=name[:120])
+                           f"{info.compress_size}: refused as a zip bomb (more than "
+                           f"{limits.max_ratio:g} to 1; {FIXED_LIMIT})", entry=name[:120])
         total += info.file_size if rel not in IGNORED else 0
         entries[rel] = info
     if len(roots) > 1:
@@ -131,7 +138,9 @@ def _classify(infos: list[zipfile.ZipInfo], limits: ArchiveLimits) -> dict[str, 
         raise InvalidArchive(f"the archive has several top folders ({shown})")
     if total > limits.max_unpacked_bytes:
         raise TooLarge(f"the archive unpacks to {total} bytes; the limit is "
-                       f"{limits.max_unpacked_bytes}", limit=limits.max_unpacked_bytes)
+                       f"{limits.max_unpacked_bytes}, 64 MiB more than the weights may take: "
+                       f"{raise_setting('max_weight_bytes', limits.max_unpacked_bytes - SLACK)}",
+                       limit=limits.max_unpacked_bytes)
     missing = [rel for rel in (*FIXED, *JSON_ENTRIES) if rel not in entries]
     if missing:
         raise InvalidArchive(f"the archive lacks {', '.join(missing)}: send the file "
@@ -144,8 +153,10 @@ def _read(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: ArchiveLimits) -> 
     rel = info.filename.partition("/")[2]
     cap = limits.max_json_bytes if rel in JSON_ENTRIES else limits.max_unpacked_bytes
     if info.file_size > cap:
+        how = FIXED_LIMIT if rel in JSON_ENTRIES else \
+            raise_setting("max_weight_bytes", limits.max_unpacked_bytes - SLACK)
         raise TooLarge(f"entry '{info.filename[:120]}' is {info.file_size} bytes; the limit is "
-                       f"{cap}", entry=info.filename[:120], limit=cap)
+                       f"{cap} ({how})", entry=info.filename[:120], limit=cap)
     try:
         with zf.open(info) as f:
             blob = f.read(info.file_size + 1)

@@ -41,7 +41,7 @@ from torch import fx
 
 from models.examples import example, one_at_a_time
 from service.export.graph import Program, parse_program
-from service.export.interpreter import ExportedModule
+from service.export.interpreter import ExportedModule, named_args
 from service.export.module import (
     Exported,
     ExportLimits,
@@ -81,29 +81,34 @@ class Choice:
     rank: int = 0  # a lifted embedding's number of index dimensions
 
 
-def make_batched(exported: Exported, limits: ExportLimits) -> tuple[Program, bool]:
-    """The program to store and whether it serves whole batches (its rewrites checked).
+def make_batched(exported: Exported, limits: ExportLimits) -> tuple[Program, str]:
+    """The program to store, and why it does not serve whole batches ("" when it does: its
+    rewrites checked).
 
     Serving whole batches is an optimisation: whatever goes wrong here (a graph that fails at a
     batch, numbers that differ, the CPU budget spent) leaves the program as it came, on the
-    vmap route; it never refuses a registration.
+    vmap route, and says why; it never refuses a registration (the program's own run on the
+    CPU, :func:`service.export.guard.check_example`, comes first and refuses what fails).
     """
     deadline = _deadline(limits.batch_check_s)
     tried: set[tuple[Choice, ...]] = set()
+    reason = "no rewrite of its batch of one ran at a batch"
     for tier in TIERS:
         if time.process_time() > deadline:
-            break
+            return exported.program, "checking a batch took longer than its CPU budget"
         try:
             choices = _choose(exported, tier)
             if choices is None or choices in tried:
                 continue
             tried.add(choices)
             program = rewrite(exported.program, choices) if choices else exported.program
-        except Exception:  # a client's graph: any failure leaves it on one sample at a time
+        except Exception as exc:  # a client's graph: any failure leaves it on one sample
+            reason = f"rewriting its batch failed: {exc}"[:300]
             continue
-        if _checked(replace(exported, program=program), deadline):
-            return program, True
-    return exported.program, False
+        reason = _checked(replace(exported, program=program), deadline)
+        if not reason:
+            return program, ""
+    return exported.program, reason
 
 
 def _deadline(budget_s: float) -> float:
@@ -214,7 +219,7 @@ class _Trial(fx.Interpreter):
         if site is None:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        named = _named(n.target, args, kwargs)
+        named = named_args(n.target, args, kwargs)
         label, rank = self._decide(n, site, named)
         if label in self.allowed:
             if site.kind == "lift":
@@ -230,7 +235,7 @@ class _Trial(fx.Interpreter):
     def _decide(self, n: fx.Node, site: Site, named: dict[str, Any]) -> tuple[str, int]:
         if site.kind in ("factory", "arange"):
             return "batch", 0
-        nodes = _named(n.target, n.args, n.kwargs)
+        nodes = named_args(n.target, n.args, n.kwargs)
         if site.kind == "lift":
             ids, before = named["indices"], self.ones.get(nodes["indices"], ())
             shared = ids.dim() >= 1 and ids.shape[0] == 1 and before[:1] == (1,)
@@ -242,13 +247,6 @@ class _Trial(fx.Interpreter):
             return ("required" if carries else "batch"), 0
         carries = x.numel() == BATCH * math.prod(before) != 0
         return ("required" if carries else ""), 0
-
-
-def _named(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """An op's arguments by their schema names."""
-    schema = target._schema.arguments
-    return {a.name: args[i] if i < len(args) else kwargs[a.name] for i, a in enumerate(schema)
-            if i < len(args) or a.name in kwargs}
 
 
 def rewrite(program: Program, choices: Sequence[Choice]) -> Program:
@@ -318,25 +316,28 @@ def _fresh(name: str, taken: set[str]) -> str:
     return out
 
 
-def _checked(exported: Exported, deadline: float) -> bool:
+def _checked(exported: Exported, deadline: float) -> str:
     """Batch one as before, a batch of :data:`BATCH` on ``meta`` (at the largest dynamic sizes
-    too), then the batch's numbers against its samples' one at a time on the CPU."""
+    too), then the batch's numbers against its samples' one at a time on the CPU: "" when all
+    hold, else what did not."""
     program = exported.program
     try:
         meta = _module(exported, torch.device("meta"))
         shape, _ = dry_run(meta, program, 1 << 62)
         if shape != exported.output_shape:
-            return False
+            return f"at a batch of one its output became {list(shape)}"
         for largest in (False, True) if any(u.dynamic for u in program.inputs) else (False,):
             out = meta(*_meta_inputs(program, BATCH, largest=largest))
             if not isinstance(out, torch.Tensor) or out.shape[:1] != (BATCH,):
-                return False
-        return time.process_time() < deadline and _same_numbers(exported, deadline)
-    except Exception:  # a client's graph that fails at a batch stays on one sample
-        return False
+                return f"a batch of {BATCH} did not give {BATCH} outputs"
+        if time.process_time() > deadline:
+            return "checking a batch took longer than its CPU budget"
+        return _same_numbers(exported, deadline)
+    except Exception as exc:  # a client's graph that fails at a batch stays on one sample
+        return f"it fails at a batch of {BATCH}: {exc}"[:300]
 
 
-def _same_numbers(exported: Exported, deadline: float) -> bool:
+def _same_numbers(exported: Exported, deadline: float) -> str:
     program = exported.program
     gen = torch.Generator().manual_seed(1)
     xs = [example(u.hints[1:], u.dtype, exported.highs.get(u.name), BATCH, gen)
@@ -346,11 +347,13 @@ def _same_numbers(exported: Exported, deadline: float) -> bool:
         start = time.process_time()
         first = module(*(x[:1] for x in xs))
         if start + (time.process_time() - start) * (2 * BATCH + 1) > deadline:
-            return False  # too slow to check within the limit: it stays on one sample
+            return "checking a batch would take longer than its CPU budget"
         batched = module(*xs)
         singles = torch.cat([first, one_at_a_time(module, [x[1:] for x in xs])])
     if batched.shape != singles.shape or not batched.dtype.is_floating_point:
-        return False
+        return "its output at a batch is not its samples' outputs stacked"
     tol = max(1e-4, 10 * torch.finfo(batched.dtype).eps)
     scale = max(1.0, float(singles.abs().nan_to_num().max()))
-    return torch.allclose(batched, singles, rtol=tol, atol=tol * scale, equal_nan=True)
+    if torch.allclose(batched, singles, rtol=tol, atol=tol * scale, equal_nan=True):
+        return ""
+    return "a batch's outputs differ from its samples' run one at a time"

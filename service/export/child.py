@@ -24,6 +24,7 @@ from psgrad._errors import (
     TooLarge,
     error_from_body,
 )
+from service.config import raise_setting
 
 CHILD_ENV_KEEP = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
 
@@ -44,20 +45,23 @@ def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int
         )
     except subprocess.TimeoutExpired:
         raise TooLarge(f"checking the program took more than {timeout_s:g} s of wall-clock time "
-                       "and was stopped (PSGRAD_EXPORT_TIMEOUT_S): send a smaller program",
+                       "and was stopped: send a smaller program, or "
+                       f"{raise_setting('export_timeout_s', timeout_s)}",
                        limit=timeout_s) from None
     head, _, tail = done.stdout.partition(b"\n")
     try:
         answer = json.loads(head)
-    except ValueError:
+    except (ValueError, RecursionError):
         answer = None
     if not isinstance(answer, dict):
         if done.returncode == -signal.SIGXCPU:
             raise TooLarge(f"checking the program used more than {cpu_s} s of CPU time and was "
-                           "stopped (PSGRAD_EXPORT_CPU_S): send a smaller program", limit=cpu_s)
+                           "stopped: send a smaller program, or "
+                           f"{raise_setting('export_cpu_s', cpu_s)}", limit=cpu_s)
         raise TooLarge(f"checking the program stopped (exit {done.returncode}): it needs more "
-                       f"than {memory_mb} MiB (PSGRAD_EXPORT_MEMORY_MB) or {cpu_s} s of CPU time "
-                       "(PSGRAD_EXPORT_CPU_S)", limit=memory_mb)
+                       f"than {memory_mb} MiB or {cpu_s} s of CPU time: "
+                       f"{raise_setting('export_memory_mb', memory_mb)} or "
+                       f"{raise_setting('export_cpu_s', cpu_s)}", limit=memory_mb)
     if "error" in answer:
         raise error_from_body(answer, int(answer.get("status", 422)))
     return answer, tail
@@ -78,6 +82,7 @@ def main() -> int:
 
     from service.export.archive import ArchiveLimits
     from service.export.batch import make_batched
+    from service.export.guard import check_example
     from service.export.module import ExportLimits, read_program
 
     out = sys.stdout.buffer
@@ -85,17 +90,21 @@ def main() -> int:
         raw = json.loads(sys.argv[1])
         limits = ExportLimits(archive=ArchiveLimits(**raw.pop("archive")), **raw)
         exported = read_program(sys.stdin.buffer.read(), limits)
-        program, batched = make_batched(exported, limits)
+        check_example(exported, limits)
+        program, unbatched = make_batched(exported, limits)
         tensors = save({k: v.contiguous() for k, v in exported.tensors.items()})
     except PsgradError as exc:
         return _refuse(exc)
     except MemoryError:
-        return _refuse(TooLarge("checking the program ran out of memory"))
+        memory = os.environ.get("PSGRAD_CHILD_MEMORY_MB", "4096")
+        return _refuse(TooLarge(f"checking the program ran out of memory: "
+                                f"{raise_setting('export_memory_mb', memory)}"))
     except RecursionError:
         return _refuse(RefusedProgram("the program nests too deeply"))
     answer = {
         "program": program.doc,
-        "batched": batched,
+        "batched": not unbatched,
+        "batch_check": unbatched,  # why it runs one sample at a time ("" when it does not)
         "inputs": [{"name": u.name, "shape": list(u.shape), "hints": list(u.hints),
                     "dtype": str(u.dtype).removeprefix("torch."),
                     "dynamic": [list(d) for d in u.dynamic],

@@ -15,12 +15,15 @@ import torch
 from torch import nn
 
 from models import TensorSpec, register_model
-from models.base import ModelFamily
+from models.base import ModelFamily, RequestCheck
 from psgrad._errors import InvalidModelSpec
 from service.export.graph import parse_program
+from service.export.guard import RequestCheck as ExportedCheck
+from service.export.interpreter import ExportedModule
 from service.export.module import build_module
 
 ARCHITECTURE = "exported"
+OPTIONAL = ("batch_check",)
 
 
 @register_model
@@ -35,10 +38,27 @@ class ExportedFamily(ModelFamily):
     }
 
     def build(self, config: dict[str, Any]) -> nn.Module:
-        program = parse_program(config["program"], max_nodes=1 << 30)  # bounded at registration
+        return self.build_on(config, None)  # the program was bounded at registration
+
+    def config(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The stored config; ``batch_check`` (why a program runs one sample at a time) is kept
+        only where registration wrote it, so versions stored before it existed keep their
+        digest."""
+        given = dict(overrides or {})
+        why = {k: given.pop(k) for k in OPTIONAL if k in given}
+        return {**super().config(given), **why}
+
+    def request_check(self, config: dict[str, Any], module: nn.Module) -> RequestCheck:
+        program = parse_program(config["program"], max_nodes=1 << 30)
+        assert isinstance(module, ExportedModule)
+        return ExportedCheck(module, program, lambda: self.build_on(config, torch.device("meta")))
+
+    def build_on(self, config: dict[str, Any], device: torch.device | None) -> ExportedModule:
+        program = parse_program(config["program"], max_nodes=1 << 30)
         specs = {k: (list(shape), getattr(torch, dtype))
                  for k, (shape, dtype) in config["tensors"].items()}
-        return build_module(program, specs, tuple(config["parameters"]), config["aliases"])
+        return build_module(program, specs, tuple(config["parameters"]), config["aliases"],
+                            device)
 
     def input_spec(self, config: dict[str, Any]) -> TensorSpec:
         return self.input_specs(config)[0]

@@ -19,7 +19,9 @@ import torch
 from torch import fx
 
 from psgrad._errors import InvalidArchive, RefusedProgram, TooLarge
+from service.config import raise_setting
 from service.export import ops
+from service.export.document import prune
 from service.export.payloads import DTYPES, literal_int, obj, tensor_meta
 
 SCHEMA_MAJOR, SCHEMA_MINOR = 8, 20  # torch 2.13's serializer; newer minors are refused
@@ -70,8 +72,8 @@ def parse_program(doc: dict[str, Any], max_nodes: int) -> Program:
     if not isinstance(nodes, list):
         raise InvalidArchive("graph.nodes must be a list")
     if len(nodes) > max_nodes:
-        raise TooLarge(f"the graph has {len(nodes)} nodes; the limit is {max_nodes}",
-                       limit=max_nodes)
+        raise TooLarge(f"the graph has {len(nodes)} nodes; the limit is {max_nodes}: "
+                       f"{raise_setting('max_graph_nodes', max_nodes)}", limit=max_nodes)
     sig = obj(gm.get("signature"), "signature")
     inputs: list[UserInput] = []
     params: list[tuple[str, str]] = []
@@ -123,20 +125,6 @@ def parse_program(doc: dict[str, Any], max_nodes: int) -> Program:
         raise RefusedProgram("the program must return exactly one tensor")
     return Program(prune(doc), tuple(inputs), tuple(params), tuple(buffers), tuple(constants),
                    output)
-
-
-def prune(doc: dict[str, Any]) -> dict[str, Any]:
-    """The parts psgrad reads: no stack traces, guards, range constraints or module tree."""
-    gm, graph = doc.get("graph_module") or {}, (doc.get("graph_module") or {}).get("graph") or {}
-    values = graph.get("tensor_values") or {}
-    keep = {_tensor_name(a, "graph.inputs") for a in graph.get("inputs") or []} | \
-        {_tensor_name(a, "graph.outputs") for a in graph.get("outputs") or []}
-    nodes = [{k: n.get(k) for k in ("target", "inputs", "outputs")} if isinstance(n, dict) else n
-             for n in graph.get("nodes") or []]
-    return {"schema_version": doc.get("schema_version"), "graph_module": {
-        "graph": {"inputs": graph.get("inputs"), "outputs": graph.get("outputs"),
-                  "nodes": nodes, "tensor_values": {k: v for k, v in values.items() if k in keep}},
-        "signature": gm.get("signature")}}
 
 
 def _one(value: Any, where: str) -> tuple[str, Any]:

@@ -151,6 +151,13 @@ class NodeWalk:
         raise AssertionError("unreachable: NodeWalk.of checks that the graph ends in its output")
 
 
+def named_args(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An aten op's arguments by their schema names."""
+    schema = target._schema.arguments
+    return {a.name: args[i] if i < len(args) else kwargs[a.name] for i, a in enumerate(schema)
+            if i < len(args) or a.name in kwargs}
+
+
 class ExportedModule(nn.Module):
     """An exported program's tensors (parameters and buffers under their dotted names, so
     ``state_dict``, ``named_parameters`` and ``functional_call`` see them as usual) and its graph,

@@ -10,6 +10,7 @@ stored version: the same graph builder, so a stored program is held to the same 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,10 @@ import torch
 from torch import fx, nn
 
 from psgrad._errors import InvalidArchive, PsgradError, RefusedProgram, TooLarge
+from service.config import raise_setting
 from service.export.archive import CONSTANTS_CONFIG, WEIGHTS_CONFIG, ArchiveLimits, read_archive
 from service.export.graph import Program, UserInput, build_graph, parse_program
-from service.export.interpreter import RESERVED, ExportedModule, Step
+from service.export.interpreter import RESERVED, ExportedModule, NodeWalk, Step
 from service.export.payloads import read_payloads
 
 _SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}|[0-9]{1,6}")
@@ -54,6 +56,13 @@ class Exported:
 
 def read_program(data: bytes, limits: ExportLimits) -> Exported:
     """Parse, check, build on ``meta`` and dry-run a client's ``.pt2`` bytes."""
+    try:
+        return _read_program(data, limits)
+    except RecursionError:  # arguments nested past Python's stack: a 4xx like any refusal
+        raise RefusedProgram("the program nests too deeply") from None
+
+
+def _read_program(data: bytes, limits: ExportLimits) -> Exported:
     archive = read_archive(data, limits.archive)
     program = parse_program(archive.program, limits.max_nodes)
     buffers = [b for _, b in program.buffers if b not in program.constants]
@@ -67,19 +76,31 @@ def read_program(data: bytes, limits: ExportLimits) -> Exported:
     params = tuple(dict.fromkeys(aliases[p] for _, p in program.params))
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     n_params = sum(tensors[p].numel() for p in params)
-    if size > limits.max_weight_bytes or n_params > limits.max_parameters:
-        raise TooLarge(f"the program has {n_params} parameters in {size} bytes of tensors; the "
-                       f"limits are {limits.max_parameters} and {limits.max_weight_bytes}")
+    check_size(n_params, size, limits)
     exported = Exported(program, tensors, params, aliases)
     specs = {k: (list(t.shape), t.dtype) for k, t in tensors.items()}
     meta = build_module(program, specs, params, aliases, torch.device("meta"))
     exported.output_shape, exported.activations = dry_run(meta, program,
                                                           limits.max_activations)
-    if any(u.dynamic for u in program.inputs):  # bound what the largest request may need
-        _, exported.activations = dry_run(meta, program, limits.max_activations, largest=True)
+    # the sizes a request sends are measured when it comes (:mod:`service.export.guard`):
+    # a range's top may be far above what any request of the program asks for
     exported.highs = token_bounds(program, {v: tensors[aliases[n]].shape[0]
                                             for v, n in program.params})
     return exported
+
+
+def check_size(n_params: int, n_bytes: int, limits: ExportLimits) -> None:
+    """A program's parameters and tensor bytes against their limits, each named."""
+    if n_params > limits.max_parameters:
+        raise TooLarge(f"the program has {n_params} parameters; the limit is "
+                       f"{limits.max_parameters}: "
+                       f"{raise_setting('max_parameters', limits.max_parameters)}",
+                       limit=limits.max_parameters, setting="PSGRAD_MAX_PARAMETERS")
+    if n_bytes > limits.max_weight_bytes:
+        raise TooLarge(f"the program's tensors take {n_bytes} bytes; the limit is "
+                       f"{limits.max_weight_bytes}: "
+                       f"{raise_setting('max_weight_bytes', limits.max_weight_bytes)}",
+                       limit=limits.max_weight_bytes, setting="PSGRAD_MAX_WEIGHT_BYTES")
 
 
 _SHAPE_ONLY = frozenset(f"torch.ops.aten.{op}" for op in (
@@ -172,10 +193,13 @@ def largest_sizes(user: UserInput) -> list[int]:
 
 
 def dry_run(module: ExportedModule, program: Program, max_activations: int, *,
-            largest: bool = False) -> tuple[tuple[int, ...], int]:
+            largest: bool = False, sizes: Sequence[Sequence[int]] | None = None,
+            walk: NodeWalk | None = None) -> tuple[tuple[int, ...], int]:
     """Run ``module`` (built on ``meta``) on the exported example sizes, counting activations.
 
-    With ``largest``, every dynamic dimension takes the top of its range instead.
+    With ``largest``, every dynamic dimension takes the top of its range instead; with
+    ``sizes``, each input takes those (a batch of one included: what a request sent). ``walk``
+    replaces the module's own (the same steps, some of them recording what they see).
     """
     counted = [0]
 
@@ -184,18 +208,22 @@ def dry_run(module: ExportedModule, program: Program, max_activations: int, *,
             if isinstance(t, torch.Tensor) and step.op == "call_function":
                 counted[0] += t.numel()
         if counted[0] > max_activations:
-            raise TooLarge(f"one sample's activations exceed {max_activations} elements "
-                           f"(at '{step.name}')", limit=max_activations)
+            hint = raise_setting("max_model_activations", max_activations)
+            raise TooLarge(f"one sample's activations exceed {max_activations} elements (at "
+                           f"'{step.name}'): {hint}, or send smaller inputs",
+                           limit=max_activations, setting="PSGRAD_MAX_MODEL_ACTIVATIONS")
 
-    inputs = [torch.empty(largest_sizes(u) if largest else u.hints, dtype=u.dtype, device="meta")
-              for u in program.inputs]
+    where = "on its own example sizes" if sizes is None else "at the sizes sent"
+    if sizes is None:
+        sizes = [largest_sizes(u) if largest else u.hints for u in program.inputs]
+    inputs = [torch.empty(list(n), dtype=u.dtype, device="meta")
+              for n, u in zip(sizes, program.inputs, strict=True)]
     try:
-        out = module.walk.run(module, inputs, count)
+        out = (walk or module.walk).run(module, inputs, count)
     except PsgradError:
         raise
     except Exception as exc:  # any failure of a client's graph is the client's
-        raise RefusedProgram(f"the program fails on its own example sizes: {exc}"[:400]) \
-            from None
+        raise RefusedProgram(f"the program fails {where}: {exc}"[:400]) from None
     if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != 1:
         raise RefusedProgram("the program must return one tensor with a batch dimension of 1 "
                              "for an input batch of 1")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from psgrad._errors import InvalidArchive, RefusedProgram, TooLarge
+from service.config import raise_setting
 
 MAX_DIMS = 8
 # The schema's ScalarType numbers psgrad accepts (torch/_export/serde/schema.py).
@@ -141,8 +142,8 @@ def read_payloads(config_doc: dict[str, Any], blobs: dict[str, bytes], names: li
         tensor = _materialise(blobs[path], dtype, size, stride, offset, name)
         total += tensor.numel() * tensor.element_size()
         if total > max_bytes:
-            raise TooLarge(f"the program's tensors take more than {max_bytes} bytes",
-                           limit=max_bytes)
+            raise TooLarge(f"the program's tensors take more than {max_bytes} bytes: "
+                           f"{raise_setting('max_weight_bytes', max_bytes)}", limit=max_bytes)
         seen[key], by_path[path] = name, key
         out.tensors[name] = tensor
         out.aliases[name] = name

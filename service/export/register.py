@@ -14,15 +14,16 @@ from safetensors.torch import load as st_load
 
 from psgrad._errors import InvalidModelSpec
 from service.config import Settings
-from service.export.archive import ArchiveLimits
+from service.export.archive import SLACK, ArchiveLimits
 from service.export.child import limits_dict, run_child
 from service.export.module import ExportLimits
+from service.export.precheck import precheck
 from service.losses import get_loss
 
 
 def export_limits(settings: Settings) -> ExportLimits:
     return ExportLimits(
-        archive=ArchiveLimits(max_unpacked_bytes=settings.max_weight_bytes + (64 << 20)),
+        archive=ArchiveLimits(max_unpacked_bytes=settings.max_weight_bytes + SLACK),
         max_nodes=settings.max_graph_nodes, max_weight_bytes=settings.max_weight_bytes,
         max_parameters=settings.max_parameters, max_activations=settings.max_model_activations,
         batch_check_s=settings.export_cpu_s / 3,
@@ -37,7 +38,9 @@ def check_program(data: bytes, settings: Settings, *, default_loss: str,
         get_loss(name)
     if len(description) > 2000:
         raise InvalidModelSpec("the description is limited to 2000 characters")
-    answer, blob = run_child(data, limits_dict(export_limits(settings)),
+    limits = export_limits(settings)
+    precheck(data, limits)  # what is too large is refused before a child process starts
+    answer, blob = run_child(data, limits_dict(limits),
                              memory_mb=settings.export_memory_mb, cpu_s=settings.export_cpu_s,
                              timeout_s=settings.export_timeout_s)
     state = st_load(blob)
@@ -48,6 +51,7 @@ def check_program(data: bytes, settings: Settings, *, default_loss: str,
         "parameters": answer["parameters"], "aliases": answer["aliases"],
         "output_shape": answer["output_shape"], "activations": answer["activations"],
         "batched": bool(answer["batched"]),
+        **({"batch_check": str(answer["batch_check"])} if answer.get("batch_check") else {}),
         "default_loss": default_loss, "losses": losses, "description": description,
     }
     return config, state
