@@ -72,11 +72,14 @@ class Settings(BaseSettings):
     verify_samples: Annotated[int, Field(ge=1, le=MAX_VERIFY)] = 1
 
     max_layers: int = 64
-    max_parameters: int = 50_000_000
+    # the defaults take GPT-2 small (124M parameters, 475 MiB) and BERT-base (109M) exported
+    # with a length up to 512, on a host of 24 GiB (docs/operations.md, "Limits")
+    max_parameters: int = 150_000_000
     max_weight_bytes: int = 500 * 1024 * 1024  # under Redis's 512 MiB for one value
-    max_model_activations: int = 32 * 1024 * 1024  # activation elements of one sample
+    # activation elements of one sample, at the sizes a request sends: 3 GiB of float32
+    max_model_activations: int = 768 * 1024 * 1024
     max_graph_nodes: int = 20_000  # nodes of an exported program
-    export_memory_mb: int = 4096  # address space of the process that checks a .pt2 archive
+    export_memory_mb: int = 8192  # address space of the process that checks a .pt2 archive
     export_cpu_s: int = 60  # CPU seconds of that process
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
     # CPU seconds of one DP run's privacy accounting (a child process, killed past them)
