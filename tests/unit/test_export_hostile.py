@@ -18,6 +18,7 @@ import torch
 
 from psgrad._errors import PsgradError, RefusedProgram
 from service import engine
+from service.config import Settings
 from service.export import ExportLimits, read_program
 from service.export.guard import check_example
 from tests.support.api import TD0, open_client
@@ -64,7 +65,8 @@ async def test_sizes_that_peak_inside_a_range_answer_413_at_the_size_sent() -> N
             "model": "peaked", "inputs": x.tolist(), "targets": [0], "outputs": ["norms"]})
         assert r.status_code == 413, r.text
         message = r.json()["error"]["message"]
-        assert "raise PSGRAD_MAX_MODEL_ACTIVATIONS (now 33554432)" in message, message
+        limit = Settings().max_model_activations  # the default
+        assert f"raise PSGRAD_MAX_MODEL_ACTIVATIONS (now {limit})" in message, message
         assert _max_rss() - before < GIB  # the 4 GiB were never allocated
         x6 = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(1))
         y = torch.tensor([0, 1, 1])
