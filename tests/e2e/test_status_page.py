@@ -12,6 +12,7 @@ With ``PSGRAD_STATUS_SCREENSHOT=path.png`` the Redis-mode test saves the page af
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -142,6 +143,9 @@ def test_embedded_page_asks_for_the_key_then_follows_a_request(browser: WebDrive
         row = worker_rows(browser)[0]
         assert (row[ID], row[DEVICE], row[JOBS_DONE]) == ("psgrad-worker-0", "cpu", "0")
         assert browser.find_element(By.ID, "mode").text == "embedded mode"
+        # a bare key is a tenant of its own; the page says whose requests it shows
+        tenant = "key-" + hashlib.sha256(KEY.encode()).hexdigest()[:12]
+        assert browser.find_element(By.ID, "tenant").text == f"tenant {tenant}'s requests"
         check_updates(browser, url, samples=5)
 
 
