@@ -342,3 +342,49 @@ async def test_redis_data_made_before_tenants_is_the_default_tenants(tmp_path: P
             assert re.fullmatch(r"[0-9a-f]{32}", job)
     runs.forget_stores()
     shared.close()
+
+
+# --- the SDK, unchanged for a user with one key ---------------------------------------------------
+
+
+def test_the_sdk_works_unchanged_for_each_tenant(tmp_path: Path) -> None:
+    import psgrad
+    from psgrad import dp
+    from service.api import create_app
+    from tests.support.api import settings
+    from tests.support.client import running_app
+
+    runs.forget_stores()
+    app = create_app(settings(model_dir=str(tmp_path), workers=1, **KEYS))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(4, 6)).astype(np.float32), rng.integers(0, 3, 4)
+
+    def client(key: str, transport: Any) -> psgrad.Client:
+        return psgrad.Client(base_url="http://psgrad.test", api_key=key, transport=transport)
+
+    with running_app(app) as transport, client("alice-key", transport) as alice, \
+            client("bob-key", transport) as bob, client("ops-key", transport) as ops:
+        ops.models.register("att", architecture="mlp", config=MLP)
+        run = dp.create_run(alice, "att", clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
+                            expected_batch_size=4, dataset_size=100, max_epsilon=5.0)
+        assert run.step(x, y).steps == 1
+        with pytest.raises(psgrad.NotFound):
+            dp.get_run(bob, run.id)
+        job = alice.submit("att", x, y, outputs=["norms"])
+        assert job.result(timeout=60).norms.shape == (4,)
+        with pytest.raises(psgrad.NotFound):
+            bob.job(job.id).status()
+        with pytest.raises(psgrad.NotFound):
+            bob.job(job.id).cancel()
+        alice.reference_sets.put("train", "att", x, y, projection_dim=8)
+        with pytest.raises(psgrad.NotFound):
+            bob.reference_sets.get("train")
+        bob.reference_sets.put("train", "att", x[:2], y[:2], projection_dim=8)
+        assert alice.reference_sets.get("train")["count"] == 4
+        assert bob.reference_sets.get("train")["count"] == 2
+        got = alice.per_sample_grads("att", x[:1], y[:1], reference_set="train",
+                                     outputs=["influence"], projection_dim=8)
+        assert got.influence.shape == (1, 4)
+        with client("alice:alice-key", transport) as whole, pytest.raises(psgrad.Unauthorized):
+            whole.models.list()  # the secret alone is the key, not the 'name:secret' entry
+    runs.forget_stores()
