@@ -195,6 +195,26 @@ async def test_a_dead_worker_loses_no_tenants_job(shared: redis.Redis) -> None:
             assert info["pending"] == 0 and info["lag"] == 0
 
 
+async def test_tickets_and_queues_mend_after_a_loss(shared: redis.Redis) -> None:
+    """A queued job whose ticket was lost (Redis data lost) is still taken; a ticket with no job
+    behind it is dropped, not handed out."""
+    with prefix_on(shared) as prefix:
+        async with redis_queue(Settings(redis_url=SHARED_URL, redis_prefix=prefix)) as (api,
+                                                                                       source):
+            await api.start()
+            stream = keys.job_stream(prefix)
+            lost = job("a")
+            await api.submit(lost)
+            shared.xtrim(stream, maxlen=0)  # its ticket is gone
+            (got,) = await asyncio.to_thread(take, source)
+            assert got.id == lost.id
+            shared.xadd(stream, {"t": "a"})  # a ticket no job stands behind
+            assert await asyncio.to_thread(take, source) == []
+            groups = {g["name"].decode(): g for g in shared.xinfo_groups(stream)}
+            assert groups[keys.STREAM_GROUP]["lag"] == 0
+            assert groups[keys.STREAM_GROUP]["pending"] == 1  # the job taken, not the stray
+
+
 async def test_the_group_lag_counts_the_jobs_queued(shared: redis.Redis) -> None:
     """What an autoscaler reads (KEDA's redis-streams scaler, lagCount): jobs not yet taken."""
     with prefix_on(shared) as prefix:
