@@ -25,7 +25,7 @@ from service.config import Settings
 from service.jobs import Broker
 from service.keyring import Keyring
 from service.registry import ModelRegistry
-from service.tenants import Tenant
+from service.tenants import TENANT_NAME, Tenant
 from service.worker import WorkerPool
 
 
@@ -119,7 +119,7 @@ TenantParam = Annotated[
     str | None,
     Query(
         alias="tenant",
-        max_length=64,
+        pattern=f"^{TENANT_NAME.pattern}$",
         description="admin keys only: act on this tenant's resources (lists: only this "
         "tenant's; without it an admin lists every tenant's)",
     ),

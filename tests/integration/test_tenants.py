@@ -210,6 +210,9 @@ async def test_reference_sets_are_each_tenants_own(
     assert r.status_code == 200
     error(await c.get("/reference-sets/train", headers=ALICE), 404, "not_found")
     assert (await c.get("/reference-sets/train", headers=BOB)).json()["count"] == 4
+    for bad in ("a~b", "a/b", "..", ""):  # a tenant parameter is a tenant name or refused
+        r = await c.get(f"/reference-sets/train?tenant={bad}", headers=OPS)
+        assert r.status_code == 422, (bad, r.text)
     r = await c.post("/per-sample-grads", headers=ALICE, json={
         "model": "att", **batch(2, 5), "outputs": ["influence"], "reference_set": "x~train"})
     assert r.status_code == 400, r.text  # no way to name another namespace from a request
