@@ -96,6 +96,56 @@ def test_worker_status_batch_counts_and_norm_buckets() -> None:
     assert set(status.snapshot()["norms"]) == {"mlp@1", "other@1"}
 
 
+def test_a_merged_batchs_norms_count_for_each_jobs_tenant() -> None:
+    status = WorkerStatus("w", "cpu")
+    status.batch_started(jobs=3, samples=6, model="mlp@1", tenants=["b", "a", "b"])
+    assert status.snapshot()["batch"]["tenants"] == ["a", "b"]
+    one = NORM_EDGES.index(1.0) + 1
+    # jobs in batch order: b's 2 samples, a's 1, b's 3
+    norms = torch.tensor([1.0, 1.0, 1e3, 1.0, 1.0, 1e3])
+    status.observe_norms("mlp@1", norms, [("b", 2), ("a", 1), ("b", 3)])
+    snap = status.snapshot()
+    assert sum(snap["norms"]["mlp@1"]) == 6
+    a, b = snap["tenant_norms"]["a"]["mlp@1"], snap["tenant_norms"]["b"]["mlp@1"]
+    thousand = NORM_EDGES.index(1e3) + 1
+    assert (sum(a), a[thousand]) == (1, 1)
+    assert (sum(b), b[one], b[thousand]) == (5, 4, 1)
+    status.observe_norms("mlp@1", torch.ones(4), [("a", 1), ("b", 2)])  # lengths disagree:
+    snap = status.snapshot()  # the model's histogram only
+    assert sum(snap["norms"]["mlp@1"]) == 10 and sum(snap["tenant_norms"]["a"]["mlp@1"]) == 1
+
+
+def test_a_tenants_view_shows_a_batch_only_with_its_jobs() -> None:
+    from service.api.status import _worker
+
+    doc = {"id": "w", "alive": True, "batch": {"jobs": 2, "samples": 3, "model": "m@1",
+                                               "since": 1.0, "tenants": ["a", "b"]}}
+    assert _worker(doc)["batch"]["tenants"] == ["a", "b"]
+    assert _worker(doc, "a")["batch"]["tenants"] == ["a"]  # no other tenant's name
+    assert _worker(doc, "c")["batch"] is None
+    old = {**doc, "batch": {"jobs": 1, "samples": 3, "model": "m@1", "since": 1.0}}
+    assert _worker(old)["batch"]["tenants"] == [] and _worker(old, "a")["batch"] is None
+
+
+def test_request_stats_keep_each_tenants_own() -> None:
+    from service.api.status import note_tenant
+
+    stats = RequestStats()
+    for tenant, status, code in (("a", 200, None), ("a", 404, "unknown_model"),
+                                 ("b", 422, "invalid_input"), (None, 401, "unauthorized")):
+        scope: dict[str, Any] = {"method": "POST"}
+        if tenant is not None:
+            note_tenant(scope, tenant)
+        stats.observe(scope, route="/per-sample-grads", status=status, seconds=0.01, code=code)
+    every = stats.view(0.0)
+    assert every["routes"][0]["requests"] == 4 and every["routes"][0]["errors"] == 3
+    a = stats.view(0.0, "a")
+    assert (a["routes"][0]["requests"], a["routes"][0]["errors"]) == (2, 1)
+    assert a["errors"] == [{"model": None, "code": "unknown_model", "count": 1}]
+    assert stats.view(0.0, "b")["errors"][0]["code"] == "invalid_input"
+    assert stats.view(0.0, "nobody") == {"routes": [], "models": [], "errors": []}
+
+
 def test_request_stats_bound_the_models_clients_name() -> None:
     stats = RequestStats()
     for i in range(MAX_LABELS + 5):
