@@ -49,7 +49,10 @@ MAX_SECONDS = 3600
 HEADERS = {"Content-Type": "application/x-safetensors", "Accept": "application/json"}
 
 
-def requests(mix: str, seed: int = 0) -> list[tuple[str, bytes, dict[str, tuple[int, ...]]]]:
+Case = tuple[str, bytes, dict[str, tuple[int, ...]]]  # name, body, {output: shape wanted}
+
+
+def requests(mix: str, seed: int = 0) -> list[Case]:
     """(name, safetensors body, {output: expected shape}) of the mix's requests."""
     rng = np.random.default_rng(seed)
 
@@ -70,15 +73,19 @@ def requests(mix: str, seed: int = 0) -> list[tuple[str, bytes, dict[str, tuple[
         "inputs": rng.standard_normal((8, 3)).astype(np.float32),
         "next_inputs": rng.standard_normal((8, 3)).astype(np.float32),
         "rewards": rng.standard_normal(8).astype(np.float32)}, "request")
-    small = [("mlp-norms-1", mlp(1, ["norms"]), {"norms": (1,)}),
+    small: list[Case] = [("mlp-norms-1", mlp(1, ["norms"]), {"norms": (1,)}),
              ("td0-8", td0, {"td_errors": (8,)})]
-    payloads = [("mlp-norms-64", mlp(64, ["norms"]), {"norms": (64,)}),
+    payloads: list[Case] = [("mlp-norms-64", mlp(64, ["norms"]), {"norms": (64,)}),
                 ("cnn-norms-32", cnn(32), {"norms": (32,)})]
     if mix == "small":
         return small
     if mix == "payloads":
         return payloads
     return [*small, *payloads]
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def shape_of(value: Any) -> tuple[int, ...]:
@@ -110,7 +117,7 @@ class Probe:
         return int(self.last[field]) - int(self.first[field])
 
 
-async def drive(base: str, mix: list[tuple[str, bytes, dict[str, tuple[int, ...]]]],
+async def drive(base: str, mix: list[Case],
                 rate: float, seconds: float, in_flight: int, probe: Probe
                 ) -> tuple[list[float], dict[str, int]]:
     """Open loop at ``rate``: latencies of the answers that passed, failures by kind."""
@@ -219,7 +226,8 @@ def main() -> None:
             # one round of the mix first: models loaded, functions built, before the counting
             asyncio.run(drive(base, mix, 50.0, len(mix) / 50.0, 8, Probe(urls["redis"])))
             probe = Probe(urls["redis"])
-            config = probe.r.config_get("auto-aof-rewrite-*")
+            config = {text(k): text(v)
+                      for k, v in probe.r.config_get("auto-aof-rewrite-*").items()}
             t0 = time.monotonic()
             latencies, failures = asyncio.run(
                 drive(base, mix, args.rate, args.seconds, args.in_flight, probe))
