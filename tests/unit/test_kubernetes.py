@@ -169,6 +169,28 @@ def test_each_process_gets_every_setting_it_reads_and_no_other(
                 Settings(**{key.removeprefix("PSGRAD_").lower(): value})  # a valid value
 
 
+# Settings whose value here differs from the code's default on purpose.
+DELIBERATE = {
+    "device": "the api computes nothing on a GPU (its pods have none)",
+    "memory_budget_mb": "a GPU has more memory than the laptop default assumes (as compose)",
+    "listen_host": "the api listens on its pod's interface",
+    "worker_metrics_host": "the workers' metrics are scraped from other pods",
+    "worker_metrics_port": "each worker serves its metrics (as compose)",
+}
+
+
+def test_settings_are_the_codes_defaults_unless_deliberate() -> None:
+    fields = Settings.model_fields
+    for file in ("shared", "api", "worker"):
+        for key, value in read_env(BASE / "settings" / f"{file}.env").items():
+            field = key.removeprefix("PSGRAD_").lower()
+            parsed = getattr(Settings(**{field: value}), field)
+            if fields[field].default is None and value == "":
+                parsed = None  # an empty value: unset
+            if field not in DELIBERATE:
+                assert parsed == fields[field].default, (file, key, value)
+
+
 def test_settings_files_hold_what_their_readers_read() -> None:
     """shared.env: settings both read (one value for both); api.env, worker.env: one reader's."""
     for file, readers in (("shared", BOTH), ("api", frozenset({API})),
