@@ -1,6 +1,7 @@
 """The part of kustomize that deploy/kubernetes/ uses, in Python, so CI renders the manifests
 without kubectl: resources (files and kustomization folders), ``namespace``, ``images``,
-``configMapGenerator`` from env files, and JSON 6902 ``patches`` aimed by kind and name.
+``configMapGenerator`` from env files (``behavior: merge`` in an overlay), and JSON 6902
+``patches`` aimed by kind and name.
 
 Generated ConfigMaps keep their plain names (kustomize appends a hash of the contents and
 rewrites the references; :func:`unhashed` takes that suffix off kubectl's output, so the two
@@ -40,16 +41,15 @@ def render(folder: Path) -> list[dict[str, Any]]:
         data: dict[str, str] = {}
         for env in generator.get("envs", []):
             data.update(read_env(folder / env))
+        if generator.get("behavior", "create") == "merge":  # an overlay's values over the base's
+            find_one(objects, "ConfigMap", generator["name"])["data"].update(data)
+            continue
         objects.append({"apiVersion": "v1", "kind": "ConfigMap",
                         "metadata": {"name": generator["name"]}, "data": data})
     for patch in spec.get("patches", []):
         ops = yaml.safe_load((folder / patch["path"]).read_text())
         target = patch["target"]
-        hits = [o for o in objects if o["kind"] == target["kind"]
-                and o["metadata"]["name"] == target["name"]]
-        if len(hits) != 1:
-            raise ValueError(f"{folder}: patch {patch['path']} matches {len(hits)} objects")
-        apply_json_patch(hits[0], ops)
+        apply_json_patch(find_one(objects, target["kind"], target["name"]), ops)
     for image in spec.get("images", []):
         for obj in objects:
             for container in containers(obj):
@@ -61,6 +61,13 @@ def render(folder: Path) -> list[dict[str, Any]]:
             if obj["kind"] not in CLUSTER_SCOPED:
                 obj["metadata"]["namespace"] = spec["namespace"]
     return objects
+
+
+def find_one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    hits = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    if len(hits) != 1:
+        raise ValueError(f"{len(hits)} objects are {kind} {name}")
+    return hits[0]
 
 
 def read_env(path: Path) -> dict[str, str]:

@@ -176,13 +176,16 @@ DELIBERATE = {
     "listen_host": "the api listens on its pod's interface",
     "worker_metrics_host": "the workers' metrics are scraped from other pods",
     "worker_metrics_port": "each worker serves its metrics (as compose)",
+    "torch_threads": "the CPU overlay: the cores its pods are given",
 }
 
 
 def test_settings_are_the_codes_defaults_unless_deliberate() -> None:
     fields = Settings.model_fields
-    for file in ("shared", "api", "worker"):
-        for key, value in read_env(BASE / "settings" / f"{file}.env").items():
+    files = [*(BASE / "settings" / f"{f}.env" for f in ("shared", "api", "worker")),
+             CPU / "worker.env"]
+    for file in files:
+        for key, value in read_env(file).items():
             field = key.removeprefix("PSGRAD_").lower()
             parsed = getattr(Settings(**{field: value}), field)
             if fields[field].default is None and value == "":
@@ -193,9 +196,11 @@ def test_settings_are_the_codes_defaults_unless_deliberate() -> None:
 
 def test_settings_files_hold_what_their_readers_read() -> None:
     """shared.env: settings both read (one value for both); api.env, worker.env: one reader's."""
-    for file, readers in (("shared", BOTH), ("api", frozenset({API})),
-                          ("worker", frozenset({WORKER}))):
-        for key in read_env(BASE / "settings" / f"{file}.env"):
+    for file, readers in ((BASE / "settings" / "shared.env", BOTH),
+                          (BASE / "settings" / "api.env", frozenset({API})),
+                          (BASE / "settings" / "worker.env", frozenset({WORKER})),
+                          (CPU / "worker.env", frozenset({WORKER}))):
+        for key in read_env(file):
             assert READ_BY[key.removeprefix("PSGRAD_").lower()] == readers, (file, key)
 
 
@@ -297,7 +302,8 @@ def test_workers_get_a_gpu_each_metrics_and_time_to_drain(
                 spec["tolerations"])
         else:
             assert gpus is None and "nodeSelector" not in spec and "tolerations" not in spec
-            assert c["resources"]["requests"]["cpu"]
+            cores = c["resources"]["limits"]["cpu"]
+            assert given["PSGRAD_TORCH_THREADS"] == str(cores)  # torch's threads: its cores
 
 
 def test_the_scaler_reads_the_job_streams_lag(base: list[dict[str, Any]]) -> None:
