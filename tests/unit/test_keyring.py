@@ -231,3 +231,16 @@ def test_a_server_with_a_broken_keys_file_does_not_start(tmp_path: Path) -> None
     path = tmp_path / "keys.toml"
     path.write_text('[[keys]]\ntenant = "a"\n')
     assert serve(settings=settings(keys_file=str(path))) == EXIT_REFUSED
+
+
+async def test_a_running_server_takes_keys_file_changes(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    write(path, '[[keys]]\ntenant = "a"\nsecret = "first"\n')
+    async with open_client(keys_file=str(path)) as c:
+        async def code(key: str) -> int:
+            r = await c.get("/models", headers={"authorization": f"Bearer {key}"})
+            return r.status_code
+
+        assert (await code("first"), await code("second")) == (200, 401)
+        write(path, f'[[keys]]\ntenant = "a"\nsha256 = "{sha("second")}"\n')
+        assert (await code("first"), await code("second")) == (401, 200)
