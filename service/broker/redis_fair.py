@@ -176,11 +176,14 @@ return out
 
 # KEYS: state, stream, tickets, active, passes, vtime.
 # ARGV: group, old ticket id, last error json, job id, tenant queue key for an empty name, the
-# tenant of a job stored without one.
+# tenant of a job stored without one, the delivery's attempt ('' for jobs read but not counted).
 # A job to deliver again goes first in its tenant's queue with a new ticket; the old ticket is
-# acknowledged. A job that ended meanwhile (canceled) is only acknowledged.
+# acknowledged. A job that ended meanwhile (canceled) is only acknowledged. A stale delivery (a
+# later attempt counted: its job taken over) changes nothing: queued again, the job would be
+# done twice, and the ticket its new owner holds would be deleted.
 RETRY_LUA = _ENQUEUE + """
 local st = redis.call('HGET', KEYS[1], 'status')
+if ARGV[7] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[7] then return st end
 if st == 'queued' or st == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'queued')
   if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[3]) end

@@ -19,12 +19,14 @@ __all__ = ["ATTEMPT_LUA", "FINISH_LUA", "START_LUA"]
 # (its attempt is the state's latest): it names that attempt as the whole answer. A small answer
 # comes inline (a non-empty last argument): the whole file is written here as the 'head' entry,
 # in place of whatever an earlier attempt left, so one round trip answers and ends the job. A
-# stale delivery (its job taken over) neither ends nor acknowledges the job: the owner does.
+# stale delivery (its job taken over: a later attempt counted) neither ends nor acknowledges the
+# job, whatever its status (a worker cut off, then back, must not fail the job its new owner is
+# answering): the owner does. Attempt 0: ends decided as the job is read (poison, expired).
 FINISH_LUA = UNCOUNT + """
 local st = redis.call('HGET', KEYS[1], 'status')
 local stored = 0
 if st == 'queued' or st == 'running' then
-  if ARGV[3] == 'succeeded' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[4] then
+  if ARGV[4] ~= '0' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[4] then
     return 0
   end
   redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])

@@ -236,7 +236,8 @@ class RedisJobSource:
         body = json.dumps(error)
         entry = self._entries.get(job.id)
         if retry and job.attempts < self.settings.max_attempts and entry is not None:
-            ok = self._persist(self._retry, **self._retry_args(job.id, entry[0], body))
+            ok = self._persist(self._retry, **self._retry_args(job.id, entry[0], body,
+                                                               job.attempts))
             if ok:
                 self._forget(job.id)
             return
@@ -247,13 +248,15 @@ class RedisJobSource:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _retry_args(self, job_id: str, entry_id: str, error: str) -> dict[str, list[Any]]:
-        """The retry script's keys and arguments: the job goes first in its tenant's queue."""
+    def _retry_args(self, job_id: str, entry_id: str, error: str,
+                    attempt: int | None = None) -> dict[str, list[Any]]:
+        """The retry script's keys and arguments: the job goes first in its tenant's queue.
+        ``attempt``: the delivery's, so that a stale one changes nothing (None: not counted)."""
         p = self.prefix
         return {"keys": [keys.job_state(p, job_id), self.stream, keys.job_tickets(p),
                          keys.fair_active(p), keys.fair_passes(p), keys.fair_vtime(p)],
                 "args": [keys.STREAM_GROUP, entry_id, error, job_id, keys.tenant_queue(p, ""),
-                         DEFAULT_TENANT]}
+                         DEFAULT_TENANT, "" if attempt is None else attempt]}
 
     @staticmethod
     def _value_limit(r: redis.Redis) -> int:
@@ -357,6 +360,11 @@ class RedisJobSource:
         if ok:
             for job_id, *_ in ends:
                 self._forget(job_id)
+            stale = [end[0] for end, done in zip(ends, stored, strict=True)
+                     if not done and end[3] and end[1] is not JobStatus.CANCELED]
+            if stale:  # or ended meanwhile (canceled, expired): either way not this answer
+                log.warning("jobs %s: taken over by a later delivery or ended meanwhile; this "
+                            "delivery's end is dropped", ", ".join(stale))
             # payloads in the answers' Redis: the end script dropped only the queue's copy
             ended = [keys.job_payload(p, end[0]) for end, done in zip(ends, stored, strict=True)
                      if done]
