@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import ANSWER, BaseClient, Call, ProgressArg
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
 from psgrad._jobs import AsyncJob
@@ -109,8 +109,10 @@ class AsyncClient(BaseClient):
     async def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
                         headers: Mapping[str, str] | None) -> httpx.Response:
         """One request; a safetensors answer is read into its arrays as it arrives."""
-        request = self._http.build_request(method, path, content=content, json=json,
-                                           headers=headers)
+        content, headers, pieces = upload(content, headers)
+        request = self._http.build_request(
+            method, path, json=json, headers=headers,
+            content=content if pieces is None else _pieces(pieces))
         response = await self._http.send(request, stream=True)
         try:
             reader = self._answer_reader(path, response)
@@ -312,3 +314,9 @@ class AsyncClient(BaseClient):
     def job(self, job_id: str) -> AsyncJob:
         """A handle on a job submitted earlier (by id)."""
         return AsyncJob(self, job_id, JobStatus.QUEUED)
+
+
+async def _pieces(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """An upload's pieces for httpx's async client, which takes only async iterables."""
+    for piece in pieces:
+        yield piece

@@ -104,6 +104,23 @@ def _retry_after(response: httpx.Response | None) -> float | None:
     return max(0.0, email.utils.mktime_tz(parsed) - time.time())
 
 
+UPLOAD_PIECE = 1 << 20
+
+
+def upload(content: bytes | None, headers: Mapping[str, str] | None
+           ) -> tuple[bytes | None, Mapping[str, str] | None, Iterator[bytes] | None]:
+    """A large body as 1 MiB pieces with its length: httpx sent a 200 MB ``bytes`` body at
+    25 MB/s over loopback and the same body in 1 MiB pieces at 250 MB/s (a 476 MiB GPT-2
+    archive took 40 s to reach the server; the server refused it in 5 ms). Small bodies are
+    sent as they are: (content, headers, None), else (None, headers with the length, pieces).
+    """
+    if content is None or len(content) <= UPLOAD_PIECE:
+        return content, headers, None
+    view = memoryview(content)
+    pieces = (bytes(view[i:i + UPLOAD_PIECE]) for i in range(0, len(content), UPLOAD_PIECE))
+    return None, {**(headers or {}), "Content-Length": str(len(content))}, pieces
+
+
 ANSWER = "psgrad.answer"  # response.extensions: the safetensors answer, read as it arrived
 ANSWER_PATHS = ("/per-sample-grads", "/jobs/")
 

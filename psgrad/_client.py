@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import ANSWER, BaseClient, Call, ProgressArg
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
 from psgrad._jobs import Job
@@ -135,7 +135,8 @@ class Client(BaseClient):
     def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
                   headers: Mapping[str, str] | None) -> httpx.Response:
         """One request; a safetensors answer is read into its arrays as it arrives."""
-        request = self._http.build_request(method, path, content=content, json=json,
+        content, headers, pieces = upload(content, headers)
+        request = self._http.build_request(method, path, content=content or pieces, json=json,
                                            headers=headers)
         response = self._http.send(request, stream=True)
         try:

@@ -130,3 +130,21 @@ class Shifted(nn.Module):
 def shifted() -> bytes:
     torch.manual_seed(0)
     return save(Shifted(), (torch.tensor([[0, 1, 0]]),))
+
+
+class Coupled(nn.Module):
+    """Each sample's output reads the batch's mean: fine one sample at a time (as exported),
+    wrong on a batch, so it must stay on the one-sample route and say why."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x - x.mean(0, keepdim=True) + x)
+
+
+@cache
+def coupled() -> bytes:
+    torch.manual_seed(0)
+    return save(Coupled(), (torch.randn(1, 3),))

@@ -29,6 +29,7 @@ from tests.support.hostile import (
     ROWS,
     Pooled,
     Shifted,
+    coupled,
     indexing,
     peaked,
     shifted,
@@ -137,6 +138,17 @@ async def test_ids_reaching_an_embedding_through_arithmetic_are_checked_before_t
     loop = per_sample_loop(reference, {"inputs": good, "targets": y}, "cross_entropy")
     np.testing.assert_allclose(np.asarray(r.json()["norms"]), loop.norms.numpy(),
                                atol=TOL["atol"], rtol=TOL["rtol"])
+
+
+async def test_why_a_program_runs_one_sample_at_a_time_is_reported() -> None:
+    async with open_client() as c:
+        r = await c.put("/models/coupled", content=coupled(), headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        config = r.json()["config"]
+        assert config["batched"] is False
+        assert "differ from its samples' run one at a time" in config["batch_check"], config
+        r = await c.put("/models/cnn", content=exported("cnn")[1], headers={"content-type": PT2})
+        assert r.json()["config"]["batched"] is True and "batch_check" not in r.json()["config"]
 
 
 def _deep(depth: int) -> Any:
