@@ -14,7 +14,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     THP_MEM_ALLOC_ENABLE=1
 
-RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home psgrad
+RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home psgrad \
+ && install -d -o 10001 -g 10001 /var/lib/psgrad  # gradient stores (a volume mounts here)
 
 WORKDIR /app
 

@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     compile: bool = False
     compile_secret: str = ""  # workers only: enables sharing compiled artifacts via Redis
     model_dir: str | None = None
+    # gradient stores' files (service.stores): a path or an fsspec URL (s3://bucket/dir, ...);
+    # unset: $XDG_DATA_HOME/psgrad. With Redis, every api replica must see the same one.
+    data_dir: str | None = None
+    store_shard_bytes: Annotated[int, Field(ge=1)] = 64 * 1024 * 1024  # rows per shard file
 
     max_body_bytes: int = 512 * 1024 * 1024
     max_batch_size: int = 4096
@@ -120,6 +124,8 @@ READ_BY: dict[str, frozenset[str]] = {
     "compile": frozenset({WORKER}),
     "compile_secret": frozenset({WORKER}),
     "model_dir": EMBEDDED_ONLY,  # with Redis, models live in Redis
+    "data_dir": frozenset({API}),  # stores are written and queried by the api
+    "store_shard_bytes": frozenset({API}),
     "max_body_bytes": frozenset({API}),
     "max_batch_size": BOTH,  # checked at the api and again where the worker decodes
     "max_result_bytes": frozenset({WORKER}),

@@ -35,6 +35,11 @@ def reference_set(prefix: str, set_id: str) -> str:
     return f"{prefix}:refset:{set_id}"
 
 
+def store_lock(prefix: str, store: str) -> str:
+    """The commit lease of one gradient store (service/stores/locks.py): a token, expiring."""
+    return f"{prefix}:store-lock:{store}"
+
+
 # --- the job queue (service/broker/redis.py) ---
 
 STREAM_GROUP = "workers"  # the consumer group every worker reads the job stream through

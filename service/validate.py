@@ -217,6 +217,12 @@ def _answer_dtype(value: Any) -> str:
     return str(value)
 
 
+def check_options(fields: dict[str, Any], model: LoadedModel) -> Options:
+    """A request's options (loss, outputs, parameters, projection, ...) checked against
+    ``model`` without a batch: a gradient store checks its definition with it."""
+    return _options(fields, model)
+
+
 def _options(fields: dict[str, Any], model: LoadedModel,
              dp_runs: RunStore | None = None) -> Options:
     loss_name = fields.get("loss") or model.default_loss

@@ -12,13 +12,14 @@ from service.api import errors
 from service.api.deps import AppState
 from service.api.docs import install_docs, install_openapi
 from service.api.metrics import Metrics, MetricsMiddleware
-from service.api.routes import dp, grads, jobs, models, ops, reference_sets, status
+from service.api.routes import dp, grads, jobs, models, ops, reference_sets, status, stores
 from service.broker import make_broker
 from service.broker.embedded import EmbeddedBroker
 from service.config import Settings, get_settings
 from service.jobs import Broker
 from service.keyring import Keyring, install_sighup
 from service.registry import ModelRegistry, make_registry
+from service.stores import make_store_files
 from service.worker import WorkerPool
 
 log = logging.getLogger("psgrad.api")
@@ -50,7 +51,7 @@ def create_app(
         workers = WorkerPool.over(broker, registry, settings, metrics)
     keyring = Keyring(settings.api_keys, settings.admin_keys, settings.keys_file)
     state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics,
-                     workers=workers, keyring=keyring)
+                     workers=workers, keyring=keyring, stores=make_store_files(settings))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -80,7 +81,7 @@ def create_app(
     app.add_middleware(errors.CatchAllMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     for router in (grads.router, jobs.router, models.router, ops.router, dp.router,
-                   reference_sets.router, status.router):
+                   reference_sets.router, stores.router, status.router):
         app.include_router(router)
     install_docs(app)
     install_openapi(app)

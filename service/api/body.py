@@ -68,10 +68,13 @@ def _too_large(size: int, limit: int, *, at_least: bool = False) -> TooLarge:
     )
 
 
-async def decode_request(request: Request, settings: Settings, *, one_job: bool = True
+async def decode_request(request: Request, settings: Settings, *, one_job: bool = True,
+                         extra: frozenset[str] = frozenset(), need_model: bool = True
                          ) -> dict[str, Any]:
     """The request fields (JSON values and numpy arrays) from a JSON or safetensors body;
-    ``one_job=False`` for a body the route splits into jobs itself (no batch-size limit)."""
+    ``one_job=False`` for a body the route splits into jobs itself (no batch-size limit);
+    ``extra``: the route's own fields besides a gradients request's (decoded as JSON values);
+    ``need_model=False``: the route knows the model (a store's)."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in (JSON, SAFETENSORS):
         raise UnsupportedMediaType(
@@ -86,7 +89,7 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     else:
         fields = decode(body, settings)
     note_model(request.scope, fields.get("model"))  # the status page counts by model
-    _precheck(fields)
+    _precheck(fields, extra, need_model)
     inputs = fields.get("inputs")
     if isinstance(inputs, dict):  # named inputs: the first one's batch
         inputs = next(iter(inputs.values()), None)
@@ -102,15 +105,17 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     return fields
 
 
-def _precheck(fields: dict[str, Any]) -> None:
+def _precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
+              need_model: bool = True) -> None:
     """What can be refused without the model, refused before queueing (the rest: the worker)."""
-    unknown = sorted(set(fields) - KNOWN_FIELDS)
+    known = KNOWN_FIELDS | extra
+    unknown = sorted(set(fields) - known)
     if unknown:
         raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_FIELDS))}",
+            f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(known))}",
             unknown=unknown,
         )
-    if not isinstance(fields.get("model"), str) or not fields["model"]:
+    if need_model and (not isinstance(fields.get("model"), str) or not fields["model"]):
         raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
 
 

@@ -25,6 +25,7 @@ from service.config import Settings
 from service.jobs import Broker
 from service.keyring import Keyring
 from service.registry import ModelRegistry
+from service.stores import StoreFiles, make_store_files
 from service.tenants import TENANT_NAME, Tenant
 from service.worker import WorkerPool
 
@@ -39,6 +40,7 @@ class AppState:
     metrics: Metrics
     workers: WorkerPool | None = None
     keyring: Keyring = field(default_factory=Keyring)  # default: no keys (dev mode)
+    stores: StoreFiles = field(default_factory=lambda: make_store_files(Settings()))
 
     async def ready(self, *, need_worker: bool = True) -> bool:
         """The broker answers and (``need_worker``) a worker serves the queue (the pool's, or

@@ -4,10 +4,13 @@ the same request."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,6 +48,8 @@ def settings(**overrides: Any) -> Settings:
         "api_keys": "",
         "admin_keys": "",
         "device": "cpu",
+        # gradient stores: never the user's own data directory
+        "data_dir": str(Path(tempfile.gettempdir()) / f"psgrad-test-data-{os.getpid()}"),
     }
     return Settings(**{**base, **overrides})
 

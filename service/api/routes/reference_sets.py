@@ -17,12 +17,13 @@ from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import NotFound
 from service.api.body import decode_request
-from service.api.deps import ApiKey, Scope, ScopeDep, StateDep, TenantDep
+from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
 from service.api.schemas import MODEL_ID, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
 from service.reference_sets import check_size, checked_id, joined, make_set, set_request, split
 from service.reference_store import set_key
+from service.tenants import Tenant
 from service.validate import parse_request
 
 # Documented, not checked by FastAPI: the store refuses another id itself (400).
@@ -41,6 +42,17 @@ def _key(scope: Scope, set_id: str) -> str:
 def _missing(set_id: str) -> NotFound:
     return NotFound(f"reference set '{set_id}' not found: create it with "
                     f"PUT /reference-sets/{set_id}")
+
+
+async def split_answer(state: AppState, tenant: Tenant, fields: dict[str, Any]) -> dict[str, Any]:
+    """The answer of a batch of any size: jobs of at most ``PSGRAD_MAX_BATCH_SIZE`` samples, in
+    the tenant's fair share and quotas, their answers joined (one model version: checked)."""
+    deadline = time.time() + state.settings.request_timeout_s
+    jobs = [Job(new_job_id(), part, deadline=deadline, tenant=tenant.name)
+            for part in split(fields, state.settings.max_batch_size)]
+    for job in jobs:
+        await state.broker.submit(job, tenant.quotas)
+    return joined(list(await asyncio.gather(*(answer_of(state, job) for job in jobs))))
 
 
 @router.put(
@@ -66,12 +78,7 @@ async def put_reference_set(
         return asked
 
     fields = await run_in_threadpool(check)
-    deadline = time.time() + state.settings.request_timeout_s
-    jobs = [Job(new_job_id(), part, deadline=deadline, tenant=tenant.name)
-            for part in split(fields, state.settings.max_batch_size)]
-    for job in jobs:
-        await state.broker.submit(job, tenant.quotas)
-    result = joined(list(await asyncio.gather(*(answer_of(state, job) for job in jobs))))
+    result = await split_answer(state, tenant, fields)
 
     def keep() -> dict[str, Any]:
         ref = replace(make_set(set_id, fields, result, registry), tenant=scope.owner)

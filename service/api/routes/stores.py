@@ -1,0 +1,258 @@
+"""``/stores``: gradient stores. ``PUT`` defines one, ``POST .../samples`` adds a batch's
+sketches under the caller's ids, ``POST .../query`` ranks the store for test samples (or their
+sketches), ``GET`` describes it, ``DELETE`` removes it (docs/attribution.md).
+
+Sketches are computed by the workers as ordinary ``projection`` jobs, in the caller's fair share
+and quotas, as ``PUT /reference-sets`` makes its jobs; the api writes and reads the files
+(:mod:`service.stores`), in a thread. Store ids are each tenant's own (another tenant's store is
+a 404); an admin reaches another tenant's with ``?tenant=<name>``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from psgrad._errors import Conflict, InvalidInput, NotFound
+from psgrad._wire import JSON, SAFETENSORS, array_from_json
+from service.api.body import decode_request, loads, read_body
+from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
+from service.api.docs import schema_ref
+from service.api.routes.reference_sets import split_answer
+from service.api.schemas import MODEL_ID, MODEL_REF, TENSOR_DOC, Tensor, errors
+from service.reference_sets import checked_id
+from service.reference_store import set_key
+from service.stores.files import Manifest, refuse_duplicates
+from service.stores.query import SCORES, check_k, check_score, search
+from service.stores.requests import check_fixed, make_spec, sketch_request
+from service.stores.spec import DTYPES, StoreSpec, checked_ids, finite_float, positive_int
+from service.strategies.projection import MAX_DIM
+from service.tenants import Tenant
+from service.validate import parse_request
+
+StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
+router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
+SAMPLES_EXTRA = frozenset({"ids", "projection_kind"})
+QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches", "projection_kind"})
+
+
+class StoreBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(pattern=MODEL_REF, description="model id, or id@version; the store pins "
+                       "the version")
+    loss: str | None = Field(None, description="default: the model's default loss")
+    params: list[str] | None = Field(None, min_length=1, description="default: every parameter")
+    projection_dim: int = Field(description="k, the entries of each sample's sketch", ge=1,
+                                le=MAX_DIM)
+    projection_seed: int = Field(0, ge=0, lt=2**63)
+    projection_kind: str | None = Field(None, description="default: psgrad's default kind")
+    dtype: Literal[DTYPES] = Field("float32", description="how rows are kept")  # type: ignore
+
+
+class SampleBatch(BaseModel):
+    """Test or training samples; the store fixes the model version, loss, parameters and
+    projection (sending them is allowed only with the store's own values)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, pattern=MODEL_REF, description="the store's model, if sent")
+    inputs: Tensor | dict[str, Tensor] | None = Field(None, description=TENSOR_DOC)
+    targets: Tensor | None = None
+    next_inputs: Tensor | None = None
+    rewards: Tensor | None = None
+    dones: Tensor | None = None
+
+
+class SamplesBody(SampleBatch):
+    inputs: Tensor | dict[str, Tensor] = Field(description=TENSOR_DOC)
+    ids: list[int | str] = Field(min_length=1, description="one per sample: integers or strings "
+                                 "of 1 to 128 printable characters, new to the store")
+
+
+class QueryBody(SampleBatch):
+    k: int = Field(10, ge=1, description="the best k training samples of each query")
+    score: Literal[SCORES] = "dot"  # type: ignore[valid-type]
+    lambda_: float | None = Field(None, alias="lambda", ge=0, description="trak only; "
+                                  "default: trace(Phi^T Phi) / k")
+    sketches: Tensor | None = Field(None, description="[queries, k] instead of a batch")
+
+
+def _body(model: type[BaseModel], description: str) -> dict[str, Any]:
+    content: dict[str, Any] = {JSON: {"schema": schema_ref(model)}}
+    if model is not StoreBody:
+        content[SAFETENSORS] = {"schema": {"type": "string", "format": "binary"}}
+    return {"requestBody": {"required": True, "description": description, "content": content}}
+
+
+def _key(scope: Scope, store_id: str) -> str:
+    return set_key(scope.owner, checked_id(store_id))
+
+
+def _missing(store_id: str) -> NotFound:
+    return NotFound(f"store '{store_id}' not found: create it with PUT /stores/{store_id}")
+
+
+def _doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
+    """``GET /stores/{id}``: the definition and what is committed."""
+    return {**spec.doc(), "samples": manifest.count, "bytes": manifest.nbytes,
+            "shards": len(manifest.shards), "commits": manifest.seq,
+            "state": "ready" if manifest.count else "empty"}
+
+
+def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
+    spec = state.stores.spec(key)
+    if spec is None:
+        raise _missing(store_id)
+    return spec
+
+
+async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any]
+                    ) -> np.ndarray:
+    """The batch's sketches, computed by the workers (several jobs past the batch limit)."""
+    result = await split_answer(state, tenant, job)
+    if str(result["model"]) != spec.model:
+        raise Conflict(f"the sketches came from {result['model']}, not the store's {spec.model}; "
+                       "send the batch again")
+    return np.asarray(result["projection"], dtype=np.float32)
+
+
+@router.put("/{store_id}", openapi_extra=_body(StoreBody, "the store's definition"),
+            responses=errors(400, 401, 403, 404, 409, 422),
+            summary="Define a gradient store (201; the same definition again: 200)")
+async def put_store(store_id: StoreId, request: Request, state: StateDep,
+                    scope: ScopeDep) -> JSONResponse:
+    body = loads(await read_body(request, state.settings.max_body_bytes))
+
+    def make() -> tuple[dict[str, Any], bool]:
+        spec = make_spec(store_id, body, state.registry, scope.owner)
+        stored, created = state.stores.create(_key(scope, store_id), spec)
+        return _doc(stored, state.stores.manifest(_key(scope, store_id))), created
+
+    doc, created = await run_in_threadpool(make)
+    return JSONResponse(doc, status_code=201 if created else 200)
+
+
+@router.get("/{store_id}", responses=errors(400, 401, 403, 404),
+            summary="A store's definition, committed samples, bytes and state")
+async def get_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
+    key = _key(scope, store_id)
+
+    def read() -> dict[str, Any]:
+        spec = _spec(state, key, store_id)
+        return _doc(spec, state.stores.manifest(key))
+
+    return await run_in_threadpool(read)
+
+
+@router.delete("/{store_id}", responses=errors(400, 401, 403, 404), summary="Delete a store")
+async def delete_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
+    if not await run_in_threadpool(state.stores.delete, _key(scope, store_id)):
+        raise _missing(store_id)
+    return {"id": store_id, "deleted": True}
+
+
+@router.post("/{store_id}/samples",
+             openapi_extra=_body(SamplesBody, "a batch (inputs, targets, ...) and 'ids', one "
+                                 "per sample: integers or short strings"),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504),
+             summary="Add a batch's sketches under the caller's ids (all or nothing)")
+async def add_samples(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
+                      scope: ScopeDep) -> dict[str, Any]:
+    """The batch is sketched by the workers with the store's model version, loss, parameters
+    and projection, then committed whole: an id already in the store refuses the whole batch
+    (409, listing them), so a retry of a batch that was added is refused, never doubled."""
+    fields = await decode_request(request, state.settings, one_job=False, extra=SAMPLES_EXTRA,
+                                  need_model=False)
+    key, raw_ids = _key(scope, store_id), fields.pop("ids", None)
+
+    def check() -> tuple[StoreSpec, dict[str, Any], list[int | str], str]:
+        spec = _spec(state, key, store_id)
+        job = sketch_request(spec, fields, f"POST /stores/{store_id}/samples")
+        parsed = parse_request(job, state.registry)  # the whole batch, before any job runs
+        ids, kind = checked_ids(raw_ids, parsed.batch.size)
+        refuse_duplicates(spec.id, state.stores.ids(key, state.stores.manifest(key)), ids)
+        return spec, job, ids, kind
+
+    spec, job, ids, kind = await run_in_threadpool(check)
+    sketches = await _sketches(state, tenant, spec, job)
+
+    def keep() -> dict[str, Any]:
+        manifest = state.stores.append(key, spec, ids, kind, sketches)
+        return {**_doc(spec, manifest), "added": len(ids)}
+
+    return await run_in_threadpool(keep)
+
+
+@router.post("/{store_id}/query",
+             openapi_extra=_body(QueryBody, "k, score, lambda, and either a batch (inputs, "
+                                 "targets, ...) or its 'sketches' [queries, k]; no samples "
+                                 "for score self_influence"),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504),
+             summary="The top k training samples of each test sample: ids and scores")
+async def query_store(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
+                      scope: ScopeDep) -> dict[str, Any]:
+    """Answers ``ids`` and ``scores``, each ``[queries, k]`` (``[1, k]`` for
+    ``self_influence``), best first, over the samples committed when the query starts."""
+    fields = await decode_request(request, state.settings, one_job=False, extra=QUERY_EXTRA,
+                                  need_model=False)
+    key = _key(scope, store_id)
+    k = positive_int(fields.pop("k", 10), "k")
+    score = check_score(fields.pop("score", "dot"))
+    lam = fields.pop("lambda", None)
+    if lam is not None:
+        if score != "trak":
+            raise InvalidInput("'lambda' is read by score 'trak' only")
+        lam = finite_float(lam, "lambda")
+    given = fields.pop("sketches", None)
+
+    def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
+        spec = _spec(state, key, store_id)
+        rest = check_fixed(spec, fields, "this query")
+        check_k(state.stores.manifest(key), k, store_id)
+        batch = any(rest.get(f) is not None for f in ("inputs", "targets", "next_inputs"))
+        if score == "self_influence":
+            if batch or given is not None:
+                raise InvalidInput("score 'self_influence' ranks the store by itself: send no "
+                                   "samples or sketches")
+            return spec, None, None
+        if given is not None:
+            if batch:
+                raise InvalidInput("send test samples (inputs, ...) or their 'sketches', not both")
+            return spec, None, _query_sketches(given, spec, state.settings.max_elements)
+        if not batch:
+            raise InvalidInput(f"score '{score}' needs test samples (inputs, targets, ...) or "
+                               f"their 'sketches' [queries, {spec.projection_dim}]")
+        job = sketch_request(spec, fields, "this query")
+        parse_request(job, state.registry)
+        return spec, job, None
+
+    spec, job, sketches = await run_in_threadpool(check)
+    if job is not None:
+        sketches = await _sketches(state, tenant, spec, job)
+
+    def run() -> dict[str, Any]:
+        found = search(state.stores, key, store_id, sketches, k, score, lam)
+        out = {"ids": state.stores.id_at(key, found.manifest, found.rows),
+               "scores": found.scores.tolist(), "score": score, "k": k,
+               "samples": found.manifest.count}
+        if found.lam is not None:
+            out["lambda"] = found.lam
+        return out
+
+    return await run_in_threadpool(run)
+
+
+def _query_sketches(raw: Any, spec: StoreSpec, max_elements: int) -> np.ndarray:
+    arr = raw if isinstance(raw, np.ndarray) else array_from_json(
+        raw, name="sketches", max_elements=max_elements)
+    arr = np.asarray(arr, dtype=np.float64)
+    if arr.ndim != 2 or arr.shape[1] != spec.projection_dim or not len(arr):
+        raise InvalidInput(f"'sketches' has shape {list(arr.shape)}; expected [queries, "
+                           f"{spec.projection_dim}] (made with the store's projection)")
+    if not np.isfinite(arr).all():
+        raise InvalidInput("'sketches' holds values that are not finite")
+    return arr

@@ -1,0 +1,308 @@
+"""Gradient stores as files: shards written as batches arrive, made visible by a manifest.
+
+Under the data directory (a local path or any fsspec URL: ``s3://bucket/psgrad``, ...)::
+
+    stores/<key>/spec.json                  the StoreSpec; the store exists while this file does
+    stores/<key>/manifest.json              the committed state: shards in order, the Gram file
+    stores/<key>/shard-<uuid>.safetensors   ``sketches`` [n, k] in the store's dtype, ``norms``
+                                            [n] (float64, of the stored rows), metadata ``ids``
+                                            (a JSON list: the caller's sample ids)
+    stores/<key>/gram-<seq>.safetensors     ``gram`` [k, k] float64: Phi^T Phi of every
+                                            committed row (TRAK's preconditioner)
+
+An append is staged, then committed. :meth:`StoreFiles.stage` writes the batch's shards (at most
+``PSGRAD_STORE_SHARD_BYTES`` of rows each) under fresh names that no manifest lists yet.
+:meth:`StoreFiles.commit`, under the store's lock, checks the ids against the committed ones,
+writes the new Gram matrix (the old one plus the batch's, in float64) and then the new manifest:
+a whole file written beside it and renamed over it (one object PUT on an object store), the one
+step that makes the batch visible. A process that dies before the rename leaves only files no
+manifest names (ignored, removed with the store); a reader holding the previous manifest keeps
+reading exactly what it committed, because committed shards are never rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
+from service.lru import LockedLRU
+from service.stores.locks import Locks
+from service.stores.spec import StoreSpec
+
+SPEC, MANIFEST = "spec.json", "manifest.json"
+GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its own
+ListedIds = tuple[int | str, ...]
+# the ids of committed shards (immutable files), read from their headers once
+_IDS: LockedLRU[tuple[str, str], ListedIds] = LockedLRU(65536, budget=64 << 20,
+                                                      weigh=lambda ids: 16 + 64 * len(ids))
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str
+    rows: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A store's committed state; ``seq`` counts commits."""
+
+    seq: int = 0
+    shards: tuple[Shard, ...] = ()
+    gram: str | None = None
+    id_kind: str | None = None  # "int" or "str", fixed by the first batch
+
+    @property
+    def count(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"seq": self.seq, "gram": self.gram, "id_kind": self.id_kind,
+                           "shards": [vars(s) for s in self.shards]}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Manifest:
+        d = json.loads(raw)
+        return cls(int(d["seq"]), tuple(Shard(**s) for s in d["shards"]), d["gram"],
+                   d["id_kind"])
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A batch written as shards, not yet committed."""
+
+    key: str
+    shards: tuple[Shard, ...]
+    ids: tuple[int | str, ...]
+    id_kind: str
+    gram: np.ndarray = field(repr=False)
+
+
+class StoreFiles:
+    """Every store of one data directory; safe to call from threads and processes."""
+
+    def __init__(self, url: str, locks: Locks, shard_bytes: int = 64 << 20) -> None:
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.locks = locks
+        self.shard_bytes = shard_bytes
+
+    def path(self, key: str, name: str = "") -> str:
+        return posixpath.join(self.root, "stores", key, name) if name else posixpath.join(
+            self.root, "stores", key)
+
+    # --- whole files ---------------------------------------------------------------------
+
+    def _write(self, path: str, data: bytes) -> None:
+        """``data`` at ``path`` all at once: written beside it, then renamed over it."""
+        tmp = posixpath.join(posixpath.dirname(path), f".tmp-{uuid.uuid4().hex}")
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, path)
+
+    def _read(self, path: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+
+    def _rm(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    # --- the store's records ---------------------------------------------------------------
+
+    def spec(self, key: str) -> StoreSpec | None:
+        raw = self._read(self.path(key, SPEC))
+        return StoreSpec.from_json(raw) if raw is not None else None
+
+    def manifest(self, key: str) -> Manifest:
+        raw = self._read(self.path(key, MANIFEST))
+        return Manifest.from_json(raw) if raw is not None else Manifest()
+
+    def create(self, key: str, spec: StoreSpec) -> tuple[StoreSpec, bool]:
+        """Make the store (True), or find the same one already made (False); another store
+        of that id is a conflict."""
+        with self.locks.hold(key):
+            found = self.spec(key)
+            if found is not None:
+                if not found.same_as(spec):
+                    raise Conflict(f"store '{spec.id}' exists with another definition (model "
+                                   f"{found.model}, loss {found.loss}, projection_dim "
+                                   f"{found.projection_dim}, ...): DELETE it first, or use "
+                                   "another id", existing=found.doc())
+                return found, False
+            self.fs.makedirs(self.path(key), exist_ok=True)
+            self._write(self.path(key, MANIFEST), Manifest().to_json())
+            self._write(self.path(key, SPEC), spec.to_json())  # now it exists
+            return spec, True
+
+    def delete(self, key: str) -> bool:
+        with self.locks.hold(key):
+            if self.spec(key) is None:
+                return False
+            self._rm(self.path(key, SPEC))  # gone at once; then its files
+            self.fs.rm(self.path(key), recursive=True)
+            return True
+
+    # --- appending ---------------------------------------------------------------------------
+
+    def stage(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
+              sketches: np.ndarray) -> Staged:
+        """Write a batch's rows as new shards (listed by no manifest yet)."""
+        rows = stored_rows(spec, sketches)
+        wide = rows.astype(np.float64)
+        gram = wide.T @ wide
+        norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))
+        per = max(1, self.shard_bytes // (spec.projection_dim * spec.itemsize))
+        shards: list[Shard] = []
+        try:
+            for a in range(0, len(rows), per):
+                name = f"shard-{uuid.uuid4().hex}.safetensors"
+                data = st_save({"sketches": np.ascontiguousarray(rows[a:a + per]),
+                                "norms": norms[a:a + per]},
+                               metadata={"ids": json.dumps(ids[a:a + per])})
+                self._write(self.path(key, name), data)
+                shards.append(Shard(name, len(rows[a:a + per]), len(data)))
+        except BaseException:
+            self.discard(Staged(key, tuple(shards), (), id_kind, gram))
+            raise
+        return Staged(key, tuple(shards), tuple(ids), id_kind, gram)
+
+    def discard(self, staged: Staged) -> None:
+        for shard in staged.shards:
+            self._rm(self.path(staged.key, shard.file))
+
+    def commit(self, staged: Staged) -> Manifest:
+        """Make a staged batch part of the store, all of it or (refused) none of it."""
+        key = staged.key
+        try:
+            with self.locks.hold(key):
+                spec = self.spec(key)
+                if spec is None:
+                    raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted")
+                old = self.manifest(key)
+                if old.id_kind not in (None, staged.id_kind):
+                    raise InvalidInput(f"store '{spec.id}' holds {old.id_kind} ids; this batch "
+                                       f"sends {staged.id_kind} ids: use one kind per store")
+                refuse_duplicates(spec.id, self.ids(key, old), staged.ids)
+                gram = self.gram(key, old)
+                seq = old.seq + 1
+                new = Manifest(seq, old.shards + staged.shards, f"gram-{seq}.safetensors",
+                               staged.id_kind if old.count == 0 else old.id_kind)
+                self._write(self.path(key, new.gram or ""),
+                            st_save({"gram": staged.gram if gram is None else gram + staged.gram}))
+                self._write(self.path(key, MANIFEST), new.to_json())  # the commit
+        except BaseException:
+            self.discard(staged)
+            raise
+        if seq > GRAM_KEEP:
+            self._rm(self.path(key, f"gram-{seq - GRAM_KEEP}.safetensors"))
+        return new
+
+    def append(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
+               sketches: np.ndarray) -> Manifest:
+        return self.commit(self.stage(key, spec, ids, id_kind, sketches))
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def ids_of(self, key: str, shard: Shard) -> ListedIds:
+        """A committed shard's ids, from its header alone (cached: shards never change)."""
+        def read() -> ListedIds:
+            with self.fs.open(self.path(key, shard.file), "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            return tuple(json.loads(header["__metadata__"]["ids"]))
+
+        return _IDS.get_or_make((self.url, self.path(key, shard.file)), read)
+
+    def ids(self, key: str, manifest: Manifest) -> set[int | str]:
+        return {i for shard in manifest.shards for i in self.ids_of(key, shard)}
+
+    def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:
+        """Phi^T Phi over what ``manifest`` commits (None for an empty store)."""
+        if manifest.gram is None:
+            return None
+        raw = self._read(self.path(key, manifest.gram))
+        if raw is None:
+            raise FileNotFoundError(manifest.gram)  # replaced since: the caller reads again
+        return st_load(raw)["gram"]
+
+    def rows(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray,
+                                                                  np.ndarray]]:
+        """``(offset, sketches, norms)`` of each shard in order, one shard in memory at a time."""
+        offset = 0
+        for shard in manifest.shards:
+            raw = self._read(self.path(key, shard.file))
+            if raw is None:
+                raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted")
+            tensors = st_load(raw)
+            del raw
+            yield offset, tensors["sketches"], tensors["norms"]
+            offset += shard.rows
+
+    def norms(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray]]:
+        """``(offset, norms)`` of each shard, reading only that tensor's bytes."""
+        offset = 0
+        for shard in manifest.shards:
+            path = self.path(key, shard.file)
+            with self.fs.open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                entry = json.loads(f.read(size))["norms"]
+                start, stop = entry["data_offsets"]
+                f.seek(8 + size + start)
+                norms = np.frombuffer(f.read(stop - start), dtype="<f8")
+            yield offset, norms
+            offset += shard.rows
+
+    def id_at(self, key: str, manifest: Manifest, rows: np.ndarray) -> list[Any]:
+        """The ids of global row numbers ``rows`` (any shape), as nested lists."""
+        starts = np.cumsum([0] + [s.rows for s in manifest.shards])
+        which = np.searchsorted(starts, rows, side="right") - 1
+        flat = [self.ids_of(key, manifest.shards[s])[r - starts[s]]
+                for s, r in zip(which.ravel().tolist(), rows.ravel().tolist(), strict=True)]
+        return np.asarray(flat, dtype=object).reshape(rows.shape).tolist()
+
+
+def refuse_duplicates(store_id: str, committed: set[int | str],
+                      ids: Sequence[int | str]) -> None:
+    """An id already in the store refuses the whole batch (409, the ids listed): a sample is
+    added once; appending it again is a mistake or a retry that already succeeded."""
+    twice = [i for i in ids if i in committed]
+    if twice:
+        raise Conflict(f"store '{store_id}' already holds {len(twice)} of these ids (first: "
+                       f"{twice[0]!r}): nothing of this batch was added; send only new ids (the "
+                       "SDK skips the ids a store holds), or DELETE the store to start over",
+                       duplicates=twice[:100], count=len(twice))
+
+
+def stored_rows(spec: StoreSpec, sketches: np.ndarray) -> np.ndarray:
+    """The sketches in the store's dtype; a value past float16's range is refused, not kept
+    as infinity."""
+    if not np.isfinite(sketches).all():
+        raise NonFinite("the model's sketches of this batch are not finite (a loss or gradient "
+                        "overflowed): check the inputs and the weights")
+    top = float(np.abs(sketches).max(initial=0.0))
+    if top > float(np.finfo(spec.dtype).max):
+        raise InvalidInput(f"the sketches reach {top:.3g}, past {spec.dtype}'s range: make the "
+                           "store with dtype float32")
+    return np.ascontiguousarray(sketches, dtype=spec.dtype)
+
+
+__all__ = ["Manifest", "Shard", "Staged", "StoreFiles", "refuse_duplicates", "stored_rows"]

@@ -1,0 +1,143 @@
+"""Top-k queries over a store, streamed one shard at a time.
+
+The scores of a test sketch ``q`` against a store's row ``phi_i`` (both made with the store's
+model version, loss, parameters and projection):
+
+- ``dot``: ``<q, phi_i>``, TracIn's score (one checkpoint, unit step);
+- ``cosine``: ``<q, phi_i> / (|q| |phi_i|)`` (0 where a norm is 0);
+- ``trak``: ``q^T (Phi^T Phi + lambda I)^-1 phi_i``, TRAK's score (its ``Phi^T Phi`` is the Gram
+  matrix of every committed row, accumulated in float64 as batches are committed). ``lambda``
+  is the query's, else ``trace(Phi^T Phi) / k`` (:data:`LAMBDA_RULE`, the mean eigenvalue): a
+  rule that reads the store alone, never a retrained model;
+- ``self_influence``: ``|phi_i|^2``, the store ranked by itself (no test samples).
+
+Each shard's rows are widened to float32 and multiplied by the queries (one GEMM per shard); the
+best ``k`` of each query are kept as the shards go by, so memory holds one shard, its ``[queries,
+shard rows]`` scores and the running best, never the store. Ties go to the earlier row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from psgrad._errors import Conflict, InvalidInput
+from service.stores.files import Manifest, StoreFiles
+
+SCORES = ("dot", "cosine", "trak", "self_influence")
+LAMBDA_RULE = "trace(Phi^T Phi) / k"
+
+
+@dataclass(frozen=True)
+class Found:
+    """A query's answer: global row numbers and scores ``[queries, k]``, best first."""
+
+    manifest: Manifest
+    rows: np.ndarray
+    scores: np.ndarray
+    lam: float | None = None  # the lambda of a trak query
+
+
+def check_score(score: object) -> str:
+    if score not in SCORES:
+        raise InvalidInput(f"unknown score {score!r}; known: {', '.join(SCORES)}",
+                           known=list(SCORES))
+    return str(score)
+
+
+def check_k(manifest: Manifest, k: int, store_id: str) -> None:
+    if manifest.count == 0:
+        raise Conflict(f"store '{store_id}' is empty: add samples with POST "
+                       f"/stores/{store_id}/samples first")
+    if k > manifest.count:
+        raise InvalidInput(f"k={k} but store '{store_id}' holds {manifest.count} samples: ask "
+                           f"for k <= {manifest.count}", k=k, samples=manifest.count)
+
+
+def default_lambda(gram: np.ndarray) -> float:
+    """:data:`LAMBDA_RULE`; 1.0 for an all-zero store (any positive value then serves)."""
+    lam = float(np.trace(gram)) / gram.shape[0]
+    return lam if lam > 0 else 1.0
+
+
+def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | None, k: int,
+           score: str, lam: float | None = None) -> Found:
+    """The best ``k`` rows of each query over what the store has committed now."""
+    for attempt in range(3):
+        manifest = files.manifest(key)
+        check_k(manifest, k, store_id)
+        try:
+            return _search(files, key, manifest, sketches, k, score, lam)
+        except FileNotFoundError:  # its Gram file was replaced meanwhile: read the new state
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarray | None,
+            k: int, score: str, lam: float | None) -> Found:
+    best = Best(1 if sketches is None else len(sketches), k)
+    if score == "self_influence":
+        for offset, norms in files.norms(key, manifest):
+            best.add(np.square(norms)[None, :], offset)
+        return Found(manifest, *best.result())
+    assert sketches is not None
+    q: np.ndarray = sketches.astype(np.float64)
+    if score == "trak":
+        gram = files.gram(key, manifest)
+        assert gram is not None  # a store with rows has one
+        lam = default_lambda(gram) if lam is None else lam
+        try:
+            q = np.linalg.solve(gram + lam * np.eye(len(gram)), q.T).T
+        except np.linalg.LinAlgError:
+            raise InvalidInput(f"Phi^T Phi + {lam:g} I is singular: send a 'lambda' > 0, or "
+                               "leave it out for the default") from None
+    elif score == "cosine":
+        size = np.linalg.norm(q, axis=1, keepdims=True)
+        q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)
+    qm = q.astype(np.float32)
+    for offset, rows, norms in files.rows(key, manifest):
+        scores = qm @ rows.astype(np.float32).T
+        if score == "cosine":
+            scores = np.divide(scores, norms, out=np.zeros(scores.shape), where=norms > 0)
+        best.add(scores, offset)
+    return Found(manifest, *best.result(), lam=lam if score == "trak" else None)
+
+
+class Best:
+    """The ``k`` best scores of each of ``queries`` rows so far, with their row numbers."""
+
+    def __init__(self, queries: int, k: int) -> None:
+        self.k = k
+        self.scores = np.empty((queries, 0))
+        self.rows = np.empty((queries, 0), np.int64)
+
+    def add(self, scores: np.ndarray, offset: int) -> None:
+        rows = np.broadcast_to(np.arange(offset, offset + scores.shape[1]), scores.shape)
+        scores, rows = _best(scores, rows, self.k)
+        self.scores, self.rows = _best(np.concatenate([self.scores, scores], 1),
+                                       np.concatenate([self.rows, rows], 1), self.k)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, scores), best first, ties by row."""
+        order = np.lexsort((self.rows, -self.scores), axis=1)
+        return (np.take_along_axis(self.rows, order, 1),
+                np.take_along_axis(self.scores, order, 1))
+
+
+def _best(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` highest of each row of ``scores`` (ties: the lower row number), unordered."""
+    n = scores.shape[1]
+    if n <= k:
+        return scores, rows
+    kth = np.partition(scores, n - k, axis=1)[:, n - k : n - k + 1]
+    keep = scores >= kth
+    if (keep.sum(1) == k).all():  # no tie at the k-th score: one gather
+        return scores[keep].reshape(-1, k), rows[keep].reshape(-1, k)
+    out_s, out_r = np.empty((len(scores), k)), np.empty((len(scores), k), np.int64)
+    for i in range(len(scores)):
+        idx = np.flatnonzero(keep[i])
+        idx = idx[np.lexsort((rows[i, idx], -scores[i, idx]))[:k]]
+        out_s[i], out_r[i] = scores[i, idx], rows[i, idx]
+    return out_s, out_r

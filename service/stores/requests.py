@@ -1,0 +1,99 @@
+"""From ``/stores`` bodies to stores and jobs: the spec a ``PUT`` defines, and the projection
+request that computes a batch's sketches for ``samples`` and ``query``.
+
+A store's sketches are an ordinary ``projection`` request's answer (the one ``POST
+/per-sample-grads`` gives), run as jobs in the caller's fair share: the body brings the batch
+(``inputs``, ``targets``, ...), the store brings everything else (its pinned model version,
+loss, parameters and projection), so no batch can be sketched differently from the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psgrad._errors import BadRequest, Conflict, InvalidInput
+from service.attribution import projection_of
+from service.reference_sets import SAMPLE_FIELDS, checked_id
+from service.registry import ModelRegistry
+from service.stores.spec import StoreSpec, check_dtype, integral
+from service.strategies import projection as _projection
+from service.validate import KNOWN_FIELDS, check_options
+
+# the sketch kinds psgrad makes (the first is the default): the projection module's own list
+KINDS: tuple[str, ...] = getattr(_projection, "KINDS", (_projection.KRONECKER,))
+_KIND_FIELD = "projection_kind" in KNOWN_FIELDS  # requests name the kind
+SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
+               "projection_kind", "dtype")
+BATCH_FIELDS = (*SAMPLE_FIELDS, "model", "verify", "verify_seed")
+FIXED_FIELDS = ("loss", "params", "projection_dim", "projection_seed", "projection_kind")
+
+
+def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) -> StoreSpec:
+    """The store a ``PUT /stores/{id}`` body defines, checked against its model."""
+    checked_id(store_id)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object: model, projection_dim, and optionally "
+                         "loss, params, projection_seed, projection_kind, dtype")
+    unknown = sorted(set(body) - set(SPEC_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown fields: {', '.join(unknown)}; a store takes "
+                         f"{', '.join(SPEC_FIELDS)}", unknown=unknown)
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
+    if body.get("projection_dim") is None:
+        raise InvalidInput("'projection_dim' is required: a store keeps sketches of k entries "
+                           "per sample (k up to 8192)")
+    kind = body.get("projection_kind") or KINDS[0]
+    if kind not in KINDS:
+        raise InvalidInput(f"unknown projection_kind {kind!r}; known: {', '.join(KINDS)} "
+                           f"(default {KINDS[0]})", known=list(KINDS))
+    model = registry.get(body["model"])
+    asked = {k: integral(body.get(k)) if k.startswith("projection") else body.get(k)
+             for k in ("loss", "params", "projection_dim", "projection_seed")}
+    if _KIND_FIELD:
+        asked["projection_kind"] = kind
+    opts = check_options({**asked, "outputs": ["projection"]}, model)
+    proj = projection_of(asked, ["projection"])
+    assert proj is not None
+    return StoreSpec(id=store_id, model=model.ref, loss=opts.loss, params=opts.params,
+                     projection_dim=proj.k, projection_seed=proj.seed, projection_kind=kind,
+                     dtype=check_dtype(body.get("dtype")), tenant=tenant)
+
+
+def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
+    """``fields`` without what the store fixes (loss, parameters, projection), each of which
+    may be sent only with the store's own value: sketches of another kind, k or seed, or of
+    another loss, are never mixed into a store or scored against it."""
+    fields = dict(fields)
+    for name in FIXED_FIELDS:
+        given, want = fields.pop(name, None), getattr(spec, name)
+        same = (given is None or (set(given) == set(want) if name == "params"
+                                  and isinstance(given, list) else given == want))
+        if not same:
+            raise Conflict(f"store '{spec.id}' holds sketches made with {name} {want!r}; {what} "
+                           f"sends {given!r}: leave '{name}' out (the store's applies), or use a "
+                           f"store made with {name} {given!r}", field=name, store=want,
+                           sent=given)
+    return fields
+
+
+def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
+    """The projection request of a body's batch under ``spec`` (``what``: the route, for the
+    messages)."""
+    fields = check_fixed(spec, fields, what)
+    extra = sorted(k for k in fields if k not in BATCH_FIELDS and fields[k] is not None)
+    if extra:
+        raise InvalidInput(f"{what} takes a batch ({', '.join(SAMPLE_FIELDS)}); the store fixes "
+                           f"the rest: leave out {', '.join(extra)}", fields=extra)
+    asked = fields.get("model")
+    model_id = spec.model.partition("@")[0]
+    if asked is not None and asked not in (model_id, spec.model):
+        raise Conflict(f"store '{spec.id}' holds sketches of model {spec.model}; {what} "
+                       f"names {asked!r}: leave 'model' out or send {spec.model}",
+                       store_model=spec.model, model=asked)
+    job = {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
+           "projection_dim": spec.projection_dim, "projection_seed": spec.projection_seed,
+           "outputs": ["projection"]}
+    if _KIND_FIELD:
+        job["projection_kind"] = spec.projection_kind
+    return job

@@ -1,0 +1,133 @@
+"""What a gradient store is: the record ``PUT /stores/{id}`` writes, and the checks of its ids.
+
+A store keeps the sketches of one model version under one loss and projection, so that every
+sample's row is comparable with every other's and with a test sample's sketch made the same way.
+Its record pins all of it: the model as ``id@version`` (a store made on ``mlp`` keeps using the
+version it was made with, even after new weights are registered), the loss, the selected
+parameters, ``projection_dim``, ``projection_seed``, ``projection_kind`` and the storage ``dtype``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from psgrad._errors import BadRequest, InvalidInput
+from service.tenants import DEFAULT_TENANT
+
+DTYPES = ("float32", "float16")
+MAX_ID_CHARS = 128  # a string id: short, one line
+ID_KINDS = ("int", "str")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """One store's definition, fixed when it is made."""
+
+    id: str
+    model: str  # id@version: pinned
+    loss: str
+    params: tuple[str, ...]
+    projection_dim: int
+    projection_seed: int
+    projection_kind: str
+    dtype: str  # float32 or float16: how rows are kept on disk
+    tenant: str = DEFAULT_TENANT
+    created: float = field(default_factory=time.time)
+
+    def same_as(self, other: StoreSpec) -> bool:
+        """Both describe one store (all but the creation time): a repeated PUT is a no-op."""
+        return asdict(self) | {"created": 0} == asdict(other) | {"created": 0}
+
+    def to_json(self) -> bytes:
+        return json.dumps({**asdict(self), "params": list(self.params)}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> StoreSpec:
+        d = json.loads(raw)
+        return cls(**{**d, "params": tuple(d["params"])})
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.dtype).itemsize)
+
+    def doc(self) -> dict[str, Any]:
+        """The definition as ``GET /stores/{id}`` shows it."""
+        return {**asdict(self), "params": list(self.params)}
+
+
+def check_dtype(value: Any) -> str:
+    if value is None:
+        return DTYPES[0]
+    if value not in DTYPES:
+        raise InvalidInput(f"'dtype' must be one of {', '.join(DTYPES)} (how the store keeps its "
+                           f"rows; float16 halves the bytes); got {value!r}", accepted=list(DTYPES))
+    return str(value)
+
+
+def id_kind(value: Any) -> str | None:
+    """``int`` or ``str`` for a valid sample id, else None."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return "int" if -(2**63) <= int(value) < 2**63 else None
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and value.isprintable():
+        return "str"
+    return None
+
+
+def checked_ids(raw: Any, count: int) -> tuple[list[int | str], str]:
+    """The batch's sample ids (one per sample, unique, all integers or all short strings) and
+    their kind; a JSON list or, in a safetensors body, an integer tensor."""
+    if isinstance(raw, np.ndarray):
+        if raw.ndim != 1 or raw.dtype.kind not in "iu":
+            raise InvalidInput(f"'ids' as a tensor must be one integer per sample; got dtype "
+                               f"{raw.dtype} and shape {list(raw.shape)}")
+        raw = [int(v) for v in raw]
+    if not isinstance(raw, list):
+        raise InvalidInput("'ids' is required: one id per sample (integers, or strings of 1 to "
+                           f"{MAX_ID_CHARS} printable characters), the names queries answer with")
+    if len(raw) != count:
+        raise InvalidInput(f"'ids' has {len(raw)} entries; the batch has {count} samples: send "
+                           "one id per sample", ids=len(raw), samples=count)
+    kinds = [id_kind(v) for v in raw]
+    bad = [i for i, k in enumerate(kinds) if k is None]
+    if bad:
+        raise InvalidInput(f"'ids' entry {bad[0]} ({raw[bad[0]]!r}) is not a sample id: send "
+                           f"64-bit integers or strings of 1 to {MAX_ID_CHARS} printable "
+                           "characters", positions=bad[:20])
+    if len(set(kinds)) > 1:
+        raise InvalidInput("'ids' mixes integers and strings: use one kind per store")
+    ids: list[int | str] = [int(v) if k == "int" else str(v) for v, k in zip(raw, kinds,
+                                                                             strict=True)]
+    seen: set[int | str] = set()
+    twice = [v for v in ids if v in seen or seen.add(v)]  # type: ignore[func-returns-value]
+    if twice:
+        raise InvalidInput(f"'ids' repeats {len(twice)} ids within the batch (first: "
+                           f"{twice[0]!r}): each sample needs its own id",
+                           duplicates=sorted(set(twice), key=str)[:20])
+    return ids, kinds[0] or "int" if kinds else "int"
+
+
+def integral(value: Any) -> Any:
+    """A JSON number that is a whole number (``3.0``) as an int; anything else as it is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+def positive_int(value: Any, name: str) -> int:
+    value = integral(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest(f"'{name}' must be a positive integer")
+    return value
+
+
+def finite_float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value) or value < 0:
+        raise BadRequest(f"'{name}' must be a finite number >= 0")
+    return float(value)

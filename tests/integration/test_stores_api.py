@@ -1,0 +1,285 @@
+"""Gradient stores through the HTTP api, in both modes (embedded, and Redis with a ``psgrad
+worker`` process): the stored rows equal the ``projection`` output of ``/per-sample-grads`` for
+the same samples, queries equal a numpy reference over those sketches (same top-k ids, scores to
+float tolerance) for every score, each tenant's stores are its own, bad input is a clear 4xx,
+and a worker killed in the middle of an append loses nothing and doubles nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from service import keys
+from service.broker.redis import text
+from service.stores.files import StoreFiles
+from service.stores.locks import ThreadLocks
+from tests.support.api import open_client
+from tests.support.cluster import cluster
+from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
+from tests.support.stores import reference
+
+KEYS = {"api_keys": "alice:alice-key,bob:bob-key", "admin_keys": "ops:ops-key"}
+ALICE, BOB, OPS = ({"authorization": f"Bearer {k}-key"} for k in ("alice", "bob", "ops"))
+MLP = {"sizes": [6, 5, 3]}
+DIM, SEED = 64, 3
+
+
+def batch(n: int, seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {"inputs": rng.standard_normal((n, 6)).astype(np.float32).round(3).tolist(),
+            "targets": rng.integers(0, 3, n).tolist()}
+
+
+def error(r: httpx.Response, status: int, code: str, *words: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["code"] == code, body
+    for word in words:
+        assert word in body["message"], body
+
+
+@pytest.fixture(params=["embedded", "redis"])
+async def service(request: pytest.FixtureRequest, tmp_path: Path
+                  ) -> AsyncIterator[tuple[httpx.AsyncClient, Path]]:
+    """A keyed service with the zoo mlp ``att`` registered; its client and data directory."""
+    data = tmp_path / "data"
+    if request.param == "embedded":
+        async with open_client(data_dir=str(data), **KEYS) as c:
+            await _register(c)
+            yield c, data
+    else:
+        shared = redis_or_skip()
+        with prefix_on(shared) as prefix:
+            async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1, data_dir=str(data),
+                               **KEYS) as c:
+                await _register(c.client)
+                yield c.client, data
+        shared.close()
+
+
+async def _register(c: httpx.AsyncClient) -> None:
+    r = await c.put("/models/att", json={"architecture": "mlp", "config": MLP}, headers=OPS)
+    assert r.status_code == 200, r.text
+
+
+async def projection(c: httpx.AsyncClient, data: dict[str, Any]) -> np.ndarray:
+    """The sketches ``/per-sample-grads`` answers for these samples (the loop-tested path)."""
+    r = await c.post("/per-sample-grads", headers=ALICE, json={
+        "model": "att", **data, "outputs": ["projection"], "projection_dim": DIM,
+        "projection_seed": SEED})
+    assert r.status_code == 200, r.text
+    return np.asarray(r.json()["projection"], dtype=np.float64)
+
+
+async def test_a_store_holds_the_projection_and_answers_as_numpy(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    c, data_dir = service
+    r = await c.put("/stores/train", headers=ALICE, json={
+        "model": "att", "projection_dim": DIM, "projection_seed": SEED})
+    assert r.status_code == 201, r.text
+    doc = r.json()
+    assert doc["model"].startswith("att@") and doc["samples"] == 0 and doc["state"] == "empty"
+    assert (doc["projection_dim"], doc["projection_seed"], doc["dtype"]) == (DIM, SEED, "float32")
+    assert doc["projection_kind"] and doc["loss"] == "cross_entropy" and doc["tenant"] == "alice"
+    again = await c.put("/stores/train", headers=ALICE, json={
+        "model": "att", "projection_dim": DIM, "projection_seed": SEED})
+    assert again.status_code == 200 and again.json()["created"] == doc["created"]
+
+    parts = [batch(5, 1), batch(9, 2), batch(4, 3)]
+    ids = [f"ex-{i}" for i in range(18)]
+    at = 0
+    for part in parts:
+        n = len(part["inputs"])
+        r = await c.post("/stores/train/samples", headers=ALICE,
+                         json={**part, "ids": ids[at:at + n]})
+        assert r.status_code == 200, r.text
+        at += n
+        assert r.json()["samples"] == at and r.json()["added"] == n
+    doc = (await c.get("/stores/train", headers=ALICE)).json()
+    assert doc["samples"] == 18 and doc["state"] == "ready" and doc["bytes"] > 18 * DIM * 4
+
+    # the rows are /per-sample-grads' projection of the same samples, in the order added
+    train = {k: [v for p in parts for v in p[k]] for k in ("inputs", "targets")}
+    phi = await projection(c, train)
+    files = StoreFiles(str(data_dir), ThreadLocks())
+    manifest = files.manifest("alice~train")
+    rows = np.concatenate([x for _, x, _ in files.rows("alice~train", manifest)])
+    np.testing.assert_allclose(rows, phi, rtol=1e-5, atol=1e-6)
+
+    test = batch(4, 9)
+    q = await projection(c, test)
+    for score in ("dot", "cosine", "trak", "self_influence"):
+        body = {"k": 6, "score": score, **({} if score == "self_influence" else test)}
+        r = await c.post("/stores/train/query", headers=ALICE, json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        want_rows, want_scores = reference(phi, q, score, 6)
+        assert got["ids"] == [[ids[i] for i in row] for row in want_rows], score
+        np.testing.assert_allclose(got["scores"], want_scores, rtol=1e-4,
+                                   atol=1e-5 * np.abs(want_scores).max())
+        assert got["samples"] == 18 and np.asarray(got["scores"]).shape == (
+            1 if score == "self_influence" else 4, 6)
+        if score == "trak":
+            assert got["lambda"] == pytest.approx(np.trace(phi.T @ phi) / DIM, rel=1e-4)
+    # the test samples' own sketches score the same as the samples
+    r = await c.post("/stores/train/query", headers=ALICE,
+                     json={"k": 3, "score": "trak", "lambda": 0.5, "sketches": q.tolist()})
+    assert r.status_code == 200, r.text
+    want_rows, want_scores = reference(phi, q, "trak", 3, 0.5)
+    assert r.json()["ids"] == [[ids[i] for i in row] for row in want_rows]
+    np.testing.assert_allclose(r.json()["scores"], want_scores, rtol=1e-4,
+                               atol=1e-5 * np.abs(want_scores).max())
+
+    # another tenant's store of the same name is its own; an admin reaches alice's
+    error(await c.get("/stores/train", headers=BOB), 404, "not_found", "PUT /stores/train")
+    error(await c.post("/stores/train/query", headers=BOB, json={"score": "self_influence"}),
+          404, "not_found")
+    r = await c.put("/stores/train", headers=BOB, json={"model": "att", "projection_dim": 8})
+    assert r.status_code == 201 and r.json()["tenant"] == "bob", r.text
+    error(await c.post("/stores/train/query", headers=BOB, json={"score": "self_influence"}),
+          409, "conflict", "empty", "POST /stores/train/samples")
+    assert (await c.get("/stores/train?tenant=alice", headers=OPS)).json()["samples"] == 18
+    error(await c.get("/stores/train?tenant=alice", headers=BOB), 403, "forbidden")
+    assert (await c.delete("/stores/train", headers=BOB)).json()["deleted"] is True
+    assert (await c.get("/stores/train", headers=ALICE)).json()["samples"] == 18
+    r = await c.delete("/stores/train?tenant=alice", headers=OPS)
+    assert r.status_code == 200, r.text
+    error(await c.get("/stores/train", headers=ALICE), 404, "not_found")
+    error(await c.delete("/stores/train", headers=ALICE), 404, "not_found")
+    assert not (data_dir / "stores" / "alice~train").exists()
+
+
+async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path]) -> None:
+    c, _ = service
+
+    async def put(body: dict[str, Any], name: str = "s") -> httpx.Response:
+        return await c.put(f"/stores/{name}", headers=ALICE, json=body)
+
+    good = {"model": "att", "projection_dim": 16}
+    error(await put({"model": "att"}), 422, "invalid_input", "projection_dim")
+    error(await put({**good, "dtype": "int8"}), 422, "invalid_input", "float16")
+    error(await put({**good, "color": 1}), 400, "bad_request", "color")
+    error(await put({**good, "model": "nope"}), 404, "unknown_model")
+    error(await put({**good, "loss": "td0"}), 422, "loss_not_supported")
+    error(await put({**good, "params": ["no.such"]}), 422, "unknown_parameter")
+    error(await put({**good, "projection_kind": "no-such-kind"}), 422, "invalid_input",
+          "projection_kind")
+    error(await put({**good, "projection_dim": 0}), 400, "bad_request", "projection_dim")
+    error(await put(good, "Bad!"), 400, "bad_request")
+    assert (await put(good)).status_code == 201
+    error(await put({**good, "projection_dim": 32}), 409, "conflict", "DELETE")
+
+    def samples(n: int, **extra: Any) -> dict[str, Any]:
+        return {**batch(n, 5), "ids": list(range(n)), **extra}
+
+    post = c.post
+    error(await post("/stores/nope/samples", headers=ALICE, json=samples(2)), 404, "not_found")
+    error(await post("/stores/s/query", headers=ALICE, json={"k": 1, **batch(1, 1)}), 409,
+          "conflict", "empty")
+    error(await post("/stores/s/samples", headers=ALICE, json=batch(2, 5)), 422,
+          "invalid_input", "'ids' is required")
+    error(await post("/stores/s/samples", headers=ALICE, json={**batch(2, 5), "ids": [1]}),
+          422, "invalid_input", "1 entries")
+    error(await post("/stores/s/samples", headers=ALICE, json=samples(2, model="att@0123")),
+          409, "conflict", "att@")
+    error(await post("/stores/s/samples", headers=ALICE,
+                     json=samples(2, projection_kind="another-kind")), 409, "conflict",
+          "projection_kind")
+    error(await post("/stores/s/samples", headers=ALICE, json=samples(2, loss="nll")), 409,
+          "conflict", "loss")
+    error(await post("/stores/s/samples", headers=ALICE, json=samples(2, outputs=["grads"])),
+          422, "invalid_input", "outputs")
+    assert (await post("/stores/s/samples", headers=ALICE, json=samples(3))).status_code == 200
+    r = await post("/stores/s/samples", headers=ALICE, json={**batch(3, 6), "ids": [7, 2, 1]})
+    error(r, 409, "conflict", "nothing of this batch was added")
+    assert r.json()["error"]["details"]["duplicates"] == [2, 1]
+    error(await post("/stores/s/samples", headers=ALICE, json={**batch(1, 6), "ids": ["x"]}),
+          422, "invalid_input", "int ids")
+    assert (await c.get("/stores/s", headers=ALICE)).json()["samples"] == 3
+
+    async def query(body: dict[str, Any]) -> httpx.Response:
+        return await post("/stores/s/query", headers=ALICE, json={"k": 1, **body})
+
+    error(await query({"k": 4, **batch(1, 1)}), 422, "invalid_input", "k=4", "3 samples")
+    error(await query({"k": 0, **batch(1, 1)}), 400, "bad_request", "'k'")
+    error(await query({"score": "influence", **batch(1, 1)}), 422, "invalid_input",
+          "trak", "self_influence")
+    error(await query({"score": "dot", "lambda": 1.0, **batch(1, 1)}), 422, "invalid_input",
+          "'lambda'")
+    error(await query({"score": "trak", "lambda": -1.0, **batch(1, 1)}), 400, "bad_request")
+    error(await query({"score": "self_influence", **batch(1, 1)}), 422, "invalid_input",
+          "no samples")
+    error(await query({"score": "dot"}), 422, "invalid_input", "test samples")
+    error(await query({"sketches": [[0.0] * 8]}), 422, "invalid_input", "[queries, 16]")
+    error(await query({"sketches": [[0.0] * 16], "projection_dim": 8}), 409, "conflict",
+          "projection_dim")
+    error(await query({"sketches": [[0.0] * 16], "projection_kind": "another-kind"}), 409,
+          "conflict", "projection_kind")
+    error(await query({"sketches": [[0.0] * 16], **batch(1, 1)}), 422, "invalid_input",
+          "not both")
+    error(await query({**batch(1, 1), "model": "att@0123"}), 409, "conflict")
+    r = await query({"k": 3, "score": "self_influence"})
+    assert r.status_code == 200 and sorted(r.json()["ids"][0]) == [0, 1, 2], r.text
+
+
+async def _running_job(cluster_: Any, timeout: float = 120) -> str:
+    """The id of a job some worker holds running (polled in Redis)."""
+    s = cluster_.settings
+    until = time.monotonic() + timeout
+    with redis.Redis.from_url(s.redis_url) as r:
+        while time.monotonic() < until:
+            for key in r.scan_iter(match=keys.job_state(s.redis_prefix, "*"), count=1000,
+                                   _type="hash"):  # job states, not their payloads
+                if text(r.hget(key, "status") or b"") == "running":
+                    return text(key).rpartition(":")[2]
+            await asyncio.sleep(0.01)
+    raise AssertionError("no job was seen running")
+
+
+async def test_a_worker_killed_mid_append_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    """The append's job is taken by a worker that dies (kill -9) while running it; the job is
+    retried by another worker and the batch is committed once, equal to the projection."""
+    shared = redis_or_skip()
+    with prefix_on(shared) as prefix:
+        async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1, fast_stats=False,
+                           data_dir=str(tmp_path / "data")) as c:
+            rng = np.random.default_rng(4)
+            data = {"inputs": rng.standard_normal((256, 1, 28, 28)).round(3).tolist(),
+                    "targets": rng.integers(0, 10, 256).tolist()}
+            r = await c.client.put("/stores/cnn", json={
+                "model": "simple-cnn", "projection_dim": 32, "dtype": "float16"})
+            assert r.status_code == 201, r.text
+            append = asyncio.create_task(c.client.post("/stores/cnn/samples", json={
+                **data, "ids": list(range(256))}))
+            job_id = await _running_job(c)
+            c.workers[0].send_signal(signal.SIGKILL)
+            c.start_worker()
+            attempts = 0
+            while not append.done():  # the job's record goes once its answer is read
+                attempts = max(attempts, int(c.job_hash(job_id).get("attempts", 0)))
+                await asyncio.sleep(0.02)
+            r = await append
+            assert r.status_code == 200, r.text + c.dump()
+            assert r.json()["samples"] == 256 and r.json()["commits"] == 1
+            assert attempts > 1 and c.workers[0].wait() == -9, "the job was not retried"
+            r = await c.client.post("/per-sample-grads", json={
+                "model": "simple-cnn", **data, "outputs": ["projection"],
+                "projection_dim": 32})
+            assert r.status_code == 200, r.text
+            want = np.asarray(r.json()["projection"], dtype=np.float32).astype(np.float16)
+            files = StoreFiles(str(tmp_path / "data"), ThreadLocks())
+            manifest = files.manifest("cnn")
+            got = np.concatenate([x for _, x, _ in files.rows("cnn", manifest)])
+            np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                       rtol=2e-3, atol=1e-4)
+            assert files.ids("cnn", manifest) == set(range(256))
+    shared.close()

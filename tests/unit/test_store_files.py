@@ -1,0 +1,259 @@
+"""Gradient stores on real files: appends sharded and committed whole, queries streamed and
+held to a numpy reference over the whole matrix (same top-k ids, scores to float tolerance, for
+every score), a crash between the shard writes and the manifest's commit, queries while a batch
+is being appended, concurrent committers (threads, and api replicas sharing a Redis lease), and
+memory bounded by one shard."""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
+from service.stores.files import MANIFEST, StoreFiles
+from service.stores.locks import RedisLocks, ThreadLocks
+from service.stores.query import check_score, search
+from service.stores.spec import StoreSpec, checked_ids
+from tests.support.redis import prefix_on, redis_or_skip
+from tests.support.stores import reference
+
+K = 16
+
+
+def spec(dtype: str = "float32", dim: int = K) -> StoreSpec:
+    return StoreSpec(id="s", model="mlp@abc", loss="cross_entropy", params=("w",),
+                     projection_dim=dim, projection_seed=0, projection_kind="kronecker",
+                     dtype=dtype)
+
+
+def files(tmp_path: Path, shard_rows: int = 7, dtype: str = "float32") -> StoreFiles:
+    return StoreFiles(str(tmp_path / "data"), ThreadLocks(),
+                      shard_bytes=shard_rows * K * np.dtype(dtype).itemsize)
+
+
+def filled(tmp_path: Path, dtype: str = "float32", sizes: tuple[int, ...] = (5, 11, 1, 23, 9)
+           ) -> tuple[StoreFiles, np.ndarray, list[int | str]]:
+    """A store of several appends (each split into shards of 7 rows): its files, the matrix it
+    should hold (rounded to its dtype, as float64) and its ids in order."""
+    store = files(tmp_path, dtype=dtype)
+    store.create("s", spec(dtype))
+    rng = np.random.default_rng(0)
+    rows, ids = [], []
+    for i, n in enumerate(sizes):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        names: list[int | str] = [f"train-{i}-{j}" for j in range(n)]
+        store.append("s", spec(dtype), names, "str", x)
+        rows.append(x.astype(dtype).astype(np.float64))
+        ids += names
+    return store, np.concatenate(rows), ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("score", ["dot", "cosine", "trak", "self_influence"])
+def test_query_equals_numpy_over_the_whole_matrix(tmp_path: Path, dtype: str,
+                                                  score: str) -> None:
+    store, phi, ids = filled(tmp_path, dtype)
+    manifest = store.manifest("s")
+    assert manifest.count == 49 and len(manifest.shards) == 1 + 2 + 1 + 4 + 2  # 7 rows a shard
+    q = np.random.default_rng(1).standard_normal((4, K))
+    for k in (1, 5, 49):
+        found = search(store, "s", "s", None if score == "self_influence" else q, k, score)
+        want_rows, want_scores = reference(phi, q, score, k)
+        np.testing.assert_array_equal(found.rows, want_rows)
+        np.testing.assert_allclose(found.scores, want_scores, rtol=2e-5, atol=2e-5)
+        assert store.id_at("s", found.manifest, found.rows) == [[ids[r] for r in row]
+                                                               for row in want_rows]
+    np.testing.assert_allclose(store.gram("s", manifest), phi.T @ phi, rtol=1e-12)
+
+
+def test_trak_takes_the_querys_lambda(tmp_path: Path) -> None:
+    store, phi, _ = filled(tmp_path)
+    q = np.random.default_rng(2).standard_normal((3, K))
+    default = search(store, "s", "s", q, 8, "trak")
+    assert default.lam == pytest.approx(np.trace(phi.T @ phi) / K)
+    for lam in (1e-3, 10.0):
+        found = search(store, "s", "s", q, 8, "trak", lam)
+        rows, scores = reference(phi, q, "trak", 8, lam)
+        np.testing.assert_array_equal(found.rows, rows)
+        np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-5)
+    assert not np.array_equal(search(store, "s", "s", q, 8, "trak", 1e-3).rows, default.rows)
+
+
+def test_ties_go_to_the_earlier_row(tmp_path: Path) -> None:
+    store = files(tmp_path)
+    store.create("s", spec())
+    x = np.zeros((20, K), np.float32)
+    x[:, 0] = [1, 2, 2, 1, 2, 3, 2, 1, 1, 2, 3, 2, 1, 2, 2, 1, 3, 2, 2, 1]
+    store.append("s", spec(), list(range(20)), "int", x)
+    found = search(store, "s", "s", np.eye(1, K), 6, "dot")
+    assert found.rows.tolist() == [[5, 10, 16, 1, 2, 4]]
+
+
+def test_a_crash_before_the_commit_leaves_the_store_as_it_was(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    store, phi, ids = filled(tmp_path)
+    before = store.manifest("s")
+    q = np.random.default_rng(3).standard_normal((2, K))
+    x = np.random.default_rng(4).standard_normal((10, K)).astype(np.float32)
+    new: list[int | str] = [f"new-{j}" for j in range(10)]
+
+    # the process dies between its shard writes and the manifest's rename: the shards are on
+    # disk, no manifest names them
+    staged = store.stage("s", spec(), new, "str", x)
+    assert all((tmp_path / "data/stores/s" / s.file).exists() for s in staged.shards)
+    again = StoreFiles(str(tmp_path / "data"), ThreadLocks(), store.shard_bytes)  # restarted
+    assert again.manifest("s") == before
+    found = search(again, "s", "s", q, 49, "dot")
+    np.testing.assert_array_equal(found.rows, reference(phi, q, "dot", 49)[0])
+
+    # the manifest's write fails: the batch's files are removed, the manifest is the old one
+    real = StoreFiles._write
+
+    def failing(self: StoreFiles, path: str, data: bytes) -> None:
+        if path.endswith(MANIFEST):
+            raise OSError("disk gone")
+        real(self, path, data)
+
+    monkeypatch.setattr(StoreFiles, "_write", failing)
+    with pytest.raises(OSError):
+        again.append("s", spec(), new, "str", x)
+    monkeypatch.setattr(StoreFiles, "_write", real)
+    assert again.manifest("s") == before
+    assert again.ids("s", again.manifest("s")) == set(ids)
+
+    # the retried batch is added whole, once
+    after = again.append("s", spec(), new, "str", x)
+    assert after.count == 59 and after.seq == before.seq + 1
+    phi2 = np.concatenate([phi, x.astype(np.float64)])
+    found = search(again, "s", "s", q, 59, "trak")
+    np.testing.assert_array_equal(found.rows, reference(phi2, q, "trak", 59)[0])
+    np.testing.assert_allclose(again.gram("s", after), phi2.T @ phi2, rtol=1e-12)
+
+
+def test_a_query_during_an_append_sees_what_is_committed(tmp_path: Path) -> None:
+    store, phi, _ = filled(tmp_path)
+    q = np.random.default_rng(5).standard_normal((2, K))
+    x = 100 * np.ones((4, K), np.float32)  # would win every dot query once committed
+    staged = store.stage("s", spec(), ["a", "b", "c", "d"], "str", x)
+    found = search(store, "s", "s", q, 3, "dot")
+    assert found.manifest.count == 49
+    np.testing.assert_array_equal(found.rows, reference(phi, q, "dot", 3)[0])
+    store.commit(staged)
+    found = search(store, "s", "s", np.ones((1, K)), 3, "dot")
+    assert found.manifest.count == 53 and found.rows.tolist() == [[49, 50, 51]]
+
+
+def test_duplicate_ids_refuse_the_whole_batch(tmp_path: Path) -> None:
+    store, _, _ = filled(tmp_path)
+    x = np.ones((3, K), np.float32)
+    with pytest.raises(Conflict) as err:
+        store.append("s", spec(), ["fresh", "train-1-3", "train-4-0"], "str", x)
+    assert err.value.details["duplicates"] == ["train-1-3", "train-4-0"]
+    assert "nothing of this batch was added" in err.value.message
+    assert store.manifest("s").count == 49
+    assert sorted(p.name for p in (tmp_path / "data/stores/s").glob("shard-*")) == sorted(
+        s.file for s in store.manifest("s").shards)  # the refused batch's shards are gone
+    with pytest.raises(InvalidInput, match="str ids"):
+        store.append("s", spec(), [1, 2, 3], "int", x)
+    with pytest.raises(InvalidInput, match="repeats"):
+        checked_ids(["a", "b", "a"], 3)
+    with pytest.raises(InvalidInput, match="mixes"):
+        checked_ids(["a", 1], 2)
+    with pytest.raises(InvalidInput, match="3 entries"):
+        checked_ids([1, 2, 3], 2)
+    assert checked_ids(np.arange(3), 3) == ([0, 1, 2], "int")
+
+
+def test_rows_past_float16_are_refused(tmp_path: Path) -> None:
+    store = files(tmp_path, dtype="float16")
+    store.create("s", spec("float16"))
+    with pytest.raises(InvalidInput, match="float32"):
+        store.append("s", spec("float16"), [1], "int", np.full((1, K), 1e6, np.float32))
+    with pytest.raises(NonFinite):
+        store.append("s", spec("float16"), [1], "int", np.full((1, K), np.nan, np.float32))
+    assert store.manifest("s").count == 0 and not list((tmp_path / "data/stores/s").glob("sh*"))
+
+
+def test_definitions_and_deletion(tmp_path: Path) -> None:
+    store = files(tmp_path)
+    made, created = store.create("s", spec())
+    assert created and store.spec("s") == made
+    assert store.create("s", spec())[1] is False
+    with pytest.raises(Conflict, match="another definition"):
+        store.create("s", spec("float16"))
+    store.append("s", spec(), [1, 2], "int", np.ones((2, K), np.float32))
+    assert store.delete("s") and not (tmp_path / "data/stores/s").exists()
+    assert not store.delete("s") and store.spec("s") is None
+    with pytest.raises(InvalidInput, match="unknown score"):
+        check_score("influence")
+
+
+def test_an_append_to_a_deleted_store_is_refused(tmp_path: Path) -> None:
+    store = files(tmp_path)
+    store.create("s", spec())
+    staged = store.stage("s", spec(), [1], "int", np.ones((1, K), np.float32))
+    store.delete("s")
+    with pytest.raises(NotFound):
+        store.commit(staged)
+
+
+def _hammer(stores: list[StoreFiles], per: int = 6) -> None:
+    """Threads appending to one store through ``stores`` (one each) at once."""
+    def run(i: int) -> None:
+        for j in range(per):
+            stores[i].append("s", spec(), [i * 100 + j], "int",
+                             np.full((1, K), i * 100 + j, np.float32))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_concurrent_commits_lose_nothing(tmp_path: Path) -> None:
+    store = files(tmp_path)
+    store.create("s", spec())
+    _hammer([store] * 4)
+    manifest = store.manifest("s")
+    assert manifest.count == 24 and manifest.seq == 24
+    assert store.ids("s", manifest) == {i * 100 + j for i in range(4) for j in range(6)}
+
+
+def test_api_replicas_share_a_redis_lease(tmp_path: Path) -> None:
+    client = redis_or_skip()
+    with prefix_on(client) as prefix:
+        replicas = [StoreFiles(str(tmp_path / "data"), RedisLocks(client, prefix))
+                    for _ in range(4)]  # four api processes: no lock in common but Redis's
+        replicas[0].create("s", spec())
+        _hammer(replicas)
+        manifest = replicas[1].manifest("s")
+        assert manifest.count == 24 and manifest.seq == 24
+        gram = replicas[2].gram("s", manifest)
+        values = np.array([i * 100 + j for i in range(4) for j in range(6)], np.float64)
+        assert gram is not None and gram[0, 0] == pytest.approx((values**2).sum())
+    client.close()
+
+
+def test_a_query_holds_one_shard_at_a_time(tmp_path: Path) -> None:
+    dim, rows, shards = 256, 1024, 24  # 1 MiB of float32 a shard, 24 MiB in all
+    store = StoreFiles(str(tmp_path / "data"), ThreadLocks(), shard_bytes=rows * dim * 4)
+    big = spec(dim=dim)
+    store.create("s", big)
+    rng = np.random.default_rng(6)
+    for i in range(shards):
+        store.append("s", big, list(range(i * rows, (i + 1) * rows)), "int",
+                     rng.standard_normal((rows, dim)).astype(np.float32))
+    q = rng.standard_normal((16, dim))
+    tracemalloc.start()
+    try:
+        search(store, "s", "s", q, 10, "trak")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 * rows * dim * 4, peak  # a few shards' worth, not the store's 24
