@@ -9,8 +9,12 @@ For ``simple-cnn`` at B=256 and ``tiny-transformer`` at B=64, interleaved in eac
 - ``floor``: one plain batched forward+backward (the parameters' batch gradients);
 - ``pass``: the fast path's own forward and backward (to the captured layers' outputs) with no
   sketch: what ``projection`` cannot go below, since every sketch needs those gradients;
-- ``projection``: sketches on the fast path (Kronecker sketches of Linear, Conv and Embedding
-  weights from their inputs and output gradients, no per-sample gradient);
+- ``projection``: sketches on the fast path, of the default kind (TensorSketch: Linear and
+  Embedding weights sketched from their inputs and output gradients by count sketches and FFTs,
+  layers with many positions and a small matrix, such as convolutions, from their per-sample
+  gradients built a chunk of samples at a time and scattered into the k buckets);
+- ``kronecker``: the same with ``projection_kind`` ``kronecker`` (two small GEMMs and a batched
+  one per layer, no per-sample gradient; less accurate);
 - ``materialise``: materialise-then-project, the ``vmap`` path: every per-sample gradient (a
   chunk at a time, as the engine sizes them), then projected with the same matrices;
 - ``fast-materialise``: the fast path's per-sample gradients (``grads``: one batched matmul per
@@ -58,10 +62,10 @@ from service.engine import Batch, Options
 from service.fast_stats._plan import plan_for
 from service.fast_stats._run import Setup, forward_backward
 from service.registry import LoadedModel
-from service.strategies.projection import Projection
+from service.strategies.projection import KRONECKER, Projection
 
 CASES = {"simple-cnn": 256, "tiny-transformer": 64}
-METHODS = ("floor", "pass", "projection", "materialise", "fast-materialise",
+METHODS = ("floor", "pass", "projection", "kronecker", "materialise", "fast-materialise",
            "dense-materialise", "grads")
 
 
@@ -70,7 +74,7 @@ def method(model: LoadedModel, batch: Batch, name: str, k: int) -> Callable[[], 
         fn = plain_method(model, batch, "floor", "norms")
         assert fn is not None
         return fn
-    projection = Projection(k, 0)
+    projection = Projection(k, 0, KRONECKER) if name == "kronecker" else Projection(k, 0)
     opts = Options(loss=model.default_loss, outputs=("projection",), params=tuple(model.params),
                    projection=projection)
     if name == "pass":
@@ -90,7 +94,7 @@ def method(model: LoadedModel, batch: Batch, name: str, k: int) -> Callable[[], 
         return materialised
     if name == "dense-materialise":
         return _dense_materialise(model, batch, k)
-    fast = name == "projection"
+    fast = name in ("projection", "kronecker")
     return lambda: engine.compute(model, batch, opts, fast_stats=fast)
 
 
@@ -183,6 +187,9 @@ def main() -> None:
         if "projection" in times:
             within = statistics.median(ratios(times, "projection", "floor"))
             goals.append((f"{arch}: projection within 2x of the floor", within, within <= 2))
+        if "kronecker" in times:
+            within = statistics.median(ratios(times, "kronecker", "floor"))
+            goals.append((f"{arch}: kronecker within 2x of the floor", within, within <= 2))
         if "projection" in times and "materialise" in times:
             faster = statistics.median(ratios(times, "materialise", "projection"))
             goals.append((f"{arch}: projection >= 5x faster than materialise-then-project "

@@ -33,7 +33,7 @@ class SimpleCNNFamily(ModelFamily):
     name = "simple-cnn"
     default_config: ClassVar[dict[str, Any]] = {}
     default_loss = "nll"
-    losses = ("nll",)
+    losses = ("nll", "margin")
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         return SimpleCNN()

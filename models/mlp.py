@@ -37,7 +37,7 @@ class MLPFamily(ModelFamily):
     name = "mlp"
     default_config: ClassVar[dict[str, Any]] = {"sizes": [784, 512, 512, 10], "activation": "relu"}
     default_loss = "cross_entropy"
-    losses = ("cross_entropy", "mse")
+    losses = ("cross_entropy", "mse", "margin")
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         return mlp_layers(config["sizes"], config["activation"])

@@ -37,7 +37,7 @@ class TinyTransformerFamily(ModelFamily):
         "classes": 4,
     }
     default_loss = "cross_entropy"
-    losses = ("cross_entropy",)
+    losses = ("cross_entropy", "margin")
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         return TinyTransformer(**config)

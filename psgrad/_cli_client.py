@@ -106,6 +106,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="for clipped_mean's noise")
     p.add_argument("--projection-dim", type=int, help="k, for projection and influence")
     p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
+    p.add_argument("--projection-kind", help="tensorsketch (default) or kronecker")
     p.add_argument("--reference-set", help="a reference set id, for influence")
     p.add_argument("--chunk-size", type=int, help="the most samples per request")
     bar = p.add_mutually_exclusive_group()
@@ -235,7 +236,8 @@ def cmd_grads(args: argparse.Namespace) -> int:
             ["grads"], params=_names(args.params), clip_norm=args.clip_norm,
             noise_multiplier=args.noise_multiplier, seed=args.seed, progress=progress,
             chunk_size=args.chunk_size, projection_dim=args.projection_dim,
-            projection_seed=args.projection_seed, reference_set=args.reference_set)
+            projection_seed=args.projection_seed, projection_kind=args.projection_kind,
+            reference_set=args.reference_set)
     write_result(result, args.output)
     print(f"{result.model}: {result.batch_size} samples, {', '.join(result.outputs)} -> "
           f"{args.output}", file=sys.stderr)

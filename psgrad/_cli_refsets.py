@@ -22,6 +22,7 @@ def add_reference_set_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--params", help="comma-separated parameter names")
     p.add_argument("--projection-dim", type=int, help="k of the sketches (none: full gradients)")
     p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
+    p.add_argument("--projection-kind", help="tensorsketch (default) or kronecker")
     p.set_defaults(func=_put)
     for name, func, text in (("show", _show, "describe a set (JSON)"),
                              ("delete", _delete, "delete a set")):
@@ -38,7 +39,8 @@ def _put(args: argparse.Namespace) -> int:
     with _client(args) as client:
         doc = client.reference_sets.put(
             args.id, args.model, inputs, targets, loss=args.loss, params=_names(args.params),
-            projection_dim=args.projection_dim, projection_seed=args.projection_seed)
+            projection_dim=args.projection_dim, projection_seed=args.projection_seed,
+            projection_kind=args.projection_kind)
     print(json.dumps(doc))
     return 0
 

@@ -209,6 +209,7 @@ class Client(BaseClient):
         reference: Mapping[str, Any] | None = None,
         projection_dim: int | None = None,
         projection_seed: int | None = None,
+        projection_kind: str | None = None,
         reference_sketches: Any = None,
         reference_set: str | None = None,
         answer_dtype: str | None = None,
@@ -236,6 +237,8 @@ class Client(BaseClient):
                 ``dots`` (exact dot products with M gradients).
             projection_dim, projection_seed: the sketch of ``projection`` (k up to 8192; the
                 same seed and k give comparable sketches across requests and processes).
+            projection_kind: ``tensorsketch`` (default: a dense projection's accuracy) or
+                ``kronecker`` (the earlier kind, for sketches made with it).
             reference_sketches: [M, k] sketches for ``dots``, made with the same projection.
             reference_set: the id of a ``client.reference_sets`` set, for ``influence``.
             answer_dtype: ``float16`` or ``bfloat16``: the server answers floating tensors in
@@ -283,6 +286,7 @@ class Client(BaseClient):
             reference=reference,
             projection_dim=projection_dim,
             projection_seed=projection_seed,
+            projection_kind=projection_kind,
             reference_sketches=reference_sketches,
             reference_set=reference_set,
             answer_dtype=answer_dtype,

@@ -44,9 +44,11 @@ class _Sets:
     @staticmethod
     def _put(set_id: str, model: str, inputs: Any, targets: Any, loss: str | None,
              params: Sequence[str] | None, projection_dim: int | None,
-             projection_seed: int | None) -> Call[dict[str, Any]]:
+             projection_seed: int | None, projection_kind: str | None
+             ) -> Call[dict[str, Any]]:
         fields = grads_fields(model, inputs, targets, loss=loss, params=params,
-                              projection_dim=projection_dim, projection_seed=projection_seed)
+                              projection_dim=projection_dim, projection_seed=projection_seed,
+                              projection_kind=projection_kind)
         del fields["outputs"]  # the server asks for sketches or gradients itself
         return Call("PUT", _path(set_id), _doc, content=fields_to_safetensors(fields, REQUEST_KEY),
                     headers={"Content-Type": SAFETENSORS})
@@ -67,12 +69,12 @@ class ReferenceSets(_Sets):
 
     def put(self, set_id: str, model: str, inputs: Any, targets: Any = None, *,
             loss: str | None = None, params: Sequence[str] | None = None,
-            projection_dim: int | None = None, projection_seed: int | None = None
-            ) -> dict[str, Any]:
+            projection_dim: int | None = None, projection_seed: int | None = None,
+            projection_kind: str | None = None) -> dict[str, Any]:
         """Compute and keep the batch's sketches (with ``projection_dim``) or full gradients
         under ``set_id`` (replacing a set of that id); returns its description."""
         return self._client._call(self._put(set_id, model, inputs, targets, loss, params,
-                                            projection_dim, projection_seed))
+                                            projection_dim, projection_seed, projection_kind))
 
     def get(self, set_id: str) -> dict[str, Any]:
         """How the set was made: model version, loss, parameters, projection, count, bytes."""
@@ -89,11 +91,12 @@ class AsyncReferenceSets(_Sets):
 
     async def put(self, set_id: str, model: str, inputs: Any, targets: Any = None, *,
                   loss: str | None = None, params: Sequence[str] | None = None,
-                  projection_dim: int | None = None, projection_seed: int | None = None
-                  ) -> dict[str, Any]:
+                  projection_dim: int | None = None, projection_seed: int | None = None,
+                  projection_kind: str | None = None) -> dict[str, Any]:
         """See ``ReferenceSets.put``."""
         return await self._client._call(self._put(set_id, model, inputs, targets, loss, params,
-                                                  projection_dim, projection_seed))
+                                                  projection_dim, projection_seed,
+                                                  projection_kind))
 
     async def get(self, set_id: str) -> dict[str, Any]:
         return await self._client._call(self._get(set_id))

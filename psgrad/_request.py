@@ -42,6 +42,7 @@ def grads_fields(
     gamma: float | None = None,
     projection_dim: int | None = None,
     projection_seed: int | None = None,
+    projection_kind: str | None = None,
     reference_sketches: Any = None,
     reference_set: str | None = None,
     answer_dtype: str | None = None,
@@ -71,6 +72,7 @@ def grads_fields(
         "gamma": _number(gamma, "gamma"),
         "projection_dim": projection_dim,
         "projection_seed": projection_seed,
+        "projection_kind": projection_kind,
         "reference_sketches": None if reference_sketches is None
         else to_numpy(reference_sketches, "reference_sketches"),
         "reference_set": reference_set,

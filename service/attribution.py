@@ -1,8 +1,9 @@
 """The data-attribution part of a request: its projection and the references it is scored against.
 
 ``projection`` (and ``self_influence`` when projected) needs ``projection_dim`` (k, up to 8192)
-and takes ``projection_seed`` (0 by default). ``dots`` needs M references: ``reference``
-``{param: [M, *shape]}`` for every selected parameter (exact dot products), or
+and takes ``projection_seed`` (0 by default) and ``projection_kind`` (``tensorsketch`` by
+default, or ``kronecker``: :mod:`service.strategies.projection`). ``dots`` needs M references:
+``reference`` ``{param: [M, *shape]}`` for every selected parameter (exact dot products), or
 ``reference_sketches`` ``[M, k]`` made with the same projection. ``influence`` reads them from a
 stored reference set (``reference_set``), whose projection, parameters and model structure the
 request must share. Every refusal says what to change.
@@ -20,7 +21,7 @@ from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
 from service.reference_store import ReferenceSet, set_name
 from service.registry import LoadedModel
 from service.strategies.base import Batch, Options
-from service.strategies.projection import MAX_DIM, Projection
+from service.strategies.projection import KINDS, MAX_DIM, Projection
 
 
 class ReferenceSets(Protocol):
@@ -32,9 +33,11 @@ class ReferenceSets(Protocol):
 def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection | None:
     """The request's projection, or None when it names no ``projection_dim``."""
     dim, seed = fields.get("projection_dim"), fields.get("projection_seed")
+    kind = fields.get("projection_kind")
     if dim is None:
-        if seed is not None:
-            raise InvalidInput("'projection_seed' needs 'projection_dim' (k, up to 8192)")
+        for name, value in (("projection_seed", seed), ("projection_kind", kind)):
+            if value is not None:
+                raise InvalidInput(f"'{name}' needs 'projection_dim' (k, up to {MAX_DIM})")
         if "projection" in outputs:
             raise InvalidInput(f"output 'projection' needs 'projection_dim' (k, 1 to {MAX_DIM})")
         return None
@@ -42,7 +45,10 @@ def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection 
         raise BadRequest(f"'projection_dim' must be an integer in [1, {MAX_DIM}]")
     if seed is not None and (not _integer(seed) or not 0 <= seed < 2**63):
         raise BadRequest("'projection_seed' must be an integer in [0, 2**63)")
-    return Projection(int(dim), int(seed or 0))
+    if kind is not None and kind not in KINDS:
+        raise InvalidInput(f"unknown projection_kind {kind!r}; known: {', '.join(KINDS)} "
+                           f"(default {KINDS[0]})", known=list(KINDS))
+    return Projection(int(dim), int(seed or 0), kind or KINDS[0])
 
 
 def _integer(value: Any) -> bool:
@@ -137,6 +143,10 @@ def _match_set(model: LoadedModel, opts: Options, found: ReferenceSet) -> Option
                                 f"{list(model.params[name].shape)}", parameter=name)
     want = Projection(*found.projection) if found.projection is not None else None
     if opts.projection is not None and opts.projection != want:
-        raise InvalidInput(f"reference set '{found.id}' was made with projection "
-                           f"{found.projection}; leave 'projection_dim' out or send its own")
+        made = ("full gradients" if want is None else f"projection_dim {want.k}, "
+                f"projection_seed {want.seed}, projection_kind '{want.kind}'")
+        raise InvalidInput(f"reference set '{found.id}' was made with {made}; sketches of "
+                           "another projection (or kind) do not compare with its own: leave "
+                           "'projection_dim', 'projection_seed' and 'projection_kind' out, or "
+                           "send the set's")
     return replace(opts, projection=want)

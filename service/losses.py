@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from psgrad._errors import UnknownLoss
+from psgrad._errors import InvalidInput, UnknownLoss
 from service.plugins import Registry
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -83,6 +83,36 @@ def cross_entropy(forward: Forward, sample: dict[str, torch.Tensor], gamma: floa
 def nll(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
     loss = F.nll_loss(forward(sample["inputs"]).unsqueeze(0), sample["targets"].unsqueeze(0))
     return loss, loss.detach()
+
+
+def _margins(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log(p_y / (1 - p_y))`` of scores ``[..., C]`` and class ids ``[...]``, computed as
+    ``out_y - logsumexp(out_c, c != y)``: no ``p`` near 0 or 1 is ever formed, and the same
+    for logits and log-probabilities (a constant added to a row cancels)."""
+    mine = torch.arange(out.shape[-1], device=out.device) == targets.unsqueeze(-1)
+    correct = torch.where(mine, out, torch.zeros_like(out)).sum(-1)
+    return correct - torch.logsumexp(out.masked_fill(mine, float("-inf")), -1)
+
+
+def _margin_rows(out: torch.Tensor, samples: dict[str, torch.Tensor]) -> Any:
+    targets = samples["targets"]
+    if out.dim() != 2 or targets.dim() != 1 or out.shape[1] < 2:
+        return None
+    value = _margins(out, targets)
+    return value, value.detach()
+
+
+@register_loss("margin", classification=True, batched=_margin_rows)
+def margin(forward: Forward, sample: dict[str, torch.Tensor], gamma: float) -> Any:
+    """TRAK's output function for classifiers: the correct class's log-odds ``log(p / (1 - p))``.
+    Not minimised by training: its gradients are what TRAK featurises (with cross-entropy's a
+    user had to rescale by ``1 - p`` by hand)."""
+    out = forward(sample["inputs"])
+    if out.dim() != 1 or out.shape[0] < 2:
+        raise InvalidInput(f"loss 'margin' needs one score per class (at least two) per "
+                           f"sample; the model gives shape {list(out.shape)}")
+    value = _margins(out, sample["targets"])
+    return value, value.detach()
 
 
 @register_loss("mse")

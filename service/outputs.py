@@ -143,7 +143,9 @@ def assemble(call: Call, result: Result,
     assembly = Assembly(call, result)
     meta = dict(result.meta)
     if call.need.proj and call.opts.projection is not None:  # which matrix each parameter got
-        meta["projection"] = kinds({k: call.params[k].shape for k in call.selected})
+        kind = call.opts.projection.kind
+        meta["projection"] = kinds({k: call.params[k].shape for k in call.selected}, kind)
+        meta["projection_kind"] = kind
     answers = []
     for s, (a, b) in enumerate(call.bounds):
         seg = Segment(assembly, s, a, b)

@@ -20,6 +20,7 @@ from service.model_store import is_safe_id
 from service.reference_store import ReferenceSet, set_key
 from service.registry import LoadedModel, ModelRegistry
 from service.strategies.base import Options
+from service.strategies.projection import KINDS
 
 SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 _READ = ("reference", "reference_sketches", "reference_set", "outputs")
@@ -98,7 +99,10 @@ def make_set(set_id: str, fields: dict[str, Any], result: dict[str, Any],
     dim = fields.get("projection_dim")
     if dim is not None:
         tensors = {"sketches": np.asarray(result["projection"])}
-        projection: tuple[int, int] | None = (int(dim), int(fields.get("projection_seed") or 0))
+        kind = str((result.get("meta") or {}).get("projection_kind")
+                   or fields.get("projection_kind") or KINDS[0])
+        projection: tuple[int, int, str] | None = (
+            int(dim), int(fields.get("projection_seed") or 0), kind)
     else:
         tensors = {k: np.asarray(v) for k, v in result["grads"].items()}
         projection = None

@@ -55,7 +55,7 @@ class ReferenceSet:
     loss: str
     params: tuple[str, ...]
     shapes: dict[str, list[int]]
-    projection: tuple[int, int] | None  # (k, seed); None: full gradients
+    projection: tuple[int, int, str] | None  # (k, seed, kind); None: full gradients
     count: int  # M, the samples
     created: float
     tensors: dict[str, np.ndarray]
@@ -68,10 +68,11 @@ class ReferenceSet:
 
     def doc(self) -> dict[str, Any]:
         """``GET /reference-sets/{id}``: everything but the tensors."""
-        k, seed = self.projection if self.projection is not None else (None, None)
+        k, seed, kind = self.projection if self.projection is not None else (None, None, None)
         return {"id": self.id, "tenant": self.tenant, "model": self.model, "loss": self.loss,
                 "params": list(self.params),
                 "shapes": self.shapes, "projection_dim": k, "projection_seed": seed,
+                "projection_kind": kind,
                 "count": self.count, "created": self.created,
                 "bytes": self.nbytes or sum(int(v.nbytes) for v in self.tensors.values())}
 
@@ -85,8 +86,9 @@ class ReferenceSet:
     def from_parts(cls, spec: str | bytes, data: bytes | None) -> ReferenceSet:
         d = json.loads(spec)
         k, seed = d.get("projection_dim"), d.get("projection_seed")
+        kind = d.get("projection_kind") or "kronecker"  # sets made before kinds were Kronecker
         return cls(d["id"], d["model"], d["loss"], tuple(d["params"]), d["shapes"],
-                   (int(k), int(seed)) if k is not None else None, int(d["count"]),
+                   (int(k), int(seed), str(kind)) if k is not None else None, int(d["count"]),
                    float(d["created"]), dict(st_load(data)) if data is not None else {},
                    int(d.get("bytes", 0)), str(d.get("tenant", DEFAULT_TENANT)))
 

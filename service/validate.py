@@ -47,7 +47,8 @@ TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask",
                  "reference_sketches")
 TENSOR_DICT_FIELDS = ("weights", "reference")
 SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma", "dp_run", "projection_dim", "projection_seed", "reference_set",
+                 "gamma", "dp_run", "projection_dim", "projection_seed", "projection_kind",
+                 "reference_set",
                  "answer_dtype", "verify", "verify_seed")
 KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
 

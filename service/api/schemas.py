@@ -16,6 +16,7 @@ from service.dp.runs import RUN_ID_RE
 from service.losses import LOSSES
 from service.model_store import ID_RE, REF_RE
 from service.outputs import OUTPUTS
+from service.strategies.projection import KINDS
 
 DTYPE = Literal["float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"]
 
@@ -118,6 +119,10 @@ class GradsRequest(BaseModel):
         None, ge=1, le=8192, description="projection (and a projected self_influence): k"
     )
     projection_seed: int | None = Field(None, ge=0, description="the projection's seed (0)")
+    projection_kind: Literal[KINDS] | None = Field(  # type: ignore[valid-type]
+        None, description="the sketch: 'tensorsketch' (default; within 2x a dense Gaussian "
+        "projection's error) or 'kronecker' (P_out (x) P_in, for sketches made with it)"
+    )
     reference_sketches: Tensor | None = Field(
         None, description="dots: [M, k] sketches made with the same projection"
     )
@@ -268,6 +273,7 @@ class ReferenceSetDoc(BaseModel):
     shapes: dict[str, list[int]]
     projection_dim: int | None = Field(description="k of the sketches; null: full gradients")
     projection_seed: int | None
+    projection_kind: str | None = Field(description="the sketch's kind; null: full gradients")
     count: int = Field(description="M, the samples it holds")
     created: float
     bytes: int

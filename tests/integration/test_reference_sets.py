@@ -61,6 +61,7 @@ async def check_sets(client: httpx.AsyncClient, model_id: str) -> None:
     assert r.status_code == 200, r.text
     doc = r.json()
     assert doc["count"] == 7 and doc["projection_dim"] == 128 and doc["bytes"] == 7 * 128 * 4
+    assert doc["projection_kind"] == "tensorsketch"  # the default kind, recorded
     assert (await client.get("/reference-sets/train-sk")).json() == doc
     r = await client.post("/per-sample-grads", json={
         "model": model_id, **test, "outputs": ["influence", "self_influence"],
@@ -71,6 +72,12 @@ async def check_sets(client: httpx.AsyncClient, model_id: str) -> None:
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(r.json()["self_influence"],
                                sketches(want_test, proj).pow(2).sum(1).numpy(), rtol=1e-4)
+    assert r.json()["meta"]["projection_kind"] == "tensorsketch"
+    r = await client.post("/per-sample-grads", json={  # Kronecker sketches never meet its own
+        "model": model_id, **test, "outputs": ["influence"], "reference_set": "train-sk",
+        "projection_dim": 128, "projection_seed": 5, "projection_kind": "kronecker"})
+    assert r.status_code == 422, r.text
+    assert "projection_kind 'tensorsketch'" in r.json()["error"]["message"]
 
     r = await client.put("/reference-sets/train-full", json={"model": model_id, **refs})
     assert r.status_code == 200, r.text

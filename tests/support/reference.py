@@ -52,6 +52,14 @@ def nll(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor
     return value, value.detach()
 
 
+def margin(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
+    """TRAK's log-odds of the correct class, ``log p - log(1 - p)``, written out."""
+    out = forward(sample["inputs"])[0]
+    p = torch.softmax(out.double(), 0)[int(sample["targets"][0])]
+    value = (torch.log(p) - torch.log1p(-p)).to(out.dtype)
+    return value, value.detach()
+
+
 def mse(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor, Tensor]:
     out = forward(sample["inputs"])
     value = F.mse_loss(out, sample["targets"].reshape(out.shape))
@@ -89,6 +97,7 @@ def next_token(forward: Forward, sample: Tensors, gamma: float) -> tuple[Tensor,
 
 
 LOSSES: dict[str, Loss] = {"cross_entropy": cross_entropy, "nll": nll, "mse": mse, "td0": td0,
+                           "margin": margin,
                            "token_cross_entropy": token_cross_entropy, "next_token": next_token}
 
 

@@ -51,6 +51,9 @@ CASES = [
     ("value-mlp", {"sizes": [4, 5]}, "td0"),
     ("value-mlp", {"sizes": [4, 5]}, "mse"),
     ("tiny-transformer", SMALL_TRANSFORMER, "cross_entropy"),
+    ("simple-cnn", {}, "margin"),  # TRAK's output function, on every classifier
+    ("mlp", {"sizes": [6, 5, 3]}, "margin"),
+    ("tiny-transformer", SMALL_TRANSFORMER, "margin"),
 ]
 _MODELS: dict[tuple[str, str, torch.dtype], LoadedModel] = {}
 

@@ -20,7 +20,7 @@ from service import engine
 from service.engine import Batch, Options
 from service.reference_store import MemoryReferenceStore, ReferenceSet
 from service.registry import LoadedModel, ModelRegistry, load_model
-from service.strategies.projection import Projection, kind_of
+from service.strategies.projection import KINDS, KRONECKER, Projection, kind_of
 from service.validate import decode_json_body, parse_request
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
 from tests.support.reference import assert_close, attribution, per_sample_loop
@@ -55,7 +55,7 @@ def loop_sketches(model: LoadedModel, batch: Batch, proj: Projection, loss: str
 
 
 def test_kronecker_sketch_is_the_kronecker_product_of_its_factors() -> None:
-    proj = Projection(12, 5)
+    proj = Projection(12, 5, KRONECKER)
     grads = torch.randn(3, 4, 7, dtype=torch.float64)
     p_out, p_in = proj.kronecker("w", (4, 7), grads)
     assert p_out.shape == (3, 4) and p_in.shape == (4, 7)  # 12 = 3 x 4
@@ -71,7 +71,8 @@ def test_dense_sketch_is_one_matrix_built_block_by_block() -> None:
     matrix = torch.cat([b for _, _, b in blocks], 1)
     assert matrix.shape == (8192, 300)
     assert_close(proj.project("b", g), g @ matrix.t(), atol=1e-10, rtol=1e-10)
-    assert kind_of((300,)) == "dense" and kind_of((3, 4, 5)) == "kronecker"
+    assert kind_of((300,)) == "dense" and kind_of((3, 4, 5)) == "tensorsketch"
+    assert kind_of((300,), KRONECKER) == "dense" and kind_of((3, 4, 5), KRONECKER) == KRONECKER
 
 
 def test_small_dense_sketches_side_by_side_equal_one_by_one() -> None:
@@ -88,11 +89,13 @@ def test_small_dense_sketches_side_by_side_equal_one_by_one() -> None:
     assert_close(out, want, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("groups", [1, 3])
-def test_outer_form_equals_the_dense_formula(groups: int) -> None:
-    """``sum_t (P_out g_t) (x) (P_in a_t)`` per group == P applied to ``G^T A`` materialised."""
+def test_outer_form_equals_the_dense_formula(groups: int, kind: str) -> None:
+    """``sum_t (P_out g_t) (x) (P_in a_t)`` per group, or the TensorSketch's convolutions of
+    count sketches, == P applied to ``G^T A`` materialised."""
     n, t, d, p = 4, 5, 6, 2
-    proj = Projection(64, 9)
+    proj = Projection(64, 9, kind)
     a = torch.randn(n, groups, t, d, dtype=torch.float64)
     g = torch.randn(n, groups, t, p, dtype=torch.float64)
     shape = (groups * p, d // 2, 2)  # a convolution's [out, in/groups, kernel]
@@ -101,9 +104,10 @@ def test_outer_form_equals_the_dense_formula(groups: int) -> None:
                  proj.project("conv.weight", grads), atol=1e-10, rtol=1e-10)
 
 
-def test_row_form_equals_the_dense_formula() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_row_form_equals_the_dense_formula(kind: str) -> None:
     n, t, vocab, dim = 3, 6, 9, 4
-    proj = Projection(32, 2)
+    proj = Projection(32, 2, kind)
     tokens = torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(0))
     g = torch.randn(n, t, dim, dtype=torch.float64)
     grads = torch.zeros(n, vocab, dim, dtype=torch.float64)
@@ -116,26 +120,31 @@ def test_row_form_equals_the_dense_formula() -> None:
 # ----------------------------------------------------------------------------- the engine
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_stats", "vmap"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_projection_is_the_projected_per_sample_loop(case: tuple[Any, ...], fast: bool) -> None:
+def test_projection_is_the_projected_per_sample_loop(case: tuple[Any, ...], fast: bool,
+                                                      kind: str) -> None:
     arch, config, loss = case
     model = model_for(arch, config)
     batch = batch_for(model, 5, 0)
-    proj = Projection(64, 3)
+    proj = Projection(64, 3, kind)
     opts = Options(loss, ("projection", "self_influence"), tuple(model.params), projection=proj)
     [got] = engine.compute(model, batch, opts, fast_stats=fast)
     want = loop_sketches(model, batch, proj, loss)
     assert got["projection"].shape == (5, 64)
     assert_close(got["projection"], want)
     assert_close(got["self_influence"], want.pow(2).sum(1), atol=1e-3, rtol=1e-4)
-    assert got["meta"]["projection"] == {k: kind_of(v.shape) for k, v in model.params.items()}
+    assert got["meta"]["projection"] == {k: kind_of(v.shape, kind)
+                                         for k, v in model.params.items()}
+    assert got["meta"]["projection_kind"] == kind
     if fast:
         assert got["meta"].get("path") == "fast_stats"
 
 
-def test_linear_conv_and_embedding_sketches_never_materialise() -> None:
-    """The fast path sketches these layers from their inputs and output gradients."""
+def test_linear_conv_and_embedding_sketches_take_the_fast_path() -> None:
+    """The fast path sketches these layers from their inputs and output gradients (TensorSketch
+    builds a small layer's per-sample gradients over many positions a chunk at a time)."""
     for arch, config, _ in CASES:
         model = model_for(arch, config)
         opts = Options(CASES[0][2] if arch == "simple-cnn" else "cross_entropy", ("projection",),
@@ -182,14 +191,18 @@ def test_matrices_evicted_from_a_small_cache_are_drawn_again_the_same(
     batch = batch_for(model, 8, 3)
     opts = Options("nll", ("projection",), tuple(model.params), projection=Projection(512, 5))
     module._FACTORS.clear()
+    module._SIDES.clear()
     [roomy] = engine.compute(model, batch, opts)
     small = LockedLRU[tuple[object, ...], torch.Tensor](
         256, budget=64 << 10, weigh=lambda t: t.element_size() * t.nelement())
+    sides = LockedLRU[tuple[object, ...], Any](2, budget=1, weigh=module._SIDES.weigh)
     monkeypatch.setattr(module, "_FACTORS", small)
+    monkeypatch.setattr(module, "_SIDES", sides)
     for _ in range(2):
         [tight] = engine.compute(model, batch, opts)
         assert torch.equal(tight["projection"], roomy["projection"])
         assert small.weight <= 64 << 10 or len(small) == 1
+        assert len(sides) <= 1
 
 
 def test_sketches_are_the_same_in_another_process() -> None:
@@ -211,7 +224,8 @@ def test_sketches_are_the_same_in_another_process() -> None:
 def test_projected_inner_products_within_the_jl_bound(k: int) -> None:
     """``(<Pg, Ph> - <g, h>) / (|g| |h|)`` has variance at most ``(1 + 2/k_out)(1 + 2/k_in) - 1``
     for a Kronecker sketch (``2/k`` for a dense one): its RMS over pairs and seeds stays under
-    that standard deviation, no pair is 6 of them off, and its mean over seeds is unbiased."""
+    that standard deviation, no pair is 6 of them off, and its mean over seeds is unbiased.
+    (TensorSketch's figures: ``tests/unit/test_sketch_quality.py``.)"""
     model = model_for("mlp", {"sizes": [20, 16, 4]})
     batch = batch_for(model, 24, 3)
     loop = per_sample_loop(model.module, {"inputs": batch.inputs, "targets": batch.targets},
@@ -224,7 +238,7 @@ def test_projected_inner_products_within_the_jl_bound(k: int) -> None:
     std = math.sqrt((1 + 2 / k_out) * (1 + 2 / k_in) - 1)
     errors = []
     for seed in range(seeds):
-        proj = Projection(k, seed)
+        proj = Projection(k, seed, KRONECKER)
         s = sum(proj.project(name, v.double()) for name, v in loop.grads.items())
         errors.append((s @ s.t() - exact) / torch.outer(norms, norms))  # type: ignore[union-attr]
     z = torch.stack(errors)
@@ -293,6 +307,9 @@ def body(n: int = 2, **extra: Any) -> dict[str, Any]:
     ({"outputs": ["projection"], "projection_dim": 9000}, BadRequest, "8192"),
     ({"outputs": ["projection"], "projection_dim": 8, "projection_seed": -1}, BadRequest, "2**63"),
     ({"projection_seed": 3}, BadRequest, "projection_dim"),
+    ({"projection_kind": "kronecker"}, InvalidInput, "projection_dim"),
+    ({"outputs": ["projection"], "projection_dim": 8, "projection_kind": "gaussian"},
+     InvalidInput, "known: tensorsketch, kronecker"),
     ({"outputs": ["dots"]}, InvalidInput, "reference"),
     ({"outputs": ["dots"], "reference_sketches": np.zeros((2, 8), np.float32)}, InvalidInput,
      "projection_dim"),
@@ -330,9 +347,17 @@ def test_influence_takes_the_projection_of_its_set(registry: ModelRegistry) -> N
     store = MemoryReferenceStore()
     shapes = {k: list(v.shape) for k, v in model.params.items()}
     store.put(ReferenceSet("s", model.ref, "cross_entropy", tuple(model.params), shapes,
-                           (32, 5), 4, 0.0, {"sketches": np.ones((4, 32), np.float32)}))
+                           (32, 5, KRONECKER), 4, 0.0,
+                           {"sketches": np.ones((4, 32), np.float32)}))
     parsed = parse(registry, body(outputs=["influence"], reference_set="s"), reference_sets=store)
-    assert parsed.opts.projection == Projection(32, 5)
+    assert parsed.opts.projection == Projection(32, 5, KRONECKER)
+    same = {"projection_dim": 32, "projection_seed": 5}
+    with pytest.raises(InvalidInput, match="projection_kind 'kronecker'"):  # kinds never mix
+        parse(registry, body(outputs=["influence"], reference_set="s", **same),
+              reference_sets=store)
+    parsed = parse(registry, body(outputs=["influence"], reference_set="s",
+                                  projection_kind=KRONECKER, **same), reference_sets=store)
+    assert parsed.opts.projection == Projection(32, 5, KRONECKER)
     assert parsed.opts.reference_count == 4 and parsed.opts.reference_sketches
     with pytest.raises(InvalidInput, match="projection"):
         parse(registry, body(outputs=["influence"], reference_set="s", projection_dim=64),

@@ -356,7 +356,7 @@ def test_a_loss_the_model_does_not_accept(registry: ModelRegistry) -> None:
         "mse",
         "nll",
     )
-    assert exc.details["accepted"] == ["nll"]
+    assert exc.details["accepted"] == ["nll", "margin"]
     refused(registry, mlp_body(loss="td0"), LossNotSupported, "td0", "cross_entropy")
     refused(registry, {**TD0, "loss": "cross_entropy", "targets": [0, 0]}, LossNotSupported)
 
