@@ -286,7 +286,7 @@ def old_run() -> DPRun:
 def old_set() -> ReferenceSet:
     x = np.ones((2, 4), np.float32)
     return ReferenceSet("legacy", "att@v", "cross_entropy", ("net.0.weight",),
-                        {"net.0.weight": [5, 6]}, (4, 0), 2, 0.0, {"sketches": x})
+                        {"net.0.weight": [5, 6]}, (4, 0, "kronecker"), 2, 0.0, {"sketches": x})
 
 
 async def check_pre_tenant(c: httpx.AsyncClient, run_id: str) -> None:
