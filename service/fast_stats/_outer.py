@@ -87,8 +87,8 @@ class OuterSource(Materialised):
         return {name: out}
 
     def project(self, projection: Projection, out: torch.Tensor) -> None:
-        """Kronecker sketches from each block's inputs and output gradients (two small GEMMs
-        and a batched one per block); the per-sample gradients are never built."""
+        """Sketches from each block's inputs and output gradients (``project_outer``: Kronecker
+        by two small GEMMs and a batched one, TensorSketch by FFTs or a built chunk)."""
         name = self.names[0]
         for x, y, a, g in self.blocks(0, self.batch):
             projection.project_outer(name, self.shapes[name], a, g, out[x:y])

@@ -80,7 +80,7 @@ class EmbeddingSource(Materialised):
         return self.grads(0, self.batch)  # one index_add into zeros: no chunk to copy
 
     def project(self, projection: Projection, out: torch.Tensor) -> None:
-        """Kronecker sketches from the (token, gradient row) pairs: no dense table per sample."""
+        """Sketches from the (token, gradient row) pairs: no dense table per sample."""
         name = self.names[0]
         projection.project_rows(name, self.shapes[name], self.tokens, self.g, out)
 
