@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import posixpath
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from service.stores.spec import StoreSpec
 
 SPEC, MANIFEST = "spec.json", "manifest.json"
 GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its own
+MEMO_STORES = 4  # stores whose ids and Gram matrix are kept in memory between appends
 ListedIds = tuple[int | str, ...]
 # the ids of committed shards (immutable files), read from their headers once
 _IDS: LockedLRU[tuple[str, str], ListedIds] = LockedLRU(65536, budget=64 << 20,
@@ -63,6 +65,7 @@ class Manifest:
     shards: tuple[Shard, ...] = ()
     gram: str | None = None
     id_kind: str | None = None  # "int" or "str", fixed by the first batch
+    epoch: str = ""  # drawn when the store is made: a store made again under its id is another
 
     @property
     def count(self) -> int:
@@ -74,13 +77,18 @@ class Manifest:
 
     def to_json(self) -> bytes:
         return json.dumps({"seq": self.seq, "gram": self.gram, "id_kind": self.id_kind,
-                           "shards": [vars(s) for s in self.shards]}).encode()
+                           "epoch": self.epoch, "shards": [vars(s) for s in self.shards]}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         d = json.loads(raw)
         return cls(int(d["seq"]), tuple(Shard(**s) for s in d["shards"]), d["gram"],
-                   d["id_kind"])
+                   d["id_kind"], d["epoch"])
+
+    @property
+    def version(self) -> tuple[str, int]:
+        """Which store and which commit of it: what a value kept in memory is valid for."""
+        return self.epoch, self.seq
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,8 @@ class StoreFiles:
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.locks = locks
         self.shard_bytes = shard_bytes
+        self._guard = threading.Lock()
+        self._memo: dict[tuple[str, str], tuple[tuple[str, int], Any]] = {}
 
     def path(self, key: str, name: str = "") -> str:
         return posixpath.join(self.root, "stores", key, name) if name else posixpath.join(
@@ -109,11 +119,12 @@ class StoreFiles:
 
     # --- whole files ---------------------------------------------------------------------
 
-    def _write(self, path: str, data: bytes) -> None:
-        """``data`` at ``path`` all at once: written beside it, then renamed over it."""
+    def _write(self, path: str, *parts: bytes | memoryview) -> None:
+        """``parts`` at ``path`` all at once: written beside it, then renamed over it."""
         tmp = posixpath.join(posixpath.dirname(path), f".tmp-{uuid.uuid4().hex}")
         with self.fs.open(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
         self.fs.mv(tmp, path)
 
     def _read(self, path: str) -> bytes | None:
@@ -149,7 +160,7 @@ class StoreFiles:
                                    "another id", existing=found.doc())
                 return found, False
             self.fs.makedirs(self.path(key), exist_ok=True)
-            self._write(self.path(key, MANIFEST), Manifest().to_json())
+            self._write(self.path(key, MANIFEST), Manifest(epoch=uuid.uuid4().hex).to_json())
             self._write(self.path(key, SPEC), spec.to_json())  # now it exists
             return spec, True
 
@@ -201,14 +212,18 @@ class StoreFiles:
                 if old.id_kind not in (None, staged.id_kind):
                     raise InvalidInput(f"store '{spec.id}' holds {old.id_kind} ids; this batch "
                                        f"sends {staged.id_kind} ids: use one kind per store")
-                refuse_duplicates(spec.id, self.ids(key, old), staged.ids)
+                committed = self.ids(key, old)
+                refuse_duplicates(spec.id, committed, staged.ids)
                 gram = self.gram(key, old)
                 seq = old.seq + 1
                 new = Manifest(seq, old.shards + staged.shards, f"gram-{seq}.safetensors",
-                               staged.id_kind if old.count == 0 else old.id_kind)
-                self._write(self.path(key, new.gram or ""),
-                            st_save({"gram": staged.gram if gram is None else gram + staged.gram}))
+                               staged.id_kind if old.count == 0 else old.id_kind, old.epoch)
+                total = staged.gram if gram is None else gram + staged.gram
+                self._write(self.path(key, new.gram or ""), *raw_safetensors("gram", total))
                 self._write(self.path(key, MANIFEST), new.to_json())  # the commit
+                committed.update(staged.ids)  # in place: a copy would cost O(store)
+                self._remember("ids", key, new.version, committed)
+                self._remember("gram", key, new.version, total)
         except BaseException:
             self.discard(staged)
             raise
@@ -233,16 +248,42 @@ class StoreFiles:
         return _IDS.get_or_make((self.url, self.path(key, shard.file)), read)
 
     def ids(self, key: str, manifest: Manifest) -> set[int | str]:
-        return {i for shard in manifest.shards for i in self.ids_of(key, shard)}
+        """Every id ``manifest`` commits (do not modify): kept between appends, so that an
+        append checks its ids without listing a million others again."""
+        found: set[int | str] | None = self._recall("ids", key, manifest.version)
+        if found is None:
+            found = {i for shard in manifest.shards for i in self.ids_of(key, shard)}
+            self._remember("ids", key, manifest.version, found)
+        return found
+
+    def _recall(self, what: str, key: str, version: tuple[str, int]) -> Any:
+        """What :meth:`_remember` kept of this store at ``version`` (else None)."""
+        with self._guard:
+            kept, value = self._memo.get((what, key), (None, None))
+        return value if kept == version else None
+
+    def _remember(self, what: str, key: str, version: tuple[str, int], value: Any) -> None:
+        """Keep ``value`` (the ids, the Gram matrix) of a few stores as of ``version`` (a
+        :attr:`Manifest.version`: another replica's commit, or the store made again, is
+        another version)."""
+        with self._guard:
+            self._memo.pop((what, key), None)
+            self._memo[(what, key)] = (version, value)
+            while len(self._memo) > 2 * MEMO_STORES:
+                del self._memo[next(iter(self._memo))]
 
     def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:
-        """Phi^T Phi over what ``manifest`` commits (None for an empty store)."""
+        """Phi^T Phi over what ``manifest`` commits (None for an empty store; do not modify)."""
         if manifest.gram is None:
             return None
-        raw = self._read(self.path(key, manifest.gram))
-        if raw is None:
-            raise FileNotFoundError(manifest.gram)  # replaced since: the caller reads again
-        return st_load(raw)["gram"]
+        gram: np.ndarray | None = self._recall("gram", key, manifest.version)
+        if gram is None:
+            raw = self._read(self.path(key, manifest.gram))
+            if raw is None:
+                raise FileNotFoundError(manifest.gram)  # replaced since: the caller reads again
+            gram = st_load(raw)["gram"]
+            self._remember("gram", key, manifest.version, gram)
+        return gram
 
     def rows(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray,
                                                                   np.ndarray]]:
@@ -252,8 +293,7 @@ class StoreFiles:
             raw = self._read(self.path(key, shard.file))
             if raw is None:
                 raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted")
-            tensors = st_load(raw)
-            del raw
+            tensors = views(raw)  # no copy of the shard's bytes
             yield offset, tensors["sketches"], tensors["norms"]
             offset += shard.rows
 
@@ -278,6 +318,34 @@ class StoreFiles:
         flat = [self.ids_of(key, manifest.shards[s])[r - starts[s]]
                 for s, r in zip(which.ravel().tolist(), rows.ravel().tolist(), strict=True)]
         return np.asarray(flat, dtype=object).reshape(rows.shape).tolist()
+
+
+_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+
+
+def views(raw: bytes) -> dict[str, np.ndarray]:
+    """A shard's tensors as read-only views of its bytes (``safetensors.numpy.load`` copies)."""
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, stop = entry["data_offsets"]
+        dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
+        out[name] = np.frombuffer(raw, dtype, (stop - start) // dtype.itemsize,
+                                  8 + size + start).reshape(entry["shape"])
+    return out
+
+
+def raw_safetensors(name: str, array: np.ndarray) -> tuple[bytes, memoryview]:
+    """A safetensors file of one float64 tensor as (header, the array's own bytes): the 8 MiB
+    Gram matrix of k = 1024 is written at every commit, and serialising copied it first."""
+    array = np.ascontiguousarray(array, dtype="<f8")
+    header = json.dumps({name: {"dtype": "F64", "shape": list(array.shape),
+                                "data_offsets": [0, array.nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    return len(header).to_bytes(8, "little") + header, array.data.cast("B")
 
 
 def refuse_duplicates(store_id: str, committed: set[int | str],

@@ -27,6 +27,7 @@ from service.stores.files import Manifest, StoreFiles
 
 SCORES = ("dot", "cosine", "trak", "self_influence")
 LAMBDA_RULE = "trace(Phi^T Phi) / k"
+BLOCK_ROWS = 8192  # rows widened to float32 at once: 32 MiB at k = 1024
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,12 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
         q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)
     qm = q.astype(np.float32)
     for offset, rows, norms in files.rows(key, manifest):
-        scores = qm @ rows.astype(np.float32).T
-        if score == "cosine":
-            scores = np.divide(scores, norms, out=np.zeros(scores.shape), where=norms > 0)
-        best.add(scores, offset)
+        for a in range(0, len(rows), BLOCK_ROWS):  # widened a block at a time
+            scores = qm @ rows[a:a + BLOCK_ROWS].astype(np.float32).T
+            if score == "cosine":
+                part = norms[a:a + BLOCK_ROWS]
+                scores = np.divide(scores, part, out=np.zeros(scores.shape), where=part > 0)
+            best.add(scores, offset + a)
     return Found(manifest, *best.result(), lam=lam if score == "trak" else None)
 
 

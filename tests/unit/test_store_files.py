@@ -114,10 +114,10 @@ def test_a_crash_before_the_commit_leaves_the_store_as_it_was(tmp_path: Path,
     # the manifest's write fails: the batch's files are removed, the manifest is the old one
     real = StoreFiles._write
 
-    def failing(self: StoreFiles, path: str, data: bytes) -> None:
+    def failing(self: StoreFiles, path: str, *data: bytes | memoryview) -> None:
         if path.endswith(MANIFEST):
             raise OSError("disk gone")
-        real(self, path, data)
+        real(self, path, *data)
 
     monkeypatch.setattr(StoreFiles, "_write", failing)
     with pytest.raises(OSError):
@@ -257,3 +257,25 @@ def test_a_query_holds_one_shard_at_a_time(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 5 * rows * dim * 4, peak  # a few shards' worth, not the store's 24
+
+
+def test_replicas_never_use_what_they_kept_of_another_version(tmp_path: Path) -> None:
+    """Ids and Gram matrices kept in memory between appends are valid for one commit of one
+    store: another replica's commit, or the store deleted and made again, is read anew."""
+    one, two = (StoreFiles(str(tmp_path / "data"), ThreadLocks()) for _ in range(2))
+    one.create("s", spec())
+    one.append("s", spec(), [1, 2], "int", np.ones((2, K), np.float32))
+    assert two.delete("s")
+    two.create("s", spec())
+    x = np.arange(K, dtype=np.float32)[None, :]
+    two.append("s", spec(), [1], "int", x)
+    manifest = one.append("s", spec(), [2], "int", 2 * x)  # 2 is new to the new store
+    assert one.ids("s", manifest) == {1, 2}
+    phi = np.concatenate([x, 2 * x]).astype(np.float64)
+    np.testing.assert_allclose(one.gram("s", manifest), phi.T @ phi, rtol=1e-12)
+    manifest = two.append("s", spec(), [3], "int", 3 * x)  # after one's commit
+    phi = np.concatenate([phi, 3 * x])
+    np.testing.assert_allclose(two.gram("s", manifest), phi.T @ phi, rtol=1e-12)
+    assert two.ids("s", manifest) == {1, 2, 3}
+    with pytest.raises(Conflict):
+        one.append("s", spec(), [3], "int", x)

@@ -1,0 +1,200 @@
+"""Gradient stores: appending against the ``projection`` output's own throughput, and a query
+over a large store against one in-process numpy pass over the same matrix.
+
+    python benchmarks/stores.py [--rounds 3] [--batch 256] [--k 1024]
+                                [--rows 1000000] [--dim 1024] [--queries 16] [--topk 10]
+                                [--skip-append] [--skip-query]
+
+**Append** (the embedded server in process, over httpx's ASGI transport, safetensors bodies
+both ways): each round times ``POST /per-sample-grads`` asking ``projection`` for a batch of
+``--batch`` simple-cnn samples (k = ``--k``, the answer in safetensors) and ``POST
+/stores/{id}/samples`` with the same batch and new ids (the same projection jobs, then the
+shards, the Gram matrix and the manifest written), interleaved. Prints each median and the
+median of the per-round ratios ``projection time / append time``: the append's throughput as
+a fraction of the projection output's (goal: 0.8 or more).
+
+**Query**: a float16 store of ``--rows`` x ``--dim`` random rows is written through
+:class:`service.stores.files.StoreFiles` (64 MiB shards; the model is not involved), then, in
+interleaved rounds, ``--queries`` test sketches are ranked (top ``--topk``, score ``dot``; and
+``trak`` once) by :func:`service.stores.query.search` (reading the shards from the files) and by
+one numpy pass over the same matrix held in memory (float16, a chunked float32 matmul of 32768
+rows at a time and ``argpartition``: the in-process baseline). Prints the medians, the ratio
+(goal: 1.5 or less), whether both found the same ids, and the query's peak of traced memory
+(``tracemalloc``: numpy's allocations) against the store's size. The first query may read from
+disk; later ones from the page cache, as a warm server would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+import tracemalloc
+from typing import Any
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import httpx
+import numpy as np
+
+from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
+from service.api import create_app
+from service.config import Settings
+from service.stores.files import StoreFiles
+from service.stores.locks import ThreadLocks
+from service.stores.query import search
+from service.stores.spec import StoreSpec
+
+CHUNK = 32768
+
+
+def load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+async def bench_append(rounds: int, batch: int, k: int) -> None:
+    data = tempfile.mkdtemp(prefix="psgrad-bench-stores-")
+    settings = Settings(data_dir=data, device="cpu", batch_max_delay_ms=0, redis_url=None,
+                        api_keys="", admin_keys="")
+    app = create_app(settings)
+    rng = np.random.default_rng(0)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://bench", timeout=600) as c:
+        r = await c.put("/stores/bench", json={"model": "simple-cnn", "projection_dim": k,
+                                               "dtype": "float16"})
+        assert r.status_code == 201, r.text
+        at = 0
+
+        def body(extra: dict[str, Any]) -> bytes:
+            x = rng.standard_normal((batch, 1, 28, 28)).astype(np.float32)
+            y = rng.integers(0, 10, batch)
+            return fields_to_safetensors({"inputs": x, "targets": y, **extra}, REQUEST_KEY)
+
+        async def projection() -> float:
+            content = body({"model": "simple-cnn", "outputs": ["projection"],
+                            "projection_dim": k})
+            t = time.perf_counter()
+            r = await c.post("/per-sample-grads", content=content, headers={
+                "content-type": SAFETENSORS, "accept": SAFETENSORS})
+            assert r.status_code == 200, r.text
+            return time.perf_counter() - t
+
+        async def append() -> float:
+            nonlocal at
+            content = body({"ids": np.arange(at, at + batch)})
+            at += batch
+            t = time.perf_counter()
+            r = await c.post("/stores/bench/samples", content=content,
+                             headers={"content-type": SAFETENSORS})
+            assert r.status_code == 200, r.text
+            return time.perf_counter() - t
+
+        await projection()
+        await append()  # warm-up: plans, factors
+        proj, add, ratios = [], [], []
+        for _ in range(rounds):
+            p, a = await projection(), await append()
+            proj.append(p)
+            add.append(a)
+            ratios.append(p / a)
+    print(f"\n### Append: simple-cnn, B={batch}, k={k} (load {load()})\n")
+    print("| | median s | samples/s |\n|---|---|---|")
+    for name, times in (("projection output", proj), ("append to a store", add)):
+        m = statistics.median(times)
+        print(f"| {name} | {m:.3f} | {batch / m:.0f} |")
+    print(f"\nappend throughput / projection throughput: median {statistics.median(ratios):.2f} "
+          f"(rounds {min(ratios):.2f} to {max(ratios):.2f}; goal >= 0.8)")
+
+
+def fill(rows: int, dim: int) -> tuple[StoreFiles, np.ndarray]:
+    """A float16 store of random rows, and the same matrix in memory."""
+    files = StoreFiles(tempfile.mkdtemp(prefix="psgrad-bench-stores-"), ThreadLocks())
+    spec = StoreSpec(id="big", model="none@0", loss="none", params=("w",), projection_dim=dim,
+                     projection_seed=0, projection_kind="any", dtype="float16")
+    files.create("big", spec)
+    matrix = np.empty((rows, dim), np.float16)
+    rng = np.random.default_rng(1)
+    per = (64 << 20) // (dim * 2)
+    t = time.perf_counter()
+    for a in range(0, rows, per):
+        block = rng.standard_normal((min(per, rows - a), dim), dtype=np.float32)
+        matrix[a:a + len(block)] = block
+        files.append("big", spec, list(range(a, a + len(block))), "int", block)
+    print(f"\nwrote {rows} x {dim} float16 ({matrix.nbytes / 2**30:.2f} GiB) in "
+          f"{time.perf_counter() - t:.1f} s")
+    return files, matrix
+
+
+def numpy_pass(matrix: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
+    """The baseline: one chunked float32 matmul over the matrix in memory, top-k kept."""
+    qm = q.astype(np.float32)
+    best_s = np.empty((len(q), 0), np.float32)
+    best_r = np.empty((len(q), 0), np.int64)
+    for a in range(0, len(matrix), CHUNK):
+        s = qm @ matrix[a:a + CHUNK].astype(np.float32).T
+        part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+        best_s = np.concatenate([best_s, np.take_along_axis(s, part, 1)], 1)
+        best_r = np.concatenate([best_r, part + a], 1)
+        keep = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
+        best_s, best_r = np.take_along_axis(best_s, keep, 1), np.take_along_axis(best_r, keep, 1)
+    order = np.argsort(-best_s, axis=1)
+    return np.take_along_axis(best_r, order, 1)
+
+
+def bench_query(rounds: int, rows: int, dim: int, queries: int, k: int) -> None:
+    files, matrix = fill(rows, dim)
+    q = np.random.default_rng(2).standard_normal((queries, dim))
+    ours, base, ratios = [], [], []
+    same = True
+    for _ in range(rounds):
+        t = time.perf_counter()
+        found = search(files, "big", "big", q, k, "dot")
+        o = time.perf_counter() - t
+        t = time.perf_counter()
+        want = numpy_pass(matrix, q, k)
+        b = time.perf_counter() - t
+        same &= bool((found.rows == want).all())
+        ours.append(o)
+        base.append(b)
+        ratios.append(o / b)
+    t = time.perf_counter()
+    search(files, "big", "big", q, k, "trak")
+    trak = time.perf_counter() - t
+    tracemalloc.start()
+    search(files, "big", "big", q, k, "dot")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"\n### Query: {queries} test sketches, top {k}, over {rows} x {dim} float16 "
+          f"(load {load()})\n")
+    print("| | median s |\n|---|---|")
+    print(f"| store query (dot, streamed from 64 MiB shards) | {statistics.median(ours):.3f} |")
+    print(f"| numpy pass over the matrix in memory | {statistics.median(base):.3f} |")
+    print(f"| store query (trak, once) | {trak:.3f} |")
+    print(f"\nquery / numpy: median {statistics.median(ratios):.2f} (rounds {min(ratios):.2f} "
+          f"to {max(ratios):.2f}; goal <= 1.5); same ids: {same}; query's traced peak "
+          f"{peak / 2**20:.0f} MiB for a store of {matrix.nbytes / 2**20:.0f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--queries", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=10)
+    ap.add_argument("--skip-append", action="store_true")
+    ap.add_argument("--skip-query", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_append:
+        asyncio.run(bench_append(args.rounds, args.batch, args.k))
+    if not args.skip_query:
+        bench_query(args.rounds, args.rows, args.dim, args.queries, args.topk)
+
+
+if __name__ == "__main__":
+    main()
