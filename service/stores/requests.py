@@ -16,12 +16,8 @@ from service.attribution import projection_of
 from service.reference_sets import SAMPLE_FIELDS, checked_id
 from service.registry import ModelRegistry
 from service.stores.spec import StoreSpec, check_dtype, integral
-from service.strategies import projection as _projection
-from service.validate import KNOWN_FIELDS, check_options
+from service.validate import check_options
 
-# the sketch kinds psgrad makes (the first is the default): the projection module's own list
-KINDS: tuple[str, ...] = getattr(_projection, "KINDS", (_projection.KRONECKER,))
-_KIND_FIELD = "projection_kind" in KNOWN_FIELDS  # requests name the kind
 SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
                "projection_kind", "dtype")
 BATCH_FIELDS = (*SAMPLE_FIELDS, "model", "verify", "verify_seed")
@@ -43,21 +39,17 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
     if body.get("projection_dim") is None:
         raise InvalidInput("'projection_dim' is required: a store keeps sketches of k entries "
                            "per sample (k up to 8192)")
-    kind = body.get("projection_kind") or KINDS[0]
-    if kind not in KINDS:
-        raise InvalidInput(f"unknown projection_kind {kind!r}; known: {', '.join(KINDS)} "
-                           f"(default {KINDS[0]})", known=list(KINDS))
     model = registry.get(body["model"])
-    asked = {k: integral(body.get(k)) if k.startswith("projection") else body.get(k)
-             for k in ("loss", "params", "projection_dim", "projection_seed")}
-    if _KIND_FIELD:
-        asked["projection_kind"] = kind
+    asked = {k: integral(body.get(k)) if k.startswith("projection_") else body.get(k)
+             for k in ("loss", "params", "projection_dim", "projection_seed", "projection_kind")}
+    asked["projection_kind"] = asked["projection_kind"] or None  # "": the default kind
     opts = check_options({**asked, "outputs": ["projection"]}, model)
     proj = projection_of(asked, ["projection"])
     assert proj is not None
     return StoreSpec(id=store_id, model=model.ref, loss=opts.loss, params=opts.params,
-                     projection_dim=proj.k, projection_seed=proj.seed, projection_kind=kind,
-                     dtype=check_dtype(body.get("dtype")), tenant=tenant)
+                     projection_dim=proj.k, projection_seed=proj.seed,
+                     projection_kind=proj.kind, dtype=check_dtype(body.get("dtype")),
+                     tenant=tenant)
 
 
 def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
@@ -91,9 +83,6 @@ def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[s
         raise Conflict(f"store '{spec.id}' holds sketches of model {spec.model}; {what} "
                        f"names {asked!r}: leave 'model' out or send {spec.model}",
                        store_model=spec.model, model=asked)
-    job = {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
-           "projection_dim": spec.projection_dim, "projection_seed": spec.projection_seed,
-           "outputs": ["projection"]}
-    if _KIND_FIELD:
-        job["projection_kind"] = spec.projection_kind
-    return job
+    return {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
+            "projection_dim": spec.projection_dim, "projection_seed": spec.projection_seed,
+            "projection_kind": spec.projection_kind, "outputs": ["projection"]}

@@ -71,11 +71,11 @@ async def _register(c: httpx.AsyncClient) -> None:
     assert r.status_code == 200, r.text
 
 
-async def projection(c: httpx.AsyncClient, data: dict[str, Any]) -> np.ndarray:
+async def projection(c: httpx.AsyncClient, data: dict[str, Any], **extra: Any) -> np.ndarray:
     """The sketches ``/per-sample-grads`` answers for these samples (the loop-tested path)."""
     r = await c.post("/per-sample-grads", headers=ALICE, json={
         "model": "att", **data, "outputs": ["projection"], "projection_dim": DIM,
-        "projection_seed": SEED})
+        "projection_seed": SEED, **extra})
     assert r.status_code == 200, r.text
     return np.asarray(r.json()["projection"], dtype=np.float64)
 
@@ -89,7 +89,8 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
     doc = r.json()
     assert doc["model"].startswith("att@") and doc["samples"] == 0 and doc["state"] == "empty"
     assert (doc["projection_dim"], doc["projection_seed"], doc["dtype"]) == (DIM, SEED, "float32")
-    assert doc["projection_kind"] and doc["loss"] == "cross_entropy" and doc["tenant"] == "alice"
+    assert doc["projection_kind"] == "tensorsketch" and doc["loss"] == "cross_entropy"
+    assert doc["tenant"] == "alice"
     again = await c.put("/stores/train", headers=ALICE, json={
         "model": "att", "projection_dim": DIM, "projection_seed": SEED})
     assert again.status_code == 200 and again.json()["created"] == doc["created"]
@@ -138,6 +139,22 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
     assert r.json()["ids"] == [[ids[i] for i in row] for row in want_rows]
     np.testing.assert_allclose(r.json()["scores"], want_scores, rtol=1e-4,
                                atol=1e-5 * np.abs(want_scores).max())
+
+    # a store of Kronecker sketches of TRAK's margin: the same as /per-sample-grads' again
+    fields = {"projection_kind": "kronecker", "loss": "margin"}
+    r = await c.put("/stores/krn", headers=ALICE, json={
+        "model": "att", "projection_dim": DIM, "projection_seed": SEED, **fields})
+    assert r.status_code == 201 and r.json()["projection_kind"] == "kronecker", r.text
+    r = await c.post("/stores/krn/samples", headers=ALICE, json={**parts[1], "ids": ids[:9]})
+    assert r.status_code == 200, r.text
+    rows = np.concatenate([x for _, x, _ in files.rows("alice~krn", files.manifest("alice~krn"))])
+    np.testing.assert_allclose(rows, await projection(c, parts[1], **fields), rtol=1e-5,
+                               atol=1e-6)
+    r = await c.post("/stores/krn/query", headers=ALICE, json={"k": 2, **test})
+    assert r.json()["projection_kind"] == "kronecker", r.text
+    error(await c.post("/stores/krn/query", headers=ALICE,
+                       json={"k": 2, "sketches": q.tolist(), "projection_kind": "tensorsketch"}),
+          409, "conflict", "projection_kind")
 
     # another tenant's store of the same name is its own; an admin reaches alice's
     error(await c.get("/stores/train", headers=BOB), 404, "not_found", "PUT /stores/train")

@@ -31,14 +31,14 @@ from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import SCORES, check_k, check_score, search
 from service.stores.requests import check_fixed, make_spec, sketch_request
 from service.stores.spec import DTYPES, StoreSpec, checked_ids, finite_float, positive_int
-from service.strategies.projection import MAX_DIM
+from service.strategies.projection import KINDS, MAX_DIM
 from service.tenants import Tenant
 from service.validate import parse_request
 
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
-SAMPLES_EXTRA = frozenset({"ids", "projection_kind"})
-QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches", "projection_kind"})
+SAMPLES_EXTRA = frozenset({"ids"})
+QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches"})
 
 
 class StoreBody(BaseModel):
@@ -50,7 +50,8 @@ class StoreBody(BaseModel):
     projection_dim: int = Field(description="k, the entries of each sample's sketch", ge=1,
                                 le=MAX_DIM)
     projection_seed: int = Field(0, ge=0, lt=2**63)
-    projection_kind: str | None = Field(None, description="default: psgrad's default kind")
+    projection_kind: Literal[KINDS] | None = Field(  # type: ignore[valid-type]
+        None, description=f"default: {KINDS[0]}")
     dtype: Literal[DTYPES] = Field("float32", description="how rows are kept")  # type: ignore
 
 
@@ -114,9 +115,10 @@ async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[
                     ) -> np.ndarray:
     """The batch's sketches, computed by the workers (several jobs past the batch limit)."""
     result = await split_answer(state, tenant, job)
-    if str(result["model"]) != spec.model:
-        raise Conflict(f"the sketches came from {result['model']}, not the store's {spec.model}; "
-                       "send the batch again")
+    kind = (result.get("meta") or {}).get("projection_kind", spec.projection_kind)
+    if str(result["model"]) != spec.model or kind != spec.projection_kind:
+        raise Conflict(f"the sketches came from {result['model']} ({kind}), not the store's "
+                       f"{spec.model} ({spec.projection_kind}); send the batch again")
     return np.asarray(result["projection"], dtype=np.float32)
 
 
@@ -238,7 +240,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         found = search(state.stores, key, store_id, sketches, k, score, lam)
         out = {"ids": state.stores.id_at(key, found.manifest, found.rows),
                "scores": found.scores.tolist(), "score": score, "k": k,
-               "samples": found.manifest.count}
+               "samples": found.manifest.count, "projection_kind": spec.projection_kind}
         if found.lam is not None:
             out["lambda"] = found.lam
         return out
