@@ -231,22 +231,30 @@ def opacus_ghost(s: Setup, output: str, clip: float) -> Callable[[], Result] | N
     if output == "grads":
         return NotApplicable("ghost clipping never forms per-sample gradients")
     try:
-        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        import opacus  # noqa: F401
     except ImportError:
         return NotApplicable("opacus not installed")
-    module = _trainable_copy(s)
-    names = [n for n, _ in module.named_parameters()]
     try:
-        gsm = GradSampleModuleFastGradientClipping(
-            module, max_grad_norm=clip, use_ghost_clipping=True, loss_reduction="sum"
-        )
+        return ghost_clipping(_trainable_copy(s), lambda gsm: batch_losses(gsm, s), output, clip)
     except Exception as exc:
         return NotApplicable(f"ghost clipping refuses the model: {_short(exc)}")
+
+
+def ghost_clipping(module: nn.Module, losses: Callable[[nn.Module], torch.Tensor], output: str,
+                   clip: float) -> Callable[[], Result]:
+    """Opacus ghost clipping of ``module`` (trainable) whose per-sample losses ``losses(m)``
+    gives, for ``norms`` or ``clipped_mean``; raises where Opacus refuses the model."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    names = [n for n, _ in module.named_parameters()]
+    gsm = GradSampleModuleFastGradientClipping(
+        module, max_grad_norm=clip, use_ghost_clipping=True, loss_reduction="sum"
+    )
     params = list(module.parameters())
 
     def run() -> Result:
         gsm.zero_grad(set_to_none=True)
-        per = batch_losses(gsm, s)
+        per = losses(gsm)
         per.sum().backward(retain_graph=output == "clipped_mean")
         norms = gsm.get_norm_sample()
         if output == "norms":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     device: str = "auto"
     memory_budget_mb: int = 1024
     fast_stats: bool = True
+    # how fast statistics form the per-sample norms of a weight read at several positions:
+    # "auto" picks the cheaper of the Gram form and the materialised gradient from its shapes;
+    # the others force one (tests hold both to the same answers)
+    fast_stats_form: Literal["auto", "gram", "materialise"] = "auto"
     compile: bool = False
     compile_secret: str = ""  # workers only: enables sharing compiled artifacts via Redis
     model_dir: str | None = None

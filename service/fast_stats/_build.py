@@ -17,7 +17,8 @@ from service.fast_stats._family import Family
 from service.fast_stats._records import Use
 from service.fast_stats._replay import ModuleReplay, OpReplay
 from service.fast_stats._run import Plan, Run, Setup
-from service.fast_stats._source import Source, SourceContext, Summed
+from service.fast_stats._source import Source, SourceContext
+from service.fast_stats._tied import summed
 
 
 def build_sources(setup: Setup, run: Run, plan: Plan, budget: Budget) -> list[Source]:
@@ -67,4 +68,4 @@ def _source(name: str, found: list[tuple[Use, str]], ctx: SourceContext) -> Sour
     ]
     if len(parts) == 1:
         return parts[0]
-    return Summed(name, parts, ctx.shapes[name], ctx.batch, ctx.budget)
+    return summed(name, parts, ctx.shapes[name], ctx.batch, ctx.budget)

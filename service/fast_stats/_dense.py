@@ -13,7 +13,7 @@ import torch
 
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.fast_stats._source import Materialised, Source, SourceContext, cat
+from service.fast_stats._source import Materialised, Source, SourceContext, cat, merge
 from service.strategies.base import Bounds, Tensors, total
 from service.strategies.projection import Projection
 
@@ -93,10 +93,12 @@ class DenseGroup(Source):
                 sq=torch.linalg.vector_norm(f, dim=1).square() if need.sq else None,
                 dot=(f @ need.reference[k].reshape(-1).to(f.dtype)
                      if need.reference is not None else None),
+                dots=(f @ need.references[k].reshape(len(need.references[k]), -1).t().to(f.dtype)
+                      if need.references is not None else None),
                 sums=(tuple(f[x:y].sum(0, dtype=need.sums_dtype).reshape(shape)
                             for x, y in need.bounds) if need.sums else None),
-                sqsums=(tuple(f[x:y].to(torch.float64).square().sum(0).reshape(shape)
-                              for x, y in need.bounds) if need.sqsums else None),
+                m2=(tuple(merge(None, f[x:y]).m2.reshape(shape) for x, y in need.bounds)
+                    if need.m2 else None),
             )
         return out
 

@@ -3,9 +3,9 @@
 A linear layer is one group over its T positions (one without a sequence); a convolution,
 unfolded, is ``groups`` of them over its output positions. The squared norm is
 ``|g_i|^2 |a_i|^2`` for one position, the Gram form ``<A_i A_i^T, G_i G_i^T>`` for T positions
-when ``2 T^2 < d p``, and is otherwise read off the materialised ``G_i^T A_i`` (one batched
-matmul a chunk at a time); a dot product with a reference R is ``sum_t g_it^T R a_it`` and a
-weighted sum over samples is one matmul ``G^T diag(c) A``.
+where ``T (d + p) < d p`` (cheaper), and is otherwise read off the materialised ``G_i^T A_i``
+(one batched matmul a chunk at a time); a dot product with a reference R is
+``sum_t g_it^T R a_it`` and a weighted sum over samples is one matmul ``G^T diag(c) A``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,27 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.linalg import vector_norm
 
+from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.fast_stats._source import Materialised, cat
+from service.fast_stats._source import Materialised, cat, m2_of
 from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
+
+
+def form_for(positions: int, d: int, p: int) -> str:
+    """How a weight's per-sample norms are formed, from its shapes: ``outer`` for one position;
+    over T positions the Gram form (``T^2 (d + p)`` per sample and group) where it is cheaper
+    than materialising ``G_i^T A_i`` (``T d p``), unless ``PSGRAD_FAST_STATS_FORM`` forces one.
+    """
+    if positions == 1:
+        return "outer"
+    forced = get_settings().fast_stats_form
+    if forced != "auto":
+        return forced
+    return "gram" if positions * (d + p) < d * p else "materialise"
 
 
 class OuterSource(Materialised):
@@ -46,12 +60,7 @@ class OuterSource(Materialised):
         super().__init__([name], {name: shape}, batch, budget)
         self.method = method
         self.groups, self.d, self.p, self.t = groups, d, p, positions
-        if positions == 1:
-            self._form = "outer"
-        elif 2 * positions * positions < d * p:
-            self._form = "gram"
-        else:
-            self._form = "materialise"
+        self._form = form_for(positions, d, p)
 
     def form(self, name: str) -> str:
         return self._form
@@ -133,7 +142,10 @@ class OuterSource(Materialised):
         return total.reshape(self.shapes[self.names[0]])
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
-        if self._form == "materialise" or (need.sqsums and self._form == "gram"):
+        if self._form == "materialise" or need.references is not None or (
+                need.m2 and self._form == "gram"):
+            # M dot products per sample cost M products of a forward's size in closed form:
+            # from the materialised gradient they cost one batched matmul and a small GEMM
             return super().pass1(need, keep)
         name = self.names[0]
         ref = need.reference[name] if need.reference is not None else None
@@ -143,19 +155,25 @@ class OuterSource(Materialised):
                 sq.append(self._sq(a, g))
             if ref is not None:
                 dot.append(self._dot(ref, a, g))
+        sums = None
+        if need.sums or need.m2:
+            sums = tuple(self.wsum(None, x, y, need.sums_dtype) for x, y in need.bounds)
         return {name: Pass1(
             sq=cat(sq) if need.sq else None,
             dot=cat(dot) if ref is not None else None,
-            sums=tuple(self.wsum(None, x, y, need.sums_dtype) for x, y in need.bounds)
-            if need.sums else None,
-            sqsums=tuple(self._sqsum(x, y) for x, y in need.bounds) if need.sqsums else None,
+            sums=sums if need.sums else None,
+            m2=tuple(m2_of(total, self._sqsum(x, y), y - x)
+                     for total, (x, y) in zip(sums, need.bounds, strict=True))
+            if need.m2 and sums is not None else None,
         )}
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
     ) -> dict[str, Pass2]:
-        if self._form == "materialise" or self._cache is not None:
+        if self._cache is not None:
             return super().pass2(clip, means, bounds)
+        # either form: the clipped sum is one product G^T diag(c) A, the dot with the mean
+        # one per block, never the per-sample gradients again
         name = self.names[0]
         return {name: Pass2(
             clipped=tuple(self.wsum(clip[x:y], x, y, clip.dtype) for x, y in bounds)

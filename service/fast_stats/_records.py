@@ -120,23 +120,27 @@ class Pass1Need:
 
     sq: bool = False
     reference: Tensors | None = None  # dot products with these, when set
+    references: Tensors | None = None  # {param: [M, *shape]}: M dot products each, when set
     sums: bool = False
-    sqsums: bool = False
+    m2: bool = False  # each segment's sum of squared deviations from its mean (variance)
     bounds: Bounds = ()
     sums_dtype: torch.dtype = torch.float32
 
     @property
     def any(self) -> bool:
         """Whether the pass has anything to compute (a call may want sketches alone)."""
-        return self.sq or self.reference is not None or self.sums or self.sqsums
+        return (self.sq or self.reference is not None or self.references is not None or self.sums
+                or self.m2)
 
 
 @dataclass(frozen=True)
 class Pass1:
     sq: torch.Tensor | None = None  # [B] squared norm of each sample's gradient
     dot: torch.Tensor | None = None  # [B] dot product with the reference
+    dots: torch.Tensor | None = None  # [B, M] dot products with the M references
     sums: tuple[torch.Tensor, ...] | None = None  # per segment: sum of the per-sample gradients
-    sqsums: tuple[torch.Tensor, ...] | None = None  # per segment: sum of squares, float64
+    # per segment: sum of squared deviations from the segment's mean (variance = m2 / n)
+    m2: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,55 @@ def answers(found: Sequence[Source]) -> Tensors:
 Chunk = tuple[int, int, Tensors]  # rows [lo, hi) and their per-sample gradients
 
 
+@dataclass(frozen=True)
+class Moments:
+    """Count, mean and sum of squared deviations of some samples' gradients, element-wise."""
+
+    n: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+
+
+def merge(acc: Moments | None, rows: torch.Tensor) -> Moments:
+    """``acc`` with the samples ``rows`` ``[n, *shape]`` added (Chan et al.'s pairwise update).
+
+    Each chunk's own mean and deviations come from one ``var_mean`` (a stable one-pass kernel),
+    so nothing cancels: ``E[g^2] - E[g]^2`` in float32 loses every digit when the mean is large
+    next to the spread, and float64 copies of every per-sample gradient cost more than the
+    products that made them.
+    """
+    n = rows.shape[0]
+    var, mean = torch.var_mean(rows, dim=0, correction=0)
+    m2 = var.mul_(n)
+    if acc is None:
+        return Moments(n, mean, m2)
+    total = acc.n + n
+    delta = mean.sub_(acc.mean)
+    return Moments(
+        total,
+        acc.mean + delta * (n / total),
+        m2.add_(acc.m2).add_(delta.square().mul_(acc.n * n / total)),
+    )
+
+
+def m2_of(sums: torch.Tensor, sqsums: torch.Tensor, n: int) -> torch.Tensor:
+    """The sum of squared deviations from sums and sums of squares, both float64 (closed forms
+    that have the exact sums of squares: one position, embedding rows): ``n (E[g^2] - E[g]^2)``,
+    clamped at 0 against rounding."""
+    mean = sums.to(torch.float64) / n
+    return (sqsums / n - mean * mean).clamp(min=0) * n
+
+
+def _of(value: Moments | None) -> Moments:
+    assert value is not None, "every segment has samples"
+    return value
+
+
 class Materialised(Source):
     """Statistics from per-sample gradients built a chunk at a time (kept if the budget allows).
 
-    Sums of squares accumulate in float64 so that ``variance`` does not lose its digits to
-    cancellation when the mean is large next to the spread.
+    ``variance``'s deviations are merged chunk by chunk (:func:`merge`), never formed as
+    ``E[g^2] - E[g]^2``, so they keep their digits when the mean is large next to the spread.
     """
 
     cache = True  # keep the per-sample gradients for the second pass (when the budget allows)
@@ -160,8 +204,10 @@ class Materialised(Source):
 
         sq: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         dot: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
+        dots: dict[str, list[torch.Tensor]] = {k: [] for k in self.names}
         sums = {k: zeros(k, need.sums_dtype) for k in self.names} if need.sums else None
-        sqsums = {k: zeros(k, torch.float64) for k in self.names} if need.sqsums else None
+        moments: dict[str, list[Moments | None]] = {k: [None] * len(need.bounds)
+                                                     for k in self.names}
         for lo, hi, grads in self.chunks(keep):
             for k, g in grads.items():
                 flat = g.reshape(hi - lo, -1)
@@ -169,19 +215,25 @@ class Materialised(Source):
                     sq[k].append(torch.linalg.vector_norm(flat, dim=1).square())
                 if need.reference is not None:
                     dot[k].append(flat @ need.reference[k].reshape(-1).to(flat.dtype))
+                if need.references is not None:
+                    refs = need.references[k]
+                    dots[k].append(flat @ refs.reshape(len(refs), -1).t().to(flat.dtype))
                 for s, x, y in overlaps(need.bounds, lo, hi):
-                    if sums is not None:
+                    if need.m2:  # the mean comes with it
+                        moments[k][s] = merge(moments[k][s], g[x:y])
+                    elif sums is not None:
                         part = g[x:y].sum(0, dtype=need.sums_dtype)
                         sums[k][s] = sums[k][s].to(g.device) + part
-                    if sqsums is not None:
-                        g64 = g[x:y].to(torch.float64)
-                        sqsums[k][s] = sqsums[k][s].to(g.device) + (g64 * g64).sum(0)
+        if need.m2 and sums is not None:
+            for k in self.names:
+                sums[k] = [m.mean.mul(m.n).to(need.sums_dtype) for m in map(_of, moments[k])]
         return {
             k: Pass1(
                 sq=cat(sq[k]) if need.sq else None,
                 dot=cat(dot[k]) if need.reference is not None else None,
+                dots=cat(dots[k]) if need.references is not None else None,
                 sums=tuple(sums[k]) if sums is not None else None,
-                sqsums=tuple(sqsums[k]) if sqsums is not None else None,
+                m2=tuple(_of(m).m2 for m in moments[k]) if need.m2 else None,
             )
             for k in self.names
         }

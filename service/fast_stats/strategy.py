@@ -6,8 +6,7 @@ output gradients and (unfolded) inputs, an embedding by one ``index_add``, biase
 parameters as the family builds them, and parameters on the op or module replay a chunk at a
 time into the same buffer. Statistics asked for besides are then read off those buffers.
 
-It declines (the engine then runs ``vmap``) when the call wants dots against gradient references,
-when the model takes the per-sample loop or runs one
+It declines (the engine then runs ``vmap``) when the model takes the per-sample loop or runs one
 sample at a time only (an exported graph whose traced batch of one could not be made generic,
 :mod:`service.export.batch`), when the probe found no plan, and when the call reads its
 parameters unlike the probe did.
@@ -38,8 +37,8 @@ class FastStats:
     name = "fast_stats"
 
     def run(self, call: Call) -> Result | None:
-        need, model = call.need, call.model
-        if need.dots or model.route != "vmap" or not model.batched:
+        model = call.model
+        if model.route != "vmap" or not model.batched:
             return None
         setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
                       call.selected)
@@ -98,8 +97,9 @@ def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamSt
     ask = Pass1Need(
         sq=sq,
         reference=call.reference if need.dot else None,
+        references=call.references if need.dots else None,
         sums=sums,
-        sqsums=need.m2,
+        m2=need.m2,
         bounds=bounds,
         sums_dtype=torch.float64 if need.m2 else dtype,
     )
@@ -122,26 +122,15 @@ def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamSt
             grads=grads.get(k),
             sq=first[k].sq if sq else None,
             dot=first[k].dot,
+            dots=first[k].dots,
             mean=tuple(m[k] for m in means) if means is not None and (need.mean or need.cos)
             else None,
-            m2=_m2(first[k], bounds) if need.m2 else None,
+            m2=first[k].m2 if need.m2 else None,
             clipped=second[k].clipped if clip is not None else None,
             cos=second[k].cos if need.cos else None,
         )
         for k in names
     }
-
-
-def _m2(first: Pass1, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
-    """Each segment's sum of squared deviations from its mean, float64 (variance = m2 / n):
-    ``n * (E[g^2] - E[g]^2)``, clamped at 0 against rounding."""
-    sums, sqsums = _of(first.sums), _of(first.sqsums)
-    out = []
-    for s, (a, b) in enumerate(bounds):
-        n = b - a
-        mean64 = sums[s] / n
-        out.append((sqsums[s] / n - mean64 * mean64).clamp(min=0) * n)
-    return tuple(out)
 
 
 def _of(value: T | None) -> T:

@@ -389,7 +389,10 @@ def test_tied_and_opaque_parameters(
     for name, method in methods.items():
         assert meta["method"][name] == method, name
     if factory is TiedPair:
-        assert meta["form"]["a.weight"] == "gram"  # 2 positions: 8 < 16
+        # 2 positions: the Gram form's 2 (4 + 4) is not below materialising's 4 x 4
+        assert meta["form"]["a.weight"] == "materialise"
+    if factory is TiedHead:  # the embedding and the output layer's part, in closed form
+        assert meta["form"]["emb.weight"] == "tied:embedding+outer"
 
 
 def test_variance_keeps_its_digits_when_the_mean_is_large() -> None:

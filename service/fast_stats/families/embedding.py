@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from service.fast_stats._capture import Capture, bind
 from service.fast_stats._family import Captured, Family, register_family
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Use
-from service.fast_stats._source import Materialised, Source, SourceContext, cat
+from service.fast_stats._source import Materialised, Source, SourceContext, cat, m2_of
 from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
@@ -87,6 +87,12 @@ class EmbeddingSource(Materialised):
     def _dots(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         return (self.g[lo:hi] * ref.to(self.g.dtype)[self.tokens[lo:hi]]).sum((1, 2))
 
+    def _many(self, refs: torch.Tensor) -> torch.Tensor:
+        """Each sample's dot products with M references ``[M, vocab, dim]``: ``[B, M]``, from
+        the reference rows at the sample's tokens."""
+        rows = refs.to(self.g.dtype)[:, self.tokens]  # [M, B, S, dim]
+        return torch.einsum("bsd,mbsd->bm", self.g, rows)
+
     def _wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         g = self.g[lo:hi].to(dtype)
         if c is not None:
@@ -98,13 +104,15 @@ class EmbeddingSource(Materialised):
         sample, _, summed = self.rows()
         return self.g.new_zeros(self.batch).index_add_(0, sample, summed.pow(2).sum(1))
 
-    def _sqsums(self, bounds: Bounds) -> tuple[torch.Tensor, ...]:
+    def _m2(self, bounds: Bounds) -> tuple[torch.Tensor, ...]:
+        """Each segment's sum of squared deviations, from its (sample, token) rows in float64."""
         sample, token, summed = self.rows()
         sq = summed.to(torch.float64).pow(2)
         out = []
         for a, b in bounds:
             pick = (sample >= a) & (sample < b)
-            out.append(sq.new_zeros((self.vocab, self.dim)).index_add_(0, token[pick], sq[pick]))
+            sqsum = sq.new_zeros((self.vocab, self.dim)).index_add_(0, token[pick], sq[pick])
+            out.append(m2_of(self._wsum(None, a, b, torch.float64), sqsum, b - a))
         return tuple(out)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
@@ -112,9 +120,11 @@ class EmbeddingSource(Materialised):
         return {self.names[0]: Pass1(
             sq=self._sq() if need.sq else None,
             dot=self._dots(ref, 0, self.batch) if ref is not None else None,
+            dots=self._many(need.references[self.names[0]])
+            if need.references is not None else None,
             sums=tuple(self._wsum(None, a, b, need.sums_dtype) for a, b in need.bounds)
             if need.sums else None,
-            sqsums=self._sqsums(need.bounds) if need.sqsums else None,
+            m2=self._m2(need.bounds) if need.m2 else None,
         )}
 
     def pass2(

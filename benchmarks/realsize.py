@@ -1,0 +1,362 @@
+"""Real-size models: psgrad's statistics against a plain training step and the in-process peers.
+
+    python benchmarks/realsize.py [--models gpt2,bert,resnet18] [--seq 64] [--batch N]
+                                  [--rounds 3] [--outputs norms,clipped_mean,...] [--no-peers]
+
+Three models with random weights from their configurations (no hub download): GPT-2 small
+(``GPT2LMHeadModel(GPT2Config())``, 124M, ``next_token`` loss, default B=4), BERT-base
+(``BertForSequenceClassification(BertConfig(num_labels=2))``, 109M, default B=8) and ResNet-18 at
+224x224 (torchvision's layout written out below, BatchNorm in eval with running statistics moved
+off 0 and 1, default B=16). Token models get ``--seq`` positions (default 64), a quarter of the
+samples padded on the right, with eager attention (transformers' ``scaled_dot_product_attention``
+has no vmap rule on the CPU). The psgrad methods run the way the server does: the model exported
+with ``torch.export`` (sequence length dynamic up to 512), registered through psgrad's own loader
+(the child process, with limits raised to fit), and each request parsed and computed by
+``service.engine.compute`` in this process.
+
+Every (output, method) runs once per round, rounds interleaved; the time ratio is the median over
+rounds of the ratio to ``plain`` of the same round: one batched forward and backward of the mean
+loss on the original module, a training step without the optimizer. ``plain-graph`` is the same
+step on psgrad's loaded graph (the floor of psgrad's own path). Methods:
+
+- ``psgrad``: ``engine.compute`` with fast statistics (``meta.path`` is shown: ``vmap`` means
+  the fast path declined);
+- ``vmap``: ``functional_call`` + ``vmap(grad)`` on the original module, statistics from the
+  per-sample gradients;
+- ``opacus``: Opacus ``GradSampleModule`` hooks, statistics from ``grad_sample``;
+- ``opacus-ghost``: Opacus ghost clipping (norms; the clipped mean by a second backward).
+
+Peak memory: the resident-set high-water mark of one call after a warm one, minus the resident
+set before it (glibc's mmap threshold is lowered at start so freed blocks leave the resident
+set), for every method in this process. Peers that would hold every per-sample gradient past
+``--max-gib`` are skipped and say so. Our machine's two cores are shared with other work:
+ratios are the figures to read, and they move by about 0.1 between runs.
+
+Needs ``transformers`` and, for the peers, ``opacus`` (``pip install --no-deps``: without it pip
+replaces torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # before anything allocates: re-exec once
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from service import engine
+from service.config import Settings
+from service.registration import register_exported
+from service.registry import LoadedModel, ModelRegistry
+from service.validate import ParsedRequest, parse_request
+from tests.support.realsize import ResNet18, export, hf, padded_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_methods import from_grads, ghost_clipping  # statistics from per-sample grads
+from fast_stats import interleave, ratio, steady_peak  # rounds interleaved; median ratios
+
+OUTPUTS = ("norms", "clipped_mean", "variance", "cosine_mean", "dots")
+PEER_OUTPUTS = ("norms", "clipped_mean")  # the peers' cost is their per-sample gradients
+BATCH = {"gpt2": 4, "bert": 8, "resnet18": 16}
+CLIP = 1.0
+REFERENCES = 2  # M, the gradient references of ``dots``
+MAX_LENGTH = 512
+
+Fn = Callable[[], Any]
+
+
+@dataclass
+class Case:
+    """A model, its batch, and how its per-sample losses are formed."""
+
+    name: str
+    module: nn.Module  # the original module, eval mode
+    inputs: dict[str, torch.Tensor]  # by input name, in the module's order
+    targets: torch.Tensor
+    loss: str  # psgrad's loss name
+    mask: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(next(iter(self.inputs.values())).shape[0])
+
+    def losses(self, module: nn.Module, data: dict[str, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """Per-sample losses ``[B]`` of ``module`` on the batch (or on ``data``, a slice)."""
+        data = data or self.data
+        out = module(*(data[k] for k in self.inputs))
+        if self.loss == "cross_entropy":
+            return F.cross_entropy(out, data["targets"], reduction="none")
+        keep = data["mask"][:, 1:].to(out.dtype)  # next_token: scores at t against id t + 1
+        each = F.cross_entropy(out[:, :-1].transpose(1, 2), data["targets"][:, 1:],
+                               reduction="none")
+        return (each * keep).sum(1) / keep.sum(1).clamp(min=1)
+
+    @property
+    def data(self) -> dict[str, torch.Tensor]:
+        extra = {"mask": self.mask} if self.mask is not None else {}
+        return {**self.inputs, "targets": self.targets, **extra}
+
+
+def make_case(name: str, batch: int, seq: int) -> Case:
+    """The model with seeded random weights and a seeded batch."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "resnet18":
+        x = torch.randn(batch, 3, 224, 224, generator=gen)
+        return Case(name, ResNet18().eval(), {"x": x},
+                    torch.randint(0, 1000, (batch,), generator=gen), "cross_entropy")
+    if name not in ("gpt2", "bert"):
+        raise SystemExit(f"unknown model {name!r}; known: gpt2, bert, resnet18")
+    module = hf(name, **({"num_labels": 2} if name == "bert" else {}))
+    config: Any = module.get_submodule("model").config
+    vocab = int(config.vocab_size)
+    ids, mask = padded_tokens(batch, seq, vocab, gen)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if name == "gpt2":
+        return Case(name, module, inputs, ids, "next_token", mask)
+    return Case(name, module, inputs, torch.randint(0, 2, (batch,), generator=gen),
+                "cross_entropy")
+
+
+def register(case: Case) -> tuple[ModelRegistry, LoadedModel]:
+    """Exported at a batch of one (sequence length dynamic) and registered by psgrad's loader."""
+    data = export(case.module, tuple(v[:1] for v in case.inputs.values()), MAX_LENGTH)
+    registry = ModelRegistry(torch.device("cpu"))
+    settings = Settings(  # limits raised to fit the model: this measures compute, not limits
+        redis_url=None, model_dir=None, device="cpu", max_parameters=1 << 30,
+        max_model_activations=1 << 34, max_weight_bytes=4 << 30, export_memory_mb=1 << 15,
+        export_cpu_s=1200, export_timeout_s=1800)
+    model = register_exported(registry, case.name, data, settings, default_loss=case.loss,
+                              losses=[])
+    return registry, model
+
+
+def request(registry: ModelRegistry, case: Case, output: str) -> ParsedRequest:
+    fields: dict[str, Any] = {
+        "model": case.name, "outputs": [output], "targets": case.targets.numpy(),
+        "inputs": {k: v.numpy() for k, v in case.inputs.items()}, "clip_norm": CLIP}
+    if case.mask is not None:
+        fields["mask"] = case.mask.numpy()
+    if output == "dots":
+        model = registry.get(case.name)
+        gen = torch.Generator().manual_seed(2)
+        fields["reference"] = {
+            k: torch.randn((REFERENCES, *v.shape), generator=gen).numpy()
+            for k, v in model.params.items()}
+    return parse_request(fields, registry)
+
+
+def psgrad(registry: ModelRegistry, case: Case, output: str) -> Fn:
+    parsed = request(registry, case, output)
+    return lambda: engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
+
+
+def plain(case: Case) -> Fn:
+    """One batched forward and backward of the mean loss (a training step's work)."""
+    params = [p for p in case.module.parameters() if p.requires_grad]
+    return lambda: torch.autograd.grad(case.losses(case.module).mean(), params)
+
+
+def plain_graph(case: Case, model: LoadedModel) -> Fn:
+    """The same step on psgrad's loaded graph (what its fast path runs forward and backward)."""
+    graph = model.module
+
+    def run() -> Any:
+        params = {k: v.detach().requires_grad_() for k, v in model.params.items()}
+
+        class Bound(nn.Module):
+            def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+                return functional_call(graph, (params, model.buffers), xs)
+
+        return torch.autograd.grad(case.losses(Bound()).mean(), list(params.values()))
+
+    return run
+
+
+def _trainable(case: Case) -> nn.Module:
+    return copy.deepcopy(case.module).requires_grad_(True)
+
+
+def vmap_peer(case: Case, output: str) -> Fn:
+    """``functional_call`` + ``vmap(grad(loss))`` over the samples, on the original module."""
+    module = case.module
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    buffers = {k: v.detach() for k, v in module.named_buffers()}
+
+    class Bound(nn.Module):
+        def __init__(self, p: dict[str, torch.Tensor]) -> None:
+            super().__init__()
+            self.p = p
+
+        def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+            return functional_call(module, (self.p, buffers), xs)
+
+    def loss(p: dict[str, torch.Tensor], sample: dict[str, torch.Tensor]) -> torch.Tensor:
+        return case.losses(Bound(p), {k: v.unsqueeze(0) for k, v in sample.items()})[0]
+
+    fn = vmap(grad(loss), in_dims=(None, 0))
+    return lambda: from_grads(output, fn(params, case.data), CLIP)
+
+
+def opacus_peer(case: Case, output: str) -> Fn:
+    from opacus import GradSampleModule
+
+    module = _trainable(case)
+    names = [n for n, _ in module.named_parameters()]
+    gsm = GradSampleModule(module, loss_reduction="sum")
+    params = list(module.parameters())
+
+    def run() -> Any:
+        gsm.zero_grad(set_to_none=True)
+        case.losses(gsm).sum().backward()
+        grads = {}
+        for n, p in zip(names, params, strict=True):
+            grads[n], p.grad_sample = p.grad_sample, None  # type: ignore[attr-defined]
+        return from_grads(output, grads, CLIP)
+
+    return run
+
+
+def ghost_peer(case: Case, output: str) -> Fn:
+    return ghost_clipping(_trainable(case), case.losses, output, CLIP)
+
+
+PEERS: dict[str, Callable[[Case, str], Fn]] = {
+    "vmap": vmap_peer, "opacus": opacus_peer, "opacus-ghost": ghost_peer}
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _norms(answer: Any) -> np.ndarray | None:
+    value = answer.get("norms") if isinstance(answer, dict) else None
+    return None if value is None else np.asarray(torch.as_tensor(value).detach())
+
+
+def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: list[str],
+            peers: bool, max_gib: float) -> tuple[dict[tuple[str, str], Fn], dict[str, str]]:
+    """Every (output, method) that runs, and why the others do not (first call checked)."""
+    fns: dict[tuple[str, str], Fn] = {("step", "plain"): plain(case),
+                                      ("step", "plain-graph"): plain_graph(case, model)}
+    notes: dict[str, str] = {}
+    want = None
+    for output in outputs:
+        fns[(output, "psgrad")] = psgrad(registry, case, output)
+        start = time.perf_counter()
+        answer = fns[(output, "psgrad")]()
+        print(f"  psgrad {output}: first call {time.perf_counter() - start:.1f} s", flush=True)
+        notes[f"{output} psgrad"] = answer["meta"].get("path", "?")
+        want = _norms(answer) if output == "norms" else want
+    held = case.size * sum(p.numel() for p in model.params.values()) * 4 / 2**30
+    for name, factory in PEERS.items() if peers else ():
+        for output in PEER_OUTPUTS:
+            if output not in outputs:
+                continue
+            if name != "opacus-ghost" and held > max_gib:
+                notes[f"{output} {name}"] = (f"skipped: {held:.1f} GiB of per-sample gradients "
+                                             f"past --max-gib {max_gib}")
+                continue
+            try:
+                fn = factory(case, output)
+                got = fn()
+            except Exception as exc:  # the library refuses this model: reported, not timed
+                notes[f"{output} {name}"] = f"fails: {_short(exc)}"
+                continue
+            fns[(output, name)] = fn
+            norms = _norms(got)
+            if norms is not None and want is not None:
+                diff = float(np.max(np.abs(norms - want) / (1 + want)))
+                notes[f"{output} {name}"] = f"norms vs psgrad: max relative diff {diff:.1e}"
+    return fns, notes
+
+
+def run_model(name: str, args: argparse.Namespace) -> list[str]:
+    batch = args.batch or BATCH[name]
+    case = make_case(name, batch, args.seq)
+    start = time.perf_counter()
+    registry, model = register(case)
+    print(f"{name}: exported and registered in {time.perf_counter() - start:.0f} s", flush=True)
+    outputs = args.outputs.split(",")
+    fns, notes = methods(case, registry, model, outputs, args.peers, args.max_gib)
+    print(f"{name}: {len(fns)} methods run; timing {args.rounds} rounds", flush=True)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = interleave(fns, args.rounds, clock)
+    base = ("step", "plain")
+    peaks = {key: steady_peak(fn) for key, fn in fns.items()} if args.memory else {}
+    length = "" if name == "resnet18" else str(args.seq)
+    rows = []
+    for key in fns:
+        output, method = key
+        t = statistics.median(times[key])
+        mem = ""
+        if peaks:
+            mem = f"{peaks[key] / 2**20:.0f} | {peaks[key] / max(1, peaks[base]):.2f}"
+        note = notes.get(f"{output} {method}", "")
+        if method == "psgrad":
+            note = f"path {note}"
+        rows.append(f"| {name} | {batch} | {length} | {output} | {method} | {t * 1e3:.0f} | "
+                    f"{ratio(times, key, base):.2f} | {mem or ' | '} | {note} |")
+    for label, note in notes.items():
+        output, method = label.split(" ", 1)
+        if (output, method) not in fns:
+            rows.append(f"| {name} | {batch} | {length} | {output} | {method} | n/a | | | | "
+                        f"{note} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gpt2,bert,resnet18")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (token models)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="batch size (default: gpt2 4, bert 8, resnet18 16)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--outputs", default=",".join(OUTPUTS))
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="psgrad and the plain steps only")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the peak-memory calls (two more calls per method)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's; 1 on a busy shared machine)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (with --threads 1, the work alone)")
+    parser.add_argument("--max-gib", type=float, default=3.0,
+                        help="skip peers whose per-sample gradients would take more than this")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 2 <= args.seq <= MAX_LENGTH:
+        raise SystemExit(f"--seq must be within 2..{MAX_LENGTH}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, {args.clock} clock, "
+          f"medians of "
+          f"{args.rounds} interleaved rounds; x plain = median per-round ratio to one plain "
+          "forward+backward; peak = extra resident memory of one warm call\n", flush=True)
+    rows = ["| model | B | T | output | method | ms | x plain | peak MiB | x plain | notes |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in args.models.split(","):
+        rows += run_model(name, args)
+        print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

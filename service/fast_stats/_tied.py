@@ -1,0 +1,90 @@
+"""Tied weights: one parameter read by several uses of different kinds (GPT-2's token embedding,
+read again as its output layer), each use a part of every per-sample gradient.
+
+Dot products with references, sums, clipped sums and dots with the mean add part by part; the
+squared norm of the sum needs the parts' cross terms too. For an embedding ``E_i`` (rows
+``e_s`` at the sample's tokens ``tok_s``) tied to a weight ``L_i = G_i^T A_i`` read at T
+positions, ``<L_i, E_i> = sum_s sum_t G_i[t, tok_s] <a_t, e_s>``: the output gradient's
+columns at the sample's own tokens against a ``[T, S]`` product, never the ``vocab x dim``
+gradient. So the 50257 x 768 matrix of GPT-2 costs what its two layers cost apart, once.
+Other combinations, and ``variance`` (element-wise squares of the sum), materialise the sum a
+chunk at a time (:class:`~._source.Summed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from service.fast_stats._budget import Budget
+from service.fast_stats._outer import OuterSource
+from service.fast_stats._records import Pass1, Pass1Need, Pass2
+from service.fast_stats._source import Source, Summed, cat
+from service.fast_stats.families.embedding import EmbeddingSource
+from service.strategies.base import Bounds, Tensors
+
+
+class Tied(Summed):
+    """An embedding and an outer-product weight (``[vocab, dim]`` both) sharing one parameter:
+    statistics from the parts and their cross term, the sum never built for them."""
+
+    def __init__(self, name: str, emb: EmbeddingSource, outer: OuterSource, shape: torch.Size,
+                 batch: int, budget: Budget) -> None:
+        super().__init__(name, (emb, outer), shape, batch, budget)
+        self.emb, self.outer = emb, outer
+
+    def form(self, name: str) -> str:
+        return f"tied:{self.emb.form(name)}+{self.outer.form(name)}"
+
+    def cross(self) -> torch.Tensor:
+        """``<L_i, E_i>`` of every sample ``[B]``, a block of samples at a time."""
+        out = []
+        for x, y, a, g in self.outer.blocks(0, self.batch):
+            a, g = a[:, 0], g[:, 0]  # [n, T, d], [n, T, p]: one group
+            tokens, rows = self.emb.tokens[x:y], self.emb.g[x:y]  # [n, S], [n, S, d]
+            picked = g.gather(2, tokens.unsqueeze(1).expand(-1, g.shape[1], -1))  # [n, T, S]
+            out.append((picked * (a @ rows.transpose(1, 2).to(a.dtype))).sum((1, 2)))
+        return cat(out)
+
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        if need.m2:
+            return super().pass1(need, keep)
+        name = self.names[0]
+        parts = [p.pass1(need)[name] for p in self.parts]
+        e, o = parts
+
+        def add(u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor | None:
+            return None if u is None or v is None else u + v.to(u)
+
+        sq = add(e.sq, o.sq)
+        return {name: Pass1(
+            sq=None if sq is None else sq + 2 * self.cross().to(sq),
+            dot=add(e.dot, o.dot),
+            dots=add(e.dots, o.dots),
+            sums=None if e.sums is None or o.sums is None
+            else tuple(u + v.to(u) for u, v in zip(e.sums, o.sums, strict=True)),
+        )}
+
+    def pass2(
+        self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
+    ) -> dict[str, Pass2]:
+        name = self.names[0]
+        e, o = (p.pass2(clip, means, bounds)[name] for p in self.parts)
+        return {name: Pass2(
+            clipped=None if e.clipped is None or o.clipped is None
+            else tuple(u + v.to(u) for u, v in zip(e.clipped, o.clipped, strict=True)),
+            cos=None if e.cos is None or o.cos is None else e.cos + o.cos.to(e.cos),
+        )}
+
+
+def summed(name: str, parts: Sequence[Source], shape: torch.Size, batch: int,
+           budget: Budget) -> Summed:
+    """The source of a parameter read by several kinds of use: in closed form where it has
+    one (an embedding tied to a weight of the same shape), else materialised."""
+    emb = [p for p in parts if isinstance(p, EmbeddingSource)]
+    outer = [p for p in parts if isinstance(p, OuterSource)]
+    if (len(parts) == 2 and len(emb) == 1 and len(outer) == 1 and outer[0].groups == 1
+            and (outer[0].p, outer[0].d) == tuple(shape)):
+        return Tied(name, emb[0], outer[0], shape, batch, budget)
+    return Summed(name, parts, shape, batch, budget)

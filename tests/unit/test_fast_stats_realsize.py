@@ -1,0 +1,149 @@
+"""Every statistic of the real-size architectures (GPT-2 with its tied output layer, a BERT
+classifier, ResNet-18), in small configurations, equal to the per-sample loop on the original
+module: padded sequences with their mask, and each per-layer method forced in turn
+(``PSGRAD_FAST_STATS_FORM``) giving the same answers for the same layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from service import engine
+from service.config import get_settings
+from service.registration import register_exported
+from service.registry import ModelRegistry
+from service.validate import parse_request
+from tests.support.api import settings
+from tests.support.realsize import SMALL, ResNet18, export, hf, padded_tokens
+from tests.support.reference import assert_close, attribution, per_sample_loop, summarize
+
+pytest.importorskip("transformers")
+
+NAMES = ("gpt2", "bert", "resnet18")
+OUTPUTS = ["norms", "clipped_mean", "mean", "variance", "cosine_mean", "dots"]
+N, LENGTH, M = 5, 9, 2
+CLIP = 0.05  # below most norms: clipping changes the answer
+TIED = "model.transformer.wte.weight"  # GPT-2's embedding, read again as its output layer
+
+
+def _case(name: str) -> tuple[nn.Module, str, dict[str, Any]]:
+    """The original module, its loss and a batch (padded sequences for the token models)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "resnet18":
+        module: nn.Module = ResNet18(width=4, classes=5).eval()
+        return module, "cross_entropy", {"inputs": torch.randn(N, 3, 32, 32, generator=gen),
+                                         "targets": torch.randint(0, 5, (N,), generator=gen)}
+    config = SMALL[name]
+    module = hf(name, **config)
+    ids, mask = padded_tokens(N, LENGTH, config["vocab_size"], gen)
+    batch: dict[str, Any] = {"inputs": {"input_ids": ids, "attention_mask": mask}}
+    if name == "gpt2":
+        return module, "next_token", {**batch, "targets": ids, "mask": mask}
+    return module, "cross_entropy", {**batch, "targets": torch.randint(0, 2, (N,), generator=gen)}
+
+
+@pytest.fixture(scope="module")
+def registry() -> ModelRegistry:
+    registry = ModelRegistry(torch.device("cpu"))
+    for name in NAMES:
+        module, loss, batch = _case(name)
+        inputs = batch["inputs"]
+        example = tuple(v[:1] for v in inputs.values()) if isinstance(inputs, dict) \
+            else (inputs[:1],)
+        register_exported(registry, name, export(module, example, 32), settings(),
+                          default_loss=loss, losses=[])
+    return registry
+
+
+@pytest.fixture
+def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", request.param)
+    get_settings.cache_clear()
+    yield request.param
+    get_settings.cache_clear()
+
+
+def _references(registry: ModelRegistry, name: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return {k: torch.randn((M, *v.shape), generator=gen)
+            for k, v in registry.get(name).params.items()}
+
+
+def _compute(registry: ModelRegistry, name: str, batch: dict[str, Any],
+             references: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def arrays(v: Any) -> Any:
+        return {k: t.numpy() for k, t in v.items()} if isinstance(v, dict) else v.numpy()
+
+    fields = {k: arrays(v) for k, v in batch.items()}
+    answers = {}
+    for outputs in (OUTPUTS[:-1], ["dots"]):  # dots alone: M references materialise
+        extra = {"reference": arrays(references)} if outputs == ["dots"] else {}
+        parsed = parse_request({"model": name, "outputs": outputs, "clip_norm": CLIP,
+                                **fields, **extra}, registry)
+        [out] = engine.compute(parsed.model, parsed.batch, parsed.opts)
+        answers.update(out)
+        answers[f"{outputs[0]}_meta"] = out["meta"]
+    return answers
+
+
+@pytest.mark.parametrize("form", ["auto", "gram", "materialise"], indirect=True)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_statistic_equals_the_loop(registry: ModelRegistry, name: str, form: str) -> None:
+    module, loss, batch = _case(name)
+    references = _references(registry, name)
+    got = _compute(registry, name, batch, references)
+    meta = got["norms_meta"]
+    assert meta["path"] == got["dots_meta"]["path"] == "fast_stats"
+    assert "vmap" not in meta["method"].values(), meta["method"]  # no whole-model replay
+    several = [k for k, v in meta["form"].items() if v in ("gram", "materialise")]
+    assert several, meta["form"]  # weights read at several positions: the choice applies
+    if form != "auto":
+        assert all(meta["form"][k] == form for k in several), meta["form"]
+    loop = per_sample_loop(module, batch, loss)
+    [want] = summarize(loop, [N], clip_norm=CLIP)
+    want["dots"] = attribution(loop, references)["dots"]
+    assert float(want["norms"].min()) > CLIP  # every sample clipped
+    for output in OUTPUTS:
+        assert_close(got[output], want[output], f"{name} {form} {output}")
+
+
+@pytest.mark.parametrize("form", ["gram", "materialise"], indirect=True)
+def test_the_tied_embedding_and_output_layer_are_one_parameter_in_closed_form(
+        registry: ModelRegistry, form: str) -> None:
+    """GPT-2's ``wte`` is read by the embedding and by the output layer: its per-sample
+    gradient is the sum of both parts, its norm has their cross term, never the sum built."""
+    module, loss, batch = _case("gpt2")
+    got = _compute(registry, "gpt2", batch, _references(registry, "gpt2"))
+    meta = got["norms_meta"]
+    assert meta["method"][TIED] == "tied"
+    assert meta["form"][TIED] == f"tied:embedding+{form}"
+    assert "model.lm_head.weight" not in meta["method"]  # one parameter, counted once
+    loop = per_sample_loop(module, batch, loss, params=[TIED])
+    parsed = parse_request({"model": "gpt2", "outputs": ["layer_norms"], "params": [TIED],
+                            "inputs": {k: v.numpy() for k, v in batch["inputs"].items()},
+                            "targets": batch["targets"].numpy(),
+                            "mask": batch["mask"].numpy()}, registry)
+    [out] = engine.compute(parsed.model, parsed.batch, parsed.opts)
+    assert_close(out["layer_norms"][TIED], loop.norms, f"tied {form}")
+
+
+def test_both_forms_give_the_same_answers_for_the_same_layers(
+        registry: ModelRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = _case("bert")[2]
+    references = _references(registry, "bert")
+    answers = {}
+    for form in ("gram", "materialise"):
+        monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", form)
+        get_settings.cache_clear()
+        answers[form] = _compute(registry, "bert", batch, references)
+    get_settings.cache_clear()
+    forms = {f: a["norms_meta"]["form"] for f, a in answers.items()}
+    layers = [k for k, v in forms["gram"].items() if v == "gram"]
+    assert layers and all(forms["materialise"][k] == "materialise" for k in layers)
+    for output in OUTPUTS:
+        assert_close(answers["gram"][output], answers["materialise"][output], output)
