@@ -5,7 +5,11 @@ The figure and the dense reference: :mod:`tests.support.sketches`.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -111,3 +115,34 @@ def test_sketches_do_not_depend_on_batch_or_strategy(arch: str) -> None:
         one = Batch(inputs=batch.inputs[i : i + 1], targets=batch.targets[i : i + 1])  # type: ignore[index]
         [alone] = engine.compute(model, one, opts)
         assert_close(alone["projection"][0], whole["projection"][i], atol=1e-5, rtol=1e-4)
+
+
+_CHILD = """
+import json, torch
+from service.strategies.projection import Projection
+from service.registry import load_model
+from tests.support.batches import SMALL_TRANSFORMER, make_batch
+from tests.support.sketches import service_sketches
+out = []
+for arch, config in (("tiny-transformer", SMALL_TRANSFORMER), ("mlp", {})):
+    model = load_model(arch, arch, config, device=torch.device("cpu"))
+    batch = make_batch(model, 6, 8, reference=False)
+    out.append(service_sketches(model, batch, Projection(96, 17)).tolist())
+print(json.dumps(out))
+"""
+
+
+def test_sketches_of_sequences_are_the_same_in_another_process() -> None:
+    """An embedding's rows and attention's built chunks (the small transformer), and dense
+    layers' FFTs (the zoo mlp): the same sketches in two fresh processes as here (the tables
+    come from the CPU generator alone)."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD], check=True, env=env,
+                                      capture_output=True, text=True).stdout)
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    for (arch, config), got in zip((("tiny-transformer", SMALL_TRANSFORMER), ("mlp", {})),
+                                   runs[0], strict=True):
+        model = load_model(arch, arch, config, device=CPU)
+        batch = make_batch(model, 6, 8, reference=False)
+        assert service_sketches(model, batch, Projection(96, 17)).tolist() == got
