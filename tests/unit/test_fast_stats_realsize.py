@@ -147,3 +147,23 @@ def test_both_forms_give_the_same_answers_for_the_same_layers(
     assert layers and all(forms["materialise"][k] == "materialise" for k in layers)
     for output in OUTPUTS:
         assert_close(answers["gram"][output], answers["materialise"][output], output)
+
+
+@pytest.mark.parametrize("kind", ["tensorsketch", "kronecker"])
+@pytest.mark.parametrize("name", NAMES)
+def test_sketches_are_the_projected_loop(registry: ModelRegistry, name: str, kind: str) -> None:
+    """``projection`` on the fast path (HF ``Conv1D``'s transposed weights, GPT-2's tied
+    embedding and output layer, BatchNorm replayed) is each kind's matrix applied to the loop's
+    per-sample gradients."""
+    module, loss, batch = _case(name)
+    fields = {k: {a: b.numpy() for a, b in v.items()} if isinstance(v, dict) else v.numpy()
+              for k, v in batch.items()}
+    parsed = parse_request({"model": name, "outputs": ["projection"], "projection_dim": 256,
+                            "projection_kind": kind, **fields}, registry)
+    [out] = engine.compute(parsed.model, parsed.batch, parsed.opts)
+    assert out["meta"]["path"] == "fast_stats" and out["meta"]["projection_kind"] == kind
+    proj = parsed.opts.projection
+    assert proj is not None
+    loop = per_sample_loop(module, batch, loss)
+    assert_close(out["projection"], sum(proj.project(k, g.double())
+                                        for k, g in loop.grads.items()))
