@@ -282,3 +282,10 @@ class Summed(Materialised):
             total = g if total is None else total + g
         assert total is not None
         return {name: total}
+
+    def project(self, projection: Projection, out: torch.Tensor) -> None:
+        """A sketch is linear: the sum of the parts' sketches, each in its own structured form
+        (GPT-2's tied ``wte`` from its token rows and its output layer's inputs and output
+        gradients), never the ``[B, vocab, d]`` gradients the sum would need."""
+        for source in self.parts:
+            source.project(projection, out)
