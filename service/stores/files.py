@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import posixpath
 import threading
 import uuid
@@ -33,6 +34,7 @@ from typing import Any
 
 import fsspec
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -142,6 +144,14 @@ class StoreFiles:
     def spec(self, key: str) -> StoreSpec | None:
         raw = self._read(self.path(key, SPEC))
         return StoreSpec.from_json(raw) if raw is not None else None
+
+    def store_keys(self) -> list[str]:
+        """Every store's key (``<tenant>~<id>``, or the id of a default tenant's store)."""
+        try:
+            found = self.fs.ls(posixpath.join(self.root, "stores"), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(str(p).rstrip("/")) for p in found)
 
     def manifest(self, key: str) -> Manifest:
         raw = self._read(self.path(key, MANIFEST))
@@ -287,14 +297,26 @@ class StoreFiles:
 
     def rows(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray,
                                                                   np.ndarray]]:
-        """``(offset, sketches, norms)`` of each shard in order, one shard in memory at a time."""
-        offset = 0
+        """``(offset, sketches, norms)`` of each shard in order, one shard in memory at a time:
+        a local file is mapped (its pages come from the page cache, no copy), any other is read
+        into one buffer reused for every shard (fresh memory for each would fault its pages
+        in again)."""
+        offset, buffer = 0, bytearray()
         for shard in manifest.shards:
-            raw = self._read(self.path(key, shard.file))
-            if raw is None:
-                raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted")
+            path = self.path(key, shard.file)
+            try:
+                with self.fs.open(path, "rb") as f:
+                    if isinstance(self.fs, LocalFileSystem):
+                        raw: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    else:
+                        if len(buffer) < shard.bytes:
+                            buffer = bytearray(shard.bytes)
+                        raw = memoryview(buffer)[:f.readinto(buffer)]
+            except FileNotFoundError:
+                raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted") from None
             tensors = views(raw)  # no copy of the shard's bytes
             yield offset, tensors["sketches"], tensors["norms"]
+            del tensors
             offset += shard.rows
 
     def norms(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray]]:
@@ -323,10 +345,10 @@ class StoreFiles:
 _DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
-def views(raw: bytes) -> dict[str, np.ndarray]:
+def views(raw: bytes | memoryview | mmap.mmap) -> dict[str, np.ndarray]:
     """A shard's tensors as read-only views of its bytes (``safetensors.numpy.load`` copies)."""
     size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + size])
+    header = json.loads(bytes(raw[8:8 + size]))
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":

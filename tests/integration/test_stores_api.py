@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import redis
 
+from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service import keys
 from service.broker.redis import text
 from service.stores.files import StoreFiles
@@ -165,6 +166,16 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
     error(await c.post("/stores/train/query", headers=BOB, json={"score": "self_influence"}),
           409, "conflict", "empty", "POST /stores/train/samples")
     assert (await c.get("/stores/train?tenant=alice", headers=OPS)).json()["samples"] == 18
+
+    def listed(r: httpx.Response) -> list[tuple[str, str]]:
+        assert r.status_code == 200, r.text
+        return sorted((d["tenant"], d["id"]) for d in r.json()["stores"])
+
+    assert listed(await c.get("/stores", headers=ALICE)) == [("alice", "krn"), ("alice", "train")]
+    assert listed(await c.get("/stores", headers=BOB)) == [("bob", "train")]
+    assert listed(await c.get("/stores", headers=OPS)) == [
+        ("alice", "krn"), ("alice", "train"), ("bob", "train")]
+    assert listed(await c.get("/stores?tenant=bob", headers=OPS)) == [("bob", "train")]
     error(await c.get("/stores/train?tenant=alice", headers=BOB), 403, "forbidden")
     assert (await c.delete("/stores/train", headers=BOB)).json()["deleted"] is True
     assert (await c.get("/stores/train", headers=ALICE)).json()["samples"] == 18
@@ -300,3 +311,28 @@ async def test_a_worker_killed_mid_append_loses_and_doubles_nothing(tmp_path: Pa
                                        rtol=2e-3, atol=1e-4)
             assert files.ids("cnn", manifest) == set(range(256))
     shared.close()
+
+
+async def test_safetensors_bodies(tmp_path: Path) -> None:
+    """The binary form: integer ids as a tensor, a query's sketches as a tensor."""
+    async with open_client(data_dir=str(tmp_path / "data")) as c:
+        await _register(c)
+        r = await c.put("/stores/bin", json={"model": "att", "projection_dim": DIM,
+                                             "projection_seed": SEED})
+        assert r.status_code == 201, r.text
+        data = batch(6, 4)
+        body = fields_to_safetensors({"inputs": np.asarray(data["inputs"], np.float32),
+                                      "targets": np.asarray(data["targets"]),
+                                      "ids": np.arange(100, 106)}, REQUEST_KEY)
+        r = await c.post("/stores/bin/samples", content=body,
+                         headers={"content-type": SAFETENSORS})
+        assert r.status_code == 200 and r.json()["samples"] == 6, r.text
+        phi = await projection(c, data)
+        q = np.random.default_rng(0).standard_normal((3, DIM)).astype(np.float32)
+        body = fields_to_safetensors({"sketches": q, "k": 4, "score": "cosine"}, REQUEST_KEY)
+        r = await c.post("/stores/bin/query", content=body,
+                         headers={"content-type": SAFETENSORS})
+        assert r.status_code == 200, r.text
+        rows, scores = reference(phi, q.astype(np.float64), "cosine", 4)
+        assert r.json()["ids"] == (rows + 100).tolist()
+        np.testing.assert_allclose(r.json()["scores"], scores, rtol=1e-4, atol=1e-6)

@@ -30,16 +30,17 @@ def spec(dtype: str = "float32", dim: int = K) -> StoreSpec:
                      dtype=dtype)
 
 
-def files(tmp_path: Path, shard_rows: int = 7, dtype: str = "float32") -> StoreFiles:
-    return StoreFiles(str(tmp_path / "data"), ThreadLocks(),
+def files(tmp_path: Path, shard_rows: int = 7, dtype: str = "float32",
+          url: str | None = None) -> StoreFiles:
+    return StoreFiles(url or str(tmp_path / "data"), ThreadLocks(),
                       shard_bytes=shard_rows * K * np.dtype(dtype).itemsize)
 
 
-def filled(tmp_path: Path, dtype: str = "float32", sizes: tuple[int, ...] = (5, 11, 1, 23, 9)
-           ) -> tuple[StoreFiles, np.ndarray, list[int | str]]:
+def filled(tmp_path: Path, dtype: str = "float32", sizes: tuple[int, ...] = (5, 11, 1, 23, 9),
+           url: str | None = None) -> tuple[StoreFiles, np.ndarray, list[int | str]]:
     """A store of several appends (each split into shards of 7 rows): its files, the matrix it
     should hold (rounded to its dtype, as float64) and its ids in order."""
-    store = files(tmp_path, dtype=dtype)
+    store = files(tmp_path, dtype=dtype, url=url)
     store.create("s", spec(dtype))
     rng = np.random.default_rng(0)
     rows, ids = [], []
@@ -68,6 +69,25 @@ def test_query_equals_numpy_over_the_whole_matrix(tmp_path: Path, dtype: str,
         assert store.id_at("s", found.manifest, found.rows) == [[ids[r] for r in row]
                                                                for row in want_rows]
     np.testing.assert_allclose(store.gram("s", manifest), phi.T @ phi, rtol=1e-12)
+
+
+def test_a_store_at_an_fsspec_url_works_the_same(tmp_path: Path) -> None:
+    """fsspec's in-memory filesystem stands for an object store: no mapping of local files,
+    renames that are copies."""
+    url = f"memory://psgrad-test-{tmp_path.name}"
+    store, phi, ids = filled(tmp_path, "float16", url=url)
+    try:
+        q = np.random.default_rng(1).standard_normal((4, K))
+        for score in ("dot", "cosine", "trak", "self_influence"):
+            found = search(store, "s", "s", None if score == "self_influence" else q, 9, score)
+            rows, scores = reference(phi, q, score, 9)
+            np.testing.assert_array_equal(found.rows, rows)
+            np.testing.assert_allclose(found.scores, scores, rtol=2e-5, atol=2e-5)
+            assert store.id_at("s", found.manifest, found.rows)[0] == [ids[r] for r in rows[0]]
+        assert store.store_keys() == ["s"] and not (tmp_path / "data").exists()
+        assert store.delete("s") and store.store_keys() == []
+    finally:
+        store.fs.rm(store.root, recursive=True)
 
 
 def test_trak_takes_the_querys_lambda(tmp_path: Path) -> None:

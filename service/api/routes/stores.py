@@ -122,6 +122,20 @@ async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[
     return np.asarray(result["projection"], dtype=np.float32)
 
 
+@router.get("", responses=errors(400, 401, 403),
+            summary="The caller's stores (an admin's: every tenant's, or ?tenant=)")
+async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
+    def read() -> list[dict[str, Any]]:
+        out = []
+        for key in state.stores.store_keys():
+            spec = state.stores.spec(key)
+            if spec is not None and scope.sees(spec.tenant):
+                out.append(_doc(spec, state.stores.manifest(key)))
+        return out
+
+    return {"stores": await run_in_threadpool(read)}
+
+
 @router.put("/{store_id}", openapi_extra=_body(StoreBody, "the store's definition"),
             responses=errors(400, 401, 403, 404, 409, 422),
             summary="Define a gradient store (201; the same definition again: 200)")
