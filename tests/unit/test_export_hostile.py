@@ -22,7 +22,7 @@ from service.config import Settings
 from service.export import ExportLimits, read_program
 from service.export.guard import check_example
 from tests.support.api import TD0, open_client
-from tests.support.export import TOL, exported, program, rewrite, with_program
+from tests.support.export import TOL, exported, program, rewrite
 from tests.support.hostile import (
     INDEX_OPS,
     PEAK_T,
@@ -162,13 +162,20 @@ async def test_the_stored_program_keeps_only_what_psgrad_reads() -> None:
     data = exported("cnn")[1]
     doc = program(data)
     gm = doc["graph_module"]
-    gm["signature"]["junk"] = _deep(850)
+    gm["signature"]["junk"] = "DEEP"  # lists nested: deeper than json.dumps would write
     gm["signature"]["input_specs"][0]["parameter"]["junk"] = "x" * (40 << 20)
     gm["graph"]["nodes"][0]["inputs"][0]["junk"] = _deep(850)
     gm["graph"]["nodes"][0]["inputs"][0]["arg"]["as_tensor"]["junk"] = "y" * 1000
     gm["graph"]["tensor_values"]["x"]["junk"] = _deep(850)
     async with open_client() as c:
-        r = await c.put("/models/junk", content=with_program(data, doc),
+        text = json.dumps(doc)
+        for depth in (984, 5000):  # past what the loader's JSON parser nests: a 4xx
+            body = text.replace('"DEEP"', "[" * depth + "]" * depth).encode()
+            r = await c.put("/models/junk", content=rewrite(data, {"models/model.json": body}),
+                            headers={"content-type": PT2})
+            assert 400 <= r.status_code < 500, r.text
+        body = text.replace('"DEEP"', "[" * 850 + "]" * 850).encode()
+        r = await c.put("/models/junk", content=rewrite(data, {"models/model.json": body}),
                         headers={"content-type": PT2})
         assert r.status_code == 200, r.text
         registry = c.app.state.psgrad.registry  # type: ignore[attr-defined]

@@ -114,14 +114,21 @@ def test_the_defaults_take_gpt2_small_and_bert_base(name: str) -> None:
     assert n_bytes <= defaults.max_weight_bytes < 2 * n_bytes
 
 
-def _gpt2_512() -> bytes:
-    """A 2-layer GPT-2 with 512 positions, exported at length 8 with lengths 2..512."""
+def _exported_512(name: str) -> bytes:
+    """A 2-layer GPT-2 or BERT with 512 positions, exported at length 8 with lengths 2..512."""
     import transformers as tf
 
     torch.manual_seed(0)
-    module = Logits(tf.GPT2LMHeadModel(tf.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, n_positions=512, vocab_size=50, bos_token_id=0,
-        eos_token_id=0, **EAGER))).eval()
+    small: dict[str, Any] = {"vocab_size": 50, **EAGER}
+    if name == "gpt2":
+        model: torch.nn.Module = tf.GPT2LMHeadModel(tf.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, n_positions=512, bos_token_id=0, eos_token_id=0,
+            **small))
+    else:
+        model = tf.BertForSequenceClassification(tf.BertConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+            max_position_embeddings=512, **{"num_labels": 3, **small}))
+    module = Logits(model).eval()
     length = torch.export.Dim("length", min=2, max=512)
     ep = torch.export.export(module, token_batch(1, 8), dynamic_shapes=({1: length},
                                                                           {1: length}))
@@ -130,11 +137,27 @@ def _gpt2_512() -> bytes:
     return buf.getvalue()
 
 
+async def test_bert_with_lengths_up_to_512_registers_under_the_defaults_and_serves_them(
+        ) -> None:
+    async with open_client() as c:
+        r = await c.put("/models/bert", content=_exported_512("bert"),
+                        headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        ids, mask = token_batch(2, 512)
+        r = await c.post("/per-sample-grads", json={
+            "model": "bert", "inputs": {"input_ids": ids.tolist(),
+                                        "attention_mask": mask.tolist()},
+            "targets": [0, 2], "outputs": ["norms"]})
+        assert r.status_code == 200, r.text
+        assert np.isfinite(r.json()["norms"]).all()
+
+
 async def test_a_length_range_is_held_to_the_limit_at_the_length_sent() -> None:
     """Registration measures the example length; the top of the range (512: 12 M activation
     elements here, over the limit of 1 M) is refused only when a request sends it."""
     async with open_client(max_model_activations=1_000_000) as c:
-        r = await c.put("/models/gpt", content=_gpt2_512(), headers={"content-type": PT2},
+        r = await c.put("/models/gpt", content=_exported_512("gpt2"),
+                        headers={"content-type": PT2},
                         params={"default_loss": "next_token"})
         assert r.status_code == 200, r.text
         assert r.json()["config"]["activations"] < 1_000_000
