@@ -108,6 +108,11 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
         assert r.json()["samples"] == at and r.json()["added"] == n
     doc = (await c.get("/stores/train", headers=ALICE)).json()
     assert doc["samples"] == 18 and doc["state"] == "ready" and doc["bytes"] > 18 * DIM * 4
+    r = await c.post("/stores/train/lookup", headers=ALICE, json={"ids": ["ex-17", "ex-18", 3]})
+    assert r.json() == {"present": [True, False, False], "samples": 18}, r.text
+    error(await c.post("/stores/train/lookup", headers=ALICE, json={"ids": [[1]]}), 422,
+          "invalid_input")
+    error(await c.post("/stores/train/lookup", headers=BOB, json={"ids": [1]}), 404, "not_found")
 
     # the rows are /per-sample-grads' projection of the same samples, in the order added
     train = {k: [v for p in parts for v in p[k]] for k in ("inputs", "targets")}

@@ -30,7 +30,14 @@ from service.reference_store import set_key
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import SCORES, check_k, check_score, search
 from service.stores.requests import check_fixed, make_spec, sketch_request
-from service.stores.spec import DTYPES, StoreSpec, checked_ids, finite_float, positive_int
+from service.stores.spec import (
+    DTYPES,
+    StoreSpec,
+    checked_ids,
+    finite_float,
+    id_kind,
+    positive_int,
+)
 from service.strategies.projection import KINDS, MAX_DIM
 from service.tenants import Tenant
 from service.validate import parse_request
@@ -201,6 +208,37 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
         return {**_doc(spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
+
+
+class LookupBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int | str] = Field(description="sample ids to look for")
+
+
+@router.post("/{store_id}/lookup", openapi_extra=_body(LookupBody, "sample ids"),
+             responses=errors(400, 401, 403, 404, 413, 422),
+             summary="Which of these sample ids the store holds (to resume an upload)")
+async def lookup(store_id: StoreId, request: Request, state: StateDep,
+                 scope: ScopeDep) -> dict[str, Any]:
+    """Answers ``present``, one boolean per id, over what is committed now, and ``samples``:
+    a client resuming an upload sends only the ids that are not present."""
+    body = loads(await read_body(request, state.settings.max_body_bytes))
+    if not isinstance(body, dict) or set(body) != {"ids"} or not isinstance(body["ids"], list):
+        raise InvalidInput("the body is {\"ids\": [...]}: the sample ids to look for")
+    wanted = body["ids"]
+    bad = [i for i, v in enumerate(wanted) if id_kind(v) is None]
+    if bad:
+        raise InvalidInput(f"'ids' entry {bad[0]} ({wanted[bad[0]]!r}) is not a sample id: "
+                           "integers or strings of 1 to 128 printable characters")
+    key = _key(scope, store_id)
+
+    def run() -> dict[str, Any]:
+        _spec(state, key, store_id)
+        manifest = state.stores.manifest(key)
+        held = state.stores.ids(key, manifest)
+        return {"present": [v in held for v in wanted], "samples": manifest.count}
+
+    return await run_in_threadpool(run)
 
 
 @router.post("/{store_id}/query",
