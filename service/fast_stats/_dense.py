@@ -97,8 +97,8 @@ class DenseGroup(Source):
                       if need.references is not None else None),
                 sums=(tuple(f[x:y].sum(0, dtype=need.sums_dtype).reshape(shape)
                             for x, y in need.bounds) if need.sums else None),
-                m2=(tuple(merge(None, f[x:y]).m2.reshape(shape) for x, y in need.bounds)
-                    if need.m2 else None),
+                m2=(tuple(merge(None, f[x:y].to(torch.float64)).m2.reshape(shape)
+                          for x, y in need.bounds) if need.m2 else None),  # small: exact
             )
         return out
 
