@@ -17,12 +17,15 @@ from psgrad._errors import __all__ as _errors_all
 from psgrad._jobs import AsyncJob, Job
 from psgrad._models import AsyncModels, Models
 from psgrad._progress import Progress
+from psgrad._stores import AsyncStore, AsyncStores, QueryResult, Store, Stores
 from psgrad._types import GradsResult, JobStatus, ModelInfo
 
 __all__ = [
     "AsyncClient",
     "AsyncJob",
     "AsyncModels",
+    "AsyncStore",
+    "AsyncStores",
     "Client",
     "GradsResult",
     "Job",
@@ -30,6 +33,9 @@ __all__ = [
     "ModelInfo",
     "Models",
     "Progress",
+    "QueryResult",
+    "Store",
+    "Stores",
     *_errors_all,
 ]
 __version__ = "0.1.0"

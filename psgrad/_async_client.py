@@ -18,6 +18,7 @@ from psgrad._jobs import AsyncJob
 from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import AsyncModels
 from psgrad._reference_sets import AsyncReferenceSets
+from psgrad._stores import AsyncStores
 from psgrad._types import GradsResult, JobStatus
 
 __all__ = ["AsyncClient"]
@@ -66,6 +67,7 @@ class AsyncClient(BaseClient):
             self._http.headers.update(self._headers)
         self.models = AsyncModels(self)
         self.reference_sets = AsyncReferenceSets(self)
+        self.stores = AsyncStores(self)
 
     async def close(self) -> None:
         await self._http.aclose()

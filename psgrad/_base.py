@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -85,6 +86,19 @@ class Call(Generic[T]):
     content: bytes | None = None
     json: Any = None
     headers: Mapping[str, str] | None = None
+
+
+def json_doc(response: httpx.Response) -> dict[str, Any]:
+    """A JSON object answer (a resource's description)."""
+    doc: dict[str, Any] = response.json()
+    return doc
+
+
+def resource_path(collection: str, what: str, resource_id: str, tail: str = "") -> str:
+    """``/<collection>/<id><tail>`` with the id quoted; ``what`` names it in the error."""
+    if not isinstance(resource_id, str) or not resource_id:
+        raise BadRequest(f"a {what} id is required")
+    return f"/{collection}/{quote(resource_id, safe='')}{tail}"
 
 
 def _retry_after(response: httpx.Response | None) -> float | None:

@@ -18,6 +18,7 @@ from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import Models
 from psgrad._receive import receive_answer
 from psgrad._reference_sets import ReferenceSets
+from psgrad._stores import Stores
 from psgrad._types import GradsResult, JobStatus
 
 __all__ = ["Client"]
@@ -92,6 +93,7 @@ class Client(BaseClient):
             self._http.headers.update(self._headers)
         self.models = Models(self)
         self.reference_sets = ReferenceSets(self)
+        self.stores = Stores(self)
 
     def close(self) -> None:
         self._http.close()

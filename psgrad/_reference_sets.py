@@ -10,12 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
-import httpx
-
-from psgrad._base import BaseClient, Call
-from psgrad._errors import BadRequest
+from psgrad._base import BaseClient, Call, json_doc, resource_path
 from psgrad._request import grads_fields
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 
@@ -27,14 +23,10 @@ __all__ = ["AsyncReferenceSets", "ReferenceSets"]
 
 
 def _path(set_id: str) -> str:
-    if not isinstance(set_id, str) or not set_id:
-        raise BadRequest("a reference set id is required")
-    return f"/reference-sets/{quote(set_id, safe='')}"
+    return resource_path("reference-sets", "reference set", set_id)
 
 
-def _doc(response: httpx.Response) -> dict[str, Any]:
-    doc: dict[str, Any] = response.json()
-    return doc
+_doc = json_doc
 
 
 class _Sets:

@@ -1,0 +1,326 @@
+"""``client.stores``: gradient stores on the server (docs/attribution.md).
+
+``client.stores.create(id, model, projection_dim=...)`` defines a store and returns its handle;
+``store.add(x, y, ids=...)`` sends the samples in batches (``batch_size``), each committed whole
+by the server, skipping the ids the store already holds (so an interrupted upload resumes where
+it stopped); ``store.query(x, y, k=10, score="trak")`` answers ``(ids, scores)``, each
+``[queries, k]``, best first. Each exchange is described once (:class:`_Calls`); ``Store`` sends
+it and ``AsyncStore`` awaits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+
+from psgrad._arrays import to_numpy
+from psgrad._base import Call, json_doc, resource_path
+from psgrad._errors import BadRequest, InvalidInput
+from psgrad._progress import Progress
+from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
+
+if TYPE_CHECKING:
+    from psgrad._async_client import AsyncClient
+    from psgrad._client import Client
+
+__all__ = ["AsyncStore", "AsyncStores", "QueryResult", "Store", "Stores"]
+Batch = tuple[Any, Any, Sequence[Any]]  # (inputs, targets or None, ids)
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """A query's answer: ``ids`` and ``scores``, each ``[queries, k]``, best first."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    score: str
+    lam: float | None = None  # the lambda of a ``trak`` query
+
+
+def _path(store_id: str, tail: str = "") -> str:
+    return resource_path("stores", "store", store_id, tail)
+
+
+_doc = json_doc
+
+
+def _result(response: httpx.Response) -> QueryResult:
+    doc = response.json()
+    return QueryResult(np.asarray(doc["ids"]), np.asarray(doc["scores"], dtype=np.float64),
+                       doc["score"], doc.get("lambda"))
+
+
+def _binary(path: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
+    return Call("POST", path, _doc, content=fields_to_safetensors(fields, REQUEST_KEY),
+                headers={"Content-Type": SAFETENSORS})
+
+
+class _Calls:
+    """Every exchange of the stores, described."""
+
+    @staticmethod
+    def create(store_id: str, body: dict[str, Any]) -> Call[dict[str, Any]]:
+        return Call("PUT", _path(store_id), _doc, json={k: v for k, v in body.items()
+                                                         if v is not None})
+
+    @staticmethod
+    def get(store_id: str) -> Call[dict[str, Any]]:
+        return Call("GET", _path(store_id), _doc)
+
+    @staticmethod
+    def listing() -> Call[dict[str, Any]]:
+        return Call("GET", "/stores", _doc)
+
+    @staticmethod
+    def delete(store_id: str) -> Call[dict[str, Any]]:
+        return Call("DELETE", _path(store_id), _doc)
+
+    @staticmethod
+    def lookup(store_id: str, ids: list[Any]) -> Call[dict[str, Any]]:
+        return Call("POST", _path(store_id, "/lookup"), _doc, json={"ids": ids})
+
+    @staticmethod
+    def add(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
+        return _binary(_path(store_id, "/samples"), fields)
+
+    @staticmethod
+    def query(store_id: str, fields: dict[str, Any]) -> Call[QueryResult]:
+        call = _binary(_path(store_id, "/query"), fields)
+        return Call(call.method, call.path, _result, content=call.content, headers=call.headers)
+
+
+def _ids(ids: Any, n: int) -> list[Any]:
+    """Python ints or strs (numpy integers and arrays accepted), one per sample."""
+    out = [int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
+           for v in (ids.tolist() if isinstance(ids, np.ndarray) else list(ids))]
+    if len(out) != n:
+        raise InvalidInput(f"'ids' has {len(out)} entries for {n} samples: send one per sample")
+    return out
+
+
+def batches(inputs: Any, targets: Any, ids: Any, batch_size: int) -> Iterator[Batch]:
+    """``(inputs, targets, ids)`` of at most ``batch_size`` samples: from arrays (numpy, torch,
+    lists), or from an iterable of such triples passed as ``inputs`` (each its own batch)."""
+    if batch_size < 1:
+        raise BadRequest("'batch_size' must be a positive integer")
+    if ids is None:
+        for item in inputs:
+            if not isinstance(item, (tuple, list)) or len(item) != 3:
+                raise BadRequest("without 'ids', add() takes an iterable of (inputs, targets, "
+                                 "ids) batches")
+            yield item[0], item[1], item[2]
+        return
+    x = to_numpy(inputs, "inputs")
+    y = None if targets is None else to_numpy(targets, "targets")
+    names = _ids(ids, len(x))
+    for a in range(0, len(x), batch_size):
+        yield x[a:a + batch_size], None if y is None else y[a:a + batch_size], \
+            names[a:a + batch_size]
+
+
+def _sample_fields(model: str, x: Any, y: Any, ids: list[Any], keep: list[bool]) -> dict[str, Any]:
+    """The batch's samples whose ``keep`` is true, as a request (ids as a list: JSON in the
+    metadata, so strings and integers alike)."""
+    pick = np.flatnonzero(keep)
+    fields: dict[str, Any] = {"model": model, "inputs": to_numpy(x, "inputs")[pick],
+                              "ids": [ids[i] for i in pick]}
+    if y is not None:
+        fields["targets"] = to_numpy(y, "targets")[pick]
+    return fields
+
+
+def _query_fields(model: str, x: Any, y: Any, sketches: Any, k: int, score: str,
+                  lam: float | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"k": k, "score": score}
+    if lam is not None:
+        fields["lambda"] = float(lam)
+    if sketches is not None:
+        fields["sketches"] = to_numpy(sketches, "sketches").astype(np.float32)
+    elif x is not None:
+        fields.update(model=model, inputs=to_numpy(x, "inputs"))
+        if y is not None:
+            fields["targets"] = to_numpy(y, "targets")
+    return fields
+
+
+Step = tuple[str, Any]  # ("call", a Call) or ("prepare", fields): what the plan needs done
+Plan = Generator[Step, Any, None]
+
+
+def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int,
+            progress: bool | Progress) -> Plan:
+    """``add``, as steps that ``Store`` runs and ``AsyncStore`` awaits: per batch, which ids
+    the store holds, then the rest of the batch in the model's dtype, then its commit."""
+    bar = Progress(f"store {store.id}") if progress is True else progress or None
+    total = None if ids is None else len(_ids(ids, len(ids)))
+    done = 0
+    for x, y, names in batches(inputs, targets, ids, batch_size):
+        names = _ids(names, len(names))
+        present = (yield "call", _Calls.lookup(store.id, names))["present"]
+        keep = [not p for p in present]
+        if any(keep):
+            fields = yield "prepare", _sample_fields(store.info["model"], x, y, names, keep)
+            store.info = yield "call", _Calls.add(store.id, fields)
+        done += len(names)
+        if bar is not None:
+            bar(done, total or done)
+    if bar is not None:
+        bar.close()
+    store.info = yield "call", _Calls.get(store.id)
+
+
+def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
+              lam: float | None) -> Generator[Step, Any, QueryResult]:
+    fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam)
+    if "inputs" in fields:
+        fields = yield "prepare", fields
+    result: QueryResult = yield "call", _Calls.query(store.id, fields)
+    return result
+
+
+class _Handle:
+    def __init__(self, client: Any, info: dict[str, Any]) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.id}: {self.info.get('samples')} samples of "
+                f"{self.info.get('model')}>")
+
+
+class Store(_Handle):
+    """One store; ``info`` is its description as of the last call that returned it."""
+
+    _client: Client
+
+    def refresh(self) -> dict[str, Any]:
+        self.info = self._client._call(_Calls.get(self.id))
+        return self.info
+
+    def _run(self, plan: Generator[Step, Any, Any]) -> Any:
+        try:
+            kind, value = next(plan)
+            while True:
+                done = (self._client._call(value) if kind == "call"
+                        else self._client._prepare(value))
+                kind, value = plan.send(done)
+        except StopIteration as stop:
+            return stop.value
+
+    def add(self, inputs: Any, targets: Any = None, *, ids: Any = None, batch_size: int = 256,
+            progress: bool | Progress = False) -> dict[str, Any]:
+        """Add samples in batches of ``batch_size``, each committed whole, skipping the ids
+        the store already holds (an interrupted upload resumes). ``inputs`` is an array (numpy,
+        torch, nested lists) with ``targets`` and ``ids`` beside it, or an iterable of
+        ``(inputs, targets, ids)`` batches. Returns the store's description."""
+        self._run(_adding(self, inputs, targets, ids, batch_size, progress))
+        return self.info
+
+    def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
+              k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:
+        """The top ``k`` training samples of each test sample (or of each sketch), best first;
+        ``score`` ``self_influence`` takes no samples and ranks the store itself."""
+        result: QueryResult = self._run(_querying(self, inputs, targets, sketches, k, score,
+                                                  lam))
+        return result
+
+    def delete(self) -> dict[str, Any]:
+        return self._client._call(_Calls.delete(self.id))
+
+
+class Stores:
+    """``client.stores``."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def create(self, store_id: str, model: str, *, projection_dim: int,
+               loss: str | None = None, params: Sequence[str] | None = None,
+               projection_seed: int | None = None, projection_kind: str | None = None,
+               dtype: str | None = None) -> Store:
+        """Define a store (or find the same definition already made) and return its handle."""
+        body = {"model": model, "projection_dim": projection_dim, "loss": loss,
+                "params": None if params is None else list(params),
+                "projection_seed": projection_seed, "projection_kind": projection_kind,
+                "dtype": dtype}
+        return Store(self._client, self._client._call(_Calls.create(store_id, body)))
+
+    def get(self, store_id: str) -> Store:
+        return Store(self._client, self._client._call(_Calls.get(store_id)))
+
+    def list(self) -> list[dict[str, Any]]:
+        return list(self._client._call(_Calls.listing())["stores"])
+
+    def delete(self, store_id: str) -> dict[str, Any]:
+        return self._client._call(_Calls.delete(store_id))
+
+
+class AsyncStore(_Handle):
+    """``Store``'s methods, awaited."""
+
+    _client: AsyncClient
+
+    async def refresh(self) -> dict[str, Any]:
+        self.info = await self._client._call(_Calls.get(self.id))
+        return self.info
+
+    async def _run(self, plan: Generator[Step, Any, Any]) -> Any:
+        try:
+            kind, value = next(plan)
+            while True:
+                done = (await self._client._call(value) if kind == "call"
+                        else await self._client._prepare(value))
+                kind, value = plan.send(done)
+        except StopIteration as stop:
+            return stop.value
+
+    async def add(self, inputs: Any, targets: Any = None, *, ids: Any = None,
+                  batch_size: int = 256, progress: bool | Progress = False) -> dict[str, Any]:
+        """See ``Store.add``."""
+        await self._run(_adding(self, inputs, targets, ids, batch_size, progress))
+        return self.info
+
+    async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
+                    k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:
+        """See ``Store.query``."""
+        result: QueryResult = await self._run(_querying(self, inputs, targets, sketches, k,
+                                                        score, lam))
+        return result
+
+    async def delete(self) -> dict[str, Any]:
+        return await self._client._call(_Calls.delete(self.id))
+
+
+class AsyncStores:
+    """``client.stores`` of ``AsyncClient``."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, store_id: str, model: str, *, projection_dim: int,
+                     loss: str | None = None, params: Sequence[str] | None = None,
+                     projection_seed: int | None = None, projection_kind: str | None = None,
+                     dtype: str | None = None) -> AsyncStore:
+        """See ``Stores.create``."""
+        body = {"model": model, "projection_dim": projection_dim, "loss": loss,
+                "params": None if params is None else list(params),
+                "projection_seed": projection_seed, "projection_kind": projection_kind,
+                "dtype": dtype}
+        return AsyncStore(self._client, await self._client._call(_Calls.create(store_id, body)))
+
+    async def get(self, store_id: str) -> AsyncStore:
+        return AsyncStore(self._client, await self._client._call(_Calls.get(store_id)))
+
+    async def list(self) -> list[dict[str, Any]]:
+        return list((await self._client._call(_Calls.listing()))["stores"])
+
+    async def delete(self, store_id: str) -> dict[str, Any]:
+        return await self._client._call(_Calls.delete(store_id))

@@ -1,0 +1,115 @@
+"""``client.stores`` (sync and async) against the real app in process: a store made, filled in
+batches from numpy arrays, torch tensors and an iterable of batches, resumed after an
+interruption without sending an id twice, and queried; the answers are the HTTP routes' and
+equal a numpy reference over the ``projection`` output of the same samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import psgrad
+from service.api import create_app
+from tests.support.api import settings
+from tests.support.client import running_app
+from tests.support.stores import reference
+
+DIM = 32
+
+
+@pytest.fixture
+def transport(tmp_path: Path) -> Iterator[httpx.BaseTransport]:
+    app = create_app(settings(data_dir=str(tmp_path / "data"), max_batch_size=16))
+    with running_app(app) as t:
+        yield t
+
+
+def data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 784)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def sketches(client: psgrad.Client, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    out = client.per_sample_grads("mlp", x, y, outputs=["projection"], projection_dim=DIM)
+    return np.asarray(out.projection, dtype=np.float64)
+
+
+def test_a_store_filled_resumed_and_queried(transport: httpx.BaseTransport) -> None:
+    with psgrad.Client(base_url="http://app", transport=transport) as client:
+        store = client.stores.create("train", "mlp", projection_dim=DIM, dtype="float32")
+        assert store.info["samples"] == 0 and store.info["model"].startswith("mlp@")
+        x, y = data(50, 1)
+        ids = [f"s{i}" for i in range(50)]
+
+        sent: list[int] = []
+        real = store._client._call
+
+        def counting(call: Any) -> Any:
+            if call.path.endswith("/samples"):
+                sent.append(1)
+                if len(sent) == 3:
+                    raise psgrad.APIConnectionError("the network went away")
+            return real(call)
+
+        store._client._call = counting  # type: ignore[method-assign]
+        with pytest.raises(psgrad.APIConnectionError):
+            store.add(x, y, ids=ids, batch_size=10)
+        del store._client._call
+        assert client.stores.get("train").info["samples"] == 20  # two batches committed
+
+        info = store.add(torch.from_numpy(x), torch.from_numpy(y), ids=ids, batch_size=10,
+                         progress=True)  # resumes: the first 20 ids are skipped
+        assert info["samples"] == 50 and info["commits"] == 5
+
+        more_x, more_y = data(7, 2)
+        more_ids = [f"m{i}" for i in range(7)]
+        info = store.add(iter([(more_x[:3], more_y[:3], more_ids[:3]),
+                               (more_x[3:], more_y[3:], np.asarray(more_ids[3:]))]))
+        assert info["samples"] == 57 and store.refresh()["samples"] == 57
+        with pytest.raises(psgrad.InvalidInput, match="one kind per store"):
+            store.add(more_x[:1], more_y[:1], ids=[7])
+
+        phi = sketches(client, np.concatenate([x, more_x]), np.concatenate([y, more_y]))
+        tx, ty = data(3, 3)
+        q = sketches(client, tx, ty)
+        names = np.asarray(ids + more_ids, dtype=object)
+        for score in ("dot", "cosine", "trak"):
+            found = store.query(tx, ty, k=4, score=score)
+            rows, want = reference(phi, q, score, 4)
+            assert found.ids.tolist() == names[rows].tolist()
+            np.testing.assert_allclose(found.scores, want, rtol=1e-4,
+                                       atol=1e-5 * np.abs(want).max())
+        found = store.query(sketches=q, k=2, score="trak", lam=0.5)
+        assert found.lam == 0.5 and found.ids.shape == (3, 2)
+        top = store.query(k=3, score="self_influence")
+        assert top.ids.shape == (1, 3)
+        assert [s["id"] for s in client.stores.list()] == ["train"]
+        assert store.delete()["deleted"] is True
+        with pytest.raises(psgrad.NotFound):
+            client.stores.get("train")
+
+
+async def test_the_async_client_does_the_same(tmp_path: Path) -> None:
+    app = create_app(settings(data_dir=str(tmp_path / "data")))
+    async with app.router.lifespan_context(app), psgrad.AsyncClient(
+            base_url="http://app", transport=httpx.ASGITransport(app=app)) as client:
+        store = await client.stores.create("t", "mlp", projection_dim=DIM, dtype="float16")
+        x, y = data(12, 4)
+        info = await store.add(x, y, ids=np.arange(12), batch_size=5)
+        assert info["samples"] == 12 and info["commits"] == 3
+        assert (await store.add(x, y, ids=np.arange(12)))["commits"] == 3  # all present
+        found = await store.query(x[:2], y[:2], k=3, score="dot")
+        out = await client.per_sample_grads("mlp", x, y, outputs=["projection"],
+                                            projection_dim=DIM)
+        phi = np.asarray(out.projection).astype(np.float16).astype(np.float64)  # as stored
+        rows, want = reference(phi, np.asarray(out.projection[:2], np.float64), "dot", 3)
+        assert found.ids.tolist() == rows.tolist()
+        np.testing.assert_allclose(found.scores, want, rtol=2e-3)
+        assert [s["id"] for s in await client.stores.list()] == ["t"]
+        assert (await client.stores.delete("t"))["deleted"] is True
