@@ -18,6 +18,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from psgrad._cli_refsets import add_reference_set_commands
+from psgrad._cli_stores import add_store_commands
 from psgrad._client import Client
 from psgrad._constants import ENV_API_KEY, ENV_URL
 from psgrad._errors import BadRequest
@@ -115,6 +116,7 @@ def add_commands(sub: Any) -> None:
     bar.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_grads)
     add_reference_set_commands(sub, conn)
+    add_store_commands(sub, conn)
 
     from psgrad._cli_dp import add_dp_commands
 

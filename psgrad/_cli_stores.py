@@ -1,0 +1,128 @@
+"""``psgrad stores create|add|query|show|list|delete``: gradient stores from the shell.
+
+Arrays come from ``.npy`` or ``.safetensors[:NAME]`` files (never pickles); sample ids from a
+``.npy`` of integers or strings, or ``--first-id N`` (N, N+1, ... in file order). Answers are
+JSON on stdout; ``add`` draws a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+
+
+def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
+    """Add ``stores`` to the ``psgrad`` subcommand parsers."""
+    stores = sub.add_parser("stores", help="make, fill, query, show or delete gradient stores",
+                            description="Gradient stores: every training sample's sketch kept "
+                                        "on the server, ranked for test samples "
+                                        "(docs/attribution.md).")
+    ssub = stores.add_subparsers(dest="stores_command", metavar="ACTION", required=True)
+    p = ssub.add_parser("create", parents=[conn], help="define a store")
+    p.add_argument("id", help="the store's id")
+    p.add_argument("model", help="a model id or id@version (the store pins the version)")
+    p.add_argument("--projection-dim", type=int, required=True, help="k of the sketches")
+    p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
+    p.add_argument("--projection-kind", help="tensorsketch (default) or kronecker")
+    p.add_argument("--loss", help="the loss (default: the model's; margin for TRAK)")
+    p.add_argument("--params", help="comma-separated parameter names")
+    p.add_argument("--dtype", choices=["float32", "float16"], help="how rows are kept")
+    p.set_defaults(func=_create)
+    p = ssub.add_parser("add", parents=[conn], help="add samples (skips ids already held)")
+    p.add_argument("id", help="the store's id")
+    p.add_argument("--inputs", required=True, help="a .npy or .safetensors[:NAME] file")
+    p.add_argument("--targets", help="the same for targets")
+    ids = p.add_mutually_exclusive_group()
+    ids.add_argument("--ids", help="a .npy file of integer or string ids, one per sample")
+    ids.add_argument("--first-id", type=int, default=0, help="ids N, N+1, ... (default 0)")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per request")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_add)
+    p = ssub.add_parser("query", parents=[conn], help="the top k training samples per test "
+                                                      "sample (JSON: ids, scores)")
+    p.add_argument("id", help="the store's id")
+    p.add_argument("--inputs", help="test samples: a .npy or .safetensors[:NAME] file")
+    p.add_argument("--targets", help="their targets")
+    p.add_argument("--sketches", help="or their sketches [queries, k]")
+    p.add_argument("-k", type=int, default=10, help="how many per test sample (default 10)")
+    p.add_argument("--score", default="trak",
+                   choices=["trak", "dot", "cosine", "self_influence"])
+    p.add_argument("--lambda", dest="lam", type=float, help="trak's lambda (default: "
+                                                            "trace(Phi^T Phi) / k)")
+    p.set_defaults(func=_query)
+    for name, func, text in (("show", _show, "describe a store (JSON)"),
+                             ("delete", _delete, "delete a store")):
+        p = ssub.add_parser(name, parents=[conn], help=text)
+        p.add_argument("id", help="the store's id")
+        p.set_defaults(func=func)
+    p = ssub.add_parser("list", parents=[conn], help="your stores (JSON)")
+    p.set_defaults(func=_list)
+
+
+def _create(args: argparse.Namespace) -> int:
+    from psgrad._cli_client import _client, _names
+
+    with _client(args) as client:
+        store = client.stores.create(
+            args.id, args.model, projection_dim=args.projection_dim, loss=args.loss,
+            params=_names(args.params), projection_seed=args.projection_seed,
+            projection_kind=args.projection_kind, dtype=args.dtype)
+    print(json.dumps(store.info))
+    return 0
+
+
+def _add(args: argparse.Namespace) -> int:
+    from psgrad._cli_client import _client, load_array
+
+    inputs = load_array(args.inputs, default_name="inputs")
+    targets = load_array(args.targets, default_name="targets") if args.targets else None
+    ids = (load_array(args.ids) if args.ids
+           else np.arange(args.first_id, args.first_id + len(inputs)))
+    with _client(args) as client:
+        store = client.stores.get(args.id)
+        info = store.add(inputs, targets, ids=ids, batch_size=args.batch_size,
+                         progress=not args.no_progress)
+    print(json.dumps(info))
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from psgrad._cli_client import _client, load_array
+
+    def read(spec: str | None, name: str) -> Any:
+        return load_array(spec, default_name=name) if spec else None
+
+    with _client(args) as client:
+        found = client.stores.get(args.id).query(
+            read(args.inputs, "inputs"), read(args.targets, "targets"),
+            sketches=read(args.sketches, "sketches"), k=args.k, score=args.score, lam=args.lam)
+    print(json.dumps({"ids": found.ids.tolist(), "scores": found.scores.tolist(),
+                      "score": found.score, "lambda": found.lam}))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from psgrad._cli_client import _client
+
+    with _client(args) as client:
+        print(json.dumps(client.stores.get(args.id).info))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from psgrad._cli_client import _client
+
+    with _client(args) as client:
+        print(json.dumps(client.stores.list()))
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from psgrad._cli_client import _client
+
+    with _client(args) as client:
+        print(json.dumps(client.stores.delete(args.id)))
+    return 0
