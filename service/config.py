@@ -125,6 +125,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "device": frozenset({API}),  # the api's model checks; a worker's device is its --device
     "memory_budget_mb": frozenset({WORKER}),
     "fast_stats": frozenset({WORKER}),
+    "fast_stats_form": frozenset({WORKER}),
     "compile": frozenset({WORKER}),
     "compile_secret": frozenset({WORKER}),
     "model_dir": EMBEDDED_ONLY,  # with Redis, models live in Redis

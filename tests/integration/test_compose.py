@@ -49,6 +49,7 @@ DELIBERATE = {
     "worker_metrics_port": "each worker container serves its metrics; off for bare processes",
     "listen_host": "the api listens on its container's interface; bare processes on loopback",
     "worker_metrics_host": "the same for a worker's metrics (the port is not published)",
+    "data_dir": "the gradient stores live in a named volume every process mounts",
 }
 
 
