@@ -15,8 +15,9 @@ sum of its samples' scores; LDS is the mean over test samples of the Spearman co
 predicted and actual margins across the subsets. Also printed: the top-1% overlap of each
 sketched score matrix with the exact TracIn scores (per test sample, averaged).
 
-dattri's TracIn and TRAK on the same models and subsets (the issue's comparison) are not in this
-script yet.
+``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) on the same model, subsets
+and margins (dattri is not a dependency: ``pip install --no-deps --target /tmp/dattri dattri``
+and run with ``PYTHONPATH=/tmp/dattri``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import os
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
@@ -114,6 +116,45 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
     return out
 
 
+def dattri_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
+                  ty: np.ndarray, dim: int) -> dict[str, np.ndarray]:
+    """dattri's TracIn (the loss's gradients) and TRAK (the margin's, regularization 0, its
+    default), both with dattri's dense projection at ``dim``, on the same model."""
+    from dattri.algorithm.tracin import TracInAttributor
+    from dattri.algorithm.trak import TRAKAttributor
+    from dattri.task import AttributionTask
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def loss(params: dict[str, torch.Tensor], data: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        xi, yi = data
+        out = torch.func.functional_call(net, params, xi.unsqueeze(0))
+        return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0))
+
+    def margin(params: dict[str, torch.Tensor], data: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        p = torch.exp(-loss(params, data))
+        return torch.log(p) - torch.log(1 - p)
+
+    def prob(params: dict[str, torch.Tensor], data: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.exp(-loss(params, data))
+
+    def loader(a: np.ndarray, b: np.ndarray) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(torch.tensor(a), torch.tensor(b).long()), batch_size=64,
+                          shuffle=False)
+
+    proj = {"proj_dim": dim, "device": "cpu"}
+    tracin = TracInAttributor(task=AttributionTask(loss_func=loss, model=net,
+                                                   checkpoints=net.state_dict()),
+                              weight_list=torch.ones(1), normalized_grad=False,
+                              projector_kwargs=dict(proj))
+    out = {f"dattri TracIn k={dim}": tracin.attribute(loader(x, y), loader(tx, ty)).T.numpy()}
+    trak = TRAKAttributor(task=AttributionTask(loss_func=margin, model=net,
+                                               checkpoints=net.state_dict()),
+                          correct_probability_func=prob, projector_kwargs=dict(proj))
+    trak.cache(loader(x, y))
+    out[f"dattri TRAK k={dim}"] = trak.attribute(loader(tx, ty)).T.numpy()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=int, default=50)
@@ -122,6 +163,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--dims", default="1024,4096")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dattri", type=int, default=0, metavar="K",
+                    help="also dattri's TracIn and TRAK at this k (dattri installed with "
+                    "--no-deps, e.g. PYTHONPATH=/tmp/dattri)")
     args = ap.parse_args()
     x, y, tx, ty = data(args.train, args.test, args.seed)
     t = time.perf_counter()
@@ -135,6 +179,8 @@ def main() -> None:
     print(f"trained {args.models + 1} models in {time.perf_counter() - t:.0f} s; test accuracy "
           f"{(margins(net, tx, ty) > 0).mean():.2f}")
     found = asyncio.run(scores_of(net, x, y, tx, ty, [int(d) for d in args.dims.split(",")]))
+    if args.dattri:
+        found.update(dattri_scores(net, x, y, tx, ty, args.dattri))
     exact = found["exact dot"]
     print("\n| scores | LDS | top-1% overlap with exact TracIn |\n|---|---|---|")
     for name, s in found.items():
