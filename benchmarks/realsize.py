@@ -3,6 +3,9 @@
     python benchmarks/realsize.py [--models gpt2,bert,resnet18] [--seq 64] [--batch N]
                                   [--rounds 3] [--outputs norms,clipped_mean,...] [--no-peers]
 
+``--outputs projection,projection-kronecker`` times sketches (k = 4096) of each projection
+kind instead of the statistics.
+
 Three models with random weights from their configurations (no hub download): GPT-2 small
 (``GPT2LMHeadModel(GPT2Config())``, 124M, ``next_token`` loss, default B=4), BERT-base
 (``BertForSequenceClassification(BertConfig(num_labels=2))``, 109M, default B=8) and ResNet-18 at
@@ -72,6 +75,7 @@ from compare_methods import from_grads, ghost_clipping  # statistics from per-sa
 from fast_stats import interleave, ratio, steady_peak  # rounds interleaved; median ratios
 
 OUTPUTS = ("norms", "clipped_mean", "variance", "cosine_mean", "dots")
+SKETCH_DIM = 4096  # k of --outputs projection and projection-kronecker (not in the default run)
 PEER_OUTPUTS = ("norms", "clipped_mean")  # the peers' cost is their per-sample gradients
 BATCH = {"gpt2": 4, "bert": 8, "resnet18": 16}
 CLIP = 1.0
@@ -154,6 +158,10 @@ def request(registry: ModelRegistry, case: Case, output: str) -> ParsedRequest:
         "inputs": {k: v.numpy() for k, v in case.inputs.items()}, "clip_norm": CLIP}
     if case.mask is not None:
         fields["mask"] = case.mask.numpy()
+    if output.startswith("projection"):  # projection (the default kind), projection-kronecker
+        fields.update(outputs=["projection"], projection_dim=SKETCH_DIM)
+        if output != "projection":
+            fields["projection_kind"] = output.removeprefix("projection-")
     if output == "dots":
         model = registry.get(case.name)
         gen = torch.Generator().manual_seed(2)
