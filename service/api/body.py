@@ -43,26 +43,34 @@ def media_type(value: str | None) -> str:
     return (value or "").split(";", 1)[0].strip().lower()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to pass ``limit`` bytes."""
+async def read_body(request: Request, limit: int,
+                    setting: tuple[str, int] | None = None) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass ``limit`` bytes.
+
+    ``setting``: the setting behind ``limit`` and its value, when it is not
+    ``max_body_bytes`` itself (a model archive's limit follows from its weights' limit).
+    """
+    field, value = setting or ("max_body_bytes", limit)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        raise _too_large(int(declared), limit, field, value)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _too_large(size, limit, at_least=True)
+            raise _too_large(size, limit, field, value, at_least=True)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _too_large(size: int, limit: int, *, at_least: bool = False) -> TooLarge:
+def _too_large(size: int, limit: int, field: str, value: int, *,
+               at_least: bool = False) -> TooLarge:
+    advice = ("send smaller batches, or the binary safetensors form instead of JSON lists, or "
+              if field == "max_body_bytes" else "")
     return TooLarge(
         f"the body is {'more than ' if at_least else ''}{size} bytes; the limit is {limit}: "
-        "send smaller batches, or the binary safetensors form instead of JSON lists, or "
-        f"{raise_setting('max_body_bytes', limit)}",
+        f"{advice}{raise_setting(field, value)}",
         limit=limit,
         size=size,
     )

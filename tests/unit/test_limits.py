@@ -85,6 +85,19 @@ async def test_an_archive_too_large_is_refused_before_its_child_process_starts(
     assert not started
 
 
+@pytest.mark.parametrize(("path", "media", "slack"), [
+    ("/models/m/weights", "application/x-safetensors", 1 << 20),
+    ("/models/m", PT2, 64 << 20),
+])
+async def test_a_body_past_the_weights_limit_names_that_setting(
+        path: str, media: str, slack: int) -> None:
+    """A weights or archive body is held to PSGRAD_MAX_WEIGHT_BYTES (plus room for the rest of
+    the file): its 413 names that setting, not the request body's."""
+    async with open_client(max_weight_bytes=16) as c:
+        r = await c.put(path, content=bytes(16 + slack + 1), headers={"content-type": media})
+        _named(r, "PSGRAD_MAX_WEIGHT_BYTES", 16)
+
+
 async def test_a_graph_over_its_node_limit_names_the_setting() -> None:
     async with open_client(max_graph_nodes=3) as c:
         r = await c.put("/models/cnn", content=exported("cnn")[1], headers={"content-type": PT2})

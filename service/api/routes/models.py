@@ -145,7 +145,8 @@ async def put_model(
     """
     kind = media_type(request.headers.get("content-type"))
     if kind == EXPORT_MEDIA_TYPE:
-        data = await read_body(request, settings.max_weight_bytes + (64 << 20))
+        data = await read_body(request, settings.max_weight_bytes + (64 << 20),
+                               ("max_weight_bytes", settings.max_weight_bytes))
         names = [n.strip() for n in losses.split(",") if n.strip()]
 
         def run_exported() -> dict[str, Any]:
@@ -190,7 +191,8 @@ async def put_weights(
         "application/octet-stream",
     ):
         raise UnsupportedMediaType(f"send the weights as {SAFETENSORS} (a safetensors file)")
-    raw = await read_body(request, settings.max_weight_bytes + (1 << 20))
+    raw = await read_body(request, settings.max_weight_bytes + (1 << 20),
+                          ("max_weight_bytes", settings.max_weight_bytes))
 
     def run() -> dict[str, Any]:
         model = replace_weights(registry, model_id, raw, Limits.from_settings(settings))
