@@ -8,12 +8,13 @@ The zoo ``mlp`` [64, 64, 10] is trained on ``--train`` samples of scikit-learn's
 Adam, ``--epochs`` steps, seeded); each retrained model's margins on ``--test`` held-out samples
 (TRAK's output function, ``log p / (1 - p)`` of the correct class) are the truth. Each method
 scores every (test, train) pair from the model trained on all samples, through the service
-(the embedded app in process): exact TracIn (``dot`` of full per-sample gradients of the loss),
-and stores at each k of ``--dims`` queried with ``k`` = every sample, under ``dot``, ``cosine``
-and ``trak`` (the default lambda, ``trace(Phi^T Phi) / k``). A subset's predicted margin is the
-sum of its samples' scores; LDS is the mean over test samples of the Spearman correlation of
-predicted and actual margins across the subsets. Also printed: the top-1% overlap of each
-sketched score matrix with the exact TracIn scores (per test sample, averaged).
+(the embedded app in process): exact scores from full per-sample gradients of the loss
+(``dot``: TracIn; ``cosine``; ``trak`` with the stores' default lambda rule on the full
+gradients' Gram matrix), and stores at each k of ``--dims`` queried with ``k`` = every
+sample, under ``dot``, ``cosine`` and ``trak`` (the default lambda, ``trace(Phi^T Phi) / k``).
+A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
+samples of the Spearman correlation of predicted and actual margins across the subsets. Also
+printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
 
 ``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) on the same model, subsets
 and margins (dattri is not a dependency: ``pip install --no-deps --target /tmp/dattri dattri``
@@ -103,7 +104,13 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
             return np.concatenate([np.asarray(g).reshape(len(xs), -1)
                                    for g in r.grads.values()], 1).astype(np.float64)
 
-        out["exact dot"] = await grads(tx, ty) @ (await grads(x, y)).T
+        g_test, g_train = await grads(tx, ty), await grads(x, y)
+        out["exact dot"] = g_test @ g_train.T
+        size = np.linalg.norm(g_test, axis=1)[:, None] * np.linalg.norm(g_train, axis=1)
+        out["exact cosine"] = out["exact dot"] / size
+        gram = g_train.T @ g_train  # the stores' default lambda, on the full gradients
+        lam = np.trace(gram) / len(gram)
+        out["exact trak"] = np.linalg.solve(gram + lam * np.eye(len(gram)), g_test.T).T @ g_train.T
         ids = np.arange(len(x))
         for dim in dims:
             store = await c.stores.create(f"k{dim}", "lds", projection_dim=dim)
