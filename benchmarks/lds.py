@@ -89,8 +89,9 @@ def top_overlap(a: np.ndarray, b: np.ndarray, frac: float = 0.01) -> float:
 
 async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
                     ty: np.ndarray, dims: list[int]) -> dict[str, np.ndarray]:
-    settings = Settings(data_dir=tempfile.mkdtemp(prefix="psgrad-lds-"), device="cpu",
-                        redis_url=None, api_keys="", admin_keys="", batch_max_delay_ms=0)
+    data_dir = tempfile.TemporaryDirectory(prefix="psgrad-lds-")  # removed when done
+    settings = Settings(data_dir=data_dir.name, device="cpu", redis_url=None, api_keys="",
+                        admin_keys="", batch_max_delay_ms=0)
     app = create_app(settings)
     out: dict[str, np.ndarray] = {}
     async with app.router.lifespan_context(app), psgrad.AsyncClient(

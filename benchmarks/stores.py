@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -56,8 +58,8 @@ def load() -> str:
 
 
 async def bench_append(rounds: int, batch: int, k: int) -> None:
-    data = tempfile.mkdtemp(prefix="psgrad-bench-stores-")
-    settings = Settings(data_dir=data, device="cpu", batch_max_delay_ms=0, redis_url=None,
+    data = tempfile.TemporaryDirectory(prefix="psgrad-bench-stores-")  # removed when done
+    settings = Settings(data_dir=data.name, device="cpu", batch_max_delay_ms=0, redis_url=None,
                         api_keys="", admin_keys="")
     app = create_app(settings)
     rng = np.random.default_rng(0)
@@ -112,6 +114,7 @@ async def bench_append(rounds: int, batch: int, k: int) -> None:
 def fill(rows: int, dim: int) -> tuple[StoreFiles, np.ndarray]:
     """A float16 store of random rows, and the same matrix in memory."""
     files = StoreFiles(tempfile.mkdtemp(prefix="psgrad-bench-stores-"), ThreadLocks())
+    atexit.register(shutil.rmtree, files.root, True)  # 2 GiB at the default size
     spec = StoreSpec(id="big", model="none@0", loss="none", params=("w",), projection_dim=dim,
                      projection_seed=0, projection_kind="any", dtype="float16")
     files.create("big", spec)
