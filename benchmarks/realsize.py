@@ -199,7 +199,15 @@ def plain_graph(case: Case, model: LoadedModel) -> Fn:
 
 
 def _trainable(case: Case) -> nn.Module:
-    return copy.deepcopy(case.module).requires_grad_(True)
+    """A trainable copy in training mode (Opacus records activations only then), with dropout
+    off and BatchNorm on its running statistics, so that it computes what the eval module does."""
+    module = copy.deepcopy(case.module).requires_grad_(True).train()
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return module
 
 
 def vmap_peer(case: Case, output: str) -> Fn:
