@@ -63,7 +63,13 @@ class _Calls:
     """Every exchange of the stores, described."""
 
     @staticmethod
-    def create(store_id: str, body: dict[str, Any]) -> Call[dict[str, Any]]:
+    def create(store_id: str, model: str, projection_dim: int, loss: str | None,
+               params: Sequence[str] | None, projection_seed: int | None,
+               projection_kind: str | None, dtype: str | None) -> Call[dict[str, Any]]:
+        body = {"model": model, "projection_dim": projection_dim, "loss": loss,
+                "params": None if params is None else list(params),
+                "projection_seed": projection_seed, "projection_kind": projection_kind,
+                "dtype": dtype}
         return Call("PUT", _path(store_id), _doc, json={k: v for k, v in body.items()
                                                          if v is not None})
 
@@ -247,11 +253,9 @@ class Stores:
                projection_seed: int | None = None, projection_kind: str | None = None,
                dtype: str | None = None) -> Store:
         """Define a store (or find the same definition already made) and return its handle."""
-        body = {"model": model, "projection_dim": projection_dim, "loss": loss,
-                "params": None if params is None else list(params),
-                "projection_seed": projection_seed, "projection_kind": projection_kind,
-                "dtype": dtype}
-        return Store(self._client, self._client._call(_Calls.create(store_id, body)))
+        call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
+                             projection_kind, dtype)
+        return Store(self._client, self._client._call(call))
 
     def get(self, store_id: str) -> Store:
         return Store(self._client, self._client._call(_Calls.get(store_id)))
@@ -310,11 +314,9 @@ class AsyncStores:
                      projection_seed: int | None = None, projection_kind: str | None = None,
                      dtype: str | None = None) -> AsyncStore:
         """See ``Stores.create``."""
-        body = {"model": model, "projection_dim": projection_dim, "loss": loss,
-                "params": None if params is None else list(params),
-                "projection_seed": projection_seed, "projection_kind": projection_kind,
-                "dtype": dtype}
-        return AsyncStore(self._client, await self._client._call(_Calls.create(store_id, body)))
+        call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
+                             projection_kind, dtype)
+        return AsyncStore(self._client, await self._client._call(call))
 
     async def get(self, store_id: str) -> AsyncStore:
         return AsyncStore(self._client, await self._client._call(_Calls.get(store_id)))
