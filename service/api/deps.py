@@ -12,7 +12,7 @@ every right (the server then refuses to bind beyond loopback unless told to, see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Query, Request
@@ -25,7 +25,7 @@ from service.config import Settings
 from service.jobs import Broker
 from service.keyring import Keyring
 from service.registry import ModelRegistry
-from service.stores import StoreFiles, make_store_files
+from service.stores import StoreFiles
 from service.tenants import TENANT_NAME, Tenant
 from service.worker import WorkerPool
 
@@ -38,9 +38,9 @@ class AppState:
     broker: Broker
     registry: ModelRegistry
     metrics: Metrics
+    keyring: Keyring
+    stores: StoreFiles
     workers: WorkerPool | None = None
-    keyring: Keyring = field(default_factory=Keyring)  # default: no keys (dev mode)
-    stores: StoreFiles = field(default_factory=lambda: make_store_files(Settings()))
 
     async def ready(self, *, need_worker: bool = True) -> bool:
         """The broker answers and (``need_worker``) a worker serves the queue (the pool's, or
