@@ -62,7 +62,7 @@ class KeyEntry:
 
 
 def _bare_name(secret: str) -> str:
-    return "key-" + hashlib.sha256(secret.encode()).hexdigest()[:12]
+    return "key-" + digest(secret).hex()[:12]
 
 
 def parse_key_list(text: str, *, admin: bool, where: str) -> list[KeyEntry]:
