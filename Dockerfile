@@ -19,21 +19,25 @@ RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home
 
 WORKDIR /app
 
-# Dependencies first, from pyproject.toml alone, so a code change does not reinstall them.
+# Dependencies first, from the two pyproject.toml files alone, so a code change does not
+# reinstall them (the server's pin on the client is left out: the client is installed below).
 COPY pyproject.toml ./
-RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+COPY client/pyproject.toml ./client/
+RUN python3 -c "import tomllib; d = [tomllib.load(open(f, 'rb'))['project']['dependencies'] \
+for f in ('pyproject.toml', 'client/pyproject.toml')]; \
+print('\n'.join(r for r in d[0] + d[1] if not r.startswith('psgrad')))" > /tmp/requirements.txt \
  && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
         > /tmp/constraints.txt \
  && python3 -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
  && rm /tmp/requirements.txt /tmp/constraints.txt
 
-# Then the code; --no-deps: everything it needs is installed above.
+# Then the code, the documented way (the client, then the server); --no-deps: everything they
+# need is installed above.
 COPY README.md ./
-COPY psgrad ./psgrad
+COPY client ./client
 COPY service ./service
 COPY models ./models
-RUN python3 -m pip install --no-deps . && rm -rf build ./*.egg-info
+RUN python3 -m pip install --no-deps ./client . && rm -rf build client/build ./*.egg-info client/*.egg-info
 
 # A numeric user, so that runtimes can check it is not root without reading /etc/passwd.
 USER 10001:10001

@@ -1,21 +1,20 @@
-"""The ``psgrad`` command: ``serve`` (api + embedded workers) and ``worker`` here, the client
-commands from the light package (:mod:`psgrad._cli`).
+"""The server's commands of ``psgrad``: ``serve`` (api + embedded workers) and ``worker``.
 
-The server's dependencies (torch, fastapi, pydantic-settings) are imported only when ``serve`` or
-``worker`` runs, so the command works for client use on a machine with only the light SDK.
+The ``psgrad`` command belongs to the light client (:mod:`psgrad._cli`); this module is
+registered under its ``psgrad.commands`` entry-point group, so the command gains ``serve`` and
+``worker`` where the server is installed. The server's dependencies (torch, fastapi,
+pydantic-settings) are imported only when one of them runs, so the client commands stay fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-from psgrad._cli import build_parser
-from psgrad._cli_client import run
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -101,7 +100,7 @@ def worker(device: str = "auto") -> int:
     return main(["--device", device])
 
 
-def add_server_commands(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     """Add ``serve`` and ``worker`` to the ``psgrad`` subcommand parsers."""
     p = sub.add_parser(
         "serve",
@@ -126,17 +125,26 @@ def add_server_commands(sub: Any) -> None:
                    help="cuda:0, cuda, cpu or auto (CUDA when available); one per process")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``psgrad`` command."""
-    args = build_parser(add_server_commands).parse_args(argv)
-    if args.command not in ("serve", "worker"):
-        return run(args, argv)
+def run(args: argparse.Namespace) -> int:
+    """Run ``serve`` or ``worker``, parsed by :func:`add_commands`."""
     # transparent huge pages for torch's CPU tensors: read once, before torch allocates
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if args.command == "worker":
         return worker(args.device)
     return serve(args.host, args.port, insecure_no_auth=args.insecure_no_auth,
                  workers=args.workers, log_level=args.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The whole ``psgrad`` command (the client's, with these commands), for ``python -m``."""
+    from psgrad._cli import build_parser
+
+    args = build_parser([sys.modules[__name__]]).parse_args(argv)
+    if args.command in ("serve", "worker"):
+        return run(args)
+    from psgrad._cli_client import run as run_client
+
+    return run_client(args, argv)
 
 
 if __name__ == "__main__":

@@ -449,7 +449,7 @@ def test_dockerignore_sends_only_the_packages() -> None:
     ):
         assert dockerignored(path), path
     copied = [rest.split()[0] for word, rest in dockerfile() if word == "COPY"]
-    for path in (*copied, "service/config.py", "models/value.py", "psgrad/_wire.py"):
+    for path in (*copied, "service/config.py", "models/value.py", "client/psgrad/_wire.py"):
         assert not dockerignored(path), path
 
 

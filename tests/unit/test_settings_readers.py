@@ -15,7 +15,8 @@ from pathlib import Path
 import grimp
 import pytest
 
-from service.cli import add_server_commands, build_parser
+import service.cli
+from psgrad._cli import build_parser
 from service.config import API, READ_BY, WORKER, Settings, read_by
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def test_every_listening_address_is_a_setting_on_loopback_by_default() -> None:
     assert defaults.worker_metrics_host == "127.0.0.1"
     assert READ_BY["listen_host"] == {API} and READ_BY["worker_metrics_host"] == {WORKER}
     # `psgrad serve` without --host takes PSGRAD_LISTEN_HOST (nothing on the command line wins)
-    serve = build_parser(add_server_commands).parse_args(["serve"])
+    serve = build_parser([service.cli]).parse_args(["serve"])
     assert serve.host is None and serve.port is None
 
 

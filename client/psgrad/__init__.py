@@ -38,4 +38,4 @@ __all__ = [
     "Stores",
     *_errors_all,
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
