@@ -17,33 +17,23 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
+from psgrad._cli_dp import add_dp_commands
+from psgrad._cli_io import client_of as _client
+from psgrad._cli_io import connection_options, load_array
+from psgrad._cli_io import names as _names
 from psgrad._cli_refsets import add_reference_set_commands
 from psgrad._cli_stores import add_store_commands
-from psgrad._client import Client
-from psgrad._constants import ENV_API_KEY, ENV_URL
-from psgrad._errors import BadRequest
 from psgrad._types import OUTPUT_NAMES, GradsResult, ModelInfo
 from psgrad._wire import RESPONSE_KEY, fields_to_safetensors
 
-__all__ = ["add_commands", "load_array"]
+__all__ = ["add_commands"]
 
 _GRADS_OUTPUTS = [o for o in OUTPUT_NAMES if o not in ("td_errors", "updates")]
 
 
-def _connection_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("server")
-    group.add_argument("--url", help=f"the psgrad server (default: ${ENV_URL}, else "
-                       "http://127.0.0.1:8000)")
-    group.add_argument("--api-key", help=f"the API key (default: ${ENV_API_KEY})")
-    group.add_argument("--timeout", type=float, default=300.0,
-                       help="seconds per HTTP request (default: 300)")
-    return parent
-
-
 def add_commands(sub: Any) -> None:
     """Add ``models`` and ``grads`` to the ``psgrad`` subcommand parsers."""
-    conn = _connection_options()
+    conn = connection_options()
     models = sub.add_parser("models", help="list, show, register, upload, download or delete "
                             "models", description="Manage the server's model registry.")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
@@ -117,9 +107,6 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_grads)
     add_reference_set_commands(sub, conn)
     add_store_commands(sub, conn)
-
-    from psgrad._cli_dp import add_dp_commands
-
     add_dp_commands(sub, conn)
 
 
@@ -129,34 +116,6 @@ def _json_arg(text: str) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-
-
-def _client(args: argparse.Namespace) -> Client:
-    return Client(base_url=args.url, api_key=args.api_key, timeout=args.timeout)
-
-
-def load_array(spec: str, *, default_name: str | None = None) -> np.ndarray:
-    """An array from ``file.npy`` or ``file.safetensors[:name]``; nothing is ever unpickled."""
-    path, _, name = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
-    suffix = Path(path).suffix.lower()
-    if suffix == ".npy":
-        try:
-            return np.asarray(np.load(path, allow_pickle=False))
-        except ValueError as exc:  # object arrays need pickle: refused
-            raise BadRequest(f"{path}: {exc}; save plain numeric arrays (no pickles)") from None
-    if suffix == ".safetensors":
-        tensors = load_file(path)
-        if name:
-            if name not in tensors:
-                raise BadRequest(f"{path} has no tensor {name!r}; it has: {', '.join(tensors)}")
-            return tensors[name]
-        if default_name in tensors:
-            return tensors[default_name]
-        if len(tensors) == 1:
-            return next(iter(tensors.values()))
-        raise BadRequest(f"{path} holds several tensors ({', '.join(tensors)}): pick one with "
-                         f"{path}:NAME")
-    raise BadRequest(f"{path}: read .npy or .safetensors files only (never pickles)")
 
 
 def _describe(info: ModelInfo) -> str:
@@ -217,10 +176,6 @@ def cmd_models_delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
         print(json.dumps(client.models.delete(args.model)))
     return 0
-
-
-def _names(text: str | None) -> list[str] | None:
-    return [s.strip() for s in text.split(",") if s.strip()] if text else None
 
 
 def cmd_grads(args: argparse.Namespace) -> int:

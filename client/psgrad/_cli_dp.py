@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from psgrad._client import Client
+from psgrad._cli_io import client_of
 
 
 def add_dp_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
@@ -21,18 +21,14 @@ def add_dp_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_dp_list)
 
 
-def _client(args: argparse.Namespace) -> Client:
-    return Client(base_url=args.url, api_key=args.api_key, timeout=args.timeout)
-
-
 def cmd_dp_show(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client._send("GET", f"/dp-runs/{args.run}").json(), indent=2))
     return 0
 
 
 def cmd_dp_list(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_of(args) as client:
         for run in client._send("GET", "/dp-runs").json()["runs"]:
             print(json.dumps(run))
     return 0

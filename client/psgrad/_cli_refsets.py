@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from psgrad._cli_io import client_of, load_array, names
+
 
 def add_reference_set_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     """Add ``reference-sets`` to the ``psgrad`` subcommand parsers."""
@@ -32,13 +34,11 @@ def add_reference_set_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
 
 
 def _put(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client, _names, load_array
-
     inputs = load_array(args.inputs, default_name="inputs")
     targets = load_array(args.targets, default_name="targets") if args.targets else None
-    with _client(args) as client:
+    with client_of(args) as client:
         doc = client.reference_sets.put(
-            args.id, args.model, inputs, targets, loss=args.loss, params=_names(args.params),
+            args.id, args.model, inputs, targets, loss=args.loss, params=names(args.params),
             projection_dim=args.projection_dim, projection_seed=args.projection_seed,
             projection_kind=args.projection_kind)
     print(json.dumps(doc))
@@ -46,16 +46,12 @@ def _put(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client
-
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.reference_sets.get(args.id)))
     return 0
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client
-
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.reference_sets.delete(args.id)))
     return 0

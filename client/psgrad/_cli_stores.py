@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from psgrad._cli_io import client_of, load_array, names
+
 
 def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     """Add ``stores`` to the ``psgrad`` subcommand parsers."""
@@ -63,25 +65,21 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client, _names
-
-    with _client(args) as client:
+    with client_of(args) as client:
         store = client.stores.create(
             args.id, args.model, projection_dim=args.projection_dim, loss=args.loss,
-            params=_names(args.params), projection_seed=args.projection_seed,
+            params=names(args.params), projection_seed=args.projection_seed,
             projection_kind=args.projection_kind, dtype=args.dtype)
     print(json.dumps(store.info))
     return 0
 
 
 def _add(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client, load_array
-
     inputs = load_array(args.inputs, default_name="inputs")
     targets = load_array(args.targets, default_name="targets") if args.targets else None
     ids = (load_array(args.ids) if args.ids
            else np.arange(args.first_id, args.first_id + len(inputs)))
-    with _client(args) as client:
+    with client_of(args) as client:
         store = client.stores.get(args.id)
         info = store.add(inputs, targets, ids=ids, batch_size=args.batch_size,
                          progress=not args.no_progress)
@@ -90,12 +88,10 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client, load_array
-
     def read(spec: str | None, name: str) -> Any:
         return load_array(spec, default_name=name) if spec else None
 
-    with _client(args) as client:
+    with client_of(args) as client:
         found = client.stores.get(args.id).query(
             read(args.inputs, "inputs"), read(args.targets, "targets"),
             sketches=read(args.sketches, "sketches"), k=args.k, score=args.score, lam=args.lam)
@@ -105,24 +101,18 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client
-
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.stores.get(args.id).info))
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client
-
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.stores.list()))
     return 0
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from psgrad._cli_client import _client
-
-    with _client(args) as client:
+    with client_of(args) as client:
         print(json.dumps(client.stores.delete(args.id)))
     return 0

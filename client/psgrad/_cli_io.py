@@ -1,0 +1,67 @@
+"""What every client command of ``psgrad`` reads: its server (the connection options and the
+:class:`~psgrad.Client` they make) and its arrays (``.npy`` or ``.safetensors`` files).
+
+The command modules (:mod:`psgrad._cli_client`, ``_cli_stores``, ``_cli_refsets``, ``_cli_dp``)
+all import this one and never each other, so no two of them form an import circle.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from psgrad._client import Client
+from psgrad._constants import ENV_API_KEY, ENV_URL
+from psgrad._errors import BadRequest
+
+__all__ = ["client_of", "connection_options", "load_array", "names"]
+
+
+def connection_options() -> argparse.ArgumentParser:
+    """The parent parser of every command that talks to a server: ``--url``, ``--api-key``,
+    ``--timeout``."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("server")
+    group.add_argument("--url", help=f"the psgrad server (default: ${ENV_URL}, else "
+                       "http://127.0.0.1:8000)")
+    group.add_argument("--api-key", help=f"the API key (default: ${ENV_API_KEY})")
+    group.add_argument("--timeout", type=float, default=300.0,
+                       help="seconds per HTTP request (default: 300)")
+    return parent
+
+
+def client_of(args: argparse.Namespace) -> Client:
+    """The client of the :func:`connection_options` a command was given."""
+    return Client(base_url=args.url, api_key=args.api_key, timeout=args.timeout)
+
+
+def names(text: str | None) -> list[str] | None:
+    """A comma-separated list (``--params a,b``), or None when not given."""
+    return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def load_array(spec: str, *, default_name: str | None = None) -> np.ndarray:
+    """An array from ``file.npy`` or ``file.safetensors[:name]``; nothing is ever unpickled."""
+    path, _, name = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+    suffix = Path(path).suffix.lower()
+    if suffix == ".npy":
+        try:
+            return np.asarray(np.load(path, allow_pickle=False))
+        except ValueError as exc:  # object arrays need pickle: refused
+            raise BadRequest(f"{path}: {exc}; save plain numeric arrays (no pickles)") from None
+    if suffix == ".safetensors":
+        tensors = load_file(path)
+        if name:
+            if name not in tensors:
+                raise BadRequest(f"{path} has no tensor {name!r}; it has: {', '.join(tensors)}")
+            return tensors[name]
+        if default_name in tensors:
+            return tensors[default_name]
+        if len(tensors) == 1:
+            return next(iter(tensors.values()))
+        raise BadRequest(f"{path} holds several tensors ({', '.join(tensors)}): pick one with "
+                         f"{path}:NAME")
+    raise BadRequest(f"{path}: read .npy or .safetensors files only (never pickles)")
