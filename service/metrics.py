@@ -1,6 +1,6 @@
 """The worker loop's Prometheus series, one :class:`CollectorRegistry` per owner.
 
-:class:`WorkerMetrics` is the loop's :class:`service.worker.WorkerObserver`. ``psgrad worker``
+:class:`WorkerMetrics` subscribes to the loop's events (:mod:`service.events`). ``psgrad worker``
 serves it alone on ``PSGRAD_WORKER_METRICS_PORT``; the api's metrics
 (:class:`service.api.metrics.Metrics`) extend it, so in embedded mode one ``/metrics`` shows the
 requests and the worker threads together. Tests and apps never share a registry.
@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.events import BatchEnded, JobEnded, JobVerified, WorkerEvent
 from service.fast_stats._plan import PLANS
 from service.lru import LockedLRU
 from service.strategies import per_sample
@@ -95,19 +96,20 @@ class WorkerMetrics:
             buckets=TIME_BUCKETS, registry=r)
         r.register(_CacheCollector())
 
-    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
-        self.compute.observe(compute_s)
-        self.batch_jobs.observe(jobs)
-        self.batch_samples.observe(samples)
-        self.samples.inc(samples)
-
-    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
-        self.queue_wait.observe(queue_s)
-        self.jobs.labels(status=status).inc()
-
-    def observe_verify(self, *, samples: int, seconds: float, failed: bool) -> None:
-        self.verified_jobs.inc()
-        self.verified_samples.inc(samples)
-        self.verify_seconds.observe(seconds)
-        if failed:
-            self.verify_failures.inc()
+    def on_event(self, event: WorkerEvent) -> None:
+        """A subscriber of :class:`service.events.Events`: each event into its series."""
+        match event:
+            case BatchEnded(compute_s=float(compute_s)):  # a failed call (None) is not timed
+                self.compute.observe(compute_s)
+                self.batch_jobs.observe(event.jobs)
+                self.batch_samples.observe(event.samples)
+                self.samples.inc(event.samples)
+            case JobEnded():
+                self.queue_wait.observe(event.queue_s)
+                self.jobs.labels(status=event.status).inc()
+            case JobVerified():
+                self.verified_jobs.inc()
+                self.verified_samples.inc(event.samples)
+                self.verify_seconds.observe(event.seconds)
+                if event.failed:
+                    self.verify_failures.inc()

@@ -1,9 +1,10 @@
 """What one worker loop is doing, for the status page (``GET /status``): kept cheap, read rarely.
 
-Each :class:`service.worker.Worker` owns one :class:`WorkerStatus`. The loop tells it when a
-batch starts and ends, how each job ended, and hands it the per-sample gradient norms the engine
-computed anyway (any call whose outputs need squared norms: ``norms``, ``layer_norms``,
-``clipped_mean``, ``cosine_mean``, unprojected ``self_influence``; never computed for it). All of
+Each worker loop has one :class:`WorkerStatus`, a subscriber of its events
+(:mod:`service.events`): when a batch starts and ends, how each job ended, and the per-sample
+gradient norms the engine computed anyway (any call whose outputs need squared norms: ``norms``,
+``layer_norms``, ``clipped_mean``, ``cosine_mean``, unprojected ``self_influence``; never
+computed for it). All of
 it is a handful of counters, a bounded deque and fixed-size rings, touched once per batch or job,
 never per sample; one lock per worker, shared only with the reader of :meth:`snapshot` (the page,
 about once a second).
@@ -30,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from service.events import BatchEnded, BatchStarted, JobEnded, WorkerEvent
 
 __all__ = [
     "NORM_EDGES",
@@ -124,27 +127,30 @@ class WorkerStatus:
         self._norms: dict[str, TimeRing] = {}  # model ref -> bucket counts, in 30 s slices
         self._tenant_norms: dict[tuple[str, str], TimeRing] = {}  # (tenant, model) -> the same
 
-    def batch_started(self, *, jobs: int, samples: int, model: str,
-                      tenants: Sequence[str] = ()) -> None:
-        batch = {"jobs": jobs, "samples": samples, "model": model, "since": time.time(),
-                 "tenants": sorted(set(tenants))}
-        self._batch = batch  # one reference swap: readers see the old batch or the new one
+    def on_event(self, event: WorkerEvent) -> None:
+        """A subscriber of :class:`service.events.Events`: the batch in hand, the counters, the
+        queue waits and the norms the engine computed anyway."""
+        match event:
+            case BatchStarted():
+                batch = {"jobs": event.jobs, "samples": event.samples, "model": event.model,
+                         "since": time.time(), "tenants": sorted(set(event.tenants))}
+                self._batch = batch  # one reference swap: readers see the old batch or the new
+            case BatchEnded():
+                self._batch = None
+                if event.compute_s is None:  # failed: its jobs run alone or fail
+                    return
+                with self._lock:
+                    self.samples_done += event.samples
+                    self._rate.add(event.samples)
+                for norms in event.norms:  # each job's norms count for its tenant too
+                    self._observe_norms(event.model, norms, event.owners)
+            case JobEnded():
+                with self._lock:
+                    self.jobs[event.status] = self.jobs.get(event.status, 0) + 1
+                    self._waits.add(round(event.queue_s * 1000, 3))
 
-    def batch_ended(self) -> None:
-        self._batch = None
-
-    def batch_done(self, *, samples: int) -> None:
-        with self._lock:
-            self.samples_done += samples
-            self._rate.add(samples)
-
-    def job_ended(self, *, queue_s: float, status: str) -> None:
-        with self._lock:
-            self.jobs[status] = self.jobs.get(status, 0) + 1
-            self._waits.add(round(queue_s * 1000, 3))
-
-    def observe_norms(self, model: str, norms: torch.Tensor,
-                      owners: Sequence[tuple[str, int]] = ()) -> None:
+    def _observe_norms(self, model: str, norms: torch.Tensor,
+                       owners: Sequence[tuple[str, int]]) -> None:
         """Fold one engine call's per-sample norms into ``model``'s recent histogram, and each
         job's slice into its tenant's (``owners``: each job's tenant and samples, in batch
         order; norms of another length count for the model only)."""

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
 from service.dp.runs import store_for as dp_runs
 from service.dp.steps import on_result as count_dp_step
+from service.events import BatchEnded, BatchStarted, Events, JobEnded, JobVerified, Subscriber
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.status import WorkerStatus
@@ -45,7 +46,7 @@ from service.validate import ParsedRequest, parse_request
 
 log = logging.getLogger("psgrad.worker")
 
-__all__ = ["Worker", "WorkerObserver", "WorkerPool"]
+__all__ = ["Worker", "WorkerPool"]
 
 T = TypeVar("T")
 
@@ -57,27 +58,6 @@ class _Failed(enum.Enum):
 _FAILED: Final = _Failed.FAILED  # what Worker._attempt answers once the job has failed
 
 
-class WorkerObserver(Protocol):
-    """Receives what the loop measures (:class:`service.metrics.WorkerMetrics` implements it)."""
-
-    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None: ...
-
-    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None: ...
-
-    def observe_verify(self, *, samples: int, seconds: float, failed: bool) -> None: ...
-
-
-class _NoObserver:
-    def observe_batch(self, *, jobs: int, samples: int, compute_s: float) -> None:
-        pass
-
-    def observe_job(self, *, queue_s: float, samples: int, status: str) -> None:
-        pass
-
-    def observe_verify(self, *, samples: int, seconds: float, failed: bool) -> None:
-        pass
-
-
 class Worker:
     """One loop over a :class:`JobSource`; run several in threads or processes for parallelism."""
 
@@ -86,17 +66,17 @@ class Worker:
         source: JobSource,
         registry: ModelRegistry,
         settings: Settings,
-        observer: WorkerObserver | None = None,
+        events: Events | None = None,
         compiled: CompiledFunctions | None = None,
         *,
         name: str = "worker",
     ) -> None:
+        self.name = name
         self.compiled = compiled  # PSGRAD_COMPILE=1: torch.compile, padded sizes
-        self.status = WorkerStatus(name, str(registry.device))  # what GET /status shows
         self.source = source
         self.registry = registry
         self.settings = settings
-        self.observer: WorkerObserver = observer or _NoObserver()
+        self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
 
     def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
@@ -170,37 +150,23 @@ class Worker:
 
     def _run_group(self, items: list[tuple[Job, ParsedRequest]]) -> None:
         model = items[0][1].model.ref
-        self.status.batch_started(
-            jobs=len(items), samples=sum(p.batch.size for _, p in items), model=model,
-            tenants=[j.tenant for j, _ in items])
+        samples = sum(p.batch.size for _, p in items)
+        self.events.emit(BatchStarted(model=model, jobs=len(items), samples=samples,
+                                      tenants=tuple(j.tenant for j, _ in items)))
         norms: list[torch.Tensor] = []  # the norms the engine computed anyway (for the page)
+        failure: Exception | None = None
         try:
             results, compute_s = _compute(
                 [p for _, p in items], self.settings, self.compiled, on_norms=norms.append)
         except Exception as exc:
-            if len(items) > 1:  # isolate: whatever went wrong, each job gets its own answer
-                log.warning(
-                    "a merged batch of %d jobs failed (%s); running them one by one",
-                    len(items),
-                    type(exc).__name__,
-                )
-                for item in items:
-                    self._run_group([item])
-                return
-            job = items[0][0]
-            if isinstance(exc, PsgradError):
-                self._fail(job, exc, retry=False)
-            else:
-                log.exception("computing job %s failed unexpectedly", job.id)
-                self._fail(job, _internal(job), retry=True)
+            failure, results, compute_s = exc, [], 0.0
+        self.events.emit(BatchEnded(
+            model=model, jobs=len(items), samples=samples,
+            compute_s=None if failure is not None else compute_s, norms=tuple(norms),
+            owners=tuple((j.tenant, p.batch.size) for j, p in items)))
+        if failure is not None:
+            self._group_failed(items, failure)
             return
-        finally:
-            self.status.batch_ended()
-        samples = sum(p.batch.size for _, p in items)
-        self.observer.observe_batch(jobs=len(items), samples=samples, compute_s=compute_s)
-        self.status.batch_done(samples=samples)
-        for found in norms:  # each job's norms count for its tenant too (its status view)
-            self.status.observe_norms(model, found, [(j.tenant, p.batch.size) for j, p in items])
         started = time.time() - compute_s
         done: list[tuple[Job, dict[str, Any]]] = []
         for (job, parsed), out in zip(items, results, strict=True):
@@ -223,17 +189,28 @@ class Worker:
                                             self.settings), retry=True)
             if counted is _FAILED:
                 continue
-            self.observer.observe_job(
-                queue_s=max(0.0, started - job.enqueued_at),
-                samples=parsed.batch.size,
-                status="succeeded",
-            )
-            self.status.job_ended(queue_s=max(0.0, started - job.enqueued_at), status="succeeded")
+            self._ended(job, "succeeded", started)
             done.append((job, counted))
         try:  # all of the group's answers at once (Redis: one round trip for small ones)
             self.source.succeed_all(done)
         except Exception:
             log.exception("storing the results of jobs %s failed", ", ".join(j.id for j, _ in done))
+
+    def _group_failed(self, items: list[tuple[Job, ParsedRequest]], exc: Exception) -> None:
+        """A group's engine call failed: a merged one's jobs run one by one (whatever went wrong,
+        each job gets its own answer), a lone job fails with the error."""
+        if len(items) > 1:
+            log.warning("a merged batch of %d jobs failed (%s); running them one by one",
+                        len(items), type(exc).__name__)
+            for item in items:
+                self._run_group([item])
+            return
+        job = items[0][0]
+        if isinstance(exc, PsgradError):
+            self._fail(job, exc, retry=False)
+        else:
+            log.error("computing job %s failed unexpectedly", job.id, exc_info=exc)
+            self._fail(job, _internal(job), retry=True)
 
     def _attempt(self, job: Job, what: str, step: Callable[[], T], *, retry: bool = False
                  ) -> T | _Failed:
@@ -256,36 +233,38 @@ class Worker:
         if how is None:
             return None
         start = time.perf_counter()
+        failed: VerificationFailed | None = None
         try:
             report = verify.check(parsed, out, how, settings=self.settings, compiled=self.compiled)
         except VerificationFailed as exc:
             log.error("job %s failed verification: %s", job.id, exc.message)
-            samples = len(exc.details.get("verify", {}).get("samples", ()))
-            self.observer.observe_verify(samples=samples, failed=True,
-                                         seconds=time.perf_counter() - start)
-            raise
-        self.observer.observe_verify(samples=len(report["samples"]), failed=False,
-                                     seconds=time.perf_counter() - start)
+            failed, report = exc, exc.details.get("verify", {})
+        self.events.emit(JobVerified(samples=len(report.get("samples", ())),
+                                     seconds=time.perf_counter() - start,
+                                     failed=failed is not None))
+        if failed is not None:
+            raise failed
         return report
 
     def _fail(self, job: Job, exc: PsgradError, *, retry: bool) -> None:
-        self._observe_end(job, "failed")
+        self._ended(job, "failed")
         try:
             self.source.fail(job, exc.to_dict(), retry=retry)
         except Exception:
             log.exception("storing the error of job %s failed", job.id)
 
     def _skip_canceled(self, job: Job) -> None:
-        self._observe_end(job, "canceled")
+        self._ended(job, "canceled")
         try:
             self.source.acknowledge_canceled(job)
         except Exception:
             log.exception("acknowledging canceled job %s failed", job.id)
 
-    def _observe_end(self, job: Job, status: str) -> None:
-        queue_s = max(0.0, time.time() - job.enqueued_at)
-        self.observer.observe_job(queue_s=queue_s, samples=job.size, status=status)
-        self.status.job_ended(queue_s=queue_s, status=status)
+    def _ended(self, job: Job, status: str, started: float | None = None) -> None:
+        """``job`` left the worker; it waited until ``started`` (its engine call), else until
+        now."""
+        waited = (time.time() if started is None else started) - job.enqueued_at
+        self.events.emit(JobEnded(status=status, queue_s=max(0.0, waited)))
 
 
 class WorkerPool:
@@ -297,8 +276,9 @@ class WorkerPool:
     and :meth:`alive` says so.
     """
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[Worker], statuses: Sequence[WorkerStatus]) -> None:
         self.workers = list(workers)
+        self.statuses = list(statuses)  # what each loop is doing, for GET /status
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -308,23 +288,25 @@ class WorkerPool:
         source: JobSource,
         registry: ModelRegistry,
         settings: Settings,
-        observer: WorkerObserver | None = None,
+        subscribers: Sequence[Subscriber] = (),
     ) -> WorkerPool:
-        """``PSGRAD_WORKERS`` loops over one source; with ``PSGRAD_COMPILE=1`` they share the
-        functions compiled in this process."""
+        """``PSGRAD_WORKERS`` loops over one source, each reporting to ``subscribers`` (the
+        app's metrics) and to its own :class:`WorkerStatus`; with ``PSGRAD_COMPILE=1`` they
+        share the functions compiled in this process."""
         compiled = CompiledFunctions(settings, writer=False) if settings.compile else None
-        return cls(
-            [
-                Worker(source, registry, settings, observer, compiled, name=f"psgrad-worker-{i}")
-                for i in range(settings.workers)
-            ]
-        )
+        workers, statuses = [], []
+        for i in range(settings.workers):
+            status = WorkerStatus(f"psgrad-worker-{i}", str(registry.device))
+            events = Events(*subscribers, status.on_event)
+            workers.append(Worker(source, registry, settings, events, compiled, name=status.name))
+            statuses.append(status)
+        return cls(workers, statuses)
 
     def start(self) -> None:
         self._stop.clear()
         for work in self.workers:
             thread = threading.Thread(
-                target=work.run, args=(self._stop,), name=work.status.name, daemon=True
+                target=work.run, args=(self._stop,), name=work.name, daemon=True
             )
             thread.start()
             self._threads.append(thread)
@@ -337,7 +319,7 @@ class WorkerPool:
     def snapshots(self) -> list[dict[str, Any]]:
         """Each loop's :meth:`WorkerStatus.snapshot`, with ``alive``: its thread runs."""
         running = {t.name for t in self._threads if t.is_alive() and not self._stop.is_set()}
-        return [{**w.status.snapshot(), "alive": w.status.name in running} for w in self.workers]
+        return [{**s.snapshot(), "alive": s.name in running} for s in self.statuses]
 
     def stop(self) -> None:
         """Tell every loop to stop after the round in hand."""

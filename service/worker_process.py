@@ -23,8 +23,10 @@ from prometheus_client import start_http_server
 from service.broker.redis_source import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
+from service.events import Events
 from service.metrics import WorkerMetrics
 from service.registry import make_registry
+from service.status import WorkerStatus
 from service.worker import Worker
 
 log = logging.getLogger("psgrad.worker")
@@ -63,9 +65,10 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     compiled = CompiledFunctions(settings, source.r, writer=True) if settings.compile else None
-    work = Worker(source, registry, settings, observer=metrics, compiled=compiled,
-                  name=source.name)
-    source.status = work.status.snapshot_json  # published with each heartbeat
+    status = WorkerStatus(source.name, str(registry.device))
+    source.status = status.snapshot_json  # published with each heartbeat, for GET /status
+    work = Worker(source, registry, settings, Events(metrics.on_event, status.on_event),
+                  compiled, name=source.name)
     loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
     source.start()
     loop.start()

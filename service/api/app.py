@@ -39,8 +39,9 @@ def create_app(
     """The api; without ``broker`` it makes one from the settings (embedded without Redis).
 
     With the embedded broker the app also runs the workers: a :class:`WorkerPool` over the
-    broker, sharing the app's registry (models registered through the api are served at once)
-    and metrics. With Redis the workers are ``psgrad worker`` processes.
+    broker, sharing the app's registry (models registered through the api are served at once);
+    their events feed the app's metrics and each loop's status. With Redis the workers are
+    ``psgrad worker`` processes.
     """
     settings = settings or get_settings()
     metrics = Metrics()
@@ -48,7 +49,7 @@ def create_app(
     broker = broker or make_broker(settings)
     workers = None
     if isinstance(broker, EmbeddedBroker):
-        workers = WorkerPool.over(broker, registry, settings, metrics)
+        workers = WorkerPool.over(broker, registry, settings, [metrics.on_event])
     keyring = Keyring(settings.api_keys, settings.admin_keys, settings.keys_file)
     state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics,
                      workers=workers, keyring=keyring, stores=make_store_files(settings))

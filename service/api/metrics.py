@@ -1,9 +1,9 @@
 """The api's Prometheus metrics: the worker loop's series plus the requests and the queue.
 
 The request counter is filled by :class:`MetricsMiddleware` with the route template (not the raw
-path, so ids do not explode the label set); the worker series (:mod:`service.metrics`) are filled
-by the embedded worker threads (and stay empty with Redis, whose workers serve their own); the
-queue depth is read from the broker on scrape.
+path, so ids do not explode the label set); the worker series (:mod:`service.metrics`) are fed
+by the embedded worker threads' events (and stay empty with Redis, whose workers serve their
+own); the queue depth is read from the broker on scrape.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from service import keys
 from service.broker.redis import RedisBroker
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
+from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id
 from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
@@ -199,7 +200,8 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
         assert shared.xpending(stream, keys.STREAM_GROUP)["pending"] == 1
         assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
         metrics = WorkerMetrics()
-        await asyncio.to_thread(Worker(source, ModelRegistry(), settings, metrics).process, taken)
+        work = Worker(source, ModelRegistry(), settings, Events(metrics.on_event))
+        await asyncio.to_thread(work.process, taken)
         assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
         assert shared.xpending(stream, keys.STREAM_GROUP)["pending"] == 0
         assert shared.xlen(stream) == 0

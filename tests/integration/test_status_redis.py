@@ -18,7 +18,9 @@ import redis
 from service import keys
 from service.broker.redis import text
 from service.broker.redis_source import RedisJobSource
+from service.events import Events
 from service.registry import ModelRegistry, make_registry
+from service.status import WorkerStatus
 from service.worker import Worker
 from tests.support.api import open_client
 from tests.support.client import free_port
@@ -115,8 +117,10 @@ async def test_the_batch_in_hand_travels_with_the_heartbeat(
     started, release = hold_compute(monkeypatch)
     async with cluster(tmp_path, SHARED_URL, prefix, n_workers=0, heartbeat_s=0.1) as c:
         source = RedisJobSource(c.settings, name="held")
-        work = Worker(source, ModelRegistry(), c.settings, name=source.name)
-        source.status = work.status.snapshot_json
+        status = WorkerStatus(source.name, "cpu")
+        source.status = status.snapshot_json
+        work = Worker(source, ModelRegistry(), c.settings, Events(status.on_event),
+                      name=source.name)
         stop = threading.Event()
         loop = threading.Thread(target=work.run, args=(stop,), kwargs={"block_s": 0.1})
         source.start()

@@ -22,6 +22,7 @@ from service.api.app import create_app
 from service.broker.redis import RedisBroker
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
+from service.events import Events
 from service.metrics import WorkerMetrics
 from service.registry import make_registry
 from service.verify import choose
@@ -59,7 +60,8 @@ async def in_process_worker(settings: Settings) -> AsyncIterator[tuple[httpx.Asy
     source = RedisJobSource(settings, name="verify-test")
     metrics = WorkerMetrics()
     stop = threading.Event()
-    loop = threading.Thread(target=Worker(source, registry, settings, observer=metrics).run,
+    loop = threading.Thread(target=Worker(source, registry, settings,
+                                          Events(metrics.on_event)).run,
                             args=(stop,), kwargs={"block_s": 0.1}, daemon=True)
     source.start()
     loop.start()

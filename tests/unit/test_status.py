@@ -7,6 +7,7 @@ tests/e2e/test_status_page.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,15 @@ import pytest
 import torch
 
 from service.api.status import MAX_LABELS, OTHER, RequestStats
+from service.broker.embedded import EmbeddedBroker
+from service.events import BatchEnded, BatchStarted, Events, JobEnded, WorkerEvent
+from service.jobs import Job, JobStatus, new_job_id
+from service.metrics import WorkerMetrics
+from service.registry import ModelRegistry
 from service.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
-from tests.support.api import app_of, open_client
+from service.validate import decode_json_body
+from service.worker import Worker
+from tests.support.api import TD0, app_of, open_client, settings
 from tests.support.status import (
     buckets,
     hold_compute,
@@ -70,47 +78,57 @@ def test_recent_and_percentiles() -> None:
     assert percentiles([7.0]) == {"count": 1, "p50": 7.0, "p99": 7.0}
 
 
+def observe_norms(status: WorkerStatus, model: str, norms: torch.Tensor,
+                  owners: tuple[tuple[str, int], ...] = ()) -> None:
+    """An engine call on ``model`` that computed ``norms`` (of ``owners``' jobs), as its events."""
+    n = norms.numel()
+    status.on_event(BatchStarted(model=model, jobs=max(1, len(owners)), samples=n))
+    status.on_event(BatchEnded(model=model, jobs=max(1, len(owners)), samples=n, compute_s=0.1,
+                               norms=(norms,), owners=owners))
+
+
 def test_worker_status_batch_counts_and_norm_buckets() -> None:
     status = WorkerStatus("w", "cpu")
     assert status.snapshot()["batch"] is None
-    status.batch_started(jobs=2, samples=9, model="mlp@1")
+    status.on_event(BatchStarted(model="mlp@1", jobs=2, samples=9))
     batch = status.snapshot()["batch"]
     assert batch["jobs"] == 2 and batch["samples"] == 9 and batch["model"] == "mlp@1"
-    status.batch_done(samples=9)
-    status.batch_ended()
-    status.job_ended(queue_s=0.25, status="succeeded")
-    status.job_ended(queue_s=0.5, status="failed")
+    status.on_event(BatchEnded(model="mlp@1", jobs=2, samples=9, compute_s=0.1))
+    status.on_event(BatchStarted(model="mlp@1", jobs=1, samples=5))
+    status.on_event(BatchEnded(model="mlp@1", jobs=1, samples=5, compute_s=None))  # failed
+    status.on_event(JobEnded(status="succeeded", queue_s=0.25))
+    status.on_event(JobEnded(status="failed", queue_s=0.5))
     snap = status.snapshot()
     assert snap["batch"] is None and snap["samples_done"] == 9
     assert (snap["jobs_done"], snap["jobs_failed"], snap["jobs_canceled"]) == (1, 1, 0)
     assert snap["queue_wait_ms"] == [250.0, 500.0] and snap["samples_per_s"] == 0.9
     norms = torch.tensor([0.0, 1e-9, 1.0, 1.5, 2e6, float("inf"), float("nan")])
-    status.observe_norms("mlp@1", norms)
+    observe_norms(status, "mlp@1", norms)
     counts = status.snapshot()["norms"]["mlp@1"]
     assert len(counts) == len(NORM_EDGES) + 1 and sum(counts) == 7
     assert counts[0] == 2  # zero and below 1e-6
     one = NORM_EDGES.index(1.0) + 1  # the bucket [1, 10^(1/8)) = [1, 1.33)
     assert counts[one] == 1 and counts[one + 1] == 1  # 1.0; 1.5 in [1.33, 1.78)
     assert counts[-1] == 3  # at or above 1e6, inf, NaN
-    status.observe_norms("other@1", torch.ones(3))
+    observe_norms(status, "other@1", torch.ones(3))
     assert set(status.snapshot()["norms"]) == {"mlp@1", "other@1"}
 
 
 def test_a_merged_batchs_norms_count_for_each_jobs_tenant() -> None:
     status = WorkerStatus("w", "cpu")
-    status.batch_started(jobs=3, samples=6, model="mlp@1", tenants=["b", "a", "b"])
+    status.on_event(BatchStarted(model="mlp@1", jobs=3, samples=6, tenants=("b", "a", "b")))
     assert status.snapshot()["batch"]["tenants"] == ["a", "b"]
     one = NORM_EDGES.index(1.0) + 1
     # jobs in batch order: b's 2 samples, a's 1, b's 3
     norms = torch.tensor([1.0, 1.0, 1e3, 1.0, 1.0, 1e3])
-    status.observe_norms("mlp@1", norms, [("b", 2), ("a", 1), ("b", 3)])
+    observe_norms(status, "mlp@1", norms, (("b", 2), ("a", 1), ("b", 3)))
     snap = status.snapshot()
     assert sum(snap["norms"]["mlp@1"]) == 6
     a, b = snap["tenant_norms"]["a"]["mlp@1"], snap["tenant_norms"]["b"]["mlp@1"]
     thousand = NORM_EDGES.index(1e3) + 1
     assert (sum(a), a[thousand]) == (1, 1)
     assert (sum(b), b[one], b[thousand]) == (5, 4, 1)
-    status.observe_norms("mlp@1", torch.ones(4), [("a", 1), ("b", 2)])  # lengths disagree:
+    observe_norms(status, "mlp@1", torch.ones(4), (("a", 1), ("b", 2)))  # lengths disagree:
     snap = status.snapshot()  # the model's histogram only
     assert sum(snap["norms"]["mlp@1"]) == 10 and sum(snap["tenant_norms"]["a"]["mlp@1"]) == 1
 
@@ -158,6 +176,71 @@ def test_request_stats_bound_the_models_clients_name() -> None:
     stats.observe({"method": "BREW"}, route="unmatched", status=405, seconds=0.0, code=None)
     assert {(r["route"], r["method"]) for r in stats.view(0.0)["routes"]} == {
         ("/per-sample-grads", "POST"), ("unmatched", "OTHER")}
+
+
+def _round(monkeypatch: pytest.MonkeyPatch, *, merged_call_fails: bool) -> tuple[
+        WorkerMetrics, dict[str, Any]]:
+    """Two jobs that merge, a canceled one and a bad one through one worker loop whose events
+    go to a subscriber that always raises, the Prometheus series and a status recorder."""
+    from service import worker as worker_module
+
+    if merged_call_fails:
+        compute = worker_module._compute
+
+        def fail_merged(group: Any, *args: Any, **kwargs: Any) -> Any:
+            if len(group) > 1:
+                raise RuntimeError("the merged call fails")
+            return compute(group, *args, **kwargs)
+
+        monkeypatch.setattr(worker_module, "_compute", fail_merged)
+
+    def broken(event: WorkerEvent) -> None:
+        raise RuntimeError("a subscriber's bug")
+
+    s = settings(workers=0)
+    broker = EmbeddedBroker(s)
+    metrics, status = WorkerMetrics(), WorkerStatus("w", "cpu")
+    work = Worker(broker, ModelRegistry(), s, Events(broken, metrics.on_event, status.on_event))
+    norms = {**TD0, "outputs": ["norms"]}
+    docs = [norms, norms, norms, {**TD0, "rewards": [1.0, 2.0]}]
+    jobs = [Job(new_job_id(), decode_json_body(d, max_elements=100), time.time() + 60)
+            for d in docs]
+
+    async def run() -> None:
+        await broker.start()
+        for job in jobs:
+            await broker.submit(job)
+        taken = broker.take(10, 100, 0.0, 0.0)
+        await broker.cancel(jobs[2].id)
+        await asyncio.to_thread(work.process, taken)
+        states = [await broker.state(j.id) for j in jobs]
+        await broker.close()
+        assert [st.status for st in states] == [JobStatus.SUCCEEDED, JobStatus.SUCCEEDED,
+                                                JobStatus.CANCELED, JobStatus.FAILED]
+
+    asyncio.run(run())
+    return metrics, status.snapshot()
+
+
+@pytest.mark.parametrize("merged_call_fails", [False, True])
+def test_one_event_stream_feeds_the_metrics_and_the_status_alike(
+        monkeypatch: pytest.MonkeyPatch, merged_call_fails: bool) -> None:
+    """The worker reports each event once; Prometheus and the status page count the same jobs,
+    samples and waits, a failed merged call counts for neither (its jobs run alone), and a
+    subscriber that raises fails no job and starves no other subscriber."""
+    metrics, snap = _round(monkeypatch, merged_call_fails=merged_call_fails)
+    value = metrics.registry.get_sample_value
+    jobs = {k: value("psgrad_jobs_total", {"status": k}) for k in ("succeeded", "failed",
+                                                                   "canceled")}
+    assert jobs == {"succeeded": 2, "failed": 1, "canceled": 1}
+    assert (snap["jobs_done"], snap["jobs_failed"], snap["jobs_canceled"]) == (2, 1, 1)
+    assert value("psgrad_queue_wait_seconds_count") == len(snap["queue_wait_ms"]) == 4
+    assert value("psgrad_samples_total") == snap["samples_done"] == 2
+    calls = 2 if merged_call_fails else 1
+    assert value("psgrad_compute_seconds_count") == value("psgrad_batch_jobs_count") == calls
+    assert value("psgrad_batch_jobs_sum") == 2 and snap["batch"] is None
+    [counts] = snap["norms"].values()  # the engine's norms of both jobs, once
+    assert sum(counts) == 2
 
 
 # --- the api, embedded mode -------------------------------------------------------------------
