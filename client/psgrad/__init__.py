@@ -19,6 +19,8 @@ from psgrad._models import AsyncModels, Models
 from psgrad._progress import Progress
 from psgrad._stores import AsyncStore, AsyncStores, QueryResult, Store, Stores
 from psgrad._types import GradsResult, JobStatus, ModelInfo
+from psgrad._version import ServerVersionWarning
+from psgrad._version import __version__ as __version__
 
 __all__ = [
     "AsyncClient",
@@ -34,8 +36,8 @@ __all__ = [
     "Models",
     "Progress",
     "QueryResult",
+    "ServerVersionWarning",
     "Store",
     "Stores",
     *_errors_all,
 ]
-__version__ = "0.2.0"

@@ -116,6 +116,7 @@ class AsyncClient(BaseClient):
             method, path, json=json, headers=headers,
             content=content if pieces is None else _pieces(pieces))
         response = await self._http.send(request, stream=True)
+        self._check_version(response)
         try:
             reader = self._answer_reader(path, response)
             if reader is None:

@@ -51,6 +51,7 @@ from psgrad._progress import Progress
 from psgrad._request import grads_fields
 from psgrad._stream import AnswerReader
 from psgrad._types import OUTPUT_NAMES, GradsResult, ModelInfo
+from psgrad._version import VERSION_HEADER, warn_if_older
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
@@ -168,6 +169,7 @@ class BaseClient:
             self._headers["Authorization"] = f"Bearer {self.api_key}"
         self._dtypes: dict[str, np.dtype | None] = {}  # model -> the dtype it computes in
         self._memory = AnswerMemory()  # large answers' buffers, lent again once dropped
+        self._version_read = False  # the server's version seen (and warned about if older)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r})"
@@ -192,6 +194,12 @@ class BaseClient:
         if ctype == SAFETENSORS:
             return fields_from_safetensors(response.content, RESPONSE_KEY)
         return decode_json_result(response.json())
+
+    def _check_version(self, response: httpx.Response) -> None:
+        """Warn once per client if the server is older than this client (``psgrad-version``)."""
+        if not self._version_read:
+            self._version_read = warn_if_older(response.headers.get(VERSION_HEADER),
+                                               self.base_url)
 
     def _answer_reader(self, path: str, response: httpx.Response) -> AnswerReader | None:
         """A reader for a safetensors answer (read as it arrives, into arrays allocated once,

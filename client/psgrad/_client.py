@@ -141,6 +141,7 @@ class Client(BaseClient):
         request = self._http.build_request(method, path, content=content or pieces, json=json,
                                            headers=headers)
         response = self._http.send(request, stream=True)
+        self._check_version(response)
         try:
             reader = self._answer_reader(path, response)
             if reader is None:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from psgrad import __version__
 from service.api import errors
 from service.api.deps import AppState
 from service.api.docs import install_docs, install_openapi
@@ -71,7 +72,7 @@ def create_app(
 
     app = FastAPI(
         title="psgrad",
-        version="1",
+        version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
         docs_url=None,

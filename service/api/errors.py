@@ -22,6 +22,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from psgrad._errors import Overloaded, PsgradError, Unauthorized
+from psgrad._version import VERSION_HEADER, __version__
 
 log = logging.getLogger("psgrad.api")
 
@@ -99,10 +100,14 @@ def request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
+_VERSION = (VERSION_HEADER.encode(), __version__.encode())
+
+
 class CatchAllMiddleware:
     """Gives every request an id, answered in ``X-Request-ID`` (the client's own, if it sent
     one) and logged with any unexpected exception, which it answers with ``internal_error``
-    (the traceback stays in the log, the id ties the two together)."""
+    (the traceback stays in the log, the id ties the two together). Every answer also names
+    the server's version in ``psgrad-version`` (the client warns when it is older)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -119,7 +124,8 @@ class CatchAllMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode()),
+                                                  _VERSION]}
             await send(message)
 
         try:

@@ -281,6 +281,7 @@ class ReferenceSetDoc(BaseModel):
 
 class Health(BaseModel):
     status: str
+    version: str = Field(description="the server's psgrad version, e.g. 0.2.0")
 
 
 class Ready(BaseModel):

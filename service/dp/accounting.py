@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import resource
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -52,6 +55,7 @@ LIMIT_NAME = "PSGRAD_DP_ACCOUNTING_CPU_S"
 R = TypeVar("R")
 
 _CACHE: LockedLRU[tuple[Any, ...], float] = LockedLRU(4096)
+_FORK_SERVER = threading.Lock()
 
 
 def _accountant(name: str) -> Callable[[], dp_accounting.PrivacyAccountant]:
@@ -193,8 +197,7 @@ def bounded(cpu_s: int, fn: Callable[..., R], *args: Any) -> R:
     Raises:
         InvalidInput: the child used its CPU time (422, naming the setting).
     """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # effective when the server starts (once)
+    ctx = _fork_server()
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child, args=(send, cpu_s, fn, args), daemon=True)
     child.start()
@@ -223,6 +226,29 @@ def bounded(cpu_s: int, fn: Callable[..., R], *args: Any) -> R:
         "and was stopped: use accountant 'rdp' (fast at any setting), a larger noise "
         "multiplier or a smaller max_epsilon, or ask the operator to raise the limit",
         limit=cpu_s, setting=LIMIT_NAME)
+
+
+def _fork_server() -> Any:
+    """The fork server's context, the server running (started with this module loaded).
+
+    The server is ``python -c ...``, which puts the working directory first on ``sys.path``
+    (and Python 3.11's fork server ignores the parent's path), so a ``service.py`` there would
+    be imported in place of this package. It starts with ``PYTHONSAFEPATH`` (Python's ``-P``),
+    set only while it starts: the children fork from it, with what it imported.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # effective when the server starts
+    with _FORK_SERVER:
+        before = os.environ.get("PYTHONSAFEPATH")
+        os.environ["PYTHONSAFEPATH"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()  # (re)starts it if it is not running
+        finally:
+            if before is None:
+                del os.environ["PYTHONSAFEPATH"]
+            else:
+                os.environ["PYTHONSAFEPATH"] = before
+    return ctx
 
 
 def _child(send: Connection, cpu_s: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

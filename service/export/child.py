@@ -39,8 +39,8 @@ def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int
     env.update(PSGRAD_CHILD_MEMORY_MB=str(memory_mb), PSGRAD_CHILD_CPU_S=str(cpu_s),
                OMP_NUM_THREADS="1")
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "service.export.child", json.dumps(limits)], input=data,
+        done = subprocess.run(  # -P: nothing imported from the working directory
+            [sys.executable, "-P", "-m", "service.export.child", json.dumps(limits)], input=data,
             capture_output=True, timeout=timeout_s, env=env, check=False,
         )
     except subprocess.TimeoutExpired:

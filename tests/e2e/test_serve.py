@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import psgrad
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors
 from service.cli import is_loopback
 from tests.support.api import TD0, safetensors_body
@@ -66,7 +67,9 @@ def test_keys_docs_and_health_over_http(url: str) -> None:
         r = c.post("/per-sample-grads", json=TD0)
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
         assert c.get("/models", headers={"authorization": "Bearer wrong"}).status_code == 401
-        assert c.get("/healthz").json() == {"status": "ok"}
+        health = c.get("/healthz")
+        assert health.json() == {"status": "ok", "version": psgrad.__version__}
+        assert health.headers["psgrad-version"] == psgrad.__version__
         assert c.get("/readyz").json()["ready"] is True
         page = c.get("/docs")
         assert page.status_code == 200 and "/docs-assets/swagger-ui.css" in page.text

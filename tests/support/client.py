@@ -13,7 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,18 +52,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The ``psgrad`` command as installed (the client's console script, which the server's entry
+# point extends), beside this interpreter.
+PSGRAD_SCRIPT = str(Path(sys.executable).with_name("psgrad"))
+
+
 @contextlib.contextmanager
-def psgrad_serve(env: Mapping[str, str] | None = None, *,
-                 startup_s: float = 90.0) -> Iterator[str]:
-    """``psgrad serve`` in a subprocess on a free loopback port; yields its URL."""
+def psgrad_serve(env: Mapping[str, str] | None = None, *, startup_s: float = 90.0,
+                 cwd: Path | None = None, command: Sequence[str] | None = None) -> Iterator[str]:
+    """``psgrad serve`` in a subprocess on a free loopback port; yields its URL.
+
+    ``command`` runs it (default ``python -m service.cli``), in ``cwd``."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     full_env = {**os.environ, "PSGRAD_WORKERS": "1", **(env or {})}
     full_env.pop("PSGRAD_REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+        [*(command or (sys.executable, "-m", "service.cli")), "serve", "--port", str(port),
          "--log-level", "warning"],
-        env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
     )
     try:
         deadline = time.monotonic() + startup_s

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as st_load
 
+import psgrad
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors
 from service.api.schemas import GradsRequest
 from service.registry import ModelRegistry
@@ -34,7 +35,7 @@ VALUE_MLP = {
 
 async def test_health_and_readiness() -> None:
     async with open_client() as c:
-        assert (await c.get("/healthz")).json() == {"status": "ok"}
+        assert (await c.get("/healthz")).json() == {"status": "ok", "version": psgrad.__version__}
         r = await c.get("/readyz")
         assert r.status_code == 200 and r.json()["ready"] is True
     async with open_client(workers=0) as c:  # a queue that nobody serves is not ready

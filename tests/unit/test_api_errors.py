@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
+import psgrad
 from service import engine
 from service.api.deps import AdminKey
 from tests.support.api import SAFETENSORS, TD0, app_of, open_client, safetensors_body
@@ -346,6 +347,7 @@ async def test_unexpected_errors_are_logged_not_shown(
         r = await c.get("/models", headers={"X-Request-ID": "trace-7"})
         err = _error(r, 500, "internal_error")  # escapes every handler: the middleware answers
         assert r.headers["x-request-id"] == "trace-7" and "trace-7" in err["message"]
+        assert r.headers["psgrad-version"] == psgrad.__version__
         logged = [rec for rec in caplog.records if "trace-7" in rec.getMessage()]
         assert logged and logged[0].exc_info is not None  # the traceback is in the log
         monkeypatch.setattr(app_of(c).state.psgrad.registry, "describe", broken)
@@ -377,14 +379,18 @@ async def test_a_bad_job_never_disturbs_the_others() -> None:
         np.testing.assert_allclose(r.json()["updates"]["theta"], [[3.6, 1.8, -3.6]], rtol=1e-5)
 
 
-async def test_every_answer_carries_a_request_id() -> None:
+async def test_every_answer_carries_a_request_id_and_the_version() -> None:
     async with open_client() as c:
         answers = [
             await c.post("/per-sample-grads", json=TD0),
             await c.post("/per-sample-grads", json={**TD0, "loss": "hinge"}),
             await c.get("/no/such/route"),
             await c.get("/healthz"),
+            await c.get("/openapi.json"),
+            await c.put("/healthz"),
         ]
+        assert [r.headers.get_list("psgrad-version") for r in answers] == \
+            [[psgrad.__version__]] * len(answers)
         ids = [r.headers["x-request-id"] for r in answers]
         assert len(set(ids)) == len(ids) and all(len(i) == 32 for i in ids), ids
         mine = await c.get("/healthz", headers={"X-Request-ID": "client-1.a_b:c"})

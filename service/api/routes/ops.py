@@ -8,6 +8,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from psgrad import __version__
 from service.api.deps import StateDep
 from service.api.schemas import Health, Ready
 
@@ -17,7 +18,8 @@ log = logging.getLogger("psgrad.api")
 
 @router.get("/healthz", response_model=Health, summary="The process is up")
 async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+    """Up, and the server's version (also in every answer's ``psgrad-version`` header)."""
+    return {"status": "ok", "version": __version__}
 
 
 @router.get(
