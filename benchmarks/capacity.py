@@ -31,8 +31,7 @@ import torch
 
 from service import engine
 from service.answer_fields import to_wire
-from service.config import Settings
-from service.registry import make_registry
+from service.registry import ModelRegistry, resolve_device
 from service.validate import parse_request
 
 BUSY = 0.7  # the share of a worker's time a sizing plans to use
@@ -96,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    registry = make_registry(Settings(device=args.device))
+    registry = ModelRegistry(resolve_device(args.device))
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"one worker's engine on {args.device} ({name}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats}; "

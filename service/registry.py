@@ -30,8 +30,7 @@ from psgrad._errors import (
 from service.config import Settings
 from service.export import family as _exported  # noqa: F401  (registers the 'exported' family)
 from service.lru import LockedLRU
-from service.model_store import MemoryModelStore, ModelStore, is_safe_id, make_store
-from service.reference_store import MemoryReferenceStore, ReferenceStore, make_reference_store
+from service.model_store import MemoryModelStore, ModelStore, is_safe_id
 
 ZOO_SEED = 0
 _BUILD_LOCK = threading.Lock()
@@ -266,13 +265,9 @@ class ModelRegistry:
     """
 
     def __init__(self, device: torch.device | None = None, cache_size: int = 16,
-                 store: ModelStore | None = None, references: ReferenceStore | None = None
-                 ) -> None:
+                 store: ModelStore | None = None) -> None:
         self.device = device or resolve_device()
         self.store: ModelStore = store if store is not None else MemoryModelStore()
-        # reference sets live beside the models, in the same backend (influence reads them)
-        self.references: ReferenceStore = (references if references is not None
-                                           else MemoryReferenceStore())
         self._cache: LockedLRU[tuple[str, str | None], LoadedModel] = LockedLRU(cache_size)
 
     def get(self, ref: str) -> LoadedModel:
@@ -347,10 +342,10 @@ class ModelRegistry:
         return model
 
 
-def make_registry(settings: Settings) -> ModelRegistry:
-    """The registry a process serves from: its device and the configured model store."""
-    return ModelRegistry(resolve_device(settings.device), store=make_store(settings),
-                         references=make_reference_store(settings))
+def make_registry(settings: Settings, store: ModelStore) -> ModelRegistry:
+    """The registry a process serves from: its device, over its model store (the one
+    :func:`service.storage.open_storage` built)."""
+    return ModelRegistry(resolve_device(settings.device), store=store)
 
 
 def _is_zoo(name: str) -> bool:

@@ -35,12 +35,12 @@ from service import engine, verify
 from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
-from service.dp.runs import store_for as dp_runs
 from service.dp.steps import on_result as count_dp_step
 from service.events import BatchEnded, BatchStarted, Events, JobEnded, JobVerified, Subscriber
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.status import WorkerStatus
+from service.storage import Storage
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
 
@@ -70,12 +70,14 @@ class Worker:
         compiled: CompiledFunctions | None = None,
         *,
         name: str = "worker",
+        storage: Storage,
     ) -> None:
         self.name = name
         self.compiled = compiled  # PSGRAD_COMPILE=1: torch.compile, padded sizes
         self.source = source
         self.registry = registry
         self.settings = settings
+        self.storage = storage  # the process's stores: DP runs, reference sets
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
 
@@ -136,8 +138,8 @@ class Worker:
             parsed = parse_request(
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
                 max_activations=self.settings.max_model_activations,
-                dp_runs=dp_runs(self.settings),
-                reference_sets=self.registry.references,
+                dp_runs=self.storage.runs,
+                reference_sets=self.storage.references,
             )
             _check_result_size(parsed, *self.result_limit)
             return parsed
@@ -186,7 +188,7 @@ class Worker:
             # a DP run's step: counted once per job id, or refused (nothing released)
             counted = self._attempt(job, "counting the DP step",
                                     partial(count_dp_step, job.id, job.fields, result,
-                                            self.settings), retry=True)
+                                            self.storage.runs), retry=True)
             if counted is _FAILED:
                 continue
             self._ended(job, "succeeded", started)
@@ -289,16 +291,19 @@ class WorkerPool:
         registry: ModelRegistry,
         settings: Settings,
         subscribers: Sequence[Subscriber] = (),
+        *,
+        storage: Storage,
     ) -> WorkerPool:
-        """``PSGRAD_WORKERS`` loops over one source, each reporting to ``subscribers`` (the
-        app's metrics) and to its own :class:`WorkerStatus`; with ``PSGRAD_COMPILE=1`` they
-        share the functions compiled in this process."""
+        """``PSGRAD_WORKERS`` loops over one source and one storage (the app's), each reporting
+        to ``subscribers`` (the app's metrics) and to its own :class:`WorkerStatus`; with
+        ``PSGRAD_COMPILE=1`` they share the functions compiled in this process."""
         compiled = CompiledFunctions(settings, writer=False) if settings.compile else None
         workers, statuses = [], []
         for i in range(settings.workers):
             status = WorkerStatus(f"psgrad-worker-{i}", str(registry.device))
             events = Events(*subscribers, status.on_event)
-            workers.append(Worker(source, registry, settings, events, compiled, name=status.name))
+            workers.append(Worker(source, registry, settings, events, compiled, name=status.name,
+                                  storage=storage))
             statuses.append(status)
         return cls(workers, statuses)
 

@@ -27,6 +27,7 @@ from service.events import Events
 from service.metrics import WorkerMetrics
 from service.registry import make_registry
 from service.status import WorkerStatus
+from service.storage import open_storage
 from service.worker import Worker
 
 log = logging.getLogger("psgrad.worker")
@@ -54,7 +55,8 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
             return EXIT_CONFIG
         log.info("metrics on http://%s:%d/metrics", settings.worker_metrics_host,
                  settings.worker_metrics_port)
-    registry = make_registry(settings)
+    storage = open_storage(settings)  # every store, once, handed to the loop
+    registry = make_registry(settings, storage.models)
     source = RedisJobSource(settings, name=consumer_name(str(registry.device)))
     stop = threading.Event()
 
@@ -68,7 +70,7 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     status = WorkerStatus(source.name, str(registry.device))
     source.status = status.snapshot_json  # published with each heartbeat, for GET /status
     work = Worker(source, registry, settings, Events(metrics.on_event, status.on_event),
-                  compiled, name=source.name)
+                  compiled, name=source.name, storage=storage)
     loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
     source.start()
     loop.start()
@@ -86,7 +88,7 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     loop.join()
     source.requeue_buffered()
     source.close()
-    registry.store.close()
+    storage.close()
     log.info("worker %s stopped (exit %d)", source.name, code)
     return code
 

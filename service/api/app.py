@@ -20,7 +20,7 @@ from service.config import Settings, get_settings
 from service.jobs import Broker
 from service.keyring import Keyring, install_sighup
 from service.registry import ModelRegistry, make_registry
-from service.stores import make_store_files
+from service.storage import Storage, open_storage
 from service.worker import WorkerPool
 
 log = logging.getLogger("psgrad.api")
@@ -36,24 +36,29 @@ def create_app(
     broker: Broker | None = None,
     *,
     registry: ModelRegistry | None = None,
+    storage: Storage | None = None,
 ) -> FastAPI:
     """The api; without ``broker`` it makes one from the settings (embedded without Redis).
 
-    With the embedded broker the app also runs the workers: a :class:`WorkerPool` over the
-    broker, sharing the app's registry (models registered through the api are served at once);
-    their events feed the app's metrics and each loop's status. With Redis the workers are
-    ``psgrad worker`` processes.
+    Every store is built here, once (:func:`service.storage.open_storage`; a ``registry``
+    given keeps its model store), and handed to the routes and the workers. With the embedded
+    broker the app also runs the workers: a :class:`WorkerPool` over the broker, sharing the
+    app's registry (models registered through the api are served at once) and storage (the
+    same memory stores); their events feed the app's metrics and each loop's status. With
+    Redis the workers are ``psgrad worker`` processes.
     """
     settings = settings or get_settings()
     metrics = Metrics()
-    registry = registry or make_registry(settings)  # sees PSGRAD_MODEL_DIR models too
+    storage = storage or open_storage(settings, models=registry.store if registry else None)
+    registry = registry or make_registry(settings, storage.models)
     broker = broker or make_broker(settings)
     workers = None
     if isinstance(broker, EmbeddedBroker):
-        workers = WorkerPool.over(broker, registry, settings, [metrics.on_event])
+        workers = WorkerPool.over(broker, registry, settings, [metrics.on_event],
+                                  storage=storage)
     keyring = Keyring(settings.api_keys, settings.admin_keys, settings.keys_file)
     state = AppState(settings=settings, broker=broker, registry=registry, metrics=metrics,
-                     workers=workers, keyring=keyring, stores=make_store_files(settings))
+                     workers=workers, keyring=keyring, storage=storage)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

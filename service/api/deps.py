@@ -22,24 +22,26 @@ from psgrad._errors import Forbidden, Unauthorized
 from service.api.metrics import Metrics
 from service.api.status import note_tenant
 from service.config import Settings
+from service.dp.runs import RunStore
 from service.jobs import Broker
 from service.keyring import Keyring
 from service.registry import ModelRegistry
-from service.stores import StoreFiles
+from service.storage import Storage
 from service.tenants import TENANT_NAME, Tenant
 from service.worker import WorkerPool
 
 
 @dataclass
 class AppState:
-    """What the routes share; ``workers`` is the embedded mode's pool (None with Redis)."""
+    """What the routes share; ``workers`` is the embedded mode's pool (None with Redis).
+    ``storage`` holds every store (:mod:`service.storage`); the registry reads its models."""
 
     settings: Settings
     broker: Broker
     registry: ModelRegistry
     metrics: Metrics
     keyring: Keyring
-    stores: StoreFiles
+    storage: Storage
     workers: WorkerPool | None = None
 
     async def ready(self, *, need_worker: bool = True) -> bool:
@@ -70,9 +72,14 @@ async def get_registry(state: StateDep) -> ModelRegistry:
     return state.registry
 
 
+async def get_runs(state: StateDep) -> RunStore:
+    return state.storage.runs
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 BrokerDep = Annotated[Broker, Depends(get_broker)]
 RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
+RunsDep = Annotated[RunStore, Depends(get_runs)]
 
 _bearer = HTTPBearer(
     auto_error=False,

@@ -1,6 +1,6 @@
 """DP runs: what a run is, and where it lives with its step count.
 
-Three stores behind one interface, chosen like the model store (:func:`store_for`): memory
+Three stores behind one interface, chosen like the model store (:func:`make_run_store`): memory
 (embedded; gone with the process), files under ``PSGRAD_MODEL_DIR`` (embedded; survive a
 restart), Redis (distributed; shared by the api and every worker). Each counts a step in one
 atomic operation that also checks the budget and remembers the job id, so a job delivered twice
@@ -275,24 +275,9 @@ class RedisRunStore(RunStore):
         self.r.close()
 
 
-_STORES: dict[tuple[Any, ...], RunStore] = {}
-_STORES_LOCK = threading.Lock()
-
-
-def store_for(settings: Settings) -> RunStore:
-    """The process's store for these settings: Redis when a Redis URL is set, else files under
-    ``model_dir`` when set, else memory. One per configuration, shared by the api and the
-    embedded worker threads (the memory store must be the same object for both)."""
-    key = (settings.redis_url, settings.redis_prefix if settings.redis_url else None,
-           None if settings.redis_url else settings.model_dir)
-    with _STORES_LOCK:
-        store = _STORES.get(key)
-        if store is None:
-            store = _STORES[key] = _make(settings)
-        return store
-
-
-def _make(settings: Settings) -> RunStore:
+def make_run_store(settings: Settings) -> RunStore:
+    """Redis when a Redis URL is set, else files under ``model_dir`` when set, else memory
+    (built once per process, :func:`service.storage.open_storage`)."""
     if settings.redis_url:
         import redis
 
@@ -302,11 +287,3 @@ def _make(settings: Settings) -> RunStore:
         return FileRunStore(settings.model_dir)
     return MemoryRunStore()
 
-
-def forget_stores() -> None:
-    """Drop the cached stores (tests that simulate a restart in one process)."""
-    with _STORES_LOCK:
-        stores = list(_STORES.values())
-        _STORES.clear()
-    for store in stores:
-        store.close()

@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from psgrad._errors import BadRequest, InvalidInput
-from service.config import Settings
-from service.dp.runs import CLIP_FORMS, DPRun, RunStore, exhausted, new_run_id, store_for, unknown
+from service.dp.runs import CLIP_FORMS, DPRun, RunStore, exhausted, new_run_id, unknown
 from service.strategies.base import Options
 
 # the fields a dp_run request may not send: the run sets them, and the server draws the noise
@@ -161,7 +160,7 @@ def bind(fields: Mapping[str, Any], opts: Options, model_id: str,
 
 
 def on_result(job_id: str, fields: Mapping[str, Any], result: dict[str, Any],
-              settings: Settings) -> dict[str, Any]:
+              runs: RunStore) -> dict[str, Any]:
     """Count a ``dp_run`` job's step (once per job id) and add ``dp`` to its answer.
 
     Raises:
@@ -172,7 +171,7 @@ def on_result(job_id: str, fields: Mapping[str, Any], result: dict[str, Any],
         return result
     from service.dp import accounting
 
-    run, steps = store_for(settings).count(run_id, job_id)
+    run, steps = runs.count(run_id, job_id)
     eps = accounting.epsilon(run.accountant, run.noise_multiplier, run.sample_rate, steps,
                              run.delta)
     out = {k: v for k, v in result.items() if k != "meta"}
@@ -183,13 +182,13 @@ def on_result(job_id: str, fields: Mapping[str, Any], result: dict[str, Any],
     return out
 
 
-async def precheck(fields: Mapping[str, Any], settings: Settings, tenant: str) -> None:
+async def precheck(fields: Mapping[str, Any], runs: RunStore, tenant: str) -> None:
     """Refuse before queueing: an unknown run or another tenant's (404: a step spends only
     the caller's own runs, admins' included), or one whose budget is spent (409)."""
     run_id = fields.get("dp_run")
     if not isinstance(run_id, str):
         return
-    found = await asyncio.to_thread(store_for(settings).get, run_id)
+    found = await asyncio.to_thread(runs.get, run_id)
     if found is None or found[0].tenant != tenant:
         raise unknown(run_id)
     if found[1] >= found[0].max_steps:

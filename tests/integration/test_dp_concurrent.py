@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from service.dp import runs
 from tests.support.api import open_client
 from tests.support.cluster import cluster
 from tests.support.redis import SHARED_URL, fresh_prefix
@@ -19,13 +17,6 @@ from tests.support.redis import SHARED_URL, fresh_prefix
 prefix = pytest.fixture(fresh_prefix)
 RUN = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0, "expected_batch_size": 8,
        "dataset_size": 200, "delta": 1e-5, "max_epsilon": 0.45}
-
-
-@pytest.fixture(autouse=True)
-def fresh_stores() -> Any:
-    runs.forget_stores()
-    yield
-    runs.forget_stores()
 
 
 async def thirty_steps_at_once(c: httpx.AsyncClient) -> None:

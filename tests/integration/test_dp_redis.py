@@ -22,6 +22,7 @@ from service.dp import runs
 from service.dp.runs import DPRun, RedisRunStore
 from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
+from service.storage import open_storage
 from service.worker import Worker
 from tests.support.redis import prefix_on, redis_or_skip, result_of
 
@@ -29,11 +30,9 @@ from tests.support.redis import prefix_on, redis_or_skip, result_of
 @pytest.fixture
 def settings() -> Iterator[Settings]:
     shared = redis_or_skip()
-    runs.forget_stores()
     with prefix_on(shared) as prefix:
         yield Settings(redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
                        result_ttl_s=30, heartbeat_s=0.2, batch_max_delay_ms=1.0, device="cpu")
-    runs.forget_stores()
     shared.close()
 
 
@@ -71,22 +70,24 @@ async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
     """A worker counted the job's step and died before storing its answer; the job comes back
     to another worker, which releases the answer without counting a second step."""
     run = record(max_steps=5)
-    runs.store_for(settings).create(run)
+    storage = open_storage(settings)
+    storage.runs.create(run)
     broker = RedisBroker(settings)
     source = RedisJobSource(settings, name="w-dp")
     try:
         job = Job(id="redelivered-job", fields=_fields(run.id), deadline=time.time() + 60)
         await broker.submit(job)
-        runs.store_for(settings).count(run.id, job.id)  # the first worker's count
+        storage.runs.count(run.id, job.id)  # the first worker's count
         taken = source.take(max_jobs=1, max_samples=100, max_delay_s=0.0, block_s=2.0)
-        Worker(source, ModelRegistry(), settings).process(taken)
+        Worker(source, ModelRegistry(), settings, storage=open_storage(settings)).process(taken)
         state = await broker.wait(job.id, 10)
         assert state.status is JobStatus.SUCCEEDED, state.error
         result = await result_of(state)
         assert result is not None and result["dp"]["steps"] == 1
-        assert runs.store_for(settings).get(run.id) == (run, 1)
+        assert storage.runs.get(run.id) == (run, 1)
     finally:
         source.close()
+        storage.close()
         await broker.close()
 
 
@@ -94,7 +95,8 @@ async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> No
     app = create_app(settings)
     source = RedisJobSource(settings, name="w-api")
     stop = threading.Event()
-    thread = threading.Thread(target=Worker(source, ModelRegistry(), settings).run, args=(stop,))
+    work = Worker(source, ModelRegistry(), settings, storage=open_storage(settings))
+    thread = threading.Thread(target=work.run, args=(stop,))
     thread.start()
     try:
         async with app.router.lifespan_context(app), httpx.AsyncClient(
@@ -110,7 +112,7 @@ async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> No
                 assert r.status_code == 200 and r.json()["dp"]["steps"] == i + 1, r.text
             r = await c.post("/per-sample-grads", json=step)
             assert r.status_code == 409 and r.json()["error"]["code"] == "privacy_budget_exhausted"
-        runs.forget_stores()  # a restarted api reads the same run from Redis
+        app = create_app(settings)  # a restarted api reads the same run from Redis
         async with app.router.lifespan_context(app), httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
             view = (await c.get(f"/dp-runs/{run['id']}")).json()

@@ -13,19 +13,16 @@ import torch
 import psgrad
 from psgrad import dp
 from service.api import create_app
-from service.dp import runs
 from tests.support.api import settings
 from tests.support.client import running_app
 
 
 @pytest.fixture
 def client() -> Iterator[psgrad.Client]:
-    runs.forget_stores()
     app = create_app(settings())
     with running_app(app) as transport, psgrad.Client(transport=transport,
                                                       base_url="http://psgrad.test") as c:
         yield c
-    runs.forget_stores()
 
 
 def test_run_steps_until_the_budget(client: psgrad.Client) -> None:

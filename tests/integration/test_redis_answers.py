@@ -26,7 +26,8 @@ from service.broker.redis_answer import AnswerWriter, pieces
 from service.broker.redis_source import RedisJobSource
 from service.config import Settings
 from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
-from service.registry import make_registry
+from service.model_store import make_store
+from service.registry import ModelRegistry, make_registry
 from tests.support.api import open_client
 from tests.support.client import free_port
 from tests.support.cluster import check_answer, cluster, env_of, job_done
@@ -267,7 +268,7 @@ async def test_a_worker_killed_mid_answer_leaves_the_job_to_be_retried(
             view = await job_done(c.client, job_id)
             assert view["status"] == "succeeded", view
             assert c.job_hash(job_id)["answer"] == "2"
-            reference = make_registry(c.settings)
+            reference = registry_of(c.settings)
             check_answer(view["result"], request, reference)
             binary = await c.client.get(f"/jobs/{job_id}",
                                         headers={"Accept": "application/x-safetensors"})
@@ -452,3 +453,8 @@ async def test_readiness_without_a_worker_for_workers_scaled_to_zero(
             assert scaled.status_code == 200 and scaled.json()["ready"] is True
             own.kill()
             assert (await c.get("/readyz", params={"need_worker": "false"})).status_code == 503
+
+
+def registry_of(settings: Settings) -> ModelRegistry:
+    """A registry over the deployment's Redis model store (as a worker process reads it)."""
+    return make_registry(settings, make_store(settings))

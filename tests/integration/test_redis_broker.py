@@ -27,6 +27,7 @@ from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id
 from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
+from service.storage import open_storage
 from service.worker import Worker
 from tests.support.redis import OwnRedis, prefix_on, redis_or_skip, result_of
 
@@ -200,7 +201,8 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
         assert shared.xpending(stream, keys.STREAM_GROUP)["pending"] == 1
         assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
         metrics = WorkerMetrics()
-        work = Worker(source, ModelRegistry(), settings, Events(metrics.on_event))
+        work = Worker(source, ModelRegistry(), settings, Events(metrics.on_event),
+                      storage=open_storage(settings))
         await asyncio.to_thread(work.process, taken)
         assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
         assert shared.xpending(stream, keys.STREAM_GROUP)["pending"] == 0

@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from psgrad._wire import SAFETENSORS, fields_from_safetensors
-from service.registry import make_registry
+from service.config import Settings
+from service.model_store import make_store
+from service.registry import ModelRegistry, make_registry
 from tests.support.cluster import (
     check_answer,
     cluster,
@@ -43,7 +45,7 @@ prefix = pytest.fixture(fresh_prefix)
 @pytest.fixture
 def registry(prefix: str) -> Any:
     """The in-process reference: the same zoo and the same Redis model store as the workers."""
-    reg = make_registry(settings_for(SHARED_URL, prefix))
+    reg = registry_of(settings_for(SHARED_URL, prefix))
     yield reg
     reg.store.close()
 
@@ -245,7 +247,7 @@ async def test_redis_outage_503_then_recovery(tmp_path: Path) -> None:
             assert (await c.client.get("/readyz")).status_code == 200
             answer = await c.client.post("/per-sample-grads", json=request)
             assert answer.status_code == 200, answer.text
-            reference = make_registry(c.settings)
+            reference = registry_of(c.settings)
             check_answer(answer.json(), request, reference)
             reference.store.close()
     finally:
@@ -263,7 +265,7 @@ async def test_answers_over_one_redis_value_travel_in_pieces(tmp_path: Path) -> 
             rng = np.random.default_rng(0)
             small = {"model": "mlp", "inputs": rng.standard_normal((1, 784)).tolist(),
                      "targets": [3]}  # grads: 669,706 float32 = 2.7 MB
-            reference = make_registry(c.settings)
+            reference = registry_of(c.settings)
             answer = await c.client.post("/per-sample-grads", json=small)
             assert answer.status_code == 200, answer.text
             check_answer(answer.json(), small, reference)
@@ -284,7 +286,7 @@ async def test_answers_over_one_redis_value_travel_in_pieces(tmp_path: Path) -> 
             fits = {**small, "outputs": ["norms", "losses"]}
             answer = await c.client.post("/per-sample-grads", json=fits)
             assert answer.status_code == 200, answer.text
-            reference = make_registry(c.settings)
+            reference = registry_of(c.settings)
             check_answer(answer.json(), fits, reference)
             reference.store.close()
             assert c.workers[0].poll() is None, c.dump()
@@ -331,3 +333,8 @@ async def test_more_waiting_requests_than_a_default_pool_all_get_their_answers(
         answers = await asyncio.wait_for(posting, 120)
         assert [a.status_code for a in answers] == [200] * 150, answers[0].text
         check_answer(answers[-1].json(), requests[-1], registry)
+
+
+def registry_of(settings: Settings) -> ModelRegistry:
+    """A registry over the deployment's Redis model store (as a worker process reads it)."""
+    return make_registry(settings, make_store(settings))

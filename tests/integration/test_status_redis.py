@@ -21,6 +21,7 @@ from service.broker.redis_source import RedisJobSource
 from service.events import Events
 from service.registry import ModelRegistry, make_registry
 from service.status import WorkerStatus
+from service.storage import open_storage
 from service.worker import Worker
 from tests.support.api import open_client
 from tests.support.client import free_port
@@ -82,7 +83,8 @@ async def test_status_aggregates_every_workers_heartbeat(tmp_path: Path, prefix:
         assert sum(w["samples_done"] for w in view["workers"]) == 17
         assert view["queue"]["wait_ms"]["count"] == 5 and view["queue"]["depth"] == 0
         hist = norms_of(view, "mlp")
-        registry = make_registry(settings_for(SHARED_URL, prefix))
+        s = settings_for(SHARED_URL, prefix)
+        registry = make_registry(s, open_storage(s).models)
         try:
             want = [sum(col) for col in zip(*(buckets(reference_norms(d, registry))
                                               for d in docs), strict=True)]
@@ -120,7 +122,7 @@ async def test_the_batch_in_hand_travels_with_the_heartbeat(
         status = WorkerStatus(source.name, "cpu")
         source.status = status.snapshot_json
         work = Worker(source, ModelRegistry(), c.settings, Events(status.on_event),
-                      name=source.name)
+                      name=source.name, storage=open_storage(c.settings))
         stop = threading.Event()
         loop = threading.Thread(target=work.run, args=(stop,), kwargs={"block_s": 0.1})
         source.start()

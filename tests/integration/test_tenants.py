@@ -45,7 +45,6 @@ async def service(request: pytest.FixtureRequest, tmp_path: Path
                   ) -> AsyncIterator[tuple[httpx.AsyncClient, str | None]]:
     """A keyed service with the model ``att`` registered; yields its client and, in Redis
     mode, its key prefix. Embedded mode keeps its stores in files under ``tmp_path``."""
-    runs.forget_stores()
     if request.param == "embedded":
         async with open_client(model_dir=str(tmp_path / "store"), **KEYS) as c:
             await _register(c)
@@ -57,7 +56,6 @@ async def service(request: pytest.FixtureRequest, tmp_path: Path
                 await _register(c.client)
                 yield c.client, prefix
         shared.close()
-    runs.forget_stores()
 
 
 async def _register(c: httpx.AsyncClient) -> None:
@@ -307,7 +305,6 @@ def without_tenant(spec: str | bytes) -> str:
 
 
 async def test_files_made_before_tenants_are_the_default_tenants(tmp_path: Path) -> None:
-    runs.forget_stores()
     store = tmp_path / "store"
     run = old_run()
     runs.FileRunStore(store).create(run)
@@ -319,12 +316,10 @@ async def test_files_made_before_tenants_are_the_default_tenants(tmp_path: Path)
     spec.write_text(without_tenant(spec.read_text()))  # as the api wrote it before tenants
     async with open_client(model_dir=str(store), **KEYS) as c:
         await check_pre_tenant(c, run.id)
-    runs.forget_stores()
 
 
 async def test_redis_data_made_before_tenants_is_the_default_tenants(tmp_path: Path) -> None:
     shared = redis_or_skip()
-    runs.forget_stores()
     with prefix_on(shared) as prefix:
         run = old_run()
         shared.hset(keys.dp_run(prefix, run.id),
@@ -343,7 +338,6 @@ async def test_redis_data_made_before_tenants_is_the_default_tenants(tmp_path: P
             assert (await finished(c, job, DEFAULT))["status"] == "succeeded"
             assert (await c.get(f"/jobs/{job}", headers=OPS)).status_code == 200
             assert re.fullmatch(r"[0-9a-f]{32}", job)
-    runs.forget_stores()
     shared.close()
 
 
@@ -357,7 +351,6 @@ def test_the_sdk_works_unchanged_for_each_tenant(tmp_path: Path) -> None:
     from tests.support.api import settings
     from tests.support.client import running_app
 
-    runs.forget_stores()
     app = create_app(settings(model_dir=str(tmp_path), workers=1, **KEYS))
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(4, 6)).astype(np.float32), rng.integers(0, 3, 4)
@@ -390,4 +383,3 @@ def test_the_sdk_works_unchanged_for_each_tenant(tmp_path: Path) -> None:
         assert got.influence.shape == (1, 4)
         with client("alice:alice-key", transport) as whole, pytest.raises(psgrad.Unauthorized):
             whole.models.list()  # the secret alone is the key, not the 'name:secret' entry
-    runs.forget_stores()

@@ -25,6 +25,7 @@ from service.config import Settings
 from service.events import Events
 from service.metrics import WorkerMetrics
 from service.registry import make_registry
+from service.storage import open_storage
 from service.verify import choose
 from service.worker import Worker
 from tests.support import faults
@@ -56,12 +57,13 @@ async def in_process_worker(settings: Settings) -> AsyncIterator[tuple[httpx.Asy
                                                                         WorkerMetrics]]:
     """The api on a RedisBroker, and one worker loop in a thread of this process."""
     app = create_app(settings, RedisBroker(settings))
-    registry = make_registry(settings)
+    storage = open_storage(settings)
+    registry = make_registry(settings, storage.models)
     source = RedisJobSource(settings, name="verify-test")
     metrics = WorkerMetrics()
     stop = threading.Event()
-    loop = threading.Thread(target=Worker(source, registry, settings,
-                                          Events(metrics.on_event)).run,
+    loop = threading.Thread(target=Worker(source, registry, settings, Events(metrics.on_event),
+                                          storage=storage).run,
                             args=(stop,), kwargs={"block_s": 0.1}, daemon=True)
     source.start()
     loop.start()

@@ -11,6 +11,7 @@ import numpy as np
 from service.broker.embedded import EmbeddedBroker
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
+from service.storage import open_storage
 from service.validate import decode_json_body
 from service.worker import Worker
 from tests.support.api import TD0, assert_outputs, in_process, open_client, settings
@@ -111,7 +112,7 @@ async def test_one_round_merges_groups_and_keeps_statistics_per_job() -> None:
         await broker.submit(job)
     taken = broker.take(100, 10_000, 0.0, 0.0)
     assert [j.id for j in taken] == [j.id for j in jobs]
-    await asyncio.to_thread(Worker(broker, registry, s).process, taken)
+    await asyncio.to_thread(Worker(broker, registry, s, storage=open_storage(s)).process, taken)
     states = [await broker.state(j.id) for j in jobs]
     await broker.close()
     sizes = {}
@@ -147,7 +148,7 @@ async def test_canceled_and_bad_jobs_in_a_round() -> None:
         await broker.submit(job)
     taken = broker.take(10, 100, 0.0, 0.0)
     await broker.cancel(canceled.id)
-    await asyncio.to_thread(Worker(broker, registry, s).process, taken)
+    await asyncio.to_thread(Worker(broker, registry, s, storage=open_storage(s)).process, taken)
     status = {j.id: await broker.state(j.id) for j in (good, canceled, late, bad)}
     await broker.close()
     assert status[good.id].status is JobStatus.SUCCEEDED

@@ -15,6 +15,7 @@ import pytest
 from service.broker.embedded import EmbeddedBroker
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
+from service.storage import open_storage
 from service.validate import decode_json_body
 from service.verify import choose
 from service.worker import Worker
@@ -135,7 +136,8 @@ async def test_batched_jobs_are_verified_on_their_own_samples(monkeypatch: pytes
     for job in jobs:
         await broker.submit(job)
     taken = broker.take(100, 10_000, 0.0, 0.0)
-    await asyncio.to_thread(Worker(broker, ModelRegistry(), s).process, taken)
+    work = Worker(broker, ModelRegistry(), s, storage=open_storage(s))
+    await asyncio.to_thread(work.process, taken)
     states = [await broker.state(j.id) for j in jobs]
     await broker.close()
     first, wrong, third = states

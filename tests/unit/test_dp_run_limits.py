@@ -12,16 +12,9 @@ from typing import Any
 import pytest
 
 from psgrad._errors import InvalidInput
-from service.dp import accounting, runs, steps
+from service.dp import accounting, steps
 from service.dp.runs import DPRun
-from tests.support.api import open_client, settings
-
-
-@pytest.fixture(autouse=True)
-def fresh_stores() -> Any:
-    runs.forget_stores()
-    yield
-    runs.forget_stores()
+from tests.support.api import app_of, open_client
 
 
 class Spy:
@@ -147,7 +140,7 @@ async def test_prv_below_its_smallest_noise_is_refused_at_once(
                                                   expected_batch_size=1, dataset_size=100))
         assert made.status_code == 201, made.text
         run_id = made.json()["id"]
-        runs.store_for(settings()).count(run_id, "job-1")  # the memory store the app uses
+        app_of(c).state.psgrad.storage.runs.count(run_id, "job-1")  # the app's memory store
         view = (await c.get(f"/dp-runs/{run_id}")).json()
         assert view["steps"] == 1 and set(view["epsilon"]) == {"rdp"}
         assert view["epsilon_spent"] == view["epsilon"]["rdp"] > 0

@@ -18,16 +18,9 @@ from service.dp.runs import DPRun, FileRunStore, MemoryRunStore, RunStore
 from service.dp.steps import on_result
 from service.registry import ModelRegistry
 from service.validate import parse_request
-from tests.support.api import open_client, settings
+from tests.support.api import open_client
 
 Y = [0, 1, 2, 0, 1]
-
-
-@pytest.fixture(autouse=True)
-def fresh_stores() -> Any:
-    runs.forget_stores()
-    yield
-    runs.forget_stores()
 
 
 def record(max_steps: int = 3) -> DPRun:
@@ -61,9 +54,9 @@ def test_a_job_counts_once_and_the_budget_stops_the_run(kind: str, tmp_path: Pat
 
 
 def test_the_worker_hook_counts_a_job_id_once() -> None:
-    s = settings()
+    s = MemoryRunStore()
     run = record(max_steps=5)
-    runs.store_for(s).create(run)
+    s.create(run)
     fields = {"dp_run": run.id}
     result = {"model": "mlp", "clipped_mean": {}, "meta": {}}
     first = on_result("job-1", fields, result, s)
@@ -130,7 +123,7 @@ async def test_budget_409_in_embedded_mode_and_across_a_restart(tmp_path: Path) 
         assert view["steps"] == run["max_steps"] and view["steps_left"] == 0
         assert view["epsilon_spent"] <= view["max_epsilon"] == 0.45
         assert set(view["epsilon"]) == {"rdp", "prv"}
-    runs.forget_stores()  # the process "restarts": nothing cached survives
+    # the process "restarts": a new app, its stores read from the files again
     async with open_client(model_dir=str(tmp_path)) as c:
         assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == run["max_steps"]
         r = await _step(c, run["id"])

@@ -18,6 +18,7 @@ from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id
 from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
+from service.storage import open_storage
 from service.validate import decode_json_body
 from service.worker import Worker
 from tests.support.api import TD0, settings
@@ -83,8 +84,8 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
     monkeypatch.setattr(broker, "fail", no_fail)
     monkeypatch.setattr(broker, "acknowledge_canceled", spy)
     metrics = WorkerMetrics()
-    await asyncio.to_thread(Worker(broker, ModelRegistry(), s, Events(metrics.on_event)).process,
-                            taken)
+    work = Worker(broker, ModelRegistry(), s, Events(metrics.on_event), storage=open_storage(s))
+    await asyncio.to_thread(work.process, taken)
     state = await broker.state(job.id)
     await broker.close()
     assert acknowledged == [job.id]
@@ -104,7 +105,7 @@ def test_a_worker_lets_cuda_use_tf32_only_when_asked(allowed: bool) -> None:
     stop.set()  # run sets up, then returns before taking anything
     try:
         s = settings(workers=0, allow_tf32=allowed)
-        Worker(EmbeddedBroker(s), ModelRegistry(), s).run(stop)
+        Worker(EmbeddedBroker(s), ModelRegistry(), s, storage=open_storage(s)).run(stop)
         assert torch.backends.cudnn.allow_tf32 is allowed
         assert torch.backends.cuda.matmul.allow_tf32 is allowed
     finally:

@@ -21,6 +21,7 @@ from service.jobs import Job, JobStatus, new_job_id
 from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
 from service.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
+from service.storage import open_storage
 from service.validate import decode_json_body
 from service.worker import Worker
 from tests.support.api import TD0, app_of, open_client, settings
@@ -200,7 +201,8 @@ def _round(monkeypatch: pytest.MonkeyPatch, *, merged_call_fails: bool) -> tuple
     s = settings(workers=0)
     broker = EmbeddedBroker(s)
     metrics, status = WorkerMetrics(), WorkerStatus("w", "cpu")
-    work = Worker(broker, ModelRegistry(), s, Events(broken, metrics.on_event, status.on_event))
+    work = Worker(broker, ModelRegistry(), s, Events(broken, metrics.on_event, status.on_event),
+                  storage=open_storage(s))
     norms = {**TD0, "outputs": ["norms"]}
     docs = [norms, norms, norms, {**TD0, "rewards": [1.0, 2.0]}]
     jobs = [Job(new_job_id(), decode_json_body(d, max_elements=100), time.time() + 60)

@@ -22,6 +22,7 @@ from service.api.deps import (
     AdminDep,
     ApiKey,
     RegistryDep,
+    RunsDep,
     Scope,
     ScopeDep,
     SettingsDep,
@@ -29,7 +30,7 @@ from service.api.deps import (
     TenantParam,
 )
 from service.api.schemas import errors
-from service.dp.runs import RUN_ID_RE, store_for, unknown
+from service.dp.runs import RUN_ID_RE, unknown
 from service.dp.steps import describe, make_run
 
 router = APIRouter(prefix="/dp-runs", tags=["DP-SGD runs"], dependencies=[ApiKey])
@@ -114,7 +115,7 @@ def _checked(run_id: str) -> str:
 @router.post("", status_code=201, response_model=DPRunView, responses=errors(400, 401, 404, 422),
              summary="Start a DP-SGD run")
 async def create_run(body: DPRunCreate, settings: SettingsDep, registry: RegistryDep,
-                     tenant: TenantDep) -> dict[str, Any]:
+                     store: RunsDep, tenant: TenantDep) -> dict[str, Any]:
     """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two.
     The run is the caller's tenant's.
 
@@ -125,16 +126,13 @@ async def create_run(body: DPRunCreate, settings: SettingsDep, registry: Registr
     await run_in_threadpool(registry.describe, body.model)  # 404 for an unknown model
     made = await run_in_threadpool(make_run, spec, settings.dp_accounting_cpu_s)
     run = replace(made, tenant=tenant.name)
-    store = store_for(settings)
     await run_in_threadpool(store.create, run)
     return await run_in_threadpool(describe, run, 0, settings.dp_accounting_cpu_s)
 
 
 @router.get("", response_model=DPRunList, responses=errors(400, 401, 403),
             summary="The caller's DP runs (an admin's: every tenant's)")
-async def list_runs(settings: SettingsDep, scope: ScopeDep) -> dict[str, Any]:
-    store = store_for(settings)
-
+async def list_runs(store: RunsDep, scope: ScopeDep) -> dict[str, Any]:
     def brief() -> list[dict[str, Any]]:
         out = []
         for run_id in store.ids():
@@ -151,9 +149,10 @@ async def list_runs(settings: SettingsDep, scope: ScopeDep) -> dict[str, Any]:
 
 @router.get("/{run_id}", response_model=DPRunView, responses=errors(400, 401, 403, 404),
             summary="A run's steps, epsilon and budget left")
-async def get_run(run_id: str, settings: SettingsDep, scope: ScopeDep) -> dict[str, Any]:
+async def get_run(run_id: str, settings: SettingsDep, store: RunsDep,
+                  scope: ScopeDep) -> dict[str, Any]:
     """Epsilon under both accountants (prv takes up to a second on a CPU)."""
-    found = await run_in_threadpool(store_for(settings).get, _checked(run_id))
+    found = await run_in_threadpool(store.get, _checked(run_id))
     if found is None or not scope.sees(found[0].tenant):
         raise unknown(run_id)
     return await run_in_threadpool(describe, *found, settings.dp_accounting_cpu_s)
@@ -161,12 +160,10 @@ async def get_run(run_id: str, settings: SettingsDep, scope: ScopeDep) -> dict[s
 
 @router.delete("/{run_id}", responses=errors(400, 401, 403, 404),
                summary="Delete a run (admin)")
-async def delete_run(run_id: str, settings: SettingsDep, admin: AdminDep,
+async def delete_run(run_id: str, store: RunsDep, admin: AdminDep,
                      tenant: TenantParam = None) -> dict[str, Any]:
     """The run and its record of the budget spent go; its id then answers 404. With
     ``tenant``: only a run of that tenant."""
-    store = store_for(settings)
-
     def delete() -> bool:
         found = store.get(_checked(run_id))
         if found is None or not Scope(admin, tenant).sees(found[0].tenant):

@@ -57,7 +57,7 @@ async def new_job(
     ``PSGRAD_REQUEST_TIMEOUT_S``."""
     fields = await decode_request(request, state.settings)
     # 404 now for another tenant's DP run, 409 for one with no step left
-    await dp_precheck(fields, state.settings, tenant.name)
+    await dp_precheck(fields, state.storage.runs, tenant.name)
     if check is not None:
         await check(fields, state)
     scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's

@@ -82,7 +82,7 @@ async def put_reference_set(
 
     def keep() -> dict[str, Any]:
         ref = replace(make_set(set_id, fields, result, registry), tenant=scope.owner)
-        registry.references.put(ref)
+        state.storage.references.put(ref)
         return ref.doc()
 
     return await run_in_threadpool(keep)
@@ -91,7 +91,7 @@ async def put_reference_set(
 @router.get("/{set_id}", response_model=ReferenceSetDoc, responses=errors(400, 401, 403, 404),
             summary="How a reference set was made, without its tensors")
 async def get_reference_set(set_id: SetId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
-    doc = await run_in_threadpool(state.registry.references.doc, _key(scope, set_id))
+    doc = await run_in_threadpool(state.storage.references.doc, _key(scope, set_id))
     if doc is None:
         raise _missing(set_id)
     return doc
@@ -101,6 +101,6 @@ async def get_reference_set(set_id: SetId, state: StateDep, scope: ScopeDep) -> 
                summary="Delete a reference set")
 async def delete_reference_set(set_id: SetId, state: StateDep,
                                scope: ScopeDep) -> dict[str, Any]:
-    if not await run_in_threadpool(state.registry.references.delete, _key(scope, set_id)):
+    if not await run_in_threadpool(state.storage.references.delete, _key(scope, set_id)):
         raise _missing(set_id)
     return {"id": set_id, "deleted": True}

@@ -112,7 +112,7 @@ def _doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
 
 
 def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
-    spec = state.stores.spec(key)
+    spec = state.storage.gradients.spec(key)
     if spec is None:
         raise _missing(store_id)
     return spec
@@ -134,10 +134,10 @@ async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[
 async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
     def read() -> list[dict[str, Any]]:
         out = []
-        for key in state.stores.store_keys():
-            spec = state.stores.spec(key)
+        for key in state.storage.gradients.store_keys():
+            spec = state.storage.gradients.spec(key)
             if spec is not None and scope.sees(spec.tenant):
-                out.append(_doc(spec, state.stores.manifest(key)))
+                out.append(_doc(spec, state.storage.gradients.manifest(key)))
         return out
 
     return {"stores": await run_in_threadpool(read)}
@@ -152,8 +152,8 @@ async def put_store(store_id: StoreId, request: Request, state: StateDep,
 
     def make() -> tuple[dict[str, Any], bool]:
         spec = make_spec(store_id, body, state.registry, scope.owner)
-        stored, created = state.stores.create(_key(scope, store_id), spec)
-        return _doc(stored, state.stores.manifest(_key(scope, store_id))), created
+        stored, created = state.storage.gradients.create(_key(scope, store_id), spec)
+        return _doc(stored, state.storage.gradients.manifest(_key(scope, store_id))), created
 
     doc, created = await run_in_threadpool(make)
     return JSONResponse(doc, status_code=201 if created else 200)
@@ -166,14 +166,14 @@ async def get_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict
 
     def read() -> dict[str, Any]:
         spec = _spec(state, key, store_id)
-        return _doc(spec, state.stores.manifest(key))
+        return _doc(spec, state.storage.gradients.manifest(key))
 
     return await run_in_threadpool(read)
 
 
 @router.delete("/{store_id}", responses=errors(400, 401, 403, 404), summary="Delete a store")
 async def delete_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
-    if not await run_in_threadpool(state.stores.delete, _key(scope, store_id)):
+    if not await run_in_threadpool(state.storage.gradients.delete, _key(scope, store_id)):
         raise _missing(store_id)
     return {"id": store_id, "deleted": True}
 
@@ -197,14 +197,15 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
         job = sketch_request(spec, fields, f"POST /stores/{store_id}/samples")
         parsed = parse_request(job, state.registry)  # the whole batch, before any job runs
         ids, kind = checked_ids(raw_ids, parsed.batch.size)
-        refuse_duplicates(spec.id, state.stores.ids(key, state.stores.manifest(key)), ids)
+        files = state.storage.gradients
+        refuse_duplicates(spec.id, files.ids(key, files.manifest(key)), ids)
         return spec, job, ids, kind
 
     spec, job, ids, kind = await run_in_threadpool(check)
     sketches = await _sketches(state, tenant, spec, job)
 
     def keep() -> dict[str, Any]:
-        manifest = state.stores.append(key, spec, ids, kind, sketches)
+        manifest = state.storage.gradients.append(key, spec, ids, kind, sketches)
         return {**_doc(spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
@@ -234,8 +235,8 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
 
     def run() -> dict[str, Any]:
         _spec(state, key, store_id)
-        manifest = state.stores.manifest(key)
-        held = state.stores.ids(key, manifest)
+        manifest = state.storage.gradients.manifest(key)
+        held = state.storage.gradients.ids(key, manifest)
         return {"present": [v in held for v in wanted], "samples": manifest.count}
 
     return await run_in_threadpool(run)
@@ -266,7 +267,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
         spec = _spec(state, key, store_id)
         rest = check_fixed(spec, fields, "this query")
-        check_k(state.stores.manifest(key), k, store_id)
+        check_k(state.storage.gradients.manifest(key), k, store_id)
         batch = any(rest.get(f) is not None for f in ("inputs", "targets", "next_inputs"))
         if score == "self_influence":
             if batch or given is not None:
@@ -289,8 +290,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         sketches = await _sketches(state, tenant, spec, job)
 
     def run() -> dict[str, Any]:
-        found = search(state.stores, key, store_id, sketches, k, score, lam)
-        out = {"ids": state.stores.id_at(key, found.manifest, found.rows),
+        found = search(state.storage.gradients, key, store_id, sketches, k, score, lam)
+        out = {"ids": state.storage.gradients.id_at(key, found.manifest, found.rows),
                "scores": found.scores.tolist(), "score": score, "k": k,
                "samples": found.manifest.count, "projection_kind": spec.projection_kind}
         if found.lam is not None:

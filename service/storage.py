@@ -1,0 +1,49 @@
+"""Where a process keeps what outlives a request: every store, built once from the settings.
+
+The api (:func:`service.api.create_app`) and each worker process
+(:mod:`service.worker_process`) call :func:`open_storage` once, where they are assembled, and
+hand the :class:`Storage` to what reads or writes state: the routes through ``AppState``, the
+worker loops (the embedded pool shares the app's), the registry over its model store. Nothing
+finds a store through a module-level cache, so two apps in one process (tests, a restart) never
+share one by accident, and the embedded mode's memory stores are the same objects for the api
+and its worker threads because they are handed the same ``Storage``.
+
+Each store picks its backend from the settings the same way: Redis when ``PSGRAD_REDIS_URL`` is
+set (shared by the api and every worker), else files (``PSGRAD_MODEL_DIR`` for models, reference
+sets and DP runs), else memory; gradient stores are always files under ``PSGRAD_DATA_DIR``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.config import Settings
+from service.dp.runs import RunStore, make_run_store
+from service.model_store import ModelStore, make_store
+from service.reference_store import ReferenceStore, make_reference_store
+from service.stores import StoreFiles, make_store_files
+
+__all__ = ["Storage", "open_storage"]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The stores of one process."""
+
+    models: ModelStore  # registered models' versions (:mod:`service.model_store`)
+    references: ReferenceStore  # reference sets (:mod:`service.reference_store`)
+    runs: RunStore  # DP runs and their step counts (:mod:`service.dp.runs`)
+    gradients: StoreFiles  # gradient stores (:mod:`service.stores`)
+
+    def close(self) -> None:
+        """Close the stores' connections (Redis); the process is done with them."""
+        self.models.close()
+        self.runs.close()
+
+
+def open_storage(settings: Settings, *, models: ModelStore | None = None) -> Storage:
+    """Every store these settings name; ``models``: a model store the caller already has (a
+    registry handed to :func:`service.api.create_app`), kept instead of a new one."""
+    return Storage(models=models if models is not None else make_store(settings),
+                   references=make_reference_store(settings), runs=make_run_store(settings),
+                   gradients=make_store_files(settings))
