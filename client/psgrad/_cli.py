@@ -44,8 +44,17 @@ def build_parser(extra: Sequence[ModuleType] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+SERVER_COMMANDS = ("serve", "worker")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(plugins()).parse_args(argv)
+    extra = plugins()
+    words = sys.argv[1:] if argv is None else list(argv)
+    if not extra and words[:1] and words[0] in SERVER_COMMANDS:
+        print(f"psgrad: '{words[0]}' is a command of the server, which is not installed here: "
+              "from a checkout of psgrad, pip install torch==2.13.0 ./client .", file=sys.stderr)
+        return 2
+    args = build_parser(extra).parse_args(argv)
     plugin = getattr(args, "plugin", None)
     if plugin is not None:
         return int(plugin.run(args))

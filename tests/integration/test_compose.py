@@ -456,7 +456,7 @@ def test_dockerignore_sends_only_the_packages() -> None:
 def psgrad_executable() -> str:
     beside = Path(sys.executable).parent / "psgrad"
     found = str(beside) if beside.exists() else shutil.which("psgrad")
-    assert found, "the psgrad console script is not installed (pip install -e '.[dev]')"
+    assert found, "the psgrad console script is not installed (pip install -e ./client)"
     return found
 
 

@@ -1,0 +1,29 @@
+"""The ``psgrad`` command: the client's commands, and the server's through the
+``psgrad.commands`` entry points when the server is installed."""
+
+from __future__ import annotations
+
+import pytest
+
+import service.cli
+from psgrad import _cli
+
+
+def test_the_server_adds_its_commands_through_the_entry_point() -> None:
+    assert service.cli in _cli.plugins()  # psgrad-server's entry point (installed here)
+    parser = _cli.build_parser([service.cli])
+    for words in (["serve"], ["worker"], ["models", "list"], ["dp", "list"]):
+        assert parser.parse_args(words).command == words[0]
+    assert parser.parse_args(["serve"]).plugin is service.cli
+
+
+def test_a_client_alone_says_where_serve_comes_from(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(_cli, "plugins", list)  # no server installed
+    for command in ("serve", "worker"):
+        assert _cli.main([command, "--port", "8000"]) == 2
+        err = capsys.readouterr().err
+        assert f"'{command}' is a command of the server" in err and "./client ." in err
+    with pytest.raises(SystemExit):  # the client's commands are still there
+        _cli.main(["models", "--help"])
+    assert "list" in capsys.readouterr().out
