@@ -189,7 +189,7 @@ def time_model(name: str, rounds: int) -> tuple[Case, dict[tuple[str, str], list
         fns[(output, "loop")] = loop(case)
         fns[(output, "vmap")] = served(registry, name, case, output, fast=False)
         fast = served(registry, name, case, output, fast=True)
-        paths[output] = fast()["meta"].get("path", "vmap")
+        paths[output] = fast()["meta"].get("route", "vmap")
         if paths[output] == "fast_stats":
             fns[(output, "fast")] = fast
     check = {"vmap": served(registry, name, case, "norms", fast=False)(),

@@ -280,7 +280,7 @@ def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: li
         start = time.perf_counter()
         answer = fns[(output, "psgrad")]()
         print(f"  psgrad {output}: first call {time.perf_counter() - start:.1f} s", flush=True)
-        notes[f"{output} psgrad"] = answer["meta"].get("path", "?")
+        notes[f"{output} psgrad"] = answer["meta"].get("route", "?")
         want = _norms(answer) if output == "norms" else want
     held = case.size * sum(p.numel() for p in model.params.values()) * 4 / 2**30
     for name, factory in PEERS.items() if peers else ():
@@ -328,7 +328,7 @@ def run_model(name: str, args: argparse.Namespace) -> list[str]:
             mem = f"{peaks[key] / 2**20:.0f} | {peaks[key] / max(1, peaks[base]):.2f}"
         note = notes.get(f"{output} {method}", "")
         if method == "psgrad":
-            note = f"path {note}"
+            note = f"route {note}"
         rows.append(f"| {name} | {batch} | {length} | {output} | {method} | {t * 1e3:.0f} | "
                     f"{ratio(times, key, base):.2f} | {mem or ' | '} | {note} |")
     for label, note in notes.items():

@@ -17,11 +17,14 @@ from typing import Any, Protocol
 
 import torch
 
-from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
+from psgrad._contract import field
+from psgrad._errors import InvalidInput, NotFound, ShapeMismatch
 from service.reference_store import ReferenceSet, set_name
 from service.registry import LoadedModel
 from service.strategies.base import Batch, Options
 from service.strategies.projection import KINDS, MAX_DIM, Projection
+
+DIM, SEED = field("projection_dim"), field("projection_seed")
 
 
 class ReferenceSets(Protocol):
@@ -41,18 +44,12 @@ def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection 
         if "projection" in outputs:
             raise InvalidInput(f"output 'projection' needs 'projection_dim' (k, 1 to {MAX_DIM})")
         return None
-    if not _integer(dim) or not 1 <= dim <= MAX_DIM:
-        raise BadRequest(f"'projection_dim' must be an integer in [1, {MAX_DIM}]")
-    if seed is not None and (not _integer(seed) or not 0 <= seed < 2**63):
-        raise BadRequest("'projection_seed' must be an integer in [0, 2**63)")
+    k = DIM.integer(dim)
+    seed = SEED.integer(seed)
     if kind is not None and kind not in KINDS:
         raise InvalidInput(f"unknown projection_kind {kind!r}; known: {', '.join(KINDS)} "
                            f"(default {KINDS[0]})", known=list(KINDS))
-    return Projection(int(dim), int(seed or 0), kind or KINDS[0])
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return Projection(int(k or 0), seed or 0, kind or KINDS[0])
 
 
 def refuse_unread(fields: dict[str, Any]) -> None:

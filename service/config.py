@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from psgrad._contract import MAX_VERIFY
 from psgrad._errors import TooLarge
-from psgrad._wire import MAX_VERIFY
 
 T = TypeVar("T")
 

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from psgrad._contract import ID_PATTERN, REF_PATTERN, VERSION_PATTERN
 from service import keys
 from service.config import Settings
 
-ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
-VERSION_RE = re.compile(r"[0-9a-f]{16}")
-REF_RE = re.compile(rf"{ID_RE.pattern}(@{VERSION_RE.pattern})?")  # id, or id@version
+ID_RE = re.compile(ID_PATTERN)  # the request contract's (psgrad._contract)
+VERSION_RE = re.compile(VERSION_PATTERN)
+REF_RE = re.compile(REF_PATTERN)  # id, or id@version
 
 
 def is_safe_id(model_id: str) -> bool:

@@ -6,7 +6,9 @@ strategy filled (:class:`Segment`). Whichever strategy ran (``vmap`` or fast sta
 answer is built here and only here: the engine asks :func:`need_of` what to compute and
 :func:`assemble` for the answer.
 
-Adding an output: register a function with :func:`output`, naming its shape flags and need.
+Adding an output: declare it in the request contract (:data:`psgrad._contract.OUTPUTS`: its
+shape and how a split batch combines it), then register a function with :func:`output`, naming
+its need.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from psgrad._contract import output as contract_output
 from psgrad._errors import UnknownOutput
 from service.dp.noise import secure_normal
 from service.losses import Loss, get_loss
@@ -54,15 +57,16 @@ class Output:
 OUTPUTS: Registry[str, Output] = Registry("output", UnknownOutput, sort=False)
 
 
-def output(name: str, description: str, need: NeedOf, *, per_sample: bool,
-           per_param: bool = False, per_param_tensor: bool = False, td0_only: bool = False,
+def output(name: str, need: NeedOf, *,
            width: Callable[[Options], int] | None = None) -> Callable[[Assemble], Assemble]:
-    """Decorator: register ``fn(segment) -> value`` as the output ``name``."""
+    """Decorator: register ``fn(segment) -> value`` as the output ``name``, which the request
+    contract (:data:`psgrad._contract.OUTPUTS`) declares: its meaning, shape flags and how a
+    split batch combines it are read from there (an output it does not declare is a KeyError)."""
+    spec = contract_output(name)
 
     def decorate(fn: Assemble) -> Assemble:
-        OUTPUTS.add(name, Output(name, description, need, fn, per_sample,
-                                 per_param or per_param_tensor, per_param_tensor, td0_only,
-                                 width))
+        OUTPUTS.add(name, Output(name, spec.doc, need, fn, spec.per_sample, spec.per_param,
+                                 spec.per_param_tensor, spec.td0_only, width))
         return fn
 
     return decorate
@@ -202,58 +206,50 @@ _GRADS = Need(grads=True)
 _SQ = Need(sq=True)
 
 
-@output("grads", "{param: [B, *shape]} per-sample gradient of the per-sample loss", _GRADS,
-        per_sample=True, per_param_tensor=True)
+@output("grads", _GRADS)
 def _grads(seg: Segment) -> Tensors:
     return seg.per_param(lambda p: seg.rows(p.grads))
 
 
-@output("losses", "[B] per-sample loss", Need(), per_sample=True)
+@output("losses", Need())
 def _losses(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.result.losses)
 
 
-@output("norms", "[B] L2 norm of each sample's whole gradient (selected parameters)", _SQ,
-        per_sample=True)
+@output("norms", _SQ)
 def _norms(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.norms)
 
 
-@output("layer_norms", "{param: [B]} L2 norm per sample per parameter", _SQ, per_sample=True,
-        per_param=True)
+@output("layer_norms", _SQ)
 def _layer_norms(seg: Segment) -> Tensors:
     return seg.per_param(lambda p: seg.rows(p.sq).sqrt())
 
 
-@output("mean", "{param: shape} mean of the per-sample gradients", Need(mean=True),
-        per_sample=False, per_param_tensor=True)
+@output("mean", Need(mean=True))
 def _mean(seg: Segment) -> Tensors:
     return seg.per_param(lambda p: _get(p.mean)[seg.index])
 
 
-@output("variance", "{param: shape} per-element population variance across samples",
-        Need(mean=True, m2=True), per_sample=False, per_param_tensor=True)
+@output("variance", Need(mean=True, m2=True))
 def _variance(seg: Segment) -> Tensors:
     return seg.per_param(
         lambda p: (_get(p.m2)[seg.index] / seg.n).to(_get(p.mean)[seg.index].dtype))
 
 
-@output("clipped_mean", "{param: shape} DP-SGD clipped, noised mean (clip_norm, "
-        "noise_multiplier, seed)", Need(sq=True, clipped=True), per_sample=False,
-        per_param_tensor=True)
+@output("clipped_mean", Need(sq=True, clipped=True))
 def _clipped_mean(seg: Segment) -> Tensors:
     sums = seg.per_param(lambda p: _get(p.clipped)[seg.index])
     value, seg.meta["seed"] = noised_mean(sums, seg.opts, seg.n)
     return value
 
 
-@output("dot", "[B] per-sample dot product with `reference`", Need(dot=True), per_sample=True)
+@output("dot", Need(dot=True))
 def _dot(seg: Segment) -> torch.Tensor:
     return total([seg.rows(p.dot) for p in seg.params.values()])
 
 
-@output("cosine_mean", "[B] cosine of each sample's gradient with the batch mean gradient",
-        Need(sq=True, mean=True, cos=True), per_sample=True)
+@output("cosine_mean", Need(sq=True, mean=True, cos=True))
 def _cosine_mean(seg: Segment) -> torch.Tensor:
     means = [_get(p.mean)[seg.index] for p in seg.params.values()]
     mean_norm = torch.stack([m.pow(2).sum() for m in means]).sum().sqrt()
@@ -262,13 +258,12 @@ def _cosine_mean(seg: Segment) -> torch.Tensor:
     return cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)
 
 
-@output("td_errors", "[B] td0 only: delta_i", Need(), per_sample=True, td0_only=True)
+@output("td_errors", Need())
 def _td_errors(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.result.aux)
 
 
-@output("updates", "{param: [B, *shape]} td0 only: delta_i * grad V(s_i)", _GRADS,
-        per_sample=True, per_param_tensor=True, td0_only=True)
+@output("updates", _GRADS)
 def _updates(seg: Segment) -> Tensors:
     updates = seg.assembly.loss.updates
     assert updates is not None, "validation lets 'updates' through only for losses that have it"
@@ -286,30 +281,23 @@ def _dots_need(opts: Options) -> Need:
     return Need(proj=True) if opts.reference_sketches else Need(dots=True)
 
 
-@output("projection", "[B, k] each sample's gradient sketch (projection_dim k, "
-        "projection_seed): comparable across requests of the same architecture",
-        Need(proj=True), per_sample=True, width=_sketch_width)
+@output("projection", Need(proj=True), width=_sketch_width)
 def _projection(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.sketches)
 
 
-@output("dots", "[B, M] dot products with M references: `reference` {param: [M, *shape]} "
-        "(exact) or `reference_sketches` [M, k] (projected)", _dots_need, per_sample=True,
-        width=lambda opts: opts.reference_count)
+@output("dots", _dots_need, width=lambda opts: opts.reference_count)
 def _dots(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.dots)
 
 
-@output("influence", "[B, M] dot products with the M samples of `reference_set`", _dots_need,
-        per_sample=True, width=lambda opts: opts.reference_count)
+@output("influence", _dots_need, width=lambda opts: opts.reference_count)
 def _influence(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.dots)
 
 
-@output("self_influence", "[B] squared gradient norm (TracIn's self-influence); of the sketch "
-        "when projection_dim is given", lambda o: Need(proj=o.projection is not None,
-                                                       sq=o.projection is None),
-        per_sample=True)
+@output("self_influence", lambda o: Need(proj=o.projection is not None,
+                                         sq=o.projection is None))
 def _self_influence(seg: Segment) -> torch.Tensor:
     if seg.opts.projection is not None:
         return seg.rows(seg.assembly.sketches).pow(2).sum(1)

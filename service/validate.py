@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psgrad._contract import (
+    ANSWER_DTYPES,
+    KNOWN,
+    TENSOR_DICT_FIELDS,
+    TENSOR_FIELDS,
+    field,
+)
 from psgrad._errors import (
     BadRequest,
     InvalidInput,
@@ -20,7 +27,7 @@ from psgrad._errors import (
     ShapeMismatch,
     TooLarge,
 )
-from psgrad._wire import ANSWER_DTYPES, MAX_VERIFY, array_from_json
+from psgrad._wire import array_from_json
 from service.attribution import ReferenceSets, projection_of, references, refuse_unread
 from service.config import raise_setting, with_setting
 from service.dp.steps import bind
@@ -43,14 +50,9 @@ from service.request_tensors import (
 if TYPE_CHECKING:
     from service.dp.runs import RunStore
 
-TENSOR_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask",
-                 "reference_sketches")
-TENSOR_DICT_FIELDS = ("weights", "reference")
-SCALAR_FIELDS = ("model", "loss", "outputs", "params", "clip_norm", "noise_multiplier", "seed",
-                 "gamma", "dp_run", "projection_dim", "projection_seed", "projection_kind",
-                 "reference_set",
-                 "answer_dtype", "verify", "verify_seed")
-KNOWN_FIELDS = frozenset(TENSOR_FIELDS + TENSOR_DICT_FIELDS + SCALAR_FIELDS)
+# The fields, which of them are tensors, their ranges: the request contract (psgrad._contract)
+KNOWN_FIELDS = KNOWN
+VERIFY, VERIFY_SEED, SEED = field("verify"), field("verify_seed"), field("seed")
 
 
 @dataclass
@@ -195,17 +197,9 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
 def _verify(fields: dict[str, Any]) -> tuple[int, int | None]:
     """``verify`` (0 to MAX_VERIFY samples; more than the batch has checks them all) and
     ``verify_seed``; the group key leaves them out (each job is verified alone)."""
-    k, seed = fields.get("verify"), fields.get("verify_seed")
-    if k is not None and (not _integer(k) or not 0 <= k <= MAX_VERIFY):
-        raise BadRequest(f"'verify' must be an integer in [0, {MAX_VERIFY}]: the samples "
-                         "recomputed with the per-sample loop to check the answer")
-    if seed is not None and (not _integer(seed) or not 0 <= seed < 2**63):
-        raise BadRequest("'verify_seed' must be an integer in [0, 2**63)")
-    return int(k or 0), None if seed is None else int(seed)
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    k = VERIFY.integer(fields.get("verify"), ": the samples recomputed with the per-sample "
+                       "loop to check the answer")
+    return k or 0, VERIFY_SEED.integer(fields.get("verify_seed"))
 
 
 def _answer_dtype(value: Any) -> str:
@@ -269,10 +263,7 @@ def _options(fields: dict[str, Any], model: LoadedModel,
                            f"{clip_norm:g}")
     if noise < 0:
         raise InvalidInput("'noise_multiplier' must be >= 0")
-    seed = fields.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                             or not 0 <= seed < 2**63):
-        raise BadRequest("'seed' must be an integer in [0, 2**63)")
+    seed = SEED.integer(fields.get("seed"))
     return Options(
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=clip_norm, noise_multiplier=noise, seed=seed,

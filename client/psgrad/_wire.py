@@ -161,8 +161,6 @@ def fields_to_safetensors(fields: Mapping[str, Any], meta_key: str) -> bytes:
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
-ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # what a request's answer_dtype may ask
-MAX_VERIFY = 64  # the most samples a request's verify may recompute with the per-sample loop
 # numpy has no bfloat16: the server holds bfloat16 answers as their 16 bits under this named
 # dtype, written to safetensors as BF16; the client widens them to float32 (exactly).
 BFLOAT16 = np.dtype([("bfloat16", "<u2")])

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psgrad._contract import RUN_ID_PATTERN
 from psgrad._errors import PrivacyBudgetExhausted, UnknownDPRun
 from service import keys
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.tenants import DEFAULT_TENANT
 
-RUN_ID_RE = re.compile(r"dp-[0-9a-f]{24}")
+RUN_ID_RE = re.compile(RUN_ID_PATTERN)  # the request contract's (psgrad._contract)
 CLIP_FORMS = {"exact": 0.0, "opacus": 1e-6}  # the norm offset of each clip-factor form
 
 # count() answers: the step was counted now, was counted before (same job), or was refused

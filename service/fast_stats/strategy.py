@@ -60,16 +60,15 @@ class FastStats:
 
     def _answer(self, call: Call, setup: Setup, plan: Plan, run: Run, losses: torch.Tensor,
                 aux: torch.Tensor) -> Result:
-        need, model = call.need, call.model
+        need = call.need
         budget = Budget(call.budget_bytes)
         found = grouped(build_sources(setup, run, plan, budget))
         del run  # each source holds what it still needs; the rest (LayerNorm inputs, gradients
         # already reduced to per-sample values) can go now
         sources = {k: s for s in found for k in s.names}
         meta = {
-            "route": model.route,
+            "route": self.name,  # one name for how it was computed: fast_stats runs on vmap's
             "chunk_size": call.size,
-            "path": self.name,
             "method": {k: sources[k].method_of(k) for k in call.selected},
             "form": {k: sources[k].form(k) for k in call.selected},
         }

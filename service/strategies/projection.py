@@ -42,14 +42,16 @@ from dataclasses import dataclass
 
 import torch
 
+from psgrad._contract import MAX_PROJECTION_DIM, PROJECTION_KINDS
 from service.lru import LockedLRU
 from service.strategies import tensorsketch
 from service.strategies.tensorsketch import TENSORSKETCH, Pair
 
 KRONECKER = "kronecker"
 DENSE = "dense"
-KINDS = (TENSORSKETCH, KRONECKER)  # what ``projection_kind`` names; the first is the default
-MAX_DIM = 8192
+assert (TENSORSKETCH, KRONECKER) == PROJECTION_KINDS
+KINDS = PROJECTION_KINDS  # what ``projection_kind`` names (the contract); the first is the default
+MAX_DIM = MAX_PROJECTION_DIM
 _BLOCK_BYTES = 4 << 20  # one dense block of a projection matrix, float32
 _GROUP_BYTES = 16 << 20  # one side-by-side matrix of small dense projections
 # Matrices drawn, kept for the next call of the same model: at most 512 MiB of them (at k = 8192

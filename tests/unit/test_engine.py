@@ -222,7 +222,7 @@ def check(
         model, merged, opts, req["segments"], budget_bytes=budget, fast_stats=req["fast"]
     )
     assert len(answer) == len(jobs)
-    if answer[0]["meta"].get("path") != "fast_stats":
+    if answer[0]["meta"].get("route") != "fast_stats":
         want_chunk = merged.size if req["chunk"] is None else min(req["chunk"], merged.size)
         assert answer[0]["meta"]["chunk_size"] == want_chunk
     wants = expected(model, merged, opts, req["segments"])

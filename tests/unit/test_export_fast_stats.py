@@ -93,7 +93,7 @@ def test_fast_statistics_equal_the_loop_on_the_original_module(registry: ModelRe
     module, _, loss, batch = _case(name)
     got = _compute(registry, name, batch, OUTPUTS, clip_norm=0.5)
     meta = got["meta"]
-    assert meta["path"] == "fast_stats"
+    assert meta["route"] == "fast_stats"
     # every parameter by its layer's own rule: no whole-model replay (method "vmap")
     assert "vmap" not in meta["method"].values(), meta["method"]
     if name == "resnet":  # BatchNorm (eval) has no family: replayed op by op
@@ -119,7 +119,7 @@ def test_projection_by_fast_statistics_is_the_projected_loop(registry: ModelRegi
                                                              name: str) -> None:
     module, _, loss, batch = _case(name)
     got = _compute(registry, name, batch, ["projection"], projection_dim=64, projection_seed=3)
-    assert got["meta"]["path"] == "fast_stats"
+    assert got["meta"]["route"] == "fast_stats"
     loop = per_sample_loop(module, batch, loss)
     proj = Projection(64, 3)
     want = sum(proj.project(k, g.double()) for k, g in loop.grads.items())
@@ -183,7 +183,7 @@ def test_a_program_that_cannot_serve_a_batch_stays_on_the_vmap_route(make: type[
     parsed = parse_request({"model": model.id, "inputs": x.numpy(), "targets": y.numpy(),
                             "outputs": ["grads", "norms"]}, registry)
     [got] = engine.compute(parsed.model, parsed.batch, parsed.opts)
-    assert "path" not in got["meta"]  # fast statistics declined: the vmap route answered
+    assert got["meta"]["route"] != "fast_stats"  # fast statistics declined: the vmap route answered
     [want] = summarize(per_sample_loop(module, {"inputs": x, "targets": y}, "cross_entropy"),
                        [N])
     assert_close(got["grads"], want["grads"])
@@ -199,7 +199,7 @@ def test_a_weight_no_family_reads_replays_the_whole_model_with_every_input() -> 
     parsed = parse_request({"model": model.id, "inputs": {"x": x.numpy(), "m": m.numpy()},
                             "targets": y.numpy(), "outputs": ["grads", "norms"]}, registry)
     [got] = engine.compute(parsed.model, parsed.batch, parsed.opts)
-    assert got["meta"]["path"] == "fast_stats"
+    assert got["meta"]["route"] == "fast_stats"
     assert got["meta"]["method"] == {"w": "vmap", "fc.weight": "linear", "fc.bias": "linear"}
     [want] = summarize(per_sample_loop(module, {"inputs": {"x": x, "m": m}, "targets": y},
                                        "cross_entropy"), [N])

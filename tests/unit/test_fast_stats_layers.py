@@ -58,7 +58,7 @@ def test_every_allowed_layer_type(case: Case) -> None:
     stock = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
     loop = summarize(stock, segments, clip_norm=opts.clip_norm, reference=batch.reference)
     for f, s, r in zip(fast, slow, loop, strict=True):
-        assert f["meta"]["path"] == "fast_stats"
+        assert f["meta"]["route"] == "fast_stats"
         for name in OUTPUTS:
             assert_close(f[name], s[name], f"{name} (fast vs vmap)")
             assert_close(f[name], r[name], f"{name} (fast vs stock torch loop)")
@@ -80,5 +80,5 @@ def test_grads_of_every_allowed_layer_type(case: Case) -> None:
     fast = engine.compute(model, Batch(inputs=x, targets=y), opts, [1, 3])
     stock = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
     for f, r in zip(fast, summarize(stock, [1, 3]), strict=True):
-        assert f["meta"]["path"] == "fast_stats"
+        assert f["meta"]["route"] == "fast_stats"
         assert_close(f["grads"], r["grads"], "grads (fast vs stock torch loop)")

@@ -105,7 +105,7 @@ def test_every_statistic_equals_the_loop(registry: ModelRegistry, name: str, for
     references = _references(registry, name)
     got = _compute(registry, name, batch, references)
     meta = got["norms_meta"]
-    assert meta["path"] == got["dots_meta"]["path"] == "fast_stats"
+    assert meta["route"] == got["dots_meta"]["route"] == "fast_stats"
     assert "vmap" not in meta["method"].values(), meta["method"]  # no whole-model replay
     several = [k for k, v in meta["form"].items() if v in ("gram", "materialise")]
     assert several, meta["form"]  # weights read at several positions: the choice applies
@@ -168,7 +168,7 @@ def test_sketches_are_the_projected_loop(registry: ModelRegistry, name: str, kin
     parsed = parse_request({"model": name, "outputs": ["projection"], "projection_dim": 256,
                             "projection_kind": kind, **fields}, registry)
     [out] = engine.compute(parsed.model, parsed.batch, parsed.opts)
-    assert out["meta"]["path"] == "fast_stats" and out["meta"]["projection_kind"] == kind
+    assert out["meta"]["route"] == "fast_stats" and out["meta"]["projection_kind"] == kind
     proj = parsed.opts.projection
     assert proj is not None
     loop = per_sample_loop(module, batch, loss)

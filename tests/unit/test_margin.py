@@ -39,7 +39,7 @@ def test_margin_gradients_are_the_per_sample_loop(arch: str, config: dict[str, A
     assert_close(got["projection"],
                  sum(proj.project(k, g.double()) for k, g in loop.grads.items()))
     if fast:  # the batched form keeps it on the fast path
-        assert got["meta"]["path"] == "fast_stats"
+        assert got["meta"]["route"] == "fast_stats"
 
 
 def test_margin_is_the_log_odds_and_stable_at_confident_scores() -> None:

@@ -139,7 +139,7 @@ def test_projection_is_the_projected_per_sample_loop(case: tuple[Any, ...], fast
                                          for k, v in model.params.items()}
     assert got["meta"]["projection_kind"] == kind
     if fast:
-        assert got["meta"].get("path") == "fast_stats"
+        assert got["meta"].get("route") == "fast_stats"
 
 
 def test_linear_conv_and_embedding_sketches_take_the_fast_path() -> None:
@@ -150,7 +150,7 @@ def test_linear_conv_and_embedding_sketches_take_the_fast_path() -> None:
         opts = Options(CASES[0][2] if arch == "simple-cnn" else "cross_entropy", ("projection",),
                        tuple(model.params), projection=Projection(16))
         [got] = engine.compute(model, batch_for(model, 3, 1), opts)
-        assert got["meta"]["path"] == "fast_stats"
+        assert got["meta"]["route"] == "fast_stats"
 
 
 def test_sketches_do_not_depend_on_batch_size_or_strategy() -> None:
@@ -206,7 +206,8 @@ def test_matrices_evicted_from_a_small_cache_are_drawn_again_the_same(
 
 
 def test_sketches_are_the_same_in_another_process() -> None:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD], check=True, env=env,
                                       capture_output=True, text=True).stdout)
             for _ in range(2)]

@@ -136,7 +136,8 @@ def test_sketches_of_sequences_are_the_same_in_another_process() -> None:
     """An embedding's rows and attention's built chunks (the small transformer), and dense
     layers' FFTs (the zoo mlp): the same sketches in two fresh processes as here (the tables
     come from the CPU generator alone)."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD], check=True, env=env,
                                       capture_output=True, text=True).stdout)
             for _ in range(2)]

@@ -303,7 +303,7 @@ def test_a_wrong_output_of_fast_statistics_is_caught(monkeypatch: pytest.MonkeyP
     parsed = request("mlp", {"sizes": [6, 5, 3]}, "cross_entropy", outputs=(name,))
     faults.wrong_output(monkeypatch, name, row=2)
     answer = engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
-    assert answer["meta"]["path"] == "fast_stats"
+    assert answer["meta"]["route"] == "fast_stats"
     with pytest.raises(VerificationFailed) as caught:
         verified(parsed, answer, k=6)
     assert caught.value.details["output"].split("/")[0] == name

@@ -1,0 +1,258 @@
+"""The request contract, declared once: every field of a gradients request and every output.
+
+``POST /per-sample-grads`` and ``POST /jobs`` take one body; its fields are :data:`REQUEST`
+(name, kind, range or allowed values, default, meaning) and its outputs :data:`OUTPUTS` (shape,
+and how the answers of a batch split into several requests combine). Everything else reads
+these two tables, so a field exists everywhere or nowhere:
+
+- the server's checks (``service.validate``: the known fields, which are tensors, the ranges),
+- the OpenAPI schema (``service.api.schemas`` builds ``GradsRequest`` and ``GradsResponse``
+  from them, descriptions included) and the stores' bodies where they share fields,
+- the server's output registry (``service.outputs`` takes each output's meaning from here),
+- the chunk merger (:mod:`psgrad._merge`: which fields are sliced per sample, how each output
+  combines),
+- the client (:mod:`psgrad._request` checks a request with them; the keyword options of
+  ``per_sample_grads``, ``td0`` and ``submit`` are :class:`Options`, held equal to
+  :data:`REQUEST` when this module is imported).
+
+Nothing here imports torch or the server. tests/unit/test_contract.py fails when a field exists
+on one side only.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
+
+from psgrad._errors import BadRequest
+
+__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "field", "output"]
+
+# Kinds of field: how a value travels (JSON or safetensors) and how it is checked.
+Kind = Literal[
+    "ref",  # a string matching ``pattern`` (a model id or id@version, a run or set id)
+    "inputs",  # a tensor, or {input name: tensor} for a model with several inputs
+    "tensor",  # a tensor: nested lists, {dtype, shape, data} in JSON, a tensor in safetensors
+    "tensors",  # {parameter name: tensor}; ``field/param`` tensors in safetensors
+    "choice",  # one string of ``choices`` (or of a server registry: ``registry``)
+    "names",  # a non-empty list of strings (``choices`` when given); a single name for outputs
+    "int",
+    "float",
+]
+Combine = Literal["concat", "mean", "variance", "clipped_sum", "cosine"]
+
+ID_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"  # model ids, reference set and store ids
+VERSION_PATTERN = r"[0-9a-f]{16}"
+REF_PATTERN = rf"{ID_PATTERN}(@{VERSION_PATTERN})?"  # id, or id@version
+RUN_ID_PATTERN = r"dp-[0-9a-f]{24}"
+PROJECTION_KINDS = ("tensorsketch", "kronecker")  # the first is the default
+MAX_PROJECTION_DIM = 8192
+ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # what a request's answer_dtype may ask
+MAX_VERIFY = 64  # the most samples a request's verify may recompute with the per-sample loop
+MAX_SEED = 2**63  # seeds are in [0, 2**63)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field. ``default`` is what an absent (or null) field means; the bounds and
+    ``choices`` are what the server accepts (``registry``: the server's registry of that name
+    holds the choices, e.g. its losses)."""
+
+    name: str
+    kind: Kind
+    doc: str
+    default: Any = None
+    required: bool = False
+    per_sample: bool = False  # first dimension B: a batch split into requests slices it
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    choices: tuple[str, ...] | None = None
+    registry: str | None = None
+    pattern: str | None = None
+    blank: bool = False  # '' means the default too
+
+    def integer(self, value: Any, why: str = "") -> int | None:
+        """``value`` as an integer in this field's range, None when unset; else 400 (numpy
+        integers count, booleans do not)."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}{why}")
+        value = int(value)
+        if (self.ge is not None and value < self.ge) or (self.lt is not None and value >= self.lt) \
+                or (self.le is not None and value > self.le):
+            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}{why}")
+        return value
+
+    def bounds(self) -> str:
+        """The range as the messages tell it: ``[0, 2**63)``, ``[1, 8192]``, ``> 0``."""
+        if self.gt is not None:
+            return f"> {self.gt:g}"
+        lo = "" if self.ge is None else f"[{self.ge:g}, "
+        if self.lt is not None:
+            return f"{lo}{'2**63' if self.lt == MAX_SEED else f'{self.lt:g}'})"
+        return f"{lo}{self.le:g}]" if self.le is not None else f">= {self.ge:g}"
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output: its shape, and how the answers of a split batch combine into it
+    (``concat``: in sample order; ``mean``: n-weighted; ``variance``: Chan's formula;
+    ``clipped_sum``: the noiseless clipped sums added, the noise drawn once; ``cosine``: a second
+    pass of ``dot`` with the combined mean)."""
+
+    name: str
+    doc: str
+    combine: Combine
+    per_sample: bool  # one value (or row) per sample
+    per_param: bool = False  # a dict keyed by parameter name
+    per_param_tensor: bool = False  # ... whose values have the parameter's shape
+    td0_only: bool = False
+
+
+OUTPUTS: tuple[Output, ...] = (
+    Output("grads", "{param: [B, *shape]} per-sample gradient of the per-sample loss", "concat",
+           True, per_param=True, per_param_tensor=True),
+    Output("losses", "[B] per-sample loss", "concat", True),
+    Output("norms", "[B] L2 norm of each sample's whole gradient (selected parameters)",
+           "concat", True),
+    Output("layer_norms", "{param: [B]} L2 norm per sample per parameter", "concat", True,
+           per_param=True),
+    Output("mean", "{param: shape} mean of the per-sample gradients", "mean", False,
+           per_param=True, per_param_tensor=True),
+    Output("variance", "{param: shape} per-element population variance across samples",
+           "variance", False, per_param=True, per_param_tensor=True),
+    Output("clipped_mean", "{param: shape} DP-SGD clipped, noised mean (clip_norm, "
+           "noise_multiplier, seed)", "clipped_sum", False, per_param=True,
+           per_param_tensor=True),
+    Output("dot", "[B] per-sample dot product with `reference`", "concat", True),
+    Output("cosine_mean", "[B] cosine of each sample's gradient with the batch mean gradient",
+           "cosine", True),
+    Output("td_errors", "[B] td0 only: delta_i", "concat", True, td0_only=True),
+    Output("updates", "{param: [B, *shape]} td0 only: delta_i * grad V(s_i)", "concat", True,
+           per_param=True, per_param_tensor=True, td0_only=True),
+    Output("projection", "[B, k] each sample's gradient sketch (projection_dim k, "
+           "projection_seed): comparable across requests of the same architecture", "concat",
+           True),
+    Output("dots", "[B, M] dot products with M references: `reference` {param: [M, *shape]} "
+           "(exact) or `reference_sketches` [M, k] (projected)", "concat", True),
+    Output("influence", "[B, M] dot products with the M samples of `reference_set`", "concat",
+           True),
+    Output("self_influence", "[B] squared gradient norm (TracIn's self-influence); of the sketch "
+           "when projection_dim is given", "concat", True),
+)
+OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
+TENSOR_DOC = "a tensor: nested lists of numbers, or {dtype, shape, data} with base64 data"
+
+REQUEST: tuple[Field, ...] = (
+    Field("model", "ref", "a model id (see GET /models), or 'id@version'", required=True,
+          pattern=REF_PATTERN),
+    Field("inputs", "inputs", f"the batch, first dimension B; {TENSOR_DOC}; for a model with "
+          "several inputs (GET /models/{id} lists them), an object {input name: tensor}",
+          required=True, per_sample=True),
+    Field("targets", "tensor", "labels (class indices) or regression targets, first dimension B",
+          per_sample=True),
+    Field("loss", "choice", "the loss; default (absent, null or ''): the model's default loss",
+          registry="losses", blank=True),
+    Field("outputs", "names", "what to return, a list or one name (default, also for []: "
+          f"['grads']): {', '.join(OUTPUT_NAMES)}", default=["grads"], choices=OUTPUT_NAMES),
+    Field("params", "names", "restrict every output to these parameters (names as in GET "
+          "/models/{id}); default: every parameter"),
+    Field("weights", "tensors", "{param: tensor}: parameter values to use for this call only"),
+    Field("mask", "tensor", "token losses: 1 for the positions that count, 0 for padding, "
+          "[B, T] (the shape of targets)", per_sample=True),
+    Field("clip_norm", "float", "clipped_mean: per-sample clipping norm (> 0)", gt=0.0),
+    Field("noise_multiplier", "float", "clipped_mean: Gaussian noise std as a multiple of "
+          "clip_norm (>= 0)", default=0.0, ge=0.0),
+    Field("seed", "int", "clipped_mean: noise seed (echoed in meta); default: drawn", ge=0,
+          lt=MAX_SEED),
+    Field("dp_run", "ref", "a DP run id (POST /dp-runs): this request is one DP-SGD step. "
+          "outputs must be ['clipped_mean']; the run's clip_norm and noise_multiplier are used, "
+          "the noise N(0, (noise_multiplier * clip_norm)^2) is drawn from the server's CSPRNG "
+          "(no seed), the noisy sum is divided by the run's expected batch size, and the step is "
+          "counted (409 privacy_budget_exhausted when the run has no step left)",
+          pattern=RUN_ID_PATTERN),
+    Field("reference", "tensors", "{param: tensor} for the output dot: one tensor per selected "
+          "parameter, of its shape; for dots: {param: [M, *shape]}, M references"),
+    Field("next_inputs", "tensor", "td0: next states s', first dimension B", per_sample=True),
+    Field("rewards", "tensor", "td0: rewards r, shape [B]", per_sample=True),
+    Field("dones", "tensor", "td0: 1 where the episode ended, shape [B] (default: all 0)",
+          per_sample=True),
+    Field("gamma", "float", "td0: discount in [0, 1] (default 1.0)", default=1.0, ge=0.0,
+          le=1.0),
+    Field("projection_dim", "int", "projection (and a projected self_influence): k",
+          ge=1, le=MAX_PROJECTION_DIM),
+    Field("projection_seed", "int", "the projection's seed (0)", default=0, ge=0, lt=MAX_SEED),
+    Field("projection_kind", "choice", "the sketch: 'tensorsketch' (default; within 2x a dense "
+          "Gaussian projection's error) or 'kronecker' (P_out (x) P_in, for sketches made with "
+          "it)", default=PROJECTION_KINDS[0], choices=PROJECTION_KINDS),
+    Field("reference_sketches", "tensor", "dots: [M, k] sketches made with the same projection"),
+    Field("reference_set", "ref", "influence: a PUT /reference-sets id", pattern=ID_PATTERN),
+    Field("answer_dtype", "choice", "the answer's floating tensors: float32 (default), or "
+          "float16 / bfloat16 for half the bytes (relative rounding error at most 2^-11 / 2^-8; "
+          "float16 overflows past 65504 and loses precision below 6.1e-5)",
+          default=ANSWER_DTYPES[0], choices=ANSWER_DTYPES),
+    Field("verify", "int", "recompute this many samples (all, if the batch has fewer) one at a "
+          "time with the per-sample loop and compare every output that can be compared; the "
+          "report is meta.verify, and a difference beyond the tolerance fails the request with "
+          "500 verification_failed instead of answering. 0 or absent: the server's "
+          "PSGRAD_VERIFY_FRACTION decides", default=0, ge=0, le=MAX_VERIFY),
+    Field("verify_seed", "int", "picks the verified samples (default: the job id)", ge=0,
+          lt=MAX_SEED),
+)
+FIELDS: dict[str, Field] = {f.name: f for f in REQUEST}
+KNOWN = frozenset(FIELDS)
+SAMPLE_FIELDS = tuple(f.name for f in REQUEST if f.per_sample)
+TENSOR_FIELDS = tuple(f.name for f in REQUEST if f.kind in ("inputs", "tensor"))
+TENSOR_DICT_FIELDS = tuple(f.name for f in REQUEST if f.kind == "tensors")
+POSITIONAL = ("model", "inputs", "targets")  # the client methods' positional arguments
+
+
+def field(name: str) -> Field:
+    return FIELDS[name]
+
+
+def output(name: str) -> Output:
+    return _OUTPUTS[name]
+
+
+_OUTPUTS = {o.name: o for o in OUTPUTS}
+
+
+class Options(TypedDict, total=False):
+    """The keyword options of ``per_sample_grads``, ``td0`` and ``submit``: every field of
+    :data:`REQUEST` but the positional ``model``, ``inputs`` and ``targets``, as the client takes
+    them (arrays as numpy arrays, torch tensors or nested lists). Unset means the default."""
+
+    loss: str | None
+    outputs: Sequence[str] | str
+    params: Sequence[str] | None
+    weights: Mapping[str, Any] | None
+    mask: Any
+    clip_norm: float | None
+    noise_multiplier: float | None
+    seed: int | None
+    dp_run: str | None
+    reference: Mapping[str, Any] | None
+    next_inputs: Any
+    rewards: Any
+    dones: Any
+    gamma: float | None
+    projection_dim: int | None
+    projection_seed: int | None
+    projection_kind: str | None
+    reference_sketches: Any
+    reference_set: str | None
+    answer_dtype: str | None
+    verify: int | None
+    verify_seed: int | None
+
+
+_typed = set(Options.__annotations__)
+if _typed != KNOWN - set(POSITIONAL):  # a field added to one and not the other fails at import
+    raise RuntimeError(f"psgrad._contract: Options and REQUEST differ: "
+                      f"{sorted(_typed ^ (KNOWN - set(POSITIONAL)))}")
