@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -14,6 +14,7 @@ import httpx
 from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
+from psgrad._grads import Build, GradsMethods
 from psgrad._jobs import AsyncJob
 from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import AsyncModels
@@ -26,7 +27,10 @@ __all__ = ["AsyncClient"]
 T = TypeVar("T")
 
 
-class AsyncClient(BaseClient):
+class AsyncClient(
+    BaseClient,
+    GradsMethods[Coroutine[Any, Any, GradsResult], Coroutine[Any, Any, AsyncJob]],
+):
     """A psgrad server, called from asyncio: ``Client``'s API with ``await``.
 
     The same arguments as ``psgrad.Client`` (the URL positionally or as ``base_url=``; floating
@@ -161,160 +165,21 @@ class AsyncClient(BaseClient):
         finally:
             plan.close()
 
-    async def _compute(
-        self, fields: Fields, *, as_torch: bool, progress: ProgressArg, chunk_size: int | None
-    ) -> GradsResult:
+    async def _compute(self, build: Build, *, as_torch: bool, progress: ProgressArg,
+                       chunk_size: int | None) -> GradsResult:
         started = time.perf_counter()
-        fields = await self._prepare(fields)
+        fields = await self._prepare(build())
         with self._plan(fields, progress, chunk_size) as plan:
             out = await self._run_plan(plan)
         return self._planned(out, chunk_size, as_torch=as_torch, started=started)
 
-    # -- gradients -----------------------------------------------------------------------------
-
-    async def per_sample_grads(
-        self,
-        model: str,
-        inputs: Any,
-        targets: Any = None,
-        *,
-        loss: str | None = None,
-        outputs: Sequence[str] | str = ("grads",),
-        params: Sequence[str] | None = None,
-        weights: Mapping[str, Any] | None = None,
-        clip_norm: float | None = None,
-        noise_multiplier: float | None = None,
-        seed: int | None = None,
-        reference: Mapping[str, Any] | None = None,
-        projection_dim: int | None = None,
-        projection_seed: int | None = None,
-        projection_kind: str | None = None,
-        reference_sketches: Any = None,
-        reference_set: str | None = None,
-        answer_dtype: str | None = None,
-        verify: int | None = None,
-        verify_seed: int | None = None,
-        as_torch: bool = False,
-        progress: ProgressArg = False,
-        chunk_size: int | None = None,
-    ) -> GradsResult:
-        """Per-sample gradients or their statistics; see ``Client.per_sample_grads``."""
-        fields = self._grads_fields(
-            model,
-            inputs,
-            targets,
-            loss=loss,
-            outputs=outputs,
-            params=params,
-            weights=weights,
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            seed=seed,
-            reference=reference,
-            projection_dim=projection_dim,
-            projection_seed=projection_seed,
-            projection_kind=projection_kind,
-            reference_sketches=reference_sketches,
-            reference_set=reference_set,
-            answer_dtype=answer_dtype,
-            verify=verify,
-            verify_seed=verify_seed,
-        )
-        return await self._compute(
-            fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
-        )
-
-    async def td0(
-        self,
-        model: str,
-        states: Any,
-        rewards: Any,
-        next_states: Any,
-        *,
-        dones: Any = None,
-        gamma: float = 1.0,
-        weights: Mapping[str, Any] | None = None,
-        outputs: Sequence[str] | str = ("updates", "td_errors"),
-        params: Sequence[str] | None = None,
-        answer_dtype: str | None = None,
-        verify: int | None = None,
-        verify_seed: int | None = None,
-        as_torch: bool = False,
-        progress: ProgressArg = False,
-        chunk_size: int | None = None,
-    ) -> GradsResult:
-        """Per-sample TD(0) updates and errors; see ``Client.td0``."""
-        fields = self._grads_fields(
-            model,
-            states,
-            loss="td0",
-            outputs=outputs,
-            params=params,
-            weights=weights,
-            next_inputs=next_states,
-            rewards=rewards,
-            dones=dones,
-            gamma=gamma,
-            answer_dtype=answer_dtype,
-            verify=verify,
-            verify_seed=verify_seed,
-        )
-        return await self._compute(
-            fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size
-        )
-
-    # -- jobs ----------------------------------------------------------------------------------
-
-    async def submit(
-        self,
-        model: str,
-        inputs: Any,
-        targets: Any = None,
-        *,
-        loss: str | None = None,
-        outputs: Sequence[str] | str = ("grads",),
-        params: Sequence[str] | None = None,
-        weights: Mapping[str, Any] | None = None,
-        clip_norm: float | None = None,
-        noise_multiplier: float | None = None,
-        seed: int | None = None,
-        reference: Mapping[str, Any] | None = None,
-        next_inputs: Any = None,
-        rewards: Any = None,
-        dones: Any = None,
-        gamma: float | None = None,
-        answer_dtype: str | None = None,
-        verify: int | None = None,
-        verify_seed: int | None = None,
-    ) -> AsyncJob:
-        """Queue the request and return an :class:`AsyncJob`; see ``Client.submit``."""
-        fields = self._grads_fields(
-            model,
-            inputs,
-            targets,
-            loss=loss,
-            outputs=outputs,
-            params=params,
-            weights=weights,
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            seed=seed,
-            reference=reference,
-            next_inputs=next_inputs,
-            rewards=rewards,
-            dones=dones,
-            gamma=gamma,
-            answer_dtype=answer_dtype,
-            verify=verify,
-            verify_seed=verify_seed,
-        )
+    async def _queue(self, build: Build) -> AsyncJob:
+        fields = build()
         doc = (await self._post_fields("/jobs", await self._prepare(fields))).json()
-        return AsyncJob(
-            self,
-            str(doc["job_id"]),
-            JobStatus(doc.get("status", "queued")),
-            outputs=fields["outputs"],
-        )
+        return AsyncJob(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")),
+                        outputs=fields["outputs"])
+
+    # -- gradients: per_sample_grads, td0 and submit (psgrad._grads), awaited -------------------
 
     def job(self, job_id: str) -> AsyncJob:
         """A handle on a job submitted earlier (by id)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -13,6 +13,7 @@ import httpx
 from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import TooLarge
+from psgrad._grads import Build, GradsMethods
 from psgrad._jobs import Job
 from psgrad._merge import Fields, Plan, PlanResult
 from psgrad._models import Models
@@ -26,7 +27,7 @@ __all__ = ["Client"]
 T = TypeVar("T")
 
 
-class Client(BaseClient):
+class Client(BaseClient, GradsMethods[GradsResult, Job]):
     """A psgrad server, called synchronously.
 
     ``Client("http://gpu-host:8000")`` talks to that server; ``Client()`` with no arguments to
@@ -185,218 +186,21 @@ class Client(BaseClient):
         finally:
             plan.close()
 
-    def _compute(
-        self, fields: Fields, *, as_torch: bool, progress: ProgressArg, chunk_size: int | None
-    ) -> GradsResult:
+    def _compute(self, build: Build, *, as_torch: bool, progress: ProgressArg,
+                 chunk_size: int | None) -> GradsResult:
         started = time.perf_counter()
-        fields = self._prepare(fields)
+        fields = self._prepare(build())
         with self._plan(fields, progress, chunk_size) as plan:
             out = self._run_plan(plan)
         return self._planned(out, chunk_size, as_torch=as_torch, started=started)
 
-    # -- gradients -----------------------------------------------------------------------------
-
-    def per_sample_grads(
-        self,
-        model: str,
-        inputs: Any,
-        targets: Any = None,
-        *,
-        loss: str | None = None,
-        outputs: Sequence[str] | str = ("grads",),
-        params: Sequence[str] | None = None,
-        weights: Mapping[str, Any] | None = None,
-        clip_norm: float | None = None,
-        noise_multiplier: float | None = None,
-        seed: int | None = None,
-        reference: Mapping[str, Any] | None = None,
-        projection_dim: int | None = None,
-        projection_seed: int | None = None,
-        projection_kind: str | None = None,
-        reference_sketches: Any = None,
-        reference_set: str | None = None,
-        answer_dtype: str | None = None,
-        verify: int | None = None,
-        verify_seed: int | None = None,
-        as_torch: bool = False,
-        progress: ProgressArg = False,
-        chunk_size: int | None = None,
-    ) -> GradsResult:
-        """Per-sample gradients of ``model`` on a batch, or statistics of them.
-
-        Args:
-            model: a model id, or ``id@version`` to pin weights.
-            inputs: the batch [B, ...]: a numpy array, a torch tensor or nested lists; floating
-                arrays in the model's dtype (see above), integer ones (token ids) as they are.
-            targets: labels or regression targets [B, ...] for supervised losses.
-            loss: ``cross_entropy``, ``nll``, ``mse``, ...; default: the model's own.
-            outputs: any of ``grads``, ``losses``, ``norms``, ``layer_norms``, ``mean``,
-                ``variance``, ``clipped_mean``, ``dot``, ``cosine_mean``, ``projection``,
-                ``dots``, ``influence``, ``self_influence``.
-            params: restrict every output to these parameters.
-            weights: {parameter: array} used for this call instead of the registered ones.
-            clip_norm, noise_multiplier, seed: for ``clipped_mean`` (DP-SGD).
-            reference: {parameter: array} for ``dot``, or {parameter: [M, *shape]} for
-                ``dots`` (exact dot products with M gradients).
-            projection_dim, projection_seed: the sketch of ``projection`` (k up to 8192; the
-                same seed and k give comparable sketches across requests and processes).
-            projection_kind: ``tensorsketch`` (default: a dense projection's accuracy) or
-                ``kronecker`` (the earlier kind, for sketches made with it).
-            reference_sketches: [M, k] sketches for ``dots``, made with the same projection.
-            reference_set: the id of a ``client.reference_sets`` set, for ``influence``.
-            answer_dtype: ``float16`` or ``bfloat16``: the server answers floating tensors in
-                half the bytes (relative rounding error at most 2^-11 / 2^-8); float16 arrays
-                come back as float16, bfloat16 ones widened exactly to float32 (numpy has no
-                bfloat16).
-            verify, verify_seed: the server recomputes ``verify`` samples of each request
-                (up to 64; the batch may be split into several) one at a time with the
-                per-sample loop and compares the outputs: ``result.meta["verify"]`` reports the
-                samples (indices into this batch) and the largest difference, and a wrong answer
-                raises ``VerificationFailed`` instead of being returned. ``verify_seed`` picks
-                the samples (default: each request's job id).
-            as_torch: return torch tensors instead of numpy arrays.
-            progress: draw a progress bar on stderr (tqdm if installed), or a callable
-                ``f(done, total)`` called after each request.
-            chunk_size: the most samples per request; default: the client's
-                ``max_batch_size``, else what the server accepts.
-
-        A batch larger than one request may hold is split into chunks and combined exactly:
-        per-sample outputs are concatenated; ``mean`` and ``variance`` merged with Chan's
-        formula; ``clipped_mean`` as the sum of the chunks' noiseless clipped sums with the
-        noise added once by the client (seeded with ``seed``; drawn by the client even for one
-        chunk, so the result never depends on the split); ``cosine_mean`` in two passes (the
-        chunks' means first, then ``dot`` with the combined mean and the norms). See
-        :mod:`psgrad._merge`.
-
-        Returns:
-            A :class:`GradsResult`: ``result.norms``, ``result.grads["fc1.weight"]``, ...
-
-        Raises:
-            PsgradError: the subclass of the server's error code (``UnknownModel``,
-                ``ShapeMismatch``, ...), or ``APIConnectionError`` if it cannot be reached.
-        """
-        fields = self._grads_fields(
-            model,
-            inputs,
-            targets,
-            loss=loss,
-            outputs=outputs,
-            params=params,
-            weights=weights,
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            seed=seed,
-            reference=reference,
-            projection_dim=projection_dim,
-            projection_seed=projection_seed,
-            projection_kind=projection_kind,
-            reference_sketches=reference_sketches,
-            reference_set=reference_set,
-            answer_dtype=answer_dtype,
-            verify=verify,
-            verify_seed=verify_seed,
-        )
-        return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
-
-    def td0(
-        self,
-        model: str,
-        states: Any,
-        rewards: Any,
-        next_states: Any,
-        *,
-        dones: Any = None,
-        gamma: float = 1.0,
-        weights: Mapping[str, Any] | None = None,
-        outputs: Sequence[str] | str = ("updates", "td_errors"),
-        params: Sequence[str] | None = None,
-        answer_dtype: str | None = None,
-        verify: int | None = None,
-        verify_seed: int | None = None,
-        as_torch: bool = False,
-        progress: ProgressArg = False,
-        chunk_size: int | None = None,
-    ) -> GradsResult:
-        """Per-sample TD(0) of a value function: ``updates`` (delta_i grad V(s_i)), ``td_errors``.
-
-        target_i = r_i + gamma (1 - done_i) V(s'_i), gradient stopped through it;
-        delta_i = target_i - V(s_i). ``grads`` (of the pseudo-loss (target_i - V(s_i))^2) and
-        every statistic of :meth:`per_sample_grads` may be asked for too, and large batches are
-        split and combined the same way.
-        """
-        fields = self._grads_fields(
-            model,
-            states,
-            loss="td0",
-            outputs=outputs,
-            params=params,
-            weights=weights,
-            next_inputs=next_states,
-            rewards=rewards,
-            dones=dones,
-            gamma=gamma,
-            answer_dtype=answer_dtype,
-            verify=verify,
-            verify_seed=verify_seed,
-        )
-        return self._compute(fields, as_torch=as_torch, progress=progress, chunk_size=chunk_size)
-
-    # -- jobs ----------------------------------------------------------------------------------
-
-    def submit(
-        self,
-        model: str,
-        inputs: Any,
-        targets: Any = None,
-        *,
-        loss: str | None = None,
-        outputs: Sequence[str] | str = ("grads",),
-        params: Sequence[str] | None = None,
-        weights: Mapping[str, Any] | None = None,
-        clip_norm: float | None = None,
-        noise_multiplier: float | None = None,
-        seed: int | None = None,
-        reference: Mapping[str, Any] | None = None,
-        next_inputs: Any = None,
-        rewards: Any = None,
-        dones: Any = None,
-        gamma: float | None = None,
-        answer_dtype: str | None = None,
-        verify: int | None = None,
-        verify_seed: int | None = None,
-    ) -> Job:
-        """Queue the request (``POST /jobs``) and return at once with a :class:`Job`.
-
-        A job is one request: it is not split, so a batch above the server's limit raises
-        ``TooLarge``; the server's own noise is used for ``clipped_mean``.
-        """
-        fields = self._grads_fields(
-            model,
-            inputs,
-            targets,
-            loss=loss,
-            outputs=outputs,
-            params=params,
-            weights=weights,
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            seed=seed,
-            reference=reference,
-            next_inputs=next_inputs,
-            rewards=rewards,
-            dones=dones,
-            gamma=gamma,
-            answer_dtype=answer_dtype,
-            verify=verify,
-            verify_seed=verify_seed,
-        )
+    def _queue(self, build: Build) -> Job:
+        fields = build()
         doc = self._post_fields("/jobs", self._prepare(fields)).json()
-        return Job(
-            self,
-            str(doc["job_id"]),
-            JobStatus(doc.get("status", "queued")),
-            outputs=fields["outputs"],
-        )
+        return Job(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")),
+                   outputs=fields["outputs"])
+
+    # -- gradients: per_sample_grads, td0 and submit (psgrad._grads) ----------------------------
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (by id)."""

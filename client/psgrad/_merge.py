@@ -4,10 +4,13 @@ The plan is written once, without I/O, as a generator: it yields the fields of e
 receives the decoded answer (or, through ``throw``, the error), so the sync and the async client
 drive the same code (``Client._run_plan`` / ``AsyncClient._run_plan``).
 
-How each output is combined over chunks of sizes n_1 .. n_k (B = sum n_c):
+The request's per-sample fields (``inputs``, each named input, ``targets``, ``mask``, ...) are
+sliced, and each output is combined as the request contract declares it
+(:data:`psgrad._contract.OUTPUTS`, its ``combine``). Over chunks of sizes n_1 .. n_k
+(B = sum n_c):
 
-- per-sample outputs (``grads``, ``losses``, ``norms``, ``layer_norms``, ``dot``, ``td_errors``,
-  ``updates``) are concatenated in order.
+- per-sample outputs (``concat``: ``grads``, ``losses``, ``norms``, ``layer_norms``, ``dot``,
+  ``td_errors``, ``updates``, ``projection``, ``dots``, ...) are concatenated in order.
 - ``mean`` is the n-weighted mean of the chunk means, and ``variance`` is merged with Chan's
   parallel formula (M2 = M2_a + M2_b + delta^2 n_a n_b / n, with M2_c = variance_c * n_c), in
   float64; a chunk's ``mean`` is requested alongside ``variance`` for that.
@@ -22,6 +25,8 @@ How each output is combined over chunks of sizes n_1 .. n_k (B = sum n_c):
   asks each chunk for ``dot`` with ``reference`` = the combined mean; then
   cosine_i = dot_i / (norm_i * |mean|), 0 where a norm is 0, as the server defines it. A batch
   that fits in one request is computed by the server in one pass.
+
+A request with ``dp_run`` is one DP-SGD step: it is sent whole, once, with the server's noise.
 
 With ``verify`` each request is verified on its own samples; ``meta["verify"]`` of a split batch
 merges their reports (:func:`merge_verify`).
@@ -41,27 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from psgrad._contract import OUTPUTS, SAMPLE_FIELDS
 from psgrad._errors import TooLarge
 
 Fields = dict[str, Any]
 Plan = Generator[Fields, Fields, "PlanResult"]
 Steps = Generator[Fields, Fields, Fields]
 
-SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
-PER_SAMPLE = (
-    "grads",
-    "losses",
-    "norms",
-    "layer_norms",
-    "dot",
-    "cosine_mean",
-    "td_errors",
-    "updates",
-    "projection",
-    "dots",
-    "influence",
-    "self_influence",
-)
+# What is sliced per sample, and how each output combines: the request contract's.
+COMBINE = {o.name: o.combine for o in OUTPUTS}
+CONCAT = tuple(name for name, how in COMBINE.items() if how == "concat")
 NOT_OUTPUTS = ("model", "batch_size", "loss", "timing", "meta")
 
 
@@ -172,10 +166,22 @@ def merge_verify(answers: list[tuple[int, Fields]]) -> dict[str, Any] | None:
 
 
 def _slice(fields: Fields, start: int, stop: int) -> Fields:
-    return {
-        k: (v[start:stop] if k in SAMPLE_FIELDS and isinstance(v, np.ndarray) else v)
-        for k, v in fields.items()
-    }
+    """The per-sample fields (named inputs each) cut to samples [start, stop)."""
+    return {k: _rows(v, start, stop) if k in SAMPLE_FIELDS else v for k, v in fields.items()}
+
+
+def _rows(value: Any, start: int, stop: int) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _rows(v, start, stop) for k, v in value.items()}
+    return value[start:stop] if isinstance(value, np.ndarray) else value
+
+
+def batch_size(fields: Fields) -> int:
+    """B: the first dimension of ``inputs`` (of its first named input when it has several)."""
+    inputs = fields.get("inputs")
+    if isinstance(inputs, Mapping):
+        inputs = next(iter(inputs.values()), None)
+    return int(inputs.shape[0]) if isinstance(inputs, np.ndarray) and inputs.ndim else 0
 
 
 def _batch_limit(exc: TooLarge, sent: int) -> int | None:
@@ -192,9 +198,13 @@ def grads_plan(
     fields: Fields, *, limit: int | None, progress: Callable[[int, int], None] | None = None
 ) -> Plan:
     """Run one gradients request as one or more requests; see the module docstring."""
-    inputs = fields.get("inputs")
-    size = int(inputs.shape[0]) if isinstance(inputs, np.ndarray) and inputs.ndim else 0
+    size = batch_size(fields)
     wanted = list(dict.fromkeys(fields.get("outputs") or ["grads"]))
+    if fields.get("dp_run") is not None:  # a DP-SGD step: one request, the server's noise
+        answer = yield fields
+        if progress:
+            progress(size, size)
+        return PlanResult(answer, None)
     noise = None
     if "clipped_mean" in wanted:
         sigma = float(fields.get("noise_multiplier") or 0.0) * float(fields.get("clip_norm") or 0)
@@ -290,7 +300,7 @@ def _combine(
         out.update({k: first[k] for k in outputs if k in first})
     else:
         for name in outputs:
-            if name in PER_SAMPLE:
+            if COMBINE.get(name) == "concat":
                 out[name] = concat([p[name] for p in parts])
         if "mean" in outputs:
             variances = [p["variance"] for p in parts] if "variance" in outputs else None

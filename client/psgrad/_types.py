@@ -7,29 +7,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from psgrad._contract import OUTPUT_NAMES as CONTRACT_OUTPUTS
+
 __all__ = ["OUTPUT_NAMES", "GradsResult", "JobStatus", "ModelInfo"]
 
 # numpy arrays by default, torch tensors with ``as_torch=True``.
 Array = Any
 ParamArrays = dict[str, Array]
 
-OUTPUT_NAMES = (
-    "grads",
-    "losses",
-    "norms",
-    "layer_norms",
-    "mean",
-    "variance",
-    "clipped_mean",
-    "dot",
-    "cosine_mean",
-    "td_errors",
-    "updates",
-    "projection",
-    "dots",
-    "influence",
-    "self_influence",
-)
+OUTPUT_NAMES = CONTRACT_OUTPUTS  # the request contract's outputs (psgrad._contract)
 
 
 @dataclass
@@ -47,7 +33,8 @@ class GradsResult:
         outputs: output name -> array ([B] or [B, ...]) or {parameter name: array}.
         timing: ``queue_ms`` and ``compute_ms`` summed over the requests that made the result,
             plus ``total_ms`` as seen by the client.
-        meta: the server's notes (``route``, ``chunk_size``, ``seed`` of the noise, ...);
+        meta: the server's notes (``route``: ``vmap``, ``loop`` or ``fast_stats``, how it
+            was computed; ``chunk_size``, ``seed`` of the noise, ...);
             ``requests`` is how many HTTP requests the client split the batch into; ``verify``
             (with ``verify=k``, or when the server's operator verifies a fraction of the
             jobs) the samples recomputed with the per-sample loop and the largest difference.

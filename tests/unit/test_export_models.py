@@ -47,6 +47,46 @@ async def test_gpt2_padded_batch_next_token_loss_at_a_length_other_than_exported
                               "targets": ids, "mask": mask}, "next_token")
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_the_sdk_sends_gpt2_named_inputs_and_a_mask(chunk_size: int | None) -> None:
+    """The README's GPT-2 example through psgrad.Client: named inputs as a dict of tensors and
+    the token mask; split into requests of 2 samples, each slices both (the merger's
+    per-sample fields come from the contract)."""
+    import psgrad
+    from service.api import create_app
+    from tests.support.api import settings
+    from tests.support.client import running_app
+
+    module, data = exported_hf("gpt2")
+    ids, mask = token_batch(3, 6)
+    with running_app(create_app(settings())) as t, psgrad.Client("http://app", transport=t) as c:
+        c.models.register_exported("gpt", data, default_loss="next_token")
+        got = c.per_sample_grads("gpt", {"input_ids": ids, "attention_mask": mask}, ids,
+                                 mask=mask, outputs=["grads", "norms", "losses"],
+                                 chunk_size=chunk_size)
+    assert got.meta["requests"] == (1 if chunk_size is None else 2)
+    _check(got.outputs, module, {"inputs": {"input_ids": ids, "attention_mask": mask},
+                                 "targets": ids, "mask": mask}, "next_token")
+
+
+async def test_the_async_sdk_sends_named_inputs_and_a_mask() -> None:
+    import psgrad
+
+    module, data = exported_hf("gpt2")
+    ids, mask = token_batch(2, 5)
+    async with open_client() as http, psgrad.AsyncClient(http_client=http) as c:
+        await c.models.register_exported("gpt", data, default_loss="next_token")
+        got = await c.per_sample_grads(
+            "gpt", {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}, ids.numpy(),
+            mask=mask.numpy(), outputs=["grads", "norms", "losses"])
+        job = await c.submit("gpt", {"input_ids": ids, "attention_mask": mask}, ids, mask=mask,
+                             outputs=["norms"])
+        queued = await job.result(timeout=60)
+    data_ = {"inputs": {"input_ids": ids, "attention_mask": mask}, "targets": ids, "mask": mask}
+    _check(got.outputs, module, data_, "next_token")
+    np.testing.assert_allclose(queued.norms, got.norms, **TOL)
+
+
 async def test_bert_classifier_over_safetensors_with_named_input_tensors() -> None:
     module, data = exported_hf("bert")
     ids, mask = token_batch(3, 10)

@@ -1,0 +1,175 @@
+"""The request contract (psgrad._contract) against everything that reads it: a field or output
+that exists on one side only (table, server validation, OpenAPI, client, chunk merger, server
+output registry) fails here."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from psgrad import AsyncClient, Client
+from psgrad._contract import (
+    FIELDS,
+    ID_PATTERN,
+    OUTPUT_NAMES,
+    OUTPUTS,
+    POSITIONAL,
+    REF_PATTERN,
+    REQUEST,
+    RUN_ID_PATTERN,
+    SAMPLE_FIELDS,
+    Field,
+    Options,
+)
+from psgrad._merge import COMBINE, grads_plan
+from psgrad._request import grads_fields
+from service.api.body import _precheck
+from service.api.schemas import GradsRequest
+from service.outputs import OUTPUTS as SERVER_OUTPUTS
+from service.validate import KNOWN_FIELDS
+from tests.support.api import open_client
+
+ROOT = Path(__file__).resolve().parents[2]
+# the modules that read a request's fields by name
+READERS = ("service/validate.py", "service/attribution.py", "service/dp/steps.py",
+           "service/api/body.py", "service/api/routes/grads.py", "service/api/routes/jobs.py")
+EXAMPLE_REF = {REF_PATTERN: "mlp", RUN_ID_PATTERN: "dp-" + "0" * 24, ID_PATTERN: "refs"}
+MERGED = {"concat", "mean", "variance", "clipped_sum", "cosine"}  # what psgrad._merge combines
+
+
+def example(spec: Field) -> Any:
+    """A value the contract accepts for ``spec`` (numpy arrays for tensors)."""
+    kind = spec.kind
+    if kind == "ref":
+        assert spec.pattern is not None
+        value = EXAMPLE_REF[spec.pattern]
+        assert re.fullmatch(spec.pattern, value)
+        return value
+    if kind in ("inputs", "tensor"):
+        return np.ones((2, 3), dtype=np.float32)
+    if kind == "tensors":
+        return {"0.weight": np.ones((2, 3), dtype=np.float32)}
+    if kind == "choice":
+        return spec.choices[-1] if spec.choices else "mse"
+    if kind == "names":
+        return list(spec.choices[:1]) if spec.choices else ["0.weight"]
+    if kind == "int":
+        return int(spec.ge if spec.ge is not None else 0) + 1
+    assert kind == "float", kind
+    return 0.5
+
+
+def test_server_validation_knows_every_field_and_reads_no_other() -> None:
+    assert frozenset(FIELDS) == KNOWN_FIELDS
+    read: set[str] = set()
+    for path in READERS:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            name = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "get" and isinstance(node.func.value, ast.Name) and \
+                    node.func.value.id == "fields" and node.args:
+                name = node.args[0]
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "fields":
+                name = node.slice
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                read.add(name.value)
+    assert read, "no field reads found: the scan is broken"
+    assert read <= set(FIELDS), f"read by the server, not in the contract: {read - set(FIELDS)}"
+    _precheck({f.name: example(f) for f in REQUEST})  # no field refused as unknown
+    with pytest.raises(Exception, match="unknown fields: nope"):
+        _precheck({"model": "mlp", "nope": 1})
+
+
+async def test_openapi_is_the_table() -> None:
+    async with open_client() as c:
+        schemas = (await c.get("/openapi.json")).json()["components"]["schemas"]
+    request, response = schemas["GradsRequest"], schemas["GradsResponse"]
+    assert list(request["properties"]) == [f.name for f in REQUEST]
+    assert set(request["required"]) == {f.name for f in REQUEST if f.required}
+    for spec in REQUEST:
+        prop = request["properties"][spec.name]
+        assert prop["description"] == spec.doc, spec.name
+        if spec.default is not None:
+            assert prop["default"] == spec.default, spec.name
+        text = str(prop)
+        for bound, key in (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"),
+                           ("lt", "exclusiveMaximum")):
+            if getattr(spec, bound) is not None:
+                assert f"'{key}': {getattr(spec, bound)}" in text, (spec.name, bound)
+    outputs = [k for k in response["properties"] if k in OUTPUT_NAMES]
+    assert outputs == list(OUTPUT_NAMES)
+    for out in OUTPUTS:
+        assert response["properties"][out.name]["description"] == out.doc
+    doc = {f.name: example(f) for f in REQUEST}
+    doc = {k: [] if isinstance(v, np.ndarray) else {p: [] for p in v}
+           if f.kind == "tensors" else v for (k, v), f in zip(doc.items(), REQUEST, strict=True)}
+    doc["inputs"] = {"a": [], "b": 1.0}  # named inputs
+    GradsRequest.model_validate(doc, strict=True)  # every field, as /jobs checks a body
+
+
+def test_server_outputs_are_the_table() -> None:
+    assert tuple(SERVER_OUTPUTS.names()) == OUTPUT_NAMES
+    for out in OUTPUTS:
+        served = SERVER_OUTPUTS.get(out.name)
+        assert (served.description, served.per_sample, served.per_param,
+                served.per_param_tensor, served.td0_only) == (
+            out.doc, out.per_sample, out.per_param, out.per_param_tensor, out.td0_only)
+
+
+@pytest.mark.parametrize("cls", [Client, AsyncClient])
+def test_client_signatures_take_every_field(cls: type) -> None:
+    options = set(Options.__annotations__)
+    assert options == set(FIELDS) - set(POSITIONAL)
+    for method in ("per_sample_grads", "submit", "td0"):
+        params = inspect.signature(getattr(cls, method)).parameters
+        assert str(params["options"].annotation) == "Unpack[Options]", method
+        assert not (set(params) - {"self", "options"}) & options - {"rewards"}, method
+    head = list(inspect.signature(cls.per_sample_grads).parameters)[1:4]
+    assert head == list(POSITIONAL)
+    doc = inspect.getdoc(cls.per_sample_grads) or ""
+    missing = [f.name for f in REQUEST if not re.search(rf"\b{f.name}\b", doc)]
+    assert not missing, f"per_sample_grads does not document {missing}"
+
+
+def test_the_request_builder_sends_every_field_as_the_server_reads_it() -> None:
+    sent = grads_fields("mlp", example(FIELDS["inputs"]), example(FIELDS["targets"]),
+                        **{f.name: example(f) for f in REQUEST if f.name not in POSITIONAL})
+    defaults = {"answer_dtype", "verify"}  # unsent when they are the server's default
+    assert set(sent) | defaults == set(FIELDS)
+    _precheck(sent)
+    sent["inputs"] = {"a": np.ones((2, 3)), "b": np.zeros((2, 4))}  # named inputs too
+    _precheck(sent)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nope'"):
+        grads_fields("mlp", [[1.0]], nope=1)  # type: ignore[call-arg]
+
+
+def test_the_merger_slices_every_per_sample_field_and_combines_every_output() -> None:
+    assert set(COMBINE) == set(OUTPUT_NAMES) and set(COMBINE.values()) <= MERGED
+    fields: dict[str, Any] = {"model": "mlp", "outputs": ["norms"]}
+    for name in SAMPLE_FIELDS:
+        rows = np.arange(5, dtype=np.float32)[:, None]
+        fields[name] = {"a": rows, "b": -rows} if name == "inputs" else rows
+    plan = grads_plan(fields, limit=2)
+    sent = [next(plan)]
+    starts = []
+    try:
+        while True:
+            part = sent[-1]
+            starts.append(int(part["inputs"]["a"][0, 0]))
+            n = len(part["inputs"]["a"])
+            for name in SAMPLE_FIELDS:
+                value = part[name]["b"] if name == "inputs" else part[name]
+                assert len(value) == n, name
+                assert abs(int(value[0, 0])) == starts[-1], name
+            sent.append(plan.send({"model": "mlp@v", "batch_size": n, "loss": "mse",
+                                   "norms": np.ones(n, np.float32), "meta": {}}))
+    except StopIteration as stop:
+        assert stop.value.fields["batch_size"] == 5
+    assert starts == [0, 2, 4]
