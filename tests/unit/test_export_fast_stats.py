@@ -96,8 +96,8 @@ def test_fast_statistics_equal_the_loop_on_the_original_module(registry: ModelRe
     assert meta["route"] == "fast_stats"
     # every parameter by its layer's own rule: no whole-model replay (method "vmap")
     assert "vmap" not in meta["method"].values(), meta["method"]
-    if name == "resnet":  # BatchNorm (eval) has no family: replayed op by op
-        assert {k for k, v in meta["method"].items() if v == "direct"} == \
+    if name == "resnet":  # BatchNorm (eval) in closed form, not replayed op by op
+        assert {k for k, v in meta["method"].items() if v == "batch_norm"} == \
             {k for k in meta["method"] if k.startswith("bn.") or ".b1." in k or ".b2." in k}
     if name == "gpt2":  # Conv1D, exported as view(-1, d) + addmm: the linear family's
         assert meta["method"]["model.transformer.h.0.attn.c_attn.weight"] == "linear"

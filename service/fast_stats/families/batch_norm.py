@@ -1,0 +1,85 @@
+"""Batch normalization in eval mode (``F.batch_norm``, ``aten.batch_norm`` in exported graphs):
+its affine parameters from the saved input and output gradient.
+
+With running statistics every sample is normalised on its own, ``x_hat = (x - mean) / sqrt(var
++ eps)`` per channel, so sample i's weight gradient is ``sum(g * x_hat)`` and its bias gradient
+``sum(g)`` over the sample's positions: small, built directly. Replaying the op under ``vmap``
+(what an unclaimed op gets) took a third of a ResNet-18 training step for these few thousand
+parameters. A training-mode call mixes the samples' statistics: declined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.fast_stats._capture import Capture, bind, roles_of
+from service.fast_stats._dense import dense_sum
+from service.fast_stats._family import Captured, Family, register_family
+from service.fast_stats._records import Use
+from service.fast_stats._source import Source, SourceContext
+
+_ATEN = torch.ops.aten.batch_norm.default
+_NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+          "eps")
+_ATEN_NAMES = ("input", "weight", "bias", "running_mean", "running_var", "training",
+               "momentum", "eps")
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """The layer input and the per-channel shift and scale that normalise it."""
+
+    x: torch.Tensor
+    mean: torch.Tensor
+    rstd: torch.Tensor
+
+    @property
+    def key(self) -> Hashable:
+        return None
+
+    def normalised(self) -> torch.Tensor:
+        shape = (1, -1) + (1,) * (self.x.dim() - 2)
+        return (self.x - self.mean.view(shape)) * self.rstd.view(shape)
+
+
+@register_family(F.batch_norm, _ATEN)
+class BatchNorm(Family[NormInput]):
+    method = "batch_norm"
+
+    def source(self, name: str, role: str, uses: Sequence[Use], ctx: SourceContext) -> Source:
+        parts = []
+        for use in uses:
+            g = use.grad
+            if role == "weight":
+                g = g * self.payload(use).normalised().to(g.dtype)
+            parts.append(g.sum(tuple(range(2, g.dim()))) if g.dim() > 2 else g)
+        return dense_sum(name, parts, ctx, self.method)
+
+    def capture(
+        self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+        found: dict[int, str],
+    ) -> Captured | None:
+        if func is _ATEN:
+            x, w, b, mean, var, training, _, eps = bind(args, kwargs, _ATEN_NAMES)
+        else:
+            x, mean, var, w, b, training, _, eps = bind(args, kwargs, _NAMES)
+        if (
+            training
+            or not isinstance(mean, torch.Tensor)
+            or not isinstance(var, torch.Tensor)
+            or id(mean) in found
+            or id(var) in found
+            or id(x) in found
+            or not cap.is_batched(x)
+            or x.dim() < 2
+        ):
+            return None
+        eps = 1e-5 if eps is None else float(eps)
+        out = func(*args, **kwargs)
+        payload = NormInput(x.detach(), mean.detach(), (var.detach() + eps).rsqrt())
+        return out, [self.use(func, roles_of(found, weight=w, bias=b), payload, out)]
