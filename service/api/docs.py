@@ -48,8 +48,18 @@ def schema_ref(model: type[BaseModel]) -> dict[str, str]:
 _EXTRA: dict[str, type[BaseModel]] = {}
 
 
+# The headers of every answer (errors.CatchAllMiddleware sets them), stated on every response.
+EVERY_ANSWER_HEADERS = {
+    "psgrad-version": "The server's psgrad version, e.g. 0.2.0 (the client warns when it is "
+                      "older than the client)",
+    "X-Request-ID": "The request's id (the client's own X-Request-ID when it sent a plain one); "
+                    "the server's log names it with any unexpected error",
+}
+
+
 def install_openapi(app: FastAPI) -> None:
-    """The generated document plus the request models that routes only name in openapi_extra."""
+    """The generated document plus the request models that routes only name in openapi_extra,
+    and the headers every answer carries."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -62,7 +72,19 @@ def install_openapi(app: FastAPI) -> None:
                 for sub, sub_schema in schema.pop("$defs", {}).items():
                     schemas.setdefault(sub, sub_schema)
                 schemas[name] = schema
+            _state_every_answers_headers(doc)
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _state_every_answers_headers(doc: dict[str, Any]) -> None:
+    doc["components"]["headers"] = {
+        name: {"description": text, "required": True, "schema": {"type": "string"}}
+        for name, text in EVERY_ANSWER_HEADERS.items()}
+    refs = {name: {"$ref": f"#/components/headers/{name}"} for name in EVERY_ANSWER_HEADERS}
+    for item in doc.get("paths", {}).values():
+        for operation in item.values():
+            for response in operation.get("responses", {}).values():
+                response.setdefault("headers", {}).update(refs)

@@ -391,6 +391,12 @@ async def test_every_answer_carries_a_request_id_and_the_version() -> None:
         ]
         assert [r.headers.get_list("psgrad-version") for r in answers] == \
             [[psgrad.__version__]] * len(answers)
+        doc = answers[4].json()  # and the document says so of every response
+        assert doc["info"]["version"] == psgrad.__version__
+        stated = [set(response["headers"]) >= {"psgrad-version", "X-Request-ID"}
+                  for item in doc["paths"].values() for operation in item.values()
+                  for response in operation["responses"].values()]
+        assert len(stated) > 20 and all(stated)
         ids = [r.headers["x-request-id"] for r in answers]
         assert len(set(ids)) == len(ids) and all(len(i) == 32 for i in ids), ids
         mine = await c.get("/healthz", headers={"X-Request-ID": "client-1.a_b:c"})
