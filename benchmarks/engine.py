@@ -13,7 +13,7 @@ B=256) on the local device (CUDA when available), four ways to get gradients of 
 Methods run interleaved, round after round, after a warm-up, so they share the machine's load;
 the table gives medians and ratios from the same run. ``THP_MEM_ALLOC_ENABLE=1`` (transparent
 huge pages for CPU tensors) is set before torch is imported, as workers run; ``--no-thp`` runs
-without it for comparison (the README's engine benchmark gives both).
+without it for comparison (docs/benchmarks-engine.md gives both).
 
     python benchmarks/engine.py [--repeats 15] [--no-thp] [--threads N]
 """

@@ -16,7 +16,7 @@ output (``grads``, ``norms``) it times:
 
 Every method runs once per round, rounds interleaved; times are medians and ratios the median
 of per-round ratios (our machine is shared; with two threads on busy cores the wall times are
-dominated by threads waiting for each other, so the README's figures take one thread:
+dominated by threads waiting for each other, so docs/benchmarks-export.md takes one thread:
 ``OMP_NUM_THREADS=1``). Before timing, each method's norms are checked
 against the loop's. Needs ``transformers`` (``pip install --no-deps transformers`` plus its small
 dependencies: without ``--no-deps`` pip replaces torch).

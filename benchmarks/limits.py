@@ -4,7 +4,7 @@ requests, and how fast a model too large is refused.
     python benchmarks/limits.py [--model gpt2|bert] [--batch 4] [--length 64] [--requests 3]
 
 GPT-2 small (124M parameters) or BERT-base (109M) is built from transformers' default config
-with random weights (no download), exported as the README shows (``input_ids`` and
+with random weights (no download), exported as docs/models.md shows (``input_ids`` and
 ``attention_mask``, eager attention, a dynamic length in 2..512) and registered with a
 ``psgrad serve`` process started here with the default settings (embedded workers, CPU). It
 prints:
@@ -41,7 +41,7 @@ import psgrad
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class LM(torch.nn.Module):  # (input_ids, attention_mask) -> logits, as in the README
+class LM(torch.nn.Module):  # (input_ids, attention_mask) -> logits, as in docs/models.md
     def __init__(self, m: torch.nn.Module) -> None:
         super().__init__()
         self.m = m

@@ -21,8 +21,8 @@ from mkdocs.structure.pages import Page
 # [text](target) and ![alt](target "title"); the target up to a space or the closing bracket
 LINK = re.compile(r"(\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
-# benchmark results are pages of the site whether or not a page links them
-ALWAYS = ("benchmarks/results/*.md",)
+# pages of the site whether or not a page links them
+ALWAYS = ("CHANGELOG.md", "benchmarks/results/*.md")
 
 
 def _root(config: MkDocsConfig) -> Path:

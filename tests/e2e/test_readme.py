@@ -1,4 +1,8 @@
-"""README's ```python blocks run, each in its own process, against `psgrad serve` (PSGRAD_URL)."""
+"""The documentation's ```python blocks run, each in its own process, against `psgrad serve`.
+
+Every ```python block of README.md and of the pages in docs/ runs (PSGRAD_URL points at the
+server); a sketch that is not meant to run is fenced ```py instead.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,29 @@ import pytest
 
 from tests.support.client import psgrad_serve
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# the least each page holds: a block moved away or fenced ```py by mistake fails here
+EXPECTED = {
+    "README.md": 1,  # the quick start
+    "docs/client.md": 3,
+    "docs/models.md": 2,  # a zoo family, GPT-2 exported with its mask
+    "docs/dp.md": 1,
+    "docs/verify.md": 1,
+    "docs/attribution.md": 1,
+    "docs/status-page.md": 1,
+}
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+BLOCKS = {
+    f"{page.relative_to(ROOT)}:{i}": code
+    for page in PAGES
+    for i, code in enumerate(python_blocks(page))
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +48,20 @@ def url() -> Iterator[str]:
         yield u
 
 
-def test_readme_has_python_blocks() -> None:
-    assert len(BLOCKS) >= 3
+def test_the_pages_have_their_python_blocks() -> None:
+    counts = {str(p.relative_to(ROOT)): len(python_blocks(p)) for p in PAGES}
+    short = {page: (counts.get(page, 0), least) for page, least in EXPECTED.items()
+             if counts.get(page, 0) < least}
+    assert not short, f"pages with fewer ```python blocks than expected (found, expected): {short}"
+    assert len(BLOCKS) >= sum(EXPECTED.values())
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_block_runs(url: str, code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("code", BLOCKS.values(), ids=BLOCKS.keys())
+def test_python_block_runs(url: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(code)
     env = {**os.environ, "PSGRAD_URL": url}
     env.pop("PSGRAD_API_KEY", None)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=README.parent)
+                         timeout=240, cwd=ROOT)
     assert out.returncode == 0, f"{code}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"

@@ -27,7 +27,7 @@ from service.validate import decode_json_body, parse_request
 from tests.support.client import free_port
 
 SAFETENSORS = "application/x-safetensors"
-# The MindSpore tutorial's TD(0) example, checked by hand in the README ("TD(0) semantics"):
+# The MindSpore tutorial's TD(0) example, checked by hand in docs/requests.md ("TD(0) semantics"):
 # V(s) = 0, V(s') = -0.2, delta 1.8, updates [3.6, 1.8, -3.6], grads [-7.2, -3.6, 7.2].
 TD0 = {
     "model": "linear-value",

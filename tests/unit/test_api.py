@@ -45,7 +45,7 @@ async def test_health_and_readiness() -> None:
 
 
 async def test_td0_hand_check_json_and_safetensors() -> None:
-    """The hand-computed TD(0) example of the README ("TD(0) semantics"), in both wire forms."""
+    """The TD(0) example hand-computed in docs/requests.md, in both wire forms."""
     doc = {**TD0, "outputs": ["grads", "updates", "td_errors", "losses"]}
     want = {
         "td_errors": np.array([1.8]),

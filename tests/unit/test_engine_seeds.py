@@ -3,7 +3,7 @@
 (a) The PyTorch tutorial "Per-sample-gradients": its CNN, B=64 random MNIST-shaped inputs, the
 per-sample gradients equal a per-sample loop at the tutorial's ``atol=3e-3, rtol=1e-5``.
 (b) The MindSpore tutorial's TD(0) with a linear value function: the numbers checked by hand in
-the README ("TD(0) semantics"), and the batched case (one theta, a batch of transitions:
+docs/requests.md ("TD(0) semantics"), and the batched case (one theta, a batch of transitions:
 ``in_axes=(None, 0, 0, 0)``).
 """
 
@@ -87,7 +87,7 @@ MINDSPORE = {
 
 
 def test_mindspore_td0_hand_checked(registry: ModelRegistry) -> None:
-    """V(s)=0, V(s')=-0.2, delta=1.8; updates = delta s; grads = -2 delta s (as in the README)."""
+    """V(s)=0, V(s')=-0.2, delta=1.8; updates = delta s; grads = -2 delta s."""
     out = run(registry, MINDSPORE)
     assert out["td_errors"].tolist() == pytest.approx([1.8], abs=1e-6)
     assert out["losses"].tolist() == pytest.approx([1.8**2], abs=1e-6)

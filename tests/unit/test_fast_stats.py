@@ -175,7 +175,7 @@ def test_a_zero_dimensional_bias_against_the_loop() -> None:
 
 
 def test_td0_hand_check() -> None:
-    """The README's TD(0) example: theta=[0.2,-0.2,0.1], s=[2,1,-2], r=2, s'=[1,2,0]: -7.2..."""
+    """docs/requests.md's TD(0): theta=[0.2,-0.2,0.1], s=[2,1,-2], r=2, s'=[1,2,0]: -7.2..."""
     model = zoo("linear-value", {"dim": 3, "bias": False})
     batch = Batch(
         inputs=torch.tensor([[2.0, 1.0, -2.0]]),
