@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from psgrad._contract import ID_PATTERN, OUTPUTS, REF_PATTERN, REQUEST
+from psgrad._contract import ID_PATTERN, OUTPUTS, REF_PATTERN, REQUEST, field
 from psgrad._contract import TENSOR_DOC as TENSOR_DOC  # the stores read it here
 from psgrad._contract import Field as ContractField
 from service.losses import LOSSES
@@ -37,9 +37,10 @@ MODEL_ID = f"^{ID_PATTERN}$"
 MODEL_REF = f"^{REF_PATTERN}$"
 
 
-def contract_field(spec: ContractField) -> tuple[Any, Any]:
+def contract_field(spec: ContractField, required: bool | None = None) -> tuple[Any, Any]:
     """A request field of the contract as pydantic's (type, Field): what OpenAPI documents and
-    ``POST /jobs`` checks before queueing."""
+    ``POST /jobs`` checks before queueing. ``required``: other than the contract says (a body
+    that shares the field, e.g. a store's)."""
     kind = spec.kind
     choices = LOSSES.names() if spec.registry == "losses" else spec.choices
     typ: Any
@@ -64,9 +65,15 @@ def contract_field(spec: ContractField) -> tuple[Any, Any]:
     if spec.pattern is not None:
         limits["pattern"] = f"^{spec.pattern}$"  # JSON Schema's ``pattern`` matches anywhere
     extra = None if spec.default is None else {"default": spec.default}
-    if spec.required:
+    if spec.required if required is None else required:
         return typ, Field(description=spec.doc, **limits)
     return typ | None, Field(None, description=spec.doc, json_schema_extra=extra, **limits)
+
+
+def contract_fields(*names: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The contract's fields ``names`` as ``create_model`` takes them (``required``: these are,
+    whatever the contract says; the others optional)."""
+    return {n: contract_field(field(n), n in required) for n in names}
 
 
 REQUEST_FIELDS: dict[str, Any] = {spec.name: contract_field(spec) for spec in REQUEST}

@@ -173,3 +173,15 @@ def test_the_merger_slices_every_per_sample_field_and_combines_every_output() ->
     except StopIteration as stop:
         assert stop.value.fields["batch_size"] == 5
     assert starts == [0, 2, 4]
+
+
+def test_the_stores_bodies_share_the_contract_fields() -> None:
+    from service.api.routes.stores import QueryBody, SamplesBody, StoreBody
+
+    shared = 0
+    for body in (StoreBody, SamplesBody, QueryBody):
+        for name, prop in body.model_json_schema()["properties"].items():
+            if name in FIELDS and name != "model":  # a store's model: its own meaning
+                assert prop["description"] == FIELDS[name].doc, (body.__name__, name)
+                shared += 1
+    assert shared >= 5 + 5 + 4

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import Conflict, InvalidInput, NotFound
@@ -24,8 +24,8 @@ from service.api.body import decode_request, loads, read_body
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
-from service.api.schemas import MODEL_ID, MODEL_REF, TENSOR_DOC, Tensor, errors
-from service.reference_sets import checked_id
+from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
+from service.reference_sets import SAMPLE_FIELDS, checked_id
 from service.reference_store import set_key
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import SCORES, check_k, check_score, search
@@ -38,7 +38,6 @@ from service.stores.spec import (
     id_kind,
     positive_int,
 )
-from service.strategies.projection import KINDS, MAX_DIM
 from service.tenants import Tenant
 from service.validate import parse_request
 
@@ -48,45 +47,45 @@ SAMPLES_EXTRA = frozenset({"ids"})
 QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches"})
 
 
-class StoreBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(pattern=MODEL_REF, description="model id, or id@version; the store pins "
-                       "the version")
-    loss: str | None = Field(None, description="default: the model's default loss")
-    params: list[str] | None = Field(None, min_length=1, description="default: every parameter")
-    projection_dim: int = Field(description="k, the entries of each sample's sketch", ge=1,
-                                le=MAX_DIM)
-    projection_seed: int = Field(0, ge=0, lt=2**63)
-    projection_kind: Literal[KINDS] | None = Field(  # type: ignore[valid-type]
-        None, description=f"default: {KINDS[0]}")
-    dtype: Literal[DTYPES] = Field("float32", description="how rows are kept")  # type: ignore
+StoreBody = create_model(  # loss, params and the projection: the request contract's fields
+    "StoreBody",
+    __config__=ConfigDict(extra="forbid"),
+    model=(str, Field(pattern=MODEL_REF, description="model id, or id@version; the store pins "
+                      "the version")),
+    **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind",
+                      required=("projection_dim",)),
+    dtype=(Literal[DTYPES], Field("float32", description="how rows are kept")),
+)
 
 
-class SampleBatch(BaseModel):
-    """Test or training samples; the store fixes the model version, loss, parameters and
-    projection (sending them is allowed only with the store's own values)."""
-
+class _Batch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, pattern=MODEL_REF, description="the store's model, if sent")
-    inputs: Tensor | dict[str, Tensor] | None = Field(None, description=TENSOR_DOC)
-    targets: Tensor | None = None
-    next_inputs: Tensor | None = None
-    rewards: Tensor | None = None
-    dones: Tensor | None = None
 
 
-class SamplesBody(SampleBatch):
-    inputs: Tensor | dict[str, Tensor] = Field(description=TENSOR_DOC)
-    ids: list[int | str] = Field(min_length=1, description="one per sample: integers or strings "
-                                 "of 1 to 128 printable characters, new to the store")
-
-
-class QueryBody(SampleBatch):
-    k: int = Field(10, ge=1, description="the best k training samples of each query")
-    score: Literal[SCORES] = "dot"  # type: ignore[valid-type]
-    lambda_: float | None = Field(None, alias="lambda", ge=0, description="trak only; "
-                                  "default: trace(Phi^T Phi) / k")
-    sketches: Tensor | None = Field(None, description="[queries, k] instead of a batch")
+SampleBatch = create_model(  # the batch's fields: the request contract's
+    "SampleBatch",
+    __base__=_Batch,
+    __doc__="""Test or training samples; the store fixes the model version, loss, parameters
+    and projection (sending them is allowed only with the store's own values).""",
+    **contract_fields(*SAMPLE_FIELDS),
+)
+SamplesBody = create_model(
+    "SamplesBody",
+    __base__=SampleBatch,
+    **contract_fields("inputs", required=("inputs",)),
+    ids=(list[int | str], Field(min_length=1, description="one per sample: integers or strings "
+                                "of 1 to 128 printable characters, new to the store")),
+)
+QueryBody = create_model(
+    "QueryBody",
+    __base__=SampleBatch,
+    k=(int, Field(10, ge=1, description="the best k training samples of each query")),
+    score=(Literal[SCORES], "dot"),
+    lambda_=(float | None, Field(None, alias="lambda", ge=0, description="trak only; "
+                                 "default: trace(Phi^T Phi) / k")),
+    sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch")),
+)
 
 
 def _body(model: type[BaseModel], description: str) -> dict[str, Any]:
