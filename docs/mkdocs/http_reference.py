@@ -117,7 +117,7 @@ def operations(doc: Schema) -> Iterator[tuple[str, str, str, Schema]]:
             yield (op.get("tags") or ["other"])[0], method.upper(), path, op
 
 
-def render_operation(method: str, path: str, op: Schema) -> list[str]:
+def render_operation(method: str, path: str, op: Schema, common: set[str]) -> list[str]:
     out = [f"### {method} `{path}`", "", f"**{op.get('summary', '')}**", ""]
     if op.get("description"):
         out += [op["description"].strip(), ""]
@@ -140,6 +140,7 @@ def render_operation(method: str, path: str, op: Schema) -> list[str]:
     for status, r in op.get("responses", {}).items():
         bodies = [f"`{ctype}` {kind(c.get('schema', {}))}"
                   for ctype, c in r.get("content", {}).items() if c.get("schema")]
+        bodies += [f"header `{h}`" for h in r.get("headers", {}) if h not in common]
         out.append(f"| {status} | {text(r.get('description', ''))} | {'; '.join(bodies)} |")
     return [*out, ""]
 
@@ -158,16 +159,36 @@ def render_schema(name: str, schema: Schema) -> list[str]:
     return [*out, ""]
 
 
+def common_headers(doc: Schema) -> set[str]:
+    """The headers that every response of every route declares."""
+    sets = [set(r.get("headers", {})) for _, _, _, op in operations(doc)
+            for r in op.get("responses", {}).values()]
+    return set.intersection(*sets) if sets else set()
+
+
+def render_headers(doc: Schema, common: set[str]) -> list[str]:
+    headers = doc.get("components", {}).get("headers", {})
+    if not headers:
+        return []
+    out = ["## Headers", "", "Every answer carries "
+           + ", ".join(f"`{h}`" for h in sorted(common)) + "." if common else "", "",
+           "| header | type | description |", "|---|---|---|"]
+    out += [f"| `{name}` | {kind(h.get('schema', {}))} | {text(h.get('description', ''))} |"
+            for name, h in headers.items()]
+    return [*out, ""]
+
+
 def render(doc: Schema) -> str:
     info = doc["info"]
+    common = common_headers(doc)
     out = [
         "# HTTP API",
         "",
         f"{info.get('description', '').strip()}",
         "",
-        "This page is rendered from the server's OpenAPI document (OpenAPI "
-        f"{doc['openapi']}), the one a running server serves at `GET /openapi.json` and shows "
-        "at `/docs`. Requests and answers are JSON or safetensors "
+        f"This page is rendered from the server's OpenAPI document (version {info['version']}, "
+        f"OpenAPI {doc['openapi']}), the one a running server serves at `GET /openapi.json` "
+        "and shows at `/docs`. Requests and answers are JSON or safetensors "
         "(`Content-Type` / `Accept: application/x-safetensors`); every error is an "
         "[ErrorBody](#errorbody).",
         "",
@@ -178,7 +199,8 @@ def render(doc: Schema) -> str:
     for tag, ops in tags.items():
         out += [f"## {tag[:1].upper()}{tag[1:]}", ""]
         for method, path, op in ops:
-            out += render_operation(method, path, op)
+            out += render_operation(method, path, op, common)
+    out += render_headers(doc, common)
     out += ["## Schemas", ""]
     for name, schema in sorted(doc.get("components", {}).get("schemas", {}).items()):
         out += render_schema(name, schema)
