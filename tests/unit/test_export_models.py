@@ -49,7 +49,7 @@ async def test_gpt2_padded_batch_next_token_loss_at_a_length_other_than_exported
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_the_sdk_sends_gpt2_named_inputs_and_a_mask(chunk_size: int | None) -> None:
-    """The README's GPT-2 example through psgrad.Client: named inputs as a dict of tensors and
+    """docs/models.md's GPT-2 example through psgrad.Client: named inputs as a dict of tensors and
     the token mask; split into requests of 2 samples, each slices both (the merger's
     per-sample fields come from the contract)."""
     import psgrad

@@ -92,7 +92,7 @@ REGISTER_BODY: dict[str, Any] = {
         "required": True,
         "description": "{architecture: <zoo name>, config: {...}} or {architecture: 'sequential', "
         "layers: [{type, args, kwargs}], input: {shape, dtype}, default_loss, losses}; optional "
-        "weights: {param: tensor} (README: Bring your own model)",
+        "weights: {param: tensor} (docs/models.md)",
         "content": {
             JSON: {"schema": {"type": "object"}},
             EXPORT_MEDIA_TYPE: {
