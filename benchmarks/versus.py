@@ -53,7 +53,8 @@ def rows(text: str, columns: tuple[str, ...] = TIME_COLUMNS) -> dict[str, float]
 
 
 def run(tree: Path, script: Path, args: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the server at the root, the client in client/ (each checkout's own, not an installed one)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tree), str(tree / "client")))}
     done = subprocess.run([sys.executable, str(script), *args], cwd=tree,
                           env=env, capture_output=True, text=True, check=True)
     return done.stdout

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 # The fields, which of them are tensors, their ranges: the request contract (psgrad._contract)
 KNOWN_FIELDS = KNOWN
 VERIFY, VERIFY_SEED, SEED = field("verify"), field("verify_seed"), field("seed")
+CLIP, NOISE, GAMMA = field("clip_norm"), field("noise_multiplier"), field("gamma")
+MIN_CLIP, MIN_NOISE = float(CLIP.gt or 0), float(NOISE.ge or 0)  # clip_norm > 0, noise >= 0
+GAMMA_LOW, GAMMA_HIGH = float(GAMMA.ge or 0), float(GAMMA.le or 1)
 
 
 @dataclass
@@ -258,10 +261,10 @@ def _options(fields: dict[str, Any], model: LoadedModel,
     noise = _number(fields.get("noise_multiplier"), "noise_multiplier") or 0.0
     if "clipped_mean" in outputs and clip_norm is None:
         raise InvalidInput("output 'clipped_mean' needs 'clip_norm' > 0")
-    if clip_norm is not None and clip_norm <= 0:  # refused with any outputs, as documented
+    if clip_norm is not None and clip_norm <= MIN_CLIP:  # refused with any outputs, as documented
         raise InvalidInput(f"'clip_norm' must be > 0 (output 'clipped_mean' needs it); got "
                            f"{clip_norm:g}")
-    if noise < 0:
+    if noise < MIN_NOISE:
         raise InvalidInput("'noise_multiplier' must be >= 0")
     seed = SEED.integer(fields.get("seed"))
     return Options(
@@ -276,8 +279,9 @@ def _gamma(value: Any) -> float | None:
     """td0's discount, in [0, 1]: beyond 1 the target r + gamma V(s') grows without bound and
     below 0 it flips the future's sign. NaN and the infinities are outside too, so they are the
     same 422 as -3 or 1e30 (not the 400 of the other options' non-finite numbers)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= 1:
-        raise InvalidInput(f"'gamma' must be a discount in [0, 1]; got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            not GAMMA_LOW <= value <= GAMMA_HIGH:
+        raise InvalidInput(f"'gamma' must be a discount in {GAMMA.bounds()}; got {value!r}")
     return _number(value, "gamma")
 
 
