@@ -42,30 +42,27 @@ def _resolve(page_path: Path, target: str) -> tuple[Path, str]:
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     root = _root(config)
-    files.append(File.generated(config, "index.md", abs_src_path=str(root / "README.md")))
     known = {Path(f.abs_src_path) for f in files if f.abs_src_path}
+
+    def add(path: Path, src_uri: str) -> File:
+        new = File.generated(config, src_uri, abs_src_path=str(path))
+        files.append(new)
+        known.add(path)
+        return new
+
+    add(root / "README.md", "index.md")
+    for path in sorted({p for pattern in ALWAYS for p in root.glob(pattern)} - known):
+        add(path, path.relative_to(root).as_posix())
     todo = [f for f in files if f.is_documentation_page()]
-    todo += [_add(files, config, root, p) for p in sorted({
-        p for pattern in ALWAYS for p in root.glob(pattern)} - known)]
-    known = {Path(f.abs_src_path) for f in files if f.abs_src_path}
-    while todo:
-        page = todo.pop()
-        page_path = Path(page.abs_src_path or "")
+    while todo:  # the pages' links, and the links of the pages they bring in
+        page_path = Path(todo.pop().abs_src_path or "")
         for target in _targets(page_path.read_text(encoding="utf-8")):
             path, _ = _resolve(page_path, target)
-            if path in known or not path.is_file() or not path.is_relative_to(root):
-                continue
-            new = _add(files, config, root, path)
-            known.add(path)
-            if new.is_documentation_page():
-                todo.append(new)
+            if path not in known and path.is_file() and path.is_relative_to(root):
+                new = add(path, path.relative_to(root).as_posix())
+                if new.is_documentation_page():
+                    todo.append(new)
     return files
-
-
-def _add(files: Files, config: MkDocsConfig, root: Path, path: Path) -> File:
-    new = File.generated(config, path.relative_to(root).as_posix(), abs_src_path=str(path))
-    files.append(new)
-    return new
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
