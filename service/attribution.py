@@ -5,32 +5,48 @@ and takes ``projection_seed`` (0 by default) and ``projection_kind`` (``tensorsk
 default, or ``kronecker``: :mod:`service.strategies.projection`). ``dots`` needs M references:
 ``reference`` ``{param: [M, *shape]}`` for every selected parameter (exact dot products), or
 ``reference_sketches`` ``[M, k]`` made with the same projection. ``influence`` reads them from a
-stored reference set (``reference_set``), whose projection, parameters and model structure the
-request must share. Every refusal says what to change.
+stored reference set (``reference_set``: a small gradient store, :mod:`service.stores.sets`),
+whose projection, parameters and model structure the request must share. Every refusal says what
+to change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from psgrad._contract import field
 from psgrad._errors import InvalidInput, NotFound, ShapeMismatch
-from service.reference_store import ReferenceSet, set_name
 from service.registry import LoadedModel
 from service.strategies.base import Batch, Options
 from service.strategies.projection import KINDS, MAX_DIM, Projection
+from service.tenants import owned_name
+
+
+@dataclass(frozen=True)
+class ReferenceSet:
+    """What ``influence`` scores against: a set's tensors (``sketches`` [M, k], or one
+    ``[M, *shape]`` per parameter) and how they were made."""
+
+    id: str
+    model: str  # the model version that computed it, id@version
+    params: tuple[str, ...]
+    shapes: dict[str, list[int]]  # of the parameters (empty: not recorded, not checked)
+    projection: Projection | None  # None: full gradients
+    tensors: dict[str, np.ndarray]
+
 
 DIM, SEED = field("projection_dim"), field("projection_seed")
 
 
 class ReferenceSets(Protocol):
-    """Where ``influence`` finds its reference set (:mod:`service.reference_store`)."""
+    """Where ``influence`` finds its reference set (:class:`service.stores.sets.StoredSets`)."""
 
-    def get(self, set_id: str) -> ReferenceSet | None: ...
+    def get(self, key: str) -> ReferenceSet | None: ...
 
 
 def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection | None:
@@ -122,7 +138,7 @@ def _reference_set(set_id: Any, sets: ReferenceSets | None) -> ReferenceSet:
                            "with PUT /reference-sets/{id}")
     found = sets.get(set_id) if sets is not None else None
     if found is None:
-        name = set_name(set_id)  # the api sends the set's key in its tenant's namespace
+        name = owned_name(set_id)  # the api sends the set's key in its tenant's namespace
         raise NotFound(f"reference set '{name}' not found: create it with "
                        f"PUT /reference-sets/{name}")
     return found
@@ -134,11 +150,12 @@ def _match_set(model: LoadedModel, opts: Options, found: ReferenceSet) -> Option
         raise InvalidInput(f"reference set '{found.id}' holds parameters "
                            f"{', '.join(found.params)}; select the same ('params')")
     for name in opts.params:
-        if list(model.params[name].shape) != list(found.shapes[name]):
+        shape = found.shapes.get(name)
+        if shape is not None and list(model.params[name].shape) != list(shape):
             raise ShapeMismatch(f"reference set '{found.id}' was made on a model whose "
-                                f"'{name}' has shape {found.shapes[name]}; this one has "
+                                f"'{name}' has shape {shape}; this one has "
                                 f"{list(model.params[name].shape)}", parameter=name)
-    want = Projection(*found.projection) if found.projection is not None else None
+    want = found.projection
     if opts.projection is not None and opts.projection != want:
         made = ("full gradients" if want is None else f"projection_dim {want.k}, "
                 f"projection_seed {want.seed}, projection_kind '{want.kind}'")

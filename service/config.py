@@ -129,12 +129,12 @@ READ_BY: dict[str, frozenset[str]] = {
     "compile": frozenset({WORKER}),
     "compile_secret": frozenset({WORKER}),
     "model_dir": EMBEDDED_ONLY,  # with Redis, models live in Redis
-    "data_dir": frozenset({API}),  # stores are written and queried by the api
+    "data_dir": BOTH,  # the api writes and queries stores; workers read reference sets
     "store_shard_bytes": frozenset({API}),
     "max_body_bytes": frozenset({API}),
     "max_batch_size": BOTH,  # checked at the api and again where the worker decodes
     "max_result_bytes": frozenset({WORKER}),
-    "max_reference_set_bytes": frozenset({API}),
+    "max_reference_set_bytes": BOTH,  # a set made (api); a store read by influence (worker)
     "max_elements": frozenset({API}),
     "request_timeout_s": frozenset({API}),
     "max_queue_depth": frozenset({API}),

@@ -29,12 +29,6 @@ def model_version(prefix: str, model_id: str, version: str) -> str:
     return f"{prefix}:model:{model_id}:v:{version}"
 
 
-def reference_set(prefix: str, set_id: str) -> str:
-    """Hash of one reference set (service/reference_store.py): ``spec`` (JSON) and ``tensors``
-    (safetensors bytes); no TTL: a set lives until deleted or replaced."""
-    return f"{prefix}:refset:{set_id}"
-
-
 def store_lock(prefix: str, store: str) -> str:
     """The commit lease of one gradient store (service/stores/locks.py): a token, expiring."""
     return f"{prefix}:store-lock:{store}"

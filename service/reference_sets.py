@@ -1,15 +1,14 @@
-"""``PUT /reference-sets/{id}``: the gradients request that makes a set, and the set it made.
+"""``PUT /reference-sets/{id}``: the gradients request that makes a set.
 
 A set is made by an ordinary job (so it is computed by whichever worker takes it, batched and
 limited like any request): ``projection`` when the body names ``projection_dim``, else
 ``grads``. Its size is checked before the job runs (``PSGRAD_MAX_REFERENCE_SET_BYTES``: full
-gradients of M samples are M copies of the selected parameters), and the answer is kept in the
-registry's reference store, beside the models, so every worker reads it.
+gradients of M samples are M copies of the selected parameters), and the answer is kept as a
+small gradient store (:mod:`service.stores.sets`), which every process of a deployment reads.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -17,10 +16,9 @@ import numpy as np
 from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
 from service.config import raise_setting
 from service.model_store import is_safe_id
-from service.reference_store import ReferenceSet, set_key
-from service.registry import LoadedModel, ModelRegistry
+from service.registry import LoadedModel
 from service.strategies.base import Options
-from service.strategies.projection import KINDS
+from service.tenants import owned_key
 
 SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 _READ = ("reference", "reference_sketches", "reference_set", "outputs")
@@ -34,11 +32,11 @@ def checked_id(set_id: str) -> str:
 
 def scope_reference(fields: dict[str, Any], tenant: str) -> None:
     """A request's ``reference_set`` names a set of its own tenant: the field becomes that
-    set's store key (:func:`service.reference_store.set_key`), so no request reads another
+    set's store key (:func:`service.tenants.owned_key`), so no request reads another
     tenant's set."""
     name = fields.get("reference_set")
     if isinstance(name, str):  # anything else: the request validation says what is wrong
-        fields["reference_set"] = set_key(tenant, checked_id(name))
+        fields["reference_set"] = owned_key(tenant, checked_id(name))
 
 
 def set_request(set_id: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -89,25 +87,3 @@ def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
         out["grads"] = {k: np.concatenate([np.asarray(p["grads"][k]) for p in parts])
                         for k in first["grads"]}
     return out
-
-
-def make_set(set_id: str, fields: dict[str, Any], result: dict[str, Any],
-             registry: ModelRegistry) -> ReferenceSet:
-    """The set from the job's answer (``model`` names the exact version that computed it)."""
-    model = registry.get(str(result["model"]))
-    params = tuple(p for p in model.params if p in set(fields.get("params") or model.params))
-    dim = fields.get("projection_dim")
-    if dim is not None:
-        tensors = {"sketches": np.asarray(result["projection"])}
-        kind = str((result.get("meta") or {}).get("projection_kind")
-                   or fields.get("projection_kind") or KINDS[0])
-        projection: tuple[int, int, str] | None = (
-            int(dim), int(fields.get("projection_seed") or 0), kind)
-    else:
-        tensors = {k: np.asarray(v) for k, v in result["grads"].items()}
-        projection = None
-    return ReferenceSet(
-        id=set_id, model=str(result["model"]), loss=str(result["loss"]), params=params,
-        shapes={k: list(model.params[k].shape) for k in params}, projection=projection,
-        count=int(result["batch_size"]), created=time.time(), tensors=tensors,
-    )

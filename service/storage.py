@@ -9,8 +9,9 @@ share one by accident, and the embedded mode's memory stores are the same object
 and its worker threads because they are handed the same ``Storage``.
 
 Each store picks its backend from the settings the same way: Redis when ``PSGRAD_REDIS_URL`` is
-set (shared by the api and every worker), else files (``PSGRAD_MODEL_DIR`` for models, reference
-sets and DP runs), else memory; gradient stores are always files under ``PSGRAD_DATA_DIR``.
+set (shared by the api and every worker), else files (``PSGRAD_MODEL_DIR`` for models and DP
+runs), else memory; gradient stores (reference sets among them) are always files under
+``PSGRAD_DATA_DIR``, which every process of a deployment must see.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from service.config import Settings
 from service.dp.runs import RunStore, make_run_store
 from service.model_store import ModelStore, make_store
-from service.reference_store import ReferenceStore, make_reference_store
 from service.stores import StoreFiles, make_store_files
 
 __all__ = ["Storage", "open_storage"]
@@ -31,9 +31,8 @@ class Storage:
     """The stores of one process."""
 
     models: ModelStore  # registered models' versions (:mod:`service.model_store`)
-    references: ReferenceStore  # reference sets (:mod:`service.reference_store`)
     runs: RunStore  # DP runs and their step counts (:mod:`service.dp.runs`)
-    gradients: StoreFiles  # gradient stores (:mod:`service.stores`)
+    gradients: StoreFiles  # gradient stores and reference sets (:mod:`service.stores`)
 
     def close(self) -> None:
         """Close the stores' connections (Redis); the process is done with them."""
@@ -45,5 +44,4 @@ def open_storage(settings: Settings, *, models: ModelStore | None = None) -> Sto
     """Every store these settings name; ``models``: a model store the caller already has (a
     registry handed to :func:`service.api.create_app`), kept instead of a new one."""
     return Storage(models=models if models is not None else make_store(settings),
-                   references=make_reference_store(settings), runs=make_run_store(settings),
-                   gradients=make_store_files(settings))
+                   runs=make_run_store(settings), gradients=make_store_files(settings))

@@ -1,6 +1,6 @@
 """Who a request belongs to: tenants, their role and their quotas.
 
-Every key belongs to one tenant; jobs, DP runs and reference sets belong to the tenant whose key
+Every key belongs to one tenant; jobs, DP runs and gradient stores belong to the tenant whose key
 made them. With no keys configured (loopback dev mode) every request belongs to
 :data:`DEFAULT_TENANT`. This module holds only the records; reading keys is the api's job and
 enforcing quotas the broker's.
@@ -11,11 +11,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_TENANT", "TENANT_NAME", "Quotas", "Tenant"]
+__all__ = ["DEFAULT_TENANT", "TENANT_NAME", "Quotas", "Tenant", "owned_key", "owned_name"]
 
 DEFAULT_TENANT = "default"  # the one tenant of a server without keys, and of data made before
 # a tenant's name: it is part of Redis keys and file names, so never ':', '/' or '~'
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def owned_key(tenant: str, name: str) -> str:
+    """Where ``tenant``'s store (or reference set) ``name`` is kept: the name itself for the
+    default tenant, ``<tenant>~<name>`` for any other (``~`` is in no id), so each tenant names
+    its stores in a namespace of its own (an id checked by the caller)."""
+    return name if tenant == DEFAULT_TENANT else f"{tenant}~{name}"
+
+
+def owned_name(key: str) -> str:
+    """The name a tenant gave what is kept under ``key``."""
+    return key.rpartition("~")[2]
 
 
 @dataclass(frozen=True)

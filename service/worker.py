@@ -41,6 +41,7 @@ from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.status import WorkerStatus
 from service.storage import Storage
+from service.stores.sets import StoredSets
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
 
@@ -77,7 +78,8 @@ class Worker:
         self.source = source
         self.registry = registry
         self.settings = settings
-        self.storage = storage  # the process's stores: DP runs, reference sets
+        self.storage = storage  # the process's stores: DP runs, gradient stores
+        self.sets = StoredSets(storage.gradients, settings.max_reference_set_bytes)
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
 
@@ -139,7 +141,7 @@ class Worker:
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
                 max_activations=self.settings.max_model_activations,
                 dp_runs=self.storage.runs,
-                reference_sets=self.storage.references,
+                reference_sets=self.sets,
             )
             _check_result_size(parsed, *self.result_limit)
             return parsed

@@ -1,4 +1,5 @@
-"""``psgrad reference-sets put|show|delete``: the server's kept sets of sketches or gradients."""
+"""``psgrad reference-sets put|show|delete``: the server's kept sets of sketches or gradients
+(each a small gradient store: ``psgrad stores show|query|delete`` reach the same id)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def add_reference_set_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     """Add ``reference-sets`` to the ``psgrad`` subcommand parsers."""
     refs = sub.add_parser("reference-sets", help="make, show or delete a kept reference set",
                           description="Sets of per-sample sketches (or gradients) kept on the "
-                                      "server, for 'influence' requests ('--reference-set').")
+                                      "server, for 'influence' requests ('--reference-set'); "
+                                      "each is a small gradient store ('psgrad stores').")
     rsub = refs.add_subparsers(dest="refs_command", metavar="ACTION", required=True)
     p = rsub.add_parser("put", parents=[conn], help="compute and keep a batch's sketches")
     p.add_argument("id", help="the set's id")

@@ -2,8 +2,11 @@
 
 ``put`` has the server compute a batch's sketches (``projection_dim``) or full gradients and keep
 them under an id; ``per_sample_grads(..., outputs=["influence"], reference_set=id)`` then scores
-a batch against them without sending them again. Each exchange is described once by
-:class:`_Sets`; ``ReferenceSets`` sends it and ``AsyncReferenceSets`` awaits it.
+a batch against them without sending them again. A set is a small gradient store: the same id
+is ``client.stores.get(id)`` (its rows under the ids 0 to M - 1, for top-k ``query``), and any
+store of yours up to the server's ``PSGRAD_MAX_REFERENCE_SET_BYTES`` is a ``reference_set``.
+Each exchange is described once by :class:`_Sets`; ``ReferenceSets`` sends it and
+``AsyncReferenceSets`` awaits it.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class ReferenceSets(_Sets):
             projection_dim: int | None = None, projection_seed: int | None = None,
             projection_kind: str | None = None) -> dict[str, Any]:
         """Compute and keep the batch's sketches (with ``projection_dim``) or full gradients
-        under ``set_id`` (replacing a set of that id); returns its description."""
+        as the store ``set_id`` (replacing a set of that id; a larger store of that id is
+        refused with 409); returns its description."""
         return self._client._call(self._put(set_id, model, inputs, targets, loss, params,
                                             projection_dim, projection_seed, projection_kind))
 

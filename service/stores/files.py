@@ -101,7 +101,7 @@ class Staged:
     shards: tuple[Shard, ...]
     ids: tuple[int | str, ...]
     id_kind: str
-    gram: np.ndarray = field(repr=False)
+    gram: np.ndarray | None = field(repr=False)  # None: a store of full gradients keeps none
 
 
 class StoreFiles:
@@ -189,7 +189,7 @@ class StoreFiles:
         """Write a batch's rows as new shards (listed by no manifest yet)."""
         rows = stored_rows(spec, sketches)
         wide = rows.astype(np.float64)
-        gram = wide.T @ wide
+        gram = None if spec.exact else wide.T @ wide  # [D, D] of full gradients: never
         norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))
         per = max(1, self.shard_bytes // (spec.projection_dim * spec.itemsize))
         shards: list[Shard] = []
@@ -226,14 +226,18 @@ class StoreFiles:
                 refuse_duplicates(spec.id, committed, staged.ids)
                 gram = self.gram(key, old)
                 seq = old.seq + 1
-                new = Manifest(seq, old.shards + staged.shards, f"gram-{seq}.safetensors",
+                total = (None if staged.gram is None else
+                         staged.gram if gram is None else gram + staged.gram)
+                new = Manifest(seq, old.shards + staged.shards,
+                               f"gram-{seq}.safetensors" if total is not None else None,
                                staged.id_kind if old.count == 0 else old.id_kind, old.epoch)
-                total = staged.gram if gram is None else gram + staged.gram
-                self._write(self.path(key, new.gram or ""), *raw_safetensors("gram", total))
+                if total is not None:
+                    self._write(self.path(key, new.gram or ""), *raw_safetensors("gram", total))
                 self._write(self.path(key, MANIFEST), new.to_json())  # the commit
                 committed.update(staged.ids)  # in place: a copy would cost O(store)
                 self._remember("ids", key, new.version, committed)
-                self._remember("gram", key, new.version, total)
+                if total is not None:
+                    self._remember("gram", key, new.version, total)
         except BaseException:
             self.discard(staged)
             raise

@@ -87,7 +87,10 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
     q: np.ndarray = sketches.astype(np.float64)
     if score == "trak":
         gram = files.gram(key, manifest)
-        assert gram is not None  # a store with rows has one
+        if gram is None:  # every sketched store with rows has one
+            raise InvalidInput("score 'trak' needs a store of sketches; this one holds full "
+                               "gradients (a reference set made without projection_dim): "
+                               "ask for 'dot' or 'cosine'")
         lam = default_lambda(gram) if lam is None else lam
         try:
             q = np.linalg.solve(gram + lam * np.eye(len(gram)), q.T).T

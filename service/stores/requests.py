@@ -49,7 +49,8 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
     return StoreSpec(id=store_id, model=model.ref, loss=opts.loss, params=opts.params,
                      projection_dim=proj.k, projection_seed=proj.seed,
                      projection_kind=proj.kind, dtype=check_dtype(body.get("dtype")),
-                     tenant=tenant)
+                     tenant=tenant,
+                     shapes={p: list(model.params[p].shape) for p in opts.params})
 
 
 def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
@@ -72,6 +73,12 @@ def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str,
 def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
     """The projection request of a body's batch under ``spec`` (``what``: the route, for the
     messages)."""
+    if spec.exact:
+        raise InvalidInput(f"store '{spec.id}' holds full gradients (a reference set made "
+                           f"without projection_dim), not sketches: {what} cannot sketch a "
+                           "batch for it; score it with output 'influence' and 'reference_set', "
+                           f"or query it with 'sketches' [queries, {spec.projection_dim}] "
+                           "(flattened gradients)")
     fields = check_fixed(spec, fields, what)
     extra = sorted(k for k in fields if k not in BATCH_FIELDS and fields[k] is not None)
     if extra:

@@ -21,6 +21,9 @@ from psgrad._errors import BadRequest, InvalidInput
 from service.tenants import DEFAULT_TENANT
 
 DTYPES = ("float32", "float16")
+# the projection_kind of a store of full gradients (a reference set made without
+# projection_dim): each row is a sample's gradients, flattened in ``params`` order
+EXACT = "exact"
 MAX_ID_CHARS = 128  # a string id: short, one line
 ID_KINDS = ("int", "str")
 
@@ -39,10 +42,19 @@ class StoreSpec:
     dtype: str  # float32 or float16: how rows are kept on disk
     tenant: str = DEFAULT_TENANT
     created: float = field(default_factory=time.time)
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # of ``params`` (recorded since
+    # reference sets became stores; empty in a store made before)
+
+    @property
+    def exact(self) -> bool:
+        """Rows of full gradients (``projection_dim`` is then their length), not sketches."""
+        return self.projection_kind == EXACT
 
     def same_as(self, other: StoreSpec) -> bool:
-        """Both describe one store (all but the creation time): a repeated PUT is a no-op."""
-        return asdict(self) | {"created": 0} == asdict(other) | {"created": 0}
+        """Both describe one store (all but the creation time, and the shapes, which the pinned
+        model version fixes): a repeated PUT is a no-op."""
+        same = {"created": 0, "shapes": {}}
+        return asdict(self) | same == asdict(other) | same
 
     def to_json(self) -> bytes:
         return json.dumps({**asdict(self), "params": list(self.params)}, sort_keys=True).encode()

@@ -97,8 +97,8 @@ async def check_sets(client: httpx.AsyncClient, model_id: str) -> None:
     assert (await client.delete("/reference-sets/train-sk")).status_code == 404
 
 
-async def test_reference_sets_embedded_with_limits() -> None:
-    async with open_client(max_reference_set_bytes=7 * 128 * 4) as client:
+async def test_reference_sets_embedded_with_limits(tmp_path: Path) -> None:
+    async with open_client(max_reference_set_bytes=7 * 128 * 4, data_dir=str(tmp_path)) as client:
         await register_mlp(client, "att")
         await check_sets(client, "att")
         r = await client.put("/reference-sets/big", json={"model": "att", **batch(8, 3),
@@ -115,12 +115,12 @@ async def test_reference_sets_embedded_with_limits() -> None:
 
 
 async def test_reference_sets_kept_in_files(tmp_path: Path) -> None:
-    async with open_client(model_dir=str(tmp_path)) as client:
+    async with open_client(model_dir=str(tmp_path), data_dir=str(tmp_path / "data")) as client:
         await register_mlp(client, "att")
         r = await client.put("/reference-sets/kept", json={"model": "att", **batch(3, 1),
                                                            "projection_dim": 16})
         assert r.status_code == 200, r.text
-    async with open_client(model_dir=str(tmp_path)) as client:
+    async with open_client(model_dir=str(tmp_path), data_dir=str(tmp_path / "data")) as client:
         assert (await client.get("/reference-sets/kept")).json()["count"] == 3
         ids = [m["id"] for m in (await client.get("/models")).json()["models"]]
         assert "_reference_sets" not in ids
@@ -138,14 +138,15 @@ async def test_reference_sets_shared_by_redis_workers(tmp_path: Path) -> None:
     client.close()
 
 
-def test_sdk_reference_sets_and_chunked_influence() -> None:
+def test_sdk_reference_sets_and_chunked_influence(tmp_path: Path) -> None:
     """``client.reference_sets`` and ``influence`` over a batch the client splits in chunks."""
     import psgrad
     from service.api import create_app
     from service.config import Settings
     from tests.support.client import running_app
 
-    app = create_app(Settings(max_batch_size=4, workers=1, batch_max_delay_ms=0.0))
+    app = create_app(Settings(max_batch_size=4, workers=1, batch_max_delay_ms=0.0,
+                              data_dir=str(tmp_path)))
     rng = np.random.default_rng(0)
     refs = {"inputs": rng.standard_normal((6, 784)), "targets": rng.integers(0, 10, 6)}
     test = {"inputs": rng.standard_normal((10, 784)), "targets": rng.integers(0, 10, 10)}
@@ -167,3 +168,70 @@ def test_sdk_reference_sets_and_chunked_influence() -> None:
         assert client.reference_sets.delete("sdk")["deleted"] is True
         with pytest.raises(psgrad.NotFound):
             client.reference_sets.get("sdk")
+
+
+async def test_a_reference_set_is_a_small_gradient_store(tmp_path: Path) -> None:
+    """One concept: a set is the store of its id (sketches, or full gradients of kind exact),
+    any store of the caller is a reference set up to the size limit, and each refusal says
+    where to go instead. Scores are checked against the per-sample loop."""
+    refs, test = batch(5, 1), batch(3, 2)
+    async with open_client(data_dir=str(tmp_path), max_reference_set_bytes=6 * 32 * 4) as c:
+        await register_mlp(c, "att")
+        want_ref, want_test = loop_grads("att", refs), loop_grads("att", test)
+        proj = Projection(32, 7)
+        r = await c.put("/reference-sets/sk", json={"model": "att", **refs,
+                                                    "projection_dim": 32, "projection_seed": 7})
+        assert r.status_code == 200, r.text
+        store = (await c.get("/stores/sk")).json()  # the set, as a store
+        assert store["samples"] == 5 and store["projection_kind"] == "tensorsketch"
+        assert store["shapes"] == r.json()["shapes"] and store["model"] == r.json()["model"]
+        q = sketches(want_test, proj)
+        r = await c.post("/stores/sk/query", json={"sketches": q.tolist(), "k": 5})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["scores"], torch.sort(
+            q @ sketches(want_ref, proj).t(), dim=1, descending=True).values, rtol=1e-4,
+            atol=1e-5)
+
+        # a store made through /stores is a reference set too
+        r = await c.put("/stores/made", json={"model": "att", "projection_dim": 32,
+                                              "projection_seed": 7})
+        assert r.status_code == 201, r.text
+        inf = {"model": "att", **test, "outputs": ["influence"], "reference_set": "made"}
+        r = await c.post("/per-sample-grads", json=inf)
+        assert r.status_code == 409 and "POST /stores/made/samples" in r.text, r.text
+        r = await c.post("/stores/made/samples", json={**refs, "ids": [10, 11, 12, 13, 14]})
+        assert r.status_code == 200, r.text
+        r = await c.post("/per-sample-grads", json=inf)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["influence"],
+                                   (q @ sketches(want_ref, proj).t()).numpy(), rtol=1e-4,
+                                   atol=1e-4)
+        assert (await c.get("/reference-sets/made")).json()["count"] == 5
+
+        # past the limit a store is no reference set: influence and PUT say where to go
+        r = await c.post("/stores/made/samples", json={**batch(2, 3), "ids": [20, 21]})
+        assert r.status_code == 200, r.text
+        r = await c.post("/per-sample-grads", json=inf)
+        assert r.status_code == 413 and "POST /stores/made/query" in r.text, r.text
+        r = await c.put("/reference-sets/made", json={"model": "att", **refs,
+                                                      "projection_dim": 32})
+        assert r.status_code == 409 and "DELETE /stores/made" in r.text, r.text
+        assert (await c.get("/stores/made")).json()["samples"] == 7  # untouched
+
+        # full gradients: a store of kind exact, queried by sketches of its own length only
+        full = batch(2, 4)
+        r = await c.put("/reference-sets/full", json={"model": "att", **full})
+        assert r.status_code == 200 and r.json()["projection_kind"] is None, r.text
+        store = (await c.get("/stores/full")).json()
+        assert store["projection_kind"] == "exact"
+        assert store["projection_dim"] == 6 * 5 + 5 + 5 * 3 + 3  # the mlp's every parameter
+        exact = flat(want_test) @ flat(loop_grads("att", full)).t()
+        r = await c.post("/stores/full/query", json={"sketches": flat(want_test).tolist(),
+                                                     "k": 2})
+        np.testing.assert_allclose(r.json()["scores"], torch.sort(
+            exact, dim=1, descending=True).values, rtol=1e-4, atol=1e-5)
+        r = await c.post("/stores/full/query", json={"sketches": flat(want_test).tolist(),
+                                                     "k": 1, "score": "trak"})
+        assert r.status_code == 422 and "'dot' or 'cosine'" in r.text, r.text
+        r = await c.post("/stores/full/samples", json={**batch(1, 5), "ids": [9]})
+        assert r.status_code == 422 and "full gradients" in r.text, r.text

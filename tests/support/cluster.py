@@ -110,7 +110,8 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(tmp_path: Path, url: str, prefix: str, n_workers: int = 2,
                   **overrides: Any) -> AsyncIterator[Cluster]:
-    settings = settings_for(url, prefix, **overrides)
+    # gradient stores and reference sets: files the api and its workers share, the test's own
+    settings = settings_for(url, prefix, **{"data_dir": str(tmp_path / "data"), **overrides})
     broker = RedisBroker(settings)
     app = create_app(settings, broker)
     async with app.router.lifespan_context(app), httpx.AsyncClient(

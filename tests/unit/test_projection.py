@@ -17,8 +17,8 @@ import torch
 
 from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
 from service import engine
+from service.attribution import ReferenceSet
 from service.engine import Batch, Options
-from service.reference_store import MemoryReferenceStore, ReferenceSet
 from service.registry import LoadedModel, ModelRegistry, load_model
 from service.strategies.projection import KINDS, KRONECKER, Projection, kind_of
 from service.validate import decode_json_body, parse_request
@@ -324,7 +324,7 @@ def body(n: int = 2, **extra: Any) -> dict[str, Any]:
 def test_refusals_say_what_to_send(registry: ModelRegistry, extra: dict[str, Any],
                                    error: type[Exception], words: str) -> None:
     with pytest.raises(error) as info:
-        parse(registry, body(**extra), reference_sets=MemoryReferenceStore())
+        parse(registry, body(**extra), reference_sets={})  # no set is kept
     assert words in str(info.value)
 
 
@@ -345,11 +345,10 @@ def test_gradient_references_of_every_parameter_with_one_m(registry: ModelRegist
 
 def test_influence_takes_the_projection_of_its_set(registry: ModelRegistry) -> None:
     model = registry.get("mlp")
-    store = MemoryReferenceStore()
     shapes = {k: list(v.shape) for k, v in model.params.items()}
-    store.put(ReferenceSet("s", model.ref, "cross_entropy", tuple(model.params), shapes,
-                           (32, 5, KRONECKER), 4, 0.0,
-                           {"sketches": np.ones((4, 32), np.float32)}))
+    store = {"s": ReferenceSet("s", model.ref, tuple(model.params), shapes,
+                               Projection(32, 5, KRONECKER),
+                               {"sketches": np.ones((4, 32), np.float32)})}
     parsed = parse(registry, body(outputs=["influence"], reference_set="s"), reference_sets=store)
     assert parsed.opts.projection == Projection(32, 5, KRONECKER)
     same = {"projection_dim": 32, "projection_seed": 5}

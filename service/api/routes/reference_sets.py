@@ -1,15 +1,17 @@
 """``/reference-sets``: make (``PUT``), describe (``GET``) and delete (``DELETE``) a kept set of
 per-sample sketches or gradients, which ``influence`` requests then score against.
 
-Set ids are the tenant's own: two tenants may each have a set ``train``, and neither sees the
-other's (404). An admin key reaches another tenant's sets with ``?tenant=<name>``.
+A reference set is a small gradient store (:mod:`service.stores.sets`): ``PUT`` keeps the batch
+as the store of that id (also ``/stores/{id}``), ``GET`` describes it as a set, ``DELETE``
+removes the store. Set ids are the tenant's own: two tenants may each have a set ``train``, and
+neither sees the other's (404). An admin key reaches another tenant's sets with
+``?tenant=<name>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -21,9 +23,9 @@ from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, Tenant
 from service.api.routes.grads import REQUEST_BODY, answer_of
 from service.api.schemas import MODEL_ID, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
-from service.reference_sets import check_size, checked_id, joined, make_set, set_request, split
-from service.reference_store import set_key
-from service.tenants import Tenant
+from service.reference_sets import check_size, checked_id, joined, set_request, split
+from service.stores.sets import keep_set, set_doc, set_rows, set_spec
+from service.tenants import Tenant, owned_key
 from service.validate import parse_request
 
 # Documented, not checked by FastAPI: the store refuses another id itself (400).
@@ -36,7 +38,7 @@ router = APIRouter(prefix="/reference-sets", tags=["data attribution"], dependen
 
 def _key(scope: Scope, set_id: str) -> str:
     """The store key of the set ``set_id`` in the namespace the caller reaches."""
-    return set_key(scope.owner, checked_id(set_id))
+    return owned_key(scope.owner, checked_id(set_id))
 
 
 def _missing(set_id: str) -> NotFound:
@@ -66,8 +68,9 @@ async def put_reference_set(
     set_id: SetId, request: Request, state: StateDep, tenant: TenantDep, scope: ScopeDep
 ) -> dict[str, Any]:
     """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
-    projection_seed) without outputs; an existing set of this id is replaced. A batch larger
-    than ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
+    projection_seed) without outputs; an existing set of this id is replaced (a gradient store
+    larger than a set may be is not: 409). A batch larger than ``PSGRAD_MAX_BATCH_SIZE`` runs
+    as several jobs."""
     fields = await decode_request(request, state.settings, one_job=False)
     registry, limit = state.registry, state.settings.max_reference_set_bytes
 
@@ -81,9 +84,10 @@ async def put_reference_set(
     result = await split_answer(state, tenant, fields)
 
     def keep() -> dict[str, Any]:
-        ref = replace(make_set(set_id, fields, result, registry), tenant=scope.owner)
-        state.storage.references.put(ref)
-        return ref.doc()
+        spec = set_spec(set_id, fields, result, registry.get(str(result["model"])), scope.owner)
+        manifest = keep_set(state.storage.gradients, _key(scope, set_id), spec,
+                            set_rows(spec, result), limit)
+        return set_doc(spec, manifest)
 
     return await run_in_threadpool(keep)
 
@@ -91,16 +95,21 @@ async def put_reference_set(
 @router.get("/{set_id}", response_model=ReferenceSetDoc, responses=errors(400, 401, 403, 404),
             summary="How a reference set was made, without its tensors")
 async def get_reference_set(set_id: SetId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
-    doc = await run_in_threadpool(state.storage.references.doc, _key(scope, set_id))
-    if doc is None:
-        raise _missing(set_id)
-    return doc
+    key, files = _key(scope, set_id), state.storage.gradients
+
+    def read() -> dict[str, Any]:
+        spec = files.spec(key)
+        if spec is None:
+            raise _missing(set_id)
+        return set_doc(spec, files.manifest(key))
+
+    return await run_in_threadpool(read)
 
 
 @router.delete("/{set_id}", responses=errors(400, 401, 403, 404),
                summary="Delete a reference set")
 async def delete_reference_set(set_id: SetId, state: StateDep,
                                scope: ScopeDep) -> dict[str, Any]:
-    if not await run_in_threadpool(state.storage.references.delete, _key(scope, set_id)):
+    if not await run_in_threadpool(state.storage.gradients.delete, _key(scope, set_id)):
         raise _missing(set_id)
     return {"id": set_id, "deleted": True}

@@ -26,7 +26,6 @@ from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
 from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
 from service.reference_sets import SAMPLE_FIELDS, checked_id
-from service.reference_store import set_key
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import SCORES, check_k, check_score, search
 from service.stores.requests import check_fixed, make_spec, sketch_request
@@ -38,7 +37,7 @@ from service.stores.spec import (
     id_kind,
     positive_int,
 )
-from service.tenants import Tenant
+from service.tenants import Tenant, owned_key
 from service.validate import parse_request
 
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
@@ -96,7 +95,7 @@ def _body(model: type[BaseModel], description: str) -> dict[str, Any]:
 
 
 def _key(scope: Scope, store_id: str) -> str:
-    return set_key(scope.owner, checked_id(store_id))
+    return owned_key(scope.owner, checked_id(store_id))
 
 
 def _missing(store_id: str) -> NotFound:

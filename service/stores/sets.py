@@ -1,0 +1,128 @@
+"""Reference sets: small gradient stores that ``influence`` reads whole.
+
+``PUT /reference-sets/{id}`` computes a batch's sketches (with ``projection_dim``) or its full
+gradients and keeps them as the caller's gradient store ``{id}``, its rows under the ids 0 to
+M - 1: one concept and one namespace, so the set is also ``/stores/{id}`` (``GET``, ``query``,
+``DELETE``), and any store of the caller is a ``reference_set``. A set of full gradients is a
+store of kind :data:`~service.stores.spec.EXACT`: each row is a sample's gradients of the
+selected parameters, flattened and concatenated in the model's parameter order (it keeps no Gram
+matrix, so ``trak`` needs sketches).
+
+``influence`` scores a batch against every row of the set at once, so the worker reads the set
+whole (:class:`StoredSets`), and only a store within ``PSGRAD_MAX_REFERENCE_SET_BYTES`` serves
+as one; a larger store is ranked by ``POST /stores/{id}/query`` (top-k, streamed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from psgrad._errors import Conflict, TooLarge
+from service.attribution import ReferenceSet
+from service.config import raise_setting
+from service.registry import LoadedModel
+from service.stores.files import Manifest, StoreFiles
+from service.stores.spec import EXACT, StoreSpec
+from service.strategies.projection import KINDS, Projection
+from service.tenants import owned_name
+
+
+def set_spec(set_id: str, fields: dict[str, Any], result: dict[str, Any], model: LoadedModel,
+             tenant: str) -> StoreSpec:
+    """The store a set made by ``fields`` is (``result``: the joined answer of its jobs,
+    ``model``: the version that computed it)."""
+    params = tuple(p for p in model.params if p in set(fields.get("params") or model.params))
+    shapes = {p: list(model.params[p].shape) for p in params}
+    dim = fields.get("projection_dim")
+    if dim is None:
+        kind, k, seed = EXACT, sum(math.prod(s) for s in shapes.values()), 0
+    else:
+        kind = str((result.get("meta") or {}).get("projection_kind")
+                   or fields.get("projection_kind") or KINDS[0])
+        k, seed = int(dim), int(fields.get("projection_seed") or 0)
+    return StoreSpec(id=set_id, model=str(result["model"]), loss=str(result["loss"]),
+                     params=params, projection_dim=k, projection_seed=seed, projection_kind=kind,
+                     dtype="float32", tenant=tenant, shapes=shapes)
+
+
+def set_rows(spec: StoreSpec, result: dict[str, Any]) -> np.ndarray:
+    """The set's rows ``[M, projection_dim]``: the sketches, or each sample's gradients
+    flattened in ``spec.params`` order."""
+    if not spec.exact:
+        return np.asarray(result["projection"])
+    grads = result["grads"]
+    return np.concatenate([np.asarray(grads[p]).reshape(len(grads[p]), -1)
+                           for p in spec.params], axis=1)
+
+
+def set_bytes(spec: StoreSpec, manifest: Manifest) -> int:
+    """The bytes of the set's rows (what ``PSGRAD_MAX_REFERENCE_SET_BYTES`` bounds)."""
+    return manifest.count * spec.projection_dim * spec.itemsize
+
+
+def keep_set(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray,
+             max_bytes: int) -> Manifest:
+    """Keep the set as the store ``key``, replacing a set of that id; a store larger than a
+    set may be is refused (409), never replaced."""
+    old = files.spec(key)
+    if old is not None and set_bytes(old, files.manifest(key)) > max_bytes:
+        raise Conflict(f"'{spec.id}' is a gradient store larger than a reference set "
+                       f"(PSGRAD_MAX_REFERENCE_SET_BYTES, {max_bytes}); a reference set does "
+                       f"not replace it: DELETE /stores/{spec.id} first, or use another id")
+    files.delete(key)
+    files.create(key, spec)
+    return files.append(key, spec, list(range(len(rows))), "int", rows)
+
+
+def set_doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
+    """``GET /reference-sets/{id}``: how the set was made (projection fields null for full
+    gradients), its samples and the bytes of its rows."""
+    sketched = not spec.exact
+    return {"id": spec.id, "tenant": spec.tenant, "model": spec.model, "loss": spec.loss,
+            "params": list(spec.params), "shapes": spec.shapes,
+            "projection_dim": spec.projection_dim if sketched else None,
+            "projection_seed": spec.projection_seed if sketched else None,
+            "projection_kind": spec.projection_kind if sketched else None,
+            "count": manifest.count, "created": spec.created,
+            "bytes": set_bytes(spec, manifest)}
+
+
+class StoredSets:
+    """The reference sets ``influence`` reads (:class:`service.attribution.ReferenceSets`):
+    the stores of a data directory, each read whole, up to ``max_bytes``."""
+
+    def __init__(self, files: StoreFiles, max_bytes: int) -> None:
+        self.files = files
+        self.max_bytes = max_bytes
+
+    def get(self, key: str) -> ReferenceSet | None:
+        spec = self.files.spec(key)
+        if spec is None:
+            return None
+        manifest = self.files.manifest(key)
+        name, size = owned_name(key), set_bytes(spec, manifest)
+        if size > self.max_bytes:
+            raise TooLarge(f"store '{name}' holds {size} bytes of rows, more than a reference "
+                           f"set may ({self.max_bytes}): rank it with POST /stores/{name}/query "
+                           "(top k, streamed), or "
+                           f"{raise_setting('max_reference_set_bytes', self.max_bytes)}",
+                           limit=self.max_bytes, size=size)
+        if manifest.count == 0:
+            raise Conflict(f"store '{name}' is empty: add samples with POST "
+                           f"/stores/{name}/samples first")
+        rows = np.concatenate([np.array(part, dtype=np.float32)  # copied out of the shard
+                               for _, part, _ in self.files.rows(key, manifest)])
+        if not spec.exact:
+            return ReferenceSet(spec.id, spec.model, spec.params, spec.shapes,
+                                Projection(spec.projection_dim, spec.projection_seed,
+                                           spec.projection_kind), {"sketches": rows})
+        tensors, start = {}, 0
+        for p in spec.params:
+            shape = spec.shapes[p]
+            width = math.prod(shape)
+            tensors[p] = rows[:, start:start + width].reshape(len(rows), *shape)
+            start += width
+        return ReferenceSet(spec.id, spec.model, spec.params, spec.shapes, None, tensors)
