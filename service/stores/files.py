@@ -47,9 +47,7 @@ SPEC, MANIFEST = "spec.json", "manifest.json"
 GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its own
 MEMO_STORES = 4  # stores whose ids and Gram matrix are kept in memory between appends
 ListedIds = tuple[int | str, ...]
-# the ids of committed shards (immutable files), read from their headers once
-_IDS: LockedLRU[tuple[str, str], ListedIds] = LockedLRU(65536, budget=64 << 20,
-                                                      weigh=lambda ids: 16 + 64 * len(ids))
+IDS_BUDGET = 64 << 20  # bytes of shard ids kept in memory (about 64 bytes an id)
 
 
 @dataclass(frozen=True)
@@ -114,6 +112,9 @@ class StoreFiles:
         self.shard_bytes = shard_bytes
         self._guard = threading.Lock()
         self._memo: dict[tuple[str, str], tuple[tuple[str, int], Any]] = {}
+        # the ids of committed shards (immutable files), read from their headers once
+        self._ids: LockedLRU[str, ListedIds] = LockedLRU(
+            65536, budget=IDS_BUDGET, weigh=lambda ids: 16 + 64 * len(ids))
 
     def path(self, key: str, name: str = "") -> str:
         return posixpath.join(self.root, "stores", key, name) if name else posixpath.join(
@@ -259,7 +260,7 @@ class StoreFiles:
                 header = json.loads(f.read(size))
             return tuple(json.loads(header["__metadata__"]["ids"]))
 
-        return _IDS.get_or_make((self.url, self.path(key, shard.file)), read)
+        return self._ids.get_or_make(self.path(key, shard.file), read)
 
     def ids(self, key: str, manifest: Manifest) -> set[int | str]:
         """Every id ``manifest`` commits (do not modify): kept between appends, so that an
