@@ -13,7 +13,7 @@ from torch import nn
 from models import ZOO, TensorSpec
 from psgrad._errors import PsgradError
 from service import engine
-from service.config import Settings
+from service.config import Settings, get_settings
 from service.engine import Batch, Options
 from service.fast_stats import Family, FastStats, _family, register_family
 from service.fast_stats._dense import dense_sum
@@ -603,24 +603,36 @@ def test_grads_of_sequences_and_convolutions(
 @pytest.mark.parametrize(
     ("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES
                           if layers[0]["type"].startswith("Conv")])
-def test_grads_of_convolutions_folded_into_groups(
+def test_convolutions_folded_into_groups(
     layers: list[dict[str, Any]], shape: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The batch-folded weight-gradient convolution (strides, dilation, groups, "same"
-    padding) writes the same answer; these layers are too small to take it on their own."""
-    folded = []
-    real = conv.per_sample_weight_grads
+    """The weight-gradient convolutions (strides, dilation, groups, "same" padding): every
+    sample's with the batch folded into the groups, and the batch's (clipped and plain sums),
+    give the same gradients and statistics; these layers are too small to take the folded one
+    on their own."""
+    calls = []
+    real = conv.weight_grad
 
-    def spy(*args: Any) -> torch.Tensor:
-        folded.append(args[0].shape[0])
-        return real(*args)
+    def spy(*args: Any, per_sample: bool) -> torch.Tensor:
+        calls.append((args[0].shape[0], per_sample))
+        return real(*args, per_sample=per_sample)
 
     monkeypatch.setattr(conv, "FOLD_MIN_FIELD", 0)
     monkeypatch.setattr(conv, "FOLD_MIN_POSITIONS", 0)
-    monkeypatch.setattr(conv, "per_sample_weight_grads", spy)
+    monkeypatch.setattr(conv, "weight_grad", spy)
     model = _sequential(layers, shape)
     check(model, make_batch(model, 4), outputs=GRADS, segments=[3, 1])
-    assert 4 in folded  # the call's batch, not only the probe's
+    assert (4, True) in calls  # the call's batch, not only the probe's
+    for form in ("materialise", "gram"):  # every statistic; without variance the Gram
+        # form's sums and clipped sums are the batch's convolutions
+        monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", form)
+        get_settings.cache_clear()
+        calls.clear()
+        outputs = SUMMARY if form == "materialise" else tuple(
+            k for k in SUMMARY if k != "variance")
+        check(model, make_batch(model, 4), segments=[3, 1], outputs=outputs)
+        assert (4, True) in calls if form == "materialise" else (3, False) in calls, calls
+    get_settings.cache_clear()
 
 
 def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:

@@ -130,13 +130,38 @@ class ConvSource(OuterSource):
         the unfolded chunks' batched matmuls written straight into the answer."""
         if not self.folded():
             return super().answer()
+        return self.grads(0, self.batch)
+
+    def grads(self, lo: int, hi: int) -> Tensors:
+        """Rows [lo, hi) by the batch-folded convolution where it is faster (:meth:`folded`):
+        ResNet-18's 56x56 layers at 33 ms for 16 samples against 107 ms unfolded."""
+        if not self.folded():
+            return super().grads(lo, hi)
         name = self.names[0]
-        out = per_sample_weight_grads(self.xs[0].detach(), self.gs[0].detach(), self.geometry,
-                                      self.shapes[name])
-        return {name: out.view(self.batch, *self.shapes[name])}
+        out = weight_grad(self.xs[0][lo:hi].detach(), self.gs[0][lo:hi].detach(),
+                          self.geometry, self.shapes[name], per_sample=True)
+        return {name: out.view(hi - lo, *self.shapes[name])}
+
+    def wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """``sum_i c_i grad_i`` as the batch's weight-gradient convolution of the output
+        gradients scaled by ``c`` (what a training step runs), never unfolded; in float64
+        (variance's sums) by the unfolded blocks, which oneDNN's kernels do not take."""
+        if any(x.dtype != dtype for x in self.xs):
+            return super().wsum(c, lo, hi, dtype)
+        name = self.names[0]
+        total: torch.Tensor | None = None
+        for x, g in zip(self.xs, self.gs, strict=True):
+            g = g[lo:hi].detach()
+            if c is not None:
+                g = g * c.to(g.dtype).reshape(-1, *(1,) * (g.dim() - 1))
+            term = weight_grad(x[lo:hi].detach(), g.to(dtype), self.geometry, self.shapes[name],
+                               per_sample=False)
+            total = term if total is None else total + term
+        assert total is not None
+        return total
 
     def folded(self) -> bool:
-        """Whether the batch-folded convolution (:func:`per_sample_weight_grads`) beats
+        """Whether the batch-folded convolution (:func:`weight_grad` per sample) beats
         unfolding: it skips the copy of every receptive field, which pays off when the
         fields are wide and many (``d`` and ``T``); on few input channels or few positions
         oneDNN's grouped kernels are slower than the batched matmul, and they scale badly
@@ -149,22 +174,25 @@ FOLD_MIN_FIELD = 64  # in_channels / groups * kernel elements
 FOLD_MIN_POSITIONS = 100  # output positions per sample
 
 
-def per_sample_weight_grads(
-    x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Size
-) -> torch.Tensor:
-    """``[B * out_channels, in / groups, *kernel]``: every sample's weight gradient by one
-    weight-gradient convolution with the batch folded into the groups (what ``vmap`` does)."""
+def weight_grad(x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Size, *,
+                per_sample: bool) -> torch.Tensor:
+    """The weight gradient of the batch, ``shape``, by one weight-gradient convolution; with
+    ``per_sample``, every sample's, ``[B * out_channels, in / groups, *kernel]``, the batch
+    folded into the groups (what ``vmap`` does)."""
     n, nd = x.shape[0], len(geo.kernel)
     padding = [a for a, _ in geo.pads]
     if any(a != b for a, b in geo.pads):  # "same" with an even kernel: pad explicitly
         x = F.pad(x, [p for pair in reversed(geo.pads) for p in pair])
         padding = [0] * nd
-    like = x.new_empty((1,) * (nd + 2)).expand(n * shape[0], *shape[1:])  # only its shape is read
+    groups, rows = geo.groups, shape[0]
+    if per_sample:
+        g = g.reshape(1, n * g.shape[1], *g.shape[2:])
+        x = x.reshape(1, n * x.shape[1], *x.shape[2:])
+        groups, rows = n * groups, n * rows
+    like = x.new_empty((1,) * (nd + 2)).expand(rows, *shape[1:])  # only its shape is read
     return torch.ops.aten.convolution_backward(
-        g.reshape(1, n * g.shape[1], *g.shape[2:]),
-        x.reshape(1, n * x.shape[1], *x.shape[2:]),
-        like, None, list(geo.stride), padding, list(geo.dilation), False, [0] * nd,
-        n * geo.groups, [False, True, False],
+        g, x, like, None, list(geo.stride), padding, list(geo.dilation), False, [0] * nd,
+        groups, [False, True, False],
     )[1]
 
 
