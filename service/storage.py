@@ -22,6 +22,7 @@ from service.config import Settings
 from service.dp.runs import RunStore, make_run_store
 from service.model_store import ModelStore, make_store
 from service.stores import StoreFiles, make_store_files
+from service.stores.sets import StoredSets
 
 __all__ = ["Storage", "open_storage"]
 
@@ -33,6 +34,8 @@ class Storage:
     models: ModelStore  # registered models' versions (:mod:`service.model_store`)
     runs: RunStore  # DP runs and their step counts (:mod:`service.dp.runs`)
     gradients: StoreFiles  # gradient stores and reference sets (:mod:`service.stores`)
+    sets: StoredSets  # the same stores read whole as reference sets, by influence (one view,
+    # and the sets it keeps in memory, for every worker loop of the process)
 
     def close(self) -> None:
         """Close the stores' connections (Redis); the process is done with them."""
@@ -43,5 +46,7 @@ class Storage:
 def open_storage(settings: Settings, *, models: ModelStore | None = None) -> Storage:
     """Every store these settings name; ``models``: a model store the caller already has (a
     registry handed to :func:`service.api.create_app`), kept instead of a new one."""
+    gradients = make_store_files(settings)
     return Storage(models=models if models is not None else make_store(settings),
-                   runs=make_run_store(settings), gradients=make_store_files(settings))
+                   runs=make_run_store(settings), gradients=gradients,
+                   sets=StoredSets(gradients, settings.max_reference_set_bytes))

@@ -41,7 +41,6 @@ from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.status import WorkerStatus
 from service.storage import Storage
-from service.stores.sets import StoredSets
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
 
@@ -79,7 +78,6 @@ class Worker:
         self.registry = registry
         self.settings = settings
         self.storage = storage  # the process's stores: DP runs, gradient stores
-        self.sets = StoredSets(storage.gradients, settings.max_reference_set_bytes)
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
 
@@ -141,7 +139,7 @@ class Worker:
                 job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
                 max_activations=self.settings.max_model_activations,
                 dp_runs=self.storage.runs,
-                reference_sets=self.sets,
+                reference_sets=self.storage.sets,
             )
             _check_result_size(parsed, *self.result_limit)
             return parsed

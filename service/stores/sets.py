@@ -9,8 +9,9 @@ selected parameters, flattened and concatenated in the model's parameter order (
 matrix, so ``trak`` needs sketches).
 
 ``influence`` scores a batch against every row of the set at once, so the worker reads the set
-whole (:class:`StoredSets`), and only a store within ``PSGRAD_MAX_REFERENCE_SET_BYTES`` serves
-as one; a larger store is ranked by ``POST /stores/{id}/query`` (top-k, streamed).
+whole (:class:`StoredSets`, which keeps the sets it read as of their last commit), and only a
+store within ``PSGRAD_MAX_REFERENCE_SET_BYTES`` serves as one; a larger store is ranked by
+``POST /stores/{id}/query`` (top-k, streamed).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from psgrad._errors import Conflict, TooLarge
 from service.attribution import ReferenceSet
 from service.config import raise_setting
+from service.lru import LockedLRU
 from service.registry import LoadedModel
 from service.stores.files import Manifest, StoreFiles
 from service.stores.spec import EXACT, StoreSpec
@@ -92,11 +94,15 @@ def set_doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
 
 class StoredSets:
     """The reference sets ``influence`` reads (:class:`service.attribution.ReferenceSets`):
-    the stores of a data directory, each read whole, up to ``max_bytes``."""
+    the stores of a data directory, each read whole, up to ``max_bytes``. The sets read last
+    are kept (``max_bytes`` of rows in all) as of their commit, so a batch split in many
+    requests reads its set once; a commit or a store made again under the id is read anew."""
 
     def __init__(self, files: StoreFiles, max_bytes: int) -> None:
         self.files = files
         self.max_bytes = max_bytes
+        self._kept: LockedLRU[tuple[str, str, int], ReferenceSet] = LockedLRU(
+            16, budget=max_bytes, weigh=lambda ref: sum(v.nbytes for v in ref.tensors.values()))
 
     def get(self, key: str) -> ReferenceSet | None:
         spec = self.files.spec(key)
@@ -113,6 +119,10 @@ class StoredSets:
         if manifest.count == 0:
             raise Conflict(f"store '{name}' is empty: add samples with POST "
                            f"/stores/{name}/samples first")
+        return self._kept.get_or_make((key, *manifest.version),
+                                      lambda: self._read(key, spec, manifest))
+
+    def _read(self, key: str, spec: StoreSpec, manifest: Manifest) -> ReferenceSet:
         rows = np.concatenate([np.array(part, dtype=np.float32)  # copied out of the shard
                                for _, part, _ in self.files.rows(key, manifest)])
         if not spec.exact:

@@ -208,8 +208,14 @@ async def test_a_reference_set_is_a_small_gradient_store(tmp_path: Path) -> None
                                    atol=1e-4)
         assert (await c.get("/reference-sets/made")).json()["count"] == 5
 
+        # a commit is read anew (the worker keeps a set only as of its commit)
+        r = await c.post("/stores/made/samples", json={**batch(1, 3), "ids": [20]})
+        assert r.status_code == 200, r.text
+        r = await c.post("/per-sample-grads", json=inf)
+        assert r.status_code == 200 and np.shape(r.json()["influence"]) == (3, 6), r.text
+
         # past the limit a store is no reference set: influence and PUT say where to go
-        r = await c.post("/stores/made/samples", json={**batch(2, 3), "ids": [20, 21]})
+        r = await c.post("/stores/made/samples", json={**batch(1, 6), "ids": [21]})
         assert r.status_code == 200, r.text
         r = await c.post("/per-sample-grads", json=inf)
         assert r.status_code == 413 and "POST /stores/made/query" in r.text, r.text
