@@ -164,21 +164,23 @@ def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | No
     """The DP-SGD aggregate from clipped sums: add seeded noise, divide by the sample count.
 
     A DP run's options divide by its expected batch size instead (``opts.divisor``) and draw the
-    noise from the OS CSPRNG (``opts.secure_noise``): no seed exists, None is echoed.
+    noise from the OS CSPRNG (``opts.secure_noise``): no seed exists, None is echoed. The sums
+    are the strategy's own buffers, read by this output alone: they are noised and divided in
+    place (a fresh copy of BERT-base's 109 M cost a sixth of its training step on the CPU).
     """
     sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
     divisor = opts.divisor or n
     if sigma == 0:
-        return {k: v / divisor for k, v in sums.items()}, opts.seed
+        return {k: v.div_(divisor) for k, v in sums.items()}, opts.seed
     if opts.secure_noise:
-        return {k: (v + secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype)) / divisor
-                for k, v in sums.items()}, None
+        return {k: v.add_(secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype))
+                .div_(divisor) for k, v in sums.items()}, None
     seed = opts.seed if opts.seed is not None else secrets.randbits(63)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in sums.items():  # noise drawn on the CPU so every device gives the same
         noise = torch.normal(0.0, sigma, size=tuple(v.shape), generator=gen)
-        out[k] = (v + noise.to(v.device, v.dtype)) / divisor
+        out[k] = v.add_(noise.to(v.device, v.dtype)).div_(divisor)
     return out, seed
 
 
@@ -233,8 +235,8 @@ def _mean(seg: Segment) -> Tensors:
 
 @output("variance", Need(mean=True, m2=True))
 def _variance(seg: Segment) -> Tensors:
-    return seg.per_param(
-        lambda p: (_get(p.m2)[seg.index] / seg.n).to(_get(p.mean)[seg.index].dtype))
+    return seg.per_param(  # in place: the strategy's own buffer, read by this output alone
+        lambda p: _get(p.m2)[seg.index].div_(seg.n).to(_get(p.mean)[seg.index].dtype))
 
 
 @output("clipped_mean", Need(sq=True, clipped=True))

@@ -10,7 +10,8 @@ where ``T (d + p) < d p`` (cheaper), and is otherwise read off the materialised 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch.linalg import vector_norm
@@ -23,6 +24,8 @@ from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
+PIECE_BYTES = 4 << 20  # variance's per-sample gradients, a slice of output rows at a time
+AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, [n, rows, d]
 
 
 def form_for(positions: int, d: int, p: int) -> str:
@@ -133,6 +136,11 @@ class OuterSource(Materialised):
         assert total is not None
         return total.reshape(self.shapes[self.names[0]])
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the inputs and output gradients (a subclass knows them)."""
+        raise NotImplementedError
+
     def _sqsum(self, lo: int, hi: int) -> torch.Tensor:
         """``sum_i grad_i^2`` over rows [lo, hi) for one position: ``(g^2)^T (a^2)``, float64."""
         total = torch.zeros((self.groups, self.p, self.d), dtype=torch.float64)
@@ -142,12 +150,19 @@ class OuterSource(Materialised):
         return total.reshape(self.shapes[self.names[0]])
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
-        if self._form == "materialise" or need.references is not None or (
-                need.m2 and self._form == "gram"):
+        name = self.names[0]
+        if need.m2 and self._form != "outer":  # variance over T positions: two passes
+            rest = replace(need, sums=False, m2=False)
+            first = self.pass1(rest, keep)[name] if rest.any else Pass1()
+            sums = tuple(self.wsum(None, x, y, self.dtype) for x, y in need.bounds)
+            return {name: replace(
+                first, sums=tuple(s.to(need.sums_dtype) for s in sums) if need.sums else None,
+                m2=tuple(self.m2(total, x, y)
+                         for total, (x, y) in zip(sums, need.bounds, strict=True)))}
+        if self._form == "materialise" or need.references is not None:
             # M dot products per sample cost M products of a forward's size in closed form:
             # from the materialised gradient they cost one batched matmul and a small GEMM
             return super().pass1(need, keep)
-        name = self.names[0]
         ref = need.reference[name] if need.reference is not None else None
         sq, dot = [], []
         for _, _, a, g in self.blocks(0, self.batch):  # one pass: a conv unfolds each block
@@ -155,17 +170,46 @@ class OuterSource(Materialised):
                 sq.append(self._sq(a, g))
             if ref is not None:
                 dot.append(self._dot(ref, a, g))
-        sums = None
+        sums = None  # one position's variance from its exact sums of squares, in float64
         if need.sums or need.m2:
-            sums = tuple(self.wsum(None, x, y, need.sums_dtype) for x, y in need.bounds)
+            dtype = torch.float64 if need.m2 else need.sums_dtype
+            sums = tuple(self.wsum(None, x, y, dtype) for x, y in need.bounds)
         return {name: Pass1(
             sq=cat(sq) if need.sq else None,
             dot=cat(dot) if ref is not None else None,
-            sums=sums if need.sums else None,
+            sums=tuple(s.to(need.sums_dtype) for s in sums) if need.sums and sums else None,
             m2=tuple(m2_of(total, self._sqsum(x, y), y - x)
                      for total, (x, y) in zip(sums, need.bounds, strict=True))
             if need.m2 and sums is not None else None,
         )}
+
+    def m2(self, total: torch.Tensor, lo: int, hi: int, add: AddRows | None = None
+           ) -> torch.Tensor:
+        """Rows [lo, hi)'s sum of squared deviations from their mean (``total / n``, known
+        first: the two-pass form, no cancellation), each sample's gradient built a slice of
+        output rows at a time into one reused buffer of about :data:`PIECE_BYTES`, so that
+        the deviations are squared and summed while in cache (merging chunk moments made
+        seven passes over every per-sample gradient in memory). ``add(x, r0, piece)`` adds
+        another part of samples [x, x + n)'s gradients to their rows from r0 (a tied
+        embedding's)."""
+        gr, p, d = self.groups, self.p, self.d
+        mean = (total / (hi - lo)).reshape(gr, p, d)
+        acc = torch.zeros_like(mean)
+        for x, y, a, g in self.blocks(lo, hi):
+            n = (y - x) * gr
+            a3 = a.reshape(n, -1, d)
+            gt = g.reshape(n, -1, p).transpose(1, 2)  # [n, p, T]
+            rows = max(1, min(p, PIECE_BYTES // (n * d * a.element_size())))
+            buf = a3.new_empty(n * rows * d)
+            for r0 in range(0, p, rows):
+                r = min(p, r0 + rows) - r0
+                piece = buf[: n * r * d].view(n, r, d)
+                torch.bmm(gt[:, r0 : r0 + r], a3, out=piece)
+                if add is not None:
+                    add(x, r0, piece)
+                dev = piece.view(y - x, gr, r, d).sub_(mean[:, r0 : r0 + r])
+                acc[:, r0 : r0 + r] += dev.mul_(dev).sum(0)
+        return acc.reshape(self.shapes[self.names[0]])
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds

@@ -7,13 +7,16 @@ squared norm of the sum needs the parts' cross terms too. For an embedding ``E_i
 positions, ``<L_i, E_i> = sum_s sum_t G_i[t, tok_s] <a_t, e_s>``: the output gradient's
 columns at the sample's own tokens against a ``[T, S]`` product, never the ``vocab x dim``
 gradient. So the 50257 x 768 matrix of GPT-2 costs what its two layers cost apart, once.
-Other combinations, and ``variance`` (element-wise squares of the sum), materialise the sum a
-chunk at a time (:class:`~._source.Summed`).
+``variance`` (element-wise squares of the sum) builds the output layer's per-sample gradients a
+slice of rows at a time and adds the embedding's rows that fall in it
+(:meth:`~._outer.OuterSource.m2`). Other combinations materialise the sum a chunk at a time
+(:class:`~._source.Summed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -48,9 +51,16 @@ class Tied(Summed):
         return cat(out)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
-        if need.m2:
-            return super().pass1(need, keep)
         name = self.names[0]
+        if need.m2:  # the output layer's rows a slice at a time, the embedding's rows added
+            rest = replace(need, sums=False, m2=False)
+            first = self.pass1(rest, keep)[name] if rest.any else Pass1()
+            sums = tuple(self.emb.wsum(None, x, y, self.outer.dtype)
+                         + self.outer.wsum(None, x, y, self.outer.dtype) for x, y in need.bounds)
+            return {name: replace(
+                first, sums=tuple(s.to(need.sums_dtype) for s in sums) if need.sums else None,
+                m2=tuple(self.outer.m2(total, x, y, self._add_rows)
+                         for total, (x, y) in zip(sums, need.bounds, strict=True)))}
         parts = [p.pass1(need)[name] for p in self.parts]
         e, o = parts
 
@@ -65,6 +75,14 @@ class Tied(Summed):
             sums=None if e.sums is None or o.sums is None
             else tuple(u + v.to(u) for u, v in zip(e.sums, o.sums, strict=True)),
         )}
+
+    def _add_rows(self, lo: int, r0: int, piece: torch.Tensor) -> None:
+        """The embedding's part of samples [lo, lo + n)'s gradients in rows [r0, r0 + r)."""
+        n, r, _ = piece.shape
+        tokens = self.emb.tokens[lo : lo + n]
+        inside = (tokens >= r0) & (tokens < r0 + r)
+        at = torch.arange(n, device=tokens.device).unsqueeze(1) * r + tokens - r0
+        piece.view(n * r, -1).index_add_(0, at[inside], self.emb.g[lo : lo + n][inside].to(piece))
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds

@@ -100,13 +100,14 @@ def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamSt
         sums=sums,
         m2=need.m2,
         bounds=bounds,
-        sums_dtype=torch.float64 if need.m2 else dtype,
+        sums_dtype=dtype,
     )
     for source in found:
         first.update(source.pass1(ask) if ask.any else {k: Pass1() for k in source.names})
     means: list[Tensors] | None = None
     if sums:
-        means = [{k: (_of(first[k].sums)[s] / (b - a)).to(dtype) for k in names}
+        # in place: each segment's sums are fresh and read for the mean alone
+        means = [{k: _of(first[k].sums)[s].div_(b - a).to(dtype) for k in names}
                  for s, (a, b) in enumerate(bounds)]
     clip = None
     if need.clipped:

@@ -105,6 +105,10 @@ class ConvSource(OuterSource):
             positions=sum(math.prod(g.shape[2:]) for g in grads), method="conv",
         )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.xs[0].dtype
+
     def chunk_size(self) -> int:
         """Samples per unfolded chunk (its columns and its per-sample gradients), ~48 MB:
         larger chunks run the batched matmul faster, smaller ones bound the memory."""

@@ -93,7 +93,7 @@ class EmbeddingSource(Materialised):
         rows = refs.to(self.g.dtype)[:, self.tokens]  # [M, B, S, dim]
         return torch.einsum("bsd,mbsd->bm", self.g, rows)
 
-    def _wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    def wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         g = self.g[lo:hi].to(dtype)
         if c is not None:
             g = g * c.to(dtype).reshape(-1, 1, 1)
@@ -105,14 +105,18 @@ class EmbeddingSource(Materialised):
         return self.g.new_zeros(self.batch).index_add_(0, sample, summed.pow(2).sum(1))
 
     def _m2(self, bounds: Bounds) -> tuple[torch.Tensor, ...]:
-        """Each segment's sum of squared deviations, from its (sample, token) rows in float64."""
+        """Each segment's sum of squared deviations, from its (sample, token) rows in float64
+        over the tokens it contains (zero elsewhere), written once into the dense table."""
         sample, token, summed = self.rows()
-        sq = summed.to(torch.float64).pow(2)
         out = []
         for a, b in bounds:
             pick = (sample >= a) & (sample < b)
-            sqsum = sq.new_zeros((self.vocab, self.dim)).index_add_(0, token[pick], sq[pick])
-            out.append(m2_of(self._wsum(None, a, b, torch.float64), sqsum, b - a))
+            used, at = torch.unique(token[pick], return_inverse=True)
+            rows = summed[pick].to(torch.float64)
+            sums = rows.new_zeros((used.numel(), self.dim)).index_add_(0, at, rows)
+            sqsums = torch.zeros_like(sums).index_add_(0, at, rows.square())
+            m2 = self.g.new_zeros((self.vocab, self.dim))
+            out.append(m2.index_copy_(0, used, m2_of(sums, sqsums, b - a).to(m2.dtype)))
         return tuple(out)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
@@ -122,7 +126,7 @@ class EmbeddingSource(Materialised):
             dot=self._dots(ref, 0, self.batch) if ref is not None else None,
             dots=self._many(need.references[self.names[0]])
             if need.references is not None else None,
-            sums=tuple(self._wsum(None, a, b, need.sums_dtype) for a, b in need.bounds)
+            sums=tuple(self.wsum(None, a, b, need.sums_dtype) for a, b in need.bounds)
             if need.sums else None,
             m2=self._m2(need.bounds) if need.m2 else None,
         )}
@@ -132,7 +136,7 @@ class EmbeddingSource(Materialised):
     ) -> dict[str, Pass2]:
         name = self.names[0]
         return {name: Pass2(
-            clipped=tuple(self._wsum(clip[a:b], a, b, clip.dtype) for a, b in bounds)
+            clipped=tuple(self.wsum(clip[a:b], a, b, clip.dtype) for a, b in bounds)
             if clip is not None else None,
             cos=torch.cat([self._dots(means[s][name], a, b) for s, (a, b) in enumerate(bounds)])
             if means is not None else None,

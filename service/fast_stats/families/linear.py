@@ -53,6 +53,10 @@ class LinearSource(OuterSource):
         super().__init__(name, ctx.shapes[name], ctx.batch, ctx.budget, groups=1,
                          d=a.shape[-1], p=g.shape[-1], positions=a.shape[1], method="linear")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a.dtype
+
     def blocks(self, lo: int, hi: int) -> Iterator[Block]:
         yield lo, hi, self.a[lo:hi], self.g[lo:hi]
 
