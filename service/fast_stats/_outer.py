@@ -5,7 +5,9 @@ unfolded, is ``groups`` of them over its output positions. The squared norm is
 ``|g_i|^2 |a_i|^2`` for one position, the Gram form ``<A_i A_i^T, G_i G_i^T>`` for T positions
 where ``T (d + p) < d p`` (cheaper), and is otherwise read off the materialised ``G_i^T A_i``
 (one batched matmul a chunk at a time); a dot product with a reference R is
-``sum_t g_it^T R a_it`` and a weighted sum over samples is one matmul ``G^T diag(c) A``.
+``sum_t g_it^T R a_it`` and a weighted sum over samples is one matmul ``G^T diag(c) A``. Dot
+products with M references and variance over T positions build ``G_i^T A_i`` a slice of output
+rows at a time into one buffer that stays in cache (:meth:`OuterSource.pieces`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
 PIECE_BYTES = 4 << 20  # variance's per-sample gradients, a slice of output rows at a time
-AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, [n, rows, d]
+AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
 
 def form_for(positions: int, d: int, p: int) -> str:
@@ -159,9 +161,13 @@ class OuterSource(Materialised):
                 first, sums=tuple(s.to(need.sums_dtype) for s in sums) if need.sums else None,
                 m2=tuple(self.m2(total, x, y)
                          for total, (x, y) in zip(sums, need.bounds, strict=True)))}
-        if self._form == "materialise" or need.references is not None:
+        if need.references is not None and self._form != "outer":
             # M dot products per sample cost M products of a forward's size in closed form:
-            # from the materialised gradient they cost one batched matmul and a small GEMM
+            # from the gradients built a piece at a time, one batched matmul and small GEMMs
+            rest = replace(need, references=None)
+            first = self.pass1(rest, keep)[name] if rest.any else Pass1()
+            return {name: replace(first, dots=self.dots(need.references[name]))}
+        if self._form == "materialise" or need.references is not None:
             return super().pass1(need, keep)
         ref = need.reference[name] if need.reference is not None else None
         sq, dot = [], []
@@ -183,18 +189,12 @@ class OuterSource(Materialised):
             if need.m2 and sums is not None else None,
         )}
 
-    def m2(self, total: torch.Tensor, lo: int, hi: int, add: AddRows | None = None
-           ) -> torch.Tensor:
-        """Rows [lo, hi)'s sum of squared deviations from their mean (``total / n``, known
-        first: the two-pass form, no cancellation), each sample's gradient built a slice of
-        output rows at a time into one reused buffer of about :data:`PIECE_BYTES`, so that
-        the deviations are squared and summed while in cache (merging chunk moments made
-        seven passes over every per-sample gradient in memory). ``add(x, r0, piece)`` adds
-        another part of samples [x, x + n)'s gradients to their rows from r0 (a tied
-        embedding's)."""
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Samples [lo, hi)'s gradients a slice of output rows at a time: (first sample,
+        first row, ``[n, groups, rows, d]``), each written by one ``bmm`` into one reused
+        buffer of about :data:`PIECE_BYTES` (read it before the next), so that what is
+        computed from it runs in cache, not over every per-sample gradient in memory."""
         gr, p, d = self.groups, self.p, self.d
-        mean = (total / (hi - lo)).reshape(gr, p, d)
-        acc = torch.zeros_like(mean)
         for x, y, a, g in self.blocks(lo, hi):
             n = (y - x) * gr
             a3 = a.reshape(n, -1, d)
@@ -205,11 +205,37 @@ class OuterSource(Materialised):
                 r = min(p, r0 + rows) - r0
                 piece = buf[: n * r * d].view(n, r, d)
                 torch.bmm(gt[:, r0 : r0 + r], a3, out=piece)
-                if add is not None:
-                    add(x, r0, piece)
-                dev = piece.view(y - x, gr, r, d).sub_(mean[:, r0 : r0 + r])
-                acc[:, r0 : r0 + r] += dev.mul_(dev).sum(0)
+                yield x, r0, piece.view(y - x, gr, r, d)
+
+    def m2(self, total: torch.Tensor, lo: int, hi: int, add: AddRows | None = None
+           ) -> torch.Tensor:
+        """Rows [lo, hi)'s sum of squared deviations from their mean (``total / n``, known
+        first: the two-pass form, no cancellation), squared and summed a piece at a time
+        (:meth:`pieces`; merging chunk moments made seven passes over every per-sample
+        gradient in memory). ``add(x, r0, piece)`` adds another part of the samples'
+        gradients to the piece (a tied embedding's)."""
+        mean = (total / (hi - lo)).reshape(self.groups, self.p, self.d)
+        acc = torch.zeros_like(mean)
+        for x, r0, piece in self.pieces(lo, hi):
+            if add is not None:
+                add(x, r0, piece)
+            r = piece.shape[2]
+            dev = piece.sub_(mean[:, r0 : r0 + r])
+            acc[:, r0 : r0 + r] += dev.mul_(dev).sum(0)
         return acc.reshape(self.shapes[self.names[0]])
+
+    def dots(self, refs: torch.Tensor) -> torch.Tensor:
+        """``[B, M]`` dot products with M references ``[M, *shape]``, a piece at a time."""
+        refs = refs.reshape(len(refs), self.groups, self.p, self.d).to(self.dtype)
+        out: list[torch.Tensor] = []
+        for _, r0, piece in self.pieces(0, self.batch):
+            n, r = piece.shape[0], piece.shape[2]
+            part = piece.reshape(n, -1) @ refs[:, :, r0 : r0 + r].reshape(len(refs), -1).t()
+            if r0 == 0:
+                out.append(part)
+            else:
+                out[-1] += part
+        return cat(out)
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds

@@ -78,7 +78,7 @@ class Tied(Summed):
 
     def _add_rows(self, lo: int, r0: int, piece: torch.Tensor) -> None:
         """The embedding's part of samples [lo, lo + n)'s gradients in rows [r0, r0 + r)."""
-        n, r, _ = piece.shape
+        n, r = piece.shape[0], piece.shape[-2]  # [n, 1, r, d]: one group
         tokens = self.emb.tokens[lo : lo + n]
         inside = (tokens >= r0) & (tokens < r0 + r)
         at = torch.arange(n, device=tokens.device).unsqueeze(1) * r + tokens - r0

@@ -15,7 +15,7 @@ from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
-from service.fast_stats import Family, FastStats, _family, register_family
+from service.fast_stats import Family, FastStats, _family, _outer, register_family
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
@@ -28,7 +28,7 @@ from service.registry import LoadedModel, load_model
 from service.strategies import base
 from service.strategies.per_sample import per_sample_fn
 from tests.support.batches import make_batch
-from tests.support.reference import SUMMARY, assert_close, reference
+from tests.support.reference import SUMMARY, assert_close, attribution, loop_of, reference
 
 CPU = torch.device("cpu")
 
@@ -633,6 +633,30 @@ def test_convolutions_folded_into_groups(
         check(model, make_batch(model, 4), segments=[3, 1], outputs=outputs)
         assert (4, True) in calls if form == "materialise" else (3, False) in calls, calls
     get_settings.cache_clear()
+
+
+@pytest.mark.parametrize("form", ["gram", "materialise"])
+@pytest.mark.parametrize(("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES])
+def test_dots_with_references_in_either_form(
+    layers: list[dict[str, Any]], shape: list[int], form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M dot products per sample from the gradients built a slice of output rows at a time
+    (sequences, convolutions with strides, dilation and groups), as the loop gives them."""
+    monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", form)
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer
+    get_settings.cache_clear()
+    model = _sequential(layers, shape)
+    batch = make_batch(model, 4)
+    gen = torch.Generator().manual_seed(3)
+    batch.references = {k: torch.randn((3, *v.shape), generator=gen)
+                        for k, v in model.params.items()}
+    opts = Options(loss=model.default_loss, outputs=("dots",), params=tuple(model.params))
+    [got] = engine.compute(model, batch, opts)
+    get_settings.cache_clear()
+    assert got["meta"]["route"] == "fast_stats"
+    assert form in got["meta"]["form"].values(), got["meta"]["form"]
+    want = attribution(loop_of(model, batch, opts), batch.references)["dots"]
+    assert_close(got["dots"], want)
 
 
 def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:
