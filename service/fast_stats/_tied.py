@@ -36,6 +36,7 @@ class Tied(Summed):
                  batch: int, budget: Budget) -> None:
         super().__init__(name, (emb, outer), shape, batch, budget)
         self.emb, self.outer = emb, outer
+        outer.whole = False  # its dot with the mean is with the tied parameter's mean
 
     def form(self, name: str) -> str:
         return f"tied:{self.emb.form(name)}+{self.outer.form(name)}"

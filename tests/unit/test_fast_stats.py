@@ -659,6 +659,25 @@ def test_dots_with_references_in_either_form(
     assert_close(got["dots"], want)
 
 
+@pytest.mark.parametrize(("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES])
+def test_cosine_by_pairwise_products(
+    layers: list[dict[str, Any]], shape: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each sample's dot with its segment's mean as the mean of its pairwise dot products
+    (taken here wherever it applies, not only where cheaper) gives the loop's cosines."""
+    taken = []
+
+    def always(self: OuterSource, n: int) -> bool:
+        taken.append(self.whole and self.t > 1)
+        return taken[-1]
+
+    monkeypatch.setattr(OuterSource, "_pairs_cheaper", always)
+    monkeypatch.setattr(ConvSource, "cache", False)  # not the cached gradients' dots
+    model = _sequential(layers, shape)
+    check(model, make_batch(model, 4), segments=[3, 1], outputs=("cosine_mean", "mean"))
+    assert any(taken)
+
+
 def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:
     layers = [_l("Embedding", 7, 3, padding_idx=0), _l("Linear", 3, 4), _l("Mean", dim=1),
               _l("Linear", 4, 2)]

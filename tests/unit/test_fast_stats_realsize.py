@@ -14,6 +14,7 @@ from torch import nn
 
 from service import engine
 from service.config import get_settings
+from service.fast_stats._outer import OuterSource
 from service.registration import register_exported
 from service.registry import ModelRegistry
 from service.validate import parse_request
@@ -82,13 +83,14 @@ def _references(registry: ModelRegistry, name: str) -> dict[str, torch.Tensor]:
 
 
 def _compute(registry: ModelRegistry, name: str, batch: dict[str, Any],
-             references: dict[str, torch.Tensor]) -> dict[str, Any]:
+             references: dict[str, torch.Tensor],
+             requests: tuple[list[str], ...] = (OUTPUTS[:-1], ["dots"])) -> dict[str, Any]:
     def arrays(v: Any) -> Any:
         return {k: t.numpy() for k, t in v.items()} if isinstance(v, dict) else v.numpy()
 
     fields = {k: arrays(v) for k, v in batch.items()}
     answers = {}
-    for outputs in (OUTPUTS[:-1], ["dots"]):  # dots alone: M references materialise
+    for outputs in requests:  # dots alone: M references
         extra = {"reference": arrays(references)} if outputs == ["dots"] else {}
         parsed = parse_request({"model": name, "outputs": outputs, "clip_norm": CLIP,
                                 **fields, **extra}, registry)
@@ -154,6 +156,18 @@ def test_both_forms_give_the_same_answers_for_the_same_layers(
     assert layers and all(forms["materialise"][k] == "materialise" for k in layers)
     for output in OUTPUTS:
         assert_close(answers["gram"][output], answers["materialise"][output], output)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_cosine_by_pairwise_products(registry: ModelRegistry, name: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cosine_mean`` with every weight over several positions taking the pairwise products
+    (GPT-2's tied output layer cannot: its mean is the tied parameter's) equals the loop."""
+    monkeypatch.setattr(OuterSource, "_pairs_cheaper", lambda self, n: self.whole and self.t > 1)
+    module, loss, batch = _case(name)
+    got = _compute(registry, name, batch, {}, (["cosine_mean"],))
+    [want] = summarize(per_sample_loop(module, batch, loss), [N], clip_norm=CLIP)
+    assert_close(got["cosine_mean"], want["cosine_mean"], f"{name} cosine_mean")
 
 
 @pytest.mark.parametrize("kind", ["tensorsketch", "kronecker"])
