@@ -177,17 +177,18 @@ class OuterSource(Materialised):
                 sq.append(self._sq(a, g))
             if ref is not None:
                 dot.append(self._dot(ref, a, g))
-        sums = None  # one position's variance from its exact sums of squares, in float64
+        # one position's variance from its exact sums of squares, in float64
+        totals: tuple[torch.Tensor, ...] | None = None
         if need.sums or need.m2:
             dtype = torch.float64 if need.m2 else need.sums_dtype
-            sums = tuple(self.wsum(None, x, y, dtype) for x, y in need.bounds)
+            totals = tuple(self.wsum(None, x, y, dtype) for x, y in need.bounds)
         return {name: Pass1(
             sq=cat(sq) if need.sq else None,
             dot=cat(dot) if ref is not None else None,
-            sums=tuple(s.to(need.sums_dtype) for s in sums) if need.sums and sums else None,
+            sums=tuple(s.to(need.sums_dtype) for s in totals) if need.sums and totals else None,
             m2=tuple(m2_of(total, self._sqsum(x, y), y - x)
-                     for total, (x, y) in zip(sums, need.bounds, strict=True))
-            if need.m2 and sums is not None else None,
+                     for total, (x, y) in zip(totals, need.bounds, strict=True))
+            if need.m2 and totals is not None else None,
         )}
 
     def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, torch.Tensor]]:
