@@ -27,7 +27,7 @@ from service.dp.noise import secure_normal
 from service.losses import Loss, get_loss
 from service.plugins import Registry
 from service.strategies.base import Call, Need, Options, ParamStats, Result, Tensors, total
-from service.strategies.projection import kinds
+from service.strategies.projection import VERSIONS, kinds
 
 Assemble = Callable[["Segment"], Any]
 
@@ -150,6 +150,7 @@ def assemble(call: Call, result: Result,
         kind = call.opts.projection.kind
         meta["projection"] = kinds({k: call.params[k].shape for k in call.selected}, kind)
         meta["projection_kind"] = kind
+        meta["projection_version"] = VERSIONS[kind]
     answers = []
     for s, (a, b) in enumerate(call.bounds):
         seg = Segment(assembly, s, a, b)

@@ -208,6 +208,8 @@ class ReferenceSetDoc(BaseModel):
     projection_dim: int | None = Field(description="k of the sketches; null: full gradients")
     projection_seed: int | None
     projection_kind: str | None = Field(description="the sketch's kind; null: full gradients")
+    projection_version: int | None = Field(
+        None, description="the kind's definition of its numbers when the set was made")
     count: int = Field(description="M, the samples it holds")
     created: float
     bytes: int

@@ -16,6 +16,7 @@ from service.attribution import projection_of
 from service.reference_sets import SAMPLE_FIELDS, checked_id
 from service.registry import ModelRegistry
 from service.stores.spec import StoreSpec, check_dtype, integral
+from service.strategies.projection import VERSIONS
 from service.validate import check_options
 
 SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
@@ -49,7 +50,7 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
     return StoreSpec(id=store_id, model=model.ref, loss=opts.loss, params=opts.params,
                      projection_dim=proj.k, projection_seed=proj.seed,
                      projection_kind=proj.kind, dtype=check_dtype(body.get("dtype")),
-                     tenant=tenant,
+                     tenant=tenant, projection_version=VERSIONS[proj.kind],
                      shapes={p: list(model.params[p].shape) for p in opts.params})
 
 

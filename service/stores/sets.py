@@ -28,7 +28,7 @@ from service.lru import LockedLRU
 from service.registry import LoadedModel
 from service.stores.files import Manifest, StoreFiles
 from service.stores.spec import EXACT, StoreSpec
-from service.strategies.projection import KINDS, Projection
+from service.strategies.projection import KINDS, VERSIONS, Projection
 from service.tenants import owned_name
 
 
@@ -39,15 +39,16 @@ def set_spec(set_id: str, fields: dict[str, Any], result: dict[str, Any], model:
     params = tuple(p for p in model.params if p in set(fields.get("params") or model.params))
     shapes = {p: list(model.params[p].shape) for p in params}
     dim = fields.get("projection_dim")
+    meta = result.get("meta") or {}
     if dim is None:
         kind, k, seed = EXACT, sum(math.prod(s) for s in shapes.values()), 0
     else:
-        kind = str((result.get("meta") or {}).get("projection_kind")
-                   or fields.get("projection_kind") or KINDS[0])
+        kind = str(meta.get("projection_kind") or fields.get("projection_kind") or KINDS[0])
         k, seed = int(dim), int(fields.get("projection_seed") or 0)
+    version = int(meta.get("projection_version") or VERSIONS.get(kind, 1))
     return StoreSpec(id=set_id, model=str(result["model"]), loss=str(result["loss"]),
                      params=params, projection_dim=k, projection_seed=seed, projection_kind=kind,
-                     dtype="float32", tenant=tenant, shapes=shapes)
+                     dtype="float32", tenant=tenant, shapes=shapes, projection_version=version)
 
 
 def set_rows(spec: StoreSpec, result: dict[str, Any]) -> np.ndarray:
@@ -88,6 +89,7 @@ def set_doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
             "projection_dim": spec.projection_dim if sketched else None,
             "projection_seed": spec.projection_seed if sketched else None,
             "projection_kind": spec.projection_kind if sketched else None,
+            "projection_version": spec.projection_version if sketched else None,
             "count": manifest.count, "created": spec.created,
             "bytes": set_bytes(spec, manifest)}
 
@@ -119,6 +121,7 @@ class StoredSets:
         if manifest.count == 0:
             raise Conflict(f"store '{name}' is empty: add samples with POST "
                            f"/stores/{name}/samples first")
+        spec.check_version()
         return self._kept.get_or_make((key, *manifest.version),
                                       lambda: self._read(key, spec, manifest))
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from psgrad._errors import BadRequest, InvalidInput
+from psgrad._errors import BadRequest, Conflict, InvalidInput
+from service.strategies.projection import VERSIONS
 from service.tenants import DEFAULT_TENANT
 
 DTYPES = ("float32", "float16")
@@ -44,6 +45,8 @@ class StoreSpec:
     created: float = field(default_factory=time.time)
     shapes: dict[str, list[int]] = field(default_factory=dict)  # of ``params`` (recorded since
     # reference sets became stores; empty in a store made before)
+    # the definition of the kind's numbers (``VERSIONS``); 1 in records made before versions
+    projection_version: int = 1
 
     @property
     def exact(self) -> bool:
@@ -67,6 +70,18 @@ class StoreSpec:
     @property
     def itemsize(self) -> int:
         return int(np.dtype(self.dtype).itemsize)
+
+    def check_version(self) -> None:
+        """Refuses a store whose sketches this server no longer makes: the kind's numbers
+        changed since (``VERSIONS``), and rows of two definitions do not compare."""
+        now = VERSIONS.get(self.projection_kind, 1)  # exact rows: always 1
+        if self.projection_version != now:
+            raise Conflict(
+                f"store '{self.id}' keeps {self.projection_kind} sketches of version "
+                f"{self.projection_version}; this server makes version {now}, whose numbers "
+                "differ, so new rows and queries would not compare with the store's: make a new "
+                f"store (DELETE /stores/{self.id}, then PUT it again and add the samples)",
+                projection_version=self.projection_version, current_version=now)
 
     def doc(self) -> dict[str, Any]:
         """The definition as ``GET /stores/{id}`` shows it."""

@@ -9,14 +9,19 @@ batch size, worker, process or weights of the same architecture give comparable 
 
 Which matrix a parameter gets depends on the projection's ``kind`` and the parameter's shape
 only, so that every strategy applies the same. Parameters of two or more dimensions get the
-kind's matrix, ``tensorsketch`` (the default) or ``kronecker``; the others a dense one:
+kind's matrix, ``tensorsketch`` (the default) or ``kronecker``; one-dimensional ones (biases,
+norms' scales) a TensorSketch of their ``[numel, 1]`` matrix (a count sketch: exact up to k
+entries, against a dense Gaussian's 2/k relative variance, and O(numel) where a dense matrix
+is k x numel: GPT-2 small's biases alone drew 2 GiB of Gaussians per call at k = 4096) under
+``tensorsketch``, a dense one under ``kronecker``; scalars a dense one:
 
 - ``tensorsketch`` (:mod:`service.strategies.tensorsketch`): the count sketch of the
   ``[shape[0], prod(shape[1:])]`` matrix with a hash that factors over its rows and columns,
-  so a layer's ``sum_t g_t a_t^T`` is sketched from ``g_t`` and ``a_t`` by FFTs. Unbiased, with a
-  variance of order ``1/k`` like a dense sketch's: on the zoo's mlp, simple-cnn and
-  tiny-transformer its worst pairwise inner-product error is within 2x a dense Gaussian
-  projection's of the same k (1.0-1.7x at k = 1024 and 2048; ``tests/unit/test_sketch_quality.py``,
+  so a layer's ``sum_t g_t a_t^T`` is sketched from ``g_t`` and ``a_t`` by FFTs (the short
+  side in groups where the long side shares buckets). Unbiased, with a variance of order
+  ``1/k`` like a dense sketch's: on the zoo's mlp, simple-cnn and tiny-transformer its worst
+  pairwise inner-product error is within 2x a dense Gaussian projection's of the same k
+  (0.7-1.4x at k = 1024 and 2048 over 8 seeds; ``tests/unit/test_sketch_quality.py``,
   ``benchmarks/sketch_quality.py``).
 - ``kronecker`` (parameters of two or more dimensions, seen as a matrix ``[m, n]`` =
   ``[shape[0], prod(shape[1:])]``: a Linear weight, a convolution's ``[out, in/groups *
@@ -28,7 +33,8 @@ kind's matrix, ``tensorsketch`` (the default) or ``kronecker``; the others a den
   most ``(1 + 2/k_out)(1 + 2/k_in) - 1`` (reached by rank-one gradients, e.g. a Linear layer at
   one position; about ``4/sqrt(k)``), against ``2/k`` for a dense sketch: the zoo mlp's worst
   pair error at k = 2048 is 0.52 against 0.065 dense. Kept for sketches made with it.
-- ``dense`` (biases, norms' scales, scalars): a Gaussian ``[k, numel]``, the classic JL
+- ``dense`` (scalars; under ``kronecker`` also biases and norms' scales): a Gaussian
+  ``[k, numel]``, the classic JL
   guarantee (relative variance ``2/k``), generated a 4 MiB block of columns at a time (each
   block from its own seed), never held whole.
 """
@@ -51,6 +57,9 @@ KRONECKER = "kronecker"
 DENSE = "dense"
 assert (TENSORSKETCH, KRONECKER) == PROJECTION_KINDS
 KINDS = PROJECTION_KINDS  # what ``projection_kind`` names (the contract); the first is the default
+# Each kind's definition of its numbers, bumped when they change: stores and reference sets
+# record it and refuse sketches of another (tensorsketch 1: one hash per side, before groups)
+VERSIONS = {TENSORSKETCH: 2, KRONECKER: 1}
 MAX_DIM = MAX_PROJECTION_DIM
 _BLOCK_BYTES = 4 << 20  # one dense block of a projection matrix, float32
 _GROUP_BYTES = 16 << 20  # one side-by-side matrix of small dense projections
@@ -233,12 +242,13 @@ class Projection:
 
 def kind_of(shape: torch.Size | tuple[int, ...], kind: str = TENSORSKETCH) -> str:
     """The matrix a parameter of this shape gets under a projection of ``kind`` (the same in
-    every strategy): the kind's own for two or more dimensions, else a dense one."""
-    return kind if len(shape) >= 2 else DENSE
+    every strategy): the kind's own for two or more dimensions and, for ``tensorsketch``, one
+    (a count sketch of a ``[numel, 1]`` matrix); else a dense one."""
+    return kind if len(shape) >= 2 or (len(shape) == 1 and kind == TENSORSKETCH) else DENSE
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """A parameter of two or more dimensions as a matrix: ``[shape[0], prod(shape[1:])]``."""
+    """A parameter of one or more dimensions as a matrix: ``[shape[0], prod(shape[1:])]``."""
     return int(shape[0]), math.prod(shape[1:])
 
 

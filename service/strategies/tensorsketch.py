@@ -7,9 +7,21 @@ a count sketch of ``vec(M)`` whose hash factors over the two sides. Signs are in
 rank-one terms ``g a^T`` a layer's gradient is made of, where a Kronecker product of Gaussians
 (:mod:`service.strategies.projection`) pays order ``1/sqrt(k)``. Each side's hash is
 ``pos mod k`` for ``pos`` the first entries of a random permutation of ``k * ceil(side / k)``
-slots: a side of at most k entries never puts two in one bucket (no two rows or columns of a
-gradient collide whole, the term that makes a plain TensorSketch's worst pair twice as bad),
-and a longer side fills every bucket to at most ``ceil(side / k)``.
+slots: a side of at most k entries never puts two in one bucket, and a longer side fills every
+bucket to at most ``ceil(side / k)``.
+
+Groups. When a side is longer than k, two of its indices ``j, j'`` share a bucket, and with one
+hash they share it in every row: the error ``|g|^2 (<C a, C a'> - <a, a'>)`` of the long side's
+count sketch is paid once for the whole matrix, scaled by the other side's full norm. On a
+rank-one term that doubles the variance of a dense projection (about ``4/k`` against ``2/k``
+for a squared norm): the zoo simple-cnn's ``fc1`` (``[128, 9216]``, 96% of its gradient) at
+k = 1024 had a worst pair 2.1x a dense projection's. So the short side's indices are split
+into ``r = min(GROUPS, short side)`` random balanced groups, and each group meets its own
+independent hash (and signs) of the long side: the shared error splits into r independent
+parts, ``(2 + 2/r)/k``, and the worst pairs fall to 0.9-1.3x a dense projection's. The
+sketch stays one count sketch of ``vec(M)`` (entry ``(o, j)`` goes to ``h_row(o) +
+h_col[group(o)](j)``), unbiased, and its layers' cost: scattering a built gradient is unchanged,
+a transform per position does r of them. Sides of at most k entries keep ``r = 1``.
 
 Because the hash factors, one linear map has three evaluations, and every strategy picks the
 cheapest for what it holds (the same sketch up to rounding):
@@ -29,11 +41,13 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 TENSORSKETCH = "tensorsketch"
 _CHUNK = 1 << 20  # entries of one scatter's index (8 MiB of int64)
+GROUPS = 8  # r, the groups of the short side when the long side shares buckets
 _FFT_BYTES = 64 << 20  # count sketches and spectra of one FFT chunk
 _MAT_BYTES = 32 << 20  # per-sample gradients of one chunk built for the scatter
 # Rough costs on our CPU (nanoseconds), to pick an evaluation: a multiply-add of a batched
@@ -43,26 +57,54 @@ _NS_MAC, _NS_SCATTER, _NS_FFT, _NS_COPY = 0.075, 4.0, 1.0, 0.5
 
 @dataclass(frozen=True)
 class Side:
-    """The count sketch of one side of a matrix: each index's bucket and sign."""
+    """The count sketches of one side of a matrix: ``copies`` hashes of its indices (one per
+    group of the other side), or one hash and each index's ``group``."""
 
     k: int
     slots: int  # k * ceil(size / k)
-    pos: torch.Tensor  # [size] distinct slots in [0, slots); bucket = pos % k
-    bucket: torch.Tensor  # [size] int64
-    sign: torch.Tensor  # [size] +-1, float32
+    pos: torch.Tensor  # [copies, size] distinct slots in [0, slots) per copy; bucket = pos % k
+    bucket: torch.Tensor  # [copies, size] int64
+    sign: torch.Tensor  # [copies, size] +-1, float32
+    group: torch.Tensor  # [size] int64: which copy of the other side's hash an index meets
+    r: int  # the pair's number of groups (1: a plain TensorSketch)
+
+    @property
+    def copies(self) -> int:
+        return int(self.pos.shape[0])
+
+    @cached_property
+    def sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index, sign)`` ``[r, slots // k, k]``: the entry each slot of each group's count
+        sketch holds and its sign (0 for an empty slot, whose index is 0), so that a sketch is
+        one gather: cheaper than filling zeros and scattering into them."""
+        size = self.pos.shape[1]
+        index = torch.zeros(self.r * self.slots, dtype=torch.long, device=self.pos.device)
+        sign = torch.zeros(self.r * self.slots, dtype=self.sign.dtype, device=self.pos.device)
+        entry = torch.arange(size, device=self.pos.device)
+        if self.copies > 1:
+            at = (self.pos + torch.arange(self.copies, device=self.pos.device)[:, None]
+                  * self.slots).reshape(-1)
+            index[at], sign[at] = entry.repeat(self.copies), self.sign.reshape(-1)
+        else:
+            at = self.pos[0] + self.group * self.slots
+            index[at], sign[at] = entry, self.sign[0]
+        shape = (self.r, self.slots // self.k, self.k)
+        return index.view(shape), sign.view(shape)
 
     def part(self, lo: int, hi: int) -> Side:
         """The indices [lo, hi) (one group's rows of a grouped convolution)."""
-        return Side(self.k, self.slots, self.pos[lo:hi], self.bucket[lo:hi], self.sign[lo:hi])
+        return Side(self.k, self.slots, self.pos[:, lo:hi], self.bucket[:, lo:hi],
+                    self.sign[:, lo:hi], self.group[lo:hi], self.r)
 
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., k]`` count sketches of ``x`` ``[..., size]``: each entry placed in its own
-        slot (no accumulation: slots are distinct), then the slots folded onto the buckets."""
-        buf = x.new_zeros((*x.shape[:-1], self.slots))
-        buf.index_copy_(-1, self.pos, x * self.sign.to(x.dtype))
-        if self.slots == self.k:
-            return buf
-        return buf.view(*x.shape[:-1], self.slots // self.k, self.k).sum(-2)
+        """``[..., r, k]`` count sketches of ``x`` ``[..., size]``, one per group: each slot
+        gathers its entry (slots are distinct), then the slots fold onto the buckets. A side
+        with copies puts every entry in each copy's sketch; a grouped side puts each entry in
+        its own group's only."""
+        index, sign = self.sources
+        got = x.index_select(-1, index.reshape(-1)).view(*x.shape[:-1], *index.shape)
+        got.mul_(sign.to(x.dtype))
+        return got.squeeze(-2) if index.shape[1] == 1 else got.sum(-2)
 
 
 Pair = tuple[Side, Side]  # the rows' and the columns' count sketches of one TensorSketch
@@ -72,21 +114,51 @@ def draw(k: int, seed: int, name: str, shape: tuple[int, ...], device: torch.dev
     """The row and column sides of parameter ``name``'s TensorSketch, from (k, seed, name,
     shape) alone, on the CPU generator (the same in every process, batch and strategy).
 
-    One sketch, not a sum of independent ones: summing 2 or 4 TensorSketches (each scaled
-    ``1/sqrt(copies)``) left the zoo's worst pairs where they were (within the spread over
-    seeds) at 2 or 4 times the cost."""
+    When one side is longer than k (its indices share buckets), the other side's indices are
+    split into ``r = min(GROUPS, its length)`` random groups, each meeting its own hash of the
+    long side: see the module's docstring for why. Otherwise ``r = 1``, one plain TensorSketch."""
     m, n = int(shape[0]), math.prod(shape[1:])
     digest = hashlib.sha256(repr((k, seed, name, tuple(shape), TENSORSKETCH)).encode())
     gen = torch.Generator().manual_seed(int.from_bytes(digest.digest()[:8], "little") >> 1)
+    slots = {size: k * max(1, math.ceil(size / k)) for size in (m, n)}
 
-    def side(size: int) -> Side:
-        slots = k * max(1, math.ceil(size / k))
-        pos = torch.randperm(slots, generator=gen)[:size]
+    def hashes(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.randperm(slots[size], generator=gen)[:size]
         sign = torch.randint(0, 2, (size,), generator=gen).float().mul_(2).sub_(1)
-        return Side(k, slots, pos.to(device), (pos % k).to(device), sign.to(device))
+        return pos, sign
 
-    rows = side(m)
-    return rows, side(n)
+    first = [hashes(m), hashes(n)]  # rows, columns: a plain TensorSketch's
+    long_rows = m > n
+    r = min(GROUPS, m, n) if max(m, n) > k else 1
+    more = [hashes(m if long_rows else n) for _ in range(r - 1)]  # the long side's other hashes
+    group = torch.randperm(min(m, n), generator=gen) % r  # the short side's groups
+
+    def side(size: int, own: list[tuple[torch.Tensor, torch.Tensor]], grouped: bool) -> Side:
+        pos, sign = torch.stack([p for p, _ in own]), torch.stack([s for _, s in own])
+        mine = group if grouped else torch.zeros(size, dtype=torch.long)
+        return Side(k, slots[size], pos.to(device), (pos % k).to(device), sign.to(device),
+                    mine.to(device), r)
+
+    rows = side(m, [first[0], *(more if long_rows else [])], grouped=not long_rows)
+    cols = side(n, [first[1], *([] if long_rows else more)], grouped=long_rows)
+    return rows, cols
+
+
+def entries(rows: Side, cols: Side, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bucket, sign)`` of the entries ``(o, j)`` for the rows ``o`` in ``which`` (any shape
+    ``S``) and every column ``j``: ``[*S, n]``, or broadcastable to it (``[*S, 1]`` and ``[n]``)
+    while both sides have one hash."""
+    rb, rs = rows.bucket[:, which], rows.sign[:, which]  # [row copies, *S]
+    if rows.copies > 1:  # the column's group picks the row's hash
+        rb, rs = rb[cols.group].movedim(0, -1), rs[cols.group].movedim(0, -1)
+    else:
+        rb, rs = rb[0, ..., None], rs[0, ..., None]
+    if cols.copies > 1:  # the row's group picks the column's hash
+        group = rows.group[which]
+        cb, cs = cols.bucket[group], cols.sign[group]
+    else:
+        cb, cs = cols.bucket[0], cols.sign[0]
+    return (rb + cb) % rows.k, rs * cs
 
 
 def scatter(rows: Side, cols: Side, grads: torch.Tensor, out: torch.Tensor,
@@ -97,18 +169,18 @@ def scatter(rows: Side, cols: Side, grads: torch.Tensor, out: torch.Tensor,
     step = max(1, _CHUNK // max(1, n))
     for lo in range(0, m, step):
         hi = min(m, lo + step)
-        index = (rows.bucket[lo:hi, None] + cols.bucket[None, :]) % rows.k
+        index, sign = entries(rows, cols, torch.arange(lo, hi, device=grads.device))
         part = grads[:, lo:hi]
         if not signed:
-            part = part * (rows.sign[lo:hi, None] * cols.sign[None, :]).to(grads.dtype)
-        out.index_add_(1, index.reshape(-1), part.reshape(b, -1))
+            part = part * sign.to(grads.dtype)
+        out.index_add_(1, index.expand(hi - lo, n).reshape(-1), part.reshape(b, -1))
 
 
-def fft_is_cheaper(positions: int, p: int, d: int, k: int) -> bool:
+def fft_is_cheaper(positions: int, p: int, d: int, k: int, r: int = 1) -> bool:
     """Whether a transform per position beats building the ``[p, d]`` gradient and scattering
-    it (rough costs on our CPU; either gives the same sketch)."""
+    it (rough costs on our CPU; either gives the same sketch), for a pair of ``r`` groups."""
     build = positions * p * d * _NS_MAC + p * d * _NS_SCATTER
-    fft = positions * (2 * k * math.log2(max(k, 2)) * _NS_FFT + (2 * k + d + p) * _NS_COPY)
+    fft = positions * r * (2 * k * math.log2(max(k, 2)) * _NS_FFT + (2 * k + d + p) * _NS_COPY)
     return fft < build
 
 
@@ -118,11 +190,12 @@ def outer(rows: Side, cols: Side, a: torch.Tensor, g: torch.Tensor, out: torch.T
     matrix), by whichever evaluation :func:`fft_is_cheaper` picks."""
     n, groups, t, p = g.shape
     d = a.shape[-1]
-    if fft_is_cheaper(t, p, d, rows.k):
+    if fft_is_cheaper(t, p, d, rows.k, rows.r):
         _convolved(rows, cols, a, g, out)
         return
-    early = t * (d + p) < p * d  # signs on the inputs and output gradients: fewer entries
-    col_sign, row_sign = cols.sign.to(g.dtype), rows.sign.to(g.dtype).view(groups, 1, p)
+    # signs on the inputs and output gradients (fewer entries), where they factor (r = 1)
+    early = rows.r == 1 and t * (d + p) < p * d
+    col_sign, row_sign = cols.sign[0].to(g.dtype), rows.sign[0].to(g.dtype).view(groups, 1, p)
     step = max(1, _MAT_BYTES // (groups * p * d * g.element_size()))
     for lo in range(0, n, step):
         hi = min(n, lo + step)
@@ -135,11 +208,12 @@ def outer(rows: Side, cols: Side, a: torch.Tensor, g: torch.Tensor, out: torch.T
 
 def _convolved(rows: Side, cols: Side, a: torch.Tensor, g: torch.Tensor,
                out: torch.Tensor) -> None:
-    """``irfft(sum_t rfft(C g_t) * rfft(C a_t))`` per sample, a chunk of terms at a time."""
+    """``irfft(sum_t sum_q rfft(C_q g_t) * rfft(C_q a_t))`` per sample (``q`` over the pair's
+    groups), a chunk of terms at a time."""
     n, groups, t, p = g.shape
     k = rows.k
     work = torch.float64 if g.dtype == torch.float64 else torch.float32  # what FFTs take
-    per_term = 4 * k * torch.empty((), dtype=work).element_size()
+    per_term = 4 * k * rows.r * torch.empty((), dtype=work).element_size()
     terms = max(1, _FFT_BYTES // per_term)
     samples = max(1, terms // (groups * t))
     span = t if samples > 1 else max(1, terms // groups)  # positions of one chunk
@@ -148,10 +222,10 @@ def _convolved(rows: Side, cols: Side, a: torch.Tensor, g: torch.Tensor,
         spectrum: torch.Tensor | None = None
         for x in range(0, t, span):
             y = min(t, x + span)
-            sa = cols.sketch(a[lo:hi, :, x:y].to(work))  # [c, groups, span, k]
+            sa = cols.sketch(a[lo:hi, :, x:y].to(work))  # [c, groups, span, r, k]
             sg = torch.stack([rows.part(q * p, (q + 1) * p).sketch(g[lo:hi, q, x:y].to(work))
                               for q in range(groups)], 1)
-            part = (torch.fft.rfft(sa) * torch.fft.rfft(sg)).sum((1, 2))
+            part = (torch.fft.rfft(sa) * torch.fft.rfft(sg)).sum((1, 2, 3))
             spectrum = part if spectrum is None else spectrum + part
         assert spectrum is not None
         out[lo:hi] += torch.fft.irfft(spectrum, n=k).to(out.dtype)
@@ -166,7 +240,8 @@ def embedding_rows(rows: Side, cols: Side, ids: torch.Tensor, g: torch.Tensor,
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         ids_ = ids[lo:hi]
-        index = (rows.bucket[ids_][..., None] + cols.bucket) % rows.k  # [c, T, dim]
-        sign = (rows.sign[ids_][..., None] * cols.sign).to(g.dtype)
+        index, sign = entries(rows, cols, ids_)  # [c, T, dim], or [c, T, 1] and [dim]
+        index = index.expand(hi - lo, t, dim)
+        sign = sign.to(g.dtype)
         out[lo:hi].scatter_add_(1, index.reshape(hi - lo, -1),
                                 (g[lo:hi] * sign).reshape(hi - lo, -1))

@@ -7,6 +7,7 @@ and a worker killed in the middle of an append loses nothing and doubles nothing
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -189,6 +190,29 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
     error(await c.get("/stores/train", headers=ALICE), 404, "not_found")
     error(await c.delete("/stores/train", headers=ALICE), 404, "not_found")
     assert not (data_dir / "stores" / "alice~train").exists()
+
+
+async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """A store made before the default kind's numbers changed (its record has no
+    ``projection_version``: version 1) is shown, but neither appended to nor queried: rows of
+    two definitions would not compare. A new store records the current version."""
+    c, data_dir = service
+    r = await c.put("/stores/old", headers=ALICE, json={"model": "att", "projection_dim": DIM})
+    assert r.status_code == 201 and r.json()["projection_version"] == 2, r.text
+    [path] = [p for p in data_dir.rglob("spec.json") if json.loads(p.read_text())["id"] == "old"]
+    record = json.loads(path.read_text())
+    del record["projection_version"]  # as written before versions existed
+    path.write_text(json.dumps(record))
+    r = await c.get("/stores/old", headers=ALICE)
+    assert r.status_code == 200 and r.json()["projection_version"] == 1, r.text
+    error(await c.post("/stores/old/samples", headers=ALICE,
+                       json={**batch(3, 1), "ids": [1, 2, 3]}),
+          409, "conflict", "version 1", "version 2", "make a new store")
+    error(await c.post("/stores/old/query", headers=ALICE,
+                       json={"k": 1, "sketches": np.zeros((1, DIM)).tolist()}),
+          409, "conflict", "tensorsketch sketches of version 1")
+    assert (await c.delete("/stores/old", headers=ALICE)).status_code == 200
 
 
 async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path]) -> None:

@@ -64,14 +64,20 @@ def test_kronecker_sketch_is_the_kronecker_product_of_its_factors() -> None:
 
 
 def test_dense_sketch_is_one_matrix_built_block_by_block() -> None:
-    proj = Projection(8192, 1)
+    """Kronecker sketches' biases: a dense matrix; TensorSketch's: a count sketch, whose inner
+    products are exact while the parameter has at most k entries (one a bucket)."""
+    proj = Projection(8192, 1, KRONECKER)
     g = torch.randn(2, 300, dtype=torch.float64)
+    counted = Projection(8192, 1).project("b", g)
+    assert_close(counted @ counted.t(), g @ g.t(), atol=1e-10, rtol=1e-10)
+    assert int((counted != 0).sum()) == 2 * 300
     blocks = list(proj.dense_blocks("b", (300,), g))
     assert len(blocks) > 1  # 4 MiB blocks of 8192 rows: 128 columns each
     matrix = torch.cat([b for _, _, b in blocks], 1)
     assert matrix.shape == (8192, 300)
     assert_close(proj.project("b", g), g @ matrix.t(), atol=1e-10, rtol=1e-10)
-    assert kind_of((300,)) == "dense" and kind_of((3, 4, 5)) == "tensorsketch"
+    assert kind_of((300,)) == "tensorsketch" and kind_of((3, 4, 5)) == "tensorsketch"
+    assert kind_of(()) == "dense"
     assert kind_of((300,), KRONECKER) == "dense" and kind_of((3, 4, 5), KRONECKER) == KRONECKER
 
 
@@ -79,7 +85,7 @@ def test_small_dense_sketches_side_by_side_equal_one_by_one() -> None:
     """``project_many`` puts small dense parameters' matrices side by side (one GEMM per 16 MiB
     of matrix) and adds every sketch into one buffer: the same matrices as one parameter at a
     time, with the runs split where the cap falls and larger or Kronecker ones on their own."""
-    proj = Projection(8192, 4)  # 16 MiB of 8192-row float32 columns: runs of 512 columns
+    proj = Projection(8192, 4, KRONECKER)  # 16 MiB of 8192-row float32 columns: runs of 512
     gen = torch.Generator().manual_seed(0)
     shapes = {"a": (300,), "b": (3, 4), "c": (200,), "d": (100,), "e": (700,), "f": (5,)}
     grads = {k: torch.randn(3, *s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
@@ -365,3 +371,4 @@ def test_influence_takes_the_projection_of_its_set(registry: ModelRegistry) -> N
     with pytest.raises(InvalidInput, match="params"):
         parse(registry, body(outputs=["influence"], reference_set="s", params=["fc1.weight"]),
               reference_sets=store)
+

@@ -78,14 +78,17 @@ def test_unbiased_over_seeds() -> None:
 
 @pytest.mark.parametrize("fft", [True, False], ids=["convolved", "built"])
 @pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize(("p", "d"), [(40, 150), (150, 40), (20, 50)],
+                         ids=["long-columns", "long-rows", "short"])
 def test_both_evaluations_of_a_layer_are_one_sketch(monkeypatch: pytest.MonkeyPatch,
-                                                    fft: bool, groups: int) -> None:
+                                                    fft: bool, groups: int, p: int,
+                                                    d: int) -> None:
     """Whichever way a layer's ``sum_t g_t a_t^T`` is sketched (FFTs of count sketches per
     position, or the gradient built and scattered), the sketch is that of the gradient, over
-    sides longer than k (several entries per bucket) and shorter."""
+    sides longer than k (several entries per bucket, the other side in groups) and shorter."""
     monkeypatch.setattr(tensorsketch, "fft_is_cheaper", lambda *_: fft)
     gen = torch.Generator().manual_seed(groups)
-    n, t, d, p = 3, 7, 150, 40
+    n, t = 3, 7
     a = torch.randn(n, groups, t, d, generator=gen, dtype=torch.float64)
     g = torch.randn(n, groups, t, p, generator=gen, dtype=torch.float64)
     shape = (groups * p, d)
@@ -94,10 +97,15 @@ def test_both_evaluations_of_a_layer_are_one_sketch(monkeypatch: pytest.MonkeyPa
     want = proj.project("w", grads)
     assert_close(proj.project_outer("w", shape, a, g), want, atol=1e-10, rtol=1e-10)
     rows, cols = proj.sides("w", shape, grads)
-    assert int(torch.bincount(cols.bucket, minlength=64).max()) == math.ceil(d / 64)
     m = groups * p
-    most = int(torch.bincount(rows.bucket, minlength=64).max())
-    assert most == 1 if m <= 64 else most <= math.ceil(m / 64)  # at most k rows: one a bucket
+    long, short = (rows, cols) if m > d else (cols, rows)
+    r = min(tensorsketch.GROUPS, m, d) if max(m, d) > 64 else 1
+    assert rows.r == cols.r == r and long.copies == r and short.copies == 1
+    sizes = torch.bincount(short.group, minlength=r)
+    assert len(sizes) == r and int(sizes.max() - sizes.min()) <= 1  # balanced groups
+    for side, size in ((rows, m), (cols, d)):  # at most k entries: one a bucket
+        for bucket in side.bucket:
+            assert int(torch.bincount(bucket, minlength=64).max()) == math.ceil(size / 64)
 
 
 @pytest.mark.parametrize("arch", ["tiny-transformer", "simple-cnn"])

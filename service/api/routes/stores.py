@@ -120,10 +120,14 @@ async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[
                     ) -> np.ndarray:
     """The batch's sketches, computed by the workers (several jobs past the batch limit)."""
     result = await split_answer(state, tenant, job)
-    kind = (result.get("meta") or {}).get("projection_kind", spec.projection_kind)
-    if str(result["model"]) != spec.model or kind != spec.projection_kind:
-        raise Conflict(f"the sketches came from {result['model']} ({kind}), not the store's "
-                       f"{spec.model} ({spec.projection_kind}); send the batch again")
+    meta = result.get("meta") or {}
+    kind = meta.get("projection_kind", spec.projection_kind)
+    version = meta.get("projection_version", spec.projection_version)
+    if (str(result["model"]) != spec.model or kind != spec.projection_kind
+            or version != spec.projection_version):
+        raise Conflict(f"the sketches came from {result['model']} ({kind} version {version}), "
+                       f"not the store's {spec.model} ({spec.projection_kind} version "
+                       f"{spec.projection_version}); send the batch again")
     return np.asarray(result["projection"], dtype=np.float32)
 
 
@@ -192,6 +196,7 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
 
     def check() -> tuple[StoreSpec, dict[str, Any], list[int | str], str]:
         spec = _spec(state, key, store_id)
+        spec.check_version()
         job = sketch_request(spec, fields, f"POST /stores/{store_id}/samples")
         parsed = parse_request(job, state.registry)  # the whole batch, before any job runs
         ids, kind = checked_ids(raw_ids, parsed.batch.size)
@@ -264,6 +269,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
 
     def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
         spec = _spec(state, key, store_id)
+        spec.check_version()
         rest = check_fixed(spec, fields, "this query")
         check_k(state.storage.gradients.manifest(key), k, store_id)
         batch = any(rest.get(f) is not None for f in ("inputs", "targets", "next_inputs"))
