@@ -73,23 +73,21 @@ class Side:
         return int(self.pos.shape[0])
 
     @cached_property
-    def sources(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index, sign)`` ``[r, slots // k, k]``: the entry each slot of each group's count
-        sketch holds and its sign (0 for an empty slot, whose index is 0), so that a sketch is
-        one gather: cheaper than filling zeros and scattering into them."""
-        size = self.pos.shape[1]
-        index = torch.zeros(self.r * self.slots, dtype=torch.long, device=self.pos.device)
-        sign = torch.zeros(self.r * self.slots, dtype=self.sign.dtype, device=self.pos.device)
-        entry = torch.arange(size, device=self.pos.device)
-        if self.copies > 1:
-            at = (self.pos + torch.arange(self.copies, device=self.pos.device)[:, None]
-                  * self.slots).reshape(-1)
-            index[at], sign[at] = entry.repeat(self.copies), self.sign.reshape(-1)
+    def sources(self) -> torch.Tensor:
+        """``[r, slots // k, k]``: where each slot of each group's count sketch finds its entry
+        in the signed entries ``[x * sign of copy 0, x * sign of copy 1, ..., 0]`` (the last, 0,
+        for an empty slot), so that a sketch is one multiply of the entries and one gather:
+        cheaper than filling zeros and scattering into them, or signing every slot."""
+        copies, size = self.pos.shape
+        index = torch.full((self.r * self.slots,), copies * size, dtype=torch.long,
+                           device=self.pos.device)
+        entry = torch.arange(copies * size, device=self.pos.device)
+        if copies > 1:
+            offset = torch.arange(copies, device=self.pos.device)[:, None] * self.slots
+            index[(self.pos + offset).reshape(-1)] = entry
         else:
-            at = self.pos[0] + self.group * self.slots
-            index[at], sign[at] = entry, self.sign[0]
-        shape = (self.r, self.slots // self.k, self.k)
-        return index.view(shape), sign.view(shape)
+            index[self.pos[0] + self.group * self.slots] = entry
+        return index.view(self.r, self.slots // self.k, self.k)
 
     def part(self, lo: int, hi: int) -> Side:
         """The indices [lo, hi) (one group's rows of a grouped convolution)."""
@@ -98,12 +96,17 @@ class Side:
 
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., r, k]`` count sketches of ``x`` ``[..., size]``, one per group: each slot
-        gathers its entry (slots are distinct), then the slots fold onto the buckets. A side
-        with copies puts every entry in each copy's sketch; a grouped side puts each entry in
-        its own group's only."""
-        index, sign = self.sources
-        got = x.index_select(-1, index.reshape(-1)).view(*x.shape[:-1], *index.shape)
-        got.mul_(sign.to(x.dtype))
+        gathers its signed entry (slots are distinct), then the slots fold onto the buckets. A
+        side with copies puts every entry in each copy's sketch; a grouped side puts each entry
+        in its own group's only."""
+        copies, size = self.pos.shape
+        lead = x.shape[:-1]
+        signed = x.new_empty((*lead, copies * size + 1))
+        torch.mul(x.unsqueeze(-2), self.sign.to(x.dtype),
+                  out=signed[..., :-1].view(*lead, copies, size))
+        signed[..., -1] = 0
+        index = self.sources
+        got = signed.index_select(-1, index.reshape(-1)).view(*lead, *index.shape)
         return got.squeeze(-2) if index.shape[1] == 1 else got.sum(-2)
 
 
@@ -217,14 +220,16 @@ def _convolved(rows: Side, cols: Side, a: torch.Tensor, g: torch.Tensor,
     terms = max(1, _FFT_BYTES // per_term)
     samples = max(1, terms // (groups * t))
     span = t if samples > 1 else max(1, terms // groups)  # positions of one chunk
+    parts = [rows.part(q * p, (q + 1) * p) for q in range(groups)] if groups > 1 else [rows]
     for lo in range(0, n, samples):
         hi = min(n, lo + samples)
         spectrum: torch.Tensor | None = None
         for x in range(0, t, span):
             y = min(t, x + span)
             sa = cols.sketch(a[lo:hi, :, x:y].to(work))  # [c, groups, span, r, k]
-            sg = torch.stack([rows.part(q * p, (q + 1) * p).sketch(g[lo:hi, q, x:y].to(work))
-                              for q in range(groups)], 1)
+            sg = (rows.sketch(g[lo:hi, :, x:y].to(work)) if groups == 1 else
+                  torch.stack([part.sketch(g[lo:hi, q, x:y].to(work))
+                               for q, part in enumerate(parts)], 1))
             part = (torch.fft.rfft(sa) * torch.fft.rfft(sg)).sum((1, 2, 3))
             spectrum = part if spectrum is None else spectrum + part
         assert spectrum is not None
