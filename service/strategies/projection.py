@@ -21,7 +21,7 @@ is k x numel: GPT-2 small's biases alone drew 2 GiB of Gaussians per call at k =
   side in groups where the long side shares buckets). Unbiased, with a variance of order
   ``1/k`` like a dense sketch's: on the zoo's mlp, simple-cnn and tiny-transformer its worst
   pairwise inner-product error is within 2x a dense Gaussian projection's of the same k
-  (0.7-1.4x at k = 1024 and 2048 over 8 seeds; ``tests/unit/test_sketch_quality.py``,
+  (1.1-1.5x, the worst of 8 seeds at k = 1024 and 2048; ``tests/unit/test_sketch_quality.py``,
   ``benchmarks/sketch_quality.py``).
 - ``kronecker`` (parameters of two or more dimensions, seen as a matrix ``[m, n]`` =
   ``[shape[0], prod(shape[1:])]``: a Linear weight, a convolution's ``[out, in/groups *

@@ -18,7 +18,8 @@ for a squared norm): the zoo simple-cnn's ``fc1`` (``[128, 9216]``, 96% of its g
 k = 1024 had a worst pair 2.1x a dense projection's. So the short side's indices are split
 into ``r = min(GROUPS, short side)`` random balanced groups, and each group meets its own
 independent hash (and signs) of the long side: the shared error splits into r independent
-parts, ``(2 + 2/r)/k``, and the worst pairs fall to 0.9-1.3x a dense projection's. The
+parts, ``(2 + 2/r)/k``, and the worst pair falls to 1.4x a dense projection's (r = 2, 4 or 8
+alike; r = 4 costs less than 8 and keeps more margin than 2: ``docs/attribution.md``). The
 sketch stays one count sketch of ``vec(M)`` (entry ``(o, j)`` goes to ``h_row(o) +
 h_col[group(o)](j)``), unbiased, and its layers' cost: scattering a built gradient is unchanged,
 a transform per position does r of them. Sides of at most k entries keep ``r = 1``.
@@ -47,7 +48,7 @@ import torch
 
 TENSORSKETCH = "tensorsketch"
 _CHUNK = 1 << 20  # entries of one scatter's index (8 MiB of int64)
-GROUPS = 8  # r, the groups of the short side when the long side shares buckets
+GROUPS = 4  # r, the groups of the short side when the long side shares buckets
 _FFT_BYTES = 64 << 20  # count sketches and spectra of one FFT chunk
 _MAT_BYTES = 32 << 20  # per-sample gradients of one chunk built for the scatter
 # Rough costs on our CPU (nanoseconds), to pick an evaluation: a multiply-add of a batched
@@ -147,21 +148,34 @@ def draw(k: int, seed: int, name: str, shape: tuple[int, ...], device: torch.dev
     return rows, cols
 
 
-def entries(rows: Side, cols: Side, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bucket, sign)`` of the entries ``(o, j)`` for the rows ``o`` in ``which`` (any shape
-    ``S``) and every column ``j``: ``[*S, n]``, or broadcastable to it (``[*S, 1]`` and ``[n]``)
-    while both sides have one hash."""
-    rb, rs = rows.bucket[:, which], rows.sign[:, which]  # [row copies, *S]
+def entries(rows: Side, cols: Side, which: torch.Tensor, signs: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(bucket + k or bucket, sign)`` of the entries ``(o, j)`` for the rows ``o`` in
+    ``which`` (any shape ``S``) and every column ``j``: ``[*S, n]``, or broadcastable to it
+    (``[*S, 1]`` and ``[n]``) while both sides have one hash. The bucket is left unreduced (the
+    sum of the two sides', below 2k: an integer modulo costs more than folding the 2k sums onto
+    k afterwards, :func:`fold`); the sign only when ``signs``."""
+    rb = rows.bucket[:, which]  # [row copies, *S]
+    rs = rows.sign[:, which] if signs else None
     if rows.copies > 1:  # the column's group picks the row's hash
-        rb, rs = rb[cols.group].movedim(0, -1), rs[cols.group].movedim(0, -1)
+        rb = rb[cols.group].movedim(0, -1)
+        rs = rs[cols.group].movedim(0, -1) if rs is not None else None
     else:
-        rb, rs = rb[0, ..., None], rs[0, ..., None]
+        rb = rb[0, ..., None]
+        rs = rs[0, ..., None] if rs is not None else None
     if cols.copies > 1:  # the row's group picks the column's hash
         group = rows.group[which]
         cb, cs = cols.bucket[group], cols.sign[group]
     else:
         cb, cs = cols.bucket[0], cols.sign[0]
-    return (rb + cb) % rows.k, rs * cs
+    return rb + cb, rs * cs if rs is not None else None
+
+
+def fold(wide: torch.Tensor, out: torch.Tensor) -> None:
+    """Adds ``[b, 2k]`` sums by unreduced bucket to ``out`` ``[b, k]``."""
+    k = out.shape[-1]
+    out += wide[:, :k]
+    out += wide[:, k:]
 
 
 def scatter(rows: Side, cols: Side, grads: torch.Tensor, out: torch.Tensor,
@@ -170,13 +184,16 @@ def scatter(rows: Side, cols: Side, grads: torch.Tensor, out: torch.Tensor,
     (``signed``: the entries already carry their signs)."""
     b, m, n = grads.shape
     step = max(1, _CHUNK // max(1, n))
+    wide = out.new_zeros((b, 2 * rows.k))
     for lo in range(0, m, step):
         hi = min(m, lo + step)
-        index, sign = entries(rows, cols, torch.arange(lo, hi, device=grads.device))
+        index, sign = entries(rows, cols, torch.arange(lo, hi, device=grads.device),
+                              signs=not signed)
         part = grads[:, lo:hi]
-        if not signed:
+        if sign is not None:
             part = part * sign.to(grads.dtype)
-        out.index_add_(1, index.expand(hi - lo, n).reshape(-1), part.reshape(b, -1))
+        wide.index_add_(1, index.expand(hi - lo, n).reshape(-1), part.reshape(b, -1))
+    fold(wide, out)
 
 
 def fft_is_cheaper(positions: int, p: int, d: int, k: int, r: int = 1) -> bool:
@@ -214,9 +231,12 @@ def _convolved(rows: Side, cols: Side, a: torch.Tensor, g: torch.Tensor,
     """``irfft(sum_t sum_q rfft(C_q g_t) * rfft(C_q a_t))`` per sample (``q`` over the pair's
     groups), a chunk of terms at a time."""
     n, groups, t, p = g.shape
-    k = rows.k
+    k, d = rows.k, a.shape[-1]
     work = torch.float64 if g.dtype == torch.float64 else torch.float32  # what FFTs take
-    per_term = 4 * k * rows.r * torch.empty((), dtype=work).element_size()
+    # a term's spectra and, per side, its signed entries and gathered slots (a side with copies
+    # holds every entry once per copy)
+    per_term = (4 * k * rows.r + 2 * (rows.copies * p + cols.copies * d)) * torch.empty(
+        (), dtype=work).element_size()
     terms = max(1, _FFT_BYTES // per_term)
     samples = max(1, terms // (groups * t))
     span = t if samples > 1 else max(1, terms // groups)  # positions of one chunk
@@ -242,11 +262,12 @@ def embedding_rows(rows: Side, cols: Side, ids: torch.Tensor, g: torch.Tensor,
     gradient, row ``ids[i, t]`` getting ``g[i, t]``) to ``out`` ``[n, k]``."""
     n, t, dim = g.shape
     step = max(1, _CHUNK // max(1, t * dim))
+    wide = out.new_zeros((n, 2 * rows.k))
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         ids_ = ids[lo:hi]
         index, sign = entries(rows, cols, ids_)  # [c, T, dim], or [c, T, 1] and [dim]
-        index = index.expand(hi - lo, t, dim)
-        sign = sign.to(g.dtype)
-        out[lo:hi].scatter_add_(1, index.reshape(hi - lo, -1),
-                                (g[lo:hi] * sign).reshape(hi - lo, -1))
+        assert sign is not None
+        wide[lo:hi].scatter_add_(1, index.expand(hi - lo, t, dim).reshape(hi - lo, -1),
+                                 (g[lo:hi] * sign.to(g.dtype)).reshape(hi - lo, -1))
+    fold(wide, out)

@@ -200,6 +200,8 @@ async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
     c, data_dir = service
     r = await c.put("/stores/old", headers=ALICE, json={"model": "att", "projection_dim": DIM})
     assert r.status_code == 201 and r.json()["projection_version"] == 2, r.text
+    r = await c.post("/stores/old/samples", headers=ALICE, json={**batch(3, 1), "ids": [1, 2, 3]})
+    assert r.status_code == 200, r.text
     [path] = [p for p in data_dir.rglob("spec.json") if json.loads(p.read_text())["id"] == "old"]
     record = json.loads(path.read_text())
     del record["projection_version"]  # as written before versions existed
@@ -207,11 +209,14 @@ async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
     r = await c.get("/stores/old", headers=ALICE)
     assert r.status_code == 200 and r.json()["projection_version"] == 1, r.text
     error(await c.post("/stores/old/samples", headers=ALICE,
-                       json={**batch(3, 1), "ids": [1, 2, 3]}),
+                       json={**batch(3, 5), "ids": [4, 5, 6]}),
           409, "conflict", "version 1", "version 2", "make a new store")
     error(await c.post("/stores/old/query", headers=ALICE,
                        json={"k": 1, "sketches": np.zeros((1, DIM)).tolist()}),
           409, "conflict", "tensorsketch sketches of version 1")
+    error(await c.post("/per-sample-grads", headers=ALICE, json={  # nor as a reference set
+        "model": "att", **batch(2, 4), "outputs": ["influence"], "reference_set": "old"}),
+          409, "conflict", "version 1")
     assert (await c.delete("/stores/old", headers=ALICE)).status_code == 200
 
 
