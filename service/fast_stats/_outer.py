@@ -114,6 +114,10 @@ class OuterSource(Materialised):
             return sq.sum((1, 2))
         return (a @ a.transpose(-1, -2)).mul_(g @ g.transpose(-1, -2)).sum((1, 2, 3))
 
+    def dot_rows(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Samples [lo, hi)'s dot products with ``ref`` (in the parameter's shape)."""
+        return cat([self._dot(ref, a, g) for _, _, a, g in self.blocks(lo, hi)])
+
     def _dot(self, ref: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Each sample's dot product with ``ref`` (in the parameter's shape), for one block."""
         r = ref.reshape(self.groups, self.p, self.d)
@@ -251,7 +255,7 @@ class OuterSource(Materialised):
             clipped=tuple(self.wsum(clip[x:y], x, y, clip.dtype) for x, y in bounds)
             if clip is not None else None,
             cos=cat([self._pairwise(x, y) if self._pairs_cheaper(y - x)
-                     else cat([self._dot(means[s][name], a, g) for _, _, a, g in self.blocks(x, y)])
+                     else self.dot_rows(means[s][name], x, y)
                      for s, (x, y) in enumerate(bounds)])
             if means is not None else None,
         )}

@@ -659,17 +659,20 @@ def test_dots_with_references_in_either_form(
     assert_close(got["dots"], want)
 
 
+@pytest.mark.parametrize("pairs", [True, False])
 @pytest.mark.parametrize(("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES])
 def test_cosine_by_pairwise_products(
-    layers: list[dict[str, Any]], shape: list[int], monkeypatch: pytest.MonkeyPatch
+    layers: list[dict[str, Any]], shape: list[int], pairs: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each sample's dot with its segment's mean as the mean of its pairwise dot products
-    (taken here wherever it applies, not only where cheaper) gives the loop's cosines."""
+    (taken here wherever it applies, not only where cheaper), or as the dot with the mean (a
+    convolution's by one forward convolution with the mean as its weight), gives the loop's
+    cosines."""
     taken = []
 
     def always(self: OuterSource, n: int) -> bool:
         taken.append(self.whole and self.t > 1)
-        return taken[-1]
+        return taken[-1] and pairs
 
     monkeypatch.setattr(OuterSource, "_pairs_cheaper", always)
     monkeypatch.setattr(ConvSource, "cache", False)  # not the cached gradients' dots

@@ -146,6 +146,22 @@ class ConvSource(OuterSource):
                           self.geometry, self.shapes[name], per_sample=True)
         return {name: out.view(hi - lo, *self.shapes[name])}
 
+    def dot_rows(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """``<g_i, R> = sum g_i * conv(x_i, R)`` over the output positions: one forward
+        convolution with the weight ``R``, never unfolded."""
+        if any(x.dtype != ref.dtype for x in self.xs):
+            return super().dot_rows(ref, lo, hi)
+        geo, nd = self.geometry, len(self.geometry.kernel)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+        out: torch.Tensor | None = None
+        for x, g in zip(self.xs, self.gs, strict=True):
+            x = F.pad(x[lo:hi].detach(), [p for pair in reversed(geo.pads) for p in pair])
+            y = conv(x, ref, None, geo.stride, 0, geo.dilation, geo.groups)
+            term = (g[lo:hi].detach() * y).flatten(1).sum(1)
+            out = term if out is None else out + term
+        assert out is not None
+        return out
+
     def wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """``sum_i c_i grad_i`` as the batch's weight-gradient convolution of the output
         gradients scaled by ``c`` (what a training step runs), never unfolded; in float64
