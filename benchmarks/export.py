@@ -46,6 +46,8 @@ from service.config import Settings
 from service.registration import register_exported
 from service.registry import ModelRegistry
 from service.validate import parse_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: from the root
 from tests.support.export import Logits  # (input_ids, attention_mask) -> logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

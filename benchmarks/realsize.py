@@ -68,6 +68,8 @@ from service.config import Settings
 from service.registration import register_exported
 from service.registry import LoadedModel, ModelRegistry
 from service.validate import ParsedRequest, parse_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: from the root
 from tests.support.realsize import ResNet18, export, hf, padded_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 from service.strategies.projection import KINDS, Projection
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: from the root
 from tests.support.sketches import dense_worst, service_sketches, worst_pair, zoo_gradients
 
 

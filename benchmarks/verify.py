@@ -31,6 +31,8 @@ from service.engine import Options
 from service.registry import load_model
 from service.validate import ParsedRequest
 from service.verify import Plan, check
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: from the root
 from tests.support.batches import make_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
