@@ -12,7 +12,7 @@ output (``grads``, ``norms``) it times:
 - ``loop``: the per-sample loop on the original module (batch of one, ``autograd.grad``);
 - ``vmap``: ``engine.compute`` on the loaded graph with fast statistics off;
 - ``fast``: ``engine.compute`` with fast statistics on, when they serve the call
-  (``meta.path == "fast_stats"``; otherwise "declines": the call took the vmap route).
+  (``meta.route == "fast_stats"``; otherwise "declines": the call took the vmap route).
 
 Every method runs once per round, rounds interleaved; times are medians and ratios the median
 of per-round ratios (our machine is shared; with two threads on busy cores the wall times are

@@ -22,7 +22,7 @@ rounds of the ratio to ``plain`` of the same round: one batched forward and back
 loss on the original module, a training step without the optimizer. ``plain-graph`` is the same
 step on psgrad's loaded graph (the floor of psgrad's own path). Methods:
 
-- ``psgrad``: ``engine.compute`` with fast statistics (``meta.path`` is shown: ``vmap`` means
+- ``psgrad``: ``engine.compute`` with fast statistics (``meta.route`` is shown: ``vmap`` means
   the fast path declined);
 - ``vmap``: ``functional_call`` + ``vmap(grad)`` on the original module, statistics from the
   per-sample gradients;
