@@ -8,7 +8,12 @@ orthonormal basis of their span (rows of the Cholesky factor of their Gram matri
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from typing import Any
 
 import torch
 
@@ -18,6 +23,16 @@ from service.registry import LoadedModel, load_model
 from service.strategies.projection import Projection
 from tests.support.batches import make_batch
 from tests.support.reference import per_sample_loop
+
+
+def in_fresh_processes(code: str, runs: int = 2) -> list[Any]:
+    """What ``code`` prints (JSON) in ``runs`` fresh interpreters, each importing this checkout
+    (the working directory, then any PYTHONPATH) the way this process does."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    return [json.loads(subprocess.run([sys.executable, "-c", code], check=True, env=env,
+                                      capture_output=True, text=True).stdout)
+            for _ in range(runs)]
 
 
 def zoo_gradients(arch: str, n: int) -> tuple[LoadedModel, Batch, torch.Tensor]:

@@ -4,11 +4,7 @@ and sketches that do not depend on the batch, the strategy or the process."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -24,6 +20,7 @@ from service.strategies.projection import KINDS, KRONECKER, Projection, kind_of
 from service.validate import decode_json_body, parse_request
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
 from tests.support.reference import assert_close, attribution, per_sample_loop
+from tests.support.sketches import in_fresh_processes
 
 CPU = torch.device("cpu")
 CASES = [
@@ -213,11 +210,7 @@ def test_matrices_evicted_from_a_small_cache_are_drawn_again_the_same(
 
 
 def test_sketches_are_the_same_in_another_process() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD], check=True, env=env,
-                                      capture_output=True, text=True).stdout)
-            for _ in range(2)]
+    runs = in_fresh_processes(_CHILD)
     assert runs[0] == runs[1]
     here = model_for("mlp", {"sizes": [6, 5, 3]})
     gen = torch.Generator().manual_seed(4)

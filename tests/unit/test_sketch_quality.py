@@ -5,11 +5,7 @@ The figure and the dense reference: :mod:`tests.support.sketches`.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -22,7 +18,13 @@ from service.strategies import tensorsketch
 from service.strategies.projection import KRONECKER, Projection
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
 from tests.support.reference import assert_close, per_sample_loop
-from tests.support.sketches import dense_worst, service_sketches, worst_pair, zoo_gradients
+from tests.support.sketches import (
+    dense_worst,
+    in_fresh_processes,
+    service_sketches,
+    worst_pair,
+    zoo_gradients,
+)
 
 CPU = torch.device("cpu")
 ZOO = ["mlp", "simple-cnn", "tiny-transformer"]  # their default (zoo) configurations
@@ -144,11 +146,7 @@ def test_sketches_of_sequences_are_the_same_in_another_process() -> None:
     """An embedding's rows and attention's built chunks (the small transformer), and dense
     layers' FFTs (the zoo mlp): the same sketches in two fresh processes as here (the tables
     come from the CPU generator alone)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _CHILD], check=True, env=env,
-                                      capture_output=True, text=True).stdout)
-            for _ in range(2)]
+    runs = in_fresh_processes(_CHILD)
     assert runs[0] == runs[1]
     for (arch, config), got in zip((("tiny-transformer", SMALL_TRANSFORMER), ("mlp", {})),
                                    runs[0], strict=True):
