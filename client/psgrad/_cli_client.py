@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from psgrad._cli_dp import add_dp_commands
 from psgrad._cli_io import client_of as _client
-from psgrad._cli_io import connection_options, load_array
+from psgrad._cli_io import connection_options, load_array, projection_of, projection_options
 from psgrad._cli_io import names as _names
 from psgrad._cli_refsets import add_reference_set_commands
 from psgrad._cli_stores import add_store_commands
@@ -95,9 +95,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--clip-norm", type=float, help="for clipped_mean")
     p.add_argument("--noise-multiplier", type=float, help="for clipped_mean")
     p.add_argument("--seed", type=int, help="for clipped_mean's noise")
-    p.add_argument("--projection-dim", type=int, help="k, for projection and influence")
-    p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
-    p.add_argument("--projection-kind", help="tensorsketch (default) or kronecker")
+    projection_options(p, dim_help="k, for projection and influence")
     p.add_argument("--reference-set", help="a reference set id, for influence")
     p.add_argument("--chunk-size", type=int, help="the most samples per request")
     bar = p.add_mutually_exclusive_group()
@@ -192,9 +190,7 @@ def cmd_grads(args: argparse.Namespace) -> int:
             args.model, inputs, targets, loss=args.loss, outputs=_names(args.outputs) or
             ["grads"], params=_names(args.params), clip_norm=args.clip_norm,
             noise_multiplier=args.noise_multiplier, seed=args.seed, progress=progress,
-            chunk_size=args.chunk_size, projection_dim=args.projection_dim,
-            projection_seed=args.projection_seed, projection_kind=args.projection_kind,
-            reference_set=args.reference_set)
+            chunk_size=args.chunk_size, reference_set=args.reference_set, **projection_of(args))
     write_result(result, args.output)
     print(f"{result.model}: {result.batch_size} samples, {', '.join(result.outputs)} -> "
           f"{args.output}", file=sys.stderr)

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 from safetensors.numpy import load_file
 
 from psgrad._client import Client
 from psgrad._constants import ENV_API_KEY, ENV_URL
+from psgrad._contract import PROJECTION_KINDS
 from psgrad._errors import BadRequest
 
-__all__ = ["client_of", "connection_options", "load_array", "names"]
+__all__ = ["client_of", "connection_options", "load_array", "names", "projection_of",
+           "projection_options"]
 
 
 def connection_options() -> argparse.ArgumentParser:
@@ -36,6 +39,30 @@ def connection_options() -> argparse.ArgumentParser:
 def client_of(args: argparse.Namespace) -> Client:
     """The client of the :func:`connection_options` a command was given."""
     return Client(base_url=args.url, api_key=args.api_key, timeout=args.timeout)
+
+
+def projection_options(parser: argparse.ArgumentParser, *, dim_help: str,
+                       dim_required: bool = False) -> None:
+    """A sketch's options, ``--projection-dim``, ``--projection-seed`` and ``--projection-kind``
+    (read back by :func:`projection_of`), for the commands that make sketches."""
+    parser.add_argument("--projection-dim", type=int, required=dim_required, help=dim_help)
+    parser.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
+    parser.add_argument("--projection-kind", help=f"{PROJECTION_KINDS[0]} (default) or "
+                        + " or ".join(PROJECTION_KINDS[1:]))
+
+
+class Projection(TypedDict):
+    """The projection fields of a request, as the client takes them."""
+
+    projection_dim: int | None
+    projection_seed: int | None
+    projection_kind: str | None
+
+
+def projection_of(args: argparse.Namespace) -> Projection:
+    """The client's keyword arguments of the :func:`projection_options` a command was given."""
+    return {"projection_dim": args.projection_dim, "projection_seed": args.projection_seed,
+            "projection_kind": args.projection_kind}
 
 
 def names(text: str | None) -> list[str] | None:

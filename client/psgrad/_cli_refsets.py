@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from psgrad._cli_io import client_of, load_array, names
+from psgrad._cli_io import client_of, load_array, names, projection_of, projection_options
 
 
 def add_reference_set_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
@@ -24,9 +24,7 @@ def add_reference_set_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", help="the same for targets")
     p.add_argument("--loss", help="the loss (default: the model's)")
     p.add_argument("--params", help="comma-separated parameter names")
-    p.add_argument("--projection-dim", type=int, help="k of the sketches (none: full gradients)")
-    p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
-    p.add_argument("--projection-kind", help="tensorsketch (default) or kronecker")
+    projection_options(p, dim_help="k of the sketches (none: full gradients)")
     p.set_defaults(func=_put)
     for name, func, text in (("show", _show, "describe a set (JSON)"),
                              ("delete", _delete, "delete a set")):
@@ -41,8 +39,7 @@ def _put(args: argparse.Namespace) -> int:
     with client_of(args) as client:
         doc = client.reference_sets.put(
             args.id, args.model, inputs, targets, loss=args.loss, params=names(args.params),
-            projection_dim=args.projection_dim, projection_seed=args.projection_seed,
-            projection_kind=args.projection_kind)
+            **projection_of(args))
     print(json.dumps(doc))
     return 0
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from psgrad._cli_io import client_of, load_array, names
+from psgrad._cli_io import client_of, load_array, names, projection_options
 
 
 def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
@@ -26,9 +26,7 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p = ssub.add_parser("create", parents=[conn], help="define a store")
     p.add_argument("id", help="the store's id")
     p.add_argument("model", help="a model id or id@version (the store pins the version)")
-    p.add_argument("--projection-dim", type=int, required=True, help="k of the sketches")
-    p.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
-    p.add_argument("--projection-kind", help="tensorsketch (default) or kronecker")
+    projection_options(p, dim_help="k of the sketches", dim_required=True)
     p.add_argument("--loss", help="the loss (default: the model's; margin for TRAK)")
     p.add_argument("--params", help="comma-separated parameter names")
     p.add_argument("--dtype", choices=["float32", "float16"], help="how rows are kept")
