@@ -56,12 +56,10 @@ class Tied(Summed):
         if need.m2:  # the output layer's rows a slice at a time, the embedding's rows added
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
-            sums = tuple(self.emb.wsum(None, x, y, self.outer.dtype)
-                         + self.outer.wsum(None, x, y, self.outer.dtype) for x, y in need.bounds)
+            moments = [self.outer.moments(x, y, self._add_rows) for x, y in need.bounds]
             return {name: replace(
-                first, sums=tuple(s.to(need.sums_dtype) for s in sums) if need.sums else None,
-                m2=tuple(self.outer.m2(total, x, y, self._add_rows)
-                         for total, (x, y) in zip(sums, need.bounds, strict=True)))}
+                first, sums=tuple(s.to(need.sums_dtype) for s, _ in moments) if need.sums
+                else None, m2=tuple(m2 for _, m2 in moments))}
         parts = [p.pass1(need)[name] for p in self.parts]
         e, o = parts
 

@@ -722,6 +722,28 @@ def test_convolutions_unfolded_a_sample_at_a_time(monkeypatch: pytest.MonkeyPatc
     check(model, make_batch(model, 3), outputs=GRADS, segments=[2, 1])
 
 
+@pytest.mark.parametrize("step", [1, 2])
+def test_variance_merges_blocks_of_samples(step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Variance over many positions builds each block of samples' gradients once, a slice of
+    rows at a time, and merges the blocks' moments: uneven blocks inside uneven segments give
+    the loop's variance and mean."""
+    monkeypatch.setattr(ConvSource, "chunk_size", lambda self: step)
+    monkeypatch.setattr(ConvSource, "folded", lambda self: False)
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer
+    monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", "materialise")
+    get_settings.cache_clear()
+    model = zoo("simple-cnn", SMALL["simple-cnn"])
+    batch = make_batch(model, 5)
+    opts = Options(loss=model.default_loss, outputs=("variance", "mean"),
+                   params=tuple(model.params))
+    got = engine.compute(model, batch, opts, [3, 2])
+    get_settings.cache_clear()
+    assert "materialise" in got[0]["meta"]["form"].values(), got[0]["meta"]["form"]
+    for g, want in zip(got, reference(model, batch, opts, [3, 2]), strict=True):
+        for name in opts.outputs:  # variances of 1e-3: tighter than the tutorial's atol
+            assert_close(g[name], want[name], name, atol=1e-7, rtol=1e-4)
+
+
 class _Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
