@@ -161,9 +161,9 @@ class OuterSource(Materialised):
         if need.m2 and self._form != "outer":  # variance over T positions: one build
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
-            moments = [self.moments(x, y) for x, y in need.bounds]
+            moments = [self.moments(x, y, sums=need.sums) for x, y in need.bounds]
             return {name: replace(
-                first, sums=tuple(s.to(need.sums_dtype) for s, _ in moments) if need.sums
+                first, sums=tuple(sum_asked(s).to(need.sums_dtype) for s, _ in moments) if need.sums
                 else None, m2=tuple(m2 for _, m2 in moments))}
         if need.references is not None and self._form != "outer":
             # M dot products per sample cost M products of a forward's size in closed form:
@@ -212,36 +212,46 @@ class OuterSource(Materialised):
                 torch.bmm(gt[:, r0 : r0 + r], a3, out=piece)
                 yield x, r0, piece.view(y - x, gr, r, d)
 
-    def moments(self, lo: int, hi: int, add: AddRows | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [lo, hi)'s sum and sum of squared deviations from their mean, from one build
-        of their gradients a piece at a time (:meth:`pieces`): each piece's deviations from
-        its own samples' mean (two passes over the piece in cache, no cancellation), the
-        blocks of samples merged by Chan's formula. No weight-gradient GEMM for the sum and
-        no second build (a plain step's cost: GPT-2 small's variance took 1.7x a step with
-        both). ``add(x, r0, piece)`` adds another part of the samples' gradients to the
-        piece (a tied embedding's)."""
+    def block_count(self, lo: int, hi: int) -> int:
+        """How many blocks :meth:`blocks` yields for rows [lo, hi) (a linear layer: one)."""
+        return 1
+
+    def moments(self, lo: int, hi: int, add: AddRows | None = None, *, sums: bool = False
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Rows [lo, hi)'s sum (with ``sums``) and sum of squared deviations from their mean,
+        from one build of their gradients a piece at a time (:meth:`pieces`): each piece's
+        deviations from its own samples' mean (two passes over the piece in cache, no
+        cancellation), blocks of samples merged by Chan's formula. No weight-gradient GEMM for
+        the sum, no second build, and the running mean kept only where it is asked for or
+        blocks merge (GPT-2 small's variance took 1.7x a plain step with a GEMM and a second
+        build). ``add(x, r0, piece)`` adds another part of the samples' gradients to the piece
+        (a tied embedding's)."""
         shape = (self.groups, self.p, self.d)
+        keep = sums or self.block_count(lo, hi) > 1
         mean: torch.Tensor | None = None
         m2: torch.Tensor | None = None
         for x, r0, piece in self.pieces(lo, hi):
             if add is not None:
                 add(x, r0, piece)
             n, seen, rows = piece.shape[0], x - lo, slice(r0, r0 + piece.shape[2])
-            if mean is None or m2 is None:
-                mean, m2 = piece.new_empty(shape), piece.new_empty(shape)
-            mu = piece.sum(0).div_(n)
-            dev = piece.sub_(mu)
-            sq = dev.mul_(dev).sum(0)
-            if seen == 0:
-                mean[:, rows], m2[:, rows] = mu, sq
-            else:  # Chan et al.: merge this block's moments into those of the samples before
-                delta = mu.sub_(mean[:, rows])
-                m2[:, rows] += sq.add_(delta.square().mul_(seen * n / (seen + n)))
-                mean[:, rows] += delta.mul_(n / (seen + n))
-        assert mean is not None and m2 is not None, "every segment has samples"
+            if m2 is None:
+                m2 = piece.new_empty(shape)
+                mean = piece.new_empty(shape) if keep else None
+            if seen == 0:  # straight into the answer (a copy of fresh memory costs more)
+                mu = torch.sum(piece, 0, out=mean[:, rows]) if mean is not None else piece.sum(0)
+                dev = piece.sub_(mu.div_(n))
+                torch.sum(dev.mul_(dev), 0, out=m2[:, rows])
+                continue
+            assert mean is not None, "blocks merge through their running mean"
+            mu = piece.sum(0).div_(n)  # Chan et al.: this block's moments merged into those
+            dev = piece.sub_(mu)  # of the samples before it
+            delta = mu.sub_(mean[:, rows])
+            m2[:, rows] += dev.mul_(dev).sum(0).add_(delta.square().mul_(seen * n / (seen + n)))
+            mean[:, rows] += delta.mul_(n / (seen + n))
+        assert m2 is not None, "every segment has samples"
         out = self.shapes[self.names[0]]
-        return mean.mul_(hi - lo).reshape(out), m2.reshape(out)
+        total = mean.mul_(hi - lo).reshape(out) if sums and mean is not None else None
+        return total, m2.reshape(out)
 
     def dots(self, refs: torch.Tensor) -> torch.Tensor:
         """``[B, M]`` dot products with M references ``[M, *shape]``, a piece at a time."""
@@ -290,6 +300,11 @@ class OuterSource(Materialised):
         g = g.transpose(0, 1).reshape(gr, -1, self.p)
         pairs = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2))  # [Gr, n T, n T]
         return pairs.sum((0, 2)).reshape(n, -1).sum(1) / n
+
+
+def sum_asked(total: torch.Tensor | None) -> torch.Tensor:
+    assert total is not None, "moments(..., sums=True) answers the sum"
+    return total
 
 
 def _rows(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

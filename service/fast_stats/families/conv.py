@@ -115,6 +115,9 @@ class ConvSource(OuterSource):
         per = (self.groups * self.t * self.d + self.numel) * self.itemsize
         return self.budget.chunk(per, self.batch, 48 << 20)
 
+    def block_count(self, lo: int, hi: int) -> int:
+        return -(-(hi - lo) // self.chunk_size())
+
     def blocks(self, lo: int, hi: int) -> Iterator[Block]:
         step = self.chunk_size()
         for x in range(lo, hi, step):
