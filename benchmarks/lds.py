@@ -19,15 +19,26 @@ printed: the top-1% overlap of each score matrix with exact TracIn's (per test s
 ``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) on the same model, subsets
 and margins (dattri is not a dependency: ``pip install --no-deps --target /tmp/dattri dattri``
 and run with ``PYTHONPATH=/tmp/dattri``).
+
+``--overlap-only`` trains the one model and prints only sketched TracIn's top-1% overlap with
+exact TracIn, at each k of ``--dims``: mean, min and max over ``--sketch-seeds`` seeds, for
+psgrad's sketch kinds (the service's ``projection`` output), a dense and an orthogonal Gaussian
+projection of the exact gradients (numpy), and a reference allocation from shapes alone (the
+small parameters exact, the largest count-sketched), which is no default: it gains only where
+the small parameters hold much of the gradient's energy (see :func:`exact_small_layers`).
+
+    python benchmarks/lds.py --overlap-only [--sketch-seeds 5] [--dims 1024,4096] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
@@ -40,6 +51,7 @@ from sklearn.datasets import load_digits
 
 import psgrad
 from models.mlp import mlp_layers
+from psgrad._contract import PROJECTION_KINDS
 from service.api import create_app
 from service.config import Settings
 
@@ -87,25 +99,38 @@ def top_overlap(a: np.ndarray, b: np.ndarray, frac: float = 0.01) -> float:
     return float(np.mean(top))
 
 
+@contextlib.asynccontextmanager
+async def served(net: torch.nn.Module) -> AsyncIterator[psgrad.AsyncClient]:
+    """A client of the embedded app (in this process, its data in a temporary folder) with
+    ``net`` registered as model ``lds``."""
+    with tempfile.TemporaryDirectory(prefix="psgrad-lds-") as data_dir:
+        settings = Settings(data_dir=data_dir, device="cpu", redis_url=None, api_keys="",
+                            admin_keys="", batch_max_delay_ms=0)
+        app = create_app(settings)
+        async with app.router.lifespan_context(app), psgrad.AsyncClient(
+                base_url="http://lds", transport=httpx.ASGITransport(app=app), timeout=600) as c:
+            await c.models.register("lds", architecture="mlp", config={"sizes": SIZES})
+            await c.models.upload_weights("lds", {k: v.detach().numpy()
+                                                  for k, v in net.state_dict().items()})
+            yield c
+
+
+async def grads(c: psgrad.AsyncClient, xs: np.ndarray, ys: np.ndarray) -> dict[str, np.ndarray]:
+    """Each parameter's per-sample gradients, flattened: {name: [B, size]} in float64."""
+    r = await c.per_sample_grads("lds", xs, ys, outputs=["grads"])
+    return {name: np.asarray(g).reshape(len(xs), -1).astype(np.float64)
+            for name, g in r.grads.items()}
+
+
+def flat(g: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate(list(g.values()), 1)
+
+
 async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
                     ty: np.ndarray, dims: list[int]) -> dict[str, np.ndarray]:
-    data_dir = tempfile.TemporaryDirectory(prefix="psgrad-lds-")  # removed when done
-    settings = Settings(data_dir=data_dir.name, device="cpu", redis_url=None, api_keys="",
-                        admin_keys="", batch_max_delay_ms=0)
-    app = create_app(settings)
     out: dict[str, np.ndarray] = {}
-    async with app.router.lifespan_context(app), psgrad.AsyncClient(
-            base_url="http://lds", transport=httpx.ASGITransport(app=app), timeout=600) as c:
-        await c.models.register("lds", architecture="mlp", config={"sizes": SIZES})
-        await c.models.upload_weights("lds", {k: v.detach().numpy()
-                                              for k, v in net.state_dict().items()})
-
-        async def grads(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-            r = await c.per_sample_grads("lds", xs, ys, outputs=["grads"])
-            return np.concatenate([np.asarray(g).reshape(len(xs), -1)
-                                   for g in r.grads.values()], 1).astype(np.float64)
-
-        g_test, g_train = await grads(tx, ty), await grads(x, y)
+    async with served(net) as c:
+        g_test, g_train = flat(await grads(c, tx, ty)), flat(await grads(c, x, y))
         out["exact dot"] = g_test @ g_train.T
         size = np.linalg.norm(g_test, axis=1)[:, None] * np.linalg.norm(g_train, axis=1)
         out["exact cosine"] = out["exact dot"] / size
@@ -122,6 +147,77 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
                 np.put_along_axis(full, found.ids.astype(np.int64), found.scores, 1)
                 out[f"k={dim} {score}"] = full
     return out
+
+
+# Data-oblivious projections of the exact gradients for --overlap-only: each a [P, k] matrix
+# drawn from (sizes of the parameters, k, a generator); the scores are (G_test P)(G_train P)^T.
+
+def dense(sizes: list[int], dim: int, rng: np.random.Generator) -> np.ndarray:
+    """A dense Gaussian projection, TRAK's and dattri's."""
+    return rng.standard_normal((sum(sizes), dim)) / np.sqrt(dim)
+
+
+def orthogonal(sizes: list[int], dim: int, rng: np.random.Generator) -> np.ndarray:
+    """k orthonormal columns (QR of a Gaussian matrix), scaled to keep norms on average."""
+    q = np.linalg.qr(rng.standard_normal((sum(sizes), dim)))[0]
+    return q * np.sqrt(sum(sizes) / q.shape[1])
+
+
+def exact_small_layers(sizes: list[int], dim: int, rng: np.random.Generator) -> np.ndarray:
+    """Every parameter but the largest copied exactly, the largest count-sketched (balanced
+    buckets, random signs) into the columns left: an allocation from shapes alone, a reference
+    for what reallocating k can do, not a candidate default (it wins only where the small
+    parameters hold much of the gradient's energy)."""
+    big = int(np.argmax(sizes))
+    ends = np.cumsum([0, *sizes])
+    rest = np.arange(ends[big], ends[big + 1])
+    exact = np.setdiff1d(np.arange(ends[-1]), rest)
+    buckets = dim - len(exact)
+    if buckets < 1:
+        raise SystemExit(f"k = {dim} does not hold the {len(exact)} small parameters' entries")
+    p = np.zeros((ends[-1], dim))
+    p[exact, np.arange(len(exact))] = 1.0
+    bucket = rng.permutation(-(-len(rest) // buckets) * buckets)[:len(rest)] % buckets
+    p[rest, len(exact) + bucket] = rng.choice([-1.0, 1.0], len(rest))
+    return p
+
+
+PROJECTIONS = {"dense Gaussian (numpy)": dense, "orthogonal Gaussian (numpy)": orthogonal,
+               "reference: exact small layers (numpy)": exact_small_layers}
+
+
+async def overlaps(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
+                   ty: np.ndarray, dims: list[int],
+                   seeds: int) -> dict[tuple[int, str], list[float]]:
+    """The top-1% overlap with exact TracIn of sketched TracIn (``dot`` of sketches), per (k,
+    method), one value per sketch seed: psgrad's kinds made by the service (the ``projection``
+    output), and :data:`PROJECTIONS` of the exact gradients."""
+    found: dict[tuple[int, str], list[float]] = {}
+    async with served(net) as c:
+
+        async def sketch(xs: np.ndarray, ys: np.ndarray, dim: int, seed: int,
+                         kind: str) -> np.ndarray:
+            r = await c.per_sample_grads("lds", xs, ys, outputs=["projection"],
+                                         projection_dim=dim, projection_seed=seed,
+                                         projection_kind=kind)
+            return np.asarray(r.projection, np.float64)
+
+        by_param = await grads(c, x, y)
+        sizes = [g.shape[1] for g in by_param.values()]
+        g_test, g_train = flat(await grads(c, tx, ty)), flat(by_param)
+        exact = g_test @ g_train.T
+        for dim in dims:
+            for seed in range(seeds):
+                for kind in PROJECTION_KINDS:
+                    test, train = (await sketch(tx, ty, dim, seed, kind),
+                                   await sketch(x, y, dim, seed, kind))
+                    found.setdefault((dim, f"psgrad {kind}"), []).append(
+                        top_overlap(test @ train.T, exact))
+                for name, draw in PROJECTIONS.items():
+                    p = draw(sizes, dim, np.random.default_rng(seed))
+                    found.setdefault((dim, name), []).append(
+                        top_overlap((g_test @ p) @ (g_train @ p).T, exact))
+    return found
 
 
 def dattri_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
@@ -163,6 +259,19 @@ def dattri_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.nda
     return out
 
 
+def print_overlaps(found: dict[tuple[int, str], list[float]], args: argparse.Namespace,
+                   seconds: float) -> None:
+    print(f"\ndata and training seed {args.seed}, {args.train} training and {args.test} test "
+          f"samples, sketch seeds 0-{args.sketch_seeds - 1}, {seconds:.0f} s\n")
+    print("| k | sketch | top-1% overlap with exact TracIn, mean | min | max |\n"
+          "|---|---|---|---|---|")
+    for (dim, name), v in found.items():
+        print(f"| {dim} | {name} | {np.mean(v):.3f} | {min(v):.3f} | {max(v):.3f} |")
+    print("\nreference: every parameter but the largest copied exactly, the largest "
+          "count-sketched into the columns left; chosen from shapes alone, it gains only where "
+          "the small parameters hold much of the gradient's energy, so it is not a default.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=int, default=50)
@@ -174,10 +283,21 @@ def main() -> None:
     ap.add_argument("--dattri", type=int, default=0, metavar="K",
                     help="also dattri's TracIn and TRAK at this k (dattri installed with "
                     "--no-deps, e.g. PYTHONPATH=/tmp/dattri)")
+    ap.add_argument("--overlap-only", action="store_true",
+                    help="no retrained models: only the top-1%% overlap with exact TracIn of "
+                    "sketches (psgrad's kinds, dense and orthogonal Gaussian, a reference "
+                    "allocation) over --sketch-seeds seeds")
+    ap.add_argument("--sketch-seeds", type=int, default=5, metavar="N",
+                    help="--overlap-only: sketch seeds 0 to N-1 (default 5)")
     args = ap.parse_args()
     x, y, tx, ty = data(args.train, args.test, args.seed)
+    dims = [int(d) for d in args.dims.split(",")]
     t = time.perf_counter()
     net = train(x, y, args.epochs, args.seed)
+    if args.overlap_only:
+        print_overlaps(asyncio.run(overlaps(net, x, y, tx, ty, dims, args.sketch_seeds)),
+                       args, time.perf_counter() - t)
+        return
     rng = np.random.default_rng(args.seed + 1)
     masks = np.zeros((args.models, len(x)), bool)
     actual = np.empty((args.models, len(tx)))
@@ -186,7 +306,7 @@ def main() -> None:
         actual[m] = margins(train(x[masks[m]], y[masks[m]], args.epochs, args.seed), tx, ty)
     print(f"trained {args.models + 1} models in {time.perf_counter() - t:.0f} s; test accuracy "
           f"{(margins(net, tx, ty) > 0).mean():.2f}")
-    found = asyncio.run(scores_of(net, x, y, tx, ty, [int(d) for d in args.dims.split(",")]))
+    found = asyncio.run(scores_of(net, x, y, tx, ty, dims))
     if args.dattri:
         found.update(dattri_scores(net, x, y, tx, ty, args.dattri))
     exact = found["exact dot"]
