@@ -234,10 +234,11 @@ def _mean(seg: Segment) -> Tensors:
     return seg.per_param(lambda p: _get(p.mean)[seg.index])
 
 
-@output("variance", Need(mean=True, m2=True))
+@output("variance", Need(m2=True))
 def _variance(seg: Segment) -> Tensors:
+    dtype = seg.assembly.call.model.dtype  # m2 of exact closed forms is float64
     return seg.per_param(  # in place: the strategy's own buffer, read by this output alone
-        lambda p: _get(p.m2)[seg.index].div_(seg.n).to(_get(p.mean)[seg.index].dtype))
+        lambda p: _get(p.m2)[seg.index].div_(seg.n).to(dtype))
 
 
 @output("clipped_mean", Need(sq=True, clipped=True))

@@ -14,6 +14,7 @@ parameters unlike the probe did.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
@@ -23,7 +24,7 @@ from service.fast_stats._build import build_sources
 from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
-from service.fast_stats._run import Plan, Run, Setup, forward_backward
+from service.fast_stats._run import Setup, forward_backward
 from service.fast_stats._sketch import sketch
 from service.fast_stats._source import Source, answers
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
@@ -52,19 +53,20 @@ class FastStats:
         if tuple(u.signature for u in run.uses) != plan.signature:
             return None  # the model read its parameters differently from the probe: play safe
         losses, aux = run.losses, run.aux
+        budget = Budget(call.budget_bytes)
         # the captured inputs are activations of the forward graph: nothing computed from them
         # may join it (an answer that requires grad cannot be read as an array, and holds the
         # graph)
         with torch.no_grad():
-            return self._answer(call, setup, plan, run, losses, aux)
+            found = grouped(build_sources(setup, run, plan, budget))
+            del run  # each source holds what it still needs; the rest (LayerNorm inputs,
+            # gradients already reduced to per-sample values) can go now, and each source's
+            # part as its statistics are done (:func:`_stats`): no frame may keep the run
+            return self._answer(call, found, budget, losses, aux)
 
-    def _answer(self, call: Call, setup: Setup, plan: Plan, run: Run, losses: torch.Tensor,
+    def _answer(self, call: Call, found: list[Source], budget: Budget, losses: torch.Tensor,
                 aux: torch.Tensor) -> Result:
         need = call.need
-        budget = Budget(call.budget_bytes)
-        found = grouped(build_sources(setup, run, plan, budget))
-        del run  # each source holds what it still needs; the rest (LayerNorm inputs, gradients
-        # already reduced to per-sample values) can go now
         sources = {k: s for s in found for k in s.names}
         meta = {
             "route": self.name,  # one name for how it was computed: fast_stats runs on vmap's
@@ -77,22 +79,28 @@ class FastStats:
         if need.grads:
             grads = answers(found)
             # what the sources held can go: any statistic is read off the answer now
-            found = grouped([Dense(k, grads[k], budget, "answer") for k in call.selected])
-        params = _stats(call, found, grads)
+            found[:] = grouped([Dense(k, grads[k], budget, "answer") for k in call.selected])
+        params = _stats(call, found, grads, keep=need.proj)
         return Result(losses=losses, aux=aux, params=params, meta=meta,
                       sketch=sketch(call, found))
 
 
-def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamStats]:
+def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
+           ) -> dict[str, ParamStats]:
     """The two passes over the sources, and each selected parameter's record.
 
-    ``clipped`` needs every sample's whole norm first and ``cos`` every segment's mean, so
-    both take a second pass over what the sources hold, never a second backward.
+    ``clipped`` needs every sample's whole norm first, so it takes a second pass over what the
+    sources hold, never a second backward; ``cos`` needs a parameter's own mean only, so each
+    source's second pass follows its first. Unless ``keep`` (the sketch reads the sources
+    after), each source leaves ``found`` after its last pass, and what it holds of the forward
+    and backward passes goes with it: the memory held falls as the answer grows (BERT-base's
+    clipped mean and variance held every layer's inputs and output gradients to the end).
     """
-    need, names, bounds, dtype = call.need, call.selected, call.bounds, call.model.dtype
+    need, bounds, dtype = call.need, call.bounds, call.model.dtype
     sq = need.sq or need.clipped or need.cos
-    sums = need.mean or need.m2 or need.cos
+    sums = need.mean or need.cos  # variance's m2 comes with its own mean where it needs one
     first: dict[str, Pass1] = {}
+    second: dict[str, Pass2] = {}
     ask = Pass1Need(
         sq=sq,
         reference=call.reference if need.dot else None,
@@ -102,20 +110,25 @@ def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamSt
         bounds=bounds,
         sums_dtype=dtype,
     )
-    for source in found:
-        first.update(source.pass1(ask) if ask.any else {k: Pass1() for k in source.names})
-    means: list[Tensors] | None = None
-    if sums:
-        # in place: each segment's sums are fresh and read for the mean alone
-        means = [{k: _of(first[k].sums)[s].div_(b - a).to(dtype) for k in names}
-                 for s, (a, b) in enumerate(bounds)]
+    means: list[Tensors] | None = [{} for _ in bounds] if sums else None
+    later: list[Source] = []
+    for source in _drain(found, keep):
+        done = source.pass1(ask) if ask.any else {k: Pass1() for k in source.names}
+        first.update(done)
+        if means is not None:
+            for s, (a, b) in enumerate(bounds):
+                # in place: each segment's sums are fresh and read for the mean alone
+                means[s].update({k: _of(done[k].sums)[s].div_(b - a).to(dtype)
+                                 for k in source.names})
+        if need.clipped:
+            later.append(source)
+        elif need.cos:
+            second.update(source.pass2(None, means, bounds))
     clip = None
     if need.clipped:
-        norms = total([_of(first[k].sq) for k in names]).sqrt()
+        norms = total([_of(first[k].sq) for k in call.selected]).sqrt()
         clip = clip_factors(call.opts.clip_norm, norms, call.opts.norm_offset)
-    second: dict[str, Pass2] = {}
-    if clip is not None or need.cos:
-        for source in found:
+        for source in _drain(later, keep):
             second.update(source.pass2(clip, means if need.cos else None, bounds))
     return {
         k: ParamStats(
@@ -123,14 +136,24 @@ def _stats(call: Call, found: list[Source], grads: Tensors) -> dict[str, ParamSt
             sq=first[k].sq if sq else None,
             dot=first[k].dot,
             dots=first[k].dots,
-            mean=tuple(m[k] for m in means) if means is not None and (need.mean or need.cos)
-            else None,
+            mean=tuple(m[k] for m in means) if means is not None else None,
             m2=first[k].m2 if need.m2 else None,
             clipped=second[k].clipped if clip is not None else None,
             cos=second[k].cos if need.cos else None,
         )
-        for k in names
+        for k in call.selected
     }
+
+
+def _drain(items: list[T], keep: bool) -> Iterator[T]:
+    """``items`` in order; unless ``keep``, each leaves the list as it is handed out (the
+    loop's variable is then its last reference, dropped at the next item)."""
+    if keep:
+        yield from items
+        return
+    items.reverse()
+    while items:
+        yield items.pop()
 
 
 def _of(value: T | None) -> T:

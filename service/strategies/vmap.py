@@ -148,7 +148,7 @@ class _Accumulator:
             keep_rows(self.kept, self.call.size, start, stop, grads)
         for s, lo, hi in self.overlaps(start, stop):
             part = {k: g[lo:hi] for k, g in grads.items()}
-            if need.mean:
+            if need.mean or need.m2:
                 self._merge_stats(s, part)
             if factors is not None:
                 for k, g in part.items():

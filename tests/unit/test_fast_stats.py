@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +29,7 @@ from service.plugins import Registry
 from service.registry import LoadedModel, load_model
 from service.strategies import base
 from service.strategies.per_sample import per_sample_fn
+from service.strategies.projection import Projection
 from tests.support.batches import make_batch
 from tests.support.reference import SUMMARY, assert_close, attribution, loop_of, reference
 
@@ -742,6 +745,38 @@ def test_variance_merges_blocks_of_samples(step: int, monkeypatch: pytest.Monkey
     for g, want in zip(got, reference(model, batch, opts, [3, 2]), strict=True):
         for name in opts.outputs:  # variances of 1e-3: tighter than the tutorial's atol
             assert_close(g[name], want[name], name, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("outputs", [("clipped_mean",), ("variance",), ("cosine_mean",),
+                                     ("clipped_mean", "projection")])
+def test_each_source_is_dropped_after_its_last_pass(
+    outputs: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a layer's source holds of the forward and backward passes (its inputs and output
+    gradients) is freed once its statistics are done, so the memory held falls as the answer
+    grows; a call that also makes sketches keeps every source for them."""
+    done: list[weakref.ref[OuterSource]] = []
+    alive: list[int] = []
+
+    def spy(method: Any) -> Any:
+        def run(self: OuterSource, *args: Any, **kwargs: Any) -> Any:
+            gc.collect()
+            alive.append(sum(r() is not None for r in done))
+            out = method(self, *args, **kwargs)
+            done.append(weakref.ref(self))
+            return out
+        return run
+
+    # the last pass: the second for clipped_mean and cosine_mean, the first for variance
+    last = "pass1" if outputs == ("variance",) else "pass2"
+    monkeypatch.setattr(OuterSource, last, spy(getattr(OuterSource, last)))
+    model = zoo("mlp", {"sizes": [6, 8, 5, 3]})
+    opts = Options(loss=model.default_loss, outputs=outputs, params=tuple(model.params),
+                   clip_norm=0.5, projection=Projection(16) if "projection" in outputs else None)
+    [got] = engine.compute(model, make_batch(model, 4), opts)
+    assert got["meta"]["route"] == "fast_stats"
+    assert len(alive) == 3, alive  # one per linear layer
+    assert alive == ([0, 1, 2] if "projection" in outputs else [0, 0, 0])
 
 
 class _Broken(nn.Module):
