@@ -40,6 +40,7 @@ class Family(Generic[P]):
     """One layer family: how its calls are captured and how their statistics are computed."""
 
     method: ClassVar[str]  # how ``meta["method"]`` names a parameter this family computes
+    reduces: ClassVar[bool] = False  # whether :meth:`reduce` keeps less than the gradient
 
     def capture(
         self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -51,6 +52,16 @@ class Family(Generic[P]):
     def source(self, name: str, role: str, uses: Sequence[Use], ctx: SourceContext) -> Source:
         """The statistics of parameter ``name``, read in ``role`` by each of ``uses``."""
         raise NotImplementedError
+
+    def reduce(self, use: Use, g: torch.Tensor) -> torch.Tensor:
+        """What ``source`` reads of ``use``'s output gradient ``g`` (with ``reduces``): taken
+        as the backward pass reaches the output, so that ``g`` itself is not held to the end.
+        The use's ``grad`` is then this."""
+        raise NotImplementedError
+
+    def spent(self, payload: P) -> P:
+        """``payload`` without what only :meth:`reduce` reads (the source reads the rest)."""
+        return payload
 
     def use(self, func: Any, roles: dict[str, str], payload: P, out: torch.Tensor) -> Use:
         return Use(self, func, roles, payload, out=out)

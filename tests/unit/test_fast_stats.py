@@ -17,7 +17,7 @@ from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
-from service.fast_stats import Family, FastStats, _family, _outer, register_family
+from service.fast_stats import Family, FastStats, _family, _outer, _run, register_family
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
@@ -777,6 +777,31 @@ def test_each_source_is_dropped_after_its_last_pass(
     assert got["meta"]["route"] == "fast_stats"
     assert len(alive) == 3, alive  # one per linear layer
     assert alive == ([0, 1, 2] if "projection" in outputs else [0, 0, 0])
+
+
+@pytest.mark.parametrize(("layers", "early"), [
+    ([_l("Conv2d", 2, 3, 2), _l("BatchNorm2d", 3), _l("Flatten"), _l("Linear", 12, 2)], True),
+    ([_l("BatchNorm2d", 2), _l("Conv2d", 2, 3, 2), _l("Flatten"), _l("Linear", 12, 2)], False),
+])
+def test_batch_norm_gradients_reduced_as_the_backward_reaches_them(
+    layers: list[dict[str, Any]], early: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch norm's output gradient is reduced to each sample's sums by a hook as the backward
+    pass reaches it (where its node runs: a layer below asks for a gradient), never held to the
+    end of the pass; on the model's input (its node never runs) it is reduced after. Both give
+    the loop's answers."""
+    hooked: list[int] = []
+    keep = _run._Outputs._keep
+
+    def spy(self: Any, reduced: dict[int, torch.Tensor], i: int, grads: Any) -> None:
+        hooked.append(i)
+        keep(self, reduced, i, grads)
+
+    monkeypatch.setattr(_run._Outputs, "_keep", spy)
+    model = _sequential(layers, [2, 3, 3])
+    meta = check(model, make_batch(model, 4), segments=[3, 1])
+    assert "batch_norm" in meta["method"].values(), meta["method"]
+    assert bool(hooked) == bool(early), hooked
 
 
 class _Broken(nn.Module):

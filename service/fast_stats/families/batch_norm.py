@@ -12,7 +12,7 @@ parameters. A training-mode call mixes the samples' statistics: declined.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,21 +52,26 @@ class NormInput:
 class BatchNorm(Family[NormInput]):
     method = "batch_norm"
 
+    reduces = True
+
+    def reduce(self, use: Use, g: torch.Tensor) -> torch.Tensor:
+        """Each sample's ``[B, C, 2]`` sums over its positions as the backward pass reaches
+        the output: ``sum(g)`` (the bias's gradient) and ``sum(g * x_hat)`` (the weight's), the
+        latter as ``rstd (sum(g x) - mean sum(g))``, no product the size of the activations."""
+        p = self.payload(use)
+        if g.dim() == 2:  # [B, C]: one position
+            return torch.stack([g, g * p.normalised().to(g)], -1)
+        g = g.flatten(2)
+        total = g.sum(2)
+        gx = torch.einsum("bcs,bcs->bc", g, p.x.flatten(2).to(g))
+        return torch.stack([total, (gx - total * p.mean.to(g)) * p.rstd.to(g)], -1)
+
+    def spent(self, payload: NormInput) -> NormInput:
+        return replace(payload, x=payload.x[:0])  # the layer's input: read by reduce alone
+
     def source(self, name: str, role: str, uses: Sequence[Use], ctx: SourceContext) -> Source:
-        parts = []
-        for use in uses:
-            g = use.grad
-            if g.dim() == 2:  # [B, C]: one position
-                parts.append(g * self.payload(use).normalised().to(g) if role == "weight" else g)
-                continue
-            g = g.flatten(2)
-            total = g.sum(2)
-            if role == "weight":  # sum g * (x - mean) * rstd, without the [B, C, ...] product
-                p = self.payload(use)
-                gx = torch.einsum("bcs,bcs->bc", g, p.x.flatten(2).to(g))
-                total = (gx - total * p.mean.to(g)) * p.rstd.to(g)
-            parts.append(total)
-        return dense_sum(name, parts, ctx, self.method)
+        column = 1 if role == "weight" else 0
+        return dense_sum(name, [use.grad[..., column] for use in uses], ctx, self.method)
 
     def capture(
         self, cap: Capture, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
