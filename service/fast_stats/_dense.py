@@ -85,7 +85,7 @@ class DenseGroup(Source):
     def grads(self, lo: int, hi: int) -> Tensors:
         return {k: f[lo:hi].reshape(hi - lo, *self.shapes[k]) for k, f in self.flat.items()}
 
-    def pass1(self, need: Pass1Need) -> dict[str, Pass1]:
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         out = {}
         for k, f in self.flat.items():
             shape = self.shapes[k]

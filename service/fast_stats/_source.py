@@ -67,7 +67,8 @@ class Source:
     def method_of(self, name: str) -> str:
         return self.method
 
-    def pass1(self, need: Pass1Need) -> dict[str, Pass1]:
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        """The first pass; ``keep``: a second pass follows (what it rereads may be kept)."""
         raise NotImplementedError
 
     def pass2(

@@ -113,7 +113,8 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
     means: list[Tensors] | None = [{} for _ in bounds] if sums else None
     later: list[Source] = []
     for source in _drain(found, keep):
-        done = source.pass1(ask) if ask.any else {k: Pass1() for k in source.names}
+        done = (source.pass1(ask, need.clipped or need.cos) if ask.any  # keep: a second pass
+                else {k: Pass1() for k in source.names})
         first.update(done)
         if means is not None:
             for s, (a, b) in enumerate(bounds):

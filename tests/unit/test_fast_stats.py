@@ -725,13 +725,16 @@ def test_convolutions_unfolded_a_sample_at_a_time(monkeypatch: pytest.MonkeyPatc
     check(model, make_batch(model, 3), outputs=GRADS, segments=[2, 1])
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["unfolded-pieces", "folded-chunks"])
 @pytest.mark.parametrize("step", [1, 2])
-def test_variance_merges_blocks_of_samples(step: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Variance over many positions builds each block of samples' gradients once, a slice of
-    rows at a time, and merges the blocks' moments: uneven blocks inside uneven segments give
-    the loop's variance and mean."""
+def test_variance_merges_blocks_of_samples(
+    step: int, folded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Variance over many positions builds each block of samples' gradients once (unfolded, a
+    slice of rows at a time, or by the batch-folded convolution) and merges the blocks'
+    moments: uneven blocks inside uneven segments give the loop's variance and mean."""
     monkeypatch.setattr(ConvSource, "chunk_size", lambda self: step)
-    monkeypatch.setattr(ConvSource, "folded", lambda self: False)
+    monkeypatch.setattr(ConvSource, "folded", lambda self: folded)
     monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer
     monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", "materialise")
     get_settings.cache_clear()

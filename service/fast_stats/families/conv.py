@@ -21,8 +21,8 @@ from service.fast_stats._capture import Capture, bind, roles_of
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._family import Captured, Family, register_family
 from service.fast_stats._outer import Block, OuterSource
-from service.fast_stats._records import Use
-from service.fast_stats._source import Source, SourceContext, cat
+from service.fast_stats._records import Pass1, Pass1Need, Use
+from service.fast_stats._source import Materialised, Source, SourceContext, cat
 from service.strategies.base import Tensors
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -114,6 +114,13 @@ class ConvSource(OuterSource):
         larger chunks run the batched matmul faster, smaller ones bound the memory."""
         per = (self.groups * self.t * self.d + self.numel) * self.itemsize
         return self.budget.chunk(per, self.batch, 48 << 20)
+
+    def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        if need.m2 and self.folded():  # the batch-folded convolution builds each chunk's
+            # gradients faster than unfolded pieces do; their moments merge chunk by chunk
+            # (ResNet-18's variance: 1.19x a plain step against 1.35x)
+            return Materialised.pass1(self, need, keep)
+        return super().pass1(need, keep)
 
     def block_count(self, lo: int, hi: int) -> int:
         return -(-(hi - lo) // self.chunk_size())
