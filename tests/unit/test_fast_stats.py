@@ -69,6 +69,9 @@ def custom(
     )
 
 
+VARIANCE_TOL = {"atol": 1e-6, "rtol": 1e-3}
+
+
 def check(
     model: LoadedModel,
     batch: Batch,
@@ -101,8 +104,10 @@ def check(
         for name in outputs:
             # an answer is data, not part of the forward graph (numpy() refuses those)
             assert not any(t.requires_grad for t in _tensors(f[name])), name
-            assert_close(f[name], v[name], f"segment {s} {name} (fast vs vmap)")
-            assert_close(f[name], r[name], f"segment {s} {name} (fast vs loop)")
+            # variances are small (1e-3 on these models): the tutorial's atol would pass any
+            tol = VARIANCE_TOL if name == "variance" else {}
+            assert_close(f[name], v[name], f"segment {s} {name} (fast vs vmap)", **tol)
+            assert_close(f[name], r[name], f"segment {s} {name} (fast vs loop)", **tol)
     meta: dict[str, Any] = fast[0]["meta"]
     assert list(meta["method"]) == list(opts.params)
     return meta
