@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from service.registry import LoadedModel
 
 TOL = {"atol": 3e-3, "rtol": 1e-5}  # the PyTorch tutorial's tolerance
+# variances are small (1e-3 on the test models): the tutorial's atol would pass any answer
+VARIANCE_TOL = {"atol": 1e-6, "rtol": 1e-3}
+
+
+def tolerance(output: str) -> dict[str, float]:
+    """The tolerance an output is held to: the tutorial's, tighter for variances."""
+    return VARIANCE_TOL if output == "variance" else TOL
 # The outputs that summarise the batch without per-sample gradients, td0 or not (the fast path's).
 # Data attribution's outputs need a projection or references: tests/unit/test_projection.py.
 ATTRIBUTION = ("projection", "dots", "influence", "self_influence")

@@ -31,7 +31,14 @@ from service.strategies import base
 from service.strategies.per_sample import per_sample_fn
 from service.strategies.projection import Projection
 from tests.support.batches import make_batch
-from tests.support.reference import SUMMARY, assert_close, attribution, loop_of, reference
+from tests.support.reference import (
+    SUMMARY,
+    assert_close,
+    attribution,
+    loop_of,
+    reference,
+    tolerance,
+)
 
 CPU = torch.device("cpu")
 
@@ -69,9 +76,6 @@ def custom(
     )
 
 
-VARIANCE_TOL = {"atol": 1e-6, "rtol": 1e-3}
-
-
 def check(
     model: LoadedModel,
     batch: Batch,
@@ -104,8 +108,7 @@ def check(
         for name in outputs:
             # an answer is data, not part of the forward graph (numpy() refuses those)
             assert not any(t.requires_grad for t in _tensors(f[name])), name
-            # variances are small (1e-3 on these models): the tutorial's atol would pass any
-            tol = VARIANCE_TOL if name == "variance" else {}
+            tol = tolerance(name)
             assert_close(f[name], v[name], f"segment {s} {name} (fast vs vmap)", **tol)
             assert_close(f[name], r[name], f"segment {s} {name} (fast vs loop)", **tol)
     meta: dict[str, Any] = fast[0]["meta"]

@@ -20,7 +20,13 @@ from service.registry import ModelRegistry
 from service.validate import parse_request
 from tests.support.api import settings
 from tests.support.realsize import SMALL, ResNet18, export, hf, padded_tokens
-from tests.support.reference import assert_close, attribution, per_sample_loop, summarize
+from tests.support.reference import (
+    assert_close,
+    attribution,
+    per_sample_loop,
+    summarize,
+    tolerance,
+)
 
 pytest.importorskip("transformers")
 
@@ -118,7 +124,7 @@ def test_every_statistic_equals_the_loop(registry: ModelRegistry, name: str, for
     want["dots"] = attribution(loop, references)["dots"]
     assert float(want["norms"].min()) > CLIP  # every sample clipped
     for output in OUTPUTS:
-        assert_close(got[output], want[output], f"{name} {form} {output}")
+        assert_close(got[output], want[output], f"{name} {form} {output}", **tolerance(output))
 
 
 @pytest.mark.parametrize("form", ["gram", "materialise"], indirect=True)
@@ -155,7 +161,8 @@ def test_both_forms_give_the_same_answers_for_the_same_layers(
     layers = [k for k, v in forms["gram"].items() if v == "gram"]
     assert layers and all(forms["materialise"][k] == "materialise" for k in layers)
     for output in OUTPUTS:
-        assert_close(answers["gram"][output], answers["materialise"][output], output)
+        assert_close(answers["gram"][output], answers["materialise"][output], output,
+                     **tolerance(output))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
