@@ -21,7 +21,7 @@ from torch.linalg import vector_norm
 from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.fast_stats._source import Materialised, cat, m2_of
+from service.fast_stats._source import Materialised, Moments, cat, combine, m2_of, present
 from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
@@ -161,10 +161,7 @@ class OuterSource(Materialised):
         if need.m2 and self._form != "outer":  # variance over T positions: one build
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
-            moments = [self.moments(x, y, sums=need.sums) for x, y in need.bounds]
-            return {name: replace(
-                first, sums=tuple(sum_asked(s).to(need.sums_dtype) for s, _ in moments) if need.sums
-                else None, m2=tuple(m2 for _, m2 in moments))}
+            return {name: self.with_moments(first, need)}
         if need.references is not None and self._form != "outer":
             # M dot products per sample cost M products of a forward's size in closed form:
             # from the gradients built a piece at a time, one batched matmul and small GEMMs
@@ -212,6 +209,13 @@ class OuterSource(Materialised):
                 torch.bmm(gt[:, r0 : r0 + r], a3, out=piece)
                 yield x, r0, piece.view(y - x, gr, r, d)
 
+    def with_moments(self, first: Pass1, need: Pass1Need, add: AddRows | None = None) -> Pass1:
+        """``first`` with each segment's m2, and its sums where asked, from :meth:`moments`."""
+        moments = [self.moments(x, y, add, sums=need.sums) for x, y in need.bounds]
+        return replace(first, m2=tuple(m2 for _, m2 in moments), sums=tuple(
+            present(s, "moments(..., sums=True) answers the sum").to(need.sums_dtype)
+            for s, _ in moments) if need.sums else None)
+
     def block_count(self, lo: int, hi: int) -> int:
         """How many blocks :meth:`blocks` yields for rows [lo, hi) (a linear layer: one)."""
         return 1
@@ -242,12 +246,10 @@ class OuterSource(Materialised):
                 dev = piece.sub_(mu.div_(n))
                 torch.sum(dev.mul_(dev), 0, out=m2[:, rows])
                 continue
-            assert mean is not None, "blocks merge through their running mean"
-            mu = piece.sum(0).div_(n)  # Chan et al.: this block's moments merged into those
-            dev = piece.sub_(mu)  # of the samples before it
-            delta = mu.sub_(mean[:, rows])
-            m2[:, rows] += dev.mul_(dev).sum(0).add_(delta.square().mul_(seen * n / (seen + n)))
-            mean[:, rows] += delta.mul_(n / (seen + n))
+            mu = piece.sum(0).div_(n)  # this block's moments merged into the rows' so far
+            dev = piece.sub_(mu)
+            combine(Moments(seen, present(mean, "blocks merge through the running mean")[:, rows],
+                            m2[:, rows]), Moments(n, mu, dev.mul_(dev).sum(0)))
         assert m2 is not None, "every segment has samples"
         out = self.shapes[self.names[0]]
         total = mean.mul_(hi - lo).reshape(out) if sums and mean is not None else None
@@ -300,11 +302,6 @@ class OuterSource(Materialised):
         g = g.transpose(0, 1).reshape(gr, -1, self.p)
         pairs = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2))  # [Gr, n T, n T]
         return pairs.sum((0, 2)).reshape(n, -1).sum(1) / n
-
-
-def sum_asked(total: torch.Tensor | None) -> torch.Tensor:
-    assert total is not None, "moments(..., sums=True) answers the sum"
-    return total
 
 
 def _rows(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -18,6 +19,9 @@ from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.strategies.base import Bounds, Tensors, keep_rows
 from service.strategies.projection import Projection
+
+T = TypeVar("T")
+SAMPLES = "every segment has samples"
 
 
 @dataclass(frozen=True)
@@ -128,15 +132,18 @@ def merge(acc: Moments | None, rows: torch.Tensor) -> Moments:
         mean = rows.mean(0)
         dev = rows - mean
         m2 = dev.mul_(dev).sum(0)
-    if acc is None:
-        return Moments(n, mean, m2)
-    total = acc.n + n
-    delta = mean.sub_(acc.mean)
-    return Moments(
-        total,
-        acc.mean.add_(delta, alpha=n / total),
-        m2.add_(acc.m2).add_(delta.square_().mul_(acc.n * n / total)),
-    )
+    part = Moments(n, mean, m2)
+    return part if acc is None else combine(acc, part)
+
+
+def combine(acc: Moments, part: Moments) -> Moments:
+    """``acc`` with another group's moments added (Chan et al.'s pairwise update), written
+    into ``acc``'s own tensors (views write through); ``part``'s mean is spent."""
+    total = acc.n + part.n
+    delta = part.mean.sub_(acc.mean)
+    acc.mean.add_(delta, alpha=part.n / total)
+    acc.m2.add_(part.m2).add_(delta.square_().mul_(acc.n * part.n / total))
+    return Moments(total, acc.mean, acc.m2)
 
 
 def m2_of(sums: torch.Tensor, sqsums: torch.Tensor, n: int) -> torch.Tensor:
@@ -147,8 +154,9 @@ def m2_of(sums: torch.Tensor, sqsums: torch.Tensor, n: int) -> torch.Tensor:
     return (sqsums / n - mean * mean).clamp(min=0) * n
 
 
-def _of(value: Moments | None) -> Moments:
-    assert value is not None, "every segment has samples"
+def present(value: T | None, why: str) -> T:
+    """``value``, which ``why`` guarantees is set."""
+    assert value is not None, why
     return value
 
 
@@ -232,14 +240,16 @@ class Materialised(Source):
                         sums[k][s] = sums[k][s].to(g.device) + part
         if need.m2 and sums is not None:
             for k in self.names:
-                sums[k] = [m.mean.mul(m.n).to(need.sums_dtype) for m in map(_of, moments[k])]
+                sums[k] = [m.mean.mul(m.n).to(need.sums_dtype)
+                           for m in (present(v, SAMPLES) for v in moments[k])]
         return {
             k: Pass1(
                 sq=cat(sq[k]) if need.sq else None,
                 dot=cat(dot[k]) if need.reference is not None else None,
                 dots=cat(dots[k]) if need.references is not None else None,
                 sums=tuple(sums[k]) if sums is not None else None,
-                m2=tuple(_of(m).m2 for m in moments[k]) if need.m2 else None,
+                m2=tuple(present(m, SAMPLES).m2 for m in moments[k])
+                if need.m2 else None,
             )
             for k in self.names
         }

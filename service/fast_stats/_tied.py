@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from service.fast_stats._budget import Budget
-from service.fast_stats._outer import OuterSource, sum_asked
+from service.fast_stats._outer import OuterSource
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import Source, Summed, cat
 from service.fast_stats.families.embedding import EmbeddingSource
@@ -56,11 +56,7 @@ class Tied(Summed):
         if need.m2:  # the output layer's rows a slice at a time, the embedding's rows added
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
-            moments = [self.outer.moments(x, y, self._add_rows, sums=need.sums)
-                       for x, y in need.bounds]
-            return {name: replace(
-                first, sums=tuple(sum_asked(s).to(need.sums_dtype) for s, _ in moments) if need.sums
-                else None, m2=tuple(m2 for _, m2 in moments))}
+            return {name: self.outer.with_moments(first, need, self._add_rows)}
         parts = [p.pass1(need)[name] for p in self.parts]
         e, o = parts
 

@@ -26,10 +26,11 @@ from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward
 from service.fast_stats._sketch import sketch
-from service.fast_stats._source import Source, answers
+from service.fast_stats._source import Source, answers, present
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
 
 T = TypeVar("T")
+ASKED = "the first pass fills what its need asks for"
 
 
 class FastStats:
@@ -119,7 +120,7 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
         if means is not None:
             for s, (a, b) in enumerate(bounds):
                 # in place: each segment's sums are fresh and read for the mean alone
-                means[s].update({k: _of(done[k].sums)[s].div_(b - a).to(dtype)
+                means[s].update({k: present(done[k].sums, ASKED)[s].div_(b - a).to(dtype)
                                  for k in source.names})
         if need.clipped:
             later.append(source)
@@ -127,7 +128,7 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
             second.update(source.pass2(None, means, bounds))
     clip = None
     if need.clipped:
-        norms = total([_of(first[k].sq) for k in call.selected]).sqrt()
+        norms = total([present(first[k].sq, ASKED) for k in call.selected]).sqrt()
         clip = clip_factors(call.opts.clip_norm, norms, call.opts.norm_offset)
         for source in _drain(later, keep):
             second.update(source.pass2(clip, means if need.cos else None, bounds))
@@ -157,6 +158,3 @@ def _drain(items: list[T], keep: bool) -> Iterator[T]:
         yield items.pop()
 
 
-def _of(value: T | None) -> T:
-    assert value is not None, "a first-pass value the need did not ask for"
-    return value
