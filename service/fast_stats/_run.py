@@ -280,13 +280,13 @@ def forward_backward(setup: Setup, plan: Plan, *, probe: bool = False,
     outputs = _Outputs()
     uses = []
     for u in cap.uses:
-        slot, reduce = None, None
+        kept, slot = replace(u, out=None), None
         if backward and u.out is not None:
-            reduce = _reduction(replace(u, out=None))
+            reduce = _reduction(kept)
             slot = outputs.add(u.out, reduce)
-        if reduce is not None and u.family is not None:  # the reduction keeps what it reads
-            u = replace(u, payload=u.family.spent(u.payload))
-        uses.append((replace(u, out=None), slot))
+            if reduce is not None and u.family is not None:  # the reduction keeps what it reads
+                kept = replace(kept, payload=u.family.spent(u.payload))
+        uses.append((kept, slot))
     calls = {name: [(x, outputs.add(y) if backward else None) for x, y in seen]
              for name, seen in hooks.calls.items()}
     simple = dict(hooks.simple)
