@@ -26,7 +26,9 @@ from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
-PIECE_BYTES = 4 << 20  # variance's per-sample gradients, a slice of output rows at a time
+PIECE_BYTES = 4 << 20  # variance's and dots' per-sample gradients, a piece at a time
+MIN_ROWS = 64  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
+WHOLE_PIECE_BYTES = 64 << 20  # cosine's pieces, every sample of a segment in each
 AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
 
@@ -49,6 +51,7 @@ class OuterSource(Materialised):
 
     cache = False  # one batched matmul rebuilds a chunk: cheaper than holding B copies
     whole = True  # the whole parameter's gradient (False: a part of a tied one's)
+    pieces_cos = False  # norms and dots with the mean may come from pieces (_cos_in_pieces)
 
     def __init__(
         self,
@@ -120,8 +123,14 @@ class OuterSource(Materialised):
 
     def _dot(self, ref: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Each sample's dot product with ``ref`` (in the parameter's shape), for one block."""
-        r = ref.reshape(self.groups, self.p, self.d)
-        return ((g @ r.to(g.dtype)) * a).sum((1, 2, 3))
+        r = ref.reshape(self.groups, self.p, self.d).to(g.dtype)
+        if self.groups > 1:
+            return ((g @ r) * a).sum((1, 2, 3))
+        g, a = g[:, 0], a[:, 0]  # one GEMM over every row, as a forward pass runs it
+        rows = _time_major(g, a)
+        g, a = (g.transpose(0, 1), a.transpose(0, 1)) if rows else (g, a)
+        prod = (g.reshape(-1, self.p) @ r[0]).view(a.shape).mul_(a)
+        return prod.sum((0, 2)) if rows else prod.sum((1, 2))
 
     def wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """``sum_i c_i grad_i`` over rows [lo, hi) (``c`` of length hi - lo, or all ones)."""
@@ -158,6 +167,8 @@ class OuterSource(Materialised):
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         name = self.names[0]
+        if need.cos and self._cos_in_pieces():
+            return {name: self._with_cos(need, keep)}
         if need.m2 and self._form != "outer":  # variance over T positions: one build
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
@@ -191,23 +202,42 @@ class OuterSource(Materialised):
             if need.m2 and totals is not None else None,
         )}
 
-    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Samples [lo, hi)'s gradients a slice of output rows at a time: (first sample,
-        first row, ``[n, groups, rows, d]``), each written by one ``bmm`` into one reused
-        buffer of about :data:`PIECE_BYTES` (read it before the next), so that what is
-        computed from it runs in cache, not over every per-sample gradient in memory."""
+    def pieces(self, lo: int, hi: int, *, whole: bool = False
+               ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Samples [lo, hi)'s gradients a piece at a time: (first sample, first row,
+        ``[n, groups, rows, d]``), each written by one ``bmm`` into one reused buffer of about
+        :data:`PIECE_BYTES` (read it before the next), so that what is computed from it runs in
+        cache, not over every per-sample gradient in memory. A piece is a slice of output rows
+        of a set of samples (:meth:`piece_shape`; with ``whole``, every sample of a block);
+        the sets come in sample order, and a set's slices one after another from row 0."""
         gr, p, d = self.groups, self.p, self.d
         for x, y, a, g in self.blocks(lo, hi):
-            n = (y - x) * gr
-            a3 = a.reshape(n, -1, d)
-            gt = g.reshape(n, -1, p).transpose(1, 2)  # [n, p, T]
-            rows = max(1, min(p, PIECE_BYTES // (n * d * a.element_size())))
-            buf = a3.new_empty(n * rows * d)
-            for r0 in range(0, p, rows):
-                r = min(p, r0 + rows) - r0
-                piece = buf[: n * r * d].view(n, r, d)
-                torch.bmm(gt[:, r0 : r0 + r], a3, out=piece)
-                yield x, r0, piece.view(y - x, gr, r, d)
+            step, rows = self.piece_shape(y - x)
+            step = y - x if whole else step
+            buf = a.new_empty(min(step, y - x) * gr * rows * d)
+            for s in range(0, y - x, step):
+                e = min(y - x, s + step)
+                n = (e - s) * gr
+                a3 = a[s:e].reshape(n, -1, d)
+                gt = g[s:e].reshape(n, -1, p).transpose(1, 2)  # [n, p, T]
+                for r0 in range(0, p, rows):
+                    r = min(p, r0 + rows) - r0
+                    piece = buf[: n * r * d].view(n, r, d)
+                    torch.bmm(gt[:, r0 : r0 + r], a3, out=piece)
+                    yield x + s, r0, piece.view(e - s, gr, r, d)
+
+    def piece_shape(self, n: int) -> tuple[int, int]:
+        """Samples and output rows of one piece, for a block of n samples: at least
+        :data:`MIN_ROWS` rows (a thinner batched matmul of inner size T runs at a fraction of a
+        GEMM's speed: BERT-base's 3072-wide layers at B=32, T=64 took 10-row pieces at 22-37
+        GFLOP/s against the GEMM's 80), then as many samples as :data:`PIECE_BYTES` holds."""
+        per = self.groups * self.d * self.dtype.itemsize  # one output row of one sample
+        rows = min(self.p, max(MIN_ROWS, PIECE_BYTES // (n * per)))
+        return max(1, min(n, PIECE_BYTES // (rows * per))), rows
+
+    def span(self) -> int:
+        """Samples per block of :meth:`blocks` (a linear layer: the whole batch at once)."""
+        return self.batch
 
     def with_moments(self, first: Pass1, need: Pass1Need, add: AddRows | None = None) -> Pass1:
         """``first`` with each segment's m2, and its sums where asked, from :meth:`moments`."""
@@ -215,10 +245,6 @@ class OuterSource(Materialised):
         return replace(first, m2=tuple(m2 for _, m2 in moments), sums=tuple(
             present(s, "moments(..., sums=True) answers the sum").to(need.sums_dtype)
             for s, _ in moments) if need.sums else None)
-
-    def block_count(self, lo: int, hi: int) -> int:
-        """How many blocks :meth:`blocks` yields for rows [lo, hi) (a linear layer: one)."""
-        return 1
 
     def moments(self, lo: int, hi: int, add: AddRows | None = None, *, sums: bool = False
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -231,7 +257,8 @@ class OuterSource(Materialised):
         build). ``add(x, r0, piece)`` adds another part of the samples' gradients to the piece
         (a tied embedding's)."""
         shape = (self.groups, self.p, self.d)
-        keep = sums or self.block_count(lo, hi) > 1
+        n = hi - lo  # more than one set of samples: their moments merge
+        keep = sums or self.piece_shape(min(n, self.span()))[0] < n
         mean: torch.Tensor | None = None
         m2: torch.Tensor | None = None
         for x, r0, piece in self.pieces(lo, hi):
@@ -258,15 +285,56 @@ class OuterSource(Materialised):
     def dots(self, refs: torch.Tensor) -> torch.Tensor:
         """``[B, M]`` dot products with M references ``[M, *shape]``, a piece at a time."""
         refs = refs.reshape(len(refs), self.groups, self.p, self.d).to(self.dtype)
+        return self._rowwise(0, self.batch, lambda rows, piece: piece.reshape(
+            len(piece), -1) @ refs[:, :, rows].reshape(len(refs), -1).t())
+
+    def _rowwise(self, lo: int, hi: int, part: Callable[[slice, torch.Tensor], torch.Tensor],
+                 *, whole: bool = False) -> torch.Tensor:
+        """Samples [lo, hi)'s sums over the pieces (:meth:`pieces`) of ``part(rows, piece)``,
+        ``[n, ...]`` for a piece ``[n, groups, r, d]`` of output rows ``rows``."""
         out: list[torch.Tensor] = []
-        for _, r0, piece in self.pieces(0, self.batch):
-            n, r = piece.shape[0], piece.shape[2]
-            part = piece.reshape(n, -1) @ refs[:, :, r0 : r0 + r].reshape(len(refs), -1).t()
+        for _, r0, piece in self.pieces(lo, hi, whole=whole):
+            got = part(slice(r0, r0 + piece.shape[2]), piece)
             if r0 == 0:
-                out.append(part)
+                out.append(got)
             else:
-                out[-1] += part
+                out[-1] += got
         return cat(out)
+
+    def _cos_in_pieces(self) -> bool:
+        """Whether each sample's squared norm and dot with its segment's mean, and the
+        segment's sum, come from one build of its gradient a piece at a time, every sample of
+        the segment in each piece (:meth:`_with_cos`): a linear layer over positions, where
+        such a piece of :data:`MIN_ROWS` rows fits :data:`WHOLE_PIECE_BYTES`."""
+        per = self.groups * self.d * self.dtype.itemsize * min(self.p, MIN_ROWS)
+        return (self.pieces_cos and self.whole and self._form != "outer"
+                and self.batch * per <= WHOLE_PIECE_BYTES)
+
+    def _with_cos(self, need: Pass1Need, keep: bool) -> Pass1:
+        """The first pass with each sample's squared norm and dot with its segment's mean,
+        and each segment's sum, from one build of the segment's gradients a slice of output
+        rows at a time: the slice's sum over the samples, then each sample's dot with it, in
+        cache. The Gram form's norms, a product for the sum and another of a forward's size
+        for the dots cost BERT-base's cosine 1.54x a plain step at T=256."""
+        rest = replace(need, sq=False, sums=False, cos=False)
+        first = self.pass1(rest, keep)[self.names[0]] if rest.any else Pass1()
+        sums, parts = [], []
+        for x, y in need.bounds:
+            held: list[torch.Tensor] = []  # the segment's sum, written a slice at a time
+
+            def sq_and_dot(rows: slice, piece: torch.Tensor, held: list[torch.Tensor] = held
+                           ) -> torch.Tensor:
+                if not held:
+                    held.append(piece.new_empty((self.groups, self.p, self.d)))
+                flat = piece.reshape(len(piece), -1)
+                s = torch.sum(piece, 0, out=held[0][:, rows]).reshape(-1)
+                return torch.stack((vector_norm(flat, dim=1).square(), flat @ s), 1)
+
+            got = self._rowwise(x, y, sq_and_dot, whole=True)
+            parts.append(torch.stack((got[:, 0], got[:, 1] / (y - x)), 1))
+            sums.append(held[0].reshape(self.shapes[self.names[0]]).to(need.sums_dtype))
+        both = cat(parts)
+        return replace(first, sq=both[:, 0], cos=both[:, 1], sums=tuple(sums))
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
@@ -308,7 +376,11 @@ def _rows(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """``g``, ``a`` [n, T, k], or both time-major when both are laid out that way (attention's
     projections): a sum over every (sample, position) row does not care about the order of
     the rows as long as both sides share it, and this order needs no copy."""
+    return (g.transpose(0, 1), a.transpose(0, 1)) if _time_major(g, a) else (g, a)
+
+
+def _time_major(g: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``g``, ``a`` [n, T, k] are both laid out time-major, and not batch first."""
     gt, at = g.transpose(0, 1), a.transpose(0, 1)
-    if not (g.is_contiguous() and a.is_contiguous()) and gt.is_contiguous() and at.is_contiguous():
-        return gt, at
-    return g, a
+    return (not (g.is_contiguous() and a.is_contiguous())
+            and gt.is_contiguous() and at.is_contiguous())

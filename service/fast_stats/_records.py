@@ -123,6 +123,7 @@ class Pass1Need:
     references: Tensors | None = None  # {param: [M, *shape]}: M dot products each, when set
     sums: bool = False
     m2: bool = False  # each segment's sum of squared deviations from its mean (variance)
+    cos: bool = False  # each sample's dot with its segment's mean, where a source can
     bounds: Bounds = ()
     sums_dtype: torch.dtype = torch.float32
 
@@ -141,6 +142,7 @@ class Pass1:
     sums: tuple[torch.Tensor, ...] | None = None  # per segment: sum of the per-sample gradients
     # per segment: sum of squared deviations from the segment's mean (variance = m2 / n)
     m2: tuple[torch.Tensor, ...] | None = None
+    cos: torch.Tensor | None = None  # [B] dot with the segment's mean (or the second pass's)
 
 
 @dataclass(frozen=True)

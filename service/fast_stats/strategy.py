@@ -108,11 +108,12 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
         references=call.references if need.dots else None,
         sums=sums,
         m2=need.m2,
+        cos=need.cos,
         bounds=bounds,
         sums_dtype=dtype,
     )
     means: list[Tensors] | None = [{} for _ in bounds] if sums else None
-    later: list[Source] = []
+    later: list[tuple[Source, bool]] = []  # and whether its dots with the mean are to do
     for source in _drain(found, keep):
         done = (source.pass1(ask, need.clipped or need.cos) if ask.any  # keep: a second pass
                 else {k: Pass1() for k in source.names})
@@ -122,16 +123,17 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
                 # in place: each segment's sums are fresh and read for the mean alone
                 means[s].update({k: present(done[k].sums, ASKED)[s].div_(b - a).to(dtype)
                                  for k in source.names})
+        cos = need.cos and any(done[k].cos is None for k in source.names)  # still to do
         if need.clipped:
-            later.append(source)
-        elif need.cos:
+            later.append((source, cos))
+        elif cos:
             second.update(source.pass2(None, means, bounds))
     clip = None
     if need.clipped:
         norms = total([present(first[k].sq, ASKED) for k in call.selected]).sqrt()
         clip = clip_factors(call.opts.clip_norm, norms, call.opts.norm_offset)
-        for source in _drain(later, keep):
-            second.update(source.pass2(clip, means if need.cos else None, bounds))
+        for source, cos in _drain(later, keep):
+            second.update(source.pass2(clip, means if cos else None, bounds))
     return {
         k: ParamStats(
             grads=grads.get(k),
@@ -141,7 +143,8 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
             mean=tuple(m[k] for m in means) if means is not None else None,
             m2=first[k].m2 if need.m2 else None,
             clipped=second[k].clipped if clip is not None else None,
-            cos=second[k].cos if need.cos else None,
+            cos=(first[k].cos if first[k].cos is not None else second[k].cos)
+            if need.cos else None,
         )
         for k in call.selected
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -654,7 +655,8 @@ def test_dots_with_references_in_either_form(
     """M dot products per sample from the gradients built a slice of output rows at a time
     (sequences, convolutions with strides, dilation and groups), as the loop gives them."""
     monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", form)
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer, and sets
+    monkeypatch.setattr(_outer, "MIN_ROWS", 1)  # of one or a few samples
     get_settings.cache_clear()
     model = _sequential(layers, shape)
     batch = make_batch(model, 4)
@@ -670,26 +672,40 @@ def test_dots_with_references_in_either_form(
     assert_close(got["dots"], want)
 
 
-@pytest.mark.parametrize("pairs", [True, False])
+@pytest.mark.parametrize("way", ["pairs", "mean", "pieces"])
 @pytest.mark.parametrize(("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES])
-def test_cosine_by_pairwise_products(
-    layers: list[dict[str, Any]], shape: list[int], pairs: bool, monkeypatch: pytest.MonkeyPatch
+def test_cosine_by_pairwise_products_the_mean_or_pieces(
+    layers: list[dict[str, Any]], shape: list[int], way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each sample's dot with its segment's mean as the mean of its pairwise dot products
-    (taken here wherever it applies, not only where cheaper), or as the dot with the mean (a
-    convolution's by one forward convolution with the mean as its weight), gives the loop's
+    """Each sample's dot with its segment's mean as the mean of its pairwise dot products, as
+    the dot with the mean (a convolution's by one forward convolution with the mean as its
+    weight), or with its squared norm from its gradient built a piece at a time (a linear
+    layer's), each taken here wherever it applies, not only where cheaper: the loop's
     cosines."""
     taken = []
+    built = []
 
     def always(self: OuterSource, n: int) -> bool:
         taken.append(self.whole and self.t > 1)
-        return taken[-1] and pairs
+        return taken[-1] and way == "pairs"
+
+    with_cos = OuterSource._with_cos
+
+    def spy(self: OuterSource, *args: Any) -> Any:
+        built.append(self.names[0])
+        return with_cos(self, *args)
 
     monkeypatch.setattr(OuterSource, "_pairs_cheaper", always)
+    monkeypatch.setattr(OuterSource, "_with_cos", spy)
+    monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", math.inf if way == "pieces" else 0)
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several pieces per layer
+    monkeypatch.setattr(_outer, "MIN_ROWS", 1)
     monkeypatch.setattr(ConvSource, "cache", False)  # not the cached gradients' dots
     model = _sequential(layers, shape)
     check(model, make_batch(model, 4), segments=[3, 1], outputs=("cosine_mean", "mean"))
-    assert any(taken)
+    assert any(taken) or built  # some layer took the way asked for
+    # a linear layer over positions builds in pieces, one over a flattened input has one
+    assert bool(built) == (way == "pieces" and layers[0]["type"] == "Linear"), built
 
 
 def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:
@@ -743,7 +759,8 @@ def test_variance_merges_blocks_of_samples(
     moments: uneven blocks inside uneven segments give the loop's variance and mean."""
     monkeypatch.setattr(ConvSource, "chunk_size", lambda self: step)
     monkeypatch.setattr(ConvSource, "folded", lambda self: folded)
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer, and sets
+    monkeypatch.setattr(_outer, "MIN_ROWS", 1)  # of one or a few samples
     monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", "materialise")
     get_settings.cache_clear()
     model = zoo("simple-cnn", SMALL["simple-cnn"])

@@ -14,6 +14,7 @@ from torch import nn
 
 from service import engine
 from service.config import get_settings
+from service.fast_stats import _outer
 from service.fast_stats._outer import OuterSource
 from service.registration import register_exported
 from service.registry import ModelRegistry
@@ -165,12 +166,16 @@ def test_both_forms_give_the_same_answers_for_the_same_layers(
                      **tolerance(output))
 
 
+@pytest.mark.parametrize("way", ["pairs", "pieces"])
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_cosine_by_pairwise_products(registry: ModelRegistry, name: str,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cosine_by_pairwise_products_or_pieces(registry: ModelRegistry, name: str, way: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """``cosine_mean`` with every weight over several positions taking the pairwise products
-    (GPT-2's tied output layer cannot: its mean is the tied parameter's) equals the loop."""
+    (GPT-2's tied output layer cannot: its mean is the tied parameter's), or building its
+    gradients a piece at a time (the default), equals the loop."""
     monkeypatch.setattr(OuterSource, "_pairs_cheaper", lambda self, n: self.whole and self.t > 1)
+    if way == "pairs":
+        monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", 0)
     module, loss, batch = _case(name)
     got = _compute(registry, name, batch, {}, (["cosine_mean"],))
     [want] = summarize(per_sample_loop(module, batch, loss), [N], clip_norm=CLIP)

@@ -122,11 +122,11 @@ class ConvSource(OuterSource):
             return Materialised.pass1(self, need, keep)
         return super().pass1(need, keep)
 
-    def block_count(self, lo: int, hi: int) -> int:
-        return -(-(hi - lo) // self.chunk_size())
+    def span(self) -> int:
+        return self.chunk_size()
 
     def blocks(self, lo: int, hi: int) -> Iterator[Block]:
-        step = self.chunk_size()
+        step = self.span()
         for x in range(lo, hi, step):
             y = min(hi, x + step)
             a = cat([unfold(v[x:y], self.geometry) for v in self.xs], -1)

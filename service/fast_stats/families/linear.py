@@ -47,6 +47,8 @@ class LinearSource(OuterSource):
     """The weight of ``F.linear`` calls, from their inputs and output gradients
     ``[B, T, d]``/``[B, T, p]`` (positions of all calls concatenated)."""
 
+    pieces_cos = True
+
     def __init__(self, name: str, a: torch.Tensor, g: torch.Tensor, ctx: SourceContext) -> None:
         self.a = a.unsqueeze(1)
         self.g = g.unsqueeze(1)
