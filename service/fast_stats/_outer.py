@@ -6,8 +6,9 @@ unfolded, is ``groups`` of them over its output positions. The squared norm is
 where ``T (d + p) < d p`` (cheaper), and is otherwise read off the materialised ``G_i^T A_i``
 (one batched matmul a chunk at a time); a dot product with a reference R is
 ``sum_t g_it^T R a_it`` and a weighted sum over samples is one matmul ``G^T diag(c) A``. Dot
-products with M references and variance over T positions build ``G_i^T A_i`` a slice of output
-rows at a time into one buffer that stays in cache (:meth:`OuterSource.pieces`).
+products with M references, variance and (a linear layer's) cosine over T positions build
+``G_i^T A_i`` a slice of output rows at a time into one buffer that stays in cache
+(:meth:`OuterSource.pieces`).
 """
 
 from __future__ import annotations
