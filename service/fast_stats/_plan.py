@@ -144,21 +144,28 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
                           {k: v[i:i + 1] for k, v in probe.samples.items()})
             for k in names:
                 flat = grads[k].reshape(-1)
-                sq[k][i], dot[k][i] = flat.pow(2).sum(), flat @ reference[k].reshape(-1)
+                sq[k][i], dot[k][i] = flat @ flat, flat @ reference[k].reshape(-1)
                 scale = 1 + float(sq[k][i])
-                same[k] &= torch.allclose(written[k][i], grads[k][0], rtol=1e-3,
-                                          atol=1e-4 * scale**0.5)
+                same[k] &= _close(written[k][i], grads[k][0], 1e-3, 1e-4 * scale**0.5)
             del grads
         for k in names:
             scale = 1 + float(sq[k].max())
             got_sq, got_dot = got[k].sq, got[k].dot
             assert got_sq is not None and got_dot is not None
-            same_sq = torch.allclose(got_sq, sq[k], rtol=1e-3, atol=1e-5 * scale)
-            same_dot = torch.allclose(got_dot, dot[k], rtol=1e-3, atol=1e-3 * scale**0.5)
+            same_sq = _close(got_sq, sq[k], 1e-3, 1e-5 * scale)
+            same_dot = _close(got_dot, dot[k], 1e-3, 1e-3 * scale**0.5)
             if not (same_sq and same_dot and same[k]):
                 wrong.append(k)
         del written
     return wrong
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> bool:
+    """``torch.allclose``'s test ``|got - want| <= atol + rtol |want|`` element-wise, in three
+    passes over the pair (``allclose`` took 3.8 s of BERT-base's 9.6 s check at T=64); NaN or
+    infinity anywhere is not close."""
+    diff = torch.sub(got, want).abs_()
+    return bool(diff.sub_(want.abs().mul_(rtol)).le_(atol).all())
 
 
 CHECK_BYTES = 512 << 20  # the probe's gradients of one group of sources, each way

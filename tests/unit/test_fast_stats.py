@@ -18,7 +18,7 @@ from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
-from service.fast_stats import Family, FastStats, _family, _outer, _run, register_family
+from service.fast_stats import Family, FastStats, _family, _outer, _plan, _run, register_family
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
@@ -841,16 +841,21 @@ class _Broken(nn.Module):
         return self.lin(torch.tanh(x))
 
 
-def test_the_probe_checks_the_written_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("check_bytes", [_plan.CHECK_BYTES, 1])
+def test_the_probe_checks_the_written_gradients(
+    monkeypatch: pytest.MonkeyPatch, check_bytes: int
+) -> None:
     """A family whose written answer is wrong (its statistics right) loses the parameter to the
-    whole-model replay, and the answer stays right."""
+    whole-model replay, and the answer stays right: the sources' answers written all at once or
+    one source at a time (each compared with every probe sample's gradients)."""
 
     def wrong(self: OuterSource) -> dict[str, torch.Tensor]:
         return {self.names[0]: torch.zeros((self.batch, *self.shapes[self.names[0]]))}
 
     monkeypatch.setattr(OuterSource, "answer", wrong)
+    monkeypatch.setattr(_plan, "CHECK_BYTES", check_bytes)
     torch.manual_seed(0)
-    model = custom(_Broken(), (4,), key="broken-answer")
+    model = custom(_Broken(), (4,), key=f"broken-answer-{check_bytes}")
     try:
         meta = check(model, make_batch(model, 4), outputs=GRADS)
     finally:
