@@ -252,8 +252,27 @@ def opacus_peer(case: Case, output: str) -> Fn:
     return run
 
 
+class _Ids(nn.Module):
+    """BERT with its token type and position ids given (as by default) as tensors of their own,
+    one row per sample: Opacus' ghost norm of an embedding views its ids and takes their first
+    dimension for the batch, and BERT's defaults are views of buffers, broadcast
+    (``view size is not compatible with input tensor's size and stride``) or of one row."""
+
+    def __init__(self, logits: nn.Module) -> None:
+        super().__init__()
+        self.bert = logits.get_submodule("model")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                         token_type_ids=torch.zeros_like(input_ids),
+                         position_ids=positions).logits
+
+
 def ghost_peer(case: Case, output: str) -> Fn:
-    return ghost_clipping(_trainable(case), case.losses, output, CLIP)
+    module = _trainable(case)
+    return ghost_clipping(_Ids(module) if case.name == "bert" else module, case.losses,
+                          output, CLIP)
 
 
 PEERS: dict[str, Callable[[Case, str], Fn]] = {

@@ -22,7 +22,15 @@ from torch.linalg import vector_norm
 from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.fast_stats._source import Materialised, Moments, cat, combine, m2_of, present
+from service.fast_stats._source import (
+    Materialised,
+    Moments,
+    cat,
+    combine,
+    m2_of,
+    present,
+    squared_deviations,
+)
 from service.strategies.base import Bounds, Tensors
 from service.strategies.projection import Projection
 
@@ -271,13 +279,13 @@ class OuterSource(Materialised):
                 mean = piece.new_empty(shape) if keep else None
             if seen == 0:  # straight into the answer (a copy of fresh memory costs more)
                 mu = torch.sum(piece, 0, out=mean[:, rows]) if mean is not None else piece.sum(0)
-                dev = piece.sub_(mu.div_(n))
-                torch.sum(dev.mul_(dev), 0, out=m2[:, rows])
+                dev = squared_deviations(piece, mu.div_(n), in_place=True)
+                torch.sum(dev, 0, out=m2[:, rows])
                 continue
             mu = piece.sum(0).div_(n)  # this block's moments merged into the rows' so far
-            dev = piece.sub_(mu)
+            dev = squared_deviations(piece, mu, in_place=True)
             combine(Moments(seen, present(mean, "blocks merge through the running mean")[:, rows],
-                            m2[:, rows]), Moments(n, mu, dev.mul_(dev).sum(0)))
+                            m2[:, rows]), Moments(n, mu, dev.sum(0)))
         assert m2 is not None, "every segment has samples"
         out = self.shapes[self.names[0]]
         total = mean.mul_(hi - lo).reshape(out) if sums and mean is not None else None

@@ -407,13 +407,32 @@ def test_tied_and_opaque_parameters(
         assert meta["form"]["emb.weight"] == "tied:embedding+outer"
 
 
-def test_variance_keeps_its_digits_when_the_mean_is_large() -> None:
-    model = zoo("mlp", SMALL["mlp"])
+@pytest.mark.parametrize("positions", [False, True], ids=["one-position", "pieces"])
+def test_variance_keeps_its_digits_when_the_mean_is_large(
+    positions: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inputs far from 0 next to their spread: float64 sums for one position; over positions,
+    each piece's deviations from its own samples' mean, sets of samples merged."""
+    if positions:
+        monkeypatch.setattr(_outer, "PIECE_BYTES", 64)
+        monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+        monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", "materialise")
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(5, 4), nn.Flatten(), nn.Linear(8, 2))
+        model = custom(module, (2, 5), key="large-mean-positions")
+    else:
+        model = zoo("mlp", SMALL["mlp"])
     batch = make_batch(model, 6, reference=False)
     batch.inputs = 40.0 + 0.01 * batch.inputs
     batch.targets = torch.zeros(6, dtype=torch.long)
     opts = Options(loss="cross_entropy", outputs=("variance",), params=tuple(model.params))
-    [fast] = engine.compute(model, batch, opts)
+    get_settings.cache_clear()
+    try:
+        [fast] = engine.compute(model, batch, opts)
+    finally:
+        get_settings.cache_clear()
+    if positions:
+        assert fast["meta"]["form"]["0.weight"] == "materialise", fast["meta"]["form"]
     [want] = reference(model, batch, opts, [6])
     for k, v in want["variance"].items():
         scale = float(v.abs().max()) + 1e-12
