@@ -14,7 +14,7 @@ import torch
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import Materialised, Source, SourceContext, cat, merge
-from service.strategies.base import Bounds, Tensors, total
+from service.strategies.base import Bounds, Tensors, dots_with, total
 from service.strategies.projection import Projection
 
 
@@ -93,7 +93,7 @@ class DenseGroup(Source):
                 sq=torch.linalg.vector_norm(f, dim=1).square() if need.sq else None,
                 dot=(f @ need.reference[k].reshape(-1).to(f.dtype)
                      if need.reference is not None else None),
-                dots=(f @ need.references[k].reshape(len(need.references[k]), -1).t().to(f.dtype)
+                dots=(dots_with(f, need.references[k])
                       if need.references is not None else None),
                 sums=(tuple(f[x:y].sum(0, dtype=need.sums_dtype).reshape(shape)
                             for x, y in need.bounds) if need.sums else None),

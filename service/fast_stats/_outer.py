@@ -31,12 +31,12 @@ from service.fast_stats._source import (
     present,
     squared_deviations,
 )
-from service.strategies.base import Bounds, Tensors
+from service.strategies.base import Bounds, Tensors, dots_with
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
-PIECE_BYTES = 4 << 20  # variance's, dots' and cosine's per-sample gradients, a piece at a time
-MIN_ROWS = 64  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
+PIECE_BYTES = 8 << 20  # variance's, dots' and cosine's per-sample gradients, a piece at a time
+MIN_ROWS = 128  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
 WHOLE_PIECE_BYTES = 64 << 20  # cosine's pieces, every sample of a segment in each
 AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
@@ -239,7 +239,9 @@ class OuterSource(Materialised):
         """Samples and output rows of one piece, for a block of n samples: at least
         :data:`MIN_ROWS` rows (a thinner batched matmul of inner size T runs at a fraction of a
         GEMM's speed: BERT-base's 3072-wide layers at B=32, T=64 took 10-row pieces at 22-37
-        GFLOP/s against the GEMM's 80), then as many samples as :data:`PIECE_BYTES` holds."""
+        GFLOP/s against the GEMM's 80; on a 2-core EPYC host 64-row pieces ran BERT-base's
+        layers at 47-53 GFLOP/s, 128-row ones at 55-59, the GEMM at 60-72), then as many
+        samples as :data:`PIECE_BYTES` holds."""
         per = self.groups * self.d * self.dtype.itemsize  # one output row of one sample
         rows = min(self.p, max(MIN_ROWS, PIECE_BYTES // (n * per)))
         return max(1, min(n, PIECE_BYTES // (rows * per))), rows
@@ -294,8 +296,8 @@ class OuterSource(Materialised):
     def dots(self, refs: torch.Tensor) -> torch.Tensor:
         """``[B, M]`` dot products with M references ``[M, *shape]``, a piece at a time."""
         refs = refs.reshape(len(refs), self.groups, self.p, self.d).to(self.dtype)
-        return self._rowwise(0, self.batch, lambda rows, piece: piece.reshape(
-            len(piece), -1) @ refs[:, :, rows].reshape(len(refs), -1).t())
+        return self._rowwise(0, self.batch, lambda rows, piece: dots_with(
+            piece, refs[:, :, rows]))
 
     def _rowwise(self, lo: int, hi: int, part: Callable[[slice, torch.Tensor], torch.Tensor],
                  *, whole: bool = False) -> torch.Tensor:

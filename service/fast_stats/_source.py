@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.strategies.base import Bounds, Tensors, keep_rows
+from service.strategies.base import Bounds, Tensors, dots_with, keep_rows
 from service.strategies.projection import Projection
 
 T = TypeVar("T")
@@ -241,7 +241,7 @@ class Materialised(Source):
                     dot[k].append(flat @ need.reference[k].reshape(-1).to(flat.dtype))
                 if need.references is not None:
                     refs = need.references[k]
-                    dots[k].append(flat @ refs.reshape(len(refs), -1).t().to(flat.dtype))
+                    dots[k].append(dots_with(flat, refs))
                 for s, x, y in overlaps(need.bounds, lo, hi):
                     if need.m2:  # the mean comes with it
                         moments[k][s] = merge(moments[k][s], g[x:y])

@@ -203,6 +203,14 @@ def clip_factors(clip_norm: float | None, norms: torch.Tensor,
     return ((clip_norm or 0.0) / (norms + norm_offset)).clamp(max=1.0).nan_to_num(1.0)
 
 
+def dots_with(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+    """``[n, M]`` dot products of each of ``rows`` ``[n, ...]`` with each of ``refs``
+    ``[M, ...]``, flattened, as ``refs @ rows^T``: with the thin side on the left the CPU's GEMM
+    ran twice as fast (M=2 against pieces of BERT-base's gradients) as ``rows @ refs^T``."""
+    flat = rows.reshape(len(rows), -1)
+    return (refs.reshape(len(refs), -1).to(flat.dtype) @ flat.t()).t().contiguous()
+
+
 def keep_rows(kept: Tensors, size: int, start: int, stop: int, grads: Tensors) -> None:
     """Rows [start, stop) of per-sample gradients, kept in ``kept`` as one ``[size, ...]`` buffer
     per parameter: a chunk that is the whole batch is kept as it is, others are copied into the

@@ -21,6 +21,7 @@ from service.strategies.base import (
     Result,
     Tensors,
     clip_factors,
+    dots_with,
     keep_rows,
     total,
 )
@@ -143,7 +144,7 @@ class _Accumulator:
         if need.dots:
             for k, g in grads.items():
                 refs = self.call.references[k]
-                self.dots[k].append(_rows(g) @ refs.reshape(refs.shape[0], -1).t())
+                self.dots[k].append(dots_with(g, refs))
         if need.grads:
             keep_rows(self.kept, self.call.size, start, stop, grads)
         for s, lo, hi in self.overlaps(start, stop):

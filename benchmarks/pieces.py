@@ -1,0 +1,95 @@
+"""Fast statistics' per-sample pieces at each height, against the weight-gradient GEMM.
+
+    python benchmarks/pieces.py [--batch 32] [--seq 64] [--heights 64:4,128:8] [--rounds 3]
+
+A linear layer's ``variance``, ``dots`` (M=2) and the norms-and-dots-with-the-sum of
+``cosine_mean`` over T positions build every sample's ``G_i^T A_i`` a piece at a time
+(:meth:`service.fast_stats._outer.OuterSource.pieces`): a piece holds at least ``MIN_ROWS``
+output rows, then as many samples as ``PIECE_BYTES`` holds. For BERT-base's three layer shapes
+(768x768, 768->3072, 3072->768) with random inputs and output gradients, this prints the GFLOP/s
+of the batched matmul alone at each height, and each statistic's time over the three layers
+divided by the weight-gradient GEMM's (one ``G^T A`` over every row: what a plain step pays for
+these layers' weights). One torch thread, this process's CPU time, the best of ``--rounds``.
+A height is ``rows:MiB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from service.fast_stats import _outer
+from service.fast_stats._budget import Budget
+
+SHAPES = ((768, 768), (768, 3072), (3072, 768))  # (d, p): BERT-base's linear layers
+
+
+class Layer(_outer.OuterSource):
+    """One linear layer's captured inputs ``[B, T, d]`` and output gradients ``[B, T, p]``."""
+
+    def __init__(self, a: torch.Tensor, g: torch.Tensor) -> None:
+        batch, seq, d = a.shape
+        p = g.shape[-1]
+        super().__init__("weight", torch.Size((p, d)), batch, Budget(1 << 30), groups=1, d=d,
+                         p=p, positions=seq, method="linear")
+        self.a, self.g = a, g
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a.dtype
+
+    def blocks(self, lo: int, hi: int) -> Iterator[_outer.Block]:
+        yield lo, hi, self.a[lo:hi, None], self.g[lo:hi, None]
+
+
+def build(layer: Layer) -> None:
+    """The pieces' batched matmuls alone."""
+    for _ in layer.pieces(0, layer.batch):
+        pass
+
+
+def cpu(fn: Callable[[], object], rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--heights", default="64:4,128:8,256:16")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    b, t = args.batch, args.seq
+    layers = [Layer(torch.randn(b, t, d), torch.randn(b, t, p)) for d, p in SHAPES]
+    refs = [torch.randn(2, p, d) for d, p in SHAPES]
+    flops = sum(2 * b * t * d * p for d, p in SHAPES)
+    gemm = cpu(lambda: [x.g.reshape(-1, x.p).t() @ x.a.reshape(-1, x.d) for x in layers],
+               args.rounds)
+    print(f"torch {torch.__version__}, 1 thread, B={b} T={t}, BERT-base's layers "
+          f"{', '.join(f'{d}->{p}' for d, p in SHAPES)}; weight-gradient GEMM "
+          f"{flops / gemm / 1e9:.0f} GFLOP/s ({gemm * 1e3:.0f} ms)")
+    print("| rows | MiB | build GFLOP/s | variance x GEMM | dots x GEMM | cosine x GEMM |")
+    print("|---|---|---|---|---|---|")
+    for height in args.heights.split(","):
+        rows, mib = (int(v) for v in height.split(":"))
+        _outer.MIN_ROWS, _outer.PIECE_BYTES = rows, mib << 20
+        times = [cpu(lambda f=f: [f(x, r) for x, r in zip(layers, refs, strict=True)],
+                     args.rounds)
+                 for f in (lambda x, r: build(x), lambda x, r: x.moments(0, b),
+                           lambda x, r: x.dots(r), lambda x, r: x._sq_and_cos(0, b))]
+        print(f"| {rows} | {mib} | {flops / times[0] / 1e9:.0f} | {times[1] / gemm:.2f} | "
+              f"{times[2] / gemm:.2f} | {times[3] / gemm:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
