@@ -240,8 +240,7 @@ class Materialised(Source):
                 if need.reference is not None:
                     dot[k].append(flat @ need.reference[k].reshape(-1).to(flat.dtype))
                 if need.references is not None:
-                    refs = need.references[k]
-                    dots[k].append(dots_with(flat, refs))
+                    dots[k].append(dots_with(flat, need.references[k]))
                 for s, x, y in overlaps(need.bounds, lo, hi):
                     if need.m2:  # the mean comes with it
                         moments[k][s] = merge(moments[k][s], g[x:y])
