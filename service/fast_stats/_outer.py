@@ -272,6 +272,7 @@ class OuterSource(Materialised):
         keep = sums or self.piece_shape(min(n, self.span()))[0] < n
         mean: torch.Tensor | None = None
         m2: torch.Tensor | None = None
+        spare = torch.empty(0)  # a later set's mean and m2, reused (fresh memory faults)
         for x, r0, piece in self.pieces(lo, hi):
             if add is not None:
                 add(x, r0, piece)
@@ -284,10 +285,14 @@ class OuterSource(Materialised):
                 dev = squared_deviations(piece, mu.div_(n), in_place=True)
                 torch.sum(dev, 0, out=m2[:, rows])
                 continue
-            mu = piece.sum(0).div_(n)  # this block's moments merged into the rows' so far
+            size = piece[0].numel()  # this set's moments merged into the rows' so far
+            if spare.numel() < 2 * size:
+                spare = piece.new_empty(2 * size)
+            mu = torch.sum(piece, 0, out=spare[:size].view(piece.shape[1:])).div_(n)
             dev = squared_deviations(piece, mu, in_place=True)
-            combine(Moments(seen, present(mean, "blocks merge through the running mean")[:, rows],
-                            m2[:, rows]), Moments(n, mu, dev.sum(0)))
+            part = torch.sum(dev, 0, out=spare[size : 2 * size].view(piece.shape[1:]))
+            combine(Moments(seen, present(mean, "sets merge through the running mean")[:, rows],
+                            m2[:, rows]), Moments(n, mu, part))
         assert m2 is not None, "every segment has samples"
         out = self.shapes[self.names[0]]
         total = mean.mul_(hi - lo).reshape(out) if sums and mean is not None else None

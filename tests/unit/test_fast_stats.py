@@ -667,12 +667,26 @@ def test_convolutions_folded_into_groups(
 
 
 @pytest.mark.parametrize("form", ["gram", "materialise"])
-@pytest.mark.parametrize(("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES])
+@pytest.mark.parametrize(("layers", "shape", "folded"), [
+    (layers, shape, folded) for layers, shape, _ in SHAPES
+    for folded in (False, True) if not folded or layers[0]["type"] != "Linear"])
 def test_dots_with_references_in_either_form(
-    layers: list[dict[str, Any]], shape: list[int], form: str, monkeypatch: pytest.MonkeyPatch
+    layers: list[dict[str, Any]], shape: list[int], form: str, folded: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """M dot products per sample from the gradients built a slice of output rows at a time
-    (sequences, convolutions with strides, dilation and groups), as the loop gives them."""
+    (sequences, convolutions with strides, dilation and groups), or a convolution's chunk by
+    chunk by the batch-folded convolution, as the loop gives them."""
+    calls = []
+    real = conv.weight_grad
+
+    def spy(*args: Any, per_sample: bool) -> torch.Tensor:
+        calls.append((args[0].shape[0], per_sample))
+        return real(*args, per_sample=per_sample)
+
+    monkeypatch.setattr(conv, "weight_grad", spy)
+    monkeypatch.setattr(conv, "FOLD_MIN_FIELD", 0 if folded else math.inf)
+    monkeypatch.setattr(conv, "FOLD_MIN_POSITIONS", 0 if folded else math.inf)
     monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", form)
     monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer, and sets
     monkeypatch.setattr(_outer, "MIN_ROWS", 1)  # of one or a few samples
@@ -689,6 +703,7 @@ def test_dots_with_references_in_either_form(
     assert form in got["meta"]["form"].values(), got["meta"]["form"]
     want = attribution(loop_of(model, batch, opts), batch.references)["dots"]
     assert_close(got["dots"], want)
+    assert ((4, True) in calls) == folded, calls  # the call's batch, not only the probe's
 
 
 @pytest.mark.parametrize("way", ["pairs", "mean", "pieces"])
@@ -699,8 +714,8 @@ def test_cosine_by_pairwise_products_the_mean_or_pieces(
     """Each sample's dot with its segment's mean as the mean of its pairwise dot products, as
     the dot with the mean (a convolution's by one forward convolution with the mean as its
     weight), or with its squared norm from its gradient built a piece at a time (a linear
-    layer's), each taken here wherever it applies, not only where cheaper: the loop's
-    cosines."""
+    layer's over positions, a convolution's unfolded in one block), each taken here wherever it
+    applies, not only where cheaper: the loop's cosines."""
     taken = []
     built = []
 
@@ -723,8 +738,9 @@ def test_cosine_by_pairwise_products_the_mean_or_pieces(
     model = _sequential(layers, shape)
     check(model, make_batch(model, 4), segments=[3, 1], outputs=("cosine_mean", "mean"))
     assert any(taken) or built  # some layer took the way asked for
-    # a linear layer over positions builds in pieces, one over a flattened input has one
-    assert bool(built) == (way == "pieces" and layers[0]["type"] == "Linear"), built
+    # the first layer (over positions, or a convolution) builds in pieces; the linear layer
+    # over a flattened input has one position
+    assert built == (["0.weight"] if way == "pieces" else []), built
 
 
 def test_grads_of_an_embedding_with_padding_and_repeated_tokens() -> None:
@@ -763,9 +779,12 @@ def test_grads_of_tied_and_replayed_parameters(
 
 def test_convolutions_unfolded_a_sample_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ConvSource, "chunk_size", lambda self: 1)
+    monkeypatch.setattr(ConvSource, "span", lambda self: 1)
     monkeypatch.setattr(ConvSource, "folded", lambda self: False)  # conv2 would fold
+    monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", math.inf)  # cosine: blocks, not pieces
     model = zoo("simple-cnn", SMALL["simple-cnn"])
-    check(model, make_batch(model, 3), outputs=GRADS, segments=[2, 1])
+    check(model, make_batch(model, 3), outputs=(*GRADS, "cosine_mean", "variance", "mean"),
+          segments=[2, 1])
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["unfolded-pieces", "folded-chunks"])
@@ -776,7 +795,8 @@ def test_variance_merges_blocks_of_samples(
     """Variance over many positions builds each block of samples' gradients once (unfolded, a
     slice of rows at a time, or by the batch-folded convolution) and merges the blocks'
     moments: uneven blocks inside uneven segments give the loop's variance and mean."""
-    monkeypatch.setattr(ConvSource, "chunk_size", lambda self: step)
+    monkeypatch.setattr(ConvSource, "chunk_size", lambda self: step)  # folded chunks
+    monkeypatch.setattr(ConvSource, "span", lambda self: step)  # unfolded blocks
     monkeypatch.setattr(ConvSource, "folded", lambda self: folded)
     monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer, and sets
     monkeypatch.setattr(_outer, "MIN_ROWS", 1)  # of one or a few samples

@@ -89,6 +89,7 @@ class ConvSource(OuterSource):
     """The weight of convolution calls of one geometry, unfolded a chunk at a time."""
 
     cache = True  # rebuilding a chunk means unfolding its input again
+    pieces_cos = True  # where the whole batch is one block and the Gram form gives the norms
 
     def __init__(
         self, name: str, inputs: Sequence[ConvInput], grads: Sequence[torch.Tensor],
@@ -116,14 +117,30 @@ class ConvSource(OuterSource):
         return self.budget.chunk(per, self.batch, 48 << 20)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
-        if need.m2 and self.folded():  # the batch-folded convolution builds each chunk's
-            # gradients faster than unfolded pieces do; their moments merge chunk by chunk
-            # (ResNet-18's variance: 1.19x a plain step against 1.35x)
+        if (need.m2 or need.references is not None) and self.folded():
+            # the batch-folded convolution builds each chunk's gradients faster than unfolded
+            # pieces do (no copy of every receptive field); their moments merge chunk by chunk
+            # (ResNet-18's variance: 1.19x a plain step against 1.35x), their dots are taken
+            # chunk by chunk
             return Materialised.pass1(self, need, keep)
         return super().pass1(need, keep)
 
     def span(self) -> int:
-        return self.chunk_size()
+        """Samples per unfolded block, ~64 MiB of receptive fields: what a piece, a Gram form
+        or a dot product reads holds no per-sample gradient of the whole weight, so a block
+        is larger than a chunk (ResNet-18's 7x7 layers at B=32: the whole batch in one block
+        instead of eight of 4 samples, each split into pieces of 3 and 1 samples)."""
+        return self.budget.chunk(self.groups * self.t * self.d * self.itemsize, self.batch,
+                                 64 << 20)
+
+    def _cos_in_pieces(self) -> bool:
+        """As a linear layer's, where the whole batch is one unfolded block, unless the
+        batch-folded convolution builds the gradients that the norms need anyway (the
+        materialised form: their chunks, kept, give the second pass). ResNet-18's 14x14
+        layers at B=32 paid the Gram form's norms, the sum's weight-gradient convolution and
+        a forward convolution with the mean, against one build of pieces."""
+        return (super()._cos_in_pieces() and self.span() >= self.batch
+                and not (self.folded() and self._form == "materialise"))
 
     def blocks(self, lo: int, hi: int) -> Iterator[Block]:
         step = self.span()
