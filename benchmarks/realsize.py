@@ -31,9 +31,12 @@ step on psgrad's loaded graph (the floor of psgrad's own path). Methods:
 
 Peak memory: the resident-set high-water mark of one call after a warm one, minus the resident
 set before it (glibc's mmap threshold is lowered at start so freed blocks leave the resident
-set), for every method in this process. Peers that would hold every per-sample gradient past
-``--max-gib`` are skipped and say so. Our machine's two cores are shared with other work:
-ratios are the figures to read, and they move by about 0.1 between runs.
+set), for every method in this process. That threshold makes every block over 64 KiB fresh
+memory, page faults and all, for the timed calls too; ``--default-malloc`` times under glibc's
+own settings instead (the server's), and measures no memory (freed blocks stay resident).
+Peers that would hold every per-sample gradient past ``--max-gib`` are skipped and say so. Our
+machine's two cores are shared with other work: ratios are the figures to read, and they move by
+about 0.1 between runs.
 
 Needs ``transformers`` and, for the peers, ``opacus`` (``pip install --no-deps``: without it pip
 replaces torch).
@@ -52,9 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # before anything allocates: re-exec once
+if "THP_MEM_ALLOC_ENABLE" not in os.environ:  # before torch allocates anything
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+# glibc reads its settings at start: re-exec once (--default-malloc: keep glibc's own)
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "--default-malloc" not in sys.argv:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import numpy as np
@@ -372,6 +377,9 @@ def main() -> None:
                         help="psgrad and the plain steps only")
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the peak-memory calls (two more calls per method)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="time under glibc's default allocator, as the server runs, not "
+                             "with the lowered mmap threshold (no peak memory)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (default: torch's; 1 on a busy shared machine)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -379,12 +387,15 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=3.0,
                         help="skip peers whose per-sample gradients would take more than this")
     args = parser.parse_args()
+    args.memory = args.memory and not args.default_malloc
     if args.threads:
         torch.set_num_threads(args.threads)
     if not 2 <= args.seq <= MAX_LENGTH:
         raise SystemExit(f"--seq must be within 2..{MAX_LENGTH}")
+    malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, {args.clock} clock, "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, "
+          f"MALLOC_MMAP_THRESHOLD_={malloc}, {args.clock} clock, "
           f"medians of "
           f"{args.rounds} interleaved rounds; x plain = median per-round ratio to one plain "
           "forward+backward; peak = extra resident memory of one warm call\n", flush=True)

@@ -2,7 +2,7 @@
 
 Unfolded, a convolution is a linear layer over the output positions (T = L positions, d =
 in_channels / groups * kernel elements, p = out_channels / groups), so
-:class:`~.._outer.OuterSource` gives its statistics; the input is unfolded a chunk of samples
+:class:`~.._outer.OuterSource` gives its statistics; the input is unfolded a block of samples
 at a time to bound memory. A bias's per-sample gradient is the output gradient summed over
 positions, held whole.
 """
@@ -86,10 +86,10 @@ def unfold(x: torch.Tensor, geo: Geometry) -> torch.Tensor:
 
 
 class ConvSource(OuterSource):
-    """The weight of convolution calls of one geometry, unfolded a chunk at a time."""
+    """The weight of convolution calls of one geometry, unfolded a block at a time."""
 
     cache = True  # rebuilding a chunk means unfolding its input again
-    pieces_cos = True  # where the whole batch is one block and the Gram form gives the norms
+    pieces_cos = True  # where the whole batch is one block (:meth:`_cos_in_pieces`)
 
     def __init__(
         self, name: str, inputs: Sequence[ConvInput], grads: Sequence[torch.Tensor],
@@ -111,7 +111,7 @@ class ConvSource(OuterSource):
         return self.xs[0].dtype
 
     def chunk_size(self) -> int:
-        """Samples per unfolded chunk (its columns and its per-sample gradients), ~48 MB:
+        """Samples per chunk of per-sample gradients (with their unfolded columns), ~48 MB:
         larger chunks run the batched matmul faster, smaller ones bound the memory."""
         per = (self.groups * self.t * self.d + self.numel) * self.itemsize
         return self.budget.chunk(per, self.batch, 48 << 20)
