@@ -17,37 +17,31 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from service.fast_stats import _outer
 from service.fast_stats._budget import Budget
+from service.fast_stats._source import SourceContext
+from service.fast_stats.families.linear import LinearSource
 
 SHAPES = ((768, 768), (768, 3072), (3072, 768))  # (d, p): BERT-base's linear layers
 
 
-class Layer(_outer.OuterSource):
-    """One linear layer's captured inputs ``[B, T, d]`` and output gradients ``[B, T, p]``."""
-
-    def __init__(self, a: torch.Tensor, g: torch.Tensor) -> None:
-        batch, seq, d = a.shape
-        p = g.shape[-1]
-        super().__init__("weight", torch.Size((p, d)), batch, Budget(1 << 30), groups=1, d=d,
-                         p=p, positions=seq, method="linear")
-        self.a, self.g = a, g
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.a.dtype
-
-    def blocks(self, lo: int, hi: int) -> Iterator[_outer.Block]:
-        yield lo, hi, self.a[lo:hi, None], self.g[lo:hi, None]
+def layer(a: torch.Tensor, g: torch.Tensor) -> LinearSource:
+    """psgrad's source for one linear layer's inputs ``[B, T, d]`` and output gradients
+    ``[B, T, p]``, as a captured call gives them."""
+    batch, p, d = a.shape[0], g.shape[-1], a.shape[-1]
+    ctx = SourceContext(batch=batch, budget=Budget(1 << 30), shapes={"weight": torch.Size((p, d))},
+                        params={}, buffers={}, dtype=a.dtype, device=a.device,
+                        activation_numel=0)
+    return LinearSource("weight", a, g, ctx)
 
 
-def build(layer: Layer) -> None:
+def build(source: LinearSource) -> None:
     """The pieces' batched matmuls alone."""
-    for _ in layer.pieces(0, layer.batch):
+    for _ in source.pieces(0, source.batch):
         pass
 
 
@@ -70,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     b, t = args.batch, args.seq
-    layers = [Layer(torch.randn(b, t, d), torch.randn(b, t, p)) for d, p in SHAPES]
+    layers = [layer(torch.randn(b, t, d), torch.randn(b, t, p)) for d, p in SHAPES]
     refs = [torch.randn(2, p, d) for d, p in SHAPES]
     flops = sum(2 * b * t * d * p for d, p in SHAPES)
     gemm = cpu(lambda: [x.g.reshape(-1, x.p).t() @ x.a.reshape(-1, x.d) for x in layers],
