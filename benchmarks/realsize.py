@@ -1,7 +1,8 @@
 """Real-size models: psgrad's statistics against a plain training step and the in-process peers.
 
-    python benchmarks/realsize.py [--models gpt2,bert,resnet18] [--seq 64] [--batch N]
-                                  [--rounds 3] [--outputs norms,clipped_mean,...] [--no-peers]
+    python benchmarks/realsize.py [--models gpt2,bert,resnet18] [--seq 64[,256,...]]
+                                  [--batch N[,M,...]] [--rounds 3] [--outputs norms,...]
+                                  [--no-peers] [--device cuda]
 
 ``--outputs projection,projection-kronecker`` times sketches (k = 4096) of each projection
 kind instead of the statistics.
@@ -29,10 +30,18 @@ step on psgrad's loaded graph (the floor of psgrad's own path). Methods:
 - ``opacus``: Opacus ``GradSampleModule`` hooks, statistics from ``grad_sample``;
 - ``opacus-ghost``: Opacus ghost clipping (norms; the clipped mean by a second backward).
 
-Peak memory: the resident-set high-water mark of one call after a warm one, minus the resident
-set before it (glibc's mmap threshold is lowered at start so freed blocks leave the resident
-set), for every method in this process. That threshold makes every block over 64 KiB fresh
-memory, page faults and all, for the timed calls too; ``--default-malloc`` times under glibc's
+``--batch`` and ``--seq`` take lists: each model is exported and registered once, then timed at
+every batch size and sequence length. ``--device cuda`` runs every method on the GPU, in float32
+(TF32 off, as psgrad's workers run), each call timed to the end of its kernels, peak memory from
+``torch.cuda.max_memory_allocated`` (the call's peak above what was allocated before it).
+``--autocast bfloat16`` runs every method's forward and backward under ``torch.autocast`` in
+bfloat16 (psgrad by the request's ``autocast`` field), the plain step too, and notes how far
+psgrad's norms are from its float32 norms; ``--autocast off,bfloat16`` times each case both ways.
+
+Peak memory on the CPU: the resident-set high-water mark of one call after a warm one, minus the
+resident set before it (glibc's mmap threshold is lowered at start so freed blocks leave the
+resident set), for every method in this process. That threshold makes every block over 64 KiB
+fresh memory, page faults and all, for the timed calls too; ``--default-malloc`` times under glibc's
 own settings instead (the server's), and measures no memory (freed blocks stay resident).
 Peers that would hold every per-sample gradient past ``--max-gib`` are skipped and say so. Our
 machine's two cores are shared with other work: ratios are the figures to read, and they move by
@@ -50,6 +59,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +81,7 @@ from torch.func import functional_call, grad, vmap
 from service import engine
 from service.config import Settings
 from service.registration import register_exported
-from service.registry import LoadedModel, ModelRegistry
+from service.registry import LoadedModel, ModelRegistry, set_tf32
 from service.validate import ParsedRequest, parse_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: from the root
@@ -115,14 +125,24 @@ class Case:
         if self.loss == "cross_entropy":
             return F.cross_entropy(out, data["targets"], reduction="none")
         keep = data["mask"][:, 1:].to(out.dtype)  # next_token: scores at t against id t + 1
-        each = F.cross_entropy(out[:, :-1].transpose(1, 2), data["targets"][:, 1:],
-                               reduction="none")
+        # one row of scores per position, as a training step writes it (and psgrad's loss);
+        # the [B, V, T] layout of ``transpose(1, 2)`` took twice as long for GPT-2's vocabulary
+        each = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]),
+                               data["targets"][:, 1:].reshape(-1), reduction="none")
+        each = each.view(keep.shape)
         return (each * keep).sum(1) / keep.sum(1).clamp(min=1)
 
     @property
     def data(self) -> dict[str, torch.Tensor]:
         extra = {"mask": self.mask} if self.mask is not None else {}
         return {**self.inputs, "targets": self.targets, **extra}
+
+    def to(self, device: torch.device) -> Case:
+        """The same case with its module and tensors on ``device``."""
+        mask = None if self.mask is None else self.mask.to(device)
+        return Case(self.name, self.module.to(device),
+                    {k: v.to(device) for k, v in self.inputs.items()},
+                    self.targets.to(device), self.loss, mask)
 
 
 def make_case(name: str, batch: int, seq: int) -> Case:
@@ -146,12 +166,15 @@ def make_case(name: str, batch: int, seq: int) -> Case:
                 "cross_entropy")
 
 
-def register(case: Case) -> tuple[ModelRegistry, LoadedModel]:
-    """Exported at a batch of one (sequence length dynamic) and registered by psgrad's loader."""
+def register(case: Case, device: torch.device | None = None
+             ) -> tuple[ModelRegistry, LoadedModel]:
+    """Exported at a batch of one (sequence length dynamic) and registered by psgrad's loader
+    on ``device`` (``case`` on the CPU)."""
     data = export(case.module, tuple(v[:1] for v in case.inputs.values()), MAX_LENGTH)
-    registry = ModelRegistry(torch.device("cpu"))
+    device = device or torch.device("cpu")
+    registry = ModelRegistry(device)
     settings = Settings(  # limits raised to fit the model: this measures compute, not limits
-        redis_url=None, model_dir=None, device="cpu", max_parameters=1 << 30,
+        redis_url=None, model_dir=None, device=device.type, max_parameters=1 << 30,
         max_model_activations=1 << 34, max_weight_bytes=4 << 30, export_memory_mb=1 << 15,
         export_cpu_s=1200, export_timeout_s=1800)
     model = register_exported(registry, case.name, data, settings, default_loss=case.loss,
@@ -159,12 +182,14 @@ def register(case: Case) -> tuple[ModelRegistry, LoadedModel]:
     return registry, model
 
 
-def request(registry: ModelRegistry, case: Case, output: str) -> ParsedRequest:
+def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "off"
+            ) -> ParsedRequest:
     fields: dict[str, Any] = {
-        "model": case.name, "outputs": [output], "targets": case.targets.numpy(),
-        "inputs": {k: v.numpy() for k, v in case.inputs.items()}, "clip_norm": CLIP}
+        "model": case.name, "outputs": [output], "targets": case.targets.cpu().numpy(),
+        "inputs": {k: v.cpu().numpy() for k, v in case.inputs.items()}, "clip_norm": CLIP,
+        "autocast": autocast}
     if case.mask is not None:
-        fields["mask"] = case.mask.numpy()
+        fields["mask"] = case.mask.cpu().numpy()
     if output.startswith("projection"):  # projection (the default kind), projection-kronecker
         fields.update(outputs=["projection"], projection_dim=SKETCH_DIM)
         if output != "projection":
@@ -178,9 +203,18 @@ def request(registry: ModelRegistry, case: Case, output: str) -> ParsedRequest:
     return parse_request(fields, registry)
 
 
-def psgrad(registry: ModelRegistry, case: Case, output: str) -> Fn:
-    parsed = request(registry, case, output)
+def psgrad(registry: ModelRegistry, case: Case, output: str, autocast: str = "off") -> Fn:
+    parsed = request(registry, case, output, autocast)
     return lambda: engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
+
+
+def under_autocast(fn: Fn, device: torch.device) -> Fn:
+    """``fn`` with its forward and backward under bfloat16 autocast, as a mixed-precision step."""
+    def run() -> Any:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return fn()
+
+    return run
 
 
 def plain(case: Case) -> Fn:
@@ -268,7 +302,8 @@ class _Ids(nn.Module):
         self.bert = logits.get_submodule("model")
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = positions.expand_as(input_ids).contiguous()
         return self.bert(input_ids=input_ids, attention_mask=attention_mask,
                          token_type_ids=torch.zeros_like(input_ids),
                          position_ids=positions).logits
@@ -291,23 +326,37 @@ def _short(exc: BaseException) -> str:
 
 def _norms(answer: Any) -> np.ndarray | None:
     value = answer.get("norms") if isinstance(answer, dict) else None
-    return None if value is None else np.asarray(torch.as_tensor(value).detach())
+    return None if value is None else np.asarray(torch.as_tensor(value).detach().cpu())
 
 
 def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: list[str],
-            peers: bool, max_gib: float) -> tuple[dict[tuple[str, str], Fn], dict[str, str]]:
+            peers: bool, max_gib: float, autocast: str = "off"
+            ) -> tuple[dict[tuple[str, str], Fn], dict[str, str]]:
     """Every (output, method) that runs, and why the others do not (first call checked)."""
-    fns: dict[tuple[str, str], Fn] = {("step", "plain"): plain(case),
-                                      ("step", "plain-graph"): plain_graph(case, model)}
+    device = model.device
+    mixed = (lambda fn: under_autocast(fn, device)) if autocast != "off" else (lambda fn: fn)
+    fns: dict[tuple[str, str], Fn] = {("step", "plain"): mixed(plain(case)),
+                                      ("step", "plain-graph"): mixed(plain_graph(case, model))}
     notes: dict[str, str] = {}
     want = None
     for output in outputs:
-        fns[(output, "psgrad")] = psgrad(registry, case, output)
+        fn = psgrad(registry, case, output, autocast)
         start = time.perf_counter()
-        answer = fns[(output, "psgrad")]()
+        try:
+            answer = fn()
+        except Exception as exc:  # reported in the table (the traceback on stderr), not timed
+            traceback.print_exc()
+            notes[f"{output} psgrad"] = f"fails: {_short(exc)}"
+            continue
+        fns[(output, "psgrad")] = fn
         print(f"  psgrad {output}: first call {time.perf_counter() - start:.1f} s", flush=True)
         notes[f"{output} psgrad"] = answer["meta"].get("route", "?")
         want = _norms(answer) if output == "norms" else want
+        if output == "norms" and autocast != "off" and want is not None:
+            full = _norms(psgrad(registry, case, output)())
+            assert full is not None
+            diff = float(np.max(np.abs(want - full) / full))
+            notes[f"{output} psgrad"] += f"; norms vs float32's: max relative diff {diff:.1e}"
     held = case.size * sum(p.numel() for p in model.params.values()) * 4 / 2**30
     for name, factory in PEERS.items() if peers else ():
         for output in PEER_OUTPUTS:
@@ -318,7 +367,7 @@ def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: li
                                              f"past --max-gib {max_gib}")
                 continue
             try:
-                fn = factory(case, output)
+                fn = mixed(factory(case, output))
                 got = fn()
             except Exception as exc:  # the library refuses this model: reported, not timed
                 notes[f"{output} {name}"] = f"fails: {_short(exc)}"
@@ -331,20 +380,62 @@ def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: li
     return fns, notes
 
 
+def synced(fns: dict[tuple[str, str], Fn]) -> dict[tuple[str, str], Fn]:
+    """Each call timed to the end of its kernels (CUDA runs them after the call returns)."""
+    def wait(fn: Fn) -> Fn:
+        return lambda: (fn(), torch.cuda.synchronize())[0]
+
+    return {key: wait(fn) for key, fn in fns.items()}
+
+
+def cuda_peak(fn: Fn) -> int:
+    """The GPU memory one call after a warm one allocates at its peak, above what was allocated
+    before it."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def run_model(name: str, args: argparse.Namespace) -> list[str]:
-    batch = args.batch or BATCH[name]
-    case = make_case(name, batch, args.seq)
+    """Every batch size and sequence length of ``name`` on one registration."""
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch.split(",")] if args.batch else [BATCH[name]]
+    seqs = [0] if name == "resnet18" else [int(t) for t in args.seq.split(",")]
     start = time.perf_counter()
-    registry, model = register(case)
+    registry, model = register(make_case(name, 1, seqs[0] or 2), device)
     print(f"{name}: exported and registered in {time.perf_counter() - start:.0f} s", flush=True)
+    rows = []
+    for batch in batches:
+        for seq in seqs:
+            case = make_case(name, batch, seq).to(device)
+            for autocast in args.autocast.split(","):
+                new = run_case(case, registry, model, seq, autocast, args)
+                print("\n".join(new), flush=True)
+                rows += new
+    return rows
+
+
+def run_case(case: Case, registry: ModelRegistry, model: LoadedModel, seq: int, autocast: str,
+             args: argparse.Namespace) -> list[str]:
+    name, batch = case.name, case.size
+    print(f"{name} B={batch}{f' T={seq}' if seq else ''} autocast {autocast}:", flush=True)
     outputs = args.outputs.split(",")
-    fns, notes = methods(case, registry, model, outputs, args.peers, args.max_gib)
-    print(f"{name}: {len(fns)} methods run; timing {args.rounds} rounds", flush=True)
+    fns, notes = methods(case, registry, model, outputs, args.peers, args.max_gib, autocast)
+    cuda = args.device == "cuda"
+    if cuda:
+        fns = synced(fns)
+    print(f"  {len(fns)} methods run; timing {args.rounds} rounds", flush=True)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times = interleave(fns, args.rounds, clock)
     base = ("step", "plain")
-    peaks = {key: steady_peak(fn) for key, fn in fns.items()} if args.memory else {}
-    length = "" if name == "resnet18" else str(args.seq)
+    measure = cuda_peak if cuda else steady_peak
+    peaks = {key: measure(fn) for key, fn in fns.items()} if args.memory else {}
+    length = str(seq) if seq else ""
+    name += " bf16 autocast" if autocast != "off" else ""
     rows = []
     for key in fns:
         output, method = key
@@ -368,9 +459,11 @@ def run_model(name: str, args: argparse.Namespace) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,bert,resnet18")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length (token models)")
-    parser.add_argument("--batch", type=int, default=0,
-                        help="batch size (default: gpt2 4, bert 8, resnet18 16)")
+    parser.add_argument("--seq", default="64",
+                        help="sequence lengths of the token models, comma-separated")
+    parser.add_argument("--batch", default="",
+                        help="batch sizes, comma-separated (default: gpt2 4, bert 8, "
+                             "resnet18 16)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--outputs", default=",".join(OUTPUTS))
     parser.add_argument("--no-peers", dest="peers", action="store_false",
@@ -384,21 +477,33 @@ def main() -> None:
                         help="torch threads (default: torch's; 1 on a busy shared machine)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (with --threads 1, the work alone)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: every method on the GPU, float32 (TF32 off)")
+    parser.add_argument("--autocast", default="off",
+                        help="off, bfloat16 or both (off,bfloat16): bfloat16 runs every "
+                             "method's forward and backward under autocast")
     parser.add_argument("--max-gib", type=float, default=3.0,
                         help="skip peers whose per-sample gradients would take more than this")
     args = parser.parse_args()
-    args.memory = args.memory and not args.default_malloc
+    args.memory = args.memory and (args.device == "cuda" or not args.default_malloc)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not 2 <= args.seq <= MAX_LENGTH:
+    if not all(2 <= int(t) <= MAX_LENGTH for t in args.seq.split(",")):
         raise SystemExit(f"--seq must be within 2..{MAX_LENGTH}")
+    if not set(args.autocast.split(",")) <= {"off", "bfloat16"}:
+        raise SystemExit("--autocast takes off, bfloat16 or off,bfloat16")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    set_tf32(False)  # float32 on CUDA, as psgrad's workers run (CPUs ignore it)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    on = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"torch {torch.__version__} on {on}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, "
-          f"MALLOC_MMAP_THRESHOLD_={malloc}, {args.clock} clock, "
+          f"MALLOC_MMAP_THRESHOLD_={malloc}, {args.clock} clock, autocast {args.autocast}, "
           f"medians of "
           f"{args.rounds} interleaved rounds; x plain = median per-round ratio to one plain "
-          "forward+backward; peak = extra resident memory of one warm call\n", flush=True)
+          "forward+backward; peak = extra "
+          f"{'GPU' if args.device == 'cuda' else 'resident'} memory of one warm call\n", flush=True)
     rows = ["| model | B | T | output | method | ms | x plain | peak MiB | x plain | notes |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):

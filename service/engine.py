@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psgrad._errors import InvalidInput
 from service.fast_stats import FastStats
 from service.outputs import assemble, need_of
 from service.outputs import output_bytes as _output_bytes
@@ -66,7 +67,16 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     vmap_only = not fast_stats or (compiled is not None and call.need.grads)
     strategies = (_VMAP,) if vmap_only else _STRATEGIES
     with lock_for(model):
-        result = _run(strategies, call)
+        try:
+            result = _run(strategies, call)
+        except RuntimeError as exc:  # an op refusing autocast's mixed dtypes is the request's
+            if opts.autocast == "off" or isinstance(exc, torch.OutOfMemoryError):
+                raise
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise InvalidInput(
+                f"model '{model.id}' does not run under autocast {opts.autocast} on "
+                f"{model.device.type} ({first}): leave 'autocast' out",
+                autocast=opts.autocast) from exc
     return assemble(call, result, on_norms)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from psgrad._contract import (
     ANSWER_DTYPES,
+    AUTOCASTS,
     KNOWN,
     TENSOR_DICT_FIELDS,
     TENSOR_FIELDS,
@@ -253,9 +254,10 @@ def _options(fields: dict[str, Any], model: LoadedModel,
         check_names(params, model, "params")
         selected = tuple(p for p in model.params if p in set(params))
     gamma = _gamma(fields.get("gamma"))
+    autocast = _autocast(fields.get("autocast"), model)
     if fields.get("dp_run") is not None:  # the run sets clip, noise and divisor (service.dp)
         plain = Options(loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
-                        gamma=1.0 if gamma is None else gamma)
+                        gamma=1.0 if gamma is None else gamma, autocast=autocast)
         return bind(fields, plain, model.id, dp_runs)
     clip_norm = _number(fields.get("clip_norm"), "clip_norm")
     noise = _number(fields.get("noise_multiplier"), "noise_multiplier") or 0.0
@@ -271,8 +273,22 @@ def _options(fields: dict[str, Any], model: LoadedModel,
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=clip_norm, noise_multiplier=noise, seed=seed,
         gamma=1.0 if gamma is None else gamma, projection=projection_of(fields, outputs),
-        reference_count=-1 if {"dots", "influence"} & set(outputs) else 0,
+        reference_count=-1 if {"dots", "influence"} & set(outputs) else 0, autocast=autocast,
     )
+
+
+def _autocast(value: Any, model: LoadedModel) -> str:
+    """The precision of the model's forward and backward: 'off' (the model's dtype) or
+    'bfloat16' (torch.autocast, a float32 model only)."""
+    if value is None or value == AUTOCASTS[0]:
+        return AUTOCASTS[0]
+    if value not in AUTOCASTS:
+        raise InvalidInput(f"'autocast' must be one of {', '.join(AUTOCASTS)}; got {value!r}",
+                           accepted=list(AUTOCASTS))
+    if model.dtype != torch.float32:
+        raise InvalidInput(f"'autocast' needs a float32 model; '{model.id}' computes in "
+                           f"{str(model.dtype).removeprefix('torch.')}: leave 'autocast' out")
+    return str(value)
 
 
 def _gamma(value: Any) -> float | None:

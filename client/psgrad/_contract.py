@@ -50,6 +50,7 @@ RUN_ID_PATTERN = r"dp-[0-9a-f]{24}"
 PROJECTION_KINDS = ("tensorsketch", "kronecker")  # the first is the default
 MAX_PROJECTION_DIM = 8192
 ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # what a request's answer_dtype may ask
+AUTOCASTS = ("off", "bfloat16")  # what a request's autocast may ask; the first is the default
 MAX_VERIFY = 64  # the most samples a request's verify may recompute with the per-sample loop
 MAX_SEED = 2**63  # seeds are in [0, 2**63)
 
@@ -196,6 +197,12 @@ REQUEST: tuple[Field, ...] = (
           "float16 / bfloat16 for half the bytes (relative rounding error at most 2^-11 / 2^-8; "
           "float16 overflows past 65504 and loses precision below 6.1e-5)",
           default=ANSWER_DTYPES[0], choices=ANSWER_DTYPES),
+    Field("autocast", "choice", "'bfloat16': the model's forward and backward run under "
+          "torch.autocast in bfloat16, as a mixed-precision training step does (a float32 "
+          "model only); the statistics are then formed in float32 from its bfloat16 "
+          "activations and output gradients, and agree with the float32 answer to bfloat16's "
+          "precision (relative differences of a few 1e-3). 'off' (default): float32 throughout",
+          default=AUTOCASTS[0], choices=AUTOCASTS),
     Field("verify", "int", "recompute this many samples (all, if the batch has fewer) one at a "
           "time with the per-sample loop and compare every output that can be compared; the "
           "report is meta.verify, and a difference beyond the tolerance fails the request with "
@@ -248,6 +255,7 @@ class Options(TypedDict, total=False):
     reference_sketches: Any
     reference_set: str | None
     answer_dtype: str | None
+    autocast: str | None
     verify: int | None
     verify_seed: int | None
 

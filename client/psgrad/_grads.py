@@ -77,6 +77,9 @@ class GradsMethods(Generic[R, J]):
                 half the bytes (relative rounding error at most 2^-11 / 2^-8); float16 arrays
                 come back as float16, bfloat16 ones widened exactly to float32 (numpy has no
                 bfloat16).
+            autocast: ``bfloat16``: the model's forward and backward run under
+                ``torch.autocast`` in bfloat16, as a mixed-precision training step does (float32
+                models); the statistics agree with float32's to bfloat16's precision.
             verify, verify_seed: the server recomputes ``verify`` samples of each request
                 (up to 64; the batch may be split into several) one at a time with the
                 per-sample loop and compares the outputs: ``result.meta["verify"]`` reports the

@@ -29,7 +29,7 @@ __all__ = ["grads_fields"]
 def grads_fields(model: str, inputs: Any, targets: Any = None,
                  **options: Unpack[Options]) -> Fields:
     """The request of ``per_sample_grads``, ``td0`` and ``submit``: unset options (None, and
-    the defaults ``answer_dtype='float32'`` and ``verify=0``) left out."""
+    the defaults ``answer_dtype='float32'``, ``autocast='off'`` and ``verify=0``) left out."""
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a model id such as 'mlp' or 'id@version'")
     fields: Fields = {"model": model, "inputs": _value(FIELDS["inputs"], inputs)}
@@ -45,7 +45,8 @@ def grads_fields(model: str, inputs: Any, targets: Any = None,
     return fields
 
 
-_UNSENT: dict[str, Any] = {"answer_dtype": "float32", "verify": 0}  # the server's defaults
+_UNSENT: dict[str, Any] = {"answer_dtype": "float32", "autocast": "off",  # the server's
+                           "verify": 0}  # defaults
 
 
 def _value(spec: Field, value: Any) -> Any:

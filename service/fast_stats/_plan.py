@@ -135,8 +135,8 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
         names = [k for s in group for k in s.names if k in written and k in selected]
         chosen = {k: params[k] for k in names}
         others = {k: v for k, v in params.items() if k not in chosen}
-        sq = {k: torch.zeros(PROBE, dtype=model.dtype) for k in names}
-        dot = {k: torch.zeros(PROBE, dtype=model.dtype) for k in names}
+        sq = {k: torch.zeros(PROBE, dtype=model.dtype, device=model.device) for k in names}
+        dot = {k: torch.zeros(PROBE, dtype=model.dtype, device=model.device) for k in names}
         same = dict.fromkeys(names, True)
         for i in range(PROBE):  # one sample at a time: vmap's backward of a large embedding
             # held several dense copies of its gradient per sample

@@ -9,6 +9,7 @@ independent in eval mode. What leaves is an immutable :class:`Run`.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -68,6 +69,33 @@ class Run:
     uses: tuple[Use, ...]
     calls: Mapping[str, tuple[ModuleCall, ...]]
     simple: Mapping[str, bool]
+
+
+def widened(run: Run, dtype: torch.dtype) -> Run:
+    """``run`` with every floating tensor it kept (activations, output gradients, replayed
+    modules' inputs) in ``dtype``: a forward and backward under ``torch.autocast`` leave some in
+    bfloat16, and the statistics are formed in the model's dtype."""
+    uses = tuple(replace(u, payload=_widen(u.payload, dtype), g=_widen(u.g, dtype))
+                 for u in run.uses)
+    calls = {name: tuple(ModuleCall(_widen(c.xs, dtype), _widen(c.g, dtype)) for c in seen)
+             for name, seen in run.calls.items()}
+    return replace(run, uses=uses, calls=calls)
+
+
+def _widen(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating tensors in ``dtype``, through tuples, lists, dicts and
+    dataclasses (a family's payload)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_widen(v, dtype) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _widen(v, dtype) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: _widen(getattr(value, f.name), dtype)
+            for f in dataclasses.fields(value) if f.init})
+    return value
 
 
 def batched_losses(

@@ -24,7 +24,7 @@ from service.fast_stats._build import build_sources
 from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
-from service.fast_stats._run import Setup, forward_backward
+from service.fast_stats._run import Setup, forward_backward, widened
 from service.fast_stats._sketch import sketch
 from service.fast_stats._source import Source, answers, present
 from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
@@ -48,9 +48,12 @@ class FastStats:
         if plan is None:
             return None
         try:
-            run = forward_backward(setup, plan)
+            with call.opts.precision(model.device):
+                run = forward_backward(setup, plan)
         except Unsupported:
             return None
+        if call.opts.autocast != "off":
+            run = widened(run, model.dtype)
         if tuple(u.signature for u in run.uses) != plan.signature:
             return None  # the model read its parameters differently from the probe: play safe
         losses, aux = run.losses, run.aux

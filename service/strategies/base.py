@@ -11,6 +11,7 @@ defined once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -50,6 +51,15 @@ class Options:
     projection: Projection | None = None  # projection_dim and projection_seed, when asked
     reference_count: int = 0  # M, the references ``dots`` and ``influence`` answer against
     reference_sketches: bool = False  # ... given as [M, k] sketches, not gradients
+    autocast: str = "off"  # "bfloat16": the model's forward and backward under torch.autocast
+
+    def precision(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """What the model's forward and backward run under: ``torch.autocast`` in bfloat16
+        when the request asks for it. Nothing else of a call runs under it: the statistics
+        are formed in the model's dtype from what the forward and backward leave."""
+        if self.autocast == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=getattr(torch, self.autocast))
 
 
 @dataclass

@@ -64,8 +64,9 @@ class Vmap:
         def chunks() -> Iterator[Chunk]:
             for start in range(0, call.size, step):
                 stop = min(call.size, start + step)
-                grads, (losses, aux) = fn(selected, others, model.buffers,
-                                          {k: v[start:stop] for k, v in call.samples.items()})
+                with opts.precision(model.device):
+                    grads, (losses, aux) = fn(selected, others, model.buffers,
+                                              {k: v[start:stop] for k, v in call.samples.items()})
                 yield start, stop, grads, losses, aux
 
         acc = _Accumulator(call)

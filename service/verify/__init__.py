@@ -88,7 +88,9 @@ def check(parsed: ParsedRequest, answer: dict[str, Any], how: Plan, *, settings:
     rows = choose(batch.size, min(k, affordable(parsed, settings)), how.seed)
     sub = take(batch, rows)
     expected = Expected(per_sample_loop(model, sub, opts), sub, opts)
-    atol, rtol = TOLERANCE.get(model.dtype, FLOAT32)
+    # under autocast the engine's forward and backward round through bfloat16; the loop's don't
+    precision = model.dtype if opts.autocast == "off" else getattr(torch, opts.autocast)
+    atol, rtol = TOLERANCE.get(precision, FLOAT32)
     cmp = _Comparison(rows, atol, rtol)
     index = torch.tensor(rows, dtype=torch.long)
     for name in opts.outputs:

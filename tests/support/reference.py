@@ -277,7 +277,7 @@ def reference(
 
 
 def assert_close(got: Any, want: Any, where: str = "", **tol: float) -> None:
-    """Tensors and dicts of tensors, compared in the dtype of ``got``."""
+    """Tensors and dicts of tensors, compared in the dtype and on the device of ``got``."""
     tol = tol or TOL
     if isinstance(want, dict):
         assert isinstance(got, dict) and list(got) == list(want), where
@@ -285,4 +285,5 @@ def assert_close(got: Any, want: Any, where: str = "", **tol: float) -> None:
             assert_close(got[k], want[k], f"{where}/{k}", **tol)
         return
     assert isinstance(got, torch.Tensor), where
-    torch.testing.assert_close(got, want.to(got.dtype), msg=lambda m: f"{where}: {m}", **tol)
+    torch.testing.assert_close(got, want.to(got.device, got.dtype),
+                               msg=lambda m: f"{where}: {m}", **tol)

@@ -81,6 +81,24 @@ async def test_an_exported_program_with_tied_weights_is_verified() -> None:
     assert report["max_abs_diff"] <= 3e-3
 
 
+@pytest.mark.parametrize("fast_stats", [True, False], ids=["fast_stats", "vmap"])
+async def test_an_answer_under_autocast_is_verified_at_bfloat16s_tolerance(fast_stats: bool
+                                                                            ) -> None:
+    """The loop runs in float32; an answer whose forward and backward ran under bfloat16
+    autocast is held to bfloat16's tolerance; another autocast dtype is refused."""
+    async with open_client(fast_stats=fast_stats) as c:
+        r = await c.post("/per-sample-grads", json=doc(verify=6, autocast="bfloat16"))
+        full = (await c.post("/per-sample-grads", json=doc())).json()
+        bad = await c.post("/per-sample-grads", json=doc(verify=2, autocast="float16"))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    report = body["meta"]["verify"]
+    assert report["tolerance"] == {"atol": 5e-2, "rtol": 5e-2}
+    assert list(report["checked"]) == STATS and report["max_abs_diff"] <= 5e-2
+    assert body["norms"] != full["norms"]  # the forward ran in bfloat16
+    assert bad.status_code == 422 and "'autocast'" in bad.json()["error"]["message"]
+
+
 async def test_without_a_seed_the_job_id_picks_the_samples() -> None:
     async with open_client() as c:
         answers = await asyncio.gather(*(c.post("/per-sample-grads", json=doc(n=40, verify=4))

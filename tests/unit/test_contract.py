@@ -141,7 +141,7 @@ def test_client_signatures_take_every_field(cls: type) -> None:
 def test_the_request_builder_sends_every_field_as_the_server_reads_it() -> None:
     sent = grads_fields("mlp", example(FIELDS["inputs"]), example(FIELDS["targets"]),
                         **{f.name: example(f) for f in REQUEST if f.name not in POSITIONAL})
-    defaults = {"answer_dtype", "verify"}  # unsent when they are the server's default
+    defaults = {"answer_dtype", "autocast", "verify"}  # unsent when the server's default
     assert set(sent) | defaults == set(FIELDS)
     _precheck(sent)
     sent["inputs"] = {"a": np.ones((2, 3)), "b": np.zeros((2, 4))}  # named inputs too

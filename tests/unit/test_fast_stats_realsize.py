@@ -1,10 +1,12 @@
 """Every statistic of the real-size architectures (GPT-2 with its tied output layer, a BERT
 classifier, ResNet-18), in small configurations, equal to the per-sample loop on the original
 module: padded sequences with their mask, and each per-layer method forced in turn
-(``PSGRAD_FAST_STATS_FORM``) giving the same answers for the same layers."""
+(``PSGRAD_FAST_STATS_FORM``) giving the same answers for the same layers. The models are served
+on ``PSGRAD_DEVICE`` (the CPU unless set; the loop runs on the CPU), in float32."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,13 +14,15 @@ import pytest
 import torch
 from torch import nn
 
+from psgrad._errors import InvalidInput
 from service import engine
 from service.config import get_settings
 from service.fast_stats import _outer
 from service.fast_stats._outer import OuterSource
 from service.registration import register_exported
-from service.registry import ModelRegistry
+from service.registry import ModelRegistry, resolve_device, set_tf32
 from service.validate import parse_request
+from service.verify import TOLERANCE
 from tests.support.api import settings
 from tests.support.realsize import SMALL, ResNet18, export, hf, padded_tokens
 from tests.support.reference import (
@@ -71,8 +75,9 @@ class Registry(ModelRegistry):
 
 
 @pytest.fixture(scope="module")
-def registry() -> ModelRegistry:
-    return Registry(torch.device("cpu"))
+def registry() -> Iterator[ModelRegistry]:
+    set_tf32(False)  # float32 on CUDA, as the workers run
+    yield Registry(resolve_device(os.environ.get("PSGRAD_DEVICE", "cpu")))
 
 
 @pytest.fixture
@@ -91,7 +96,8 @@ def _references(registry: ModelRegistry, name: str) -> dict[str, torch.Tensor]:
 
 def _compute(registry: ModelRegistry, name: str, batch: dict[str, Any],
              references: dict[str, torch.Tensor],
-             requests: tuple[list[str], ...] = (OUTPUTS[:-1], ["dots"])) -> dict[str, Any]:
+             requests: tuple[list[str], ...] = (OUTPUTS[:-1], ["dots"]), *,
+             autocast: str = "off", fast_stats: bool = True) -> dict[str, Any]:
     def arrays(v: Any) -> Any:
         return {k: t.numpy() for k, t in v.items()} if isinstance(v, dict) else v.numpy()
 
@@ -100,8 +106,8 @@ def _compute(registry: ModelRegistry, name: str, batch: dict[str, Any],
     for outputs in requests:  # dots alone: M references
         extra = {"reference": arrays(references)} if outputs == ["dots"] else {}
         parsed = parse_request({"model": name, "outputs": outputs, "clip_norm": CLIP,
-                                **fields, **extra}, registry)
-        [out] = engine.compute(parsed.model, parsed.batch, parsed.opts)
+                                "autocast": autocast, **fields, **extra}, registry)
+        [out] = engine.compute(parsed.model, parsed.batch, parsed.opts, fast_stats=fast_stats)
         answers.update(out)
         answers[f"{outputs[0]}_meta"] = out["meta"]
     return answers
@@ -126,6 +132,35 @@ def test_every_statistic_equals_the_loop(registry: ModelRegistry, name: str, for
     assert float(want["norms"].min()) > CLIP  # every sample clipped
     for output in OUTPUTS:
         assert_close(got[output], want[output], f"{name} {form} {output}", **tolerance(output))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_stats", "vmap"])
+@pytest.mark.parametrize("name", NAMES)
+def test_under_bfloat16_autocast_every_statistic_is_the_loop_to_bfloat16_precision(
+        registry: ModelRegistry, name: str, fast: bool) -> None:
+    """``autocast: bfloat16``: the forward and backward round through bfloat16, the statistics
+    are formed in float32. Each equals the float32 loop's within bfloat16's tolerance (the one a
+    verified request under autocast is held to), and differs from the float32 answer: autocast
+    did run."""
+    module, loss, batch = _case(name)
+    references = _references(registry, name)
+    try:
+        half = _compute(registry, name, batch, references, autocast="bfloat16", fast_stats=fast)
+    except InvalidInput as exc:  # vmap of the exported BatchNorm on the CPU: its kernel refuses
+        cpu = registry.device.type == "cpu"  # bfloat16 inputs with float32 weights
+        assert (name, fast, cpu) == ("resnet18", False, True), exc.message
+        assert "does not run under autocast bfloat16 on cpu" in exc.message
+        return
+    full = _compute(registry, name, batch, references, fast_stats=fast)
+    assert half["norms_meta"]["route"] == ("fast_stats" if fast else "vmap")
+    loop = per_sample_loop(module, batch, loss)
+    [want] = summarize(loop, [N], clip_norm=CLIP)
+    want["dots"] = attribution(loop, references)["dots"]
+    atol, rtol = TOLERANCE[torch.bfloat16]
+    for output in OUTPUTS:
+        assert_close(half[output], want[output], f"{name} bfloat16 {output}", atol=atol,
+                     rtol=rtol)
+    assert not torch.equal(half["norms"], full["norms"])
 
 
 @pytest.mark.parametrize("form", ["gram", "materialise"], indirect=True)

@@ -105,6 +105,17 @@ def test_valid_requests_pass(registry: ModelRegistry) -> None:
     assert parsed.opts.gamma == 1.0
 
 
+def test_autocast_is_bfloat16_on_a_float32_model_or_off(registry: ModelRegistry) -> None:
+    assert parse(registry, mlp_body()).opts.autocast == "off"
+    assert parse(registry, mlp_body(autocast="bfloat16")).opts.autocast == "bfloat16"
+    exc = refused(registry, mlp_body(autocast="float16"), InvalidInput, "'autocast'", "bfloat16")
+    assert exc.to_dict()["error"]["details"]["accepted"] == ["off", "bfloat16"]
+    wide = ModelRegistry(CPU)
+    wide.remember(load_model("mlp", "mlp", device=CPU, dtype=torch.float64), ("mlp", None))
+    refused(wide, mlp_body(autocast="bfloat16"), InvalidInput, "float32 model", "float64")
+    assert parse(wide, mlp_body()).opts.autocast == "off"
+
+
 # ------------------------------------------------------------------ unknown names, listed
 
 
