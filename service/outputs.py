@@ -26,7 +26,16 @@ from psgrad._errors import UnknownOutput
 from service.dp.noise import secure_normal
 from service.losses import Loss, get_loss
 from service.plugins import Registry
-from service.strategies.base import Call, Need, Options, ParamStats, Result, Tensors, total
+from service.strategies.base import (
+    Call,
+    Need,
+    Options,
+    ParamStats,
+    Result,
+    Tensors,
+    squared_norms,
+    total,
+)
 from service.strategies.projection import VERSIONS, kinds
 
 Assemble = Callable[["Segment"], Any]
@@ -256,7 +265,7 @@ def _dot(seg: Segment) -> torch.Tensor:
 @output("cosine_mean", Need(sq=True, mean=True, cos=True))
 def _cosine_mean(seg: Segment) -> torch.Tensor:
     means = [_get(p.mean)[seg.index] for p in seg.params.values()]
-    mean_norm = torch.stack([m.pow(2).sum() for m in means]).sum().sqrt()
+    mean_norm = torch.stack([squared_norms(m.reshape(1, -1))[0] for m in means]).sum().sqrt()
     dots = total([seg.rows(p.cos) for p in seg.params.values()])
     cos = dots / (seg.rows(seg.assembly.norms) * mean_norm)
     return cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)

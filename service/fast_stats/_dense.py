@@ -14,7 +14,7 @@ import torch
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import Materialised, Source, SourceContext, cat, merge
-from service.strategies.base import Bounds, Tensors, dots_with, total
+from service.strategies.base import Bounds, Tensors, dots_with, squared_norms, total
 from service.strategies.projection import Projection
 
 
@@ -90,7 +90,7 @@ class DenseGroup(Source):
         for k, f in self.flat.items():
             shape = self.shapes[k]
             out[k] = Pass1(
-                sq=torch.linalg.vector_norm(f, dim=1).square() if need.sq else None,
+                sq=squared_norms(f) if need.sq else None,
                 dot=(f @ need.reference[k].reshape(-1).to(f.dtype)
                      if need.reference is not None else None),
                 dots=(dots_with(f, need.references[k])

@@ -31,7 +31,7 @@ from service.fast_stats._source import (
     present,
     squared_deviations,
 )
-from service.strategies.base import Bounds, Tensors, dots_with
+from service.strategies.base import Bounds, Tensors, dots_with, squared_norms
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
@@ -349,7 +349,7 @@ class OuterSource(Materialised):
                 held.append(piece.new_empty((self.groups, self.p, self.d)))
             flat = piece.reshape(len(piece), -1)
             s = torch.sum(piece, 0, out=held[0][:, rows]).reshape(-1)
-            return torch.stack((vector_norm(flat, dim=1).square(), flat @ s), 1)
+            return torch.stack((squared_norms(flat), flat @ s), 1)
 
         both = self._rowwise(lo, hi, part, whole=True)
         both[:, 1] /= hi - lo  # the dot with the sum, to the dot with the mean

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
-from service.strategies.base import Bounds, Tensors, dots_with, keep_rows
+from service.strategies.base import Bounds, Tensors, dots_with, keep_rows, squared_norms
 from service.strategies.projection import Projection
 
 T = TypeVar("T")
@@ -236,7 +236,7 @@ class Materialised(Source):
             for k, g in grads.items():
                 flat = g.reshape(hi - lo, -1)
                 if need.sq:
-                    sq[k].append(torch.linalg.vector_norm(flat, dim=1).square())
+                    sq[k].append(squared_norms(flat))
                 if need.reference is not None:
                     dot[k].append(flat @ need.reference[k].reshape(-1).to(flat.dtype))
                 if need.references is not None:

@@ -213,6 +213,27 @@ def clip_factors(clip_norm: float | None, norms: torch.Tensor,
     return ((clip_norm or 0.0) / (norms + norm_offset)).clamp(max=1.0).nan_to_num(1.0)
 
 
+NORM_BLOCK = 4096  # elements per partial sum of :func:`squared_norms`
+
+
+def squared_norms(rows: torch.Tensor) -> torch.Tensor:
+    """``[n]`` squared norms of ``rows`` ``[n, ...]``, flattened: each row's norm taken in
+    blocks of :data:`NORM_BLOCK` elements, their squares summed. torch's CPU ``vector_norm`` adds a
+    whole row's squares in one float32 accumulator (relative error 8e-5 at 2.4 M elements, 5e-3 at
+    GPT-2's 38.6 M-element embedding), and ``pow(2).sum()`` holds a squared copy of the rows
+    (6x the time of this on that embedding, in fresh memory)."""
+    flat = rows.reshape(len(rows), -1) if rows.numel() else rows.new_zeros(len(rows), 0)
+    n, p = flat.shape
+    head = p - p % NORM_BLOCK
+    if head == 0:
+        return torch.linalg.vector_norm(flat, dim=1).square()
+    blocks = flat[:, :head].reshape(n, head // NORM_BLOCK, NORM_BLOCK)  # a view of each row
+    sq = torch.linalg.vector_norm(blocks, dim=2).square().sum(1)
+    if head < p:
+        sq = sq + torch.linalg.vector_norm(flat[:, head:], dim=1).square()
+    return sq
+
+
 def dots_with(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
     """``[n, M]`` dot products of each of ``rows`` ``[n, ...]`` with each of ``refs``
     ``[M, ...]``, flattened, as ``refs @ rows^T``: with the thin side on the left the CPU's GEMM

@@ -23,6 +23,7 @@ from service.strategies.base import (
     clip_factors,
     dots_with,
     keep_rows,
+    squared_norms,
     total,
 )
 from service.strategies.per_sample import per_sample_fn
@@ -126,7 +127,7 @@ class _Accumulator:
         self.aux.append(aux)
         factors = None
         if need.sq:
-            sq = {k: _rows(g).pow(2).sum(1) for k, g in grads.items()}
+            sq = {k: squared_norms(g) for k, g in grads.items()}
             for k, v in sq.items():
                 self.sq[k].append(v)
             if need.clipped:
