@@ -75,9 +75,9 @@ class Registry(ModelRegistry):
 
 
 @pytest.fixture(scope="module")
-def registry() -> Iterator[ModelRegistry]:
+def registry() -> ModelRegistry:
     set_tf32(False)  # float32 on CUDA, as the workers run
-    yield Registry(resolve_device(os.environ.get("PSGRAD_DEVICE", "cpu")))
+    return Registry(resolve_device(os.environ.get("PSGRAD_DEVICE", "cpu")))
 
 
 @pytest.fixture
