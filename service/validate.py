@@ -208,11 +208,16 @@ def _verify(fields: dict[str, Any]) -> tuple[int, int | None]:
 
 def _answer_dtype(value: Any) -> str:
     """The answer's floating dtype; the group key leaves it out (each job is cast alone)."""
+    return _choice(value, "answer_dtype", ANSWER_DTYPES)
+
+
+def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    """One of the contract's ``choices`` for field ``name`` (absent: the first, the default)."""
     if value is None:
-        return "float32"
-    if value not in ANSWER_DTYPES:
-        raise InvalidInput(f"'answer_dtype' must be one of {', '.join(ANSWER_DTYPES)}; "
-                           f"got {value!r}", accepted=list(ANSWER_DTYPES))
+        return choices[0]
+    if value not in choices:
+        raise InvalidInput(f"'{name}' must be one of {', '.join(choices)}; got {value!r}",
+                           accepted=list(choices))
     return str(value)
 
 
@@ -280,15 +285,11 @@ def _options(fields: dict[str, Any], model: LoadedModel,
 def _autocast(value: Any, model: LoadedModel) -> str:
     """The precision of the model's forward and backward: 'off' (the model's dtype) or
     'bfloat16' (torch.autocast, a float32 model only)."""
-    if value is None or value == AUTOCASTS[0]:
-        return AUTOCASTS[0]
-    if value not in AUTOCASTS:
-        raise InvalidInput(f"'autocast' must be one of {', '.join(AUTOCASTS)}; got {value!r}",
-                           accepted=list(AUTOCASTS))
-    if model.dtype != torch.float32:
+    value = _choice(value, "autocast", AUTOCASTS)
+    if value != AUTOCASTS[0] and model.dtype != torch.float32:
         raise InvalidInput(f"'autocast' needs a float32 model; '{model.id}' computes in "
                            f"{str(model.dtype).removeprefix('torch.')}: leave 'autocast' out")
-    return str(value)
+    return value
 
 
 def _gamma(value: Any) -> float | None:

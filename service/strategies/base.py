@@ -53,13 +53,18 @@ class Options:
     reference_sketches: bool = False  # ... given as [M, k] sketches, not gradients
     autocast: str = "off"  # "bfloat16": the model's forward and backward under torch.autocast
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype ``autocast`` runs the forward and backward in (None: 'off')."""
+        return None if self.autocast == "off" else getattr(torch, self.autocast)
+
     def precision(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """What the model's forward and backward run under: ``torch.autocast`` in bfloat16
         when the request asks for it. Nothing else of a call runs under it: the statistics
         are formed in the model's dtype from what the forward and backward leave."""
-        if self.autocast == "off":
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=getattr(torch, self.autocast))
+        dtype = self.autocast_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(device.type,
+                                                                                dtype=dtype)
 
 
 @dataclass

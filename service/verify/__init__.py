@@ -89,8 +89,7 @@ def check(parsed: ParsedRequest, answer: dict[str, Any], how: Plan, *, settings:
     sub = take(batch, rows)
     expected = Expected(per_sample_loop(model, sub, opts), sub, opts)
     # under autocast the engine's forward and backward round through bfloat16; the loop's don't
-    precision = model.dtype if opts.autocast == "off" else getattr(torch, opts.autocast)
-    atol, rtol = TOLERANCE.get(precision, FLOAT32)
+    atol, rtol = TOLERANCE.get(opts.autocast_dtype or model.dtype, FLOAT32)
     cmp = _Comparison(rows, atol, rtol)
     index = torch.tensor(rows, dtype=torch.long)
     for name in opts.outputs:
