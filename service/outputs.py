@@ -33,7 +33,8 @@ from service.strategies.base import (
     ParamStats,
     Result,
     Tensors,
-    squared_norms,
+    divide_,
+    squared_norm_sum,
     total,
 )
 from service.strategies.projection import VERSIONS, kinds
@@ -181,7 +182,7 @@ def noised_mean(sums: Tensors, opts: Options, n: int) -> tuple[Tensors, int | No
     sigma = opts.noise_multiplier * (opts.clip_norm or 0.0)
     divisor = opts.divisor or n
     if sigma == 0:
-        return {k: v.div_(divisor) for k, v in sums.items()}, opts.seed
+        return divide_(dict(sums), divisor), opts.seed
     if opts.secure_noise:
         return {k: v.add_(secure_normal(tuple(v.shape), sigma).to(v.device, v.dtype))
                 .div_(divisor) for k, v in sums.items()}, None
@@ -246,8 +247,9 @@ def _mean(seg: Segment) -> Tensors:
 @output("variance", Need(m2=True))
 def _variance(seg: Segment) -> Tensors:
     dtype = seg.assembly.call.model.dtype  # m2 of exact closed forms is float64
-    return seg.per_param(  # in place: the strategy's own buffer, read by this output alone
-        lambda p: _get(p.m2)[seg.index].div_(seg.n).to(dtype))
+    # in place: the strategy's own buffers, read by this output alone
+    m2 = divide_(seg.per_param(lambda p: _get(p.m2)[seg.index]), seg.n)
+    return {k: v.to(dtype) for k, v in m2.items()}
 
 
 @output("clipped_mean", Need(sq=True, clipped=True))
@@ -265,7 +267,7 @@ def _dot(seg: Segment) -> torch.Tensor:
 @output("cosine_mean", Need(sq=True, mean=True, cos=True))
 def _cosine_mean(seg: Segment) -> torch.Tensor:
     means = [_get(p.mean)[seg.index] for p in seg.params.values()]
-    mean_norm = torch.stack([squared_norms(m.reshape(1, -1))[0] for m in means]).sum().sqrt()
+    mean_norm = squared_norm_sum(means).sqrt()
     dots = total([seg.rows(p.cos) for p in seg.params.values()])
     cos = dots / (seg.rows(seg.assembly.norms) * mean_norm)
     return cos.nan_to_num(0.0, posinf=0.0, neginf=0.0)

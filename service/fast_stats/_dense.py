@@ -14,7 +14,7 @@ import torch
 from service.fast_stats._budget import Budget
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import Materialised, Source, SourceContext, cat, merge
-from service.strategies.base import Bounds, Tensors, dots_with, squared_norms, total
+from service.strategies.base import Bounds, Tensors, squared_norms, total
 from service.strategies.projection import Projection
 
 
@@ -63,9 +63,11 @@ class Zero(Dense):
 
 
 class DenseGroup(Source):
-    """Small per-sample gradients (biases, norms' affine parameters) as one source: one plain
-    op per statistic and parameter, none of :class:`Materialised`'s chunking around it (on a
-    small model that overhead was a fifth of a ``clipped_mean`` call). Nothing is copied."""
+    """Small per-sample gradients (biases, norms' affine parameters) as one source, members of
+    one size stacked ``[B, K, n]``: each statistic is one operation per size, not one per
+    parameter (BERT-base's 128 biases and norms' parameters come in three sizes; on a GPU each
+    operation is a kernel launch, and at small batches the launches are the cost). The stacks
+    are one copy of what is small."""
 
     SMALL = 1 << 14  # elements per sample of a member
 
@@ -74,7 +76,12 @@ class DenseGroup(Source):
         super().__init__(names, {k: p.shapes[k] for k, p in zip(names, parts, strict=True)},
                          parts[0].batch, parts[0].budget)
         self.methods = {k: p.method for k, p in zip(names, parts, strict=True)}
-        self.flat = {k: p.full.reshape(self.batch, -1) for k, p in zip(names, parts, strict=True)}
+        sizes: dict[int, list[Dense]] = {}
+        for p in parts:
+            sizes.setdefault(p.numel, []).append(p)
+        self.stacks = [([p.names[0] for p in same],
+                        torch.stack([p.full.reshape(self.batch, -1) for p in same], 1))
+                       for same in sizes.values()]
 
     def method_of(self, name: str) -> str:
         return self.methods[name]
@@ -83,36 +90,64 @@ class DenseGroup(Source):
         return self.methods[name]
 
     def grads(self, lo: int, hi: int) -> Tensors:
-        return {k: f[lo:hi].reshape(hi - lo, *self.shapes[k]) for k, f in self.flat.items()}
+        return {k: s[lo:hi, j].reshape(hi - lo, *self.shapes[k])
+                for names, s in self.stacks for j, k in enumerate(names)}
+
+    def answer(self) -> Tensors:
+        return {k: g.contiguous() for k, g in self.grads(0, self.batch).items()}
+
+    def _split(self, values: torch.Tensor, names: Sequence[str]) -> Tensors:
+        """``values`` ``[K, n]``, one row per member, as each member's tensor in its shape."""
+        return {k: values[j].view(self.shapes[k]) for j, k in enumerate(names)}
+
+    def _stacked(self, tensors: Tensors, names: Sequence[str], dtype: torch.dtype,
+                 lead: int = 0) -> torch.Tensor:
+        """The members' ``tensors`` (a reference, means) stacked as their gradients are,
+        ``[K, n]`` (with ``lead``, ``[lead, K, n]``)."""
+        return torch.stack([tensors[k].reshape(*([lead] if lead else []), -1).to(dtype)
+                            for k in names], -2)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
-        out = {}
-        for k, f in self.flat.items():
-            shape = self.shapes[k]
-            out[k] = Pass1(
-                sq=squared_norms(f) if need.sq else None,
-                dot=(f @ need.reference[k].reshape(-1).to(f.dtype)
-                     if need.reference is not None else None),
-                dots=(dots_with(f, need.references[k])
-                      if need.references is not None else None),
-                sums=(tuple(f[x:y].sum(0, dtype=need.sums_dtype).reshape(shape)
-                            for x, y in need.bounds) if need.sums else None),
-                m2=(tuple(merge(None, f[x:y].to(torch.float64)).m2.reshape(shape)
-                          for x, y in need.bounds) if need.m2 else None),  # small: exact
-            )
+        out: dict[str, Pass1] = {}
+        for names, s in self.stacks:
+            batch, count = s.shape[:2]
+            sq = (squared_norms(s.reshape(batch * count, -1)).view(batch, count)
+                  if need.sq else None)
+            dot = (torch.einsum("bkn,kn->bk", s, self._stacked(need.reference, names, s.dtype))
+                   if need.reference is not None else None)
+            dots = (torch.einsum("bkn,mkn->bkm", s, self._stacked(
+                need.references, names, s.dtype, len(next(iter(need.references.values())))))
+                if need.references is not None else None)
+            sums = ([self._split(s[x:y].sum(0, dtype=need.sums_dtype), names)
+                     for x, y in need.bounds] if need.sums else None)
+            m2 = ([self._split(merge(None, s[x:y].to(torch.float64)).m2.to(need.sums_dtype),
+                               names)  # small: exact, then in the model's dtype at once
+                   for x, y in need.bounds] if need.m2 else None)
+            for j, k in enumerate(names):
+                out[k] = Pass1(
+                    sq=sq[:, j] if sq is not None else None,
+                    dot=dot[:, j] if dot is not None else None,
+                    dots=dots[:, j] if dots is not None else None,
+                    sums=tuple(seg[k] for seg in sums) if sums is not None else None,
+                    m2=tuple(seg[k] for seg in m2) if m2 is not None else None,
+                )
         return out
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
     ) -> dict[str, Pass2]:
-        out = {}
-        for k, f in self.flat.items():
-            out[k] = Pass2(
-                clipped=(tuple((clip[x:y].to(f.dtype) @ f[x:y]).reshape(self.shapes[k])
-                               for x, y in bounds) if clip is not None else None),
-                cos=(cat([f[x:y] @ means[s][k].reshape(-1).to(f.dtype)
-                          for s, (x, y) in enumerate(bounds)]) if means is not None else None),
-            )
+        out: dict[str, Pass2] = {}
+        for names, s in self.stacks:
+            clipped = ([self._split(torch.einsum("b,bkn->kn", clip[x:y].to(s.dtype), s[x:y]),
+                                    names) for x, y in bounds] if clip is not None else None)
+            cos = (cat([torch.einsum("bkn,kn->bk", s[x:y], self._stacked(means[i], names,
+                                                                          s.dtype))
+                        for i, (x, y) in enumerate(bounds)]) if means is not None else None)
+            for j, k in enumerate(names):
+                out[k] = Pass2(
+                    clipped=tuple(seg[k] for seg in clipped) if clipped is not None else None,
+                    cos=cos[:, j] if cos is not None else None,
+                )
         return out
 
 

@@ -35,9 +35,10 @@ from service.strategies.base import Bounds, Tensors, dots_with, squared_norms
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
+# on a CPU (:meth:`Budget.piece`; on an accelerator, a quarter of the budget):
 PIECE_BYTES = 8 << 20  # variance's, dots' and cosine's per-sample gradients, a piece at a time
-MIN_ROWS = 128  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
 WHOLE_PIECE_BYTES = 64 << 20  # cosine's pieces, every sample of a segment in each
+MIN_ROWS = 128  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
 AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
 
@@ -241,10 +242,12 @@ class OuterSource(Materialised):
         GEMM's speed: BERT-base's 3072-wide layers at B=32, T=64 took 10-row pieces at 22-37
         GFLOP/s against the GEMM's 80; on a 2-core EPYC host 64-row pieces ran BERT-base's
         layers at 47-53 GFLOP/s, 128-row ones at 55-59, the GEMM at 60-72), then as many
-        samples as :data:`PIECE_BYTES` holds."""
+        samples as :data:`PIECE_BYTES` holds (on an accelerator: as a quarter of the budget
+        holds, the whole layer where it fits)."""
         per = self.groups * self.d * self.dtype.itemsize  # one output row of one sample
-        rows = min(self.p, max(MIN_ROWS, PIECE_BYTES // (n * per)))
-        return max(1, min(n, PIECE_BYTES // (rows * per))), rows
+        size = self.budget.piece(PIECE_BYTES)
+        rows = min(self.p, max(MIN_ROWS, size // (n * per)))
+        return max(1, min(n, size // (rows * per))), rows
 
     def span(self) -> int:
         """Samples per block of :meth:`blocks` (a linear layer: the whole batch at once)."""
@@ -321,10 +324,11 @@ class OuterSource(Materialised):
         """Whether each sample's squared norm and dot with its segment's mean, and the
         segment's sum, come from one build of its gradient a piece at a time, every sample of
         the segment in each piece (:meth:`_with_cos`): a linear layer over positions, where
-        such a piece of :data:`MIN_ROWS` rows fits :data:`WHOLE_PIECE_BYTES`."""
+        such a piece of :data:`MIN_ROWS` rows fits :data:`WHOLE_PIECE_BYTES` (on an
+        accelerator, a quarter of the budget)."""
         per = self.groups * self.d * self.dtype.itemsize * min(self.p, MIN_ROWS)
         return (self.pieces_cos and self.whole and self._form != "outer"
-                and self.batch * per <= WHOLE_PIECE_BYTES)
+                and self.batch * per <= self.budget.piece(WHOLE_PIECE_BYTES))
 
     def _with_cos(self, need: Pass1Need, keep: bool) -> Pass1:
         """The first pass with each sample's squared norm and dot with its segment's mean,

@@ -27,7 +27,15 @@ from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward, widened
 from service.fast_stats._sketch import sketch
 from service.fast_stats._source import Source, answers, present
-from service.strategies.base import Call, ParamStats, Result, Tensors, clip_factors, total
+from service.strategies.base import (
+    Call,
+    ParamStats,
+    Result,
+    Tensors,
+    clip_factors,
+    divide_,
+    total,
+)
 
 T = TypeVar("T")
 ASKED = "the first pass fills what its need asks for"
@@ -57,7 +65,7 @@ class FastStats:
         if tuple(u.signature for u in run.uses) != plan.signature:
             return None  # the model read its parameters differently from the probe: play safe
         losses, aux = run.losses, run.aux
-        budget = Budget(call.budget_bytes)
+        budget = Budget(call.budget_bytes, model.device)
         # the captured inputs are activations of the forward graph: nothing computed from them
         # may join it (an answer that requires grad cannot be read as an array, and holds the
         # graph)
@@ -124,8 +132,9 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
         if means is not None:
             for s, (a, b) in enumerate(bounds):
                 # in place: each segment's sums are fresh and read for the mean alone
-                means[s].update({k: present(done[k].sums, ASKED)[s].div_(b - a).to(dtype)
-                                 for k in source.names})
+                mean = divide_({k: present(done[k].sums, ASKED)[s] for k in source.names},
+                               b - a)
+                means[s].update({k: v.to(dtype) for k, v in mean.items()})
         cos = need.cos and any(done[k].cos is None for k in source.names)  # still to do
         if need.clipped:
             later.append((source, cos))

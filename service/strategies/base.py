@@ -239,6 +239,17 @@ def squared_norms(rows: torch.Tensor) -> torch.Tensor:
     return sq
 
 
+def squared_norm_sum(tensors: Sequence[torch.Tensor], *, fused: bool | None = None
+                     ) -> torch.Tensor:
+    """The sum of the squared norms of ``tensors``, 0-d (a mean gradient's squared norm over
+    its parameters). On a GPU (``fused``) one fused norm of them all: its reductions add in a
+    tree, and one launch serves every parameter. On a CPU, whose ``vector_norm`` adds a whole
+    tensor in one accumulator, each in blocks (:func:`squared_norms`)."""
+    if fused if fused is not None else tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(list(tensors))).square().sum()
+    return torch.stack([squared_norms(t.reshape(1, -1))[0] for t in tensors]).sum()
+
+
 def dots_with(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
     """``[n, M]`` dot products of each of ``rows`` ``[n, ...]`` with each of ``refs``
     ``[M, ...]``, flattened, as ``refs @ rows^T``: with the thin side on the left the CPU's GEMM
@@ -261,8 +272,22 @@ def keep_rows(kept: Tensors, size: int, start: int, stop: int, grads: Tensors) -
         kept[k][start:stop].copy_(g)
 
 
+def divide_(values: Tensors, divisor: float) -> Tensors:
+    """``values`` divided by ``divisor`` in place, in one operation over all of them (on a GPU
+    one launch, not one per parameter)."""
+    torch._foreach_div_(list(values.values()), divisor)
+    return values
+
+
+STACK_ELEMENTS = 1 << 20  # :func:`total` stacks parts up to this many elements in all
+
+
 def total(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of same-shaped tensors, without stacking them first."""
+    """The sum of same-shaped tensors: small ones (every parameter's per-sample squared norms)
+    stacked and summed in two operations, not one addition per part (BERT-base's 201 would be
+    201 kernel launches on a GPU); large ones added in turn, without a stacked copy."""
+    if len(parts) > 2 and len(parts) * parts[0].numel() <= STACK_ELEMENTS:
+        return torch.stack(list(parts)).sum(0)
     out = parts[0]
     for p in parts[1:]:
         out = out + p

@@ -18,7 +18,17 @@ from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
-from service.fast_stats import Family, FastStats, _family, _outer, _plan, _run, register_family
+from service.fast_stats import (
+    Family,
+    FastStats,
+    _family,
+    _outer,
+    _plan,
+    _run,
+    register_family,
+    strategy,
+)
+from service.fast_stats._budget import Budget
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
@@ -915,3 +925,55 @@ def test_squared_norms_of_long_rows_keep_float32_precision(width: int) -> None:
     assert got.dtype == torch.float32 and got.shape == (3,)
     assert float(((got.double() - want).abs() / want).max()) < 1e-6
     assert torch.equal(squared_norms(rows[:0]), torch.zeros(0))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_mean_norm_over_parameters_fused_or_in_blocks(fused: bool) -> None:
+    """The squared norm of a gradient over its parameters (tensors of several shapes, one
+    longer than a block) as one fused norm, as a GPU takes it, or in blocks per tensor, as a
+    CPU does: float64's, to 1e-6."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = [torch.rand(shape, generator=gen) + 0.5
+               for shape in [(3, 4), (7,), (2, NORM_BLOCK + 5), ()]]
+    want = sum(float(t.double().pow(2).sum()) for t in tensors)
+    got = base.squared_norm_sum(tensors, fused=fused)
+    assert got.shape == () and got.dtype == torch.float32
+    assert abs(float(got) - want) / want < 1e-6
+
+
+def test_sized_as_on_an_accelerator_every_statistic_is_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pieces of per-sample gradients sized as on a GPU (a quarter of the memory budget: each
+    layer's in one piece, where a CPU's cache takes several) and biases of several sizes in one
+    group: every summary output over two segments as the loop gives it, and fewer pieces."""
+    pieces: list[int] = []
+    real = OuterSource.pieces
+
+    def spy(self: OuterSource, *args: Any, **kwargs: Any) -> Any:
+        for piece in real(self, *args, **kwargs):
+            pieces.append(piece[2].numel())
+            yield piece
+
+    monkeypatch.setattr(OuterSource, "pieces", spy)
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 256)  # a CPU's cache: several pieces a layer
+    monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+    layers = [_l("Linear", 6, 8), _l("ReLU"), _l("Linear", 8, 5), _l("LayerNorm", 5),
+              _l("Flatten"), _l("Linear", 20, 3)]
+    model = _sequential(layers, [4, 6])
+    batch = make_batch(model, 5)
+    outputs = ("norms", "variance", "cosine_mean", "clipped_mean", "mean")
+    check(model, batch, segments=[2, 3], outputs=outputs)
+    on_cpu = len(pieces)
+    pieces.clear()
+    monkeypatch.setattr(strategy, "Budget", lambda nbytes, _device: Budget(
+        nbytes, torch.device("cuda")))
+    check(model, batch, segments=[2, 3], outputs=outputs)
+    assert 0 < len(pieces) < on_cpu, (len(pieces), on_cpu)
+
+
+def test_an_accelerator_takes_pieces_from_the_budget_a_cpu_from_its_cache() -> None:
+    cpu, gpu = Budget(1 << 30), Budget(1 << 30, torch.device("cuda"))
+    assert cpu.piece(8 << 20) == 8 << 20 and gpu.piece(8 << 20) == 1 << 28
+    assert cpu.chunk(1 << 20, 1000) == 32 and gpu.chunk(1 << 20, 1000) == 256
+    assert Budget(16 << 20).piece(8 << 20) == 4 << 20  # never past a quarter of the budget

@@ -1,0 +1,115 @@
+"""Operations per call: psgrad's statistics against a plain step, counted, not timed.
+
+    python benchmarks/launches.py [--models gpt2,bert,resnet18] [--batch 4] [--seq 64]
+
+At small batches on a GPU every call is bound by the host that launches its kernels (a plain
+step of BERT-base at B=4 took 35 ms on an H200 for 1529 aten operations), so a statistic's time
+there follows the number of operations it runs, whatever the GPU. This counts them on any
+machine: the top-level aten operations of one warm call under ``torch.profiler`` (``ops``), and
+those of them that compute, not only view or allocate (``compute``: what launches a kernel), for
+one plain forward and backward (:func:`realsize.plain`) and for each statistic through
+``engine.compute``, twice: with the pieces of per-sample gradients sized for a CPU's cache, and
+sized as on an accelerator (:meth:`service.fast_stats._budget.Budget.piece`: a quarter of the
+memory budget, the whole layer where it fits; a mean's squared norm over its parameters as one
+fused norm, :func:`service.strategies.base.squared_norm_sum`). The counts are the same on every
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import realsize  # first: it sets the allocator before torch loads (a re-exec)
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from service import outputs
+from service.fast_stats import _budget, strategy
+from service.strategies import base
+
+# what views, aliases or allocates, and launches no kernel on a GPU by itself
+NO_KERNEL = frozenset({
+    "alias", "as_strided", "broadcast_tensors", "chunk", "contiguous", "detach", "empty",
+    "empty_like", "empty_strided", "expand", "expand_as", "flatten", "lift_fresh", "narrow",
+    "new_empty", "permute", "reshape", "resolve_conj", "resolve_neg", "select", "slice", "split",
+    "squeeze", "t", "to", "transpose", "unbind", "unflatten", "unsqueeze", "view", "view_as",
+    "_reshape_alias", "_unsafe_view",
+})
+
+
+def count(fn: Callable[[], Any]) -> tuple[int, int, collections.Counter[str]]:
+    """One warm call's top-level aten operations, how many of them compute (they, or an
+    operation they call, do more than view or allocate: a ``to`` or ``reshape`` that copies
+    counts), and the count of each."""
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops: collections.Counter[str] = collections.Counter()
+    computing = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name.startswith("aten::") and (
+                parent is None or not parent.name.startswith("aten::")):
+            ops[event.name.removeprefix("aten::")] += 1
+            computing += _computes(event)
+    return sum(ops.values()), computing, ops
+
+
+def _computes(event: Any) -> bool:
+    """Whether ``event`` or an operation below it does more than view or allocate."""
+    return (event.name.removeprefix("aten::") not in NO_KERNEL
+            or any(_computes(child) for child in event.cpu_children))
+
+
+def accelerator_sized(on: bool) -> None:
+    """Make the strategy size its pieces as on an accelerator (``on``), and take a mean's
+    squared norm as one fused norm, or do both as on this CPU."""
+    device = torch.device("cuda") if on else None
+    strategy.Budget = (  # type: ignore[misc]
+        lambda nbytes, _device: _budget.Budget(nbytes, device))  # type: ignore[misc,assignment]
+    outputs.squared_norm_sum = partial(base.squared_norm_sum, fused=True if on else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gpt2,bert,resnet18")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--outputs", default=",".join(realsize.OUTPUTS))
+    parser.add_argument("--top", type=int, default=0,
+                        help="also list each call's N most frequent operations")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}; one warm call each, top-level aten operations "
+          f"(compute: those that launch a kernel); B={args.batch}, T={args.seq}\n")
+    print("| model | output | pieces sized for | ops | x plain | compute | x plain |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        registry, _ = realsize.register(realsize.make_case(name, 1, args.seq))
+        case = realsize.make_case(name, args.batch, args.seq)
+        base_ops, base_compute, ops = count(realsize.plain(case))
+        print(f"| {name} | plain step | | {base_ops} | 1.00 | {base_compute} | 1.00 |")
+        tops = {"plain": ops}
+        for output in args.outputs.split(","):
+            fn = realsize.psgrad(registry, case, output)
+            for where in ("cpu", "accelerator"):
+                accelerator_sized(where == "accelerator")
+                n, computing, ops = count(fn)
+                tops[f"{output}, {where}"] = ops
+                print(f"| {name} | {output} | {where} | {n} | {n / base_ops:.2f} | "
+                      f"{computing} | {computing / base_compute:.2f} |", flush=True)
+            accelerator_sized(False)
+        for label, ops in tops.items() if args.top else ():
+            print(f"  {name} {label}: " + ", ".join(
+                f"{op} {n}" for op, n in ops.most_common(args.top)))
+
+
+if __name__ == "__main__":
+    main()
