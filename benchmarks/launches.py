@@ -9,10 +9,9 @@ machine: the top-level aten operations of one warm call under ``torch.profiler``
 those of them that compute, not only view or allocate (``compute``: what launches a kernel), for
 one plain forward and backward (:func:`realsize.plain`) and for each statistic through
 ``engine.compute``, twice: with the pieces of per-sample gradients sized for a CPU's cache, and
-sized as on an accelerator (:meth:`service.fast_stats._budget.Budget.piece`: a quarter of the
-memory budget, the whole layer where it fits; a mean's squared norm over its parameters as one
-fused norm, :func:`service.strategies.base.squared_norm_sum`). The counts are the same on every
-run.
+sized as on an accelerator (:func:`tests.support.accelerator.sized_as_on_an_accelerator`:
+pieces of a quarter of the memory budget, the whole layer where it fits, and a mean's squared
+norm over its parameters as one fused norm). The counts are the same on every run.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import argparse
 import collections
 import sys
 from collections.abc import Callable
-from functools import partial
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,7 @@ import realsize  # first: it sets the allocator before torch loads (a re-exec)
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from service import outputs
-from service.fast_stats import _budget, strategy
-from service.strategies import base
+from tests.support.accelerator import sized_as_on_an_accelerator
 
 # what views, aliases or allocates, and launches no kernel on a GPU by itself
 NO_KERNEL = frozenset({
@@ -68,15 +65,6 @@ def _computes(event: Any) -> bool:
             or any(_computes(child) for child in event.cpu_children))
 
 
-def accelerator_sized(on: bool) -> None:
-    """Make the strategy size its pieces as on an accelerator (``on``), and take a mean's
-    squared norm as one fused norm, or do both as on this CPU."""
-    device = torch.device("cuda") if on else None
-    strategy.Budget = (  # type: ignore[misc]
-        lambda nbytes, _device: _budget.Budget(nbytes, device))  # type: ignore[misc,assignment]
-    outputs.squared_norm_sum = partial(base.squared_norm_sum, fused=True if on else None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,bert,resnet18")
@@ -100,12 +88,11 @@ def main() -> None:
         for output in args.outputs.split(","):
             fn = realsize.psgrad(registry, case, output)
             for where in ("cpu", "accelerator"):
-                accelerator_sized(where == "accelerator")
-                n, computing, ops = count(fn)
+                with sized_as_on_an_accelerator() if where == "accelerator" else nullcontext():
+                    n, computing, ops = count(fn)
                 tops[f"{output}, {where}"] = ops
                 print(f"| {name} | {output} | {where} | {n} | {n / base_ops:.2f} | "
                       f"{computing} | {computing / base_compute:.2f} |", flush=True)
-            accelerator_sized(False)
         for label, ops in tops.items() if args.top else ():
             print(f"  {name} {label}: " + ", ".join(
                 f"{op} {n}" for op, n in ops.most_common(args.top)))

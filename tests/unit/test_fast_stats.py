@@ -26,7 +26,6 @@ from service.fast_stats import (
     _plan,
     _run,
     register_family,
-    strategy,
 )
 from service.fast_stats._budget import Budget
 from service.fast_stats._dense import dense_sum
@@ -42,6 +41,7 @@ from service.strategies import base
 from service.strategies.base import NORM_BLOCK, squared_norms
 from service.strategies.per_sample import per_sample_fn
 from service.strategies.projection import Projection
+from tests.support.accelerator import sized_as_on_an_accelerator
 from tests.support.batches import make_batch
 from tests.support.reference import (
     SUMMARY,
@@ -966,9 +966,8 @@ def test_sized_as_on_an_accelerator_every_statistic_is_the_loop(
     check(model, batch, segments=[2, 3], outputs=outputs)
     on_cpu = len(pieces)
     pieces.clear()
-    monkeypatch.setattr(strategy, "Budget", lambda nbytes, _device: Budget(
-        nbytes, torch.device("cuda")))
-    check(model, batch, segments=[2, 3], outputs=outputs)
+    with sized_as_on_an_accelerator():
+        check(model, batch, segments=[2, 3], outputs=outputs)
     assert 0 < len(pieces) < on_cpu, (len(pieces), on_cpu)
 
 

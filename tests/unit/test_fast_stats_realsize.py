@@ -23,6 +23,7 @@ from service.registration import register_exported
 from service.registry import ModelRegistry, resolve_device, set_tf32
 from service.validate import parse_request
 from service.verify import TOLERANCE
+from tests.support.accelerator import sized_as_on_an_accelerator
 from tests.support.api import settings
 from tests.support.realsize import SMALL, ResNet18, export, hf, padded_tokens
 from tests.support.reference import (
@@ -126,12 +127,36 @@ def test_every_statistic_equals_the_loop(registry: ModelRegistry, name: str, for
     assert several, meta["form"]  # weights read at several positions: the choice applies
     if form != "auto":
         assert all(meta["form"][k] == form for k in several), meta["form"]
-    loop = per_sample_loop(module, batch, loss)
-    [want] = summarize(loop, [N], clip_norm=CLIP)
-    want["dots"] = attribution(loop, references)["dots"]
+    want = _loop(module, loss, batch, references)
     assert float(want["norms"].min()) > CLIP  # every sample clipped
     for output in OUTPUTS:
         assert_close(got[output], want[output], f"{name} {form} {output}", **tolerance(output))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sized_as_on_an_accelerator_every_statistic_equals_the_loop(
+        registry: ModelRegistry, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of per-sample gradients as a GPU sizes them (each layer's in one piece, where the
+    CPU's cache takes several slices and sets of samples here) and a mean's norm fused."""
+    monkeypatch.setattr(_outer, "PIECE_BYTES", 1 << 10)  # the CPU's pieces: many per layer
+    monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+    module, loss, batch = _case(name)
+    references = _references(registry, name)
+    with sized_as_on_an_accelerator():
+        got = _compute(registry, name, batch, references)
+    assert got["norms_meta"]["route"] == "fast_stats"
+    want = _loop(module, loss, batch, references)
+    for output in OUTPUTS:
+        assert_close(got[output], want[output], f"{name} {output}", **tolerance(output))
+
+
+def _loop(module: nn.Module, loss: str, batch: dict[str, Any],
+          references: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every statistic of the batch from the per-sample loop on the original module."""
+    loop = per_sample_loop(module, batch, loss)
+    [want] = summarize(loop, [N], clip_norm=CLIP)
+    want["dots"] = attribution(loop, references)["dots"]
+    return want
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_stats", "vmap"])
@@ -153,9 +178,7 @@ def test_under_bfloat16_autocast_every_statistic_is_the_loop_to_bfloat16_precisi
         return
     full = _compute(registry, name, batch, references, fast_stats=fast)
     assert half["norms_meta"]["route"] == ("fast_stats" if fast else "vmap")
-    loop = per_sample_loop(module, batch, loss)
-    [want] = summarize(loop, [N], clip_norm=CLIP)
-    want["dots"] = attribution(loop, references)["dots"]
+    want = _loop(module, loss, batch, references)
     atol, rtol = TOLERANCE[torch.bfloat16]
     for output in OUTPUTS:
         assert_close(half[output], want[output], f"{name} bfloat16 {output}", atol=atol,

@@ -1,0 +1,29 @@
+"""Fast statistics as a GPU runs them, on any device: what they do there, checked or counted
+here (no GPU is needed to run the same operations, only to time them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from unittest import mock
+
+import torch
+
+from service import outputs
+from service.fast_stats import strategy
+from service.fast_stats._budget import Budget
+from service.strategies import base
+
+
+@contextmanager
+def sized_as_on_an_accelerator() -> Iterator[None]:
+    """Pieces of per-sample gradients sized as on a GPU (a quarter of the memory budget, each
+    layer's in one piece where it fits) and a mean's norm over its parameters fused."""
+    def budget(nbytes: int, _device: torch.device) -> Budget:
+        return Budget(nbytes, torch.device("cuda"))
+
+    fused = partial(base.squared_norm_sum, fused=True)
+    with mock.patch.object(strategy, "Budget", budget), \
+            mock.patch.object(outputs, "squared_norm_sum", fused):
+        yield
