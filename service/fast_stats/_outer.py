@@ -42,17 +42,18 @@ MIN_ROWS = 128  # output rows of a piece at least (:meth:`OuterSource.piece_shap
 AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
 
-def form_for(positions: int, d: int, p: int) -> str:
+def form_for(positions: int, d: int, p: int, gain: float = 1.0) -> str:
     """How a weight's per-sample norms are formed, from its shapes: ``outer`` for one position;
     over T positions the Gram form (``T^2 (d + p)`` per sample and group) where it is cheaper
-    than materialising ``G_i^T A_i`` (``T d p``), unless ``PSGRAD_FAST_STATS_FORM`` forces one.
+    than materialising ``G_i^T A_i`` (``T d p``, run ``gain`` times faster per operation than
+    the Gram form's), unless ``PSGRAD_FAST_STATS_FORM`` forces one.
     """
     if positions == 1:
         return "outer"
     forced = get_settings().fast_stats_form
     if forced != "auto":
         return forced
-    return "gram" if positions * (d + p) < d * p else "materialise"
+    return "gram" if positions * (d + p) * gain < d * p else "materialise"
 
 
 class OuterSource(Materialised):

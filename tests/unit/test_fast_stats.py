@@ -642,22 +642,25 @@ def test_grads_of_sequences_and_convolutions(
     assert meta["method"]["0.weight"] == layers[0]["type"].rstrip("123d").lower()
 
 
+@pytest.mark.parametrize("folded", [True, False], ids=["folded", "per-sample"])
 @pytest.mark.parametrize(
     ("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES
                           if layers[0]["type"].startswith("Conv")])
 def test_convolutions_folded_into_groups(
-    layers: list[dict[str, Any]], shape: list[int], monkeypatch: pytest.MonkeyPatch
+    layers: list[dict[str, Any]], shape: list[int], folded: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The weight-gradient convolutions (strides, dilation, groups, "same" padding): every
-    sample's with the batch folded into the groups, and the batch's (clipped and plain sums),
-    give the same gradients and statistics; these layers are too small to take the folded one
-    on their own."""
+    sample's with the batch folded into the groups (as on a GPU) or one convolution per sample
+    (as on a CPU), and the batch's (clipped and plain sums), give the same gradients and
+    statistics; these layers are too small to take the weight-gradient convolution on their
+    own."""
     calls = []
     real = conv.weight_grad
 
     def spy(*args: Any, per_sample: bool) -> torch.Tensor:
         calls.append((args[0].shape[0], per_sample))
-        return real(*args, per_sample=per_sample)
+        return real(*args, per_sample=per_sample, folded=folded)
 
     monkeypatch.setattr(conv, "FOLD_MIN_FIELD", 0)
     monkeypatch.setattr(conv, "FOLD_MIN_POSITIONS", 0)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from service.fast_stats._capture import Capture, bind, roles_of
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._family import Captured, Family, register_family
-from service.fast_stats._outer import Block, OuterSource
+from service.fast_stats._outer import Block, OuterSource, form_for
 from service.fast_stats._records import Pass1, Pass1Need, Use
 from service.fast_stats._source import Materialised, Source, SourceContext, cat
 from service.strategies.base import Tensors
@@ -105,6 +105,8 @@ class ConvSource(OuterSource):
             d=in_per_group * math.prod(self.geometry.kernel), p=out_ch // groups,
             positions=sum(math.prod(g.shape[2:]) for g in grads), method="conv",
         )
+        if self.folded():  # materialised by oneDNN's convolution, the Gram form unfolded
+            self._form = form_for(self.t, self.d, self.p, FOLD_GAIN)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,10 +210,10 @@ class ConvSource(OuterSource):
         return total
 
     def folded(self) -> bool:
-        """Whether the batch-folded convolution (:func:`weight_grad` per sample) beats
+        """Whether the weight-gradient convolution (:func:`weight_grad` per sample) beats
         unfolding: it skips the copy of every receptive field, which pays off when the
         fields are wide and many (``d`` and ``T``); on few input channels or few positions
-        oneDNN's grouped kernels are slower than the batched matmul, and they scale badly
+        oneDNN's kernels are slower than the batched matmul, and its grouped ones scale badly
         on two threads shared with other work (measured in ``docs/architecture.md``)."""
         return (len(self.xs) == 1 and self.xs[0].dtype == torch.float32
                 and self.d >= FOLD_MIN_FIELD and self.t >= FOLD_MIN_POSITIONS)
@@ -219,14 +221,25 @@ class ConvSource(OuterSource):
 
 FOLD_MIN_FIELD = 64  # in_channels / groups * kernel elements
 FOLD_MIN_POSITIONS = 100  # output positions per sample
+# how much faster per operation the weight-gradient convolution materialises per-sample
+# gradients than the Gram form's batched matmuls of unfolded fields run (ResNet-18's 14x14
+# layers at B=32 on an AVX-512 host: the convolution near 200 GFLOP/s, the Gram products near
+# 100, and unfolding copies every receptive field first)
+FOLD_GAIN = 2.0
 
 
 def weight_grad(x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Size, *,
-                per_sample: bool) -> torch.Tensor:
+                per_sample: bool, folded: bool | None = None) -> torch.Tensor:
     """The weight gradient of the batch, ``shape``, by one weight-gradient convolution; with
-    ``per_sample``, every sample's, ``[B * out_channels, in / groups, *kernel]``, the batch
-    folded into the groups (what ``vmap`` does)."""
+    ``per_sample``, every sample's, ``[B * out_channels, in / groups, *kernel]``: on a GPU the
+    batch folded into the groups (what ``vmap`` does: one launch), on a CPU one convolution per
+    sample (oneDNN's grouped kernel ran ResNet-18's first layer and its 14x14 layers at half the
+    speed of its ungrouped one, and the others no faster); ``folded`` chooses."""
     n, nd = x.shape[0], len(geo.kernel)
+    folded = folded if folded is not None else x.device.type != "cpu"
+    if per_sample and n > 1 and not folded:
+        return torch.cat([weight_grad(x[i : i + 1], g[i : i + 1], geo, shape, per_sample=False)
+                          for i in range(n)])
     padding = [a for a, _ in geo.pads]
     if any(a != b for a, b in geo.pads):  # "same" with an even kernel: pad explicitly
         x = F.pad(x, [p for pair in reversed(geo.pads) for p in pair])
