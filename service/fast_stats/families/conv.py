@@ -226,17 +226,20 @@ FOLD_MIN_POSITIONS = 100  # output positions per sample
 # layers at B=32 on an AVX-512 host: the convolution near 200 GFLOP/s, the Gram products near
 # 100, and unfolding copies every receptive field first)
 FOLD_GAIN = 2.0
+FEW_CHANNELS = 16  # input channels per group under which a CPU takes one convolution per sample
 
 
 def weight_grad(x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Size, *,
                 per_sample: bool, folded: bool | None = None) -> torch.Tensor:
     """The weight gradient of the batch, ``shape``, by one weight-gradient convolution; with
-    ``per_sample``, every sample's, ``[B * out_channels, in / groups, *kernel]``: on a GPU the
-    batch folded into the groups (what ``vmap`` does: one launch), on a CPU one convolution per
-    sample (oneDNN's grouped kernel ran ResNet-18's first layer and its 14x14 layers at half the
-    speed of its ungrouped one, and the others no faster); ``folded`` chooses."""
+    ``per_sample``, every sample's, ``[B * out_channels, in / groups, *kernel]``: the batch
+    folded into the groups (what ``vmap`` does: one call), or one convolution per sample on a
+    CPU where the input has few channels per group (oneDNN's grouped kernel ran ResNet-18's
+    first layer, 3 channels, at half the speed of its ungrouped one; on wider inputs the two
+    were even, and one per sample paid a copy); ``folded`` chooses."""
     n, nd = x.shape[0], len(geo.kernel)
-    folded = folded if folded is not None else x.device.type != "cpu"
+    if folded is None:
+        folded = x.device.type != "cpu" or x.shape[1] // geo.groups >= FEW_CHANNELS
     if per_sample and n > 1 and not folded:
         return torch.cat([weight_grad(x[i : i + 1], g[i : i + 1], geo, shape, per_sample=False)
                           for i in range(n)])
