@@ -1,13 +1,15 @@
 """Fast statistics' per-sample pieces at each height, against the weight-gradient GEMM.
 
     python benchmarks/pieces.py [--batch 32] [--seq 64] [--heights 64:4,128:8] [--rounds 3]
+                                [--shapes 768x768,768x3072,3072x768]
 
 A linear layer's ``variance``, ``dots`` (M=2) and the norms-and-dots-with-the-sum of
 ``cosine_mean`` over T positions build every sample's ``G_i^T A_i`` a piece at a time
 (:meth:`service.fast_stats._outer.OuterSource.pieces`): a piece holds at least ``MIN_ROWS``
 output rows, then as many samples as ``PIECE_BYTES`` holds. For BERT-base's three layer shapes
-(768x768, 768->3072, 3072->768) with random inputs and output gradients, this prints the GFLOP/s
-of the batched matmul alone at each height, and each statistic's time over the three layers
+(768x768, 768->3072, 3072->768; ``--shapes`` takes others as ``dxp``: ResNet-18's 7x7 layers,
+unfolded, are ``4608x512`` at ``--seq 49``) with random inputs and output gradients, this prints
+the GFLOP/s of the batched matmul alone at each height, and each statistic's time over the layers
 divided by the weight-gradient GEMM's (one ``G^T A`` over every row: what a plain step pays for
 these layers' weights). One torch thread, this process's CPU time, the best of ``--rounds``.
 A height is ``rows:MiB``.
@@ -60,17 +62,20 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--heights", default="64:4,128:8,256:16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shapes", default=",".join(f"{d}x{p}" for d, p in SHAPES),
+                        help="layers as d x p (inputs x outputs), comma-separated")
     args = parser.parse_args()
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     b, t = args.batch, args.seq
-    layers = [layer(torch.randn(b, t, d), torch.randn(b, t, p)) for d, p in SHAPES]
-    refs = [torch.randn(2, p, d) for d, p in SHAPES]
-    flops = sum(2 * b * t * d * p for d, p in SHAPES)
+    layers = [layer(torch.randn(b, t, d), torch.randn(b, t, p)) for d, p in shapes]
+    refs = [torch.randn(2, p, d) for d, p in shapes]
+    flops = sum(2 * b * t * d * p for d, p in shapes)
     gemm = cpu(lambda: [x.g.reshape(-1, x.p).t() @ x.a.reshape(-1, x.d) for x in layers],
                args.rounds)
-    print(f"torch {torch.__version__}, 1 thread, B={b} T={t}, BERT-base's layers "
-          f"{', '.join(f'{d}->{p}' for d, p in SHAPES)}; weight-gradient GEMM "
+    print(f"torch {torch.__version__}, 1 thread, B={b} T={t}, layers "
+          f"{', '.join(f'{d}->{p}' for d, p in shapes)}; weight-gradient GEMM "
           f"{flops / gemm / 1e9:.0f} GFLOP/s ({gemm * 1e3:.0f} ms)")
     print("| rows | MiB | build GFLOP/s | variance x GEMM | dots x GEMM | cosine x GEMM |")
     print("|---|---|---|---|---|---|")

@@ -105,7 +105,7 @@ class ConvSource(OuterSource):
             d=in_per_group * math.prod(self.geometry.kernel), p=out_ch // groups,
             positions=sum(math.prod(g.shape[2:]) for g in grads), method="conv",
         )
-        if self.folded():  # materialised by oneDNN's convolution, the Gram form unfolded
+        if self.folded():  # materialised by the convolution, the Gram form on unfolded fields
             self._form = form_for(self.t, self.d, self.p, FOLD_GAIN)
 
     @property
