@@ -10,8 +10,9 @@ those of them that compute, not only view or allocate (``compute``: what launche
 one plain forward and backward (:func:`realsize.plain`) and for each statistic through
 ``engine.compute``, twice: with the pieces of per-sample gradients sized for a CPU's cache, and
 sized as on an accelerator (:func:`tests.support.accelerator.sized_as_on_an_accelerator`:
-pieces of a quarter of the memory budget, the whole layer where it fits, and a mean's squared
-norm over its parameters as one fused norm). The counts are the same on every run.
+pieces of a quarter of the memory budget, the whole layer where it fits, a mean's squared norm
+over its parameters as one fused norm, convolutions' per-sample weight gradients with the batch
+folded into groups). The counts are the same on every run.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Zero(Dense):
 class DenseGroup(Source):
     """Small per-sample gradients (biases, norms' affine parameters) as one source, members of
     one size stacked ``[B, K, n]``: each statistic is one operation per size, not one per
-    parameter (BERT-base's 128 biases and norms' parameters come in three sizes; on a GPU each
+    parameter (BERT-base's 124 biases and norms' parameters come in three sizes; on a GPU each
     operation is a kernel launch, and at small batches the launches are the cost). The stacks
     are one copy of what is small."""
 
