@@ -18,15 +18,7 @@ from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
-from service.fast_stats import (
-    Family,
-    FastStats,
-    _family,
-    _outer,
-    _plan,
-    _run,
-    register_family,
-)
+from service.fast_stats import Family, FastStats, _family, _outer, _plan, _run, register_family
 from service.fast_stats._budget import Budget
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
@@ -950,12 +942,12 @@ def test_sized_as_on_an_accelerator_every_statistic_is_the_loop(
     """Pieces of per-sample gradients sized as on a GPU (a quarter of the memory budget: each
     layer's in one piece, where a CPU's cache takes several) and biases of several sizes in one
     group: every summary output over two segments as the loop gives it, and fewer pieces."""
-    pieces: list[int] = []
+    pieces: list[int] = []  # each piece's first sample
     real = OuterSource.pieces
 
     def spy(self: OuterSource, *args: Any, **kwargs: Any) -> Any:
         for piece in real(self, *args, **kwargs):
-            pieces.append(piece[2].numel())
+            pieces.append(piece[0])
             yield piece
 
     monkeypatch.setattr(OuterSource, "pieces", spy)
