@@ -100,12 +100,12 @@ class DenseGroup(Source):
         """``values`` ``[K, n]``, one row per member, as each member's tensor in its shape."""
         return {k: values[j].view(self.shapes[k]) for j, k in enumerate(names)}
 
-    def _stacked(self, tensors: Tensors, names: Sequence[str], dtype: torch.dtype,
-                 lead: int = 0) -> torch.Tensor:
+    def _stacked(self, tensors: Tensors, names: Sequence[str], dtype: torch.dtype, *,
+                 many: bool = False) -> torch.Tensor:
         """The members' ``tensors`` (a reference, means) stacked as their gradients are,
-        ``[K, n]`` (with ``lead``, ``[lead, K, n]``)."""
-        return torch.stack([tensors[k].reshape(*([lead] if lead else []), -1).to(dtype)
-                            for k in names], -2)
+        ``[K, n]`` (``many``: M of each, ``[M, *shape]``, as ``[M, K, n]``)."""
+        return torch.stack([(tensors[k].reshape(len(tensors[k]), -1) if many
+                             else tensors[k].reshape(-1)).to(dtype) for k in names], -2)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         out: dict[str, Pass1] = {}
@@ -116,7 +116,7 @@ class DenseGroup(Source):
             dot = (torch.einsum("bkn,kn->bk", s, self._stacked(need.reference, names, s.dtype))
                    if need.reference is not None else None)
             dots = (torch.einsum("bkn,mkn->bkm", s, self._stacked(
-                need.references, names, s.dtype, len(next(iter(need.references.values())))))
+                need.references, names, s.dtype, many=True))
                 if need.references is not None else None)
             sums = ([self._split(s[x:y].sum(0, dtype=need.sums_dtype), names)
                      for x, y in need.bounds] if need.sums else None)

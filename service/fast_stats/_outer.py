@@ -37,8 +37,8 @@ from service.strategies.projection import Projection
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
 # on a CPU (:meth:`Budget.piece`; on an accelerator, a quarter of the budget):
 PIECE_BYTES = 8 << 20  # variance's, dots' and cosine's per-sample gradients, a piece at a time
-WHOLE_PIECE_BYTES = 64 << 20  # cosine's pieces, every sample of a segment in each
 MIN_ROWS = 128  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
+WHOLE_PIECE_BYTES = 64 << 20  # cosine's pieces, every sample of a segment in each
 AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
 
@@ -80,7 +80,12 @@ class OuterSource(Materialised):
         super().__init__([name], {name: shape}, batch, budget)
         self.method = method
         self.groups, self.d, self.p, self.t = groups, d, p, positions
-        self._form = form_for(positions, d, p)
+        self._form = form_for(positions, d, p, self.gain())
+
+    def gain(self) -> float:
+        """How many times faster per operation this weight's per-sample gradients are
+        materialised than the Gram form's products run (:func:`form_for`)."""
+        return 1.0
 
     def form(self, name: str) -> str:
         return self._form

@@ -245,7 +245,9 @@ def squared_norm_sum(tensors: Sequence[torch.Tensor], *, fused: bool | None = No
     its parameters). On a GPU (``fused``) one fused norm of them all: its reductions add in a
     tree, and one launch serves every parameter. On a CPU, whose ``vector_norm`` adds a whole
     tensor in one accumulator, each in blocks (:func:`squared_norms`)."""
-    if fused if fused is not None else tensors[0].device.type != "cpu":
+    if fused is None:
+        fused = tensors[0].device.type != "cpu"
+    if fused:
         return torch.stack(torch._foreach_norm(list(tensors))).square().sum()
     return torch.stack([squared_norms(t.reshape(1, -1))[0] for t in tensors]).sum()
 

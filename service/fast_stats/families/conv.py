@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from service.fast_stats._capture import Capture, bind, roles_of
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._family import Captured, Family, register_family
-from service.fast_stats._outer import Block, OuterSource, form_for
+from service.fast_stats._outer import Block, OuterSource
 from service.fast_stats._records import Pass1, Pass1Need, Use
 from service.fast_stats._source import Materialised, Source, SourceContext, cat
 from service.strategies.base import Tensors
@@ -105,8 +105,11 @@ class ConvSource(OuterSource):
             d=in_per_group * math.prod(self.geometry.kernel), p=out_ch // groups,
             positions=sum(math.prod(g.shape[2:]) for g in grads), method="conv",
         )
-        if self.folded():  # materialised by the convolution, the Gram form on unfolded fields
-            self._form = form_for(self.t, self.d, self.p, FOLD_GAIN)
+
+    def gain(self) -> float:
+        """:data:`FOLD_GAIN` where the weight-gradient convolution materialises (the Gram form
+        runs on unfolded fields)."""
+        return FOLD_GAIN if self.folded() else 1.0
 
     @property
     def dtype(self) -> torch.dtype:
