@@ -8,7 +8,7 @@ replays are added after them.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 from service.fast_stats._budget import Budget
@@ -21,10 +21,9 @@ from service.fast_stats._source import Source, SourceContext
 from service.fast_stats._tied import summed
 
 
-def build_sources(setup: Setup, run: Run, plan: Plan, budget: Budget) -> list[Source]:
-    """Every source of a call, in the order of ``plan.tracked`` then the module replays."""
+def context(setup: Setup, budget: Budget) -> SourceContext:
     model, params = setup.model, setup.params
-    ctx = SourceContext(
+    return SourceContext(
         batch=setup.size,
         budget=budget,
         shapes={k: v.shape for k, v in params.items()},
@@ -34,7 +33,15 @@ def build_sources(setup: Setup, run: Run, plan: Plan, budget: Budget) -> list[So
         device=model.device,
         activation_numel=model.activation_numel,
     )
-    out = [_source(name, found, ctx) for name, found in _uses_per_param(run.uses, plan.tracked)]
+
+
+def build_sources(setup: Setup, run: Run, plan: Plan, budget: Budget,
+                  formed: Collection[str] = ()) -> list[Source]:
+    """Every source of a call, in the order of ``plan.tracked`` then the module replays, but
+    for the parameters whose sources were ``formed`` in the backward pass (:mod:`._stream`)."""
+    model, ctx = setup.model, context(setup, budget)
+    tracked = [k for k in plan.tracked if k not in formed]
+    out = [source_for(name, found, ctx) for name, found in _uses_per_param(run.uses, tracked)]
     named = dict(model.module.named_modules()) if plan.modules else {}
     for name, replayed in plan.modules.items():
         same = all(plan.owners.get(k) == name for k in replayed)
@@ -54,7 +61,7 @@ def _uses_per_param(
     return list(per.items())
 
 
-def _source(name: str, found: list[tuple[Use, str]], ctx: SourceContext) -> Source:
+def source_for(name: str, found: list[tuple[Use, str]], ctx: SourceContext) -> Source:
     if not found:
         return Zero(name, ctx.shapes[name], ctx.batch, ctx.dtype, ctx.device, ctx.budget)
     groups: dict[tuple[Family[Any] | None, Hashable, str], list[Use]] = {}

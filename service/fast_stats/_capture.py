@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from service.fast_stats import _family
-from service.fast_stats._records import DirectCall, OpaqueCall, Use
+from service.fast_stats._records import DirectCall, OpaqueCall, Output, Use
 
 
 def bind(args: Sequence[Any], kwargs: dict[str, Any], names: Sequence[str]) -> list[Any]:
@@ -141,7 +141,8 @@ class Capture(TorchFunctionMode):
         if not ok:
             return Use(None, func, roles, OpaqueCall(pattern))
         names = tuple(found.get(id(v)) if isinstance(v, torch.Tensor) else None for v in flat)
-        return Use(None, func, roles, DirectCall(args, kwargs, pattern, names), out=out)
+        return Use(None, func, roles, DirectCall(args, kwargs, pattern, names),
+                   out=Output.of(out))
 
     def _letter(self, v: Any) -> str:
         if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):

@@ -151,13 +151,18 @@ class DenseGroup(Source):
         return out
 
 
+def groupable(source: Source) -> bool:
+    """Whether :func:`grouped` merges ``source`` with others of its dtype."""
+    return type(source) is Dense and source.numel <= DenseGroup.SMALL
+
+
 def grouped(sources: Sequence[Source]) -> list[Source]:
     """The sources, with small :class:`Dense` ones of one dtype merged into a
     :class:`DenseGroup`."""
     small: dict[tuple[torch.dtype, torch.device], list[Dense]] = {}
     rest: list[Source] = []
     for s in sources:
-        if type(s) is Dense and s.numel <= DenseGroup.SMALL:
+        if isinstance(s, Dense) and groupable(s):
             small.setdefault((s.full.dtype, s.full.device), []).append(s)
         else:
             rest.append(s)

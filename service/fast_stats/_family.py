@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 import torch
 
 from psgrad._errors import PsgradError
-from service.fast_stats._records import Payload, Use
+from service.fast_stats._records import Output, Payload, Use
 from service.plugins import Registry
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Family(Generic[P]):
         return payload
 
     def use(self, func: Any, roles: dict[str, str], payload: P, out: torch.Tensor) -> Use:
-        return Use(self, func, roles, payload, out=out)
+        return Use(self, func, roles, payload, out=Output.of(out))
 
     def payload(self, use: Use) -> P:
         """``use``'s payload, as the type this family's capture gave it."""

@@ -18,17 +18,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import Node
 from torch.func import functional_call, vmap
 from torch.utils.hooks import RemovableHandle
 
 from service.fast_stats._capture import Capture
-from service.fast_stats._records import ModuleCall, Signature, Unsupported, Use
+from service.fast_stats._records import ModuleCall, Output, Signature, Unsupported, Use
 from service.losses import get_loss
 from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # an output gradient -> what its family keeps
+# a use -> how to take in its output gradient as the backward pass reaches it, or None: the use
+# then leaves with the run, its gradient set
+Early = Callable[[Use], Reduce | None]
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,15 @@ def widened(run: Run, dtype: torch.dtype) -> Run:
     """``run`` with every floating tensor it kept (activations, output gradients, replayed
     modules' inputs) in ``dtype``: a forward and backward under ``torch.autocast`` leave some in
     bfloat16, and the statistics are formed in the model's dtype."""
-    uses = tuple(replace(u, payload=_widen(u.payload, dtype), g=_widen(u.g, dtype))
-                 for u in run.uses)
+    uses = tuple(widened_use(u, dtype) for u in run.uses)
     calls = {name: tuple(ModuleCall(_widen(c.xs, dtype), _widen(c.g, dtype)) for c in seen)
              for name, seen in run.calls.items()}
     return replace(run, uses=uses, calls=calls)
+
+
+def widened_use(use: Use, dtype: torch.dtype) -> Use:
+    """``use`` with its payload's floating tensors and its output gradient in ``dtype``."""
+    return replace(use, payload=_widen(use.payload, dtype), g=_widen(use.g, dtype))
 
 
 def _widen(value: Any, dtype: torch.dtype) -> Any:
@@ -139,7 +146,7 @@ class _ModuleHooks:
         self.replayed = tuple(replayed)
         self.batch = batch
         self.probe = probe
-        self.calls: dict[str, list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {
+        self.calls: dict[str, list[tuple[tuple[torch.Tensor, ...], Output]]] = {
             k: [] for k in replayed
         }
         self.simple: dict[str, bool] = {}
@@ -168,7 +175,7 @@ class _ModuleHooks:
 
     def _keep(self, name: str, _m: nn.Module, args: Any, out: Any) -> None:
         if self._mine() and args and isinstance(out, torch.Tensor):
-            self.calls[name].append((tuple(args), out))  # several: the whole model's inputs
+            self.calls[name].append((tuple(args), Output.of(out)))  # several: a model's inputs
 
     def _push(self, name: str, _m: nn.Module, args: Any, kwargs: Any) -> None:
         if self._mine():
@@ -192,8 +199,8 @@ class _ModuleHooks:
 class _Outputs:
     """The captured outputs, by where each sits in the autograd graph.
 
-    The backward pass needs only that, not their values, so the outputs themselves can go
-    before it runs (the activations it saved are what it keeps). An output whose family reduces
+    The backward pass needs only that (an :class:`~._records.Output`), not their values. An
+    output whose family reduces
     its gradient (``reduce``: a batch norm's per-sample sums, ``[B, C, 2]`` for ``[B, C, H,
     W]``) gets it reduced as the backward pass reaches it, by a hook on the node that reads it,
     where that node runs: the full gradient is then never held to the end of the pass
@@ -202,26 +209,27 @@ class _Outputs:
     """
 
     def __init__(self) -> None:
-        self.slots: list[tuple[GradientEdge | None, Reduce | None, torch.Size, torch.dtype,
-                               torch.device]] = []
+        self.slots: list[tuple[Output, Reduce | None]] = []
 
-    def add(self, out: torch.Tensor, reduce: Reduce | None = None) -> int:
+    def add(self, out: Output, reduce: Reduce | None = None) -> int:
         """Where ``out``'s gradient (or its reduction) will be in :meth:`grads`."""
-        edge = get_gradient_edge(out) if out.requires_grad else None
-        self.slots.append((edge, reduce, out.shape, out.dtype, out.device))
+        self.slots.append((out, reduce))
         return len(self.slots) - 1
 
     def grads(self, losses: torch.Tensor) -> list[torch.Tensor]:
         """The gradient of the summed losses at each output (zeros where it does not reach),
         or its reduction."""
         root = losses.sum()
-        edges = {i: e for i, (e, *_) in enumerate(self.slots) if e is not None}
+        edges = {i: o.edge for i, (o, _) in enumerate(self.slots) if o.edge is not None}
         early = [i for i in edges if self.slots[i][1] is not None]
         asked = [i for i in edges if i not in early]
         if early and root.grad_fn is not None:
             running = _running(root.grad_fn, {edges[i].node for i in asked})
-            asked += [i for i in early if edges[i].node not in running]  # it would not run
-            early = [i for i in early if edges[i].node in running]
+            idle = [i for i in early if edges[i].node not in running]  # nothing asked below
+            # ask for the lowest of those: every other one then has one below it and runs
+            above = _running(root.grad_fn, {edges[i].node for i in idle})
+            asked += [i for i in idle if edges[i].node not in above]
+            early = [i for i in early if i not in asked]
         reduced: dict[int, torch.Tensor] = {}
         handles = [edges[i].node.register_prehook(partial(self._keep, reduced, i))
                    for i in early]
@@ -234,25 +242,27 @@ class _Outputs:
             for h in handles:
                 h.remove()
         out = []
-        for i, (_, reduce, shape, dtype, device) in enumerate(self.slots):
+        for i, (o, reduce) in enumerate(self.slots):
             if i in reduced:
                 out.append(reduced[i])
                 continue
-            g = found.get(i)
-            g = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            g = _or_zeros(found.get(i), o)
             out.append(g if reduce is None else reduce(g))
         return out
 
     def _keep(self, reduced: dict[int, torch.Tensor], i: int,
               grads: tuple[torch.Tensor | None, ...]) -> None:
         """A prehook: slot i's gradient reduced as its node is about to run."""
-        edge, reduce, shape, dtype, device = self.slots[i]
-        assert edge is not None and reduce is not None
-        g = grads[edge.output_nr]
+        o, reduce = self.slots[i]
+        assert o.edge is not None and reduce is not None
         with torch.no_grad():
-            reduced[i] = reduce(g if g is not None else torch.zeros(shape, dtype=dtype,
-                                                                    device=device))
-        self.slots[i] = (edge, None, shape, dtype, device)  # what it read can go now
+            reduced[i] = reduce(_or_zeros(grads[o.edge.output_nr], o))
+        self.slots[i] = (o, None)  # what it read can go now
+
+
+def _or_zeros(g: torch.Tensor | None, out: Output) -> torch.Tensor:
+    """``g``, or the zeros it stands for where the gradient does not reach ``out``."""
+    return g if g is not None else torch.zeros(out.shape, dtype=out.dtype, device=out.device)
 
 
 def _reduction(use: Use) -> Reduce | None:
@@ -279,9 +289,38 @@ def _running(root: Node, asked: set[Node]) -> set[Node]:
     return {n for n, yes in above.items() if yes}
 
 
+def _slots(captured: Sequence[Use], outputs: _Outputs, early: Early | None
+           ) -> list[tuple[Use, int | None]]:
+    """Each use's record without its output, and where its gradient will be in
+    :meth:`_Outputs.grads` (None: the output does not require grad); a use that ``early`` takes
+    is in neither, what takes it holds it alone (no frame here keeps one: its layer's input
+    goes as the backward pass passes it)."""
+    uses: list[tuple[Use, int | None]] = []
+    for u in captured:
+        kept = replace(u, out=None)
+        if u.out is None:
+            uses.append((kept, None))
+            continue
+        taken = early(kept) if early is not None else None
+        reduce = taken or _reduction(kept)
+        slot = outputs.add(u.out, reduce)
+        if taken is not None:
+            continue  # what it answers holds the use
+        if reduce is not None and u.family is not None:  # the reduction keeps what it reads
+            kept = replace(kept, payload=u.family.spent(u.payload))
+        uses.append((kept, slot))
+    return uses
+
+
 def forward_backward(setup: Setup, plan: Plan, *, probe: bool = False,
-                     backward: bool = True) -> Run:
-    """The batched forward (captured) and one backward for the captured outputs' gradients."""
+                     backward: bool = True, check: bool = False,
+                     early: Early | None = None) -> Run:
+    """The batched forward (captured) and one backward for the captured outputs' gradients.
+
+    ``check``: the forward pass must read the parameters as the plan's probe did, or
+    :class:`Unsupported`. A use that ``early`` takes hands its output gradient to what it
+    answers as the backward pass reaches it, and leaves no record in the run.
+    """
     model = setup.model
     module, buffers, samples = model.module, model.buffers, setup.samples
     wanted = set(plan.tracked) | {k for v in plan.modules.values() for k in v}
@@ -305,20 +344,15 @@ def forward_backward(setup: Setup, plan: Plan, *, probe: bool = False,
             next_out = functional_call(module, (setup.params, buffers), (samples["next_inputs"],))
     losses, aux = batched_losses(setup.loss, out, next_out, samples, setup.gamma)
     del out, next_out
+    if check and tuple(u.signature for u in cap.uses) != plan.signature:
+        raise Unsupported("the model read its parameters differently from the probe")
     outputs = _Outputs()
-    uses = []
-    for u in cap.uses:
-        kept, slot = replace(u, out=None), None
-        if backward and u.out is not None:
-            reduce = _reduction(kept)
-            slot = outputs.add(u.out, reduce)
-            if reduce is not None and u.family is not None:  # the reduction keeps what it reads
-                kept = replace(kept, payload=u.family.spent(u.payload))
-        uses.append((kept, slot))
+    uses = _slots(cap.uses, outputs, early) if backward else [
+        (replace(u, out=None), None) for u in cap.uses]
     calls = {name: [(x, outputs.add(y) if backward else None) for x, y in seen]
              for name, seen in hooks.calls.items()}
     simple = dict(hooks.simple)
-    del cap, hooks  # the captured outputs go here: only their graph edges are left
+    del cap, hooks  # the capture's records go here: what ``early`` took, it holds alone
     grads = outputs.grads(losses) if backward else []
     return Run(
         losses.detach(),

@@ -5,6 +5,8 @@ once into one buffer per parameter: a linear or convolution weight by one batche
 output gradients and (unfolded) inputs, an embedding by one ``index_add``, biases and norms'
 parameters as the family builds them, and parameters on the op or module replay a chunk at a
 time into the same buffer. Statistics asked for besides are then read off those buffers.
+Statistics that take one pass over each layer (all but the clipped mean) are taken as the
+backward pass reaches the layer (:mod:`._stream`); the others after it, from what it left.
 
 It declines (the engine then runs ``vmap``) when the model takes the per-sample loop or runs one
 sample at a time only (an exported graph whose traced batch of one could not be made generic,
@@ -20,25 +22,24 @@ from typing import TypeVar
 import torch
 
 from service.fast_stats._budget import Budget
-from service.fast_stats._build import build_sources
+from service.fast_stats._build import build_sources, context
 from service.fast_stats._dense import Dense, grouped
 from service.fast_stats._plan import plan_for
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Unsupported
 from service.fast_stats._run import Setup, forward_backward, widened
 from service.fast_stats._sketch import sketch
 from service.fast_stats._source import Source, answers, present
+from service.fast_stats._stream import ASKED, Stream, segment_means
 from service.strategies.base import (
     Call,
     ParamStats,
     Result,
     Tensors,
     clip_factors,
-    divide_,
     total,
 )
 
 T = TypeVar("T")
-ASKED = "the first pass fills what its need asks for"
 
 
 class FastStats:
@@ -55,22 +56,30 @@ class FastStats:
         plan = plan_for(setup)
         if plan is None:
             return None
+        budget = Budget(call.budget_bytes, model.device)
+        widen = model.dtype if call.opts.autocast != "off" else None
+        need, ask = call.need, _ask(call)
+        # statistics that take one pass over each layer are taken in the backward pass
+        one_pass = ask.any and not (need.clipped or need.grads or need.proj)
+        stream = Stream(context(setup, budget), plan, ask, widen) if one_pass else None
         try:
             with call.opts.precision(model.device):
-                run = forward_backward(setup, plan)
+                # check: a model that reads its parameters differently from the probe plays
+                # safe (vmap)
+                run = forward_backward(setup, plan, check=True, early=stream)
         except Unsupported:
             return None
-        if call.opts.autocast != "off":
-            run = widened(run, model.dtype)
-        if tuple(u.signature for u in run.uses) != plan.signature:
-            return None  # the model read its parameters differently from the probe: play safe
+        if widen is not None:
+            run = widened(run, widen)
         losses, aux = run.losses, run.aux
-        budget = Budget(call.budget_bytes, model.device)
+        formed = stream.sources if stream is not None else []
         # the captured inputs are activations of the forward graph: nothing computed from them
         # may join it (an answer that requires grad cannot be read as an array, and holds the
         # graph)
         with torch.no_grad():
-            found = grouped(build_sources(setup, run, plan, budget))
+            found = grouped([*formed, *build_sources(
+                setup, run, plan, budget, stream.formed if stream is not None else ())])
+            del formed, stream
             del run  # each source holds what it still needs; the rest (LayerNorm inputs,
             # gradients already reduced to per-sample values) can go now, and each source's
             # part as its statistics are done (:func:`_stats`): no frame may keep the run
@@ -109,32 +118,18 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
     clipped mean and variance held every layer's inputs and output gradients to the end).
     """
     need, bounds, dtype = call.need, call.bounds, call.model.dtype
-    sq = need.sq or need.clipped or need.cos
-    sums = need.mean or need.cos  # variance's m2 comes with its own mean where it needs one
+    ask = _ask(call)
     first: dict[str, Pass1] = {}
     second: dict[str, Pass2] = {}
-    ask = Pass1Need(
-        sq=sq,
-        reference=call.reference if need.dot else None,
-        references=call.references if need.dots else None,
-        sums=sums,
-        m2=need.m2,
-        cos=need.cos,
-        bounds=bounds,
-        sums_dtype=dtype,
-    )
-    means: list[Tensors] | None = [{} for _ in bounds] if sums else None
+    means: list[Tensors] | None = [{} for _ in bounds] if ask.sums else None
     later: list[tuple[Source, bool]] = []  # and whether its dots with the mean are to do
     for source in _drain(found, keep):
         done = (source.pass1(ask, need.clipped or need.cos) if ask.any  # keep: a second pass
                 else {k: Pass1() for k in source.names})
         first.update(done)
         if means is not None:
-            for s, (a, b) in enumerate(bounds):
-                # in place: each segment's sums are fresh and read for the mean alone
-                mean = divide_({k: present(done[k].sums, ASKED)[s] for k in source.names},
-                               b - a)
-                means[s].update({k: v.to(dtype) for k, v in mean.items()})
+            for s, mean in enumerate(segment_means(done, source.names, bounds, dtype)):
+                means[s].update(mean)
         cos = need.cos and any(done[k].cos is None for k in source.names)  # still to do
         if need.clipped:
             later.append((source, cos))
@@ -149,7 +144,7 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
     return {
         k: ParamStats(
             grads=grads.get(k),
-            sq=first[k].sq if sq else None,
+            sq=first[k].sq if ask.sq else None,
             dot=first[k].dot,
             dots=first[k].dots,
             mean=tuple(m[k] for m in means) if means is not None else None,
@@ -160,6 +155,21 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
         )
         for k in call.selected
     }
+
+
+def _ask(call: Call) -> Pass1Need:
+    """What the first pass over every source computes for ``call``."""
+    need = call.need
+    return Pass1Need(
+        sq=need.sq or need.clipped or need.cos,
+        reference=call.reference if need.dot else None,
+        references=call.references if need.dots else None,
+        sums=need.mean or need.cos,  # variance's m2 comes with its own mean where it needs one
+        m2=need.m2,
+        cos=need.cos,
+        bounds=call.bounds,
+        sums_dtype=call.model.dtype,
+    )
 
 
 def _drain(items: list[T], keep: bool) -> Iterator[T]:

@@ -18,7 +18,16 @@ from psgrad._errors import PsgradError
 from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
-from service.fast_stats import Family, FastStats, _family, _outer, _plan, _run, register_family
+from service.fast_stats import (
+    Family,
+    FastStats,
+    _family,
+    _outer,
+    _plan,
+    _run,
+    _stream,
+    register_family,
+)
 from service.fast_stats._budget import Budget
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
@@ -45,6 +54,7 @@ from tests.support.reference import (
 )
 
 CPU = torch.device("cpu")
+ONE_PASS = tuple(n for n in SUMMARY if n != "clipped_mean")  # taken in the backward pass
 
 
 def zoo(arch: str, config: dict[str, Any] | None = None) -> LoadedModel:
@@ -145,11 +155,14 @@ def test_every_zoo_model_is_covered() -> None:
     assert {name for name, family in ZOO.items() if family.standalone} == set(SMALL)
 
 
+@pytest.mark.parametrize("outputs", [SUMMARY, ONE_PASS], ids=["two-passes", "one-pass"])
 @pytest.mark.parametrize("arch", list(SMALL))
-def test_every_summary_output_on_every_zoo_model(arch: str) -> None:
+def test_every_summary_output_on_every_zoo_model(arch: str, outputs: tuple[str, ...]) -> None:
+    """Every output, with a clipped mean (a second pass over what the backward pass left) and
+    without (each layer's statistics taken as the backward pass reaches it)."""
     model = zoo(arch, SMALL[arch])
     n = 3 if arch == "simple-cnn" else 5
-    meta = check(model, make_batch(model, n), segments=[2, n - 2])
+    meta = check(model, make_batch(model, n), segments=[2, n - 2], outputs=outputs)
     if arch in ("mlp", "value-mlp"):
         assert set(meta["method"].values()) == {"linear"}
         assert {meta["form"][k] for k in meta["form"] if k.endswith("weight")} == {"outer"}
@@ -161,6 +174,19 @@ def test_every_summary_output_on_every_zoo_model(arch: str) -> None:
         assert meta["method"]["pos"] == "direct"
         assert meta["method"]["encoder.0.self_attn.in_proj_weight"] == "linear"
         assert meta["method"]["encoder.1.norm2.weight"] == "direct"
+
+
+@pytest.mark.parametrize("outputs", [SUMMARY, ONE_PASS], ids=["two-passes", "one-pass"])
+def test_an_output_written_in_place_by_the_next_op(outputs: tuple[str, ...]) -> None:
+    """A layer's output gradient is the one at the layer's own output, also where the next op
+    writes that output in place (an in-place ReLU): its place in the graph is taken as the
+    layer runs."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 5),
+                           nn.Tanh(), nn.Linear(5, 3))
+    model = custom(module, (4,))
+    meta = check(model, make_batch(model, 5), segments=[2, 3], outputs=outputs)
+    assert set(meta["method"].values()) == {"linear"}
 
 
 @pytest.mark.parametrize(
@@ -850,6 +876,48 @@ def test_each_source_is_dropped_after_its_last_pass(
     assert got["meta"]["route"] == "fast_stats"
     assert len(alive) == 3, alive  # one per linear layer
     assert alive == ([0, 1, 2] if "projection" in outputs else [0, 0, 0])
+
+
+@pytest.mark.parametrize(("outputs", "inside"), [
+    (("norms",), [True, True, False]), (("variance", "mean"), [True, True, False]),
+    (("cosine_mean",), [True, True, False]), (("dot", "dots"), [True, True, False]),
+    (("norms", "clipped_mean"), []), (("norms", "grads"), []), (("norms", "projection"), []),
+])
+def test_one_pass_statistics_are_taken_as_the_backward_pass_reaches_each_layer(
+    outputs: tuple[str, ...], inside: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that takes one pass over each layer forms its sources and takes their statistics
+    as the backward pass reaches the layer, so its input and output gradient need not be held
+    to the end: inside the pass for every layer but the lowest (its gradient is the pass's
+    last, asked for), top down. A call with a clipped mean, per-sample gradients or sketches
+    reads the sources again after: they are formed after the pass. Both give the loop's
+    answers."""
+    seen: list[bool] = []
+    settle = _stream.settle
+
+    def spy(source: Any, need: Any) -> Any:
+        seen.append(torch._C._current_autograd_node() is not None)
+        return settle(source, need)
+
+    monkeypatch.setattr(_stream, "settle", spy)
+    model = zoo("mlp", {"sizes": [6, 8, 5, 3]})
+    batch = make_batch(model, 4)
+    gen = torch.Generator().manual_seed(3)
+    batch.reference = {k: torch.randn(v.shape, generator=gen) for k, v in model.params.items()}
+    batch.references = {k: torch.randn((2, *v.shape), generator=gen)
+                        for k, v in model.params.items()}
+    opts = Options(loss=model.default_loss, outputs=outputs, params=tuple(model.params),
+                   clip_norm=0.5, projection=Projection(16) if "projection" in outputs else None)
+    got = engine.compute(model, batch, opts, [3, 1])
+    assert seen == inside
+    slow = engine.compute(model, batch, opts, [3, 1], fast_stats=False)
+    loop = reference(model, batch, opts, [3, 1])
+    for g, v, r in zip(got, slow, loop, strict=True):
+        assert g["meta"]["route"] == "fast_stats"
+        for name in outputs:
+            assert_close(g[name], v[name], f"{name} (fast vs vmap)", **tolerance(name))
+            if name in r:  # the loop's summaries (dots and sketches: the vmap path's alone)
+                assert_close(g[name], r[name], f"{name} (fast vs loop)", **tolerance(name))
 
 
 @pytest.mark.parametrize(("layers", "early"), [
