@@ -21,12 +21,17 @@ from service.strategies.projection import Projection
 class Dense(Materialised):
     """Per-sample gradients held whole, ``[B, *shape]``."""
 
-    def __init__(self, name: str, grads: torch.Tensor, budget: Budget, method: str) -> None:
+    def __init__(self, name: str, grads: torch.Tensor, budget: Budget, method: str,
+                 form: str | None = None) -> None:
         super().__init__(
             [name], {name: grads.shape[1:]}, grads.shape[0], budget, grads.element_size()
         )
         self.method = method
+        self._form = form or method
         self.full = grads
+
+    def form(self, name: str) -> str:
+        return self._form
 
     def chunk_size(self) -> int:
         return self.batch
@@ -75,7 +80,7 @@ class DenseGroup(Source):
         names = [p.names[0] for p in parts]
         super().__init__(names, {k: p.shapes[k] for k, p in zip(names, parts, strict=True)},
                          parts[0].batch, parts[0].budget)
-        self.methods = {k: p.method for k, p in zip(names, parts, strict=True)}
+        self.how = {k: (p.method, p.form(k)) for k, p in zip(names, parts, strict=True)}
         sizes: dict[int, list[Dense]] = {}
         for p in parts:
             sizes.setdefault(p.numel, []).append(p)
@@ -84,10 +89,10 @@ class DenseGroup(Source):
                        for same in sizes.values()]
 
     def method_of(self, name: str) -> str:
-        return self.methods[name]
+        return self.how[name][0]
 
     def form(self, name: str) -> str:
-        return self.methods[name]
+        return self.how[name][1]
 
     def grads(self, lo: int, hi: int) -> Tensors:
         return {k: s[lo:hi, j].reshape(hi - lo, *self.shapes[k])

@@ -8,12 +8,19 @@ that is not small takes its passes there (:func:`settle`): what is left of it is
 and the layer's input and output gradient go as a training step's do. A small per-sample
 gradient (a bias's, a norm's affine parameters') is kept for :func:`~._dense.grouped`, so that
 each statistic of those is still one operation per size. Without this, ResNet-18 held every
-convolution's output gradient and input to the end of the pass (its peak 1.4-1.5x a training
+convolution's output gradient and input to the end of the pass (its peak 1.3-1.4x a training
 step's).
+
+A clipped mean needs every norm before its second pass, so its sources are read after the
+backward pass; but a layer whose per-sample gradients are smaller than its input and output
+gradient (many positions, few weights: ResNet-18's first layers, 5-100x) holds those instead
+(:func:`held`), built once for both passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -22,7 +29,7 @@ from functools import partial
 import torch
 
 from service.fast_stats._build import source_for
-from service.fast_stats._dense import groupable
+from service.fast_stats._dense import Dense, groupable
 from service.fast_stats._records import Pass1, Pass1Need, Pass2, Use
 from service.fast_stats._run import Plan, Reduce, widened_use
 from service.fast_stats._source import Source, SourceContext, present
@@ -67,6 +74,18 @@ class Settled(Source):
         return self.second
 
 
+def held(source: Source, numel: int) -> Source:
+    """What of ``source`` is kept for passes after the backward: where its norms materialise its
+    per-sample gradients anyway (:func:`~._outer.form_for`), those gradients, built once for
+    both passes, if they are fewer numbers than the ``numel`` its use holds; else the source."""
+    name = source.names[0]
+    if (len(source.names) > 1 or source.form(name) != "materialise"
+            or source.batch * math.prod(source.shapes[name]) > numel):
+        return source
+    return Dense(name, source.answer()[name], source.budget, source.method_of(name),
+                 "materialise")
+
+
 def settle(source: Source, need: Pass1Need) -> Settled:
     """``source``'s first pass and, for the cosines where the first pass leaves them, its
     second (it needs the source's own means alone)."""
@@ -81,18 +100,19 @@ def settle(source: Source, need: Pass1Need) -> Settled:
 
 
 class Stream:
-    """The ``early`` of :func:`~._run.forward_backward` for a call that takes one pass.
+    """The ``early`` of :func:`~._run.forward_backward` for a call that reads each source after
+    the backward pass no more than its statistics do (no per-sample gradients, no sketches).
 
-    ``formed`` lists the parameters whose sources it made, ``sources`` those sources (settled,
-    or small and kept whole); ``widen`` is the model's dtype under autocast (the statistics are
-    formed in it, :func:`~._run.widened`).
+    ``formed`` lists the parameters whose sources it made, ``sources`` those sources (settled
+    where the call takes ``one_pass``, else :func:`held`; small ones whole); ``widen`` is the
+    model's dtype under autocast (the statistics are formed in it, :func:`~._run.widened`).
     """
 
     def __init__(self, ctx: SourceContext, plan: Plan, need: Pass1Need,
-                 widen: torch.dtype | None) -> None:
+                 widen: torch.dtype | None, *, one_pass: bool) -> None:
         readers = Counter(name for use in plan.signature for name, _ in use.roles)
         self.alone = {k for k, n in readers.items() if n == 1}
-        self.ctx, self.need, self.widen = ctx, need, widen
+        self.ctx, self.need, self.widen, self.one_pass = ctx, need, widen, one_pass
         self.formed: set[str] = set()
         self.sources: list[Source] = []
 
@@ -111,8 +131,17 @@ class Stream:
         if self.widen is not None:
             use = widened_use(use, self.widen)
         # the backward pass may run under autocast, and the captured input is in its graph
+        numel = g.numel() + sum(t.numel() for t in _tensors(use.payload))
         with torch.autocast(self.ctx.device.type, enabled=False), torch.no_grad():
             for name, role in use.roles.items():
                 source = source_for(name, [(use, role)], self.ctx)
-                self.sources.append(source if groupable(source) else settle(source, self.need))
+                if not groupable(source):
+                    source = settle(source, self.need) if self.one_pass else held(source, numel)
+                self.sources.append(source)
         return g.new_empty(0)  # nothing is left to read
+
+
+def _tensors(payload: object) -> list[torch.Tensor]:
+    """The tensors a family's payload holds (its fields)."""
+    return [v for f in dataclasses.fields(payload)  # type: ignore[arg-type]
+            if isinstance(v := getattr(payload, f.name), torch.Tensor)]

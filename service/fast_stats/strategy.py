@@ -6,7 +6,8 @@ output gradients and (unfolded) inputs, an embedding by one ``index_add``, biase
 parameters as the family builds them, and parameters on the op or module replay a chunk at a
 time into the same buffer. Statistics asked for besides are then read off those buffers.
 Statistics that take one pass over each layer (all but the clipped mean) are taken as the
-backward pass reaches the layer (:mod:`._stream`); the others after it, from what it left.
+backward pass reaches the layer (:mod:`._stream`); the clipped mean after it, from what it
+left.
 
 It declines (the engine then runs ``vmap``) when the model takes the per-sample loop or runs one
 sample at a time only (an exported graph whose traced batch of one could not be made generic,
@@ -59,9 +60,11 @@ class FastStats:
         budget = Budget(call.budget_bytes, model.device)
         widen = model.dtype if call.opts.autocast != "off" else None
         need, ask = call.need, _ask(call)
-        # statistics that take one pass over each layer are taken in the backward pass
-        one_pass = ask.any and not (need.clipped or need.grads or need.proj)
-        stream = Stream(context(setup, budget), plan, ask, widen) if one_pass else None
+        # statistics that take one pass over each layer are taken in the backward pass, and a
+        # clipped mean's sources formed there (sketches and gradients read every source after)
+        stream = None
+        if ask.any and not (need.grads or need.proj):
+            stream = Stream(context(setup, budget), plan, ask, widen, one_pass=not need.clipped)
         try:
             with call.opts.precision(model.device):
                 # check: a model that reads its parameters differently from the probe plays

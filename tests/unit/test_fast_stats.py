@@ -24,7 +24,6 @@ from service.fast_stats import (
     _family,
     _outer,
     _plan,
-    _run,
     _stream,
     register_family,
 )
@@ -34,7 +33,7 @@ from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
 from service.fast_stats._replay import ModuleReplay, OpReplay
 from service.fast_stats._source import Materialised
-from service.fast_stats.families import conv
+from service.fast_stats.families import batch_norm, conv
 from service.fast_stats.families.conv import ConvSource
 from service.plugins import Registry
 from service.registry import LoadedModel, load_model
@@ -920,6 +919,31 @@ def test_one_pass_statistics_are_taken_as_the_backward_pass_reaches_each_layer(
                 assert_close(g[name], r[name], f"{name} (fast vs loop)", **tolerance(name))
 
 
+def test_a_clipped_mean_holds_per_sample_gradients_where_they_are_the_smaller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For a clipped mean, a layer whose norms materialise its per-sample gradients and whose
+    gradients are fewer numbers than its input and output gradient (a convolution over many
+    positions with few channels: 54 against 236 a sample here) holds them, built in the backward
+    pass, for both passes; a layer where they are the larger keeps its input and output
+    gradient. Both give the loop's answers."""
+    kept: dict[str, str] = {}
+    real = _stream.held
+
+    def spy(source: Any, numel: int) -> Any:
+        out = real(source, numel)
+        kept[source.names[0]] = type(out).__name__
+        return out
+
+    monkeypatch.setattr(_stream, "held", spy)
+    layers = [_l("Conv2d", 2, 3, 3), _l("Flatten"), _l("Linear", 108, 4)]
+    model = _sequential(layers, [2, 8, 8])
+    meta = check(model, make_batch(model, 5), segments=[2, 3],
+                 outputs=("clipped_mean", "norms", "variance"))
+    assert meta["form"]["0.weight"] == "materialise"
+    assert kept == {"0.weight": "Dense", "2.weight": "LinearSource"}, kept
+
+
 @pytest.mark.parametrize(("layers", "early"), [
     ([_l("Conv2d", 2, 3, 2), _l("BatchNorm2d", 3), _l("Flatten"), _l("Linear", 12, 2)], True),
     ([_l("BatchNorm2d", 2), _l("Conv2d", 2, 3, 2), _l("Flatten"), _l("Linear", 12, 2)], False),
@@ -928,21 +952,23 @@ def test_batch_norm_gradients_reduced_as_the_backward_reaches_them(
     layers: list[dict[str, Any]], early: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch norm's output gradient is reduced to each sample's sums by a hook as the backward
-    pass reaches it (where its node runs: a layer below asks for a gradient), never held to the
-    end of the pass; on the model's input (its node never runs) it is reduced after. Both give
-    the loop's answers."""
-    hooked: list[int] = []
-    keep = _run._Outputs._keep
+    pass reaches it (where a layer below it asks for a gradient), never held to the end of the
+    pass; on the model's input it is reduced after (its gradient is the last the pass makes).
+    Both give the loop's answers, with a clipped mean and without."""
+    inside: list[bool] = []
+    reduce = batch_norm.BatchNorm.reduce
 
-    def spy(self: Any, reduced: dict[int, torch.Tensor], i: int, grads: Any) -> None:
-        hooked.append(i)
-        keep(self, reduced, i, grads)
+    def spy(self: Any, use: Any, g: torch.Tensor) -> torch.Tensor:
+        inside.append(torch._C._current_autograd_node() is not None)
+        return reduce(self, use, g)
 
-    monkeypatch.setattr(_run._Outputs, "_keep", spy)
+    monkeypatch.setattr(batch_norm.BatchNorm, "reduce", spy)
     model = _sequential(layers, [2, 3, 3])
-    meta = check(model, make_batch(model, 4), segments=[3, 1])
-    assert "batch_norm" in meta["method"].values(), meta["method"]
-    assert bool(hooked) == bool(early), hooked
+    for outputs in (SUMMARY, ONE_PASS):
+        inside.clear()
+        meta = check(model, make_batch(model, 4), segments=[3, 1], outputs=outputs)
+        assert "batch_norm" in meta["method"].values(), meta["method"]
+        assert set(inside) == {early}, inside  # the fast path's (and the probe's, once)
 
 
 class _Broken(nn.Module):
@@ -1009,7 +1035,9 @@ def test_sized_as_on_an_accelerator_every_statistic_is_the_loop(
 ) -> None:
     """Pieces of per-sample gradients sized as on a GPU (a quarter of the memory budget: each
     layer's in one piece, where a CPU's cache takes several) and biases of several sizes in one
-    group: every summary output over two segments as the loop gives it, and fewer pieces."""
+    group: every summary output over two segments as the loop gives it, and fewer pieces (a
+    clipped mean apart: these layers' per-sample gradients are smaller than their inputs and
+    output gradients, and are held whole for its two passes)."""
     pieces: list[int] = []  # each piece's first sample
     real = OuterSource.pieces
 
@@ -1025,12 +1053,13 @@ def test_sized_as_on_an_accelerator_every_statistic_is_the_loop(
               _l("Flatten"), _l("Linear", 20, 3)]
     model = _sequential(layers, [4, 6])
     batch = make_batch(model, 5)
-    outputs = ("norms", "variance", "cosine_mean", "clipped_mean", "mean")
+    outputs = ("norms", "variance", "cosine_mean", "mean")
     check(model, batch, segments=[2, 3], outputs=outputs)
     on_cpu = len(pieces)
     pieces.clear()
     with sized_as_on_an_accelerator():
         check(model, batch, segments=[2, 3], outputs=outputs)
+        check(model, batch, segments=[2, 3], outputs=("clipped_mean", "variance"))
     assert 0 < len(pieces) < on_cpu, (len(pieces), on_cpu)
 
 
