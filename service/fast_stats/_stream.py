@@ -14,7 +14,10 @@ step's).
 A clipped mean needs every norm before its second pass, so its sources are read after the
 backward pass; but a layer whose per-sample gradients are smaller than its input and output
 gradient (many positions, few weights: ResNet-18's first layers, 5-100x) holds those instead
-(:func:`held`), built once for both passes.
+(:func:`held`), built once for both passes. The cosines take a second pass over a layer too
+(each sample's dot with the mean), and such a layer's are read off its held gradients
+(ResNet-18 at B=32: its cosines' statistics took 6.0 s of CPU time in a 11.5 s call against
+2.5 s after, with the plain step at 8.2 s).
 """
 
 from __future__ import annotations
@@ -135,8 +138,10 @@ class Stream:
         with torch.autocast(self.ctx.device.type, enabled=False), torch.no_grad():
             for name, role in use.roles.items():
                 source = source_for(name, [(use, role)], self.ctx)
-                if not groupable(source):
-                    source = settle(source, self.need) if self.one_pass else held(source, numel)
+                if not groupable(source) and (self.need.cos or not self.one_pass):
+                    source = held(source, numel)  # a second pass over it follows
+                if not groupable(source) and self.one_pass:
+                    source = settle(source, self.need)
                 self.sources.append(source)
         return g.new_empty(0)  # nothing is left to read
 
