@@ -8,6 +8,7 @@ A selected parameter the forward pass never reads is a :class:`Zero`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -80,7 +81,7 @@ class DenseGroup(Source):
         names = [p.names[0] for p in parts]
         super().__init__(names, {k: p.shapes[k] for k, p in zip(names, parts, strict=True)},
                          parts[0].batch, parts[0].budget)
-        self.how = {k: (p.method, p.form(k)) for k, p in zip(names, parts, strict=True)}
+        self.how = {k: v for p in parts for k, v in p.described().items()}
         sizes: dict[int, list[Dense]] = {}
         for p in parts:
             sizes.setdefault(p.numel, []).append(p)
@@ -156,7 +157,7 @@ class DenseGroup(Source):
         return out
 
 
-def groupable(source: Source) -> bool:
+def groupable(source: Source) -> TypeGuard[Dense]:
     """Whether :func:`grouped` merges ``source`` with others of its dtype."""
     return type(source) is Dense and source.numel <= DenseGroup.SMALL
 
@@ -167,7 +168,7 @@ def grouped(sources: Sequence[Source]) -> list[Source]:
     small: dict[tuple[torch.dtype, torch.device], list[Dense]] = {}
     rest: list[Source] = []
     for s in sources:
-        if isinstance(s, Dense) and groupable(s):
+        if groupable(s):
             small.setdefault((s.full.dtype, s.full.device), []).append(s)
         else:
             rest.append(s)

@@ -72,6 +72,10 @@ class Source:
     def method_of(self, name: str) -> str:
         return self.method
 
+    def described(self) -> dict[str, tuple[str, str]]:
+        """``{name: (method, form)}`` of its parameters, for a source that stands in for it."""
+        return {k: (self.method_of(k), self.form(k)) for k in self.names}
+
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         """The first pass; ``keep``: a second pass follows (what it rereads may be kept)."""
         raise NotImplementedError

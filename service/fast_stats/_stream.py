@@ -59,7 +59,7 @@ class Settled(Source):
     def __init__(self, source: Source, first: dict[str, Pass1],
                  second: dict[str, Pass2] | None) -> None:
         super().__init__(source.names, source.shapes, source.batch, source.budget)
-        self.how = {k: (source.method_of(k), source.form(k)) for k in source.names}
+        self.how = source.described()
         self.first, self.second = first, second
 
     def method_of(self, name: str) -> str:
