@@ -2,7 +2,7 @@
 
     python benchmarks/realsize.py [--models gpt2,bert,resnet18] [--seq 64[,256,...]]
                                   [--batch N[,M,...]] [--rounds 3] [--outputs norms,...]
-                                  [--no-peers] [--device cuda]
+                                  [--peers opacus-ghost | --no-peers] [--device cuda]
 
 ``--outputs projection,projection-kronecker`` times sketches (k = 4096) of each projection
 kind instead of the statistics.
@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,7 +330,7 @@ def _norms(answer: Any) -> np.ndarray | None:
 
 
 def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: list[str],
-            peers: bool, max_gib: float, autocast: str = "off"
+            peers: Sequence[str], max_gib: float, autocast: str = "off"
             ) -> tuple[dict[tuple[str, str], Fn], dict[str, str]]:
     """Every (output, method) that runs, and why the others do not (first call checked)."""
     device = model.device
@@ -358,7 +358,8 @@ def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: li
             diff = float(np.max(np.abs(want - full) / full))
             notes[f"{output} psgrad"] += f"; norms vs float32's: max relative diff {diff:.1e}"
     held = case.size * sum(p.numel() for p in model.params.values()) * 4 / 2**30
-    for name, factory in PEERS.items() if peers else ():
+    for name in peers:
+        factory = PEERS[name]
         for output in PEER_OUTPUTS:
             if output not in outputs:
                 continue
@@ -466,7 +467,9 @@ def main() -> None:
                              "resnet18 16)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--outputs", default=",".join(OUTPUTS))
-    parser.add_argument("--no-peers", dest="peers", action="store_false",
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"the peers to run, comma-separated (of {', '.join(PEERS)})")
+    parser.add_argument("--no-peers", dest="peers", action="store_const", const="",
                         help="psgrad and the plain steps only")
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the peak-memory calls (two more calls per method)")
@@ -485,6 +488,9 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=3.0,
                         help="skip peers whose per-sample gradients would take more than this")
     args = parser.parse_args()
+    args.peers = [name for name in args.peers.split(",") if name]
+    if not set(args.peers) <= set(PEERS):
+        raise SystemExit(f"--peers takes {', '.join(PEERS)}")
     args.memory = args.memory and (args.device == "cuda" or not args.default_malloc)
     if args.threads:
         torch.set_num_threads(args.threads)
