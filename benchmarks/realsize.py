@@ -433,6 +433,8 @@ def run_case(case: Case, registry: ModelRegistry, model: LoadedModel, seq: int, 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times = interleave(fns, args.rounds, clock)
     base = ("step", "plain")
+    print("  x plain: " + ", ".join(f"{output} {method} {ratio(times, (output, method), base):.2f}"
+                                    for output, method in fns), flush=True)  # before the peaks
     measure = cuda_peak if cuda else steady_peak
     peaks = {key: measure(fn) for key, fn in fns.items()} if args.memory else {}
     length = str(seq) if seq else ""
