@@ -281,7 +281,7 @@ class OuterSource(Materialised):
         keep = sums or self.piece_shape(min(n, self.span()))[0] < n
         mean: torch.Tensor | None = None
         m2: torch.Tensor | None = None
-        spare = torch.empty(0)  # a later set's mean and m2, reused (fresh memory faults)
+        spare = torch.empty(0)  # a piece's own mean and m2, reused (fresh memory faults)
         for x, r0, piece in self.pieces(lo, hi):
             if add is not None:
                 add(x, r0, piece)
@@ -289,14 +289,16 @@ class OuterSource(Materialised):
             if m2 is None:
                 m2 = piece.new_empty(shape)
                 mean = piece.new_empty(shape) if keep else None
-            if seen == 0:  # straight into the answer (a copy of fresh memory costs more)
-                mu = torch.sum(piece, 0, out=mean[:, rows]) if mean is not None else piece.sum(0)
-                dev = squared_deviations(piece, mu.div_(n), in_place=True)
-                torch.sum(dev, 0, out=m2[:, rows])
-                continue
-            size = piece[0].numel()  # this set's moments merged into the rows' so far
+            size = piece[0].numel()
             if spare.numel() < 2 * size:
                 spare = piece.new_empty(2 * size)
+            if seen == 0:  # straight into the answer (a copy of fresh memory costs more)
+                at = mean[:, rows] if mean is not None else spare[:size].view(piece.shape[1:])
+                mu = torch.sum(piece, 0, out=at).div_(n)
+                dev = squared_deviations(piece, mu, in_place=True)
+                torch.sum(dev, 0, out=m2[:, rows])
+                continue
+            # this set's moments merged into the rows' so far
             mu = torch.sum(piece, 0, out=spare[:size].view(piece.shape[1:])).div_(n)
             dev = squared_deviations(piece, mu, in_place=True)
             part = torch.sum(dev, 0, out=spare[size : 2 * size].view(piece.shape[1:]))

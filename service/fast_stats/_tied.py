@@ -57,7 +57,8 @@ class Tied(Summed):
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
             return {name: self.outer.with_moments(first, need, self._add_rows)}
-        parts = [p.pass1(need)[name] for p in self.parts]
+        part = replace(need, cos=False)  # a part's mean is not the tied parameter's
+        parts = [p.pass1(part)[name] for p in self.parts]
         e, o = parts
 
         def add(u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor | None:

@@ -120,15 +120,23 @@ class EmbeddingSource(Materialised):
         return tuple(out)
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
+        """The first pass; with ``cos``, each sample's dot with its segment's mean too, read off
+        the segment's sum at the sample's tokens (no second pass: a second pass would copy
+        the ``vocab x dim`` sum for the mean, BERT-base's cosine at B=4 T=64 spent 7% of a
+        step on that copy)."""
         ref = need.reference[self.names[0]] if need.reference is not None else None
+        sums = (tuple(self.wsum(None, a, b, need.sums_dtype) for a, b in need.bounds)
+                if need.sums or need.cos else None)
         return {self.names[0]: Pass1(
             sq=self._sq() if need.sq else None,
             dot=self._dots(ref, 0, self.batch) if ref is not None else None,
             dots=self._many(need.references[self.names[0]])
             if need.references is not None else None,
-            sums=tuple(self.wsum(None, a, b, need.sums_dtype) for a, b in need.bounds)
-            if need.sums else None,
+            sums=sums,
             m2=self._m2(need.bounds) if need.m2 else None,
+            cos=torch.cat([self._dots(total, a, b) / (b - a)
+                           for total, (a, b) in zip(sums, need.bounds, strict=True)])
+            if need.cos and sums is not None else None,
         )}
 
     def pass2(
