@@ -378,29 +378,33 @@ class OuterSource(Materialised):
         return {name: Pass2(
             clipped=tuple(self.wsum(clip[x:y], x, y, clip.dtype) for x, y in bounds)
             if clip is not None else None,
-            cos=cat([self._pairwise(x, y) if self._pairs_cheaper(y - x)
+            cos=cat([self.pairs(x, y).sum(1) / (y - x)
+                     if self.whole and self.pairs_cheaper(y - x)
                      else self.dot_rows(means[s][name], x, y)
                      for s, (x, y) in enumerate(bounds)])
             if means is not None else None,
         )}
 
-    def _pairs_cheaper(self, n: int) -> bool:
+    def pairs_cheaper(self, n: int) -> bool:
         """Whether the n samples' pairwise products (``(n T)^2 (d + p)``) cost less than a dot
-        with the mean (``n T d p``); only for the whole parameter, not a tied part (whose
-        mean is not the parameter's)."""
-        return self.whole and self.t > 1 and n * self.t * (self.d + self.p) < self.d * self.p
+        with the mean (``n T d p``). Each sample's dot with the mean is then the mean of its
+        dot products with each sample (:meth:`pairs`): for the whole parameter, or through
+        the tied source whose part this is (the mean is the tied parameter's)."""
+        return self.t > 1 and n * self.t * (self.d + self.p) < self.d * self.p
 
-    def _pairwise(self, lo: int, hi: int) -> torch.Tensor:
-        """Each of samples [lo, hi)'s dot product with their mean as the mean of its dot
-        products with each of them, ``<G_i^T A_i, G_j^T A_j> = sum (A_i A_j^T) * (G_i G_j^T)``
-        (GPT-2 small at B=4, T=64: under half the products of the dot with the mean)."""
-        a = cat([v for _, _, v, _ in self.blocks(lo, hi)])  # [n, Gr, T, d]
-        g = cat([v for _, _, _, v in self.blocks(lo, hi)])
+    def pairs(self, lo: int, hi: int) -> torch.Tensor:
+        """Samples [lo, hi)'s pairwise dot products ``[n, n]``,
+        ``<G_i^T A_i, G_j^T A_j> = sum (A_i A_j^T) * (G_i G_j^T)`` (GPT-2 small at B=4, T=64:
+        under half the products of the dot with the mean)."""
+        blocks = list(self.blocks(lo, hi))
+        a = cat([v for _, _, v, _ in blocks])  # [n, Gr, T, d]
+        g = cat([v for _, _, _, v in blocks])
         n, gr = hi - lo, self.groups
         a = a.transpose(0, 1).reshape(gr, -1, self.d)  # [Gr, n T, d]
         g = g.transpose(0, 1).reshape(gr, -1, self.p)
-        pairs = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2))  # [Gr, n T, n T]
-        return pairs.sum((0, 2)).reshape(n, -1).sum(1) / n
+        each = (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2)).sum(0)  # [n T, n T]
+        t = each.shape[0] // n
+        return each.view(n, t, n, t).sum((1, 3))
 
 
 def _rows(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -389,6 +389,13 @@ class TiedHead(nn.Module):
         return F.linear(h, self.emb.weight)
 
 
+class TiedOverPositions(TiedHead):
+    """GPT-2's layout: the embedding table reused as the output layer at every position."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.mix(self.emb(tokens))), self.emb.weight).mean(1)
+
+
 class Transposed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -433,6 +440,22 @@ def test_tied_and_opaque_parameters(
         assert meta["form"]["a.weight"] == "materialise"
     if factory is TiedHead:  # the embedding and the output layer's part, in closed form
         assert meta["form"]["emb.weight"] == "tied:embedding+outer"
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["dot-with-mean", "pairs"])
+def test_a_tied_layer_over_positions_takes_its_cosines_by_pairs_or_the_dot(
+    pairs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each sample's dot with the tied parameter's mean from the pairwise products (the output
+    layer's, the embedding's at equal tokens and their cross terms) or from each part's dot with
+    the mean: the loop's cosines, in segments, tokens repeated."""
+    monkeypatch.setattr(OuterSource, "pairs_cheaper", lambda self, n: pairs and self.t > 1)
+    torch.manual_seed(0)
+    model = custom(TiedOverPositions(), (5,), "int64", 9, key="TiedOverPositions")
+    batch = make_batch(model, 4)
+    assert len(batch.inputs.unique()) < batch.inputs.numel()
+    meta = check(model, batch, segments=[1, 3], outputs=("cosine_mean", "mean", "norms"))
+    assert meta["form"]["emb.weight"] == "tied:embedding+materialise"  # 5 (4 + 9) >= 4 x 9
 
 
 @pytest.mark.parametrize("positions", [False, True], ids=["one-position", "pieces"])
@@ -760,7 +783,7 @@ def test_cosine_by_pairwise_products_the_mean_or_pieces(
         built.append(self.names[0])
         return with_cos(self, *args)
 
-    monkeypatch.setattr(OuterSource, "_pairs_cheaper", always)
+    monkeypatch.setattr(OuterSource, "pairs_cheaper", always)
     monkeypatch.setattr(OuterSource, "_with_cos", spy)
     monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", math.inf if way == "pieces" else 0)
     monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several pieces per layer

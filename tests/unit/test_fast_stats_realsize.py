@@ -232,9 +232,10 @@ def test_both_forms_give_the_same_answers_for_the_same_layers(
 def test_cosine_by_pairwise_products_or_pieces(registry: ModelRegistry, name: str, way: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``cosine_mean`` with every weight over several positions taking the pairwise products
-    (GPT-2's tied output layer cannot: its mean is the tied parameter's), or building its
-    gradients a piece at a time (the default), equals the loop."""
-    monkeypatch.setattr(OuterSource, "_pairs_cheaper", lambda self, n: self.whole and self.t > 1)
+    (GPT-2's tied output layer with the embedding's part and their cross terms: its mean is the
+    tied parameter's), or building its gradients a piece at a time (the default; GPT-2's tied
+    layer still by pairs), equals the loop."""
+    monkeypatch.setattr(OuterSource, "pairs_cheaper", lambda self, n: self.t > 1)
     if way == "pairs":
         monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", 0)
     module, loss, batch = _case(name)
