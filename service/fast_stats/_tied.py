@@ -1,16 +1,18 @@
 """Tied weights: one parameter read by several uses of different kinds (GPT-2's token embedding,
 read again as its output layer), each use a part of every per-sample gradient.
 
-Dot products with references, sums, clipped sums and dots with the mean add part by part; the
-squared norm of the sum needs the parts' cross terms too. For an embedding ``E_i`` (rows
-``e_s`` at the sample's tokens ``tok_s``) tied to a weight ``L_i = G_i^T A_i`` read at T
-positions, ``<L_i, E_i> = sum_s sum_t G_i[t, tok_s] <a_t, e_s>``: the output gradient's
-columns at the sample's own tokens against a ``[T, S]`` product, never the ``vocab x dim``
-gradient. So the 50257 x 768 matrix of GPT-2 costs what its two layers cost apart, once.
-``variance`` (element-wise squares of the sum) builds the output layer's per-sample gradients a
-slice of rows at a time and adds the embedding's rows that fall in it
-(:meth:`~._outer.OuterSource.m2`). Other combinations materialise the sum a chunk at a time
-(:class:`~._source.Summed`).
+Dot products with references add part by part; sums and clipped sums are the output layer's
+with the embedding's rows added in place; each sample's dot with the mean is the parts' added,
+or the mean of its pairwise products with the segment's samples where those cost less
+(:meth:`Tied.pairs`); the squared norm of the sum needs the parts' cross terms too. For an
+embedding ``E_i`` (rows ``e_s`` at the sample's tokens ``tok_s``) tied to a weight
+``L_i = G_i^T A_i`` read at T positions, ``<L_i, E_i> = sum_s sum_t G_i[t, tok_s] <a_t, e_s>``:
+the output gradient's columns at the sample's own tokens against a ``[T, S]`` product, never
+the ``vocab x dim`` gradient. So the 50257 x 768 matrix of GPT-2 costs what its two layers cost
+apart, once. ``variance`` (element-wise squares of the sum) builds the output layer's
+per-sample gradients a slice of rows at a time and adds the embedding's rows that fall in it
+(:meth:`~._outer.OuterSource.with_moments`). Other combinations materialise the sum a chunk at
+a time (:class:`~._source.Summed`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ class Tied(Summed):
             rest = replace(need, sums=False, m2=False)
             first = self.pass1(rest, keep)[name] if rest.any else Pass1()
             return {name: self.outer.with_moments(first, need, self._add_rows)}
-        part = replace(need, cos=False)  # a part's mean is not the tied parameter's
+        # a part's mean is not the tied parameter's; the sums are the output layer's with
+        # the embedding's rows added in place (each a fresh vocab x dim table cost page faults)
+        part = replace(need, cos=False, sums=False)
         parts = [p.pass1(part)[name] for p in self.parts]
         e, o = parts
 
@@ -69,8 +73,8 @@ class Tied(Summed):
             sq=None if sq is None else sq + 2 * self.cross().to(sq),
             dot=add(e.dot, o.dot),
             dots=add(e.dots, o.dots),
-            sums=None if e.sums is None or o.sums is None
-            else tuple(u + v.to(u) for u, v in zip(e.sums, o.sums, strict=True)),
+            sums=tuple(self.emb.add_to(self.outer.wsum(None, x, y, need.sums_dtype), None, x, y)
+                       for x, y in need.bounds) if need.sums else None,
         )}
 
     def _add_rows(self, lo: int, r0: int, piece: torch.Tensor) -> None:
@@ -97,16 +101,17 @@ class Tied(Summed):
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
     ) -> dict[str, Pass2]:
-        """The parts' clipped sums added; each sample's dot with the tied parameter's mean
-        from the pairwise products where they cost less than the dot (GPT-2 small at B=4
-        T=64: the output layer's dot with the 50257 x 768 mean is a product of its forward's
-        size), else the parts' dots added."""
+        """The clipped sums, the output layer's with the embedding's rows added in place; each
+        sample's dot with the tied parameter's mean from the pairwise products where they cost
+        less than the dot (GPT-2 small at B=4 T=64: the output layer's dot with the 50257 x 768
+        mean is a product of its forward's size), else the parts' dots added."""
         name = self.names[0]
         pairs = means is not None and all(self.outer.pairs_cheaper(y - x) for x, y in bounds)
-        e, o = (p.pass2(clip, None if pairs else means, bounds)[name] for p in self.parts)
+        e, o = (p.pass2(None, None if pairs else means, bounds)[name] for p in self.parts)
         return {name: Pass2(
-            clipped=None if e.clipped is None or o.clipped is None
-            else tuple(u + v.to(u) for u, v in zip(e.clipped, o.clipped, strict=True)),
+            clipped=tuple(self.emb.add_to(self.outer.wsum(clip[x:y], x, y, clip.dtype),
+                                          clip[x:y], x, y) for x, y in bounds)
+            if clip is not None else None,
             cos=cat([self.pairs(x, y).sum(1) / (y - x) for x, y in bounds]) if pairs
             else None if e.cos is None or o.cos is None else e.cos + o.cos.to(e.cos),
         )}

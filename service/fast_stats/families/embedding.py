@@ -94,10 +94,15 @@ class EmbeddingSource(Materialised):
         return torch.einsum("bsd,mbsd->bm", self.g, rows)
 
     def wsum(self, c: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        g = self.g[lo:hi].to(dtype)
+        return self.add_to(self.g.new_zeros((self.vocab, self.dim), dtype=dtype), c, lo, hi)
+
+    def add_to(self, out: torch.Tensor, c: torch.Tensor | None, lo: int, hi: int
+               ) -> torch.Tensor:
+        """``out`` (``vocab x dim``) with ``sum_i c_i grad_i`` over rows [lo, hi) added in
+        place (``c`` of length hi - lo, or all ones)."""
+        g = self.g[lo:hi].to(out.dtype)
         if c is not None:
-            g = g * c.to(dtype).reshape(-1, 1, 1)
-        out = g.new_zeros((self.vocab, self.dim))
+            g = g * c.to(out.dtype).reshape(-1, 1, 1)
         return out.index_add_(0, self.tokens[lo:hi].reshape(-1), g.reshape(-1, self.dim))
 
     def _sq(self) -> torch.Tensor:
