@@ -392,13 +392,17 @@ class OuterSource(Materialised):
         the tied source whose part this is (the mean is the tied parameter's)."""
         return self.t > 1 and n * self.t * (self.d + self.p) < self.d * self.p
 
+    def gathered(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples [lo, hi)'s ``A`` ``[n, Gr, T, d]`` and ``G`` ``[n, Gr, T, p]``, their
+        blocks joined."""
+        blocks = list(self.blocks(lo, hi))
+        return cat([a for _, _, a, _ in blocks]), cat([g for _, _, _, g in blocks])
+
     def pairs(self, lo: int, hi: int) -> torch.Tensor:
         """Samples [lo, hi)'s pairwise dot products ``[n, n]``,
         ``<G_i^T A_i, G_j^T A_j> = sum (A_i A_j^T) * (G_i G_j^T)`` (GPT-2 small at B=4, T=64:
         under half the products of the dot with the mean)."""
-        blocks = list(self.blocks(lo, hi))
-        a = cat([v for _, _, v, _ in blocks])  # [n, Gr, T, d]
-        g = cat([v for _, _, _, v in blocks])
+        a, g = self.gathered(lo, hi)
         n, gr = hi - lo, self.groups
         a = a.transpose(0, 1).reshape(gr, -1, self.d)  # [Gr, n T, d]
         g = g.transpose(0, 1).reshape(gr, -1, self.p)

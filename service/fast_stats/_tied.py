@@ -89,8 +89,7 @@ class Tied(Summed):
         """Samples [lo, hi)'s pairwise dot products ``[n, n]``: the output layer's
         (:meth:`~._outer.OuterSource.pairs`), the embedding's (rows at equal tokens) and the
         cross terms ``<L_j, E_i> = sum_s sum_t G_j[t, tok_is] <a_jt, e_is>``."""
-        a = cat([v[:, 0] for _, _, v, _ in self.outer.blocks(lo, hi)])  # [n, T, d]
-        g = cat([v[:, 0] for _, _, _, v in self.outer.blocks(lo, hi)])  # [n, T, p]
+        a, g = (v[:, 0] for v in self.outer.gathered(lo, hi))  # [n, T, d], [n, T, p]
         n, tokens = hi - lo, self.emb.tokens[lo:hi].reshape(-1)  # every sample's, [n S]
         rows = self.emb.g[lo:hi].reshape(len(tokens), -1).to(a.dtype)  # [n S, d]
         le = (g.index_select(2, tokens) * (a @ rows.t())).sum(1).view(n, n, -1).sum(2)
@@ -106,14 +105,17 @@ class Tied(Summed):
         less than the dot (GPT-2 small at B=4 T=64: the output layer's dot with the 50257 x 768
         mean is a product of its forward's size), else the parts' dots added."""
         name = self.names[0]
-        pairs = means is not None and all(self.outer.pairs_cheaper(y - x) for x, y in bounds)
-        e, o = (p.pass2(None, None if pairs else means, bounds)[name] for p in self.parts)
+        cos = None
+        if means is not None and all(self.outer.pairs_cheaper(y - x) for x, y in bounds):
+            cos = cat([self.pairs(x, y).sum(1) / (y - x) for x, y in bounds])
+        elif means is not None:
+            e, o = (p.pass2(None, means, bounds)[name].cos for p in self.parts)
+            cos = None if e is None or o is None else e + o.to(e)
         return {name: Pass2(
             clipped=tuple(self.emb.add_to(self.outer.wsum(clip[x:y], x, y, clip.dtype),
                                           clip[x:y], x, y) for x, y in bounds)
             if clip is not None else None,
-            cos=cat([self.pairs(x, y).sum(1) / (y - x) for x, y in bounds]) if pairs
-            else None if e.cos is None or o.cos is None else e.cos + o.cos.to(e.cos),
+            cos=cos,
         )}
 
 
