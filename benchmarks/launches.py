@@ -1,4 +1,4 @@
-"""Operations per call: psgrad's statistics against a plain step, counted, not timed.
+"""Operations and peak memory per call: psgrad's statistics against a plain step, counted.
 
     python benchmarks/launches.py [--models gpt2,bert,resnet18] [--batch 4] [--seq 64]
 
@@ -13,6 +13,10 @@ sized as on an accelerator (:func:`tests.support.accelerator.sized_as_on_an_acce
 pieces of a quarter of the memory budget, the whole layer where it fits, a mean's squared norm
 over its parameters as one fused norm, convolutions' per-sample weight gradients with the batch
 folded into groups). The counts are the same on every run.
+
+``peak`` is the most bytes that the call's tensors held at once above those held before it (the
+profiler's allocation and free events, summed in order): what ``torch.cuda.max_memory_allocated``
+reads on a GPU, here on any machine and without the allocator's caching or the kernel's pages.
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ NO_KERNEL = frozenset({
 })
 
 
-def count(fn: Callable[[], Any]) -> tuple[int, int, collections.Counter[str]]:
+def count(fn: Callable[[], Any]) -> tuple[int, int, int, collections.Counter[str]]:
     """One warm call's top-level aten operations, how many of them compute (they, or an
     operation they call, do more than view or allocate: a ``to`` or ``reshape`` that copies
-    counts), and the count of each."""
+    counts), its peak bytes (:func:`peak`) and the count of each operation."""
     fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     ops: collections.Counter[str] = collections.Counter()
     computing = 0
@@ -57,7 +61,21 @@ def count(fn: Callable[[], Any]) -> tuple[int, int, collections.Counter[str]]:
                 parent is None or not parent.name.startswith("aten::")):
             ops[event.name.removeprefix("aten::")] += 1
             computing += _computes(event)
-    return sum(ops.values()), computing, ops
+    return sum(ops.values()), computing, peak(prof), ops
+
+
+def peak(prof: profile) -> int:
+    """The most bytes held at once above the start, from the profile's allocations and frees
+    in the order they happened."""
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    assert results is not None, "read after the profile has run"
+    events = sorted((e.start_ns(), e.nbytes())  # type: ignore[attr-defined]
+                    for e in results.events() if e.name() == "[memory]")
+    held = most = 0
+    for _, nbytes in events:
+        held += nbytes
+        most = max(most, held)
+    return most
 
 
 def _computes(event: Any) -> bool:
@@ -78,22 +96,25 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; one warm call each, top-level aten operations "
           f"(compute: those that launch a kernel); B={args.batch}, T={args.seq}\n")
-    print("| model | output | pieces sized for | ops | x plain | compute | x plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | output | pieces sized for | ops | x plain | compute | x plain "
+          "| peak MiB | x plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         registry, _ = realsize.register(realsize.make_case(name, 1, args.seq))
         case = realsize.make_case(name, args.batch, args.seq)
-        base_ops, base_compute, ops = count(realsize.plain(case))
-        print(f"| {name} | plain step | | {base_ops} | 1.00 | {base_compute} | 1.00 |")
+        base_ops, base_compute, base_peak, ops = count(realsize.plain(case))
+        print(f"| {name} | plain step | | {base_ops} | 1.00 | {base_compute} | 1.00 | "
+              f"{base_peak / 2**20:.0f} | 1.00 |")
         tops = {"plain": ops}
         for output in args.outputs.split(","):
             fn = realsize.psgrad(registry, case, output)
             for where in ("cpu", "accelerator"):
                 with sized_as_on_an_accelerator() if where == "accelerator" else nullcontext():
-                    n, computing, ops = count(fn)
+                    n, computing, most, ops = count(fn)
                 tops[f"{output}, {where}"] = ops
                 print(f"| {name} | {output} | {where} | {n} | {n / base_ops:.2f} | "
-                      f"{computing} | {computing / base_compute:.2f} |", flush=True)
+                      f"{computing} | {computing / base_compute:.2f} | {most / 2**20:.0f} | "
+                      f"{most / base_peak:.2f} |", flush=True)
         for label, ops in tops.items() if args.top else ():
             print(f"  {name} {label}: " + ", ".join(
                 f"{op} {n}" for op, n in ops.most_common(args.top)))

@@ -61,7 +61,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ from service import engine
 from service.config import Settings
 from service.registration import register_exported
 from service.registry import LoadedModel, ModelRegistry, set_tf32
+from service.strategies.base import Batch
 from service.validate import ParsedRequest, parse_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: from the root
@@ -204,8 +205,23 @@ def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "o
 
 
 def psgrad(registry: ModelRegistry, case: Case, output: str, autocast: str = "off") -> Fn:
+    """One request's ``engine.compute``, its tensors on the model's device before the call, as
+    the plain step's batch is: the call's time and peak memory are the statistic's, not the
+    copy's (``dots``' M=2 references are two copies of the model, moved in each call before:
+    on the H200 most of `dots`' time and the largest of its peaks)."""
     parsed = request(registry, case, output, autocast)
-    return lambda: engine.compute(parsed.model, parsed.batch, parsed.opts)[0]
+    batch = on_device(parsed.batch, parsed.model.device)
+    return lambda: engine.compute(parsed.model, batch, parsed.opts)[0]
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` with every tensor on ``device``."""
+    def moved(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        return {k: v.to(device) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return replace(batch, **{f.name: moved(getattr(batch, f.name)) for f in fields(batch)})
 
 
 def under_autocast(fn: Fn, device: torch.device) -> Fn:
