@@ -44,12 +44,14 @@ ASKED = "the first pass fills what its need asks for"
 def segment_means(done: dict[str, Pass1], names: Sequence[str], bounds: Bounds,
                   dtype: torch.dtype) -> list[Tensors]:
     """Each segment's mean of ``names``' per-sample gradients, from their first pass's sums,
-    divided in place (each segment's sums are fresh and read for the mean alone)."""
-    return [
-        {k: v.to(dtype) for k, v in
-         divide_({k: present(done[k].sums, ASKED)[s] for k in names}, b - a).items()}
-        for s, (a, b) in enumerate(bounds)
-    ]
+    divided in place once (each segment's sums are fresh and read for the mean alone; those
+    already ``averaged`` are the means)."""
+    out = []
+    for s, (a, b) in enumerate(bounds):
+        divide_({k: present(done[k].sums, ASKED)[s] for k in names if not done[k].averaged},
+                b - a)
+        out.append({k: present(done[k].sums, ASKED)[s].to(dtype) for k in names})
+    return out
 
 
 class Settled(Source):
@@ -95,9 +97,8 @@ def settle(source: Source, need: Pass1Need) -> Settled:
     first = source.pass1(need, need.cos)
     second = None
     if need.cos and any(first[k].cos is None for k in source.names):
-        sums = {k: replace(v, sums=tuple(x.clone() for x in present(v.sums, ASKED)))
-                for k, v in first.items()}  # the first pass's stay whole for the call's means
-        means = segment_means(sums, source.names, need.bounds, need.sums_dtype)
+        means = segment_means(first, source.names, need.bounds, need.sums_dtype)
+        first = {k: replace(v, averaged=True) for k, v in first.items()}  # the call's means
         second = source.pass2(None, means, need.bounds)
     return Settled(source, first, second)
 

@@ -277,7 +277,8 @@ def keep_rows(kept: Tensors, size: int, start: int, stop: int, grads: Tensors) -
 def divide_(values: Tensors, divisor: float) -> Tensors:
     """``values`` divided by ``divisor`` in place, in one operation over all of them (on a GPU
     one launch, not one per parameter)."""
-    torch._foreach_div_(list(values.values()), divisor)
+    if values:
+        torch._foreach_div_(list(values.values()), divisor)
     return values
 
 
