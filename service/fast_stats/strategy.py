@@ -125,19 +125,27 @@ def _stats(call: Call, found: list[Source], grads: Tensors, *, keep: bool
     first: dict[str, Pass1] = {}
     second: dict[str, Pass2] = {}
     means: list[Tensors] | None = [{} for _ in bounds] if ask.sums else None
+    summed: list[str] = []  # parameters whose sums are not yet divided into their means
+
+    def average() -> None:  # the summed parameters' means, one division per segment
+        for s, mean in enumerate(segment_means(first, summed, bounds, dtype)):
+            present(means, "asked for sums")[s].update(mean)
+        summed.clear()
+
     later: list[tuple[Source, bool]] = []  # and whether its dots with the mean are to do
     for source in _drain(found, keep):
         done = (source.pass1(ask, need.clipped or need.cos) if ask.any  # keep: a second pass
                 else {k: Pass1() for k in source.names})
         first.update(done)
-        if means is not None:
-            for s, mean in enumerate(segment_means(done, source.names, bounds, dtype)):
-                means[s].update(mean)
+        summed.extend(source.names if means is not None else ())
         cos = need.cos and any(done[k].cos is None for k in source.names)  # still to do
         if need.clipped:
             later.append((source, cos))
         elif cos:
+            average()
             second.update(source.pass2(None, means, bounds))
+    if summed:
+        average()
     clip = None
     if need.clipped:
         norms = total([present(first[k].sq, ASKED) for k in call.selected]).sqrt()
