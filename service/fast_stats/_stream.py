@@ -33,7 +33,7 @@ import torch
 
 from service.fast_stats._build import source_for
 from service.fast_stats._dense import Dense, groupable
-from service.fast_stats._records import Pass1, Pass1Need, Pass2, Use
+from service.fast_stats._records import Pass1, Pass1Need, Use
 from service.fast_stats._run import Plan, Reduce, widened_use
 from service.fast_stats._source import Source, SourceContext, present
 from service.strategies.base import Bounds, Tensors, divide_
@@ -55,14 +55,13 @@ def segment_means(done: dict[str, Pass1], names: Sequence[str], bounds: Bounds,
 
 
 class Settled(Source):
-    """A source whose passes are done: their answers, and nothing of the forward or backward
-    pass."""
+    """A source whose passes are done: their answers (the cosines among the first pass's), and
+    nothing of the forward or backward pass."""
 
-    def __init__(self, source: Source, first: dict[str, Pass1],
-                 second: dict[str, Pass2] | None) -> None:
+    def __init__(self, source: Source, first: dict[str, Pass1]) -> None:
         super().__init__(source.names, source.shapes, source.batch, source.budget)
         self.how = source.described()
-        self.first, self.second = first, second
+        self.first = first
 
     def method_of(self, name: str) -> str:
         return self.how[name][0]
@@ -72,11 +71,6 @@ class Settled(Source):
 
     def pass1(self, need: Pass1Need, keep: bool = True) -> dict[str, Pass1]:
         return self.first
-
-    def pass2(self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds
-              ) -> dict[str, Pass2]:
-        assert self.second is not None and clip is None, "settled for one pass and the cosines"
-        return self.second
 
 
 def held(source: Source, numel: int) -> Source:
@@ -93,14 +87,15 @@ def held(source: Source, numel: int) -> Source:
 
 def settle(source: Source, need: Pass1Need) -> Settled:
     """``source``'s first pass and, for the cosines where the first pass leaves them, its
-    second (it needs the source's own means alone)."""
+    second (it needs the source's own means alone), whose cosines join the first's."""
     first = source.pass1(need, need.cos)
-    second = None
     if need.cos and any(first[k].cos is None for k in source.names):
         means = segment_means(first, source.names, need.bounds, need.sums_dtype)
-        first = {k: replace(v, averaged=True) for k, v in first.items()}  # the call's means
         second = source.pass2(None, means, need.bounds)
-    return Settled(source, first, second)
+        first = {k: replace(v, averaged=True,  # its sums: the call's means
+                            cos=second[k].cos if v.cos is None else v.cos)
+                 for k, v in first.items()}
+    return Settled(source, first)
 
 
 class Stream:
