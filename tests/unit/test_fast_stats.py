@@ -996,6 +996,25 @@ def test_batch_norm_gradients_reduced_as_the_backward_reaches_them(
         assert set(inside) == {early}, inside  # the fast path's (and the probe's, once)
 
 
+def test_batch_norm_statistics_written_in_place_are_read_again() -> None:
+    """A batch norm's scale and shift are kept from call to call while its running statistics
+    stay as they were: written in place (their version counters move), the next call reads
+    the new ones; a model loaded afresh (new buffers) gets its own."""
+    layers = [_l("Conv2d", 2, 3, 2), _l("BatchNorm2d", 3), _l("Flatten"), _l("Linear", 12, 2)]
+    model = _sequential(layers, [2, 3, 3])
+    batch = make_batch(model, 4)
+    opts = Options(loss=model.default_loss, outputs=("norms",), params=tuple(model.params))
+    first = check(model, batch, outputs=("norms",))
+    assert first["method"]["1.weight"] == "batch_norm", first["method"]
+    norms = torch.as_tensor(engine.compute(model, batch, opts, [4])[0]["norms"])
+    model.buffers["1.running_var"].mul_(9.0)
+    model.buffers["1.running_mean"].add_(0.5)
+    check(model, batch, outputs=("norms",))
+    again = torch.as_tensor(engine.compute(model, batch, opts, [4])[0]["norms"])
+    assert not torch.allclose(again, norms, rtol=1e-2), (again, norms)
+    check(_sequential(layers, [2, 3, 3]), batch, outputs=("norms",))
+
+
 class _Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
