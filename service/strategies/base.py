@@ -221,16 +221,24 @@ def clip_factors(clip_norm: float | None, norms: torch.Tensor,
 NORM_BLOCK = 4096  # elements per partial sum of :func:`squared_norms`
 
 
+def tree_reduces(device: torch.device) -> bool:
+    """Whether ``device``'s reductions add in a tree (a GPU's), so that one norm of a long row
+    keeps float32's digits; a CPU's ``vector_norm`` adds a whole row in one accumulator."""
+    return device.type != "cpu"
+
+
 def squared_norms(rows: torch.Tensor) -> torch.Tensor:
-    """``[n]`` squared norms of ``rows`` ``[n, ...]``, flattened: each row's norm taken in
-    blocks of :data:`NORM_BLOCK` elements, their squares summed. torch's CPU ``vector_norm`` adds a
-    whole row's squares in one float32 accumulator (relative error 8e-5 at 2.4 M elements, 5e-3 at
-    GPT-2's 38.6 M-element embedding), and ``pow(2).sum()`` holds a squared copy of the rows
-    (6x the time of this on that embedding, in fresh memory)."""
+    """``[n]`` squared norms of ``rows`` ``[n, ...]``, flattened. On a CPU each row's norm is
+    taken in blocks of :data:`NORM_BLOCK` elements, their squares summed: torch's CPU
+    ``vector_norm`` adds a whole row's squares in one float32 accumulator (relative error 8e-5 at
+    2.4 M elements, 5e-3 at GPT-2's 38.6 M-element embedding), and ``pow(2).sum()`` holds a
+    squared copy of the rows (6x the time of this on that embedding, in fresh memory). Where
+    reductions add in a tree (:func:`tree_reduces`), one norm per row: two operations, not
+    three to five (each a launch on a GPU)."""
     flat = rows.reshape(len(rows), -1) if rows.numel() else rows.new_zeros(len(rows), 0)
     n, p = flat.shape
     head = p - p % NORM_BLOCK
-    if head == 0:
+    if head == 0 or tree_reduces(flat.device):
         return torch.linalg.vector_norm(flat, dim=1).square()
     blocks = flat[:, :head].reshape(n, head // NORM_BLOCK, NORM_BLOCK)  # a view of each row
     sq = torch.linalg.vector_norm(blocks, dim=2).square().sum(1)
@@ -242,11 +250,12 @@ def squared_norms(rows: torch.Tensor) -> torch.Tensor:
 def squared_norm_sum(tensors: Sequence[torch.Tensor], *, fused: bool | None = None
                      ) -> torch.Tensor:
     """The sum of the squared norms of ``tensors``, 0-d (a mean gradient's squared norm over
-    its parameters). On a GPU (``fused``) one fused norm of them all: its reductions add in a
-    tree, and one launch serves every parameter. On a CPU, whose ``vector_norm`` adds a whole
-    tensor in one accumulator, each in blocks (:func:`squared_norms`)."""
+    its parameters). Where reductions add in a tree (``fused``, by default
+    :func:`tree_reduces`) one fused norm of them all: one launch serves every parameter. On a
+    CPU, whose ``vector_norm`` adds a whole tensor in one accumulator, each in blocks
+    (:func:`squared_norms`)."""
     if fused is None:
-        fused = tensors[0].device.type != "cpu"
+        fused = tree_reduces(tensors[0].device)
     if fused:
         return torch.stack(torch._foreach_norm(list(tensors))).square().sum()
     return torch.stack([squared_norms(t.reshape(1, -1))[0] for t in tensors]).sum()

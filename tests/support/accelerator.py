@@ -10,7 +10,6 @@ from unittest import mock
 
 import torch
 
-from service import outputs
 from service.fast_stats import strategy
 from service.fast_stats._budget import Budget
 from service.fast_stats.families import conv
@@ -20,14 +19,14 @@ from service.strategies import base
 @contextmanager
 def sized_as_on_an_accelerator() -> Iterator[None]:
     """Pieces of per-sample gradients sized as on a GPU (a quarter of the memory budget, each
-    layer's in one piece where it fits), a mean's norm over its parameters fused, and every
-    convolution's per-sample weight gradients with the batch folded into groups."""
+    layer's in one piece where it fits), norms taken as reductions that add in a tree (one norm
+    of a long row, a mean's over its parameters fused), and every convolution's per-sample
+    weight gradients with the batch folded into groups."""
     def budget(nbytes: int, _device: torch.device) -> Budget:
         return Budget(nbytes, torch.device("cuda"))
 
-    fused = partial(base.squared_norm_sum, fused=True)
     folded = partial(conv.weight_grad, folded=True)
     with mock.patch.object(strategy, "Budget", budget), \
-            mock.patch.object(outputs, "squared_norm_sum", fused), \
+            mock.patch.object(base, "tree_reduces", lambda _device: True), \
             mock.patch.object(conv, "weight_grad", folded):
         yield
