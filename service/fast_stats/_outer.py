@@ -131,7 +131,11 @@ class OuterSource(Materialised):
         if self._form == "outer":
             sq = vector_norm(a, dim=-1).square() * vector_norm(g, dim=-1).square()
             return sq.sum((1, 2))
-        return (a @ a.transpose(-1, -2)).mul_(g @ g.transpose(-1, -2)).sum((1, 2, 3))
+        return (g @ g.transpose(-1, -2)).mul_(self.gram(a)).sum((1, 2, 3))
+
+    def gram(self, a: torch.Tensor) -> torch.Tensor:
+        """Each sample's and group's ``A A^T`` ``[n, Gr, T, T]`` (read, never written)."""
+        return a @ a.transpose(-1, -2)
 
     def dot_rows(self, ref: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Samples [lo, hi)'s dot products with ``ref`` (in the parameter's shape)."""

@@ -10,7 +10,7 @@ budget allows); a family overrides the passes with its closed form where it has 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -37,6 +37,24 @@ class SourceContext:
     dtype: torch.dtype
     device: torch.device
     activation_numel: int
+    grams: LastGram = field(default_factory=lambda: LastGram(), compare=False)
+
+
+class LastGram:
+    """The last per-sample Gram matrix ``A_i A_i^T`` of a linear layer's input ``[n, 1, T, d]``,
+    kept for the next layer that reads the same input: the passes reach such layers one after
+    another (BERT's query, key and value; a gated MLP's two input projections), which then build
+    it once, not once each. One per call; it holds the input it was built from, so that the
+    input's memory is no other tensor's while it is kept."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, a: torch.Tensor) -> torch.Tensor:
+        key = (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, a._version)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, a, a @ a.transpose(-1, -2))
+        return self._last[2]
 
 
 def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:

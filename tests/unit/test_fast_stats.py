@@ -32,7 +32,7 @@ from service.fast_stats._dense import dense_sum
 from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
 from service.fast_stats._replay import ModuleReplay, OpReplay
-from service.fast_stats._source import Materialised
+from service.fast_stats._source import LastGram, Materialised
 from service.fast_stats.families import batch_norm, conv
 from service.fast_stats.families.conv import ConvSource
 from service.plugins import Registry
@@ -1013,6 +1013,45 @@ def test_batch_norm_statistics_written_in_place_are_read_again() -> None:
     again = torch.as_tensor(engine.compute(model, batch, opts, [4])[0]["norms"])
     assert not torch.allclose(again, norms, rtol=1e-2), (again, norms)
     check(_sequential(layers, [2, 3, 3]), batch, outputs=("norms",))
+
+
+class _SharedInput(nn.Module):
+    """A query and a key of one input, as attention reads it, and a layer of the same shapes
+    on another input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.v(torch.tanh(self.q(x)) * self.k(x))).sum(1)
+
+
+def test_layers_that_read_one_input_build_its_gram_matrix_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two linear layers of one input (a query and a key) take their norms over its positions
+    from one Gram matrix of it, built for the first and read again by the second (in the
+    backward pass and after it); a layer of the same shapes on another input builds its own.
+    The loop's answers."""
+    built: list[bool] = []
+    call = LastGram.__call__
+
+    def spy(self: LastGram, a: torch.Tensor) -> torch.Tensor:
+        before = self._last
+        out = call(self, a)
+        built.append(self._last is not before)
+        return out
+
+    monkeypatch.setattr(LastGram, "__call__", spy)
+    model = custom(_SharedInput(), (3, 8), key="shared-input")
+    for outputs in (("norms", "layer_norms"), ("norms", "clipped_mean", "mean")):
+        built.clear()
+        meta = check(model, make_batch(model, 4), segments=[3, 1], outputs=outputs)
+        forms = {meta["form"][k] for k in ("q.weight", "k.weight", "v.weight")}
+        assert forms == {"gram"}, meta["form"]
+        assert built.count(False) >= 1, built  # read again, not built again
 
 
 class _Broken(nn.Module):

@@ -52,6 +52,7 @@ class LinearSource(OuterSource):
     def __init__(self, name: str, a: torch.Tensor, g: torch.Tensor, ctx: SourceContext) -> None:
         self.a = a.unsqueeze(1)
         self.g = g.unsqueeze(1)
+        self.grams = ctx.grams
         super().__init__(name, ctx.shapes[name], ctx.batch, ctx.budget, groups=1,
                          d=a.shape[-1], p=g.shape[-1], positions=a.shape[1], method="linear")
 
@@ -61,6 +62,9 @@ class LinearSource(OuterSource):
 
     def blocks(self, lo: int, hi: int) -> Iterator[Block]:
         yield lo, hi, self.a[lo:hi], self.g[lo:hi]
+
+    def gram(self, a: torch.Tensor) -> torch.Tensor:
+        return self.grams(a)  # the query, key and value of one input build it once
 
 
 _MHA = inspect.signature(F.multi_head_attention_forward)
