@@ -25,21 +25,6 @@ T = TypeVar("T")
 SAMPLES = "every segment has samples"
 
 
-@dataclass(frozen=True)
-class SourceContext:
-    """What every source of one call may need besides its uses."""
-
-    batch: int
-    budget: Budget
-    shapes: dict[str, torch.Size]
-    params: Tensors  # every parameter's value for this call
-    buffers: Tensors
-    dtype: torch.dtype
-    device: torch.device
-    activation_numel: int
-    grams: LastGram = field(default_factory=lambda: LastGram(), compare=False)
-
-
 class LastGram:
     """The last per-sample Gram matrix ``A_i A_i^T`` of a linear layer's input ``[n, 1, T, d]``,
     kept for the next layer that reads the same input: the passes reach such layers one after
@@ -55,6 +40,21 @@ class LastGram:
         if self._last is None or self._last[0] != key:
             self._last = (key, a, a @ a.transpose(-1, -2))
         return self._last[2]
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What every source of one call may need besides its uses."""
+
+    batch: int
+    budget: Budget
+    shapes: dict[str, torch.Size]
+    params: Tensors  # every parameter's value for this call
+    buffers: Tensors
+    dtype: torch.dtype
+    device: torch.device
+    activation_numel: int
+    grams: LastGram = field(default_factory=LastGram, compare=False)
 
 
 def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
