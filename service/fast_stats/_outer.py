@@ -352,24 +352,23 @@ class OuterSource(Materialised):
         first = self.pass1(rest, keep)[self.names[0]] if rest.any else Pass1()
         done = [self._sq_and_cos(x, y) for x, y in need.bounds]
         both = cat([b for b, _ in done])
-        return replace(first, sq=both[:, 0], cos=both[:, 1], sums=tuple(
-            total.reshape(self.shapes[self.names[0]]).to(need.sums_dtype) for _, total in done))
+        return replace(first, sq=both[:, 0], cos=both[:, 1], averaged=True, sums=tuple(
+            mean.reshape(self.shapes[self.names[0]]).to(need.sums_dtype) for _, mean in done))
 
     def _sq_and_cos(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples [lo, hi)'s squared norms and dots with their mean ``[n, 2]``, and their sum
-        ``[groups, p, d]``, written a slice of rows at a time as the pieces come."""
+        """Samples [lo, hi)'s squared norms and dots with their mean ``[n, 2]``, and their mean
+        ``[groups, p, d]``, written a slice of rows at a time as the pieces come (the mean
+        itself, not a sum to divide: the dots need no division, the call's means none)."""
         held: list[torch.Tensor] = []
 
         def part(rows: slice, piece: torch.Tensor) -> torch.Tensor:
             if not held:
                 held.append(piece.new_empty((self.groups, self.p, self.d)))
             flat = piece.reshape(len(piece), -1)
-            s = torch.sum(piece, 0, out=held[0][:, rows]).reshape(-1)
-            return torch.stack((squared_norms(flat), flat @ s), 1)
+            mean = torch.mean(piece, 0, out=held[0][:, rows]).reshape(-1)
+            return torch.stack((squared_norms(flat), flat @ mean), 1)
 
-        both = self._rowwise(lo, hi, part, whole=True)
-        both[:, 1] /= hi - lo  # the dot with the sum, to the dot with the mean
-        return both, held[0]
+        return self._rowwise(lo, hi, part, whole=True), held[0]
 
     def pass2(
         self, clip: torch.Tensor | None, means: Sequence[Tensors] | None, bounds: Bounds

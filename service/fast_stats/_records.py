@@ -164,7 +164,7 @@ class Pass1:
     # per segment: sum of squared deviations from the segment's mean (variance = m2 / n)
     m2: tuple[torch.Tensor, ...] | None = None
     cos: torch.Tensor | None = None  # [B] dot with the segment's mean (or the second pass's)
-    averaged: bool = False  # ``sums`` holds each segment's mean already (divided in place)
+    averaged: bool = False  # ``sums`` holds each segment's mean already (not a sum to divide)
 
 
 @dataclass(frozen=True)
