@@ -247,16 +247,12 @@ def squared_norms(rows: torch.Tensor) -> torch.Tensor:
     return sq
 
 
-def squared_norm_sum(tensors: Sequence[torch.Tensor], *, fused: bool | None = None
-                     ) -> torch.Tensor:
+def squared_norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The sum of the squared norms of ``tensors``, 0-d (a mean gradient's squared norm over
-    its parameters). Where reductions add in a tree (``fused``, by default
-    :func:`tree_reduces`) one fused norm of them all: one launch serves every parameter. On a
-    CPU, whose ``vector_norm`` adds a whole tensor in one accumulator, each in blocks
-    (:func:`squared_norms`)."""
-    if fused is None:
-        fused = tree_reduces(tensors[0].device)
-    if fused:
+    its parameters). Where reductions add in a tree (:func:`tree_reduces`) one fused norm of
+    them all: one launch serves every parameter. On a CPU, whose ``vector_norm`` adds a whole
+    tensor in one accumulator, each in blocks (:func:`squared_norms`)."""
+    if tree_reduces(tensors[0].device):
         return torch.stack(torch._foreach_norm(list(tensors))).square().sum()
     return torch.stack([squared_norms(t.reshape(1, -1))[0] for t in tensors]).sum()
 

@@ -1100,15 +1100,18 @@ def test_squared_norms_of_long_rows_keep_float32_precision(width: int) -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_mean_norm_over_parameters_fused_or_in_blocks(fused: bool) -> None:
+def test_a_mean_norm_over_parameters_fused_or_in_blocks(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The squared norm of a gradient over its parameters (tensors of several shapes, one
     longer than a block) as one fused norm, as a GPU takes it, or in blocks per tensor, as a
     CPU does: float64's, to 1e-6."""
+    monkeypatch.setattr(base, "tree_reduces", lambda _device: fused)
     gen = torch.Generator().manual_seed(5)
     tensors = [torch.rand(shape, generator=gen) + 0.5
                for shape in [(3, 4), (7,), (2, NORM_BLOCK + 5), ()]]
     want = sum(float(t.double().pow(2).sum()) for t in tensors)
-    got = base.squared_norm_sum(tensors, fused=fused)
+    got = base.squared_norm_sum(tensors)
     assert got.shape == () and got.dtype == torch.float32
     assert abs(float(got) - want) / want < 1e-6
 
