@@ -1,7 +1,7 @@
 """Fast statistics' per-sample pieces at each height, against the weight-gradient GEMM.
 
     python benchmarks/pieces.py [--batch 32] [--seq 64] [--heights 64:4,128:8] [--rounds 3]
-                                [--shapes 768x768,768x3072,3072x768]
+                                [--shapes 768x768,768x3072,3072x768] [--loops fused,eager]
 
 A linear layer's ``variance``, ``dots`` (M=2) and the norms-and-dots-with-the-sum of
 ``cosine_mean`` over T positions build every sample's ``G_i^T A_i`` a piece at a time
@@ -12,7 +12,8 @@ unfolded, are ``4608x512`` at ``--seq 49``) with random inputs and output gradie
 the GFLOP/s of the batched matmul alone at each height, and each statistic's time over the layers
 divided by the weight-gradient GEMM's (one ``G^T A`` over every row: what a plain step pays for
 these layers' weights). One torch thread, this process's CPU time, the best of ``--rounds``.
-A height is ``rows:MiB``.
+A height is ``rows:MiB``. ``--loops``: the passes over each piece by the CPU's fused loops
+(``service/fast_stats/_kernels.py``), by torch's eager operations, or both side by side.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.fast_stats import _outer
+from service.fast_stats import _kernels, _outer
 from service.fast_stats._budget import Budget
 from service.fast_stats._source import SourceContext
 from service.fast_stats.families.linear import LinearSource
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shapes", default=",".join(f"{d}x{p}" for d, p in SHAPES),
                         help="layers as d x p (inputs x outputs), comma-separated")
+    parser.add_argument("--loops", default="fused,eager",
+                        help="the passes over a piece: fused (numba's loops), eager, or both")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(1)
@@ -77,17 +80,19 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread, B={b} T={t}, layers "
           f"{', '.join(f'{d}->{p}' for d, p in shapes)}; weight-gradient GEMM "
           f"{flops / gemm / 1e9:.0f} GFLOP/s ({gemm * 1e3:.0f} ms)")
-    print("| rows | MiB | build GFLOP/s | variance x GEMM | dots x GEMM | cosine x GEMM |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | MiB | loops | build GFLOP/s | variance x GEMM | dots x GEMM | cosine x GEMM |")
+    print("|---|---|---|---|---|---|---|")
     for height in args.heights.split(","):
         rows, mib = (int(v) for v in height.split(":"))
         _outer.MIN_ROWS, _outer.PIECE_BYTES = rows, mib << 20
-        times = [cpu(lambda f=f: [f(x, r) for x, r in zip(layers, refs, strict=True)],
-                     args.rounds)
-                 for f in (lambda x, r: build(x), lambda x, r: x.moments(0, b),
-                           lambda x, r: x.dots(r), lambda x, r: x._sq_and_cos(0, b))]
-        print(f"| {rows} | {mib} | {flops / times[0] / 1e9:.0f} | {times[1] / gemm:.2f} | "
-              f"{times[2] / gemm:.2f} | {times[3] / gemm:.2f} |")
+        for loops in args.loops.split(","):
+            _kernels.FUSED = loops == "fused"
+            times = [cpu(lambda f=f: [f(x, r) for x, r in zip(layers, refs, strict=True)],
+                         args.rounds)
+                     for f in (lambda x, r: build(x), lambda x, r: x.moments(0, b),
+                               lambda x, r: x.dots(r), lambda x, r: x._sq_and_cos(0, b))]
+            print(f"| {rows} | {mib} | {loops} | {flops / times[0] / 1e9:.0f} | "
+                  f"{times[1] / gemm:.2f} | {times[2] / gemm:.2f} | {times[3] / gemm:.2f} |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.linalg import vector_norm
 
 from service.config import get_settings
 from service.fast_stats._budget import Budget
+from service.fast_stats._kernels import moments_into, norms_and_mean_dots
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import (
     Materialised,
@@ -29,9 +30,8 @@ from service.fast_stats._source import (
     combine,
     m2_of,
     present,
-    squared_deviations,
 )
-from service.strategies.base import Bounds, Tensors, dots_with, squared_norms
+from service.strategies.base import Bounds, Tensors, dots_with
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
@@ -274,7 +274,7 @@ class OuterSource(Materialised):
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Rows [lo, hi)'s sum (with ``sums``) and sum of squared deviations from their mean,
         from one build of their gradients a piece at a time (:meth:`pieces`): each piece's
-        deviations from its own samples' mean (two passes over the piece in cache, no
+        deviations from its own samples' mean (:func:`~._kernels.moments_into`: no
         cancellation), blocks of samples merged by Chan's formula. No weight-gradient GEMM for
         the sum, no second build, and the running mean kept only where it is asked for or
         blocks merge (GPT-2 small's variance took 1.7x a plain step with a GEMM and a second
@@ -298,14 +298,11 @@ class OuterSource(Materialised):
                 spare = piece.new_empty(2 * size)
             if seen == 0:  # straight into the answer (a copy of fresh memory costs more)
                 at = mean[:, rows] if mean is not None else spare[:size].view(piece.shape[1:])
-                mu = torch.sum(piece, 0, out=at).div_(n)
-                dev = squared_deviations(piece, mu, in_place=True)
-                torch.sum(dev, 0, out=m2[:, rows])
+                moments_into(piece, at, m2[:, rows], in_place=True)
                 continue
             # this set's moments merged into the rows' so far
-            mu = torch.sum(piece, 0, out=spare[:size].view(piece.shape[1:])).div_(n)
-            dev = squared_deviations(piece, mu, in_place=True)
-            part = torch.sum(dev, 0, out=spare[size : 2 * size].view(piece.shape[1:]))
+            mu, part = (spare[i * size : (i + 1) * size].view(piece.shape[1:]) for i in (0, 1))
+            moments_into(piece, mu, part, in_place=True)
             combine(Moments(seen, present(mean, "sets merge through the running mean")[:, rows],
                             m2[:, rows]), Moments(n, mu, part))
         assert m2 is not None, "every segment has samples"
@@ -364,9 +361,7 @@ class OuterSource(Materialised):
         def part(rows: slice, piece: torch.Tensor) -> torch.Tensor:
             if not held:
                 held.append(piece.new_empty((self.groups, self.p, self.d)))
-            flat = piece.reshape(len(piece), -1)
-            mean = torch.mean(piece, 0, out=held[0][:, rows]).reshape(-1)
-            return torch.stack((squared_norms(flat), flat @ mean), 1)
+            return norms_and_mean_dots(piece, held[0][:, rows])
 
         return self._rowwise(lo, hi, part, whole=True), held[0]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from service.fast_stats._budget import Budget
+from service.fast_stats._kernels import moments_into
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.strategies.base import Bounds, Tensors, dots_with, keep_rows, squared_norms
 from service.strategies.projection import Projection
@@ -142,30 +142,17 @@ class Moments:
 def merge(acc: Moments | None, rows: torch.Tensor) -> Moments:
     """``acc`` with the samples ``rows`` ``[n, *shape]`` added (Chan et al.'s pairwise update).
 
-    Each chunk's deviations are taken from its own mean (two passes over the chunk in memory),
-    so nothing cancels: ``E[g^2] - E[g]^2`` in float32 loses every digit when the mean is large
-    next to the spread, and float64 copies of every per-sample gradient cost more than the
-    products that made them. (``torch.var_mean`` over the first dimension took ten times as
-    long on the CPU.) ``acc`` is updated in place.
+    Each chunk's deviations are taken from its own mean (:func:`~._kernels.moments_into`: two
+    reads of the chunk), so nothing cancels: ``E[g^2] - E[g]^2`` in float32 loses every digit
+    when the mean is large next to the spread, and float64 copies of every per-sample gradient
+    cost more than the products that made them. (``torch.var_mean`` over the first dimension
+    took ten times as long on the CPU.) ``acc`` is updated in place.
     """
-    n = rows.shape[0]
-    if n == 1:
-        mean, m2 = rows[0].clone(), torch.zeros_like(rows[0])
-    else:
-        mean = rows.mean(0)
-        m2 = squared_deviations(rows, mean).sum(0)
-    part = Moments(n, mean, m2)
+    mean = rows.new_empty(rows.shape[1:])
+    m2 = torch.empty_like(mean)
+    moments_into(rows, mean, m2)
+    part = Moments(rows.shape[0], mean, m2)
     return part if acc is None else combine(acc, part)
-
-
-def squared_deviations(rows: torch.Tensor, mean: torch.Tensor, *, in_place: bool = False
-                       ) -> torch.Tensor:
-    """``(rows - mean)^2`` element-wise, one pass over ``rows`` (``mse_loss``'s kernel: ``sub_``
-    then ``mul_`` took 30% longer on the CPU), written over ``rows`` with ``in_place``."""
-    target = mean.expand_as(rows)
-    if in_place:
-        return torch.ops.aten.mse_loss.out(rows, target, 0, out=rows)  # 0: no reduction
-    return F.mse_loss(rows, target, reduction="none")
 
 
 def combine(acc: Moments, part: Moments) -> Moments:

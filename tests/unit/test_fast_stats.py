@@ -22,6 +22,7 @@ from service.fast_stats import (
     Family,
     FastStats,
     _family,
+    _kernels,
     _outer,
     _plan,
     _stream,
@@ -458,12 +459,15 @@ def test_a_tied_layer_over_positions_takes_its_cosines_by_pairs_or_the_dot(
     assert meta["form"]["emb.weight"] == "tied:embedding+materialise"  # 5 (4 + 9) >= 4 x 9
 
 
-@pytest.mark.parametrize("positions", [False, True], ids=["one-position", "pieces"])
+@pytest.mark.parametrize("positions", [False, True, "eager"],
+                         ids=["one-position", "pieces", "pieces-eager"])
 def test_variance_keeps_its_digits_when_the_mean_is_large(
-    positions: bool, monkeypatch: pytest.MonkeyPatch
+    positions: bool | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inputs far from 0 next to their spread: float64 sums for one position; over positions,
-    each piece's deviations from its own samples' mean, sets of samples merged."""
+    each piece's deviations from its own samples' mean (the CPU's fused loop, or torch's
+    eager operations as on an accelerator), sets of samples merged."""
+    monkeypatch.setattr(_kernels, "FUSED", positions != "eager")
     if positions:
         monkeypatch.setattr(_outer, "PIECE_BYTES", 64)
         monkeypatch.setattr(_outer, "MIN_ROWS", 1)
@@ -760,7 +764,7 @@ def test_dots_with_references_in_either_form(
     assert ((4, True) in calls) == folded, calls  # the call's batch, not only the probe's
 
 
-@pytest.mark.parametrize("way", ["pairs", "mean", "pieces"])
+@pytest.mark.parametrize("way", ["pairs", "mean", "pieces", "pieces-eager"])
 @pytest.mark.parametrize(("layers", "shape"), [(layers, shape) for layers, shape, _ in SHAPES])
 def test_cosine_by_pairwise_products_the_mean_or_pieces(
     layers: list[dict[str, Any]], shape: list[int], way: str, monkeypatch: pytest.MonkeyPatch
@@ -768,8 +772,11 @@ def test_cosine_by_pairwise_products_the_mean_or_pieces(
     """Each sample's dot with its segment's mean as the mean of its pairwise dot products, as
     the dot with the mean (a convolution's by one forward convolution with the mean as its
     weight), or with its squared norm from its gradient built a piece at a time (a linear
-    layer's over positions, a convolution's unfolded in one block), each taken here wherever it
-    applies, not only where cheaper: the loop's cosines."""
+    layer's over positions, a convolution's unfolded in one block; by the CPU's fused loop, or
+    torch's eager operations as on an accelerator), each taken here wherever it applies, not
+    only where cheaper: the loop's cosines."""
+    monkeypatch.setattr(_kernels, "FUSED", way != "pieces-eager")
+    way = way.removesuffix("-eager")
     taken = []
     built = []
 

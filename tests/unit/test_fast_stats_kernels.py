@@ -1,0 +1,76 @@
+"""The CPU's fused loops over a piece of per-sample gradients against torch's eager operations
+and float64: each sample's mean, squared deviations, squared norms and dots with the mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.fast_stats import _kernels
+from service.fast_stats._kernels import moments_into, norms_and_mean_dots
+
+CASES = [(1, (5, 7)), (2, (3,)), (3, (1, 40, 33)), (4, (2, 300, 9)), (5, (700,)), (32, (1, 3, 130))]
+
+
+def _rows(n: int, shape: tuple[int, ...], dtype: torch.dtype, offset: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n * 1000 + len(shape))
+    return (offset + torch.randn((n, *shape), generator=gen, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("n", "shape"), CASES)
+def test_moments_keep_their_digits_when_the_mean_is_large(
+    n: int, shape: tuple[int, ...], dtype: torch.dtype, fused: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mean 300 next to a spread of 1: the deviations from the rows' own mean keep their
+    digits (E[g^2] - E[g]^2 in float32 would keep none), blocks of columns of every size."""
+    monkeypatch.setattr(_kernels, "FUSED", fused)
+    monkeypatch.setattr(_kernels, "BLOCK_BYTES", 64)  # several blocks, the last one short
+    rows = _rows(n, shape, dtype, 300.0)
+    mean, m2 = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+    moments_into(rows, mean, m2)
+    exact = rows.double()
+    want_m2 = ((exact - exact.mean(0)) ** 2).sum(0)
+    tol = 1e-6 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(mean.double(), exact.mean(0), rtol=tol, atol=0)
+    torch.testing.assert_close(m2.double(), want_m2, rtol=0, atol=tol * 300 * 300 * n)
+    assert m2.min() >= 0
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("n", "shape"), CASES)
+def test_norms_and_dots_with_the_mean(
+    n: int, shape: tuple[int, ...], dtype: torch.dtype, fused: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_kernels, "FUSED", fused)
+    monkeypatch.setattr(_kernels, "BLOCK_BYTES", 64)
+    rows = _rows(n, shape, dtype, 0.5)
+    mean = torch.full(shape, float("nan"), dtype=dtype)
+    got = norms_and_mean_dots(rows, mean)
+    flat = rows.double().reshape(n, -1)
+    want = torch.stack((flat.square().sum(1), flat @ flat.mean(0)), 1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert got.shape == (n, 2) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(mean.double(), rows.double().mean(0), rtol=tol, atol=tol)
+
+
+def test_other_layouts_and_dtypes_take_the_eager_operations() -> None:
+    """A strided output and half precision still get their answer (the eager operations; with
+    ``in_place`` those write over the rows)."""
+    rows = _rows(3, (4, 6), torch.float32, 2.0)
+    exact = rows.double()
+    wide = torch.empty(4, 12)
+    mean, m2 = wide[:, ::2], wide[:, 1::2]  # not contiguous
+    moments_into(rows.clone(), mean, m2)
+    torch.testing.assert_close(mean.double(), exact.mean(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m2.double(), ((exact - exact.mean(0)) ** 2).sum(0),
+                               rtol=1e-5, atol=1e-5)
+    half = rows.to(torch.bfloat16)
+    mean16, m216 = torch.empty(4, 6, dtype=torch.bfloat16), torch.empty(4, 6, dtype=torch.bfloat16)
+    moments_into(half.clone(), mean16, m216, in_place=True)
+    torch.testing.assert_close(mean16.double(), half.double().mean(0), rtol=1e-2, atol=1e-2)
