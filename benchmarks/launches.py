@@ -12,7 +12,9 @@ one plain forward and backward (:func:`realsize.plain`) and for each statistic t
 sized as on an accelerator (:func:`tests.support.accelerator.sized_as_on_an_accelerator`:
 pieces of a quarter of the memory budget, the whole layer where it fits, a mean's squared norm
 over its parameters as one fused norm, convolutions' per-sample weight gradients with the batch
-folded into groups). The counts are the same on every run. (Before 2026-11-29's evening the
+folded into groups, the CPU's fused numba loops off). The counts are the same on every run.
+On the CPU's sizing the fused loops (``service/fast_stats/_kernels.py``) run outside aten and are
+not counted. (Before 2026-11-29's evening the
 plain step's eval-mode ``dropout`` and ``detach_`` counted as computing: GPT-2's 862, not 801,
 BERT-base's 707, not 669.)
 

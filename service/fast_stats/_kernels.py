@@ -1,12 +1,14 @@
-"""Fused CPU loops for the passes over per-sample gradients built a piece at a time.
+"""Fused CPU loops for the passes over per-sample gradients and activations.
 
-torch's eager operations read a piece once per operation: its mean over the samples, its squared
-deviations (written) and their sum are three passes, about 1 ns per element on a 2-core Xeon,
-as long again as the batched matmul that built the piece. One loop over blocks of the piece's
-columns small enough to stay in the L1 cache reads each element twice from there and writes
-none: about four times faster (``benchmarks/pieces.py --loops fused,eager``). Numba compiles each loop once per process
-at its first use (about a second per dtype). On an accelerator (whose eager kernels are
-bandwidth-bound and fast), and for any other dtype or layout, the eager operations run.
+torch's eager operations read a tensor once per operation: a piece's mean over the samples, its
+squared deviations (written) and their sum are three passes, about 1 ns per element on a 2-core
+Xeon, as long again as the batched matmul that built the piece. One loop over blocks of the
+piece's columns small enough to stay in the L1 cache reads each element twice from there and
+writes none: about four times faster (``benchmarks/pieces.py --loops fused,eager``). A batch
+norm's per-sample sums and dots over positions likewise take one read. Numba compiles each loop
+once per process at its first use (about a second per dtype). On an accelerator (whose eager
+kernels are bandwidth-bound and fast), and for any other dtype or layout, the eager operations
+run.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def norms_and_mean_dots(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     flat = rows.reshape(n, -1)
     mu = torch.mean(rows, 0, out=mean).reshape(-1)
     return torch.stack((squared_norms(flat), flat @ mu), 1)
+
+
+def sums_and_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of ``a`` ``[R, K]`` written into ``out[:, 0]`` (``out`` ``[R, 2]``), and
+    each row's dot product with ``b``'s row answered ``[R]`` (fused: written into ``out[:, 1]``
+    in the same read of ``a``; eager: one batched matmul, one kernel on an accelerator, which
+    ran 1.5 to 3.5 times slower than a product and a sum on a Xeon's CPU)."""
+    if _fused(a, b, out):
+        _sums_and_dots(_flat(a, len(a)), _flat(b, len(b)), out.numpy())
+        return out[:, 1]
+    torch.sum(a, 1, out=out[:, 0])
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
@@ -130,3 +144,15 @@ def _norms_and_dots(x: Any, mean: Any, out: Any, step: int) -> None:  # pragma: 
             out[b, 0] += sq
             out[b, 1] += dot
 
+
+
+@numba.njit(nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
+def _sums_and_dots(a: Any, b: Any, out: Any) -> None:  # pragma: no cover - compiled
+    zero = np.zeros(1, a.dtype)[0]
+    for r in range(a.shape[0]):
+        total, dot = zero, zero
+        for k in range(a.shape[1]):
+            total += a[r, k]
+            dot += a[r, k] * b[r, k]
+        out[r, 0] = total
+        out[r, 1] = dot

@@ -976,17 +976,20 @@ def test_two_passes_hold_per_sample_gradients_where_they_are_the_smaller(
     assert kept == {"0.weight": "Dense", "2.weight": "LinearSource"}, kept
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 @pytest.mark.parametrize(("layers", "early"), [
     ([_l("Conv2d", 2, 3, 2), _l("BatchNorm2d", 3), _l("Flatten"), _l("Linear", 12, 2)], True),
     ([_l("BatchNorm2d", 2), _l("Conv2d", 2, 3, 2), _l("Flatten"), _l("Linear", 12, 2)], False),
 ])
 def test_batch_norm_gradients_reduced_as_the_backward_reaches_them(
-    layers: list[dict[str, Any]], early: bool, monkeypatch: pytest.MonkeyPatch
+    layers: list[dict[str, Any]], early: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch norm's output gradient is reduced to each sample's sums by a hook as the backward
     pass reaches it (where a layer below it asks for a gradient), never held to the end of the
     pass; on the model's input it is reduced after (its gradient is the last the pass makes).
-    Both give the loop's answers, with a clipped mean and without."""
+    Both give the loop's answers, with a clipped mean and without, by the CPU's fused loop or
+    the eager operations."""
+    monkeypatch.setattr(_kernels, "FUSED", fused)
     inside: list[bool] = []
     reduce = batch_norm.BatchNorm.reduce
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.fast_stats import _kernels
-from service.fast_stats._kernels import moments_into, norms_and_mean_dots
+from service.fast_stats._kernels import moments_into, norms_and_mean_dots, sums_and_dots
 
 CASES = [(1, (5, 7)), (2, (3,)), (3, (1, 40, 33)), (4, (2, 300, 9)), (5, (700,)), (32, (1, 3, 130))]
 
@@ -74,3 +74,20 @@ def test_other_layouts_and_dtypes_take_the_eager_operations() -> None:
     mean16, m216 = torch.empty(4, 6, dtype=torch.bfloat16), torch.empty(4, 6, dtype=torch.bfloat16)
     moments_into(half.clone(), mean16, m216, in_place=True)
     torch.testing.assert_close(mean16.double(), half.double().mean(0), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("rows", "width"), [(1, 1), (3, 17), (64, 49), (8, 3136)])
+def test_row_sums_and_dots(rows: int, width: int, dtype: torch.dtype, fused: bool,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch norm's per-sample, per-channel sums over positions: of the output gradient, and
+    of its product with the input."""
+    monkeypatch.setattr(_kernels, "FUSED", fused)
+    a, b = _rows(rows, (width,), dtype, 0.3), _rows(rows, (width,), dtype, -2.0)
+    out = torch.full((rows, 2), float("nan"), dtype=dtype)
+    dots = sums_and_dots(a, b, out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out[:, 0].double(), a.double().sum(1), rtol=tol, atol=tol)
+    torch.testing.assert_close(dots.double(), (a.double() * b.double()).sum(1), rtol=tol,
+                               atol=tol)

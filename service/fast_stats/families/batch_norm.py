@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from service.fast_stats._capture import Capture, bind, roles_of
 from service.fast_stats._dense import dense_sum
 from service.fast_stats._family import Captured, Family, register_family
+from service.fast_stats._kernels import sums_and_dots
 from service.fast_stats._records import Use
 from service.fast_stats._source import Source, SourceContext
 
@@ -97,11 +98,10 @@ class BatchNorm(Family[NormInput]):
         if g.dim() == 2:  # [B, C]: one position
             return torch.stack([g, g * p.normalised().to(g)], -1)
         b, c = g.shape[:2]
-        g = g.reshape(b * c, 1, -1)
         out = g.new_empty((b, c, 2))
-        total = torch.sum(g.view(b, c, -1), 2, out=out[..., 0])
-        gx = torch.bmm(g, p.x.reshape(b * c, -1, 1).to(g)).view(b, c)
-        torch.mul(gx, p.rstd.to(g), out=out[..., 1]).addcmul_(total, p.shift.to(g))
+        gx = sums_and_dots(g.reshape(b * c, -1), p.x.reshape(b * c, -1).to(g), out.view(-1, 2))
+        torch.mul(gx.view(b, c), p.rstd.to(g), out=out[..., 1]).addcmul_(out[..., 0],
+                                                                         p.shift.to(g))
         return out
 
     def spent(self, payload: NormInput) -> NormInput:
