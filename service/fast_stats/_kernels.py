@@ -42,12 +42,20 @@ def moments_into(rows: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, *,
     from it, written into ``mean`` and ``m2`` (``shape``). Each deviation is taken from the
     rows' own mean, so nothing cancels. With ``in_place`` the eager operations may write over
     ``rows`` (a reused buffer)."""
-    n = rows.shape[0]
-    if _fused(rows, mean, m2):
-        _moments(_flat(rows, n), _flat(mean), _flat(m2), _step(rows))
+    if merged_into(rows, mean, m2, 0):
         return
-    torch.sum(rows, 0, out=mean).div_(n)
+    torch.sum(rows, 0, out=mean).div_(rows.shape[0])
     torch.sum(squared_deviations(rows, mean, in_place=in_place), 0, out=m2)
+
+
+def merged_into(rows: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, seen: int) -> bool:
+    """``rows``' moments merged into the running ``mean`` and ``m2`` of ``seen`` earlier samples
+    (none: written) in one loop, where the fused loops run; False where they do not (the caller
+    takes the eager operations)."""
+    if not _fused(rows, mean, m2):
+        return False
+    _moments(_flat(rows, len(rows)), _flat(mean), _flat(m2), _step(rows), seen)
+    return True
 
 
 def norms_and_mean_dots(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
@@ -111,18 +119,31 @@ def _block_mean(x: Any, mu: Any, j0: int, k: int) -> None:  # pragma: no cover -
 
 
 @numba.njit(nogil=True, boundscheck=False)
-def _moments(x: Any, mean: Any, m2: Any, step: int) -> None:  # pragma: no cover - compiled
+def _moments(x: Any, mean: Any, m2: Any, step: int, seen: int
+             ) -> None:  # pragma: no cover - compiled
+    """``mean`` and ``m2`` := ``x``'s; with ``seen``, ``x``'s merged into those of ``seen``
+    earlier samples (Chan's update, each block's own moments first: nothing cancels)."""
     n, m = x.shape
+    mu, q = np.empty(step, x.dtype), np.empty(step, x.dtype)
+    grow, cross = n / (seen + n), seen * n / (seen + n)
     for j0 in range(0, m, step):
         k = min(step, m - j0)
-        mu, q = mean[j0 : j0 + k], m2[j0 : j0 + k]
         _block_mean(x, mu, j0, k)
-        q[:] = 0
+        q[:k] = 0
         for b in range(n):
             row = x[b, j0 : j0 + k]
             for j in range(k):
                 d = row[j] - mu[j]
                 q[j] += d * d
+        if seen == 0:
+            mean[j0 : j0 + k] = mu[:k]
+            m2[j0 : j0 + k] = q[:k]
+            continue
+        at, sq = mean[j0 : j0 + k], m2[j0 : j0 + k]
+        for j in range(k):
+            delta = mu[j] - at[j]
+            at[j] += delta * grow
+            sq[j] += q[j] + delta * delta * cross
 
 
 # the sums over a block's columns may be reordered (vectorised), as torch's own reductions are

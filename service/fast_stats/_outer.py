@@ -21,7 +21,7 @@ from torch.linalg import vector_norm
 
 from service.config import get_settings
 from service.fast_stats._budget import Budget
-from service.fast_stats._kernels import moments_into, norms_and_mean_dots
+from service.fast_stats._kernels import merged_into, moments_into, norms_and_mean_dots
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import (
     Materialised,
@@ -301,10 +301,12 @@ class OuterSource(Materialised):
                 moments_into(piece, at, m2[:, rows], in_place=True)
                 continue
             # this set's moments merged into the rows' so far
+            running = present(mean, "sets merge through the running mean")[:, rows]
+            if merged_into(piece, running, m2[:, rows], seen):
+                continue
             mu, part = (spare[i * size : (i + 1) * size].view(piece.shape[1:]) for i in (0, 1))
             moments_into(piece, mu, part, in_place=True)
-            combine(Moments(seen, present(mean, "sets merge through the running mean")[:, rows],
-                            m2[:, rows]), Moments(n, mu, part))
+            combine(Moments(seen, running, m2[:, rows]), Moments(n, mu, part))
         assert m2 is not None, "every segment has samples"
         out = self.shapes[self.names[0]]
         total = mean.mul_(hi - lo).reshape(out) if sums and mean is not None else None

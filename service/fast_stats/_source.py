@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from service.fast_stats._budget import Budget
-from service.fast_stats._kernels import moments_into
+from service.fast_stats._kernels import merged_into, moments_into
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.strategies.base import Bounds, Tensors, dots_with, keep_rows, squared_norms
 from service.strategies.projection import Projection
@@ -148,10 +148,13 @@ def merge(acc: Moments | None, rows: torch.Tensor) -> Moments:
     cost more than the products that made them. (``torch.var_mean`` over the first dimension
     took ten times as long on the CPU.) ``acc`` is updated in place.
     """
+    n = rows.shape[0]
+    if acc is not None and merged_into(rows, acc.mean, acc.m2, acc.n):  # in the same loop
+        return Moments(acc.n + n, acc.mean, acc.m2)
     mean = rows.new_empty(rows.shape[1:])
     m2 = torch.empty_like(mean)
     moments_into(rows, mean, m2)
-    part = Moments(rows.shape[0], mean, m2)
+    part = Moments(n, mean, m2)
     return part if acc is None else combine(acc, part)
 
 

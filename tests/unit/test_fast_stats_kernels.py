@@ -3,11 +3,19 @@ and float64: each sample's mean, squared deviations, squared norms and dots with
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from service.fast_stats import _kernels
-from service.fast_stats._kernels import moments_into, norms_and_mean_dots, sums_and_dots
+from service.fast_stats._kernels import (
+    merged_into,
+    moments_into,
+    norms_and_mean_dots,
+    sums_and_dots,
+)
+from service.fast_stats._source import merge
 
 CASES = [(1, (5, 7)), (2, (3,)), (3, (1, 40, 33)), (4, (2, 300, 9)), (5, (700,)), (32, (1, 3, 130))]
 
@@ -91,3 +99,27 @@ def test_row_sums_and_dots(rows: int, width: int, dtype: torch.dtype, fused: boo
     torch.testing.assert_close(out[:, 0].double(), a.double().sum(1), rtol=tol, atol=tol)
     torch.testing.assert_close(dots.double(), (a.double() * b.double()).sum(1), rtol=tol,
                                atol=tol)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sets", [[1, 1], [3, 1, 4], [5, 2, 2, 1]])
+def test_sets_of_samples_merge_into_the_running_moments(
+    sets: list[int], dtype: torch.dtype, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chan's update of the running mean and m2 by each set's own moments (in the same loop
+    where fused), with the mean large next to the spread: the moments of every sample."""
+    monkeypatch.setattr(_kernels, "FUSED", fused)
+    monkeypatch.setattr(_kernels, "BLOCK_BYTES", 64)
+    rows = _rows(sum(sets), (3, 70), dtype, 300.0)
+    acc = None
+    ends = list(itertools.accumulate(sets))
+    for lo, hi in zip([0, *ends], ends, strict=False):
+        acc = merge(acc, rows[lo:hi])
+    assert acc is not None and acc.n == len(rows)
+    exact = rows.double()
+    tol = 1e-6 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(acc.mean.double(), exact.mean(0), rtol=tol, atol=0)
+    torch.testing.assert_close(acc.m2.double(), ((exact - exact.mean(0)) ** 2).sum(0), rtol=0,
+                               atol=tol * 300 * 300 * len(rows))
+    assert merged_into(rows, acc.mean, acc.m2, 1) == fused  # where the loops run
