@@ -86,7 +86,8 @@ def sums_and_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.
 def _fused(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
     return FUSED and dtype in (torch.float32, torch.float64) and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
+        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel() > 0
+        for t in tensors)
 
 
 def _flat(t: torch.Tensor, rows: int | None = None) -> np.ndarray:
@@ -101,21 +102,28 @@ def _step(rows: torch.Tensor) -> int:
 
 
 @numba.njit(nogil=True, boundscheck=False)
-def _block_mean(x: Any, mu: Any, j0: int, k: int) -> None:  # pragma: no cover - compiled
-    """``mu`` (``k`` long) := the mean over the samples of ``x``'s columns [j0, j0 + k), the sum
-    times 1/n in ``x``'s dtype (a division took a third longer; exact for n a power of two)."""
-    n = x.shape[0]
-    inv = np.empty(1, x.dtype)
-    inv[0] = 1.0 / n
+def _scalar(x: Any, value: float) -> Any:  # pragma: no cover - compiled
+    """``value`` in ``x``'s dtype."""
+    out = np.empty(1, x.dtype)
+    out[0] = value
+    return out[0]
+
+
+@numba.njit(nogil=True, boundscheck=False)
+def _block_mean(x: Any, mu: Any, j0: int, k: int, inv: Any
+                ) -> None:  # pragma: no cover - compiled
+    """``mu`` (``k`` long) := the mean over the samples of ``x``'s columns [j0, j0 + k): the sum
+    times ``inv`` = 1/n in ``x``'s dtype (a division took a third longer; exact for n a power of
+    two)."""
     row = x[0, j0 : j0 + k]
     for j in range(k):
         mu[j] = row[j]
-    for b in range(1, n):
+    for b in range(1, x.shape[0]):
         row = x[b, j0 : j0 + k]
         for j in range(k):
             mu[j] += row[j]
     for j in range(k):
-        mu[j] *= inv[0]
+        mu[j] *= inv
 
 
 @numba.njit(nogil=True, boundscheck=False)
@@ -124,38 +132,36 @@ def _moments(x: Any, mean: Any, m2: Any, step: int, seen: int
     """``mean`` and ``m2`` := ``x``'s; with ``seen``, ``x``'s merged into those of ``seen``
     earlier samples (Chan's update, each block's own moments first: nothing cancels)."""
     n, m = x.shape
-    mu, q = np.empty(step, x.dtype), np.empty(step, x.dtype)
-    grow, cross = n / (seen + n), seen * n / (seen + n)
+    own_mean, own_m2 = np.empty(step, x.dtype), np.empty(step, x.dtype)
+    grow, cross, inv = n / (seen + n), seen * n / (seen + n), _scalar(x, 1.0 / n)
     for j0 in range(0, m, step):
         k = min(step, m - j0)
-        _block_mean(x, mu, j0, k)
-        q[:k] = 0
+        at, sq = mean[j0 : j0 + k], m2[j0 : j0 + k]
+        mu, q = (at, sq) if seen == 0 else (own_mean[:k], own_m2[:k])
+        _block_mean(x, mu, j0, k, inv)
+        q[:] = 0
         for b in range(n):
             row = x[b, j0 : j0 + k]
             for j in range(k):
                 d = row[j] - mu[j]
                 q[j] += d * d
-        if seen == 0:
-            mean[j0 : j0 + k] = mu[:k]
-            m2[j0 : j0 + k] = q[:k]
-            continue
-        at, sq = mean[j0 : j0 + k], m2[j0 : j0 + k]
-        for j in range(k):
-            delta = mu[j] - at[j]
-            at[j] += delta * grow
-            sq[j] += q[j] + delta * delta * cross
+        if seen > 0:
+            for j in range(k):
+                delta = mu[j] - at[j]
+                at[j] += delta * grow
+                sq[j] += q[j] + delta * delta * cross
 
 
 # the sums over a block's columns may be reordered (vectorised), as torch's own reductions are
 @numba.njit(nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
 def _norms_and_dots(x: Any, mean: Any, out: Any, step: int) -> None:  # pragma: no cover
     n, m = x.shape
-    zero = np.zeros(1, x.dtype)[0]  # sums in the rows' dtype, as torch's reductions keep them
+    zero, inv = _scalar(x, 0.0), _scalar(x, 1.0 / n)  # sums in the rows' dtype, as torch keeps
     out[:] = zero
     for j0 in range(0, m, step):
         k = min(step, m - j0)
         mu = mean[j0 : j0 + k]
-        _block_mean(x, mu, j0, k)
+        _block_mean(x, mu, j0, k, inv)
         for b in range(n):
             row = x[b, j0 : j0 + k]
             sq, dot = zero, zero
@@ -166,10 +172,9 @@ def _norms_and_dots(x: Any, mean: Any, out: Any, step: int) -> None:  # pragma: 
             out[b, 1] += dot
 
 
-
 @numba.njit(nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
 def _sums_and_dots(a: Any, b: Any, out: Any) -> None:  # pragma: no cover - compiled
-    zero = np.zeros(1, a.dtype)[0]
+    zero = _scalar(a, 0.0)
     for r in range(a.shape[0]):
         total, dot = zero, zero
         for k in range(a.shape[1]):
