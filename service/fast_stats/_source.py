@@ -151,10 +151,11 @@ def merge(acc: Moments | None, rows: torch.Tensor) -> Moments:
     n = rows.shape[0]
     if acc is not None and merged_into(rows, acc.mean, acc.m2, acc.n):  # in the same loop
         return Moments(acc.n + n, acc.mean, acc.m2)
-    mean = rows.new_empty(rows.shape[1:])
-    m2 = torch.empty_like(mean)
-    moments_into(rows, mean, m2)
-    part = Moments(n, mean, m2)
+    if n == 1:  # no deviations (two operations, not four, where the loops do not run)
+        part = Moments(1, rows[0].clone(), torch.zeros_like(rows[0]))
+    else:
+        part = Moments(n, rows.new_empty(rows.shape[1:]), rows.new_empty(rows.shape[1:]))
+        moments_into(rows, part.mean, part.m2)
     return part if acc is None else combine(acc, part)
 
 
