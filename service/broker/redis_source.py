@@ -53,6 +53,13 @@ def script_in(pipe: Any, lua: str, keys_: list[str], args: list[Any]) -> None:
     pipe.eval(lua, len(keys_), *keys_, *args)
 
 
+def _completed(fn: Any, /, **kwargs: Any) -> bool:
+    """True once ``fn(**kwargs)`` has returned, whatever it returns (:meth:`RedisJobSource._call`
+    answers None when Redis failed)."""
+    fn(**kwargs)
+    return True
+
+
 def consumer_name(device: str = "cpu") -> str:
     """Unique per process: host, pid, device and a random tail (pids repeat in containers)."""
     return f"{socket.gethostname()}-{os.getpid()}-{device}-{uuid.uuid4().hex[:6]}"
@@ -373,11 +380,13 @@ class RedisJobSource:
         return ok
 
     def _persist(self, store: Any, **kwargs: Any) -> bool:
-        """Store an end, retrying through a short Redis blip (the result is worth keeping)."""
+        """Store an end, retrying through a short Redis blip (the result is worth keeping).
+        Each try counts by its own outcome: the heartbeat's thread may see Redis back between
+        a failed try and this check (read as this try's success, it once left the ends'
+        results empty and failed the worker's group)."""
         until = time.monotonic() + max(self.settings.redis_timeout_s * 3, 5.0)
         while True:
-            self._call(store, **kwargs)
-            if self._failing_since is None:
+            if self._call(_completed, store, **kwargs):
                 return True
             if time.monotonic() > until or self._stop.is_set():
                 return False

@@ -86,3 +86,43 @@ async def test_a_delivery_taken_over_cannot_change_its_job(settings: Settings, l
         stale.close()
         owner.close()
         await broker.close()
+
+
+async def test_an_end_that_failed_is_retried_when_another_thread_sees_redis_back(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's end fails in a Redis blip while its heartbeat's thread finds Redis back: the
+    end is tried again and stored (it once took the other thread's success for its own and
+    failed the whole group on the empty results)."""
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        job = Job(id=new_job_id(), fields={
+            "model": "linear-value", "loss": "td0",
+            "inputs": np.arange(6, dtype=np.float32).reshape(2, 3)}, deadline=time.time() + 60)
+        await broker.submit(job)
+        mine = take_one(source)
+        source.started([mine])
+        call, tries = source._call, []
+
+        def blip() -> None:
+            raise redis.ConnectionError("a blip")
+
+        def first_fails(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            tries.append(fn)
+            if len(tries) > 1:
+                return call(fn, *args, **kwargs)
+            out = call(blip)
+            source._failing_since = None  # the heartbeat's call went through meanwhile
+            return out
+
+        monkeypatch.setattr(source, "_call", first_fails)
+        source.succeed(mine, {"norms": np.ones(2, dtype=np.float32)})
+        assert len(tries) == 2
+        state = await broker.state(job.id)
+        assert state.status is JobStatus.SUCCEEDED, state
+        result = await result_of(state)
+        assert result is not None
+        np.testing.assert_array_equal(np.asarray(result["norms"]), [1.0, 1.0])
+    finally:
+        source.close()
+        await broker.close()
