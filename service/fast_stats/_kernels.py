@@ -44,7 +44,7 @@ def moments_into(rows: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, *,
     ``rows`` (a reused buffer)."""
     if merged_into(rows, mean, m2, 0):
         return
-    torch.sum(rows, 0, out=mean).div_(rows.shape[0])
+    torch.mean(rows, 0, out=mean)
     torch.sum(squared_deviations(rows, mean, in_place=in_place), 0, out=m2)
 
 

@@ -21,14 +21,14 @@ from torch.linalg import vector_norm
 
 from service.config import get_settings
 from service.fast_stats._budget import Budget
-from service.fast_stats._kernels import merged_into, moments_into, norms_and_mean_dots
+from service.fast_stats._kernels import norms_and_mean_dots
 from service.fast_stats._records import Pass1, Pass1Need, Pass2
 from service.fast_stats._source import (
     Materialised,
     Moments,
     cat,
-    combine,
     m2_of,
+    merge,
     present,
 )
 from service.strategies.base import Bounds, Tensors, dots_with
@@ -274,7 +274,7 @@ class OuterSource(Materialised):
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Rows [lo, hi)'s sum (with ``sums``) and sum of squared deviations from their mean,
         from one build of their gradients a piece at a time (:meth:`pieces`): each piece's
-        deviations from its own samples' mean (:func:`~._kernels.moments_into`: no
+        deviations from its own samples' mean (:func:`~._source.merge`: no
         cancellation), blocks of samples merged by Chan's formula. No weight-gradient GEMM for
         the sum, no second build, and the running mean kept only where it is asked for or
         blocks merge (GPT-2 small's variance took 1.7x a plain step with a GEMM and a second
@@ -289,7 +289,7 @@ class OuterSource(Materialised):
         for x, r0, piece in self.pieces(lo, hi):
             if add is not None:
                 add(x, r0, piece)
-            n, seen, rows = piece.shape[0], x - lo, slice(r0, r0 + piece.shape[2])
+            seen, rows = x - lo, slice(r0, r0 + piece.shape[2])
             if m2 is None:
                 m2 = piece.new_empty(shape)
                 mean = piece.new_empty(shape) if keep else None
@@ -298,15 +298,12 @@ class OuterSource(Materialised):
                 spare = piece.new_empty(2 * size)
             if seen == 0:  # straight into the answer (a copy of fresh memory costs more)
                 at = mean[:, rows] if mean is not None else spare[:size].view(piece.shape[1:])
-                moments_into(piece, at, m2[:, rows], in_place=True)
+                merge(None, piece, part=(at, m2[:, rows]), in_place=True)
                 continue
             # this set's moments merged into the rows' so far
             running = present(mean, "sets merge through the running mean")[:, rows]
-            if merged_into(piece, running, m2[:, rows], seen):
-                continue
-            mu, part = (spare[i * size : (i + 1) * size].view(piece.shape[1:]) for i in (0, 1))
-            moments_into(piece, mu, part, in_place=True)
-            combine(Moments(seen, running, m2[:, rows]), Moments(n, mu, part))
+            own = spare[:size].view(piece.shape[1:]), spare[size : 2 * size].view(piece.shape[1:])
+            merge(Moments(seen, running, m2[:, rows]), piece, part=own, in_place=True)
         assert m2 is not None, "every segment has samples"
         out = self.shapes[self.names[0]]
         total = mean.mul_(hi - lo).reshape(out) if sums and mean is not None else None

@@ -139,24 +139,31 @@ class Moments:
     m2: torch.Tensor
 
 
-def merge(acc: Moments | None, rows: torch.Tensor) -> Moments:
+def merge(acc: Moments | None, rows: torch.Tensor, *,
+          part: tuple[torch.Tensor, torch.Tensor] | None = None, in_place: bool = False
+          ) -> Moments:
     """``acc`` with the samples ``rows`` ``[n, *shape]`` added (Chan et al.'s pairwise update).
 
     Each chunk's deviations are taken from its own mean (:func:`~._kernels.moments_into`: two
     reads of the chunk), so nothing cancels: ``E[g^2] - E[g]^2`` in float32 loses every digit
     when the mean is large next to the spread, and float64 copies of every per-sample gradient
     cost more than the products that made them. (``torch.var_mean`` over the first dimension
-    took ten times as long on the CPU.) ``acc`` is updated in place.
+    took ten times as long on the CPU.) ``acc`` is updated in place. Where the loops do not
+    merge in the same read, the chunk's own mean and m2 go into ``part`` (reused buffers:
+    fresh memory faults) or new tensors, and with ``in_place`` the eager operations may write
+    over ``rows``.
     """
     n = rows.shape[0]
     if acc is not None and merged_into(rows, acc.mean, acc.m2, acc.n):  # in the same loop
         return Moments(acc.n + n, acc.mean, acc.m2)
-    if n == 1:  # no deviations (two operations, not four, where the loops do not run)
-        part = Moments(1, rows[0].clone(), torch.zeros_like(rows[0]))
+    mean, m2 = part or (rows.new_empty(rows.shape[1:]), rows.new_empty(rows.shape[1:]))
+    if n == 1:  # no deviations (two operations, not three, where the loops do not run)
+        mean.copy_(rows[0])
+        m2.zero_()
     else:
-        part = Moments(n, rows.new_empty(rows.shape[1:]), rows.new_empty(rows.shape[1:]))
-        moments_into(rows, part.mean, part.m2)
-    return part if acc is None else combine(acc, part)
+        moments_into(rows, mean, m2, in_place=in_place)
+    own = Moments(n, mean, m2)
+    return own if acc is None else combine(acc, own)
 
 
 def combine(acc: Moments, part: Moments) -> Moments:
