@@ -39,6 +39,16 @@ def take_one(source: RedisJobSource) -> Job:
     return taken
 
 
+async def started_on(broker: RedisBroker, source: RedisJobSource) -> Job:
+    """A small job submitted, then taken and started by ``source``."""
+    await broker.submit(Job(id=new_job_id(), fields={
+        "model": "linear-value", "loss": "td0",
+        "inputs": np.arange(6, dtype=np.float32).reshape(2, 3)}, deadline=time.time() + 60))
+    mine = take_one(source)
+    source.started([mine])
+    return mine
+
+
 def queue(settings: Settings) -> dict[str, Any]:
     stream = keys.job_stream(settings.redis_prefix)
     with redis.Redis.from_url(settings.redis_url or "") as r:
@@ -53,12 +63,7 @@ async def test_a_delivery_taken_over_cannot_change_its_job(settings: Settings, l
     broker = RedisBroker(settings)
     stale, owner = RedisJobSource(settings, name="stale"), RedisJobSource(settings, name="owner")
     try:
-        job = Job(id=new_job_id(), fields={
-            "model": "linear-value", "loss": "td0",
-            "inputs": np.arange(6, dtype=np.float32).reshape(2, 3)}, deadline=time.time() + 60)
-        await broker.submit(job)
-        mine = take_one(stale)
-        stale.started([mine])
+        mine = await started_on(broker, stale)
         time.sleep(settings.visibility_timeout_s + 0.2)  # the stale worker is cut off
         theirs = take_one(owner)
         owner.started([theirs])
@@ -71,12 +76,12 @@ async def test_a_delivery_taken_over_cannot_change_its_job(settings: Settings, l
             stale.succeed(mine, {"norms": np.full(2, 666.0, dtype=np.float32)})
         else:
             stale.fail(mine, ERROR, retry=late == "retry")
-        state = await broker.state(job.id)
+        state = await broker.state(mine.id)
         assert state.status is JobStatus.RUNNING, state
         assert queue(settings) == held  # nothing queued again, the owner's entry untouched
 
         owner.succeed(theirs, {"norms": np.ones(2, dtype=np.float32)})
-        state = await broker.state(job.id)
+        state = await broker.state(mine.id)
         assert state.status is JobStatus.SUCCEEDED and state.error is None
         result = await result_of(state)
         assert result is not None
@@ -96,12 +101,7 @@ async def test_an_end_that_failed_is_retried_when_another_thread_sees_redis_back
     broker = RedisBroker(settings)
     source = RedisJobSource(settings, name="w")
     try:
-        job = Job(id=new_job_id(), fields={
-            "model": "linear-value", "loss": "td0",
-            "inputs": np.arange(6, dtype=np.float32).reshape(2, 3)}, deadline=time.time() + 60)
-        await broker.submit(job)
-        mine = take_one(source)
-        source.started([mine])
+        mine = await started_on(broker, source)
         call, tries = source._call, []
 
         def blip() -> None:
@@ -118,7 +118,7 @@ async def test_an_end_that_failed_is_retried_when_another_thread_sees_redis_back
         monkeypatch.setattr(source, "_call", first_fails)
         source.succeed(mine, {"norms": np.ones(2, dtype=np.float32)})
         assert len(tries) == 2
-        state = await broker.state(job.id)
+        state = await broker.state(mine.id)
         assert state.status is JobStatus.SUCCEEDED, state
         result = await result_of(state)
         assert result is not None
