@@ -19,13 +19,15 @@ shard rows]`` scores and the running best, never the store. Ties go to the earli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
 from psgrad._errors import Conflict, InvalidInput
 from service.stores.files import Manifest, StoreFiles
 
-SCORES = ("dot", "cosine", "trak", "self_influence")
+Score = Literal["dot", "cosine", "trak", "self_influence"]
+SCORES: tuple[str, ...] = get_args(Score)
 LAMBDA_RULE = "trace(Phi^T Phi) / k"
 BLOCK_ROWS = 16384  # rows widened to float32 at once: 64 MiB at k = 1024
 

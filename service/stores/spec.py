@@ -13,7 +13,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -21,7 +21,8 @@ from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.strategies.projection import VERSIONS
 from service.tenants import DEFAULT_TENANT
 
-DTYPES = ("float32", "float16")
+Dtype = Literal["float32", "float16"]  # how a store keeps its rows
+DTYPES: tuple[str, ...] = get_args(Dtype)
 # the projection_kind of a store of full gradients (a reference set made without
 # projection_dim): each row is a sample's gradients, flattened in ``params`` order
 EXACT = "exact"

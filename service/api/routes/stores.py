@@ -10,7 +10,7 @@ a 404); an admin reaches another tenant's with ``?tenant=<name>``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Path, Request
@@ -27,10 +27,10 @@ from service.api.routes.reference_sets import split_answer
 from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
 from service.reference_sets import SAMPLE_FIELDS, checked_id
 from service.stores.files import Manifest, refuse_duplicates
-from service.stores.query import SCORES, check_k, check_score, search
+from service.stores.query import Score, check_k, check_score, search
 from service.stores.requests import check_fixed, make_spec, sketch_request
 from service.stores.spec import (
-    DTYPES,
+    Dtype,
     StoreSpec,
     checked_ids,
     finite_float,
@@ -53,7 +53,7 @@ StoreBody = create_model(  # loss, params and the projection: the request contra
                       "the version")),
     **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind",
                       required=("projection_dim",)),
-    dtype=(Literal[DTYPES], Field("float32", description="how rows are kept")),
+    dtype=(Dtype, Field("float32", description="how rows are kept")),
 )
 
 
@@ -80,7 +80,7 @@ QueryBody = create_model(
     "QueryBody",
     __base__=SampleBatch,
     k=(int, Field(10, ge=1, description="the best k training samples of each query")),
-    score=(Literal[SCORES], "dot"),
+    score=(Score, "dot"),
     lambda_=(float | None, Field(None, alias="lambda", ge=0, description="trak only; "
                                  "default: trace(Phi^T Phi) / k")),
     sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch")),
