@@ -105,7 +105,7 @@ async def test_a_graph_over_its_node_limit_names_the_setting() -> None:
 
 
 def _full_size(name: str) -> torch.nn.Module:
-    import transformers as tf
+    tf = pytest.importorskip("transformers", reason="GPT-2 and BERT need transformers")
 
     with torch.device("meta"):
         if name == "gpt2":
@@ -129,7 +129,7 @@ def test_the_defaults_take_gpt2_small_and_bert_base(name: str) -> None:
 
 def _exported_512(name: str) -> bytes:
     """A 2-layer GPT-2 or BERT with 512 positions, exported at length 8 with lengths 2..512."""
-    import transformers as tf
+    tf = pytest.importorskip("transformers", reason="GPT-2 and BERT need transformers")
 
     torch.manual_seed(0)
     small: dict[str, Any] = {"vocab_size": 50, **EAGER}
