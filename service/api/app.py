@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from psgrad import __version__
 from service.api import errors
-from service.api.deps import AppState
+from service.api.deps import AppState, RefuseUnknownQuery
 from service.api.docs import install_docs, install_openapi
 from service.api.metrics import Metrics, MetricsMiddleware
 from service.api.routes import dp, grads, jobs, models, ops, reference_sets, status, stores
@@ -82,6 +82,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        dependencies=[RefuseUnknownQuery],
     )
     app.state.psgrad = state
     errors.install(app)

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Query, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from psgrad._errors import Forbidden, Unauthorized
+from psgrad._errors import Forbidden, InvalidInput, Unauthorized
 from service.api.metrics import Metrics
 from service.api.status import note_tenant
 from service.config import Settings
@@ -162,3 +164,34 @@ async def get_scope(tenant: TenantDep, asked: TenantParam = None) -> Scope:
 
 
 ScopeDep = Annotated[Scope, Depends(get_scope)]
+
+
+# by APIRoute.unique_id (its name, path and method): one route's declared query names
+_QUERY_NAMES: dict[str, frozenset[str]] = {}
+
+
+async def refuse_unknown_query(request: Request) -> None:
+    """Every route takes only the query parameters it declares: an unknown one (a typo such as
+    ``?tennant=``) is a 422 naming it and the route's own, never silently ignored."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute) or not request.query_params:
+        return
+    known = _QUERY_NAMES.get(route.unique_id)
+    if known is None:
+        known = _QUERY_NAMES[route.unique_id] = frozenset(_query_names(route.dependant))
+    if unknown := sorted(set(request.query_params) - known):
+        takes = ", ".join(sorted(known)) or "none"
+        raise InvalidInput(f"unknown query parameter {', '.join(map(repr, unknown))} for "
+                           f"{request.method} {route.path}: leave it out (this route takes: "
+                           f"{takes})", unknown=unknown, accepted=sorted(known))
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route declares, its dependencies' included."""
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+RefuseUnknownQuery = Depends(refuse_unknown_query)  # every route's (service.api.app)

@@ -192,6 +192,21 @@ async def test_wrong_content_type_unknown_route_and_method() -> None:
         _error(await c.put("/healthz"), 405, "method_not_allowed")
 
 
+async def test_an_unknown_query_parameter_is_refused_naming_it_and_the_known_ones() -> None:
+    async with open_client() as c:
+        err = _error(await c.get("/stores", params={"tennant": "x"}), 422, "invalid_input")
+        assert "'tennant'" in err["message"] and "takes: tenant" in err["message"]
+        assert err["details"] == {"unknown": ["tennant"], "accepted": ["tenant"]}
+        err = _error(await c.post("/per-sample-grads?debug=1", json=TD0), 422, "invalid_input")
+        assert "'debug'" in err["message"] and "takes: none" in err["message"]
+        assert (await c.get("/stores", params={"tenant": "default"})).status_code == 200
+        assert (await c.get("/readyz", params={"need_worker": "false"})).status_code == 200
+        doc = (await c.get("/openapi.json")).json()
+        for path, item in doc["paths"].items():  # the rule is stated on every operation
+            for method, operation in item.items():
+                assert "422" in operation["responses"], (method, path)
+
+
 async def test_body_too_large_is_refused_before_and_while_reading() -> None:
     async with open_client(max_body_bytes=1000) as c:
         big = json.dumps({**TD0, "pad": "x" * 2000}).encode()
