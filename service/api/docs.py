@@ -72,11 +72,41 @@ def install_openapi(app: FastAPI) -> None:
                 for sub, sub_schema in schema.pop("$defs", {}).items():
                     schemas.setdefault(sub, sub_schema)
                 schemas[name] = schema
+            _state_common_errors(doc)
             _state_every_answers_headers(doc)
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+# What a route may answer beyond the statuses it lists itself, stated on each operation it
+# applies to: 422 on every route, 413 where there is a body, 503 where a key is needed (every
+# such route reads the broker's or Redis's state), 429 where jobs are queued (tenant quotas).
+COMMON_ERRORS = {
+    422: "an unknown query parameter (a route takes only those it declares; the message names "
+         "them), or a request that cannot be computed",
+    413: "the body is larger than the server takes (PSGRAD_MAX_BODY_BYTES; the message says)",
+    429: "a tenant quota is reached (the message names it): retry after the Retry-After header",
+    503: "queue full or broker down: retry after the Retry-After header",
+}
+
+
+def _state_common_errors(doc: dict[str, Any]) -> None:
+    error = {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for item in doc.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.setdefault("responses", {})
+            codes = {422}
+            if "requestBody" in operation:
+                codes.add(413)
+            if "503" in responses and "requestBody" in operation:  # those that queue jobs
+                codes.add(429)
+            if "401" in responses:
+                codes.add(503)
+            for code in sorted(codes):
+                responses.setdefault(str(code), {"description": COMMON_ERRORS[code], **error})
 
 
 def _state_every_answers_headers(doc: dict[str, Any]) -> None:
