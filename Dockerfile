@@ -1,8 +1,8 @@
 # One image for the api and the workers (docker-compose.yml picks the command).
 #
 # The base image brings torch, CUDA and cuDNN; nothing here downloads a second torch: the
-# project's requirements are installed under a constraint that pins torch to the version
-# already in the image. Build: docker build -t psgrad:latest .
+# project's locked requirements leave torch out, so the image's own is kept.
+# Build: docker build -t psgrad:latest .
 FROM pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
 
 # Recent official images use the distribution's Python, marked externally managed (PEP 668);
@@ -19,25 +19,20 @@ RUN groupadd --gid 10001 psgrad && useradd --uid 10001 --gid 10001 --create-home
 
 WORKDIR /app
 
-# Dependencies first, from the two pyproject.toml files alone, so a code change does not
-# reinstall them (the server's pin on the client is left out: the client is installed below).
-COPY pyproject.toml ./
-COPY client/pyproject.toml ./client/
-RUN python3 -c "import tomllib; d = [tomllib.load(open(f, 'rb'))['project']['dependencies'] \
-for f in ('pyproject.toml', 'client/pyproject.toml')]; \
-print('\n'.join(r for r in d[0] + d[1] if not r.startswith('psgrad')))" > /tmp/requirements.txt \
- && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
-        > /tmp/constraints.txt \
- && python3 -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
- && rm /tmp/requirements.txt /tmp/constraints.txt
+# Dependencies first, the lock's exact versions (.ci/lock/server.txt, every file checked against
+# its hash), so a code change does not reinstall them. The lock leaves torch out: the base
+# image's is used as it is (--no-deps: nothing here downloads a second torch).
+COPY .ci/lock/server.txt /tmp/server.txt
+RUN python3 -m pip install --no-deps --require-hashes -r /tmp/server.txt && rm /tmp/server.txt
 
 # Then the code, the documented way (the client, then the server); --no-deps: everything they
 # need is installed above.
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY client ./client
 COPY service ./service
 COPY models ./models
-RUN python3 -m pip install --no-deps ./client . && rm -rf build client/build ./*.egg-info client/*.egg-info
+RUN python3 -m pip install --no-deps ./client . && python3 -m pip check \
+ && rm -rf build client/build ./*.egg-info client/*.egg-info
 
 # A numeric user, so that runtimes can check it is not root without reading /etc/passwd.
 USER 10001:10001

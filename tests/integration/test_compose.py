@@ -382,28 +382,32 @@ def test_image_uses_the_base_images_torch() -> None:
         server = tomllib.load(f)["project"]["dependencies"]
     torch_req = next(req for req in map(Requirement, server) if req.name == "torch")
     assert match.group(1) in torch_req.specifier, (match.group(1), str(torch_req))
-    # The image runs the torch that CI tests.
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert f"torch=={match.group(1)}" in ci
-    # Every pip install either pins torch to the installed one or installs nothing else.
+    # The image runs the torch that CI tests (the lock's CPU build of the same release).
+    lock = (ROOT / ".ci" / "lock" / "test.txt").read_text()
+    assert f"\ntorch=={match.group(1)}+cpu " in lock
+    # Every pip install takes nothing but what it names: the lock leaves torch out, so the
+    # base image's is kept.
     for word, rest in instructions:
         if word == "RUN" and "pip install" in rest:
             for part in rest.split("&&"):
                 if "pip install" in part:
-                    assert "--no-deps" in part or "-c /tmp/constraints.txt" in part, part
-    assert any("print('torch==' + m.version('torch'))" in rest for _, rest in instructions)
+                    assert "--no-deps" in part, part
+    server_lock = (ROOT / ".ci" / "lock" / "server.txt").read_text()
+    assert "\ntorch==" not in server_lock
 
 
 def test_image_installs_dependencies_before_the_code() -> None:
+    """The locked dependencies first, so a code change does not reinstall them."""
     instructions = dockerfile()
     copies = [(i, rest) for i, (word, rest) in enumerate(instructions) if word == "COPY"]
-    first_code = min(i for i, rest in copies if rest.split()[0] in ("psgrad", "service", "models"))
-    pyproject = min(i for i, rest in copies if rest.split()[0] == "pyproject.toml")
+    first_code = min(i for i, rest in copies if rest.split()[0] in ("client", "service", "models"))
+    lock = min(i for i, rest in copies if rest.split()[0] == ".ci/lock/server.txt")
     deps = min(
-        i for i, (word, rest) in enumerate(instructions) if word == "RUN" and "-r /tmp/" in rest
+        i for i, (word, rest) in enumerate(instructions)
+        if word == "RUN" and "--require-hashes -r /tmp/server.txt" in rest
     )
-    assert pyproject < deps < first_code
-    assert copies[[i for i, _ in copies].index(pyproject)][1] == "pyproject.toml ./"
+    assert lock < deps < first_code
+    assert copies[0][0] == lock
 
 
 def test_image_runs_as_non_root_with_health_and_no_secrets() -> None:
@@ -442,6 +446,7 @@ def test_dockerignore_sends_only_the_packages() -> None:
         "tests/conftest.py",
         "benchmarks/x.py",
         ".ci/run",
+        ".ci/lock/test.txt",
         "service/__pycache__/config.cpython-311.pyc",
         "docker-compose.yml",
     ):
