@@ -3,10 +3,9 @@
 The plan says which parameters are captured op by op and which fall back to a module replay.
 It is made once per model structure, loss, selection and sample shape by a *probe* on a few
 samples (the forward pass with the module stack recorded), then *checked*: the probe samples'
-per-sample squared norms, dot products with a random reference and gradients (as a ``grads``
-answer writes them) must equal the ``vmap`` path's, and a parameter that does not is moved to
-the whole-model replay. Every later call must read the parameters in the same sequence of ops,
-or it takes the ``vmap`` path.
+statistics and gradients must equal plain autograd's (:func:`_check`), and a parameter that
+does not is moved to the whole-model replay. Every later call must read the parameters in the
+same sequence of ops, or it takes the ``vmap`` path.
 """
 
 from __future__ import annotations
@@ -16,15 +15,16 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.func import functional_call
 
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
-from service.fast_stats._run import Plan, Setup, forward_backward
+from service.fast_stats._run import Plan, Setup, batched_losses, forward_backward
 from service.fast_stats._source import Source, answers
+from service.losses import get_loss
 from service.lru import LockedLRU
-from service.strategies.base import Tensors, squared_norms
-from service.strategies.per_sample import per_sample_fn
+from service.strategies.base import NAMED_INPUT, NORM_BLOCK, Tensors, squared_norms
 
 PROBE = 3  # samples in the probe batch (drawn cyclically from the first call's batch)
 PLANS: LockedLRU[tuple[Any, ...], Plan | None] = LockedLRU(256)
@@ -111,55 +111,95 @@ def _finish(probe: Setup, modules: Mapping[str, Sequence[str]]) -> Plan:
 
 
 def _check(probe: Setup, plan: Plan) -> list[str]:
-    """Parameters whose probe statistics or gradients differ from the ``vmap`` path's.
+    """Parameters whose probe statistics or gradients differ from plain autograd's.
 
-    The probe's per-sample gradients, both the sources' answers and ``vmap``'s, are compared a
-    group of sources at a time (:data:`CHECK_BYTES` of each at most): all at once, GPT-2
-    small's first request held two copies of its 124 M parameters' gradients for each of the
-    probe's samples beside the model (8.2 GiB against 3.8 GiB for the requests after it).
+    The reference is one plain forward and backward of the probe batch (no capture, no
+    ``torch.func``: an independent path) of ``sum_i c_i loss_i`` with random weights ``c``: the
+    gradient ``sum_i c_i g_i``. The gradients the sources write (as a ``grads`` answer does, a
+    group of sources at a time, :data:`CHECK_BYTES` each), weighted alike, must equal it element
+    by element, which a gradient wrong for any one sample fails (the weights are random); the
+    sources' squared norms and dots with a random reference must equal those of the gradients
+    they wrote. So the check costs one step of the probe batch besides the sources' own, where a
+    ``vmap`` per sample and group took GPT-2 small's first call 33-126 s.
     """
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
     gen = torch.Generator().manual_seed(0)
-    reference = {k: torch.randn(params[k].shape, generator=gen).to(params[k]) for k in selected}
+    weights = (torch.rand(PROBE, generator=gen, dtype=torch.float64) + 0.5).to(model.dtype)
+    # random values repeated with a period of 64 Ki: drawing 124 M of them took 1.5 s
+    pattern = torch.empty(1 << 16, dtype=model.dtype).uniform_(-1, 1, generator=gen)
+    reference = {k: _tiled(pattern, params[k]) for k in selected}
+    want = _weighted_gradient(probe, selected, weights.to(model.device))
     run = forward_backward(probe, plan)
+    with torch.no_grad():
+        return _compare(probe, run, plan, selected, weights, reference, want)
+
+
+def _compare(probe: Setup, run: Any, plan: Plan, selected: Sequence[str], weights: torch.Tensor,
+             reference: Tensors, want: Tensors) -> list[str]:
+    model, params = probe.model, probe.params
     need = Pass1Need(sq=True, reference=reference, bounds=((0, PROBE),), sums_dtype=model.dtype)
     got: dict[str, Pass1] = {}
     sources = build_sources(probe, run, plan, Budget(64 << 20))
+    del run
     for source in sources:
         got.update(source.pass1(need))
-    fn = per_sample_fn(model, probe.loss, probe.gamma)
     wrong = []
     for group in _groups(sources, set(selected), params):
         written = answers(group)
-        names = [k for s in group for k in s.names if k in written and k in selected]
-        chosen = {k: params[k] for k in names}
-        others = {k: v for k, v in params.items() if k not in chosen}
-        sq = {k: torch.zeros(PROBE, dtype=model.dtype, device=model.device) for k in names}
-        dot = {k: torch.zeros(PROBE, dtype=model.dtype, device=model.device) for k in names}
-        same = dict.fromkeys(names, True)
-        for i in range(PROBE):  # one sample at a time: vmap's backward of a large embedding
-            # held several dense copies of its gradient per sample
-            grads, _ = fn(chosen, others, model.buffers,
-                          {k: v[i:i + 1] for k, v in probe.samples.items()})
-            for k in names:  # sums of products as the sources take them: a BLAS dot over
-                # GPT-2's 38.6 M-element embedding erred by 1.2e-3, past the tolerance
-                flat = grads[k].reshape(1, -1)
-                sq[k][i] = squared_norms(flat)[0]
-                dot[k][i] = (flat * reference[k].reshape(1, -1)).sum()
-                scale = 1 + float(sq[k][i])
-                same[k] &= _close(written[k][i], grads[k][0], 1e-3, 1e-4 * scale**0.5)
-            del grads
-        for k in names:
-            scale = 1 + float(sq[k].max())
+        for k in (k for s in group for k in s.names if k in written and k in selected):
+            rows = written[k].reshape(PROBE, -1)
+            sq = squared_norms(rows)
+            scale = 1 + float(sq.max())
+            weighted = torch.tensordot(weights.to(rows), rows, dims=1)
             got_sq, got_dot = got[k].sq, got[k].dot
             assert got_sq is not None and got_dot is not None
-            same_sq = _close(got_sq, sq[k], 1e-3, 1e-5 * scale)
-            same_dot = _close(got_dot, dot[k], 1e-3, 1e-3 * scale**0.5)
-            if not (same_sq and same_dot and same[k]):
+            if not (_close(weighted, want[k].reshape(-1), 1e-3, 1e-4 * scale**0.5)
+                    and _close(got_sq, sq, 1e-3, 1e-5 * scale)
+                    and _close(got_dot, _dots(rows, reference[k]), 1e-3, 1e-3 * scale**0.5)):
                 wrong.append(k)
         del written
     return wrong
+
+
+def _tiled(pattern: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel()
+    return pattern.repeat(-(-n // pattern.numel()))[:n].reshape(like.shape).to(like)
+
+
+def _weighted_gradient(probe: Setup, selected: Sequence[str], weights: torch.Tensor) -> Tensors:
+    """``sum_i weights_i grad loss_i`` over the probe batch, by one plain backward."""
+    model, samples = probe.model, probe.samples
+    live = {k: v.detach().requires_grad_(k in selected) for k, v in probe.params.items()}
+    inputs = (samples["inputs"], *(samples[NAMED_INPUT + s.name] for s in model.inputs[1:]))
+    with torch.enable_grad():
+        out = functional_call(model.module, (live, model.buffers), inputs)
+        next_out = None
+        if "next_inputs" in get_loss(probe.loss).needs and "next_inputs" in samples:
+            with torch.no_grad():
+                next_out = functional_call(model.module, (probe.params, model.buffers),
+                                           (samples["next_inputs"],))
+        losses, _ = batched_losses(probe.loss, out, next_out, samples, probe.gamma)
+        found = torch.autograd.grad((losses * weights).sum(), [live[k] for k in selected],
+                                    allow_unused=True)
+    return {k: torch.zeros_like(live[k]) if g is None else g
+            for k, g in zip(selected, found, strict=True)}
+
+
+def _dots(rows: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Each row's dot with ``reference``, summed by blocks as the sources sum theirs (one BLAS
+    dot over GPT-2's 38.6 M-element embedding erred by 1.2e-3, past the tolerance)."""
+    flat = reference.reshape(-1)
+    n = flat.numel()
+    body = n - n % NORM_BLOCK
+    out = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+    if body:
+        blocks = torch.einsum("pbk,bk->pb", rows[:, :body].reshape(rows.shape[0], -1, NORM_BLOCK),
+                              flat[:body].reshape(-1, NORM_BLOCK))
+        out += blocks.double().sum(1)
+    if body < n:
+        out += (rows[:, body:] * flat[body:]).double().sum(1)
+    return out.to(rows.dtype)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> bool:
