@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from psgrad._errors import InvalidInput
-from service.fast_stats import FastStats
+from service.fast_stats import FastStats, SharedPlans
 from service.outputs import assemble, need_of
 from service.outputs import output_bytes as _output_bytes
 from service.registry import LoadedModel
@@ -49,7 +49,8 @@ _LOCKS = tuple(threading.Lock() for _ in range(64))
 def compute(model: LoadedModel, batch: Batch, opts: Options,
             segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30,
             compiled: CompiledFunctions | None = None, fast_stats: bool = True,
-            on_norms: Callable[[torch.Tensor], None] | None = None) -> list[dict[str, Any]]:
+            on_norms: Callable[[torch.Tensor], None] | None = None,
+            plans: SharedPlans | None = None) -> list[dict[str, Any]]:
     """Every requested output, for each segment of the batch (one segment per job).
 
     With ``compiled`` (``PSGRAD_COMPILE=1``) the per-sample function runs under torch.compile
@@ -57,11 +58,14 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     With ``fast_stats`` (``PSGRAD_FAST_STATS``, default on) fast statistics are tried first.
     ``on_norms`` gets the whole batch's per-sample gradient norms ``[B]`` when the outputs needed
     squared norms anyway (the status page's histogram); it never makes the call compute them.
+    ``plans``: where fast statistics' plans are shared beyond this process (Redis, or the data
+    directory), so that a model planned once is not planned again.
     """
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
         raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
-    call = prepare(model, batch, opts, segments, budget_bytes=budget_bytes, compiled=compiled)
+    call = prepare(model, batch, opts, segments, budget_bytes=budget_bytes, compiled=compiled,
+                   plans=plans)
     # compiled functions (PSGRAD_COMPILE=1) are the vmap strategy's: per-sample gradients go
     # through them; summaries still take fast statistics when those apply
     vmap_only = not fast_stats or (compiled is not None and call.need.grads)
@@ -87,7 +91,8 @@ def lock_for(model: LoadedModel) -> threading.Lock:
 
 
 def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[int], *,
-            budget_bytes: int = 1 << 30, compiled: CompiledFunctions | None = None) -> Call:
+            budget_bytes: int = 1 << 30, compiled: CompiledFunctions | None = None,
+            plans: SharedPlans | None = None) -> Call:
     """The call a strategy sees: per-call weights applied, every tensor on the model's device."""
     device = model.device
     weights = {k: v.to(device, model.dtype) for k, v in batch.weights.items()}
@@ -103,6 +108,7 @@ def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[
         need=need_of(opts.outputs, opts),
         budget_bytes=budget_bytes,
         compiled=compiled,
+        plans=plans,
     )
 
 

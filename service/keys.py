@@ -190,6 +190,15 @@ def compile_artifact(prefix: str, signature: str) -> str:
 # --- DP runs (service/dp/runs.py); no TTL: a run and its step count live until deleted ---
 
 
+PLAN_TTL_S = 30 * 24 * 3600  # a fast-statistics plan unread this long is dropped
+
+
+def plan(prefix: str, name: str) -> str:
+    """A fast-statistics plan (JSON, service/fast_stats/_shared.py), by a digest of what it
+    depends on: model structure, dtype, loss, selection, sample fields, device, code."""
+    return f"{prefix}:plan:{name}"
+
+
 def dp_run_ids(prefix: str) -> str:
     """Set of DP run ids."""
     return f"{prefix}:dp-runs"

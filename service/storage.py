@@ -16,15 +16,18 @@ runs), else memory; gradient stores (reference sets among them) are always files
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from service.config import Settings
 from service.dp.runs import RunStore, make_run_store
+from service.fast_stats import FileBackend, RedisBackend, SharedPlans
 from service.model_store import ModelStore, make_store
-from service.stores import StoreFiles, make_store_files
+from service.stores import StoreFiles, data_dir, make_store_files
 from service.stores.sets import StoredSets
 
-__all__ = ["Storage", "open_storage"]
+__all__ = ["Storage", "make_plan_store", "open_storage"]
+log = logging.getLogger("psgrad.storage")
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,14 @@ class Storage:
     gradients: StoreFiles  # gradient stores and reference sets (:mod:`service.stores`)
     sets: StoredSets  # the same stores read whole as reference sets, by influence (one view,
     # and the sets it keeps in memory, for every worker loop of the process)
+    plans: SharedPlans | None = None  # fast statistics' plans (:mod:`service.fast_stats._shared`)
 
     def close(self) -> None:
         """Close the stores' connections (Redis); the process is done with them."""
         self.models.close()
         self.runs.close()
+        if self.plans is not None:
+            self.plans.close()
 
 
 def open_storage(settings: Settings, *, models: ModelStore | None = None) -> Storage:
@@ -49,4 +55,26 @@ def open_storage(settings: Settings, *, models: ModelStore | None = None) -> Sto
     gradients = make_store_files(settings)
     return Storage(models=models if models is not None else make_store(settings),
                    runs=make_run_store(settings), gradients=gradients,
-                   sets=StoredSets(gradients, settings.max_reference_set_bytes))
+                   sets=StoredSets(gradients, settings.max_reference_set_bytes),
+                   plans=make_plan_store(settings))
+
+
+def make_plan_store(settings: Settings) -> SharedPlans | None:
+    """Plans in Redis when a Redis URL is set (every worker reads them), else under the data
+    directory's ``plans/`` when it is a local folder (an embedded server's restart reads them);
+    signed with ``PSGRAD_COMPILE_SECRET`` where it is set, else, in a folder, its own key."""
+    if settings.redis_url:
+        import redis
+
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_s)
+        return SharedPlans(RedisBackend(client, settings.redis_prefix), settings.compile_secret)
+    folder = data_dir(settings)
+    if "://" in folder:  # an object store: plans are small and read once; keep them local
+        return None
+    files = FileBackend(f"{folder}/plans")
+    try:
+        secret = settings.compile_secret or files.own_secret()
+    except OSError as exc:  # a read-only data directory: plans stay in memory
+        log.warning("plans are not kept: %s", exc)
+        return None
+    return SharedPlans(files, secret)

@@ -37,6 +37,7 @@ from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
 from service.dp.steps import on_result as count_dp_step
 from service.events import BatchEnded, BatchStarted, Events, JobEnded, JobVerified, Subscriber
+from service.fast_stats import SharedPlans
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.status import WorkerStatus
@@ -159,7 +160,8 @@ class Worker:
         failure: Exception | None = None
         try:
             results, compute_s = _compute(
-                [p for _, p in items], self.settings, self.compiled, on_norms=norms.append)
+                [p for _, p in items], self.settings, self.compiled, on_norms=norms.append,
+                plans=self.storage.plans)
         except Exception as exc:
             failure, results, compute_s = exc, [], 0.0
         self.events.emit(BatchEnded(
@@ -370,7 +372,7 @@ def _check_result_size(parsed: ParsedRequest, limit: int, what: str, how: str) -
 
 def _compute(
     group: Sequence[ParsedRequest], settings: Settings, compiled: CompiledFunctions | None = None,
-    on_norms: Callable[[torch.Tensor], None] | None = None,
+    on_norms: Callable[[torch.Tensor], None] | None = None, plans: SharedPlans | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     first = group[0]
     batch = engine.Batch.joined([p.batch for p in group])
@@ -384,5 +386,6 @@ def _compute(
         compiled=compiled,
         fast_stats=settings.fast_stats,
         on_norms=on_norms,
+        plans=plans,
     )
     return results, time.perf_counter() - start

@@ -1,11 +1,16 @@
-"""The per-structure plan a call's pass follows, made once by a probe and checked.
+"""The per-structure plan a call's pass follows, made once by a probe and checked, and shared.
 
 The plan says which parameters are captured op by op and which fall back to a module replay.
 It is made once per model structure, loss, selection and sample shape by a *probe* on a few
-samples (the forward pass with the module stack recorded), then *checked*: the probe samples'
-statistics and gradients must equal plain autograd's (:func:`_check`), and a parameter that
-does not is moved to the whole-model replay. Every later call must read the parameters in the
-same sequence of ops, or it takes the ``vmap`` path.
+samples (the forward pass with the module stack recorded), then *checked* against plain
+autograd (:func:`_check`), and a parameter that fails is moved to the whole-model replay.
+Every later call must read the parameters in the same sequence of ops, or it takes the ``vmap``
+path.
+
+With a :class:`~._shared.SharedPlans` the verdict outlives the process: a new sample shape (a
+batch size, a sequence length) of a model planned before costs one forward of the probe, no
+probe and no check, when its sequence of ops is one seen before; a worker that never saw the
+model loads the verdict another made (:mod:`._shared` says when it is checked first).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
 from service.fast_stats._run import Plan, Setup, batched_losses, forward_backward
+from service.fast_stats._shared import SharedPlans, Stored, plan_key, signature_digest
 from service.fast_stats._source import Source, answers
 from service.losses import get_loss
 from service.lru import LockedLRU
@@ -30,7 +37,7 @@ PROBE = 3  # samples in the probe batch (drawn cyclically from the first call's 
 PLANS: LockedLRU[tuple[Any, ...], Plan | None] = LockedLRU(256)
 
 
-def plan_for(setup: Setup) -> Plan | None:
+def plan_for(setup: Setup, shared: SharedPlans | None = None) -> Plan | None:
     """The cached plan for this structure, loss, selection and sample shapes (None: use vmap)."""
     model = setup.model
     key = (
@@ -41,16 +48,64 @@ def plan_for(setup: Setup) -> Plan | None:
         tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in setup.samples.items()),
         str(model.device),
     )
-    return PLANS.get_or_make(key, lambda: _probe(setup))
+    return PLANS.get_or_make(key, lambda: _plan(setup, shared))
 
 
-def _probe(setup: Setup) -> Plan | None:
+def _plan(setup: Setup, shared: SharedPlans | None) -> Plan | None:
     idx = torch.arange(PROBE) % setup.size
     probe = replace(setup, samples={k: v[idx] for k, v in setup.samples.items()})
+    model = setup.model
+    if shared is None or not model.structure:
+        return _probe(probe, shared)[0]
+    key = plan_key(model.structure, model.dtype, setup.loss, setup.selected,
+                   ((k, v.dtype, v.dim() - 1) for k, v in setup.samples.items()),
+                   model.device, get_settings().fast_stats_form)
+    stored = shared.load(key, model.module)
+    if stored is not None:
+        if stored.unsupported is not None:
+            shared.stats.loaded += 1
+            return None
+        plan = _adopt(probe, stored, shared)
+        if plan is not None:
+            return plan
+    plan, reason = _probe(probe, shared)
+    if plan is None:
+        shared.save(key, None, None, unsupported=reason)
+    else:
+        shared.save(key, signature_digest(plan.signature), plan.modules)
+    return plan
+
+
+def _adopt(probe: Setup, stored: Stored, shared: SharedPlans) -> Plan | None:
+    """The stored plan whose sequence of ops this shape repeats (one forward of the probe), or
+    None: a new class of calls, planned afresh."""
+    for replays in dict.fromkeys(stored.classes.values()):
+        try:
+            plan = _finish(probe, dict(replays))
+        except Unsupported:
+            continue
+        if stored.classes.get(signature_digest(plan.signature) or "") != replays:
+            continue
+        if not stored.trusted:
+            shared.stats.checks += 1
+            if wrong := _check(probe, plan):
+                shared.refused(f"a stored plan of {probe.model.ref} failed its check on "
+                               f"{', '.join(wrong[:5])}: planning afresh")
+                return None
+        shared.stats.loaded += 1
+        return plan
+    return None
+
+
+def _probe(probe: Setup, shared: SharedPlans | None) -> tuple[Plan | None, str | None]:
+    """The plan worked out by the probe and its check, or None and why."""
+    if shared is not None:
+        shared.stats.probes += 1
+        shared.stats.checks += 1
     try:
-        return _make(probe)
-    except Unsupported:
-        return None
+        return _make(probe), None
+    except Unsupported as exc:
+        return None, str(exc) or "unsupported"
 
 
 def _make(probe: Setup) -> Plan:

@@ -183,6 +183,7 @@ class Call:
     need: Need
     budget_bytes: int = 1 << 30
     compiled: Any = None  # service.compile_cache.CompiledFunctions, for the vmap strategy
+    plans: Any = None  # service.fast_stats.SharedPlans: fast statistics' plans, shared
     references: Tensors = field(default_factory=dict)  # {param: [M, *shape]} for ``dots``
     sketches: torch.Tensor | None = None  # [M, k] reference sketches for ``dots``
 

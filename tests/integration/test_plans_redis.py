@@ -1,0 +1,101 @@
+"""Plans shared through a real Redis by real processes: the second never probes.
+
+Each "worker" is its own Python process that loads a zoo model, opens the plan store a worker
+opens (:func:`service.storage.make_plan_store`, Redis mode) and answers one ``norms`` request
+through the engine; it prints what its store did and the norms, held here to the per-sample loop.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from service import keys
+from service.engine import Batch, Options
+from service.registry import load_model
+from tests.support.redis import ROOT, SHARED_URL, prefix_on, redis_or_skip
+from tests.support.reference import assert_close, reference
+
+WORKER = """
+import json, sys
+import torch
+from service import engine
+from service.config import Settings
+from service.engine import Batch, Options
+from service.registry import load_model
+from service.storage import make_plan_store
+
+url, prefix, secret = sys.argv[1:4]
+plans = make_plan_store(Settings(redis_url=url, redis_prefix=prefix, compile_secret=secret))
+model = load_model("simple-cnn", "simple-cnn", None, device=torch.device("cpu"))
+gen = torch.Generator().manual_seed(0)
+batch = Batch(inputs=torch.randn(5, 1, 28, 28, generator=gen),
+              targets=torch.randint(0, 10, (5,), generator=gen))
+opts = Options(loss="nll", outputs=("norms",), params=tuple(model.params))
+out = engine.compute(model, batch, opts, plans=plans)[0]
+stats = plans.stats
+print(json.dumps({"probes": stats.probes, "loaded": stats.loaded, "checks": stats.checks,
+                  "ignored": stats.ignored, "route": out["meta"]["route"],
+                  "norms": out["norms"].tolist()}))
+"""
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    with prefix_on(redis_or_skip()) as p:
+        yield p
+
+
+def worker(prefix: str, secret: str = "") -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", WORKER, SHARED_URL, prefix, secret], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def want_norms() -> torch.Tensor:
+    model = load_model("simple-cnn", "simple-cnn", None, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    batch = Batch(inputs=torch.randn(5, 1, 28, 28, generator=gen),
+                  targets=torch.randint(0, 10, (5,), generator=gen))
+    opts = Options(loss="nll", outputs=("norms",), params=tuple(model.params))
+    norms: torch.Tensor = reference(model, batch, opts, [5])[0]["norms"]
+    return norms
+
+
+@pytest.mark.parametrize("secret", ["", "shared-secret"])
+def test_a_second_worker_process_loads_the_first_ones_plan(prefix: str, secret: str) -> None:
+    want = want_norms()
+    first = worker(prefix, secret)
+    second = worker(prefix, secret)
+    assert (first["probes"], first["loaded"]) == (1, 0)
+    # signed: taken as it is; unsigned: checked once before use; never probed again
+    assert (second["probes"], second["loaded"], second["checks"]) == (0, 1, 0 if secret else 1)
+    for done in (first, second):
+        assert done["route"] == "fast_stats"
+        assert_close(torch.tensor(done["norms"]), want)
+
+
+def test_corrupt_foreign_and_tampered_entries_in_redis_change_no_answer(prefix: str) -> None:
+    want = want_norms()
+    worker(prefix, "shared-secret")
+    client = redis.Redis.from_url(SHARED_URL)
+    (key,) = client.scan_iter(match=keys.plan(prefix, "*"))
+    good = json.loads(client.get(key) or b"")
+    # changed, its seal left as it was: "no plan", or conv1's weight on the whole-model replay
+    tampered = [{**good, "unsupported": "the model does not return one tensor"},
+                {**good, "classes": {k: [["", ["conv1.weight"]]] for k in good["classes"]}}]
+    foreign = {**good, "key": {**good["key"], "structure": "someone-else"}}
+    for damaged in (b"{broken", *(json.dumps(e).encode() for e in (foreign, *tampered))):
+        client.set(key, damaged)
+        again = worker(prefix, "shared-secret")
+        assert (again["ignored"], again["probes"], again["loaded"]) == (1, 1, 0)
+        assert_close(torch.tensor(again["norms"]), want)
