@@ -177,8 +177,9 @@ def test_a_damaged_or_foreign_entry_is_ignored(
     assert (again.stats.ignored, again.stats.probes, again.stats.loaded) == (1, 1, 0)
 
 
+@pytest.mark.parametrize("length", [5, 16])  # 16: checked at 8 positions (_plan.SHORT)
 def test_a_tampered_plan_never_changes_an_answer(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, length: int) -> None:
     """A layer family whose written gradients are wrong: the check sends its parameter to the
     replay, and the stored plan says so. An entry tampered to capture it op by op again, its
     digest recomputed (anyone can), is checked before use, fails, and the answer stays right,
@@ -188,9 +189,9 @@ def test_a_tampered_plan_never_changes_an_answer(
         return {self.names[0]: torch.zeros((self.batch, *self.shapes[self.names[0]]))}
 
     monkeypatch.setattr(OuterSource, "answer", wrong)
-    model = model_of(Positions(), "tampered")
+    model = model_of(Positions(), f"tampered-{length}")
     opts = Options(loss="cross_entropy", outputs=("grads",), params=tuple(model.params))
-    batch = batch_of(4, 5)
+    batch = batch_of(4, length)
     want = reference(model, batch, opts, [batch.size])[0]["grads"]
     try:
         for secret in ("", "s3cret"):
