@@ -14,7 +14,7 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse
 
 from service.api.deps import ScopeDep, StateDep
@@ -45,11 +45,15 @@ def page() -> str:
     responses={200: {"content": {"text/html": {"schema": {"type": "string"}}},
                      "description": "a self-contained HTML page"}},
 )
-async def status_page() -> HTMLResponse:
+async def status_page(
+    key: str | None = Query(None, description="an API key for the page's script (kept in the "
+                            "tab, dropped from the address bar; the server never reads it)"),
+) -> HTMLResponse:
     """Workers, queue, latency, errors and gradient norm histograms, refreshed every second.
 
     The page needs no key; the data it polls do: open ``/status?key=<API key>`` or enter the key
     when the page asks."""
+    del key  # the page's script reads it from the address bar
     return HTMLResponse(page(), headers=PAGE_HEADERS)
 
 
