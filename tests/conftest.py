@@ -1,4 +1,9 @@
-"""Shared fixtures; test folders are tiers (unit, integration, e2e), marked automatically."""
+"""Shared fixtures; test folders are tiers (unit, integration, e2e), marked automatically.
+
+``slow`` marks what README's quick command (``pytest -m "not slow"``) leaves to the full run that
+``.ci/run`` makes: the integration and e2e tiers (real Redis, servers and worker processes) and
+the unit modules that export real models, start every benchmark script or fuzz the whole api.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,16 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import pytest
 
+# unit modules of a minute or more each on a 2-core machine (.ci/run prints the slowest tests)
+SLOW_UNITS = frozenset({
+    "test_benchmark_scripts.py",  # starts every benchmark script
+    "test_export_models.py", "test_export_hostile.py", "test_export_fast_stats.py",
+    "test_export_api.py", "test_export_no_exec.py",  # export real models, run the checker child
+    "test_api_schemathesis.py",  # fuzzes every operation
+    "test_fast_stats_realsize.py",  # GPT-2, BERT and ResNet-18 layouts against the loop
+    "test_sketch_quality.py",
+})
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
@@ -15,3 +30,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for tier in ("unit", "integration", "e2e"):
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if "unit" not in parts or item.path.name in SLOW_UNITS:
+            item.add_marker(pytest.mark.slow)
