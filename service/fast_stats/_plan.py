@@ -26,12 +26,11 @@ from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
-from service.fast_stats._run import Plan, Setup, batched_losses, forward_backward
+from service.fast_stats._run import Plan, Setup, forward_backward, model_inputs, setup_losses
 from service.fast_stats._shared import SharedPlans, Stored, plan_key, signature_digest
 from service.fast_stats._source import Source, answers
-from service.losses import get_loss
 from service.lru import LockedLRU
-from service.strategies.base import NAMED_INPUT, NORM_BLOCK, Tensors, squared_norms
+from service.strategies.base import NORM_BLOCK, Tensors, squared_norms
 
 PROBE = 3  # samples in the probe batch (drawn cyclically from the first call's batch)
 SHORT = 8  # positions the check runs at, where the model's ops are the same there
@@ -248,17 +247,11 @@ def _tiled(pattern: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _weighted_gradient(probe: Setup, selected: Sequence[str], weights: torch.Tensor) -> Tensors:
     """``sum_i weights_i grad loss_i`` over the probe batch, by one plain backward."""
-    model, samples = probe.model, probe.samples
+    model = probe.model
     live = {k: v.detach().requires_grad_(k in selected) for k, v in probe.params.items()}
-    inputs = (samples["inputs"], *(samples[NAMED_INPUT + s.name] for s in model.inputs[1:]))
     with torch.enable_grad():
-        out = functional_call(model.module, (live, model.buffers), inputs)
-        next_out = None
-        if "next_inputs" in get_loss(probe.loss).needs and "next_inputs" in samples:
-            with torch.no_grad():
-                next_out = functional_call(model.module, (probe.params, model.buffers),
-                                           (samples["next_inputs"],))
-        losses, _ = batched_losses(probe.loss, out, next_out, samples, probe.gamma)
+        out = functional_call(model.module, (live, model.buffers), model_inputs(probe))
+        losses, _ = setup_losses(probe, out)
         found = torch.autograd.grad((losses * weights).sum(), [live[k] for k in selected],
                                     allow_unused=True)
     return {k: torch.zeros_like(live[k]) if g is None else g

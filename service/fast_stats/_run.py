@@ -133,6 +133,24 @@ def batched_losses(
     return losses, aux
 
 
+def model_inputs(setup: Setup) -> tuple[torch.Tensor, ...]:
+    """The model's positional inputs: the samples' ``inputs``, then its named inputs."""
+    samples = setup.samples
+    return (samples["inputs"], *(samples[NAMED_INPUT + s.name] for s in setup.model.inputs[1:]))
+
+
+def setup_losses(setup: Setup, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's loss and aux value from the model's batched output ``out`` (the next
+    states ``td0`` reads run here, without a gradient)."""
+    model, samples = setup.model, setup.samples
+    next_out = None
+    if "next_inputs" in get_loss(setup.loss).needs and "next_inputs" in samples:
+        with torch.no_grad():
+            next_out = functional_call(model.module, (setup.params, model.buffers),
+                                       (samples["next_inputs"],))
+    return batched_losses(setup.loss, out, next_out, samples, setup.gamma)
+
+
 class _ModuleHooks:
     """Module hooks for one forward pass, on this thread only (another thread may run a model
     of the same structure): the input and output of each call of the ``replayed`` modules and,
@@ -322,7 +340,7 @@ def forward_backward(setup: Setup, plan: Plan, *, probe: bool = False,
     answers as the backward pass reaches it, and leaves no record in the run.
     """
     model = setup.model
-    module, buffers, samples = model.module, model.buffers, setup.samples
+    module, buffers = model.module, model.buffers
     wanted = set(plan.tracked) | {k for v in plan.modules.values() for k in v}
     live = {
         k: v.detach().requires_grad_() if k in wanted else v.detach()
@@ -333,17 +351,12 @@ def forward_backward(setup: Setup, plan: Plan, *, probe: bool = False,
     consts |= {id(v) for v in buffers.values()}
     hooks = _ModuleHooks(module, list(plan.modules), setup.size, probe=probe)
     cap = Capture(tracked, consts, setup.size, hooks.stack if probe else None)
-    inputs = (samples["inputs"], *(samples[NAMED_INPUT + s.name] for s in model.inputs[1:]))
     with hooks, cap:
-        out = functional_call(module, (live, buffers), inputs)
+        out = functional_call(module, (live, buffers), model_inputs(setup))
     if not isinstance(out, torch.Tensor):
         raise Unsupported("the model does not return one tensor")
-    next_out = None
-    if "next_inputs" in get_loss(setup.loss).needs and "next_inputs" in samples:
-        with torch.no_grad():
-            next_out = functional_call(module, (setup.params, buffers), (samples["next_inputs"],))
-    losses, aux = batched_losses(setup.loss, out, next_out, samples, setup.gamma)
-    del out, next_out
+    losses, aux = setup_losses(setup, out)
+    del out
     if check and tuple(u.signature for u in cap.uses) != plan.signature:
         raise Unsupported("the model read its parameters differently from the probe")
     outputs = _Outputs()
