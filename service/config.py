@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     max_reference_set_bytes: int = 256 * 1024 * 1024  # one stored reference set's tensors
     max_elements: int = 256 * 1024 * 1024
     request_timeout_s: float = 120.0
+    # the most a request waits past request_timeout_s while its worker plans its model: time
+    # the server chose to spend, not the request's (docs/operations.md, cold starts)
+    planning_grace_s: float = 900.0
     max_queue_depth: int = 1000
 
     batch_max_delay_ms: float = 5.0
@@ -137,6 +140,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "max_reference_set_bytes": BOTH,  # a set made (api); a store read by influence (worker)
     "max_elements": frozenset({API}),
     "request_timeout_s": frozenset({API}),
+    "planning_grace_s": frozenset({API}),
     "max_queue_depth": frozenset({API}),
     "batch_max_delay_ms": frozenset({WORKER}),
     "batch_max_samples": frozenset({WORKER}),

@@ -50,7 +50,8 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
             segments: Sequence[int] | None = None, *, budget_bytes: int = 1 << 30,
             compiled: CompiledFunctions | None = None, fast_stats: bool = True,
             on_norms: Callable[[torch.Tensor], None] | None = None,
-            plans: SharedPlans | None = None) -> list[dict[str, Any]]:
+            plans: SharedPlans | None = None,
+            planning: Callable[[bool], None] | None = None) -> list[dict[str, Any]]:
     """Every requested output, for each segment of the batch (one segment per job).
 
     With ``compiled`` (``PSGRAD_COMPILE=1``) the per-sample function runs under torch.compile
@@ -59,13 +60,14 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     ``on_norms`` gets the whole batch's per-sample gradient norms ``[B]`` when the outputs needed
     squared norms anyway (the status page's histogram); it never makes the call compute them.
     ``plans``: where fast statistics' plans are shared beyond this process (Redis, or the data
-    directory), so that a model planned once is not planned again.
+    directory), so that a model planned once is not planned again; ``planning`` is told when
+    the call plans (True) and when that ends (False).
     """
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
         raise ValueError(f"segments {segments} do not add up to the batch size {batch.size}")
     call = prepare(model, batch, opts, segments, budget_bytes=budget_bytes, compiled=compiled,
-                   plans=plans)
+                   plans=plans, planning=planning)
     # compiled functions (PSGRAD_COMPILE=1) are the vmap strategy's: per-sample gradients go
     # through them; summaries still take fast statistics when those apply
     vmap_only = not fast_stats or (compiled is not None and call.need.grads)
@@ -92,7 +94,8 @@ def lock_for(model: LoadedModel) -> threading.Lock:
 
 def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[int], *,
             budget_bytes: int = 1 << 30, compiled: CompiledFunctions | None = None,
-            plans: SharedPlans | None = None) -> Call:
+            plans: SharedPlans | None = None,
+            planning: Callable[[bool], None] | None = None) -> Call:
     """The call a strategy sees: per-call weights applied, every tensor on the model's device."""
     device = model.device
     weights = {k: v.to(device, model.dtype) for k, v in batch.weights.items()}
@@ -109,6 +112,7 @@ def prepare(model: LoadedModel, batch: Batch, opts: Options, segments: Sequence[
         budget_bytes=budget_bytes,
         compiled=compiled,
         plans=plans,
+        planning=planning,
     )
 
 

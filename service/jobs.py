@@ -113,6 +113,7 @@ class JobState:
     finished_at: float | None = None
     answer: Answer | None = None
     tenant: str = DEFAULT_TENANT
+    planning_s: float = 0.0  # the worker's planning for this job so far: not counted as waiting
 
 
 class Broker(Protocol):
@@ -194,6 +195,11 @@ class JobSource(Protocol):
     def acknowledge_canceled(self, job: Job) -> None:
         """Acknowledge a job the loop skips because it was canceled: nothing is stored, its
         state stays ``canceled``, and it is never delivered again."""
+
+    def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
+        """The worker plans these jobs' model (``since``: epoch seconds it began), or has done so
+        (``since`` None) for ``spent_s`` seconds: the api's wait (:attr:`JobState.planning_s`)
+        does not count that time against a job's deadline. Best effort: never raises."""
 
 
 def batch_until(busy: bool, oldest_enqueued_at: float, max_delay_s: float) -> float:

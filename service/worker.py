@@ -161,7 +161,7 @@ class Worker:
         try:
             results, compute_s = _compute(
                 [p for _, p in items], self.settings, self.compiled, on_norms=norms.append,
-                plans=self.storage.plans)
+                plans=self.storage.plans, planning=self._planning([j for j, _ in items], model))
         except Exception as exc:
             failure, results, compute_s = exc, [], 0.0
         self.events.emit(BatchEnded(
@@ -199,6 +199,28 @@ class Worker:
             self.source.succeed_all(done)
         except Exception:
             log.exception("storing the results of jobs %s failed", ", ".join(j.id for j, _ in done))
+
+    def _planning(self, jobs: list[Job], model: str) -> Callable[[bool], None]:
+        """What the engine tells when it plans ``model`` for these jobs: the source records
+        it, so that their deadlines do not count it (docs/operations.md, cold starts)."""
+        since = 0.0
+
+        def tell(begins: bool) -> None:
+            nonlocal since
+            try:
+                if begins:
+                    since = time.time()
+                    self.source.planning(jobs, since)
+                    return
+                spent = time.time() - since
+                self.source.planning(jobs, None, spent)
+                log.info("planned model %s in %.1f s, not counted against the deadline of %s",
+                         model, spent, ", ".join(j.id for j in jobs))
+            except Exception:  # the wait then counts the planning, as any work
+                log.exception("recording the planning of jobs %s failed",
+                              ", ".join(j.id for j in jobs))
+
+        return tell
 
     def _group_failed(self, items: list[tuple[Job, ParsedRequest]], exc: Exception) -> None:
         """A group's engine call failed: a merged one's jobs run one by one (whatever went wrong,
@@ -373,6 +395,7 @@ def _check_result_size(parsed: ParsedRequest, limit: int, what: str, how: str) -
 def _compute(
     group: Sequence[ParsedRequest], settings: Settings, compiled: CompiledFunctions | None = None,
     on_norms: Callable[[torch.Tensor], None] | None = None, plans: SharedPlans | None = None,
+    planning: Callable[[bool], None] | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     first = group[0]
     batch = engine.Batch.joined([p.batch for p in group])
@@ -387,5 +410,6 @@ def _compute(
         fast_stats=settings.fast_stats,
         on_norms=on_norms,
         plans=plans,
+        planning=planning,
     )
     return results, time.perf_counter() - start

@@ -157,6 +157,8 @@ class JobView(BaseModel):
     status: JobStatusName
     enqueued_at: float | None = Field(None, description="epoch seconds")
     finished_at: float | None = Field(None, description="epoch seconds")
+    planning_s: float = Field(0.0, description="seconds its worker has spent planning the "
+                              "model for it (a cold start; not counted against the deadline)")
     result: GradsResponse | None = Field(  # type: ignore[valid-type]
         None, description="once succeeded")
     error: ErrorInfo | None = Field(None, description="once failed")

@@ -43,6 +43,7 @@ class EmbeddedBroker:
         self._usage = TenantUsage()
         self._held: dict[str, tuple[str, int]] = {}  # job id -> (tenant, samples), until it ends
         self._states: dict[str, JobState] = {}
+        self._planning: dict[str, float] = {}  # job id -> when its worker began planning
         self._waiters: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = threading.Event()
@@ -101,7 +102,10 @@ class EmbeddedBroker:
                     f"{self.settings.result_ttl_s} s ago and its result expired",
                     job_id=job_id,
                 )
-            return dataclasses.replace(state)
+            since = self._planning.get(job_id)
+            now = time.time()
+            return dataclasses.replace(
+                state, planning_s=state.planning_s + (0.0 if since is None else now - since))
 
     async def cancel(self, job_id: str) -> JobState:
         with self._cond:
@@ -118,6 +122,7 @@ class EmbeddedBroker:
             self._release_locked(job_id)
             self._states.pop(job_id, None)
             self._waiters.pop(job_id, None)
+            self._planning.pop(job_id, None)
 
     async def queue_depth(self) -> int:
         return len(self._queue)
@@ -189,6 +194,15 @@ class EmbeddedBroker:
     def acknowledge_canceled(self, job: Job) -> None:
         """Nothing to do: the job left the queue when it was taken and its state is final."""
 
+    def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
+        with self._cond:
+            for job in jobs:
+                state = self._states.get(job.id)
+                if since is not None:
+                    self._planning[job.id] = since
+                elif self._planning.pop(job.id, None) is not None and state is not None:
+                    state.planning_s += spent_s
+
     # --- internals (call with the lock held) ---
 
     def _finish_locked(
@@ -203,6 +217,7 @@ class EmbeddedBroker:
         if state is None or state.status.done:  # canceled (or forgotten) meanwhile: keep that
             return
         self._release_locked(job_id)
+        self._planning.pop(job_id, None)
         state.status, state.result, state.error = status, result, error
         state.finished_at = time.time()
         event = self._waiters.get(job_id)

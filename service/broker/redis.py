@@ -122,6 +122,9 @@ def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> Jo
     )
     if "error" in h:
         state.error = json.loads(h["error"])
+    state.planning_s = float(h.get("planned_s", 0.0))
+    if "planning_since" in h:
+        state.planning_s += max(0.0, time.time() - float(h["planning_since"]))
     if status is JobStatus.SUCCEEDED and answer is None:  # expired a moment before its state
         raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
     return state

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from service.broker.redis_fair import UNCOUNT
 
-__all__ = ["ATTEMPT_LUA", "FINISH_LUA", "START_LUA"]
+__all__ = ["ATTEMPT_LUA", "FINISH_LUA", "PLANNING_LUA", "START_LUA"]
 
 # KEYS: state, answer, notify, stream, payload, tickets.
 # ARGV: group, entry id, status, attempt, error json, finished_at, result ttl, notify ttl,
@@ -66,6 +66,22 @@ if st == 'queued' or st == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
 end
 return st
+"""
+
+# KEYS: state. ARGV: since (epoch seconds; '' once planning ended), seconds spent.
+# A running job's worker plans (since) or has planned: the api's wait does not count that time,
+# and the state outlives its deadline by as much. Nothing for a job ended or gone.
+PLANNING_LUA = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+if ARGV[1] ~= '' then
+  redis.call('HSET', KEYS[1], 'planning_since', ARGV[1])
+  return 1
+end
+redis.call('HDEL', KEYS[1], 'planning_since')
+redis.call('HINCRBYFLOAT', KEYS[1], 'planned_s', ARGV[2])
+local ttl = redis.call('TTL', KEYS[1])
+if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl + math.ceil(tonumber(ARGV[2]))) end
+return 1
 """
 
 # KEYS: state. Counts a delivery only of a job that still exists (no key without a TTL);

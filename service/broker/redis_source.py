@@ -36,7 +36,7 @@ from service.broker.redis import (
 from service.broker.redis_answer import AnswerWriter
 from service.broker.redis_fair import RETRY_LUA
 from service.broker.redis_intake import Entry, StreamIntake
-from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, START_LUA
+from service.broker.redis_scripts import ATTEMPT_LUA, FINISH_LUA, PLANNING_LUA, START_LUA
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus
@@ -252,6 +252,13 @@ class RedisJobSource:
 
     def acknowledge_canceled(self, job: Job) -> None:
         self._end(job, JobStatus.CANCELED, "")  # the script stores nothing over 'canceled'
+
+    def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for job in jobs:
+            script_in(pipe, PLANNING_LUA, [keys.job_state(self.prefix, job.id)],
+                      ["" if since is None else repr(since), repr(spent_s)])
+        self._call(pipe.execute)  # unanswered: the wait counts the planning, as before
 
     # --- internals -------------------------------------------------------------------------
 

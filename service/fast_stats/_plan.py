@@ -15,7 +15,7 @@ model loads the verdict another made (:mod:`._shared` says when it is checked fi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,8 +37,10 @@ SHORT = 8  # positions the check runs at, where the model's ops are the same the
 PLANS: LockedLRU[tuple[Any, ...], Plan | None] = LockedLRU(256)
 
 
-def plan_for(setup: Setup, shared: SharedPlans | None = None) -> Plan | None:
-    """The cached plan for this structure, loss, selection and sample shapes (None: use vmap)."""
+def plan_for(setup: Setup, shared: SharedPlans | None = None,
+             planning: Callable[[bool], None] | None = None) -> Plan | None:
+    """The cached plan for this structure, loss, selection and sample shapes (None: use vmap);
+    ``planning`` is told True before a plan is made or loaded here and False after."""
     model = setup.model
     key = (
         model.structure or model.ref,
@@ -48,7 +50,18 @@ def plan_for(setup: Setup, shared: SharedPlans | None = None) -> Plan | None:
         tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in setup.samples.items()),
         str(model.device),
     )
-    return PLANS.get_or_make(key, lambda: _plan(setup, shared))
+    return PLANS.get_or_make(key, lambda: _told(planning, lambda: _plan(setup, shared)))
+
+
+def _told(planning: Callable[[bool], None] | None, make: Callable[[], Plan | None]
+          ) -> Plan | None:
+    if planning is None:
+        return make()
+    planning(True)
+    try:
+        return make()
+    finally:
+        planning(False)
 
 
 def _plan(setup: Setup, shared: SharedPlans | None) -> Plan | None:

@@ -54,7 +54,7 @@ class FastStats:
             return None
         setup = Setup(model, call.params, call.samples, call.opts.loss, call.opts.gamma,
                       call.selected)
-        plan = plan_for(setup, call.plans)
+        plan = plan_for(setup, call.plans, call.planning)
         if plan is None:
             return None
         budget = Budget(call.budget_bytes, model.device)

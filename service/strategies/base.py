@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -184,6 +184,9 @@ class Call:
     budget_bytes: int = 1 << 30
     compiled: Any = None  # service.compile_cache.CompiledFunctions, for the vmap strategy
     plans: Any = None  # service.fast_stats.SharedPlans: fast statistics' plans, shared
+    # told True as the call begins planning its model (not batch work: the deadline excludes
+    # it) and False once the plan is made
+    planning: Callable[[bool], None] | None = None
     references: Tensors = field(default_factory=dict)  # {param: [M, *shape]} for ``dots``
     sketches: torch.Tensor | None = None  # [M, k] reference sketches for ``dots``
 

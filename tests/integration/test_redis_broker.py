@@ -382,3 +382,32 @@ async def test_a_gathered_batch_ends_with_its_window_not_at_a_redis_timer_tick(
             assert time.monotonic() - started < 0.5
             assert [t.id for t in taken] == [queued.id]
             source.succeed(taken[0], {"norms": np.ones(1, np.float32)})
+
+
+async def test_planning_time_is_recorded_and_keeps_the_state(
+        settings: Settings, shared: redis.Redis) -> None:
+    """A worker's planning shows in the job's state (while it runs, and summed after) and the
+    state outlives the deadline by as much; a job not running records nothing."""
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w1")
+    try:
+        running, queued = job(deadline_in=5.0), job()
+        for j in (running, queued):
+            await broker.submit(j)
+        taken = await asyncio.to_thread(take_all, source, 1)
+        assert [t.id for t in taken] == [running.id]
+        source.started(taken)
+        state_key = keys.job_state(settings.redis_prefix, running.id)
+        ttl = shared.ttl(state_key)
+        source.planning([taken[0], queued], time.time() - 2.0)
+        assert 2.0 <= (await broker.state(running.id)).planning_s < 10.0
+        assert (await broker.state(queued.id)).planning_s == 0.0
+        source.planning([taken[0], queued], None, 40.0)
+        assert (await broker.state(running.id)).planning_s == 40.0
+        assert shared.ttl(state_key) >= ttl + 39
+        source.planning([taken[0]], time.time() - 1.0)
+        assert 41.0 <= (await broker.state(running.id)).planning_s < 50.0
+        assert (await broker.state(queued.id)).planning_s == 0.0
+    finally:
+        source.close()
+        await broker.close()

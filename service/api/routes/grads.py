@@ -19,7 +19,7 @@ from service.api.deps import StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
-from service.jobs import Job, JobStatus, new_job_id, read_answer
+from service.jobs import Job, JobState, JobStatus, new_job_id, read_answer
 from service.reference_sets import scope_reference
 from service.tenants import Tenant
 
@@ -98,7 +98,7 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None) -
     broker = state.broker
     done = relayed = False
     try:
-        st = await broker.wait(job.id, max(0.0, job.deadline - time.time()), fresh=True)
+        st = await _wait(state, job)
         done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
             raise DeadlineExceeded(
@@ -124,6 +124,23 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None) -
             await asyncio.shield(_cancel_quietly(state, job.id))
         if not relayed:
             await asyncio.shield(broker.forget(job.id))
+
+
+async def _wait(state: StateDep, job: Job) -> JobState:
+    """The job's state once done, or once its deadline passed; the time its worker spent
+    planning the model (up to ``PSGRAD_PLANNING_GRACE_S``) moves the deadline on."""
+    granted = 0.0
+    fresh = True
+    while True:
+        st = await state.broker.wait(job.id, max(0.0, job.deadline + granted - time.time()),
+                                     fresh=fresh)
+        fresh = False
+        if st.status.done or st.answer is not None:
+            return st
+        more = min(st.planning_s, state.settings.planning_grace_s)
+        if more <= granted:
+            return st
+        granted = more
 
 
 async def _cancel_quietly(state: StateDep, job_id: str) -> None:

@@ -167,6 +167,7 @@ def _view(st: JobState) -> dict[str, Any]:
         "status": st.status.value,
         "enqueued_at": st.enqueued_at,
         "finished_at": st.finished_at,
+        "planning_s": round(st.planning_s, 3),
         "result": None,
         "error": error,
     }
