@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     # the most a request waits past request_timeout_s while its worker plans its model: time
     # the server chose to spend, not the request's (docs/operations.md, cold starts)
     planning_grace_s: float = 900.0
+    # a registration's warm-up jobs wait this long in the queue; a worker starting up warms the
+    # models that asked for one for at most this long before it reports ready (service/warmup.py)
+    warmup_timeout_s: float = 300.0
     max_queue_depth: int = 1000
 
     batch_max_delay_ms: float = 5.0
@@ -141,6 +144,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "max_elements": frozenset({API}),
     "request_timeout_s": frozenset({API}),
     "planning_grace_s": frozenset({API}),
+    "warmup_timeout_s": BOTH,  # the warm-up jobs' deadline (api); the start-up bound (worker)
     "max_queue_depth": frozenset({API}),
     "batch_max_delay_ms": frozenset({WORKER}),
     "batch_max_samples": frozenset({WORKER}),

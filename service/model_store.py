@@ -98,6 +98,14 @@ class ModelStore:
         """Remove one version, or every version when ``version`` is None; answer what went."""
         raise NotImplementedError
 
+    def warmup(self, model_id: str, version: str) -> dict[str, Any] | None:
+        """The warm-up asked for at the version's registration (:mod:`service.warmup`)."""
+        raise NotImplementedError
+
+    def set_warmup(self, model_id: str, version: str, record: dict[str, Any]) -> None:
+        """Keep ``record`` (plain JSON) with the version; nothing once the version is gone."""
+        raise NotImplementedError
+
     def close(self) -> None:
         return None
 
@@ -105,6 +113,7 @@ class ModelStore:
 class MemoryModelStore(ModelStore):
     def __init__(self) -> None:
         self._models: dict[str, OrderedDict[str, ModelRecord]] = {}
+        self._warmups: dict[tuple[str, str], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def put(self, record: ModelRecord) -> None:
@@ -131,14 +140,22 @@ class MemoryModelStore(ModelStore):
             versions = self._models.get(model_id)
             if versions is None:
                 return []
-            if version is None:
-                del self._models[model_id]
-                return list(versions)
-            if versions.pop(version, None) is None:
-                return []
+            gone = list(versions) if version is None else [version] if version in versions else []
+            for v in gone:
+                del versions[v]
+                self._warmups.pop((model_id, v), None)
             if not versions:
                 del self._models[model_id]
-            return [version]
+            return gone
+
+    def warmup(self, model_id: str, version: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._warmups.get((model_id, version))
+
+    def set_warmup(self, model_id: str, version: str, record: dict[str, Any]) -> None:
+        with self._lock:
+            if version in self._models.get(model_id, {}):
+                self._warmups[(model_id, version)] = record
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -228,9 +245,24 @@ class FileModelStore(ModelStore):
             for v in targets:
                 (folder / f"{v}.json").unlink(missing_ok=True)  # the spec first: gone at once
                 (folder / f"{v}.safetensors").unlink(missing_ok=True)
+                (folder / f"{v}.warmup").unlink(missing_ok=True)
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
         return targets
+
+    def warmup(self, model_id: str, version: str) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = json.loads((self._folder(model_id) / f"{version}.warmup")
+                                               .read_bytes())
+        except (OSError, ValueError):  # none asked, or not ours
+            return None
+        return found
+
+    def set_warmup(self, model_id: str, version: str, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self.has(model_id, version):
+                _write_atomic(self._folder(model_id) / f"{version}.warmup",
+                              json.dumps(record).encode())
 
 
 class RedisModelStore(ModelStore):
@@ -296,8 +328,25 @@ class RedisModelStore(ModelStore):
         self.r.transaction(remove, versions_key)
         return gone
 
+    def warmup(self, model_id: str, version: str) -> dict[str, Any] | None:
+        raw = self.r.hget(keys.model_version(self.prefix, model_id, version), "warmup")
+        try:
+            return json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+    def set_warmup(self, model_id: str, version: str, record: dict[str, Any]) -> None:
+        key = keys.model_version(self.prefix, model_id, version)
+        self.r.eval(SET_IF_PRESENT, 1, key, "warmup", json.dumps(record))
+
     def close(self) -> None:
         self.r.close()
+
+
+# a field of a hash that exists (a version deleted meanwhile stays deleted)
+SET_IF_PRESENT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+"""
 
 
 def make_store(settings: Settings) -> ModelStore:

@@ -31,7 +31,7 @@ from typing import Any, Final, TypeVar
 import torch
 
 from psgrad._errors import DeadlineExceeded, InternalError, PsgradError, VerificationFailed
-from service import engine, verify
+from service import engine, verify, warmup
 from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
@@ -81,9 +81,10 @@ class Worker:
         self.storage = storage  # the process's stores: DP runs, gradient stores
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
+        self.warmed = threading.Event()  # set once :meth:`warm` ended (or was not asked for)
 
-    def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
-        """Take and process batches until ``stop`` is set."""
+    def run(self, stop: threading.Event, *, block_s: float = 0.5, warm: bool = True) -> None:
+        """Take and process batches until ``stop`` is set; first (``warm``) :meth:`warm`."""
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
@@ -91,6 +92,9 @@ class Worker:
             torch.set_num_threads(self.settings.torch_threads)
         set_tf32(self.settings.allow_tf32)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
+        if warm:
+            self.warm(stop)
+        self.warmed.set()
         while not stop.is_set():
             try:
                 jobs = self.source.take(max_jobs, max_samples, delay_s, block_s)
@@ -100,6 +104,34 @@ class Worker:
                 continue
             if jobs:
                 self.process(jobs)
+
+    def warm(self, stop: threading.Event) -> None:
+        """Compute every shape registered models asked to be warmed at (:mod:`service.warmup`),
+        so that their plans and weights are here before the first request; past
+        ``PSGRAD_WARMUP_TIMEOUT_S`` (checked between shapes) the rest is left to requests."""
+        try:
+            todo = warmup.wanted(self.registry.store)
+        except Exception:
+            log.exception("listing the models to warm up failed; serving without")
+            return
+        end = time.monotonic() + self.settings.warmup_timeout_s
+        for i, (ref, shape) in enumerate(todo):
+            if stop.is_set() or time.monotonic() > end:
+                log.warning("warm-up stopped after PSGRAD_WARMUP_TIMEOUT_S (%g s): %d of %d "
+                            "shapes left to the first requests", self.settings.warmup_timeout_s,
+                            len(todo) - i, len(todo))
+                return
+            started = time.perf_counter()
+            try:
+                parsed = parse_request(warmup.example_fields(self.registry.get(ref), shape),
+                                       self.registry, max_batch_size=self.settings.max_batch_size,
+                                       max_activations=self.settings.max_model_activations)
+                _compute([parsed], self.settings, self.compiled, plans=self.storage.plans)
+            except Exception:  # a model deleted or changed since: its first request will say
+                log.exception("warming up %s at %s failed", ref, shape)
+                continue
+            log.info("warmed up %s at %s in %.1f s (%d of %d)", ref, shape,
+                     time.perf_counter() - started, i + 1, len(todo))
 
     def process(self, jobs: Sequence[Job]) -> None:
         """Validate, group and compute one batch of jobs; every job ends succeeded or failed."""
@@ -333,17 +365,18 @@ class WorkerPool:
 
     def start(self) -> None:
         self._stop.clear()
-        for work in self.workers:
-            thread = threading.Thread(
-                target=work.run, args=(self._stop,), name=work.name, daemon=True
-            )
+        for i, work in enumerate(self.workers):  # one warms up (they share one process)
+            thread = threading.Thread(target=work.run, args=(self._stop,),
+                                      kwargs={"warm": i == 0}, name=work.name, daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("%d embedded worker thread(s) started", len(self._threads))
 
     def alive(self) -> bool:
-        """At least one loop runs and none was told to stop (the app's readiness asks this)."""
-        return not self._stop.is_set() and any(t.is_alive() for t in self._threads)
+        """At least one loop runs, none was told to stop, and the warm-up ended (the app's
+        readiness asks this)."""
+        return (not self._stop.is_set() and any(t.is_alive() for t in self._threads)
+                and all(w.warmed.is_set() for w in self.workers))
 
     def snapshots(self) -> list[dict[str, Any]]:
         """Each loop's :meth:`WorkerStatus.snapshot`, with ``alive``: its thread runs."""

@@ -76,6 +76,14 @@ def exported_bytes(program: Any) -> bytes:
     return buf.getvalue()
 
 
+Warmup = Sequence["int | tuple[int, int]"]  # batch sizes, or (batch size, length) pairs
+
+
+def warmup_text(shapes: Warmup | None) -> str:
+    """The ``warmup`` query parameter: ``4,8x64`` for ``[4, (8, 64)]``; empty for none."""
+    return ",".join(f"{s[0]}x{s[1]}" if isinstance(s, tuple) else str(s) for s in shapes or ())
+
+
 def _model_info(response: httpx.Response) -> ModelInfo:
     return ModelInfo.from_dict(response.json())
 
@@ -105,16 +113,21 @@ class _Registry:
         return Call("GET", model_path(model_id), _model_info)
 
     @staticmethod
-    def _register(model_id: str, body: dict[str, Any]) -> Call[ModelInfo]:
-        return Call("PUT", model_path(model_id), _model_info, json=body)
+    def _register(model_id: str, body: dict[str, Any], warmup: Warmup | None
+                  ) -> Call[ModelInfo]:
+        query = urlencode({"warmup": warmup_text(warmup)}) if warmup else ""
+        return Call("PUT", model_path(model_id) + (f"?{query}" if query else ""), _model_info,
+                    json=body)
 
     @staticmethod
     def _register_exported(model_id: str, program: Any, default_loss: str | None,
-                           losses: Sequence[str] | None, description: str | None
-                           ) -> Call[ModelInfo]:
+                           losses: Sequence[str] | None, description: str | None,
+                           warmup: Warmup | None) -> Call[ModelInfo]:
         query = urlencode({k: v for k, v in (("default_loss", default_loss),
                                              ("losses", list(losses or ())),
-                                             ("description", description)) if v}, doseq=True)
+                                             ("description", description),
+                                             ("warmup", warmup_text(warmup))) if v},
+                          doseq=True)
         return Call("PUT", model_path(model_id) + (f"?{query}" if query else ""), _model_info,
                     content=exported_bytes(program), headers={"Content-Type": TORCH_EXPORT})
 
@@ -165,20 +178,25 @@ class Models(_Registry):
         default_loss: str | None = None,
         losses: Sequence[str] | None = None,
         weights: Mapping[str, Any] | None = None,
+        warmup: Warmup | None = None,
     ) -> ModelInfo:
         """Register a model (``PUT /models/{id}``): a zoo ``architecture`` with ``config``, or
         ``architecture="sequential"`` with ``layers`` and ``input``; ``weights`` (numpy or torch
-        state dict) are sent inline, else the architecture's initial weights are used."""
+        state dict) are sent inline, else the architecture's initial weights are used.
+        ``warmup``: batch sizes, or (batch size, length) pairs, that a worker computes now so
+        that the first requests find the model planned (progress: ``get(id).warmup``)."""
         body = register_body(architecture, config, layers, input, default_loss, losses, weights)
-        return self._client._call(self._register(model_id, body))
+        return self._client._call(self._register(model_id, body, warmup))
 
     def register_exported(self, model_id: str, program: Any, *, default_loss: str | None = None,
                           losses: Sequence[str] | None = None,
-                          description: str | None = None) -> ModelInfo:
+                          description: str | None = None,
+                          warmup: Warmup | None = None) -> ModelInfo:
         """Register a torch.export program: a ``.pt2`` path, its bytes, or an
-        ``ExportedProgram``. The server reads it with its own strict loader (never pickle)."""
+        ``ExportedProgram``. The server reads it with its own strict loader (never pickle).
+        ``warmup``: as in :meth:`register`."""
         return self._client._call(self._register_exported(model_id, program, default_loss,
-                                                          losses, description))
+                                                          losses, description, warmup))
 
     def upload_weights(self, model_id: str, state_dict: Mapping[str, Any]) -> ModelInfo:
         """New weights for ``model_id`` (a new version); names and shapes must match."""
@@ -217,18 +235,20 @@ class AsyncModels(_Registry):
         default_loss: str | None = None,
         losses: Sequence[str] | None = None,
         weights: Mapping[str, Any] | None = None,
+        warmup: Warmup | None = None,
     ) -> ModelInfo:
         """Register a model; see ``Models.register``."""
         body = register_body(architecture, config, layers, input, default_loss, losses, weights)
-        return await self._client._call(self._register(model_id, body))
+        return await self._client._call(self._register(model_id, body, warmup))
 
     async def register_exported(self, model_id: str, program: Any, *,
                                 default_loss: str | None = None,
                                 losses: Sequence[str] | None = None,
-                                description: str | None = None) -> ModelInfo:
+                                description: str | None = None,
+                                warmup: Warmup | None = None) -> ModelInfo:
         """``Models.register_exported``, awaited."""
         return await self._client._call(self._register_exported(model_id, program, default_loss,
-                                                                losses, description))
+                                                                losses, description, warmup))
 
     async def upload_weights(self, model_id: str, state_dict: Mapping[str, Any]) -> ModelInfo:
         """New weights for ``model_id`` (a new version); names and shapes must match."""

@@ -108,6 +108,8 @@ class ModelInfo:
     losses: list[str]
     input: dict[str, Any]
     parameters: dict[str, dict[str, Any]]
+    # the warm-up its registration asked for: {status, done, total, shapes} (None: none asked)
+    warmup: dict[str, Any] | None = None
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -126,5 +128,6 @@ class ModelInfo:
             losses=list(doc.get("losses") or []),
             input=dict(doc.get("input") or {}),
             parameters=dict(doc.get("parameters") or {}),
+            warmup=doc.get("warmup"),
             raw=dict(doc),
         )

@@ -176,6 +176,23 @@ class TensorInfo(BaseModel):
     dtype: str
 
 
+class WarmupShape(BaseModel):
+    batch_size: int
+    length: int | None = Field(description="null: the samples' one fixed shape")
+    job: str | None = Field(description="the job computing it (null: never queued, see error)")
+    status: JobStatusName
+    planning_s: float = Field(0.0, description="seconds its worker spent planning the model")
+    error: str | None = None
+
+
+class Warmup(BaseModel):
+    status: Literal["running", "succeeded", "failed"]
+    done: int = Field(description="shapes computed")
+    total: int
+    asked_at: float = Field(description="epoch seconds")
+    shapes: list[WarmupShape]
+
+
 class ModelDoc(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str
@@ -188,6 +205,8 @@ class ModelDoc(BaseModel):
     output: dict[str, Any] = Field(description="per-sample output: {shape}")
     parameters: dict[str, TensorInfo] = Field(description="in the module's own order")
     versions: list[str] = Field(default_factory=list)
+    warmup: Warmup | None = Field(None, description="the warm-up this version's registration "
+                                  "asked for (PUT ?warmup=), and how far it got")
 
 
 class ModelList(BaseModel):

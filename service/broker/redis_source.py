@@ -98,6 +98,8 @@ class RedisJobSource:
         self._keeper: threading.Thread | None = None
         # the worker's status as JSON (service.status), published with every heartbeat
         self.status: Callable[[], str] | None = None
+        # whether the worker is ready (its warm-up ended): no heartbeat, so no /readyz, before
+        self.ready: Callable[[], bool] = lambda: True
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -137,7 +139,8 @@ class RedisJobSource:
         ttl = keys.heartbeat_ttl_s(self.settings.heartbeat_s)
         held: list[Any] = self.intake.held()
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
+        if self.ready():
+            pipe.set(keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
         pipe.sadd(keys.worker_names(self.prefix), self.name)
         status = self._status()
         if status is not None:

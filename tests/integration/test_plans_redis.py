@@ -7,10 +7,12 @@ through the engine; it prints what its store did and the norms, held here to the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 from service import keys
 from service.engine import Batch, Options
 from service.registry import load_model
+from tests.support.cluster import cluster
 from tests.support.redis import ROOT, SHARED_URL, prefix_on, redis_or_skip
 from tests.support.reference import assert_close, reference
 
@@ -99,3 +102,25 @@ def test_corrupt_foreign_and_tampered_entries_in_redis_change_no_answer(prefix: 
         again = worker(prefix, "shared-secret")
         assert (again["ignored"], again["probes"], again["loaded"]) == (1, 1, 0)
         assert_close(torch.tensor(again["norms"]), want)
+
+
+async def test_a_registration_warm_up_through_real_workers(prefix: str, tmp_path: Path) -> None:
+    """Redis mode: a worker process computes the registration's warm-up; a worker started after
+    it warms the same shape from the shared plan before its heartbeat (so /readyz) appears."""
+    spec = {"architecture": "sequential", "input": {"shape": [4]},
+            "layers": [{"type": "Linear", "args": [4, 8]}, {"type": "Tanh"},
+                       {"type": "Linear", "args": [8, 3]}]}
+    async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1, admin_keys="admin") as c:
+        r = await c.client.put("/models/tiny?warmup=4,6", json=spec)
+        assert r.status_code == 200, r.text
+        for _ in range(1200):
+            doc = (await c.client.get("/models/tiny")).json()
+            if doc["warmup"]["status"] != "running":
+                break
+            await asyncio.sleep(0.05)
+        assert doc["warmup"]["status"] == "succeeded", (doc["warmup"], c.dump())
+        assert all(s["job"] for s in doc["warmup"]["shapes"])
+        c.start_worker()
+        await c.live(2)  # its heartbeat: written once both shapes were warmed, not before
+        log = (tmp_path / "worker-1.log").read_text()
+        assert log.count("warmed up tiny@") == 2, log

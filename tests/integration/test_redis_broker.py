@@ -411,3 +411,21 @@ async def test_planning_time_is_recorded_and_keeps_the_state(
     finally:
         source.close()
         await broker.close()
+
+
+async def test_a_warming_worker_is_not_ready(settings: Settings) -> None:
+    """A worker's heartbeat, which /readyz reads, waits for the end of its warm-up."""
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="warming")
+    warmed = False
+    source.ready = lambda: warmed
+    try:
+        source.beat()
+        assert await broker.live_workers() == 0 and not await broker.ready()
+        assert await broker.ready(need_worker=False)
+        warmed = True
+        source.beat()
+        assert await broker.live_workers() == 1 and await broker.ready()
+    finally:
+        source.close()
+        await broker.close()

@@ -10,8 +10,9 @@ from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import BadRequest, PsgradError, UnsupportedMediaType
 from psgrad._wire import JSON, SAFETENSORS
+from service import warmup
 from service.api.body import media_type, read_body
-from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep
+from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep, StateDep, TenantDep
 from service.api.schemas import MODEL_ID, MODEL_REF, ModelDeleted, ModelDoc, ModelList, errors
 from service.registration import (
     EXPORT_MEDIA_TYPE,
@@ -56,10 +57,20 @@ async def list_models(registry: RegistryDep) -> dict[str, Any]:
     responses=errors(400, 401, 404),
     summary="One model: input, parameters, losses, versions",
 )
-async def get_model(model_id: RefPath, registry: RegistryDep) -> dict[str, Any]:
-    """``model_id`` may be ``id`` (newest version) or ``id@version``."""
-    doc: dict[str, Any] = await run_in_threadpool(registry.describe, model_id)
-    return doc
+async def get_model(model_id: RefPath, state: StateDep) -> dict[str, Any]:
+    """``model_id`` may be ``id`` (newest version) or ``id@version``; ``warmup``: the
+    progress of the warm-up its registration asked for."""
+    doc: dict[str, Any] = await run_in_threadpool(state.registry.describe, model_id)
+    return await _with_warmup(state, doc)
+
+
+async def _with_warmup(state: StateDep, doc: dict[str, Any]) -> dict[str, Any]:
+    store = state.registry.store
+    record = await run_in_threadpool(store.warmup, doc["id"], doc["version"])
+    if record is None:
+        return doc
+    return {**doc, "warmup": await warmup.progress(state.broker, store, doc["id"],
+                                                   doc["version"], record)}
 
 
 @router.get(
@@ -128,8 +139,8 @@ def _registered(registry: ModelRegistry, model: Any) -> dict[str, Any]:
 async def put_model(
     model_id: IdPath,
     request: Request,
-    registry: RegistryDep,
-    settings: SettingsDep,
+    state: StateDep,
+    tenant: TenantDep,
     default_loss: str = Query(
         "cross_entropy", max_length=64, description=f"{EXPORT_MEDIA_TYPE} bodies only"
     ),
@@ -137,12 +148,31 @@ async def put_model(
         "", max_length=1000, description=f"{EXPORT_MEDIA_TYPE} bodies only: comma-separated"
     ),
     description: str = Query("", max_length=2000, description=f"{EXPORT_MEDIA_TYPE} only"),
+    warmup_at: str = Query(
+        "", alias="warmup", max_length=400,
+        description="shapes to warm the model up at, batch size x length (4x64,32x512) or "
+        "batch sizes alone for samples of one shape (4,32): a worker computes each as a job "
+        "(progress under 'warmup' in GET /models/{id}), and workers starting up compute them "
+        "again before they report ready"),
 ) -> dict[str, Any]:
     """Built on the meta device, held to the limits, then built and run on an example batch.
 
     A ``.pt2`` body is parsed, built and dry-run on ``meta`` in a child process under memory
     and time limits; only ops on psgrad's allow-list of pure aten overloads are accepted.
     """
+    registry, settings = state.registry, state.settings
+    shapes = warmup.parse_shapes(warmup_at)  # 422 before anything is registered
+    doc = await _register(model_id, request, registry, settings, default_loss, losses,
+                          description)
+    if shapes:
+        model = await run_in_threadpool(registry.get, f"{doc['id']}@{doc['version']}")
+        await warmup.ask(state.broker, registry.store, model, shapes, settings, tenant.name)
+    return await _with_warmup(state, doc)
+
+
+async def _register(model_id: str, request: Request, registry: ModelRegistry,
+                    settings: SettingsDep, default_loss: str, losses: str, description: str
+                    ) -> dict[str, Any]:
     kind = media_type(request.headers.get("content-type"))
     if kind == EXPORT_MEDIA_TYPE:
         data = await read_body(request, settings.max_weight_bytes + (64 << 20),

@@ -1,0 +1,155 @@
+"""Warm-ups: a registered model fast from its first request.
+
+A registration may ask for a warm-up at example shapes (``PUT /models/{id}?warmup=4x64,32x512``,
+batch size by sequence length, or ``warmup=4,32`` for samples of one fixed shape). The api
+queues one ``norms`` job per shape on random samples of that shape, under the model's default
+loss with every parameter (what a plan is keyed by: :func:`service.fast_stats._shared.plan_key`);
+a worker computes it as it would any job, and so makes the model's plans and shares them. The
+shapes and their jobs are kept with the version (:meth:`ModelStore.set_warmup`) and ``GET
+/models/{id}`` shows their progress (:func:`progress`).
+
+A worker starting up computes the same shapes of every model that asked for a warm-up before it
+reports ready (:meth:`service.worker.Worker.warm`, within ``PSGRAD_WARMUP_TIMEOUT_S``): with the
+plans already shared that is loading the model and one call per shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.examples import example
+from psgrad._errors import InvalidInput, PsgradError, UnknownJob
+from service.config import Settings
+from service.jobs import Broker, Job, JobStatus, new_job_id
+from service.losses import get_loss
+from service.model_store import ModelStore
+from service.registry import LoadedModel
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MAX_SHAPES", "Shape", "ask", "example_fields", "parse_shapes", "progress", "wanted"]
+
+MAX_SHAPES = 16
+OUTPUTS = ["norms"]  # any statistic makes the same plan; norms answer smallest
+Shape = tuple[int, int | None]  # batch size, sequence length (None: the samples' one shape)
+_FLOATS = {torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.float16}
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """``"4x64,32x512"`` or ``"4,32"``, each shape once; refuses anything else (422)."""
+    shapes: list[Shape] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        batch, sep, length = part.partition("x")
+        if not batch.isdigit() or int(batch) < 1 or (
+                sep and not (length.isdigit() and int(length) >= 1)):
+            raise InvalidInput(f"'warmup' has '{part[:40]}': give shapes as batch size x length "
+                               "(warmup=4x64,32x512), or batch sizes alone for samples of one "
+                               "fixed shape (warmup=4,32)", warmup=text[:200])
+        shapes.append((int(batch), int(length) if length else None))
+    shapes = list(dict.fromkeys(shapes))
+    if len(shapes) > MAX_SHAPES:
+        raise InvalidInput(f"'warmup' names {len(shapes)} shapes; at most {MAX_SHAPES}: the ones "
+                           "clients send most", limit=MAX_SHAPES)
+    return shapes
+
+
+def example_fields(model: LoadedModel, shape: Shape) -> dict[str, Any]:
+    """A ``norms`` request of random samples of ``shape`` under the model's default loss."""
+    batch, length = shape
+    specs = model.inputs or (model.input,)
+    if length is not None and not any(s.dynamic for s in specs):
+        raise InvalidInput(f"'{model.id}' takes samples of one shape {list(model.input.shape)}: "
+                           f"warm it up at batch sizes alone (warmup={batch})")
+    loss = get_loss(model.default_loss)
+    unknown = sorted(set(loss.needs) - {"targets", "mask"})
+    if unknown:
+        raise InvalidInput(f"a warm-up runs the default loss '{loss.name}' on random samples, "
+                           f"which cannot make up its {', '.join(unknown)}: send a first request "
+                           "instead")
+    gen = torch.Generator().manual_seed(0)
+    arrays = {}
+    for spec in specs:
+        size = list(spec.shape)
+        for dim, low, high, _ in spec.dynamic:
+            if length is not None and not low <= length <= high:
+                raise InvalidInput(f"'{model.id}' takes lengths {low} to {high}, not {length}")
+            size[dim] = size[dim] if length is None else length
+        x = example(size, getattr(torch, spec.dtype), spec.high, batch, gen)
+        arrays[spec.name] = (x.numpy() if not x.is_floating_point()
+                             else x.numpy().astype(_FLOATS.get(model.dtype, np.float32)))
+    out = model.output_shape
+    if loss.tokens:
+        targets = torch.randint(0, out[-1], (batch, length or out[0]), generator=gen).numpy()
+    elif loss.classification:
+        targets = torch.randint(0, out[-1], (batch,), generator=gen).numpy()
+    else:
+        targets = torch.randn((batch, *out), generator=gen).numpy()
+    return {"model": model.ref, "outputs": OUTPUTS, "targets": targets,
+            "inputs": arrays if len(specs) > 1 else arrays[specs[0].name]}
+
+
+async def ask(broker: Broker, store: ModelStore, model: LoadedModel, shapes: list[Shape],
+              settings: Settings, tenant: str) -> dict[str, Any]:
+    """Queue one job per shape and keep them with the version; the record kept. A shape the
+    model cannot take, or a full queue, is recorded as that shape's failure."""
+    record: dict[str, Any] = {"asked_at": time.time(), "shapes": []}
+    for batch, length in shapes:
+        entry: dict[str, Any] = {"batch_size": batch, "length": length, "job": None,
+                                 "status": JobStatus.QUEUED.value, "error": None}
+        try:
+            job = Job(new_job_id(), example_fields(model, (batch, length)),
+                      deadline=time.time() + settings.warmup_timeout_s, tenant=tenant)
+            await broker.submit(job)
+            entry["job"] = job.id
+        except PsgradError as exc:
+            entry.update(status=JobStatus.FAILED.value, error=str(exc))
+        record["shapes"].append(entry)
+    await asyncio.to_thread(store.set_warmup, model.id, model.version, record)
+    return record
+
+
+async def progress(broker: Broker, store: ModelStore, model_id: str, version: str,
+                   record: dict[str, Any]) -> dict[str, Any]:
+    """The warm-up's status (``running`` until every shape ended, then ``succeeded`` if every
+    one did, else ``failed``), each shape's, and the seconds its job spent planning. Shapes
+    that ended are written back, so the record outlives the jobs' results."""
+    changed = False
+    for entry in record["shapes"]:
+        if entry["job"] is None or JobStatus(entry["status"]).done:
+            continue
+        try:
+            state = await broker.state(entry["job"])
+        except UnknownJob:
+            entry.update(status=JobStatus.FAILED.value, error="its job expired before it ended")
+            changed = True
+            continue
+        entry["planning_s"] = round(state.planning_s, 3)
+        if state.status.value != entry["status"]:
+            entry["status"], changed = state.status.value, True
+            if state.status is not JobStatus.SUCCEEDED and state.status.done:
+                entry["error"] = ((state.error or {}).get("error", {}).get("message")
+                                  or f"its job was {state.status.value}")
+    if changed:
+        await asyncio.to_thread(store.set_warmup, model_id, version, record)
+    statuses = [JobStatus(e["status"]) for e in record["shapes"]]
+    done = sum(s is JobStatus.SUCCEEDED for s in statuses)
+    overall = ("running" if not all(s.done for s in statuses) else
+               "succeeded" if done == len(statuses) else "failed")
+    return {"status": overall, "done": done, "total": len(statuses), **record}
+
+
+def wanted(store: ModelStore) -> list[tuple[str, Shape]]:
+    """Every shape of every registered model's newest version that asked for a warm-up."""
+    found = []
+    for model_id in store.ids():
+        version = store.latest(model_id)
+        record = store.warmup(model_id, version) if version else None
+        for entry in (record or {}).get("shapes", []):
+            found.append((f"{model_id}@{version}", (entry["batch_size"], entry["length"])))
+    return found

@@ -1,0 +1,147 @@
+"""Warm-ups (service/warmup.py): a registration asks for shapes, a worker computes them as jobs
+and shares the plans; a server starting up warms the same shapes before ``/readyz`` says ready.
+
+Probes are counted (``SharedPlans.stats``), never timed; every answer is held to the per-sample
+loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+import psgrad
+from service.engine import Batch, Options
+from service.fast_stats import _plan
+from tests.support.api import app_of, open_client
+from tests.support.reference import assert_close, reference
+
+ADMIN = {"Authorization": "Bearer admin-key"}
+SPEC = {"architecture": "sequential", "input": {"shape": [4]},
+        "layers": [{"type": "Linear", "args": [4, 8]}, {"type": "Tanh"},
+                   {"type": "Linear", "args": [8, 3]}]}
+
+
+def dirs(tmp_path: Path) -> dict[str, Any]:
+    return {"admin_keys": "admin-key", "model_dir": str(tmp_path / "models"),
+            "data_dir": str(tmp_path / "data")}
+
+
+async def finished(client: httpx.AsyncClient, ref: str) -> dict[str, Any]:
+    for _ in range(600):
+        doc: dict[str, Any] = (await client.get(f"/models/{ref}", headers=ADMIN)).json()
+        if doc["warmup"]["status"] != "running":
+            return doc
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the warm-up of {ref} never ended: {doc['warmup']}")
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    """No plan in this process's memory: as a new process starts."""
+    _plan.PLANS.clear()
+    yield
+    _plan.PLANS.clear()
+
+
+async def test_a_registration_warms_the_model_up(tmp_path: Path, fresh: None) -> None:
+    async with open_client(**dirs(tmp_path)) as client:
+        put = await client.put("/models/tiny?warmup=4,8", json=SPEC, headers=ADMIN)
+        assert put.status_code == 200, put.text
+        asked = put.json()["warmup"]
+        assert asked["total"] == 2 and [s["batch_size"] for s in asked["shapes"]] == [4, 8]
+        doc = await finished(client, "tiny")
+        assert doc["warmup"]["status"] == "succeeded" and doc["warmup"]["done"] == 2, doc
+        stats = app_of(client).state.psgrad.storage.plans.stats
+        assert (stats.probes, stats.stored) == (1, 1)  # one plan serves both batch sizes
+        x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        r = await client.post("/per-sample-grads", headers=ADMIN, json={
+            "model": "tiny", "outputs": ["norms"], "inputs": x.tolist(), "targets": y.tolist()})
+        assert r.status_code == 200, r.text
+        assert r.json()["meta"]["route"] == "fast_stats" and stats.probes == 1
+        model = app_of(client).state.psgrad.registry.get("tiny")
+    opts = Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
+    want = reference(model, Batch(inputs=x, targets=y), opts, [8])[0]["norms"]
+    assert_close(torch.tensor(r.json()["norms"]), want)
+
+
+@pytest.mark.parametrize("asked", ["4x", "0", "x8", "4;8", ",".join(map(str, range(1, 19)))])
+async def test_a_malformed_warmup_registers_nothing(tmp_path: Path, asked: str) -> None:
+    async with open_client(**dirs(tmp_path)) as client:
+        r = await client.put(f"/models/tiny?warmup={asked}", json=SPEC, headers=ADMIN)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_input", r.text
+        assert "warmup=4" in r.json()["error"]["message"] or "at most" in r.text
+        assert (await client.get("/models/tiny", headers=ADMIN)).status_code == 404
+
+
+async def test_a_shape_the_model_cannot_take_fails_that_shape_alone(tmp_path: Path) -> None:
+    async with open_client(**dirs(tmp_path)) as client:
+        r = await client.put("/models/tiny?warmup=4x16,2", json=SPEC, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        first, second = r.json()["warmup"]["shapes"]
+        assert first["status"] == "failed" and first["job"] is None and second["job"]
+        assert "one shape [4]" in first["error"] and "warmup=4" in first["error"]
+        doc = await finished(client, "tiny")
+    assert doc["warmup"]["status"] == "failed" and doc["warmup"]["done"] == 1
+    assert doc["warmup"]["shapes"][1]["status"] == "succeeded"
+
+
+async def test_readyz_waits_for_the_start_up_warm_up(
+        tmp_path: Path, fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart on the same folders: not ready until the registered warm-up ran again (held
+    open here by an event), then ready, having loaded the plan rather than probed."""
+    async with open_client(**dirs(tmp_path)) as client:
+        assert (await client.put("/models/tiny?warmup=4", json=SPEC, headers=ADMIN)).is_success
+        assert (await finished(client, "tiny"))["warmup"]["status"] == "succeeded"
+    _plan.PLANS.clear()
+    gate, made = threading.Event(), _plan._plan
+
+    def held(*args: Any) -> Any:
+        assert gate.wait(60), "the test never let planning end"
+        return made(*args)
+
+    monkeypatch.setattr(_plan, "_plan", held)
+    try:
+        async with open_client(**dirs(tmp_path)) as client:
+            for _ in range(10):
+                r = await client.get("/readyz")
+                assert r.status_code == 503 and r.json()["ready"] is False
+                await asyncio.sleep(0.05)
+            gate.set()
+            for _ in range(600):
+                if (await client.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await client.get("/readyz")).status_code == 200
+            stats = app_of(client).state.psgrad.storage.plans.stats
+            assert (stats.probes, stats.loaded) == (0, 1)
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("models", ["files", "memory"])
+async def test_the_client_asks_for_a_warm_up(tmp_path: Path, fresh: None, models: str) -> None:
+    folders = {**dirs(tmp_path), **({"model_dir": None} if models == "memory" else {})}
+    async with open_client(**folders) as http, psgrad.AsyncClient(
+            base_url="http://psgrad.test", api_key="admin-key",
+            transport=httpx.ASGITransport(app=app_of(http))) as client:
+        info = await client.models.register("tiny", architecture="sequential",
+                                             layers=SPEC["layers"], input=SPEC["input"],
+                                             warmup=[4, (2, 3)])
+        assert info.warmup is not None and info.warmup["total"] == 2
+        shapes = [(s["batch_size"], s["length"], s["status"]) for s in info.warmup["shapes"]]
+        assert shapes[0][:2] == (4, None) and shapes[1] == (2, 3, "failed")
+        for _ in range(600):
+            warm = (await client.models.get("tiny")).warmup
+            assert warm is not None
+            if warm["status"] != "running":
+                break
+            await asyncio.sleep(0.05)
+        assert (warm["status"], warm["done"]) == ("failed", 1)
