@@ -25,12 +25,15 @@ for longer whatever the run's numbers.
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import resource
+import sys
 import threading
+import types
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -55,7 +58,10 @@ LIMIT_NAME = "PSGRAD_DP_ACCOUNTING_CPU_S"
 R = TypeVar("R")
 
 _CACHE: LockedLRU[tuple[Any, ...], float] = LockedLRU(4096)
+_PLANNED: LockedLRU[tuple[Any, ...], tuple[float, int, float]] = LockedLRU(1024)
 _FORK_SERVER = threading.Lock()
+_NO_MAIN = types.ModuleType("__main__")  # what a child of :func:`bounded` sees of the parent's
+_NO_MAIN.__spec__ = importlib.machinery.ModuleSpec("service.dp.__main__", None)
 
 
 def _accountant(name: str) -> Callable[[], dp_accounting.PrivacyAccountant]:
@@ -175,6 +181,12 @@ def plan(accountant: str, noise_multiplier: float | None, target_epsilon: float 
     return sigma, n, epsilon(accountant, sigma, sample_rate, 1, delta)
 
 
+def planned(cpu_s: int, *args: Any) -> tuple[float, int, float]:
+    """:func:`plan` of these numbers under :func:`bounded`, kept: a second run of the same
+    numbers (a training job restarted, a sweep's repeats) costs no child and no search."""
+    return _PLANNED.get_or_make(args, lambda: bounded(cpu_s, plan, *args))
+
+
 def check_noise(accountant: str, noise_multiplier: float) -> None:
     """Refuse, before any work, a noise multiplier the accountant cannot evaluate cheaply."""
     if accountant == "prv" and noise_multiplier < PRV_MIN_NOISE:
@@ -200,7 +212,15 @@ def bounded(cpu_s: int, fn: Callable[..., R], *args: Any) -> R:
     ctx = _fork_server()
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child, args=(send, cpu_s, fn, args), daemon=True)
-    child.start()
+    with _FORK_SERVER:
+        # multiprocessing has each child run the parent's main script again (psgrad's console
+        # script: 1.3-1.7 s a run, every POST /dp-runs); a main named *.__main__ is left out
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = _NO_MAIN
+        try:
+            child.start()
+        finally:
+            sys.modules["__main__"] = main
     send.close()
     try:
         # the wall clock is a backstop only (a loaded host): the child's own limit is CPU time

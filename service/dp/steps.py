@@ -43,9 +43,8 @@ def make_run(spec: Mapping[str, Any], cpu_s: int = 5) -> DPRun:
     budget = target if budget is None else budget
     assert budget is not None  # check_spec saw to it
     try:
-        sigma, max_steps, first = accounting.bounded(
-            cpu_s, accounting.plan, accountant, spec.get("noise_multiplier"), target, q, steps,
-            delta, budget)
+        sigma, max_steps, first = accounting.planned(
+            cpu_s, accountant, spec.get("noise_multiplier"), target, q, steps, delta, budget)
     except (ArithmeticError, ValueError) as exc:  # extreme values the accountant cannot take
         raise InvalidInput(f"the accountant cannot evaluate this run ({exc}): use a noise "
                            "multiplier, sampling rate and delta in the usual ranges") from None

@@ -7,6 +7,9 @@ what to do; the cheap ones are checked to compute no epsilon at all."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ from psgrad._errors import InvalidInput
 from service.dp import accounting, steps
 from service.dp.runs import DPRun
 from tests.support.api import app_of, open_client
+from tests.support.redis import ROOT
 
 
 class Spy:
@@ -190,3 +194,32 @@ def test_a_made_run_keeps_its_numbers() -> None:
     run = steps.make_run(body())
     assert isinstance(run, DPRun)
     assert run.max_steps == accounting.max_steps("rdp", 2.0, 8 / 200, 1e-5, 2.0) > 0
+
+
+def test_a_run_of_the_same_numbers_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run of the same numbers (a job restarted) starts no child: its plan is kept."""
+    spy = Spy(monkeypatch)
+    numbers = body(noise_multiplier=2.5, max_epsilon=1.75)
+    first, second = steps.make_run(numbers), steps.make_run(numbers)
+    assert (first.noise_multiplier, first.max_steps) == (second.noise_multiplier,
+                                                         second.max_steps)
+    assert spy.children == ["plan"]
+
+
+def test_the_accountants_child_does_not_run_the_main_script_again(tmp_path: Path) -> None:
+    """multiprocessing runs the parent's main script again in each child unless told not to:
+    under ``psgrad serve`` that cost every POST /dp-runs 1.3-1.7 s, and it counted against
+    the accounting's CPU limit."""
+    marker = tmp_path / "imports"
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import pathlib\n"
+        f"with pathlib.Path({str(marker)!r}).open('a') as f:\n    f.write('x')\n"
+        "if __name__ == '__main__':\n"
+        "    from service.dp import accounting\n"
+        "    print(accounting.bounded(5, accounting.epsilon, 'rdp', 1.0, 0.01, 10, 1e-5))\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) == accounting.epsilon("rdp", 1.0, 0.01, 10, 1e-5)
+    assert marker.read_text() == "x"  # the parent's run alone
