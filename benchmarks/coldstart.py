@@ -4,9 +4,9 @@ For GPT-2 small, BERT-base and ResNet-18 (the real-size benchmark's configuratio
 weights, exported at a batch of one, lengths dynamic), each step in a fresh Python process, as
 a new worker or a restarted server would be:
 
-- ``register``: the ``.pt2`` registered (the api's loader and its safety checks), against
-  ``torch.export.load`` plus one forward (a sample: the export's batch of one) in the same
-  process;
+- ``register``: the ``.pt2`` registered (the api's loader and its safety checks, in the child
+  the api keeps started ahead), against ``torch.export.load`` plus one forward (a sample: the
+  export's batch of one) in the same process;
 - ``cold``: the first ``norms`` request with no plan anywhere;
 - ``shared``: the first request of a process whose plan store holds what ``cold`` made (a
   fresh worker beside another, or a restart), signed as workers sharing a secret sign it;
@@ -55,6 +55,7 @@ def child(args: argparse.Namespace) -> None:
 
     from service import engine
     from service.config import Settings
+    from service.export.child import SPARES
     from service.registration import register_exported
     from service.registry import ModelRegistry
     from service.storage import make_plan_store
@@ -65,6 +66,8 @@ def child(args: argparse.Namespace) -> None:
                         max_weight_bytes=4 << 30, export_memory_mb=1 << 15, export_cpu_s=1200,
                         export_timeout_s=1800)
     plans = make_plan_store(settings)
+    if "register" in args.steps:  # as an api with admins does from its start
+        SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)
     data = Path(args.pt2).read_bytes()
     out: dict[str, Any] = {}
     case = rs.make_case(args.model, args.batch, args.seq)
@@ -103,6 +106,7 @@ def child(args: argparse.Namespace) -> None:
     assert plans is not None
     out["plans"] = {"probes": plans.stats.probes, "checks": plans.stats.checks,
                     "loaded": plans.stats.loaded, "ignored": plans.stats.reasons}
+    SPARES.close()
     print(json.dumps(out), flush=True)
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# no registration child started ahead by every app a test makes (tests/unit/test_export_api.py
+# turns it on); a registration still starts the next one
+os.environ.setdefault("PSGRAD_EXPORT_SPARE", "false")
 
 import pytest
 

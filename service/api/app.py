@@ -17,6 +17,7 @@ from service.api.routes import dp, grads, jobs, models, ops, reference_sets, sta
 from service.broker import make_broker
 from service.broker.embedded import EmbeddedBroker
 from service.config import Settings, get_settings
+from service.export.child import SPARES
 from service.jobs import Broker
 from service.keyring import Keyring, install_sighup
 from service.registry import ModelRegistry, make_registry
@@ -63,6 +64,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         install_sighup()  # SIGHUP: re-read PSGRAD_KEYS_FILE
+        if settings.export_spare and (settings.admin_keys or settings.keys_file):
+            SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)  # registration's
         await broker.start()
         if workers is not None:
             workers.start()
@@ -74,6 +77,7 @@ def create_app(
             await broker.close()  # wakes the workers waiting for a job
             if workers is not None:
                 await workers.join()
+            SPARES.close()
 
     app = FastAPI(
         title="psgrad",

@@ -15,7 +15,7 @@ import json
 import re
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from psgrad._errors import InvalidArchive, RefusedProgram, TooLarge
 from service.config import raise_setting
@@ -69,10 +69,11 @@ class Archive:
     constants: dict[str, bytes]  # "tensor_0" -> raw little-endian bytes
 
 
-def read_archive(data: bytes, limits: ArchiveLimits) -> Archive:
-    """Open ``data`` as a torch.export archive; every surprise is a 4xx naming the entry."""
+def read_archive(data: bytes | IO[bytes], limits: ArchiveLimits) -> Archive:
+    """Open ``data`` (bytes, or a file open for reading) as a torch.export archive; every
+    surprise is a 4xx naming the entry."""
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
+        zf = zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data)
         infos = zf.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as exc:
         raise InvalidArchive(f"the body is not a readable zip archive ({exc}); send the file "

@@ -1,9 +1,15 @@
-"""Registration in a child process: ``python -m service.export.child LIMITS_JSON < archive``.
+"""Registration in a child process: ``python -m service.export.child`` (see :func:`run_child`).
 
 A hostile archive may try to exhaust memory or time while it is parsed, built and dry-run;
 it does so in this process, under ``RLIMIT_AS`` and ``RLIMIT_CPU``, and the api only reads
-the answer: one JSON line (the checked program, or the error body), then on success the
-safetensors bytes of its tensors. :func:`run_child` is the api's side.
+the answer: one JSON line (the checked program, or the error body) and, on success, the
+safetensors file of its tensors, written to a temporary file the api opened for it (as the
+archive is read from one: 500 MB through pipes took GPT-2's registration seconds).
+:func:`run_child` is the api's side.
+
+A child takes one archive and exits. It imports torch and the checks before it reads its
+input, so the api keeps one started ahead (:data:`SPARES`): a registration finds the imports
+done (3.8 s of GPT-2's, on a 2-core host) and starts the next spare.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import resource
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
-from typing import Any
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from typing import IO, Any
 
 from psgrad._errors import (
     InvalidArchive,
@@ -29,42 +37,113 @@ from service.config import raise_setting
 CHILD_ENV_KEEP = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
 
 
+@dataclass
+class Child:
+    """A started child and its two files: the archive it reads, the tensors it writes (temporary
+    files, opened before it started and handed to it; no pipe carries either)."""
+
+    proc: subprocess.Popen[bytes]
+    archive: IO[bytes]
+    tensors: IO[bytes]
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+        self.archive.close()
+        self.tensors.close()
+
+
+class Spares:
+    """At most one child started ahead, with its limits (a child of other limits is ended)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spare: tuple[tuple[int, int], Child] | None = None
+
+    def take(self, memory_mb: int, cpu_s: int) -> Child:
+        """A started child with these limits (the spare, else a new one); the next spare
+        starts now."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare[0] == (memory_mb, cpu_s) and spare[1].proc.poll() is None:
+            child = spare[1]
+        else:
+            if spare is not None:
+                spare[1].end()
+            child = _start(memory_mb, cpu_s)
+        self.keep(memory_mb, cpu_s)
+        return child
+
+    def keep(self, memory_mb: int, cpu_s: int) -> None:
+        """Start a spare with these limits, if none is waiting."""
+        with self._lock:
+            if self._spare is None:
+                self._spare = ((memory_mb, cpu_s), _start(memory_mb, cpu_s))
+
+    def close(self) -> None:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare[1].end()
+
+
+SPARES = Spares()
+
+
+def _start(memory_mb: int, cpu_s: int) -> Child:
+    archive, tensors = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
+    env = {k: v for k, v in os.environ.items() if k in CHILD_ENV_KEEP}
+    env.update(PSGRAD_CHILD_MEMORY_MB=str(memory_mb), PSGRAD_CHILD_CPU_S=str(cpu_s),
+               PSGRAD_CHILD_FILES=f"{archive.fileno()},{tensors.fileno()}", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(  # -P: nothing imported from the working directory
+        [sys.executable, "-P", "-m", "service.export.child"], env=env,
+        pass_fds=(archive.fileno(), tensors.fileno()),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return Child(proc, archive, tensors)
+
+
 def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int,
               timeout_s: float) -> tuple[dict[str, Any], bytes]:
     """Check ``data`` in a fresh interpreter; the answer document and the tensors' bytes."""
     if not data.startswith(b"PK\x03\x04"):  # not a zip: no process needed to say so
         raise InvalidArchive("the body is not a zip archive: send the file torch.export.save "
                              "wrote")
-    env = {k: v for k, v in os.environ.items() if k in CHILD_ENV_KEEP}
-    env.update(PSGRAD_CHILD_MEMORY_MB=str(memory_mb), PSGRAD_CHILD_CPU_S=str(cpu_s),
-               OMP_NUM_THREADS="1")
+    child = SPARES.take(memory_mb, cpu_s)
     try:
-        done = subprocess.run(  # -P: nothing imported from the working directory
-            [sys.executable, "-P", "-m", "service.export.child", json.dumps(limits)], input=data,
-            capture_output=True, timeout=timeout_s, env=env, check=False,
-        )
+        return _answer(child, data, limits, memory_mb, cpu_s, timeout_s)
+    finally:
+        child.end()
+
+
+def _answer(child: Child, data: bytes, limits: dict[str, Any], memory_mb: int, cpu_s: int,
+            timeout_s: float) -> tuple[dict[str, Any], bytes]:
+    child.archive.write(data)
+    child.archive.flush()
+    try:  # the limits, on one line, say go
+        head, _ = child.proc.communicate(json.dumps(limits).encode() + b"\n", timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise TooLarge(f"checking the program took more than {timeout_s:g} s of wall-clock time "
                        "and was stopped: send a smaller program, or "
                        f"{raise_setting('export_timeout_s', timeout_s)}",
                        limit=timeout_s) from None
-    head, _, tail = done.stdout.partition(b"\n")
     try:
         answer = json.loads(head)
     except (ValueError, RecursionError):
         answer = None
     if not isinstance(answer, dict):
-        if done.returncode == -signal.SIGXCPU:
+        if child.proc.returncode == -signal.SIGXCPU:
             raise TooLarge(f"checking the program used more than {cpu_s} s of CPU time and was "
                            "stopped: send a smaller program, or "
                            f"{raise_setting('export_cpu_s', cpu_s)}", limit=cpu_s)
-        raise TooLarge(f"checking the program stopped (exit {done.returncode}): it needs more "
-                       f"than {memory_mb} MiB or {cpu_s} s of CPU time: "
+        raise TooLarge(f"checking the program stopped (exit {child.proc.returncode}): it needs "
+                       f"more than {memory_mb} MiB or {cpu_s} s of CPU time: "
                        f"{raise_setting('export_memory_mb', memory_mb)} or "
                        f"{raise_setting('export_cpu_s', cpu_s)}", limit=memory_mb)
     if "error" in answer:
         raise error_from_body(answer, int(answer.get("status", 422)))
-    return answer, tail
+    child.tensors.seek(0)
+    return answer, child.tensors.read()
 
 
 def _limit_self() -> None:
@@ -78,7 +157,7 @@ def _limit_self() -> None:
 
 def main() -> int:
     _limit_self()
-    from safetensors.torch import save
+    import torch._dynamo  # noqa: F401  (the checks' meta kernels import it on first use: 1.8 s)
 
     from service.export.archive import ArchiveLimits
     from service.export.batch import make_batched
@@ -86,13 +165,18 @@ def main() -> int:
     from service.export.module import ExportLimits, read_program
 
     out = sys.stdout.buffer
-    try:
-        raw = json.loads(sys.argv[1])
+    archive_fd, tensors_fd = map(int, os.environ["PSGRAD_CHILD_FILES"].split(","))
+    try:  # everything is imported: from here on a spare child waits for its input
+        raw = json.loads(sys.stdin.buffer.readline())
         limits = ExportLimits(archive=ArchiveLimits(**raw.pop("archive")), **raw)
-        exported = read_program(sys.stdin.buffer.read(), limits)
+        # what it writes is bounded as the weights are: no answer can fill the api's disk
+        size = limits.max_weight_bytes + (64 << 20)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        with open(archive_fd, "rb", closefd=False) as archive:
+            exported = read_program(archive, limits)
         check_example(exported, limits)
         program, unbatched = make_batched(exported, limits)
-        tensors = save({k: v.contiguous() for k, v in exported.tensors.items()})
+        tensors = {k: v.contiguous() for k, v in exported.tensors.items()}
     except PsgradError as exc:
         return _refuse(exc)
     except MemoryError:
@@ -114,8 +198,37 @@ def main() -> int:
         "output_shape": list(exported.output_shape),
         "activations": exported.activations,
     }
-    out.write(json.dumps(answer).encode() + b"\n" + tensors)
+    with open(tensors_fd, "wb", closefd=False) as f:  # in place: no copy of the whole file
+        for part in _safetensors_parts(tensors):
+            f.write(part)
+    out.write(json.dumps(answer).encode() + b"\n")
     return 0
+
+
+def _safetensors_parts(tensors: dict[str, Any]) -> list[bytes | memoryview]:
+    """A safetensors file of ``tensors`` (contiguous, of :data:`payloads.DTYPES`, on a
+    little-endian host, as payloads are read) as its header and views of each one's bytes."""
+    import torch
+
+    header: dict[str, Any] = {}
+    parts: list[bytes | memoryview] = []
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_NAMES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if nbytes:
+            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [len(raw).to_bytes(8, "little") + raw, *parts]
+
+
+ST_NAMES = {f"torch.{k}": v for k, v in (  # safetensors' names of payloads' dtypes
+    ("uint8", "U8"), ("int8", "I8"), ("int16", "I16"), ("int32", "I32"), ("int64", "I64"),
+    ("float16", "F16"), ("float32", "F32"), ("float64", "F64"), ("bool", "BOOL"),
+    ("bfloat16", "BF16"))}
 
 
 def _refuse(exc: PsgradError) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import fx, nn
@@ -54,7 +54,7 @@ class Exported:
                 for k, t in self.tensors.items()}
 
 
-def read_program(data: bytes, limits: ExportLimits) -> Exported:
+def read_program(data: bytes | IO[bytes], limits: ExportLimits) -> Exported:
     """Parse, check, build on ``meta`` and dry-run a client's ``.pt2`` bytes."""
     try:
         return _read_program(data, limits)
@@ -62,7 +62,7 @@ def read_program(data: bytes, limits: ExportLimits) -> Exported:
         raise RefusedProgram("the program nests too deeply") from None
 
 
-def _read_program(data: bytes, limits: ExportLimits) -> Exported:
+def _read_program(data: bytes | IO[bytes], limits: ExportLimits) -> Exported:
     archive = read_archive(data, limits.archive)
     program = parse_program(archive.program, limits.max_nodes)
     buffers = [b for _, b in program.buffers if b not in program.constants]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from service.export.child import SPARES
 from tests.support.api import TD0, open_client
 from tests.support.export import CASES, TOL, deep, exported, program, with_program
 from tests.support.reference import Loop, per_sample_loop
@@ -146,3 +147,22 @@ async def test_a_registration_over_the_wall_clock_limit_is_stopped_and_the_serve
         started = time.monotonic()
         await _refused_then_serving(c, "PSGRAD_EXPORT_TIMEOUT_S")
     assert time.monotonic() - started < 300  # stopped, not run to its end
+
+
+async def test_an_api_with_admins_keeps_a_checking_child_started_ahead() -> None:
+    """The child that checks an archive is started before it is needed (torch imported by the
+    time a registration comes), takes one archive, and the next spare takes its place; the
+    api's end ends the spare. Each archive still gets a process of its own."""
+    async with open_client(admin_keys="admin", export_spare=True) as c:
+        first = SPARES._spare
+        assert first is not None and first[1].proc.poll() is None
+        r = await c.put("/models/cnn-spare", content=exported("cnn")[1],
+                        headers={"content-type": PT2, "authorization": "Bearer admin"})
+        assert r.status_code == 200, r.text
+        assert first[1].proc.poll() is not None and first[1].archive.closed  # used, ended
+        second = SPARES._spare
+        assert second is not None and second[1].proc.pid != first[1].proc.pid
+        r = await c.put("/models/cnn-spare", content=b"PK\x03\x04 not a zip",
+                        headers={"content-type": PT2, "authorization": "Bearer admin"})
+        assert r.status_code == 400 and second[1].proc.poll() is not None
+    assert SPARES._spare is None and second[1].proc.poll() is not None
