@@ -25,6 +25,8 @@ step on psgrad's loaded graph (the floor of psgrad's own path). Methods:
 
 - ``psgrad``: ``engine.compute`` with fast statistics (``meta.route`` is shown: ``vmap`` means
   the fast path declined);
+- ``psgrad-graphs`` (``--device cuda`` only): the same with ``PSGRAD_CUDA_GRAPHS`` on, replaying
+  the call's CUDA graph (``service/graphs.py``; eager where the call cannot be captured);
 - ``vmap``: ``functional_call`` + ``vmap(grad)`` on the original module, statistics from the
   per-sample gradients;
 - ``opacus``: Opacus ``GradSampleModule`` hooks, statistics from ``grad_sample``;
@@ -204,14 +206,15 @@ def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "o
     return parse_request(fields, registry)
 
 
-def psgrad(registry: ModelRegistry, case: Case, output: str, autocast: str = "off") -> Fn:
+def psgrad(registry: ModelRegistry, case: Case, output: str, autocast: str = "off",
+           cuda_graphs: bool = False) -> Fn:
     """One request's ``engine.compute``, its tensors on the model's device before the call, as
     the plain step's batch is: the call's time and peak memory are the statistic's, not the
     copy's (``dots``' M=2 references are two copies of the model, moved in each call before:
     on the H200 most of `dots`' time and the largest of its peaks)."""
     parsed = request(registry, case, output, autocast)
     batch = on_device(parsed.batch, parsed.model.device)
-    return lambda: engine.compute(parsed.model, batch, parsed.opts)[0]
+    return lambda: engine.compute(parsed.model, batch, parsed.opts, cuda_graphs=cuda_graphs)[0]
 
 
 def on_device(batch: Batch, device: torch.device) -> Batch:
@@ -367,6 +370,10 @@ def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: li
         fns[(output, "psgrad")] = fn
         print(f"  psgrad {output}: first call {time.perf_counter() - start:.1f} s", flush=True)
         notes[f"{output} psgrad"] = answer["meta"].get("route", "?")
+        if device.type == "cuda":  # PSGRAD_CUDA_GRAPHS: the second call captures (graphs.py)
+            graphed = psgrad(registry, case, output, autocast, cuda_graphs=True)
+            graphed(), graphed()
+            fns[(output, "psgrad-graphs")] = graphed
         want = _norms(answer) if output == "norms" else want
         if output == "norms" and autocast != "off" and want is not None:
             full = _norms(psgrad(registry, case, output)())

@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     export_memory_mb: int = 8192  # address space of the process that checks a .pt2 archive
     export_cpu_s: int = 60  # CPU seconds of that process
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
+    # workers on CUDA: replay a captured graph of each class of calls seen before (graphs.py)
+    cuda_graphs: bool = False
     # an api with admins starts that process ahead, so a registration finds torch imported
     export_spare: bool = True
     # CPU seconds of one DP run's privacy accounting (a child process, killed past them)
@@ -181,6 +183,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "export_cpu_s": frozenset({API}),
     "export_timeout_s": frozenset({API}),
     "export_spare": frozenset({API}),
+    "cuda_graphs": frozenset({WORKER}),
     "dp_accounting_cpu_s": frozenset({API}),  # DP runs are made and described by the api
 }
 

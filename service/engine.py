@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from psgrad._errors import InvalidInput
+from service import graphs
 from service.fast_stats import FastStats, SharedPlans
 from service.outputs import assemble, need_of
 from service.outputs import output_bytes as _output_bytes
@@ -51,7 +53,8 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
             compiled: CompiledFunctions | None = None, fast_stats: bool = True,
             on_norms: Callable[[torch.Tensor], None] | None = None,
             plans: SharedPlans | None = None,
-            planning: Callable[[bool], None] | None = None) -> list[dict[str, Any]]:
+            planning: Callable[[bool], None] | None = None,
+            cuda_graphs: bool = False) -> list[dict[str, Any]]:
     """Every requested output, for each segment of the batch (one segment per job).
 
     With ``compiled`` (``PSGRAD_COMPILE=1``) the per-sample function runs under torch.compile
@@ -61,7 +64,9 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     squared norms anyway (the status page's histogram); it never makes the call compute them.
     ``plans``: where fast statistics' plans are shared beyond this process (Redis, or the data
     directory), so that a model planned once is not planned again; ``planning`` is told when
-    the call plans (True) and when that ends (False).
+    the call plans (True) and when that ends (False). ``cuda_graphs``
+    (``PSGRAD_CUDA_GRAPHS``): on CUDA, a class of calls seen before replays its graph
+    (:mod:`service.graphs`).
     """
     segments = list(segments or [batch.size])
     if sum(segments) != batch.size:
@@ -74,7 +79,7 @@ def compute(model: LoadedModel, batch: Batch, opts: Options,
     strategies = (_VMAP,) if vmap_only else _STRATEGIES
     with lock_for(model):
         try:
-            result = _run(strategies, call)
+            result = graphs.run(call, partial(_run, strategies), cuda_graphs)
         except RuntimeError as exc:  # an op refusing autocast's mixed dtypes is the request's
             if opts.autocast == "off" or isinstance(exc, torch.OutOfMemoryError):
                 raise

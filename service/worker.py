@@ -444,5 +444,6 @@ def _compute(
         on_norms=on_norms,
         plans=plans,
         planning=planning,
+        cuda_graphs=settings.cuda_graphs,
     )
     return results, time.perf_counter() - start
