@@ -184,6 +184,13 @@ class FileModelStore(ModelStore):
         """Only safe ids become paths: anything else is a folder that cannot exist."""
         return self.root / model_id if is_safe_id(model_id) else self.root / "_"  # never made
 
+    def _file(self, model_id: str, version: str, suffix: str) -> Path:
+        """A version's file; a version not of its form (``../x``, 300 characters) names a file
+        that cannot exist, so no path outside the folder is ever read or tested."""
+        if not VERSION_RE.fullmatch(version):
+            return self.root / "_" / "_"
+        return self._folder(model_id) / f"{version}{suffix}"
+
     def _specs(self, model_id: str) -> list[tuple[float, str]]:
         folder = self._folder(model_id)
         if not folder.is_dir():
@@ -212,20 +219,19 @@ class FileModelStore(ModelStore):
             _write_atomic(folder / f"{record.version}.json", stored.spec_json().encode())
 
     def has(self, model_id: str, version: str) -> bool:
-        return (self._folder(model_id) / f"{version}.json").is_file()
+        return self._file(model_id, version, ".json").is_file()
 
     def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
         try:
-            spec = (self._folder(model_id) / f"{version}.json").read_bytes()
+            spec = self._file(model_id, version, ".json").read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
         return ModelRecord.from_spec(spec, b"").doc
 
     def get(self, model_id: str, version: str) -> ModelRecord | None:
-        folder = self._folder(model_id)
         try:
-            spec = (folder / f"{version}.json").read_bytes()
-            weights = (folder / f"{version}.safetensors").read_bytes()
+            spec = self._file(model_id, version, ".json").read_bytes()
+            weights = self._file(model_id, version, ".safetensors").read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
         return ModelRecord.from_spec(spec, weights)
@@ -241,7 +247,7 @@ class FileModelStore(ModelStore):
         folder = self._folder(model_id)
         with self._lock:
             targets = self.versions(model_id) if version is None else (
-                [version] if (folder / f"{version}.json").exists() else [])
+                [version] if self._file(model_id, version, ".json").exists() else [])
             for v in targets:
                 (folder / f"{v}.json").unlink(missing_ok=True)  # the spec first: gone at once
                 (folder / f"{v}.safetensors").unlink(missing_ok=True)
@@ -252,7 +258,7 @@ class FileModelStore(ModelStore):
 
     def warmup(self, model_id: str, version: str) -> dict[str, Any] | None:
         try:
-            found: dict[str, Any] = json.loads((self._folder(model_id) / f"{version}.warmup")
+            found: dict[str, Any] = json.loads(self._file(model_id, version, ".warmup")
                                                .read_bytes())
         except (OSError, ValueError):  # none asked, or not ours
             return None
@@ -261,7 +267,7 @@ class FileModelStore(ModelStore):
     def set_warmup(self, model_id: str, version: str, record: dict[str, Any]) -> None:
         with self._lock:
             if self.has(model_id, version):
-                _write_atomic(self._folder(model_id) / f"{version}.warmup",
+                _write_atomic(self._file(model_id, version, ".warmup"),
                               json.dumps(record).encode())
 
 

@@ -30,7 +30,7 @@ from psgrad._errors import (
 from service.config import Settings
 from service.export import family as _exported  # noqa: F401  (registers the 'exported' family)
 from service.lru import LockedLRU
-from service.model_store import MemoryModelStore, ModelStore, is_safe_id
+from service.model_store import VERSION_RE, MemoryModelStore, ModelStore, is_safe_id
 
 ZOO_SEED = 0
 _BUILD_LOCK = threading.Lock()
@@ -293,10 +293,10 @@ class ModelRegistry:
             found = self.store.latest(model_id)
             if found is not None:
                 return found
-        elif self.store.has(model_id, version):
-            return version
+        elif VERSION_RE.fullmatch(version) and self.store.has(model_id, version):
+            return version  # another form is no version, as an unknown one (one 404 for both)
         if version and self.store.latest(model_id):
-            raise UnknownModel(f"'{model_id}' has no version '{version}'; it has: "
+            raise UnknownModel(f"'{model_id}' has no version {version[:40]!r}; it has: "
                                f"{', '.join(self.store.versions(model_id))}", id=model_id)
         known = self.ids()[:50]  # a store may hold many ids: GET /models lists them all
         raise UnknownModel(f"unknown model '{model_id}'; known: {', '.join(known)}"

@@ -1,0 +1,53 @@
+"""A version is 16 hex digits; any other text after ``@`` is no version, answered as an unknown
+one, and is never joined into a file path (models kept in ``PSGRAD_MODEL_DIR``): a file outside
+the model directory that exists and one that does not get the same answer, and a 300-character
+version is a 404, not a 500."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.api import open_client
+
+ADMIN = {"Authorization": "Bearer admin-key"}
+SPEC = {"architecture": "sequential", "input": {"shape": [4]},
+        "layers": [{"type": "Linear", "args": [4, 3]}]}
+VERSIONS = ("0123456789abcdef", "../../secret", "../../nothing", "a" * 300, "..")
+
+
+async def refusal(c: httpx.AsyncClient, route: str, ref: str) -> str:
+    """The error code ``route`` answers for ``ref`` (a job's, where the job is queued)."""
+    if route == "/models":
+        r = await c.get(f"/models/{ref}", headers=ADMIN)
+    else:
+        body: dict[str, Any] = {"model": ref, "inputs": [[1.0, 2.0, 3.0, 4.0]],
+                                "targets": [0], "outputs": ["norms"]}
+        if route == "/dp-runs":
+            body = {"model": ref, "clip_norm": 1.0, "noise_multiplier": 2.0,
+                    "expected_batch_size": 8, "dataset_size": 200, "delta": 1e-5,
+                    "max_epsilon": 2.0}
+        r = await c.post(route, json=body, headers=ADMIN)
+        if r.status_code == 202:  # POST /jobs: refused when the job runs
+            for _ in range(400):
+                r = await c.get(f"/jobs/{r.json()['job_id']}", headers=ADMIN)
+                if r.json()["status"] not in ("queued", "running"):
+                    break
+            assert r.json()["status"] == "failed", r.text
+            return str(r.json()["error"]["code"])
+    assert r.status_code == 404, (ref[:60], r.status_code, r.text)
+    return str(r.json()["error"]["code"])
+
+
+@pytest.mark.parametrize("route", ["/per-sample-grads", "/jobs", "/dp-runs", "/models"])
+async def test_a_version_of_another_form_is_an_unknown_version(tmp_path: Path, route: str
+                                                                ) -> None:
+    (tmp_path / "secret.json").write_text('{"created": 1, "id": "x"}')  # models/tiny/../../
+    async with open_client(model_dir=str(tmp_path / "models"), admin_keys="admin-key") as c:
+        assert (await c.put("/models/tiny", json=SPEC, headers=ADMIN)).status_code == 200
+        codes = {await refusal(c, route, f"tiny@{v}") for v in VERSIONS
+                 if route != "/models" or "/" not in v}  # a path segment holds no '/'
+    assert codes == {"unknown_model"}
