@@ -17,12 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from psgrad._errors import Overloaded, PsgradError, Unauthorized
 from psgrad._version import VERSION_HEADER, __version__
+from service.broker.redis import RETRY_AFTER_DOWN_S, redis_unavailable
 
 log = logging.getLogger("psgrad.api")
 
@@ -81,8 +83,19 @@ def _allowed(request: Request) -> list[str]:
     return sorted(methods)
 
 
+async def _redis(_request: Request, exc: Exception) -> JSONResponse:
+    """A store in Redis (DP runs, models, reference sets) that cannot answer now: 503 with
+    Retry-After, as the queue's own calls answer; any other Redis error is a bug (500)."""
+    if not redis_unavailable(exc):
+        raise exc
+    return error_response(Overloaded(
+        f"a store (Redis) is unavailable: {type(exc).__name__}: {str(exc)[:200]}; retry "
+        "shortly", retry_after=RETRY_AFTER_DOWN_S))
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(PsgradError, _psgrad)
+    app.add_exception_handler(RedisError, _redis)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +25,7 @@ from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker import Worker
-from tests.support.redis import prefix_on, redis_or_skip, result_of
+from tests.support.redis import OwnRedis, prefix_on, redis_or_skip, result_of
 
 
 @pytest.fixture
@@ -122,3 +123,32 @@ async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> No
         stop.set()
         thread.join(30)
         source.close()
+
+
+async def test_a_dp_step_during_a_redis_outage_is_a_503(tmp_path: Path) -> None:
+    """A DP step, and the DP routes, while Redis is down: 503 with Retry-After, as every route
+    that queues answers (not 500 internal_error), then served again once Redis is back."""
+    own = OwnRedis(tmp_path)
+    own.start()
+    settings = Settings(redis_url=own.url, redis_prefix="dp-outage", redis_timeout_s=0.5,
+                        device="cpu")
+    app = create_app(settings)
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://psgrad.test") as c:
+            r = await c.post("/dp-runs", json={
+                "model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0,
+                "expected_batch_size": 8, "dataset_size": 200, "delta": 1e-5,
+                "max_epsilon": 2.0})
+            assert r.status_code == 201, r.text
+            run_id = r.json()["id"]
+            own.kill()
+            step = {**_fields(run_id), "inputs": np.zeros((2, 784)).tolist(),
+                    "targets": [0, 1]}
+            for answer in (await c.post("/per-sample-grads", json=step),
+                           await c.get(f"/dp-runs/{run_id}"), await c.get("/dp-runs")):
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["code"] == "overloaded"
+                assert answer.headers["retry-after"] == "2"
+    finally:
+        own.kill()
