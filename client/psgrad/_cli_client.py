@@ -140,8 +140,21 @@ def cmd_models_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_weights(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; anything else (a ``torch.save`` pickle, which psgrad never
+    reads) is a one-line error saying how to write one."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, ValueError) as exc:
+        raise SystemExit(f"psgrad: error: {path} is not a safetensors file ({exc}): write the "
+                         "weights with safetensors.torch.save_file(model.state_dict(), path); "
+                         "psgrad never reads torch.save (pickle) files") from None
+
+
 def cmd_models_register(args: argparse.Namespace) -> int:
-    weights = load_file(str(args.weights)) if args.weights else None
+    weights = read_weights(args.weights) if args.weights else None
     if (args.pt2 is None) == (args.architecture is None):
         raise SystemExit("psgrad models register: give --architecture or --pt2 (one of them)")
     with _client(args) as client:
@@ -156,7 +169,7 @@ def cmd_models_register(args: argparse.Namespace) -> int:
 
 def cmd_models_upload(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print(client.models.upload_weights(args.model, load_file(str(args.weights))).ref)
+        print(client.models.upload_weights(args.model, read_weights(args.weights)).ref)
     return 0
 
 

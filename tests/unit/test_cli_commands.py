@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 import service.cli
 from psgrad import _cli
@@ -27,3 +30,20 @@ def test_a_client_alone_says_where_serve_comes_from(
     with pytest.raises(SystemExit):  # the client's commands are still there
         _cli.main(["models", "--help"])
     assert "list" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["models", "upload", "m", "{file}"],
+                                     ["models", "register", "m", "--architecture", "mlp",
+                                      "--weights", "{file}"]])
+def test_a_weights_file_that_is_not_safetensors_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    """``torch.save`` files (a pickle in a zip) are never read: one line says how to write the
+    weights, no traceback, and nothing is sent (the server's address is never reached)."""
+    saved = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(2)}, saved)
+    with pytest.raises(SystemExit) as stopped:
+        _cli.main([w.format(file=saved) for w in command] + ["--url", "http://127.0.0.1:9"])
+    message = str(stopped.value)
+    assert message.startswith("psgrad: error: ") and "\n" not in message
+    assert "is not a safetensors file" in message and "save_file" in message
+    assert "Traceback" not in capsys.readouterr().err
