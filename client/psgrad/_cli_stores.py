@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,8 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", help="the same for targets")
     ids = p.add_mutually_exclusive_group()
     ids.add_argument("--ids", help="a .npy file of integer or string ids, one per sample")
-    ids.add_argument("--first-id", type=int, default=0, help="ids N, N+1, ... (default 0)")
+    ids.add_argument("--first-id", type=int, help="ids N, N+1, ... (default 0 for an empty "
+                     "store; a store with samples needs it or --ids)")
     p.add_argument("--batch-size", type=int, default=256, help="samples per request")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_add)
@@ -72,16 +74,30 @@ def _create(args: argparse.Namespace) -> int:
     return 0
 
 
+SKIPPED = 3  # the exit status of an add that skipped samples whose ids the store held
+
+
 def _add(args: argparse.Namespace) -> int:
+    """Exit 0 when every sample was added, :data:`SKIPPED` when some ids were held already."""
     inputs = load_array(args.inputs, default_name="inputs")
     targets = load_array(args.targets, default_name="targets") if args.targets else None
-    ids = (load_array(args.ids) if args.ids
-           else np.arange(args.first_id, args.first_id + len(inputs)))
     with client_of(args) as client:
         store = client.stores.get(args.id)
+        first, held = args.first_id, int(store.info.get("samples") or 0)
+        if args.ids is None and first is None and held:
+            raise SystemExit(
+                f"psgrad: error: store {args.id} holds {held} samples, numbered by their ids: "
+                f"give --first-id {held} to number these after them, --ids for ids of your "
+                "own, or the --first-id of an interrupted add to resume it")
+        ids = (load_array(args.ids) if args.ids
+               else np.arange(first or 0, (first or 0) + len(inputs)))
         info = store.add(inputs, targets, ids=ids, batch_size=args.batch_size,
                          progress=not args.no_progress)
     print(json.dumps(info))
+    if info["skipped"]:
+        print(f"psgrad: {info['skipped']} of {len(ids)} samples skipped: store {args.id} "
+              "held their ids already", file=sys.stderr)
+        return SKIPPED
     return 0
 
 

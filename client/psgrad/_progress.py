@@ -57,6 +57,12 @@ class Progress:
         self.stream.flush()
         self._drawn = True
 
+    def label(self, desc: str) -> None:
+        """A new label in front of the bar (what the work found so far)."""
+        self.desc = desc
+        if self._bar is not None:
+            self._bar.set_description(desc)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -158,12 +158,13 @@ Plan = Generator[Step, Any, None]
 
 
 def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int,
-            progress: bool | Progress) -> Plan:
+            progress: bool | Progress) -> Generator[Step, Any, dict[str, Any]]:
     """``add``, as steps that ``Store`` runs and ``AsyncStore`` awaits: per batch, which ids
-    the store holds, then the rest of the batch in the model's dtype, then its commit."""
+    the store holds, then the rest of the batch in the model's dtype, then its commit. Ends
+    with the store's description and this call's ``added`` and ``skipped`` (ids it held)."""
     bar = Progress(f"store {store.id}") if progress is True else progress or None
     total = None if ids is None else len(_ids(ids, len(ids)))
-    done = 0
+    done = skipped = 0
     for x, y, names in batches(inputs, targets, ids, batch_size):
         names = _ids(names, len(names))
         present = (yield "call", _Calls.lookup(store.id, names))["present"]
@@ -172,11 +173,15 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
             fields = yield "prepare", _sample_fields(store.info["model"], x, y, names, keep)
             store.info = yield "call", _Calls.add(store.id, fields)
         done += len(names)
+        skipped += len(names) - sum(keep)
         if bar is not None:
+            if skipped and isinstance(bar, Progress):
+                bar.label(f"store {store.id} ({skipped} held already, skipped)")
             bar(done, total or done)
     if bar is not None:
         bar.close()
     store.info = yield "call", _Calls.get(store.id)
+    return {**store.info, "added": done - skipped, "skipped": skipped}
 
 
 def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
@@ -226,9 +231,11 @@ class Store(_Handle):
         """Add samples in batches of ``batch_size``, each committed whole, skipping the ids
         the store already holds (an interrupted upload resumes). ``inputs`` is an array (numpy,
         torch, nested lists) with ``targets`` and ``ids`` beside it, or an iterable of
-        ``(inputs, targets, ids)`` batches. Returns the store's description."""
-        self._run(_adding(self, inputs, targets, ids, batch_size, progress))
-        return self.info
+        ``(inputs, targets, ids)`` batches. Returns the store's description with this call's
+        ``added`` and ``skipped`` (samples whose ids the store held: never silently lost)."""
+        added: dict[str, Any] = self._run(_adding(self, inputs, targets, ids, batch_size,
+                                                  progress))
+        return added
 
     def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
               k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:
@@ -289,8 +296,9 @@ class AsyncStore(_Handle):
     async def add(self, inputs: Any, targets: Any = None, *, ids: Any = None,
                   batch_size: int = 256, progress: bool | Progress = False) -> dict[str, Any]:
         """See ``Store.add``."""
-        await self._run(_adding(self, inputs, targets, ids, batch_size, progress))
-        return self.info
+        added: dict[str, Any] = await self._run(_adding(self, inputs, targets, ids, batch_size,
+                                                        progress))
+        return added
 
     async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
                     k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:

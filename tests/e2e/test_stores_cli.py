@@ -26,11 +26,13 @@ def url(tmp_path: Path) -> Iterator[str]:
         yield u
 
 
-def cli(url: str, *args: str) -> str:
+def cli(url: str, *args: str, code: int = 0) -> str:
+    """The command's output; ``code``: the exit status it must end with (stderr follows the
+    output when it is not 0)."""
     out = subprocess.run([sys.executable, "-m", "service.cli", *args, "--url", url],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+    assert out.returncode == code, out.stdout + out.stderr
+    return out.stdout if code == 0 else out.stdout + out.stderr
 
 
 def test_stores_commands(url: str, tmp_path: Path) -> None:
@@ -50,10 +52,17 @@ def test_stores_commands(url: str, tmp_path: Path) -> None:
                           "--targets", str(tmp_path / "y_half.npy"), "--ids",
                           str(tmp_path / "ids_half.npy"), "--batch-size", "8"))
     assert half["samples"] == 20 and half["commits"] == 3
-    whole = json.loads(cli(url, "stores", "add", "train", "--inputs", str(tmp_path / "x.npy"),
-                           "--targets", str(tmp_path / "y.safetensors"), "--ids",
-                           str(tmp_path / "ids.npy"), "--batch-size", "16", "--no-progress"))
-    assert whole["samples"] == 40 and whole["commits"] == 5  # the first 20 ids skipped
+    resumed = cli(url, "stores", "add", "train", "--inputs", str(tmp_path / "x.npy"),
+                  "--targets", str(tmp_path / "y.safetensors"), "--ids",
+                  str(tmp_path / "ids.npy"), "--batch-size", "16", "--no-progress", code=3)
+    whole = json.loads(resumed.splitlines()[0])  # the first 20 ids skipped, and said so
+    assert whole["samples"] == 40 and whole["commits"] == 5
+    assert (whole["added"], whole["skipped"]) == (20, 20)
+    assert "20 of 40 samples skipped: store train held their ids" in resumed
+    # without ids, a store with samples is not numbered from 0 again (all 40 were skipped)
+    refused = cli(url, "stores", "add", "train", "--inputs", str(tmp_path / "x_half.npy"),
+                  "--targets", str(tmp_path / "y_half.npy"), code=1)
+    assert "holds 40 samples" in refused and "--first-id 40" in refused
     assert json.loads(cli(url, "stores", "show", "train"))["samples"] == 40
     assert [s["id"] for s in json.loads(cli(url, "stores", "list"))] == ["train"]
 

@@ -66,6 +66,7 @@ def test_a_store_filled_resumed_and_queried(transport: httpx.BaseTransport) -> N
         info = store.add(torch.from_numpy(x), torch.from_numpy(y), ids=ids, batch_size=10,
                          progress=True)  # resumes: the first 20 ids are skipped
         assert info["samples"] == 50 and info["commits"] == 5
+        assert (info["added"], info["skipped"]) == (30, 20)
 
         more_x, more_y = data(7, 2)
         more_ids = [f"m{i}" for i in range(7)]
@@ -103,7 +104,8 @@ async def test_the_async_client_does_the_same(tmp_path: Path) -> None:
         x, y = data(12, 4)
         info = await store.add(x, y, ids=np.arange(12), batch_size=5)
         assert info["samples"] == 12 and info["commits"] == 3
-        assert (await store.add(x, y, ids=np.arange(12)))["commits"] == 3  # all present
+        again = await store.add(x, y, ids=np.arange(12))  # all present: skipped, and counted
+        assert again["commits"] == 3 and (again["added"], again["skipped"]) == (0, 12)
         found = await store.query(x[:2], y[:2], k=3, score="dot")
         out = await client.per_sample_grads("mlp", x, y, outputs=["projection"],
                                             projection_dim=DIM)
