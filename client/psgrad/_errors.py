@@ -22,6 +22,7 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     ├── Overloaded (503)             queue full or broker down; carries retry_after
     │   └── RateLimited (429)        too many requests from this client
     ├── DeadlineExceeded (504)
+    ├── InsufficientStorage (507)    the server's data directory is full; nothing was written
     ├── JobFailed (500)              a job ended failed without a more precise error
     └── InternalError (500)          a bug: the message never carries a traceback
         └── VerificationFailed (500) ``verify``: the answer differed from the per-sample loop
@@ -41,6 +42,7 @@ __all__ = [
     "DtypeMismatch",
     "EmptyBatch",
     "Forbidden",
+    "InsufficientStorage",
     "InternalError",
     "InvalidArchive",
     "InvalidInput",
@@ -256,6 +258,14 @@ class DeadlineExceeded(PsgradError):
     status = 504
 
 
+class InsufficientStorage(PsgradError):
+    """The server's data directory (gradient stores, reference sets) is full: nothing of the
+    request was written; retry once the operator has freed space."""
+
+    code = "insufficient_storage"
+    status = 507
+
+
 class JobFailed(PsgradError):
     code = "job_failed"
     status = 500
@@ -301,7 +311,7 @@ def error_from_body(
 def _class_for_status(status: int) -> type[PsgradError]:
     for cls in (BadRequest, InvalidInput, UnsupportedMediaType, Unauthorized, Forbidden,
                 NotFound, RequestTimeout, Conflict, TooLarge, RateLimited, Overloaded,
-                DeadlineExceeded):
+                DeadlineExceeded, InsufficientStorage):
         if cls.status == status:
             return cls
     return BadRequest if 400 <= status < 500 else InternalError

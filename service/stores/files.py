@@ -23,8 +23,11 @@ reading exactly what it committed, because committed shards are never rewritten.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import mmap
+import os
 import posixpath
 import threading
 import uuid
@@ -38,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
+from psgrad._errors import Conflict, InsufficientStorage, InvalidInput, NonFinite, NotFound
 from service.lru import LockedLRU
 from service.stores.locks import Locks
 from service.stores.spec import StoreSpec
@@ -123,12 +126,24 @@ class StoreFiles:
     # --- whole files ---------------------------------------------------------------------
 
     def _write(self, path: str, *parts: bytes | memoryview) -> None:
-        """``parts`` at ``path`` all at once: written beside it, then renamed over it."""
+        """``parts`` at ``path`` all at once: written beside it, synced (on a local disk: a
+        shard is on disk before the manifest that names it), then renamed over it. A full
+        disk is a 507 that leaves no temporary file behind (so the disk does not stay full)."""
         tmp = posixpath.join(posixpath.dirname(path), f".tmp-{uuid.uuid4().hex}")
-        with self.fs.open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-        self.fs.mv(tmp, path)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                _sync(f)
+            self.fs.mv(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self.fs.rm(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientStorage(
+                    f"the data directory is full ({exc.strerror}); nothing was written: retry "
+                    "once the operator has freed space (PSGRAD_DATA_DIR)") from None
+            raise
 
     def _read(self, path: str) -> bytes | None:
         try:
@@ -401,3 +416,12 @@ def stored_rows(spec: StoreSpec, sketches: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["Manifest", "Shard", "Staged", "StoreFiles", "refuse_duplicates", "stored_rows"]
+
+
+def _sync(f: Any) -> None:
+    """``f``'s bytes on the disk where it is a local file (an object store has no fsync)."""
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return

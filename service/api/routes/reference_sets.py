@@ -61,7 +61,7 @@ async def split_answer(state: AppState, tenant: Tenant, fields: dict[str, Any]) 
     "/{set_id}",
     response_model=ReferenceSetDoc,
     openapi_extra=REQUEST_BODY,
-    responses=errors(400, 401, 403, 404, 413, 415, 422, 503, 504),
+    responses=errors(400, 401, 403, 404, 413, 415, 422, 503, 504, 507),
     summary="Compute and keep a batch's sketches (projection_dim) or gradients",
 )
 async def put_reference_set(

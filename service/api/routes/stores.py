@@ -146,7 +146,7 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
 
 
 @router.put("/{store_id}", openapi_extra=_body(StoreBody, "the store's definition"),
-            responses=errors(400, 401, 403, 404, 409, 422),
+            responses=errors(400, 401, 403, 404, 409, 422, 507),
             summary="Define a gradient store (201; the same definition again: 200)")
 async def put_store(store_id: StoreId, request: Request, state: StateDep,
                     scope: ScopeDep) -> JSONResponse:
@@ -183,7 +183,7 @@ async def delete_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> d
 @router.post("/{store_id}/samples",
              openapi_extra=_body(SamplesBody, "a batch (inputs, targets, ...) and 'ids', one "
                                  "per sample: integers or short strings"),
-             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="Add a batch's sketches under the caller's ids (all or nothing)")
 async def add_samples(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
                       scope: ScopeDep) -> dict[str, Any]:
@@ -249,7 +249,7 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
              openapi_extra=_body(QueryBody, "k, score, lambda, and either a batch (inputs, "
                                  "targets, ...) or its 'sketches' [queries, k]; no samples "
                                  "for score self_influence"),
-             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="The top k training samples of each test sample: ids and scores")
 async def query_store(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
                       scope: ScopeDep) -> dict[str, Any]:
