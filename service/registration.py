@@ -188,11 +188,20 @@ def export_weights(registry: ModelRegistry, ref: str) -> tuple[str, bytes]:
     return model.ref, encode_weights({**model.params, **model.buffers})
 
 
-def delete(registry: ModelRegistry, ref: str) -> dict[str, Any]:
-    """``DELETE /models/{id}`` (every version) or ``DELETE /models/{id}@{version}``."""
+def delete(registry: ModelRegistry, ref: str,
+           pinned: Callable[[set[str]], list[str]] = lambda refs: []) -> dict[str, Any]:
+    """``DELETE /models/{id}`` (every version) or ``DELETE /models/{id}@{version}``; a version
+    that ``pinned`` says a store or reference set is kept by refuses the deletion (409)."""
     model_id, version = split_ref(ref)
     if model_id in ZOO:
         raise Conflict(f"'{model_id}' is a zoo model; it cannot be deleted", id=model_id)
+    versions = [version] if version else registry.store.versions(model_id)
+    holders = pinned({f"{model_id}@{v}" for v in versions})
+    if holders:
+        raise Conflict(f"'{ref}' is pinned by {len(holders)} store(s) and reference set(s): "
+                       f"{', '.join(holders[:10])}{', ...' if len(holders) > 10 else ''}; their "
+                       "rows were computed with it: delete them first (DELETE /stores/{id}, "
+                       "DELETE /reference-sets/{id})", id=model_id, pinned_by=holders[:100])
     gone = registry.store.delete(model_id, version)
     registry.forget(model_id)
     if not gone:

@@ -169,6 +169,11 @@ class StoreFiles:
             return []
         return sorted(posixpath.basename(str(p).rstrip("/")) for p in found)
 
+    def pinning(self, refs: set[str]) -> list[str]:
+        """The stores (``<tenant>~<id>`` keys) whose pinned model version is one of ``refs``."""
+        return [key for key in self.store_keys()
+                if (spec := self.spec(key)) is not None and spec.model in refs]
+
     def manifest(self, key: str) -> Manifest:
         raw = self._read(self.path(key, MANIFEST))
         return Manifest.from_json(raw) if raw is not None else Manifest()

@@ -370,3 +370,23 @@ async def test_safetensors_bodies(tmp_path: Path) -> None:
         rows, scores = reference(phi, q.astype(np.float64), "cosine", 4)
         assert r.json()["ids"] == (rows + 100).tolist()
         np.testing.assert_allclose(r.json()["scores"], scores, rtol=1e-4, atol=1e-6)
+
+
+async def test_a_model_version_a_store_pins_is_not_deleted(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """Deleting the version a store was computed with would leave the store a dead end (its
+    appends and queries by inputs 404): the deletion is refused, naming the store, until the
+    store is gone."""
+    c, _ = service
+    r = await c.put("/stores/train", headers=ALICE, json={"model": "att", "projection_dim": DIM})
+    assert r.status_code == 201, r.text
+    version = r.json()["model"].partition("@")[2]
+    for ref in ("att", f"att@{version}"):
+        error(await c.delete(f"/models/{ref}", headers=OPS), 409, "conflict",
+              "pinned by 1 store", "alice~train")
+    assert (await c.get("/models/att", headers=OPS)).json()["version"] == version
+    r = await c.post("/stores/train/samples", headers=ALICE, json={**batch(3, 1), "ids": [0, 1, 2]})
+    assert r.status_code == 200, r.text
+    assert (await c.delete("/stores/train", headers=ALICE)).status_code == 200
+    r = await c.delete("/models/att", headers=OPS)
+    assert r.status_code == 200 and r.json()["deleted"] == [version], r.text

@@ -238,7 +238,9 @@ async def put_weights(
     responses=errors(400, 401, 403, 404, 409),
     summary="Delete id (every version) or id@version (admin)",
 )
-async def delete_model(model_id: RefPath, registry: RegistryDep) -> dict[str, Any]:
-    """Deleted versions answer 404 at once, in every process that shares the store."""
-    gone: dict[str, Any] = await run_in_threadpool(delete, registry, model_id)
+async def delete_model(model_id: RefPath, state: StateDep) -> dict[str, Any]:
+    """Deleted versions answer 404 at once, in every process that shares the store; a version
+    a store or reference set pins is kept (409, naming them)."""
+    gone: dict[str, Any] = await run_in_threadpool(delete, state.registry, model_id,
+                                                   state.storage.gradients.pinning)
     return gone
