@@ -61,6 +61,7 @@ def serve(
     settings = settings or get_settings()
     host = settings.listen_host if host is None else host
     port = settings.listen_port if port is None else port
+    settings = settings.model_copy(update={"listen_port": port})  # its data folder's name
     if workers is not None:
         settings = settings.model_copy(update={"workers": workers})
     if not settings.keys_configured:

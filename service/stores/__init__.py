@@ -14,6 +14,7 @@ influential samples of a test batch (``/stores``; docs/attribution.md).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -25,12 +26,19 @@ __all__ = ["StoreFiles", "data_dir", "make_store_files"]
 
 
 def data_dir(settings: Settings) -> str:
-    """``PSGRAD_DATA_DIR`` (a path or an fsspec URL), else ``$XDG_DATA_HOME/psgrad`` (by
-    default ``~/.local/share/psgrad``)."""
+    """``PSGRAD_DATA_DIR`` (a path or an fsspec URL), else a folder of this server's own under
+    ``$XDG_DATA_HOME/psgrad`` (by default ``~/.local/share/psgrad``): ``port-<port>`` for an
+    embedded server, ``redis-<digest of the URL and prefix>`` for the api and workers of one
+    Redis queue. Two servers a user runs never list, or delete, each other's tenants' data."""
     if settings.data_dir:
         return settings.data_dir
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return str(Path(base) / "psgrad")
+    if settings.redis_url:
+        queue = f"{settings.redis_url}|{settings.redis_prefix}".encode()
+        own = f"redis-{hashlib.sha256(queue).hexdigest()[:12]}"
+    else:
+        own = f"port-{settings.listen_port}"
+    return str(Path(base) / "psgrad" / own)
 
 
 def make_store_files(settings: Settings) -> StoreFiles:
