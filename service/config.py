@@ -184,7 +184,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "export_timeout_s": frozenset({API}),
     "export_spare": frozenset({API}),
     "cuda_graphs": frozenset({WORKER}),
-    "dp_accounting_cpu_s": frozenset({API}),  # DP runs are made and described by the api
+    "dp_accounting_cpu_s": BOTH,  # runs made and described (api); each step's epsilon (worker)
 }
 
 

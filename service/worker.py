@@ -222,7 +222,8 @@ class Worker:
             # a DP run's step: counted once per job id, or refused (nothing released)
             counted = self._attempt(job, "counting the DP step",
                                     partial(count_dp_step, job.id, job.fields, result,
-                                            self.storage.runs), retry=True)
+                                            self.storage.runs,
+                                            self.settings.dp_accounting_cpu_s), retry=True)
             if counted is _FAILED:
                 continue
             self._ended(job, "succeeded", started)

@@ -159,8 +159,13 @@ def bind(fields: Mapping[str, Any], opts: Options, model_id: str,
 
 
 def on_result(job_id: str, fields: Mapping[str, Any], result: dict[str, Any],
-              runs: RunStore) -> dict[str, Any]:
+              runs: RunStore, cpu_s: int = 5) -> dict[str, Any]:
     """Count a ``dp_run`` job's step (once per job id) and add ``dp`` to its answer.
+
+    The step's epsilon is the run's accountant's, computed within ``cpu_s`` seconds of CPU
+    (``PSGRAD_DP_ACCOUNTING_CPU_S``); past that (``prv``, whose cost grows as the noise
+    shrinks), it is ``rdp``'s, an upper bound of the same guarantee, and ``dp.accountant``
+    says which one answered (``dp.fallback`` why).
 
     Raises:
         PrivacyBudgetExhausted: the run has no step left; the answer must not be released.
@@ -171,11 +176,17 @@ def on_result(job_id: str, fields: Mapping[str, Any], result: dict[str, Any],
     from service.dp import accounting
 
     run, steps = runs.count(run_id, job_id)
-    eps = accounting.epsilon(run.accountant, run.noise_multiplier, run.sample_rate, steps,
-                             run.delta)
+    args = (run.noise_multiplier, run.sample_rate, steps, run.delta)
+    eps = accounting.epsilon_within(cpu_s, run.accountant, *args)
+    used, fallback = run.accountant, None
+    if eps is None:  # the step is counted and its answer released: never without an epsilon
+        used, eps = "rdp", accounting.epsilon("rdp", *args)
+        fallback = (f"{run.accountant} needed more than {cpu_s} s of CPU "
+                    f"({accounting.LIMIT_NAME}): rdp's bound, which is never smaller")
     out = {k: v for k, v in result.items() if k != "meta"}
     out["dp"] = {"run": run.id, "steps": steps, "epsilon": eps, "delta": run.delta,
-                 "accountant": run.accountant, "max_epsilon": run.max_epsilon}
+                 "accountant": used, "max_epsilon": run.max_epsilon,
+                 **({"fallback": fallback} if fallback else {})}
     if "meta" in result:
         out["meta"] = result["meta"]  # last, as documented
     return out

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from psgrad._errors import InvalidInput
-from service.dp import accounting, steps
-from service.dp.runs import DPRun
+from service.dp import accounting, runs, steps
+from service.dp.runs import DPRun, MemoryRunStore
 from tests.support.api import app_of, open_client
 from tests.support.redis import ROOT
 
@@ -223,3 +223,22 @@ def test_the_accountants_child_does_not_run_the_main_script_again(tmp_path: Path
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout) == accounting.epsilon("rdp", 1.0, 0.01, 10, 1e-5)
     assert marker.read_text() == "x"  # the parent's run alone
+
+
+@pytest.mark.parametrize(("noise", "used"), [(1.0, "prv"), (0.05, "rdp")])
+def test_a_steps_epsilon_is_bounded_and_falls_back_to_rdp(noise: float, used: str) -> None:
+    """Each step's epsilon is the run's accountant's within the CPU limit; past it (prv at a
+    noise it cannot evaluate cheaply, as a run recorded before the limits may hold) the step is
+    still answered, with rdp's epsilon, never smaller, and says so."""
+    store = MemoryRunStore()
+    run = DPRun(id=runs.new_run_id(), model="mlp", clip_norm=1.0, noise_multiplier=noise,
+                sample_rate=0.01, expected_batch_size=2.0, delta=1e-5, max_epsilon=1e9,
+                max_steps=10, accountant="prv")
+    store.create(run)
+    out = steps.on_result("job-1", {"dp_run": run.id}, {"clipped_mean": 1}, store, cpu_s=5)
+    dp = out["dp"]
+    assert (dp["accountant"], dp["steps"]) == (used, 1)
+    assert dp["epsilon"] == accounting.epsilon(used, noise, 0.01, 1, 1e-5)
+    assert ("fallback" in dp) == (used == "rdp")
+    if used == "rdp":
+        assert "PSGRAD_DP_ACCOUNTING_CPU_S" in dp["fallback"]
