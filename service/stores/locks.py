@@ -4,27 +4,36 @@ A commit reads the manifest, checks the batch's ids against it and writes the ne
 commits of one store at once would each write a manifest that forgets the other's shards. In
 embedded mode one process writes, and a :class:`ThreadLocks` lock per store suffices. In Redis
 mode every api replica may append, so :class:`RedisLocks` holds a lease in Redis (``SET NX PX``
-with a token, released only by its holder), long enough for one commit and freed by itself if
-its holder dies.
+with a token, released only by its holder), renewed while its commit runs (a commit on a slow
+object store may outlast one lease) and freed by itself if its holder dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 from psgrad._errors import Overloaded
 from service import keys
+
+log = logging.getLogger(__name__)
 
 LEASE_MS = 60_000  # a commit writes one manifest and one Gram matrix: well under this
 WAIT_S = 30.0
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 
@@ -55,23 +64,42 @@ class ThreadLocks:
 class RedisLocks:
     """One lease per store name in Redis, shared by every api process."""
 
-    def __init__(self, client: Any, prefix: str) -> None:
+    def __init__(self, client: Any, prefix: str, lease_ms: int = LEASE_MS) -> None:
         self.r = client
         self.prefix = prefix
+        self.lease_ms = lease_ms
         self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
 
     @contextlib.contextmanager
     def hold(self, name: str) -> Iterator[None]:
         key, token = keys.store_lock(self.prefix, name), uuid.uuid4().hex
         until = time.monotonic() + WAIT_S
-        while not self.r.set(key, token, nx=True, px=LEASE_MS):
+        while not self.r.set(key, token, nx=True, px=self.lease_ms):
             if time.monotonic() > until:
                 raise _busy(name)
             time.sleep(0.01)
+        done = threading.Event()
+        keeper = threading.Thread(target=self._keep, args=(key, token, done), daemon=True,
+                                  name="psgrad-store-lease")
+        keeper.start()
         try:
             yield
         finally:
+            done.set()
+            keeper.join()
             self._release(keys=[key], args=[token])
+
+    def _keep(self, key: str, token: str, done: threading.Event) -> None:
+        """Renew the lease every third of it until ``done``."""
+        while not done.wait(self.lease_ms / 3000):
+            try:
+                if not self._renew(keys=[key], args=[token, self.lease_ms]):
+                    log.error("the commit lease %s was lost while its commit ran (held past "
+                              "%d ms with Redis unreachable?)", key, self.lease_ms)
+                    return
+            except RedisError as exc:  # the next third may reach it: the lease still holds
+                log.warning("renewing the commit lease %s failed: %s", key, exc)
 
 
 def _busy(name: str) -> Overloaded:

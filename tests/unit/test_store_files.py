@@ -7,6 +7,7 @@ memory bounded by one shard."""
 from __future__ import annotations
 
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
+from service import keys
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
 from service.stores.query import check_score, search
@@ -257,6 +259,24 @@ def test_api_replicas_share_a_redis_lease(tmp_path: Path) -> None:
         gram = replicas[2].gram("s", manifest)
         values = np.array([i * 100 + j for i in range(4) for j in range(6)], np.float64)
         assert gram is not None and gram[0, 0] == pytest.approx((values**2).sum())
+    client.close()
+
+
+def test_a_commit_longer_than_its_lease_keeps_it() -> None:
+    """The lease is renewed while its commit runs: a commit three leases long still holds it
+    (another replica cannot take the store), and it is gone once the commit ends."""
+    client = redis_or_skip()
+    with prefix_on(client) as prefix:
+        mine, other = RedisLocks(client, prefix, lease_ms=300), RedisLocks(client, prefix)
+        key = keys.store_lock(prefix, "s")
+        with mine.hold("s"):
+            token = client.get(key)
+            time.sleep(1.0)
+            assert client.get(key) == token and 0 < client.pttl(key) <= 300
+            assert not client.set(key, b"other", nx=True, px=1000)  # nobody else takes it
+        assert client.get(key) is None
+        with other.hold("s"):
+            assert client.get(key) is not None
     client.close()
 
 
