@@ -82,9 +82,23 @@ class Worker:
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
         self.warmed = threading.Event()  # set once :meth:`warm` ended (or was not asked for)
+        self._to_warm: list[tuple[str, warmup.Shape]] = []
 
-    def run(self, stop: threading.Event, *, block_s: float = 0.5, warm: bool = True) -> None:
-        """Take and process batches until ``stop`` is set; first (``warm``) :meth:`warm`."""
+    def plan_warmup(self, warm: bool = True) -> None:
+        """What :meth:`run` warms first (``warm``: the registered warm-ups); with nothing to
+        warm the worker is ready at once. Called before the loop's thread starts, so that a
+        readiness probe right after never sees a worker that has nothing to do as not ready."""
+        try:
+            self._to_warm = warmup.wanted(self.registry.store) if warm else []
+        except Exception:
+            log.exception("listing the models to warm up failed; serving without")
+            self._to_warm = []
+        if not self._to_warm:
+            self.warmed.set()
+
+    def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
+        """Take and process batches until ``stop`` is set; first what :meth:`plan_warmup`
+        planned (:meth:`warm`)."""
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
@@ -92,8 +106,8 @@ class Worker:
             torch.set_num_threads(self.settings.torch_threads)
         set_tf32(self.settings.allow_tf32)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
-        if warm:
-            self.warm(stop)
+        if not self.warmed.is_set():
+            self.warm(stop, self._to_warm)
         self.warmed.set()
         while not stop.is_set():
             try:
@@ -105,15 +119,10 @@ class Worker:
             if jobs:
                 self.process(jobs)
 
-    def warm(self, stop: threading.Event) -> None:
-        """Compute every shape registered models asked to be warmed at (:mod:`service.warmup`),
+    def warm(self, stop: threading.Event, todo: list[tuple[str, warmup.Shape]]) -> None:
+        """Compute the shapes registered models asked to be warmed at (:mod:`service.warmup`),
         so that their plans and weights are here before the first request; past
         ``PSGRAD_WARMUP_TIMEOUT_S`` (checked between shapes) the rest is left to requests."""
-        try:
-            todo = warmup.wanted(self.registry.store)
-        except Exception:
-            log.exception("listing the models to warm up failed; serving without")
-            return
         end = time.monotonic() + self.settings.warmup_timeout_s
         for i, (ref, shape) in enumerate(todo):
             if stop.is_set() or time.monotonic() > end:
@@ -367,8 +376,9 @@ class WorkerPool:
     def start(self) -> None:
         self._stop.clear()
         for i, work in enumerate(self.workers):  # one warms up (they share one process)
-            thread = threading.Thread(target=work.run, args=(self._stop,),
-                                      kwargs={"warm": i == 0}, name=work.name, daemon=True)
+            work.plan_warmup(warm=i == 0)
+            thread = threading.Thread(target=work.run, args=(self._stop,), name=work.name,
+                                      daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("%d embedded worker thread(s) started", len(self._threads))

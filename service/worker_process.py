@@ -71,6 +71,7 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     source.status = status.snapshot_json  # published with each heartbeat, for GET /status
     work = Worker(source, registry, settings, Events(metrics.on_event, status.on_event),
                   compiled, name=source.name, storage=storage)
+    work.plan_warmup()
     source.ready = work.warmed.is_set  # its heartbeat, which /readyz reads, after the warm-up
     loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
     source.start()
