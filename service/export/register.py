@@ -31,8 +31,10 @@ def export_limits(settings: Settings) -> ExportLimits:
 
 
 def check_program(data: bytes, settings: Settings, *, default_loss: str,
-                  losses: list[str], description: str = "") -> tuple[dict[str, Any], Any]:
-    """The ``exported`` config and the state of a client's archive, checked in a child."""
+                  losses: list[str], description: str = ""
+                  ) -> tuple[dict[str, Any], Any, bytes]:
+    """The ``exported`` config and the state of a client's archive, checked in a child, and
+    that state's safetensors file as the child wrote it (parsed into the state here)."""
     losses = list(dict.fromkeys([default_loss, *losses]))
     for name in losses:
         get_loss(name)
@@ -54,4 +56,4 @@ def check_program(data: bytes, settings: Settings, *, default_loss: str,
         **({"batch_check": str(answer["batch_check"])} if answer.get("batch_check") else {}),
         "default_loss": default_loss, "losses": losses, "description": description,
     }
-    return config, state
+    return config, state, blob
