@@ -5,6 +5,7 @@ version is a 404, not a 500."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,12 @@ async def refusal(c: httpx.AsyncClient, route: str, ref: str) -> str:
                     "max_epsilon": 2.0}
         r = await c.post(route, json=body, headers=ADMIN)
         if r.status_code == 202:  # POST /jobs: refused when the job runs
-            for _ in range(400):
-                r = await c.get(f"/jobs/{r.json()['job_id']}", headers=ADMIN)
+            job = r.json()["job_id"]
+            for _ in range(1200):
+                r = await c.get(f"/jobs/{job}", headers=ADMIN)
                 if r.json()["status"] not in ("queued", "running"):
                     break
+                await asyncio.sleep(0.05)
             assert r.json()["status"] == "failed", r.text
             return str(r.json()["error"]["code"])
     assert r.status_code == 404, (ref[:60], r.status_code, r.text)
