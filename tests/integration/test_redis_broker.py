@@ -29,7 +29,7 @@ from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker import Worker
-from tests.support.redis import OwnRedis, prefix_on, redis_or_skip, result_of
+from tests.support.redis import OwnRedis, prefix_on, queue, redis_or_skip, result_of
 
 
 @pytest.fixture
@@ -388,9 +388,7 @@ async def test_planning_time_is_recorded_and_keeps_the_state(
         settings: Settings, shared: redis.Redis) -> None:
     """A worker's planning shows in the job's state (while it runs, and summed after) and the
     state outlives the deadline by as much; a job not running records nothing."""
-    broker = RedisBroker(settings)
-    source = RedisJobSource(settings, name="w1")
-    try:
+    async with queue(settings) as (broker, source):
         running, queued = job(deadline_in=5.0), job()
         for j in (running, queued):
             await broker.submit(j)
@@ -408,24 +406,16 @@ async def test_planning_time_is_recorded_and_keeps_the_state(
         source.planning([taken[0]], time.time() - 1.0)
         assert 41.0 <= (await broker.state(running.id)).planning_s < 50.0
         assert (await broker.state(queued.id)).planning_s == 0.0
-    finally:
-        source.close()
-        await broker.close()
 
 
 async def test_a_warming_worker_is_not_ready(settings: Settings) -> None:
     """A worker's heartbeat, which /readyz reads, waits for the end of its warm-up."""
-    broker = RedisBroker(settings)
-    source = RedisJobSource(settings, name="warming")
-    warmed = False
-    source.ready = lambda: warmed
-    try:
+    async with queue(settings) as (broker, source):
+        warmed = False
+        source.ready = lambda: warmed
         source.beat()
         assert await broker.live_workers() == 0 and not await broker.ready()
         assert await broker.ready(need_worker=False)
         warmed = True
         source.beat()
         assert await broker.live_workers() == 1 and await broker.ready()
-    finally:
-        source.close()
-        await broker.close()
