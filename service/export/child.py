@@ -159,6 +159,7 @@ def main() -> int:
     _limit_self()
     import torch._dynamo  # noqa: F401  (the checks' meta kernels import it on first use: 1.8 s)
 
+    from psgrad._wire import safetensors_parts
     from service.export.archive import ArchiveLimits
     from service.export.batch import make_batched
     from service.export.guard import check_example
@@ -199,36 +200,21 @@ def main() -> int:
         "activations": exported.activations,
     }
     with open(tensors_fd, "wb", closefd=False) as f:  # in place: no copy of the whole file
-        for part in _safetensors_parts(tensors):
+        for part in safetensors_parts(_arrays(tensors), "tensors"):
             f.write(part)
     out.write(json.dumps(answer).encode() + b"\n")
     return 0
 
 
-def _safetensors_parts(tensors: dict[str, Any]) -> list[bytes | memoryview]:
-    """A safetensors file of ``tensors`` (contiguous, of :data:`payloads.DTYPES`, on a
-    little-endian host, as payloads are read) as its header and views of each one's bytes."""
+def _arrays(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` as numpy views (bfloat16 as its bits, :data:`psgrad._wire.BFLOAT16`), which
+    :func:`psgrad._wire.safetensors_parts` writes without copying."""
     import torch
 
-    header: dict[str, Any] = {}
-    parts: list[bytes | memoryview] = []
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": ST_NAMES[str(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        if nbytes:
-            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return [len(raw).to_bytes(8, "little") + raw, *parts]
+    from psgrad._wire import BFLOAT16
 
-
-ST_NAMES = {f"torch.{k}": v for k, v in (  # safetensors' names of payloads' dtypes
-    ("uint8", "U8"), ("int8", "I8"), ("int16", "I16"), ("int32", "I32"), ("int64", "I64"),
-    ("float16", "F16"), ("float32", "F32"), ("float64", "F64"), ("bool", "BOOL"),
-    ("bfloat16", "BF16"))}
+    return {k: t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16
+            else t.numpy() for k, t in tensors.items()}
 
 
 def _refuse(exc: PsgradError) -> int:
