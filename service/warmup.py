@@ -16,7 +16,6 @@ plans already shared that is loading the model and one call per shape.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any
 
@@ -30,8 +29,6 @@ from service.jobs import Broker, Job, JobStatus, new_job_id
 from service.losses import get_loss
 from service.model_store import ModelStore
 from service.registry import LoadedModel
-
-log = logging.getLogger(__name__)
 
 __all__ = ["MAX_SHAPES", "Shape", "ask", "example_fields", "parse_shapes", "progress", "wanted"]
 

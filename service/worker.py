@@ -132,9 +132,7 @@ class Worker:
                 return
             started = time.perf_counter()
             try:
-                parsed = parse_request(warmup.example_fields(self.registry.get(ref), shape),
-                                       self.registry, max_batch_size=self.settings.max_batch_size,
-                                       max_activations=self.settings.max_model_activations)
+                parsed = self._request(warmup.example_fields(self.registry.get(ref), shape))
                 _compute([parsed], self.settings, self.compiled, plans=self.storage.plans)
             except Exception:  # a model deleted or changed since: its first request will say
                 log.exception("warming up %s at %s failed", ref, shape)
@@ -175,14 +173,18 @@ class Worker:
         for items in groups.values():
             self._run_group(items)
 
+    def _request(self, fields: dict[str, Any]) -> ParsedRequest:
+        """A request's fields checked against its model, under this worker's limits."""
+        return parse_request(
+            fields, self.registry, max_batch_size=self.settings.max_batch_size,
+            max_activations=self.settings.max_model_activations,
+            dp_runs=self.storage.runs,
+            reference_sets=self.storage.sets,
+        )
+
     def _parse(self, job: Job) -> ParsedRequest | None:
         try:
-            parsed = parse_request(
-                job.fields, self.registry, max_batch_size=self.settings.max_batch_size,
-                max_activations=self.settings.max_model_activations,
-                dp_runs=self.storage.runs,
-                reference_sets=self.storage.sets,
-            )
+            parsed = self._request(job.fields)
             _check_result_size(parsed, *self.result_limit)
             return parsed
         except PsgradError as exc:
