@@ -204,14 +204,21 @@ def _short(probe: Setup, plan: Plan) -> tuple[Setup, Plan]:
 def _check(probe: Setup, plan: Plan) -> list[str]:
     """Parameters whose probe statistics or gradients differ from plain autograd's.
 
-    The reference is one plain forward and backward of the probe batch (no capture, no
-    ``torch.func``: an independent path) of ``sum_i c_i loss_i`` with random weights ``c``: the
-    gradient ``sum_i c_i g_i``. The gradients the sources write (as a ``grads`` answer does, a
-    group of sources at a time, :data:`CHECK_BYTES` each), weighted alike, must equal it element
-    by element, which a gradient wrong for any one sample fails (the weights are random); the
-    sources' squared norms and dots with a random reference must equal those of the gradients
-    they wrote. So the check costs one step of the probe batch besides the sources' own, where a
-    ``vmap`` per sample and group took GPT-2 small's first call 33-126 s.
+    Two references, each from plain autograd (no capture, no ``torch.func``: an independent
+    path), with a random reference ``r`` (the dots' direction) and random weights ``c``:
+
+    - every probe sample: one plain backward of ``sum_i c_i loss_i`` gives ``sum_i c_i g_i``;
+      the sources' dots ``<g_i, r>``, weighted alike, must equal its dot with ``r``, which a
+      gradient wrong for any one sample fails (the weights and ``r`` are random). This is the
+      check of what a capture shares across the batch.
+    - the first sample alone: one plain backward of its loss gives ``g_0``; the gradient the
+      sources write for it (as a ``grads`` answer does, a group of sources at a time,
+      :data:`CHECK_BYTES` each) must equal it element by element, and their squared norm and
+      dot must equal ``|g_0|^2`` and ``<g_0, r>``.
+
+    So the check costs two plain steps of the probe and the sources' own, and writes one
+    sample's gradients (three samples' took GPT-2 small's check 2.4 s of 8, and comparing them
+    1.9 s more; a ``vmap`` per sample and group took its first call 33-126 s).
     """
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
@@ -221,35 +228,67 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
     pattern = torch.empty(1 << 16, dtype=model.dtype).uniform_(-1, 1, generator=gen)
     reference = {k: _tiled(pattern, params[k]) for k in selected}
     want = _weighted_gradient(probe, selected, weights.to(model.device))
+    dots = _first_pass(probe, plan, Pass1Need(reference=reference, bounds=((0, PROBE),),
+                                              sums_dtype=model.dtype))
+    wrong = {k for k in selected if not _weighted_dots_match(
+        dots[k].dot, weights, _dots(want[k].reshape(1, -1), reference[k])[0])}
+    del want, dots
+    one = replace(probe, samples={k: v[:1] for k, v in probe.samples.items()})
+    alone = _weighted_gradient(one, selected, torch.ones(1, dtype=model.dtype,
+                                                         device=model.device))
+    wrong |= _compare(one, plan, selected, reference, alone)
+    return [k for k in selected if k in wrong]
+
+
+def _first_pass(probe: Setup, plan: Plan, need: Pass1Need) -> dict[str, Pass1]:
+    """The sources' first pass over the probe, as a call takes it."""
     run = forward_backward(probe, plan)
-    with torch.no_grad():
-        return _compare(probe, run, plan, selected, weights, reference, want)
-
-
-def _compare(probe: Setup, run: Any, plan: Plan, selected: Sequence[str], weights: torch.Tensor,
-             reference: Tensors, want: Tensors) -> list[str]:
-    model, params = probe.model, probe.params
-    need = Pass1Need(sq=True, reference=reference, bounds=((0, PROBE),), sums_dtype=model.dtype)
     got: dict[str, Pass1] = {}
-    sources = build_sources(probe, run, plan, Budget(64 << 20))
-    del run
-    for source in sources:
-        got.update(source.pass1(need))
-    wrong = []
-    for group in _groups(sources, set(selected), params):
-        written = answers(group)
-        for k in (k for s in group for k in s.names if k in written and k in selected):
-            rows = written[k].reshape(PROBE, -1)
-            sq = squared_norms(rows)
-            scale = 1 + float(sq.max())
-            weighted = torch.tensordot(weights.to(rows), rows, dims=1)
-            got_sq, got_dot = got[k].sq, got[k].dot
-            assert got_sq is not None and got_dot is not None
-            if not (_close(weighted, want[k].reshape(-1), 1e-3, 1e-4 * scale**0.5)
-                    and _close(got_sq, sq, 1e-3, 1e-5 * scale)
-                    and _close(got_dot, _dots(rows, reference[k]), 1e-3, 1e-3 * scale**0.5)):
-                wrong.append(k)
-        del written
+    with torch.no_grad():
+        for source in build_sources(probe, run, plan, Budget(64 << 20)):
+            got.update(source.pass1(need))
+    return got
+
+
+def _weighted_dots_match(dots: torch.Tensor | None, weights: torch.Tensor,
+                         want: torch.Tensor) -> bool:
+    """Whether ``sum_i weights_i dots_i`` equals ``want`` to the dots' own rounding."""
+    assert dots is not None
+    terms = weights.to(dots) * dots
+    got = terms.sum()
+    size = float(terms.abs().sum() + want.abs())
+    return bool(torch.isfinite(got)) and float((got - want).abs()) <= 1e-3 * size + 1e-6
+
+
+def _compare(one: Setup, plan: Plan, selected: Sequence[str], reference: Tensors,
+             want: Tensors) -> set[str]:
+    """Parameters whose written gradient, squared norm or dot for the one sample of ``one``
+    differ from those of ``want``, its gradient by plain autograd."""
+    params = one.params
+    run = forward_backward(one, plan)
+    need = Pass1Need(sq=True, reference=reference, bounds=((0, 1),),
+                     sums_dtype=one.model.dtype)
+    got: dict[str, Pass1] = {}
+    wrong: set[str] = set()
+    with torch.no_grad():
+        sources = build_sources(one, run, plan, Budget(64 << 20))
+        del run
+        for source in sources:
+            got.update(source.pass1(need))
+        for group in _groups(sources, set(selected), params):
+            written = answers(group)
+            for k in (k for s in group for k in s.names if k in written and k in selected):
+                row, exact = written[k].reshape(1, -1), want[k].reshape(1, -1)
+                sq = squared_norms(exact)
+                scale = 1 + float(sq.max())
+                got_sq, got_dot = got[k].sq, got[k].dot
+                assert got_sq is not None and got_dot is not None
+                if not (_close(row, exact, 1e-3, 1e-4 * scale**0.5)
+                        and _close(got_sq, sq, 1e-3, 1e-5 * scale)
+                        and _close(got_dot, _dots(exact, reference[k]), 1e-3,
+                                   1e-3 * scale**0.5)):
+                    wrong.add(k)
+            del written
     return wrong
 
 
@@ -305,7 +344,7 @@ def _groups(sources: Sequence[Source], selected: set[str], params: Tensors
     groups: list[list[Source]] = []
     size = CHECK_BYTES
     for source in sources:
-        nbytes = PROBE * sum(params[k].numel() * params[k].element_size()
+        nbytes = source.batch * sum(params[k].numel() * params[k].element_size()
                              for k in source.names if k in selected)
         if size + nbytes > CHECK_BYTES:
             groups.append([])

@@ -1095,6 +1095,34 @@ def test_the_probe_checks_the_written_gradients(
     assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}
 
 
+def test_the_probe_checks_every_sample_not_only_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A family whose statistics are right for a batch's first sample and wrong for the others
+    (what a capture mixing samples would do) loses the parameter to the whole-model replay:
+    the check's batch of one cannot see it, its weighted dots over the probe do."""
+    pass1 = OuterSource.pass1
+
+    def mixed(self: OuterSource, need: Any, keep: bool = True) -> dict[str, Any]:
+        out = pass1(self, need, keep)
+        name = self.names[0]
+        got = out[name]
+        if got.dot is not None and got.dot.shape[0] > 1:
+            dot = got.dot.clone()
+            dot[1:] *= 2
+            out[name] = replace(got, dot=dot)
+        return out
+
+    monkeypatch.setattr(OuterSource, "pass1", mixed)
+    torch.manual_seed(0)
+    model = custom(_Broken(), (4,), key="broken-mixed")
+    try:
+        meta = check(model, make_batch(model, 4), outputs=("norms",))
+    finally:
+        PLANS.drop(lambda key: key[0] != model.structure)
+    assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}
+
+
 @pytest.mark.parametrize("width", [1, 7, NORM_BLOCK, 3 * NORM_BLOCK, (1 << 22) + 123])
 def test_squared_norms_of_long_rows_keep_float32_precision(width: int) -> None:
     """Each row's squared norm within 1e-6 (relative) of float64's, rows shorter than a block,
