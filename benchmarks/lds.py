@@ -11,7 +11,8 @@ scores every (test, train) pair from the model trained on all samples, through t
 (the embedded app in process): exact scores from full per-sample gradients of the loss
 (``dot``: TracIn; ``cosine``; ``trak`` with the stores' default lambda rule on the full
 gradients' Gram matrix), and stores at each k of ``--dims`` queried with ``k`` = every
-sample, under ``dot``, ``cosine`` and ``trak`` (the default lambda, ``trace(Phi^T Phi) / k``).
+sample, under ``dot``, ``cosine`` and ``trak`` (the default lambda, ``trace(Phi^T Phi) / k``
+with no row counting for more than all the others together).
 A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
 printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
@@ -54,6 +55,7 @@ from models.mlp import mlp_layers
 from psgrad._contract import PROJECTION_KINDS
 from service.api import create_app
 from service.config import Settings
+from service.stores.query import default_lambda
 
 SIZES = [64, 64, 10]
 
@@ -135,7 +137,9 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
         size = np.linalg.norm(g_test, axis=1)[:, None] * np.linalg.norm(g_train, axis=1)
         out["exact cosine"] = out["exact dot"] / size
         gram = g_train.T @ g_train  # the stores' default lambda, on the full gradients
-        lam = np.trace(gram) / len(gram)
+        power = np.einsum("ij,ij->i", g_train, g_train)
+        top = int(np.argmax(power))
+        lam = default_lambda(gram, float(power[top]), float(np.delete(power, top).sum()))
         out["exact trak"] = np.linalg.solve(gram + lam * np.eye(len(gram)), g_test.T).T @ g_train.T
         ids = np.arange(len(x))
         for dim in dims:

@@ -53,7 +53,7 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--score", default="trak",
                    choices=["trak", "dot", "cosine", "self_influence"])
     p.add_argument("--lambda", dest="lam", type=float, help="trak's lambda (default: "
-                                                            "trace(Phi^T Phi) / k)")
+                   "trace(Phi^T Phi) / k, no row counting for more than all the others)")
     p.set_defaults(func=_query)
     for name, func, text in (("show", _show, "describe a store (JSON)"),
                              ("delete", _delete, "delete a store")):

@@ -51,6 +51,10 @@ GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its 
 MEMO_STORES = 4  # stores whose ids and Gram matrix are kept in memory between appends
 ListedIds = tuple[int | str, ...]
 IDS_BUDGET = 64 << 20  # bytes of shard ids kept in memory (about 64 bytes an id)
+# a row's squared norm, at most: float32's largest number (about 3.4e38), so that a row's
+# self-influence is a float32 number and its float32 dot products with a query scaled to
+# entries at most 1 stay below about 1e21 at any k up to 8192 (docs/attribution.md)
+MAX_SELF_INFLUENCE = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,7 @@ class StoreFiles:
     def stage(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
               sketches: np.ndarray) -> Staged:
         """Write a batch's rows as new shards (listed by no manifest yet)."""
-        rows = stored_rows(spec, sketches)
+        rows = stored_rows(spec, sketches, ids)
         wide = rows.astype(np.float64)
         gram = None if spec.exact else wide.T @ wide  # [D, D] of full gradients: never
         norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))
@@ -407,12 +411,29 @@ def refuse_duplicates(store_id: str, committed: set[int | str],
                        duplicates=twice[:100], count=len(twice))
 
 
-def stored_rows(spec: StoreSpec, sketches: np.ndarray) -> np.ndarray:
-    """The sketches in the store's dtype; a value past float16's range is refused, not kept
-    as infinity."""
-    if not np.isfinite(sketches).all():
-        raise NonFinite("the model's sketches of this batch are not finite (a loss or gradient "
-                        "overflowed): check the inputs and the weights")
+def stored_rows(spec: StoreSpec, sketches: np.ndarray, ids: Sequence[int | str]) -> np.ndarray:
+    """The sketches in the store's dtype. Refused, naming the samples (nothing of the batch is
+    kept): a row that is not finite; a row whose squared norm, its self-influence, is past
+    :data:`MAX_SELF_INFLUENCE` (such a row's dot products are not float32 numbers: an input of
+    1e30 gave 3.2e59, and a default lambda that followed it zeroed every ``trak`` score); a
+    value past the store's dtype's range (it would be kept as infinity)."""
+    finite = np.isfinite(sketches).all(axis=1)
+    if not finite.all():
+        raise NonFinite(f"the sketches of {_named(ids, ~finite)} are not finite (a loss or "
+                        "gradient overflowed); nothing of this batch was added: check these "
+                        "samples' inputs and the weights, or leave the samples out",
+                        **_details(ids, ~finite))
+    power = np.einsum("ij,ij->i", sketches, sketches, dtype=np.float64)  # [B], never overflows
+    past = power > MAX_SELF_INFLUENCE
+    if past.any():
+        first = int(np.flatnonzero(past)[0])
+        raise InvalidInput(
+            f"the rows of {_named(ids, past)} have a squared norm (self-influence) past "
+            f"{MAX_SELF_INFLUENCE:.3g}, the most a store keeps (the first: {power[first]:.3g}); "
+            "nothing of this batch was added: check these samples' inputs (a finite but "
+            "extreme value such as 1e30 gives a gradient no score can use), rescale them, or "
+            "leave them out", **_details(ids, past), limit=MAX_SELF_INFLUENCE,
+            self_influence=power[past][:100].tolist())
     top = float(np.abs(sketches).max(initial=0.0))
     if top > float(np.finfo(spec.dtype).max):
         raise InvalidInput(f"the sketches reach {top:.3g}, past {spec.dtype}'s range: make the "
@@ -420,7 +441,22 @@ def stored_rows(spec: StoreSpec, sketches: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(sketches, dtype=spec.dtype)
 
 
-__all__ = ["Manifest", "Shard", "Staged", "StoreFiles", "refuse_duplicates", "stored_rows"]
+def _named(ids: Sequence[int | str], which: np.ndarray) -> str:
+    """``which`` samples, for a message: how many, and the ids of the first three."""
+    named = [ids[i] for i in np.flatnonzero(which)[:4].tolist()]
+    count = int(np.count_nonzero(which))
+    shown = ", ".join(repr(i) for i in named[:3]) + (", ..." if count > 3 else "")
+    return f"{count} sample{'s' if count > 1 else ''} ({shown})"
+
+
+def _details(ids: Sequence[int | str], which: np.ndarray) -> dict[str, Any]:
+    """``which`` samples, for an error's details: the first 100 ids, and how many."""
+    return {"samples": [ids[i] for i in np.flatnonzero(which)[:100].tolist()],
+            "count": int(np.count_nonzero(which))}
+
+
+__all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "refuse_duplicates",
+           "stored_rows"]
 
 
 def _sync(f: Any) -> None:

@@ -7,11 +7,14 @@ model version, loss, parameters and projection):
 - ``cosine``: ``<q, phi_i> / (|q| |phi_i|)`` (0 where a norm is 0);
 - ``trak``: ``q^T (Phi^T Phi + lambda I)^-1 phi_i``, TRAK's score (its ``Phi^T Phi`` is the Gram
   matrix of every committed row, accumulated in float64 as batches are committed). ``lambda``
-  is the query's, else ``trace(Phi^T Phi) / k`` (:data:`LAMBDA_RULE`, the mean eigenvalue): a
+  is the query's, else :data:`LAMBDA_RULE`: the mean eigenvalue ``trace(Phi^T Phi) / k``, with
+  no row counting for more than all the others together (so one extreme row cannot set it); a
   rule that reads the store alone, never a retrained model;
 - ``self_influence``: ``|phi_i|^2``, the store ranked by itself (no test samples).
 
-Each shard's rows are widened to float32 and multiplied by the queries (one GEMM per shard); the
+Each shard's rows are widened to float32 and multiplied by the queries (one GEMM per shard; each
+query scaled by a power of two to entries below 1 first, and its scores scaled back in float64,
+so that no lambda underflows the query to zeros); the
 best ``k`` of each query are kept as the shards go by, so memory holds one shard, its ``[queries,
 shard rows]`` scores and the running best, never the store. Ties go to the earlier row.
 """
@@ -28,7 +31,7 @@ from service.stores.files import Manifest, StoreFiles
 
 Score = Literal["dot", "cosine", "trak", "self_influence"]
 SCORES: tuple[str, ...] = get_args(Score)
-LAMBDA_RULE = "trace(Phi^T Phi) / k"
+LAMBDA_RULE = "trace(Phi^T Phi) / k, no row counting for more than all the others"
 BLOCK_ROWS = 16384  # rows widened to float32 at once: 64 MiB at k = 1024
 
 
@@ -58,10 +61,33 @@ def check_k(manifest: Manifest, k: int, store_id: str) -> None:
                            f"for k <= {manifest.count}", k=k, samples=manifest.count)
 
 
-def default_lambda(gram: np.ndarray) -> float:
-    """:data:`LAMBDA_RULE`; 1.0 for an all-zero store (any positive value then serves)."""
-    lam = float(np.trace(gram)) / gram.shape[0]
+def default_lambda(gram: np.ndarray, top: float, rest: float) -> float:
+    """:data:`LAMBDA_RULE`: ``trace(Phi^T Phi) / k`` while the largest row's self-influence
+    ``top`` is at most ``rest``, the total of all the other rows'; else ``2 rest / k``, as if
+    that row held only as much as the rest (robust to one extreme row; TRAK scored best at 1 to
+    10 times the mean eigenvalue). A store of one nonzero row has no rest: ``trace / k``. 1.0
+    for an all-zero store (any positive value then serves)."""
+    trace = float(np.trace(gram)) if top <= rest or rest <= 0 else 2 * rest
+    lam = trace / gram.shape[0]
     return lam if lam > 0 else 1.0
+
+
+def largest_row(files: StoreFiles, key: str, manifest: Manifest) -> tuple[float, float]:
+    """(the largest self-influence ``|phi_i|^2`` of the store, the sum of all the others'),
+    from the shards' norms alone; summed without subtracting, so that a rest of 800 beside a
+    row of 1e36 is not lost to rounding."""
+    top, rest = 0.0, 0.0
+    for _, norms in files.norms(key, manifest):
+        power = np.square(norms)
+        if not len(power):
+            continue
+        i = int(np.argmax(power))
+        if power[i] > top:
+            rest += top + float(power[:i].sum() + power[i + 1:].sum())
+            top = float(power[i])
+        else:
+            rest += float(power.sum())
+    return top, rest
 
 
 def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | None, k: int,
@@ -93,7 +119,7 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
             raise InvalidInput("score 'trak' needs a store of sketches; this one holds full "
                                "gradients (a reference set made without projection_dim): "
                                "ask for 'dot' or 'cosine'")
-        lam = default_lambda(gram) if lam is None else lam
+        lam = default_lambda(gram, *largest_row(files, key, manifest)) if lam is None else lam
         try:
             q = np.linalg.solve(gram + lam * np.eye(len(gram)), q.T).T
         except np.linalg.LinAlgError:
@@ -102,10 +128,14 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
     elif score == "cosine":
         size = np.linalg.norm(q, axis=1, keepdims=True)
         q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)
-    qm = q.astype(np.float32)
+    # each query scaled by a power of two (exact) to entries in [0.5, 1): in float32 it neither
+    # underflows (a trak query over a large lambda) nor overflows against rows of
+    # self-influence at most MAX_SELF_INFLUENCE; its scores are scaled back in float64
+    scale = np.ldexp(1.0, np.frexp(np.abs(q).max(axis=1, initial=0.0))[1])[:, None]
+    qm = (q / scale).astype(np.float32)
     for offset, rows, norms in files.rows(key, manifest):
         for a in range(0, len(rows), BLOCK_ROWS):  # widened a block at a time
-            scores = qm @ rows[a:a + BLOCK_ROWS].astype(np.float32).T
+            scores = (qm @ rows[a:a + BLOCK_ROWS].astype(np.float32).T) * scale
             if score == "cosine":
                 part = norms[a:a + BLOCK_ROWS]
                 scores = np.divide(scores, part, out=np.zeros(scores.shape), where=part > 0)

@@ -21,7 +21,7 @@ import redis
 
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service import keys
-from service.broker.redis import text
+from service.broker.redis.common import text
 from service.stores.files import StoreFiles
 from service.stores.locks import ThreadLocks
 from tests.support.api import open_client
@@ -291,6 +291,39 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await query({**batch(1, 1), "model": "att@0123"}), 409, "conflict")
     r = await query({"k": 3, "score": "self_influence"})
     assert r.status_code == 200 and sorted(r.json()["ids"][0]) == [0, 1, 2], r.text
+
+
+async def test_issue_53_finding_5_an_input_of_1e30_is_refused_and_trak_keeps_working(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """Issue 53, finding 5: an input of 1e30 is finite and was accepted; its row's
+    self-influence (about 1e59) set the default lambda, and every later trak query of the
+    store answered all-zero scores. Its batch is now refused whole (422 naming the sample),
+    and the store's trak answers are what they were."""
+    c, _ = service
+    r = await c.put("/stores/s", headers=ALICE, json={"model": "att", "projection_dim": DIM})
+    assert r.status_code == 201, r.text
+    good = batch(12, 1)
+    r = await c.post("/stores/s/samples", headers=ALICE, json={**good, "ids": list(range(12))})
+    assert r.status_code == 200, r.text
+    test = {"k": 12, "score": "trak", **batch(3, 2)}
+    before = await c.post("/stores/s/query", headers=ALICE, json=test)
+    assert before.status_code == 200, before.text
+
+    bad = batch(3, 3)
+    bad["inputs"][1] = [1e30] * 6
+    r = await c.post("/stores/s/samples", headers=ALICE, json={**bad, "ids": [20, 21, 22]})
+    error(r, 422, "invalid_input", "1 sample (21)", "self-influence", "nothing of this batch")
+    details = r.json()["error"]["details"]
+    assert details["samples"] == [21] and details["count"] == 1
+    assert details["self_influence"][0] > details["limit"]
+    assert (await c.get("/stores/s", headers=ALICE)).json()["samples"] == 12
+    r = await c.post("/stores/s/lookup", headers=ALICE, json={"ids": [20, 21, 22]})
+    assert r.json()["present"] == [False, False, False]
+
+    after = await c.post("/stores/s/query", headers=ALICE, json=test)
+    assert after.status_code == 200, after.text
+    assert after.json() == before.json()
+    assert np.abs(after.json()["scores"]).min() > 0  # not all-zero scores
 
 
 async def _running_job(cluster_: Any, timeout: float = 120) -> str:

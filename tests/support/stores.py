@@ -18,7 +18,10 @@ def reference(phi: np.ndarray, q: np.ndarray | None, score: str, k: int,
     else:
         gram = phi.T @ phi
         k_dim = phi.shape[1]
-        lam = np.trace(gram) / k_dim if lam is None else lam
+        if lam is None:  # the default: the mean eigenvalue, no row above all the others
+            power = np.sort(norms**2)
+            rest = power[:-1].sum()
+            lam = (np.trace(gram) if rest <= 0 or power[-1] <= rest else 2 * rest) / k_dim
         s = q @ np.linalg.inv(gram + lam * np.eye(k_dim)) @ phi.T
     order = np.argsort(-s, axis=1, kind="stable")[:, :k]
     return order, np.take_along_axis(s, order, 1)

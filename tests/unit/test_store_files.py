@@ -18,7 +18,7 @@ from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
 from service import keys
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
-from service.stores.query import check_score, search
+from service.stores.query import check_score, default_lambda, search
 from service.stores.spec import StoreSpec, checked_ids
 from tests.support.redis import prefix_on, redis_or_skip
 from tests.support.stores import reference
@@ -199,6 +199,88 @@ def test_rows_past_float16_are_refused(tmp_path: Path) -> None:
     with pytest.raises(NonFinite):
         store.append("s", spec("float16"), [1], "int", np.full((1, K), np.nan, np.float32))
     assert store.manifest("s").count == 0 and not list((tmp_path / "data/stores/s").glob("sh*"))
+
+
+def test_issue_53_finding_5_an_unrepresentable_row_is_refused_naming_it(
+        tmp_path: Path) -> None:
+    """Issue 53, finding 5: an input of 1e30 gave a finite row whose self-influence was
+    3.2e59; it was kept, the default lambda followed it, and every later trak query of the
+    store answered zeros. Such a row is refused (422, its id named), nothing of its batch
+    kept, and the store answers as before."""
+    store, _, _ = filled(tmp_path)
+    q = np.random.default_rng(2).standard_normal((3, K))
+    want = search(store, "s", "s", q, 8, "trak")
+    x = np.random.default_rng(3).standard_normal((3, K)).astype(np.float32)
+    x[1] *= np.float32(1.4e29)  # finite in float32; its squared norm about 3e59 is not
+    with pytest.raises(InvalidInput) as err:
+        store.append("s", spec(), ["ok-0", "huge", "ok-2"], "str", x)
+    assert err.value.status == 422
+    assert err.value.details["samples"] == ["huge"] and err.value.details["count"] == 1
+    assert "'huge'" in err.value.message and "nothing of this batch was added" in (
+        err.value.message)
+    assert store.manifest("s").count == 49
+    assert sorted(p.name for p in (tmp_path / "data/stores/s").glob("shard-*")) == sorted(
+        s.file for s in store.manifest("s").shards)
+    again = search(store, "s", "s", q, 8, "trak")
+    np.testing.assert_array_equal(again.rows, want.rows)
+    assert again.lam == want.lam and np.abs(again.scores).min() > 0
+
+    # a row with a non-finite entry: named too
+    x[1] = np.inf
+    with pytest.raises(NonFinite) as err:
+        store.append("s", spec(), ["ok-0", "inf", "ok-2"], "str", x)
+    assert err.value.details["samples"] == ["inf"] and "'inf'" in err.value.message
+    assert store.manifest("s").count == 49
+
+
+def test_issue_53_finding_5_one_extreme_row_does_not_zero_trak(tmp_path: Path) -> None:
+    """Issue 53, finding 5: one extreme row that is accepted (its squared norm, 1e36, is a
+    float32 number) no longer sets the default lambda: a row counts for at most the total of
+    all the others, so lambda stays near the store's own, and trak ranks as the reference at
+    that lambda (before: lambda about 6e34, the scores 1e-35 or zero, ranked as dot)."""
+    store, phi, _ = filled(tmp_path)
+    base = np.trace(phi.T @ phi) / K
+    extreme = np.zeros((1, K), np.float32)
+    extreme[0, 0] = 1e18  # self-influence 1e36
+    store.append("s", spec(), ["extreme"], "str", extreme)
+    phi2 = np.concatenate([phi, extreme.astype(np.float64)])
+    s = np.einsum("ij,ij->i", phi2, phi2)
+    lam = 2 * s[:-1].sum() / K  # the rule, from the docs: twice the rest's trace / k
+    q = np.random.default_rng(2).standard_normal((3, K))
+    found = search(store, "s", "s", q, 50, "trak")
+    assert found.lam == pytest.approx(lam, rel=1e-9) and found.lam < 2.01 * base
+    rows, scores = reference(phi2, q, "trak", 50, lam)
+    np.testing.assert_array_equal(found.rows, rows)
+    np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-6)
+    assert (np.abs(found.scores) > 1e-3).mean() > 0.5  # useful scores, not zeros
+
+    # any finite lambda scores without underflow (the scoring is scaled, not float32 alone)
+    huge = search(store, "s", "s", q, 50, "trak", 1e45)
+    rows, scores = reference(phi2, q, "trak", 50, 1e45)
+    np.testing.assert_array_equal(huge.rows, rows)
+    np.testing.assert_allclose(huge.scores, scores, rtol=1e-4)
+    assert (huge.scores != 0).all()
+
+
+def test_the_default_lambda_is_the_mean_eigenvalue_unless_one_row_dominates() -> None:
+    """The rule of docs/attribution.md: trace / k while no row holds more than the others
+    together (every store of the LDS benchmark), else twice the rest's trace / k."""
+    rng = np.random.default_rng(7)
+    phi = rng.standard_normal((30, K))
+
+    def split(phi: np.ndarray) -> tuple[float, float]:
+        s = np.einsum("ij,ij->i", phi, phi)
+        top = int(np.argmax(s))
+        return float(s[top]), float(np.delete(s, top).sum())
+
+    gram = phi.T @ phi
+    assert default_lambda(gram, *split(phi)) == np.trace(gram) / K  # the value kept before
+    phi[3] *= 1e6
+    top, rest = split(phi)
+    assert default_lambda(phi.T @ phi, top, rest) == pytest.approx(2 * rest / K)
+    assert default_lambda(np.zeros((K, K)), 0.0, 0.0) == 1.0
+    one = np.eye(1, K) * 3.0
+    assert default_lambda(one.T @ one, 9.0, 0.0) == pytest.approx(9.0 / K)  # no rest: itself
 
 
 def test_definitions_and_deletion(tmp_path: Path) -> None:

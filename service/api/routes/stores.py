@@ -82,7 +82,8 @@ QueryBody = create_model(
     k=(int, Field(10, ge=1, description="the best k training samples of each query")),
     score=(Score, "dot"),
     lambda_=(float | None, Field(None, alias="lambda", ge=0, description="trak only; "
-                                 "default: trace(Phi^T Phi) / k")),
+                                 "default: trace(Phi^T Phi) / k, no row counting for more "
+                                 "than all the others together")),
     sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch")),
 )
 
