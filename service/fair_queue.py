@@ -8,7 +8,7 @@ whatever another tenant's backlog: a tenant whose queue was empty starts at the 
 moved on by its running job. Backlogged tenants share the workers in proportion to their
 weights. A tenant that leaves and comes back keeps the pass it had, so leaving gains nothing.
 
-The Redis broker implements the same rule in Lua (:mod:`service.broker.redis_fair`), so that
+The Redis broker implements the same rule in Lua (:mod:`service.broker.redis.lua`), so that
 every worker process picks from shared state; both are checked by the same tests.
 """
 

@@ -34,7 +34,7 @@ def store_lock(prefix: str, store: str) -> str:
     return f"{prefix}:store-lock:{store}"
 
 
-# --- the job queue (service/broker/redis.py) ---
+# --- the job queue (service/broker/redis/) ---
 
 STREAM_GROUP = "workers"  # the consumer group every worker reads the job stream through
 HEARTBEAT_TTL_FACTOR = 3  # a worker is alive while its heartbeat is younger than 3 beats
@@ -48,7 +48,7 @@ def job_stream(prefix: str) -> str:
     """The ticket stream: one entry ``{t: tenant}`` per job queued or running; acked ones go.
 
     A worker reads a ticket (``XREADGROUP`` in :data:`STREAM_GROUP`) for each job it takes, in
-    the same script that picks whose job that is (:mod:`service.broker.redis_fair`), so the
+    the same script that picks whose job that is (:data:`service.broker.redis.lua.PICK_LUA`), so the
     group's ``lag`` is the number of jobs queued and not yet taken (what an autoscaler such as
     KEDA's ``redis-streams`` scaler reads, ``lagCount``) and its pending entries the jobs
     running. An entry ``{id, n}`` is a job queued by an api from before tenants: taken as is.

@@ -20,7 +20,7 @@ from types import FrameType
 
 from prometheus_client import start_http_server
 
-from service.broker.redis_source import RedisJobSource, consumer_name
+from service.broker.redis.worker import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
 from service.events import Events

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from psgrad._errors import Overloaded, PsgradError, Unauthorized
 from psgrad._version import VERSION_HEADER, __version__
-from service.broker.redis import RETRY_AFTER_DOWN_S, redis_unavailable
+from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable
 
 log = logging.getLogger("psgrad.api")
 

@@ -7,7 +7,7 @@ the answer. It lives on the event loop alone, so it takes no lock.
 
 :func:`status_view` adds the workers: in embedded mode the pool's threads
 (:meth:`service.worker.WorkerPool.snapshots`), with Redis what each ``psgrad worker`` published
-with its heartbeat (:meth:`service.broker.redis.RedisBroker.worker_snapshots`). Queue waits and
+with its heartbeat (:meth:`service.broker.redis.api.RedisBroker.worker_snapshots`). Queue waits and
 norm histograms are merged over the workers (the raw recent waits, so the percentiles are exact;
 the histograms share their buckets, :data:`service.status.NORM_EDGES`). Latency and request
 counts are this api process's: several api replicas each show their own.

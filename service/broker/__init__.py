@@ -2,7 +2,7 @@
 
 :mod:`service.broker.embedded` is an in-process queue (the default, no Redis URL): the app's
 lifespan starts a :class:`service.worker.WorkerPool` of threads over it. :mod:`service.broker.redis`
-(the api's side) and :mod:`service.broker.redis_source` (the worker's side) move jobs through
+(the api's side) and :mod:`service.broker.redis.worker` (the worker's side) move jobs through
 Redis Streams to ``psgrad worker`` processes. Brokers only move jobs: none starts a worker.
 """
 
@@ -20,7 +20,7 @@ def make_broker(settings: Settings) -> Broker:
         from service.broker.embedded import EmbeddedBroker
 
         return EmbeddedBroker(settings)
-    from service.broker.redis import RedisBroker  # type: ignore[import-not-found,unused-ignore]
+    from service.broker.redis.api import RedisBroker
 
     broker: Broker = RedisBroker(settings)  # checked against the protocol
     return broker

@@ -16,8 +16,8 @@ import redis
 
 from psgrad._errors import PrivacyBudgetExhausted
 from service.api import create_app
-from service.broker.redis import RedisBroker
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from service.dp import runs
 from service.dp.runs import DPRun, RedisRunStore

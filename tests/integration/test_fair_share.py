@@ -21,7 +21,7 @@ import redis
 from psgrad._errors import RateLimited, TooLarge
 from service import keys
 from service.broker.embedded import EmbeddedBroker
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from service.jobs import Job, JobStatus, new_job_id
 from service.tenants import DEFAULT_TENANT, Quotas

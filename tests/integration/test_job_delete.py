@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from service.api import create_app
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.worker import RedisJobSource
 from service.jobs import Job
 from tests.support.api import TD0, app_of, open_client, settings
 from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip

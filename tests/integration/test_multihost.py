@@ -35,7 +35,8 @@ import pytest
 import redis
 
 from service import keys
-from service.broker.redis import RedisBroker, text
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.common import text
 from service.config import Settings
 from service.registry import ModelRegistry
 from service.validate import decode_json_body, parse_request

@@ -20,10 +20,11 @@ from psgrad._errors import Overloaded
 from psgrad._stream import AnswerReader
 from psgrad._wire import RESPONSE_KEY
 from service import keys
-from service.broker import redis_answer
-from service.broker.redis import RedisBroker
-from service.broker.redis_answer import AnswerWriter, pieces
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis import reader
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.common import command_parts, pieces
+from service.broker.redis.worker import RedisJobSource
+from service.broker.redis.writer import AnswerWriter
 from service.config import Settings
 from service.jobs import AnswerLost, Job, JobStatus, new_job_id, read_answer
 from service.model_store import make_store
@@ -93,10 +94,10 @@ async def answered(broker: RedisBroker, source: RedisJobSource, n: int) -> list[
     return jobs
 
 
-@pytest.fixture(params=[0, redis_answer.RAW_MIN_BYTES], ids=["raw", "client"])
+@pytest.fixture(params=[0, reader.RAW_MIN_BYTES], ids=["raw", "client"])
 def both_readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """0: every answer read over its own plain socket (RawStreamReader), as large answers are."""
-    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", request.param)
+    monkeypatch.setattr(reader, "RAW_MIN_BYTES", request.param)
 
 
 @pytest.mark.usefixtures("both_readers")
@@ -188,7 +189,7 @@ async def test_an_answer_whose_pieces_are_gone_is_lost_not_awaited(
         started = time.monotonic()
         with pytest.raises(AnswerLost):
             await asyncio.wait_for(read_answer(state.answer), 10)
-        assert time.monotonic() - started < 3 * redis_answer.POLL_MS / 1000
+        assert time.monotonic() - started < 3 * reader.POLL_MS / 1000
 
 
 async def test_the_api_is_ready_only_with_its_answers_redis(
@@ -217,8 +218,9 @@ async def test_the_api_is_ready_only_with_its_answers_redis(
 HALF_WRITER = """
 import os, signal, sys, numpy as np
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
-from service.broker.redis_answer import AnswerWriter, pieces
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.common import pieces
+from service.broker.redis.worker import RedisJobSource
+from service.broker.redis.writer import AnswerWriter
 from service.config import Settings
 
 source = RedisJobSource(Settings(), name="doomed")
@@ -385,7 +387,7 @@ async def test_payloads_live_beside_the_answers_and_go_when_their_job_ends(
 
 def test_pieces_are_sent_as_views_of_the_answer() -> None:
     piece = memoryview(np.arange(4096, dtype=np.uint8))
-    parts = redis_answer.command_parts(b"XADD", b"k", b"*", b"d", piece)
+    parts = command_parts(b"XADD", b"k", b"*", b"d", piece)
     assert parts[1] is piece  # the piece's own memory, never a copy
     assert b"".join(parts) == (b"*5\r\n$4\r\nXADD\r\n$1\r\nk\r\n$1\r\n*\r\n$1\r\nd\r\n$4096\r\n"
                                + piece.tobytes() + b"\r\n")
@@ -414,16 +416,16 @@ async def test_answers_over_a_unix_socket_are_read_by_the_plain_socket_reader(
     through :class:`RawStreamReader`, over the socket file, not redis-py's slower parser."""
     own = OwnRedis(tmp_path, unix_socket=True)
     own.start()
-    monkeypatch.setattr(redis_answer, "RAW_MIN_BYTES", 0)
+    monkeypatch.setattr(reader, "RAW_MIN_BYTES", 0)
     opened: list[bool] = []
-    open_reader = redis_answer.RawStreamReader.open
+    open_reader = reader.RawStreamReader.open
 
-    def spy(client: Any) -> redis_answer.RawStreamReader | None:
+    def spy(client: Any) -> reader.RawStreamReader | None:
         reader = open_reader(client)
         opened.append(reader is not None)
         return reader
 
-    monkeypatch.setattr(redis_answer.RawStreamReader, "open", spy)
+    monkeypatch.setattr(reader.RawStreamReader, "open", spy)
     settings = Settings(redis_url=own.url, redis_prefix="unix-test", result_ttl_s=30)
     try:
         async with queue(settings) as (broker, source):

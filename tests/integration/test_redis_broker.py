@@ -20,8 +20,8 @@ import redis
 
 from psgrad._errors import Overloaded, UnknownJob
 from service import keys
-from service.broker.redis import RedisBroker
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id

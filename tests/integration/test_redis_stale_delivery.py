@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from service import keys
-from service.broker.redis import RedisBroker
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from service.jobs import Job, JobStatus, new_job_id
 from tests.support.redis import prefix_on, redis_or_skip, result_of

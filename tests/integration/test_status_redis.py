@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from service import keys
-from service.broker.redis import text
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.common import text
+from service.broker.redis.worker import RedisJobSource
 from service.events import Events
 from service.registry import ModelRegistry, make_registry
 from service.status import WorkerStatus

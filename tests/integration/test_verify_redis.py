@@ -19,8 +19,8 @@ import pytest
 
 from psgrad._wire import RESPONSE_KEY, SAFETENSORS, fields_from_safetensors
 from service.api.app import create_app
-from service.broker.redis import RedisBroker
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from service.events import Events
 from service.metrics import WorkerMetrics

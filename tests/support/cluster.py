@@ -22,7 +22,8 @@ import redis
 
 from service import engine, keys
 from service.api.app import create_app
-from service.broker.redis import RedisBroker, text
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.common import text
 from service.config import Settings
 from service.validate import decode_json_body, parse_request
 from tests.support.client import free_port

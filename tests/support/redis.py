@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import redis
 
-from service.broker.redis import RedisBroker
-from service.broker.redis_source import RedisJobSource
+from service.broker.redis.api import RedisBroker
+from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from tests.support.client import free_port
 

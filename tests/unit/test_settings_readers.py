@@ -67,8 +67,8 @@ def readers_in_code(field: str, reach: dict[str, set[str]]) -> dict[str, set[str
 
 def test_a_setting_read_where_only_one_process_runs_is_declared_for_it(
         reach: dict[str, set[str]]) -> None:
-    assert "service.broker.redis_source" in reach[WORKER]
-    assert "service.broker.redis_source" not in reach[API]
+    assert "service.broker.redis.worker" in reach[WORKER]
+    assert "service.broker.redis.worker" not in reach[API]
     assert "service.api.body" in reach[API] and "service.api.body" not in reach[WORKER]
     wrong = []
     for field, declared in READ_BY.items():
@@ -85,7 +85,7 @@ def test_result_ttl_is_read_by_the_workers_that_store_results(
         reach: dict[str, set[str]]) -> None:
     """The soak's finding: setting it for the api alone changed nothing."""
     found = readers_in_code("result_ttl_s", reach)
-    assert found["service.broker.redis_source"] == {WORKER}
+    assert found["service.broker.redis.worker"] == {WORKER}
     assert "result_ttl_s" in read_by(WORKER) and "result_ttl_s" in read_by(API)
 
 

@@ -1,31 +1,8 @@
-"""The Redis broker: a stream with a consumer group for jobs, keys with TTLs for everything else.
+"""The api's side of the Redis broker (asyncio): submit, wait, read, cancel, look.
 
-Life of a job (key names in :mod:`service.keys`)::
-
-    api  submit   the tenant's quotas checked, SET payload (safetensors) + HSET state {queued,
-                  deadline, tenant, ...} + RPUSH tenant queue + XADD a ticket to the stream (one
-                  Lua script, refused while the stream holds PSGRAD_MAX_QUEUE_DEPTH jobs); with
-                  an answers' Redis the payload is SET there first, out of the queue's
-                  append-only file (the script then sets the rest)
-    worker take   one Lua script pops jobs in fair order across tenants, each with a ticket read
-                  by XREADGROUP (:mod:`service.broker.redis_fair`; XREAD BLOCK while there is
-                  none), and XAUTOCLAIM of tickets idle past the visibility timeout (their worker
-                  died); HINCRBY attempts; poison, expired, canceled: ended
-    worker start  one pipeline per batch marks its jobs running and learns which were canceled
-    worker answer XADD the answer's header to its stream (RPUSH notify: the api relays the
-                  bytes as they land) and its bytes in pieces to the attempt's pieces stream,
-                  in the answers' Redis if one is configured (:mod:`service.broker.redis_answer`)
-    worker done   one Lua script: HSET state {succeeded (naming the whole attempt)|failed},
-                  RPUSH notify, then XACK + XDEL, so a job is acknowledged only once its answer is
-                  whole and only the delivery that owns the job can mark it succeeded; an answer
-                  of at most 64 KiB is written whole by this script (one round trip in all)
-    api  wait     BLPOP notify (the api never polls), then read the state and the answer (a
-                  small answer is whole in its first entry: one round trip reads both)
-
-This module holds the api side (:class:`RedisBroker`, asyncio) and what both sides share; the
-worker side is :class:`service.broker.redis_source.RedisJobSource` (synchronous, in worker
-processes). While Redis is unreachable the api answers :class:`psgrad.Overloaded` (503) and
-recovers by itself: every call opens a fresh connection when the pooled one is broken.
+The life of a job and which module holds each step: :mod:`service.broker.redis`. While Redis is
+unreachable the api answers :class:`psgrad.Overloaded` (503) and recovers by itself: every call
+opens a fresh connection when the pooled one is broken.
 """
 
 from __future__ import annotations
@@ -44,7 +21,6 @@ from redis.exceptions import (
 )
 from redis.exceptions import (
     RedisError,
-    ResponseError,
 )
 from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
@@ -53,8 +29,9 @@ from redis.exceptions import (
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_to_safetensors
 from service import keys
-from service.broker.redis_answer import RedisAnswer
-from service.broker.redis_fair import SUBMIT_LUA, UNCOUNT
+from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable, text, value_limit
+from service.broker.redis.lua import CANCEL_LUA, SUBMIT_LUA
+from service.broker.redis.reader import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
@@ -64,44 +41,13 @@ from service.tenants import DEFAULT_TENANT, Quotas
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
-_UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
-
-# KEYS: state, notify, payload, answer. ARGV: finished_at, result ttl, notify ttl, tenant jobs
-# key for an empty name, job id. A queued job stays in its tenant's queue: the worker that
-# takes it finds it canceled and only acknowledges it.
-CANCEL_LUA = UNCOUNT + """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return false end
-if st == 'queued' or st == 'running' then
-  uncount(KEYS[1], ARGV[4], ARGV[5])
-  redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_at', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-  redis.call('DEL', KEYS[3], KEYS[4])
-  redis.call('RPUSH', KEYS[2], 'done')
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-end
-return st
-"""
-
-
-def redis_unavailable(exc: BaseException) -> bool:
-    """Errors that mean "Redis cannot serve now" (503 and retry), not a bug of ours."""
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
-        return True
-    return isinstance(exc, ResponseError) and str(exc).upper().startswith(_UNAVAILABLE_REPLIES)
-
 
 def overloaded_from(exc: BaseException) -> Overloaded:
     return Overloaded(
         f"the job queue (Redis) is unavailable: {type(exc).__name__}: {str(exc)[:200]}; "
         "retry shortly", retry_after=RETRY_AFTER_DOWN_S,
     )
-
-
-def text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def encode_payload(job: Job) -> tuple[bytes, int]:
@@ -128,14 +74,6 @@ def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> Jo
     if status is JobStatus.SUCCEEDED and answer is None:  # expired a moment before its state
         raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
     return state
-
-
-def value_limit(config: Mapping[Any, Any] | None) -> int:
-    """The longest string Redis takes (``CONFIG GET proto-max-bulk-len``); Redis cuts the
-    connection on a longer one. Where CONFIG is disabled (managed Redis): the default."""
-    for value in (config or {}).values():
-        return int(value)
-    return keys.DEFAULT_MAX_VALUE_BYTES
 
 
 def _status_doc(raw: Any) -> dict[str, Any]:

@@ -1,33 +1,14 @@
-"""Answers through Redis in pieces: written by the worker as a stream, relayed by the api.
+"""An answer as the api relays it: read from its streams as the worker's pieces land.
 
-One value in Redis holds at most ``proto-max-bulk-len`` (512 MiB by default), and a result passed
-whole through a Lua script is copied several times and waits until it is complete. Here the
-worker writes the answer's safetensors file in two streams: its header (every size is known up
-front) to the job's answer stream (:func:`keys.job_answer`), with a push to the job's notify list
-that wakes the api at once; the tensors' bytes, in pieces of at most
-:data:`keys.ANSWER_PIECE_BYTES`, to the attempt's pieces stream (:func:`keys.job_pieces`), each a
-plain ``XADD`` of a view of the arrays (never a Lua argument, never a copy of the whole answer).
-The pieces stream may live in another Redis (``PSGRAD_ANSWER_REDIS_URL``): one without
-persistence, so that an append-only file kept for the queue's sake does not receive every byte of
-every answer too.
-
-Whole or nothing: the delivery that owns a running job writes its header under its attempt
-number (``BEGIN_LUA``, with the small header; the data never passes through Lua); only the
-worker's end script (``FINISH_LUA``) marks the answer whole, after the last piece, by naming the
-attempt in the state hash and appending an ``end`` entry to the answer stream. The api relays
-every piece but the last as it lands and the last only after that mark; if the job leaves
-``running`` without it (canceled, taken over, its worker dead) or the pieces are gone, the reader
-raises :class:`service.jobs.AnswerLost` first: a half answer is never served as whole.
+How an answer travels (whole or nothing): :mod:`service.broker.redis.writer`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
-import struct
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,151 +17,20 @@ import redis
 import redis.asyncio as aioredis
 
 from psgrad._memory import unreferenced
-from psgrad._wire import RESPONSE_KEY, safetensors_parts
 from service import keys
+from service.broker.redis.common import LINE_READ, answer_size, command_parts, text
 from service.jobs import AnswerLost, JobStatus
 
-__all__ = ["AnswerWriter", "RedisAnswer", "answer_size"]
+__all__ = ["RedisAnswer"]
 
 POLL_MS = 1000  # a reader waiting for the next piece checks the job's state this often
 READ_COUNT = 8  # pieces per XREAD: one batch is relayed while the next is read
-LINE_READ = 4096  # bytes per read of reply lines (what follows them is the next piece's start)
 KEEP_BUFFERS = 3 * READ_COUNT  # pieces a reader receives into again: a batch read, a batch
 # relayed, and what the server's socket still holds
 # Answers at least this large are read over a plain socket of their own (see RawStreamReader);
 # smaller ones share the api's client: one socket and one blocked thread per answer would starve
 # many concurrent small requests (the default executor has a few threads on a small host).
 RAW_MIN_BYTES = 64 << 20
-
-# KEYS: state, answer, notify. ARGV: attempt, header bytes, ttl. Only the delivery that owns an
-# unfinished job starts its answer (a stale one, its job taken over or ended, writes nothing).
-BEGIN_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if st ~= 'running' and st ~= 'queued' then return 0 end
-if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[2])
-redis.call('XADD', KEYS[2], '*', 'a', ARGV[1], 'k', 'head', 'd', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('RPUSH', KEYS[3], 'answer')
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-return 1
-"""
-
-
-class AnswerWriter:
-    """Writes one attempt's answer (worker side, synchronous): its header and end mark to the
-    queue's Redis ``r``, its bytes to the answers' Redis ``pr`` (the same one by default)."""
-
-    def __init__(self, r: redis.Redis, pr: redis.Redis, prefix: str, job_id: str, attempt: int,
-                 *, ttl_s: int, result_ttl_s: int | None = None,
-                 piece_bytes: int = keys.ANSWER_PIECE_BYTES) -> None:
-        self.r = r
-        self.pr = pr
-        self.prefix = prefix
-        self.job_id = job_id
-        self.key = keys.job_pieces(prefix, job_id, attempt)
-        self.attempt = str(attempt)
-        self.ttl_s = ttl_s  # while the job may still run
-        self.result_ttl_s = result_ttl_s or ttl_s  # once written: as the job's end sets its keys
-        self.piece_bytes = max(1, piece_bytes)
-
-    def write(self, result: Mapping[str, Any]) -> bool:
-        """The whole answer, pipelined: pieces land (and are relayed) while later ones go out.
-
-        False when the job is no longer this attempt's to answer (ended, or taken over).
-        """
-        head, *data = safetensors_parts(result, RESPONSE_KEY)
-        return self.write_parts(head, data)
-
-    def write_parts(self, head: bytes | memoryview, data: list[bytes | memoryview]) -> bool:
-        """:meth:`write` of an answer already cut into its header and its tensors' bytes.
-
-        The commands are packed here, each piece sent as the view it is: redis-py's pipeline
-        (with hiredis, its packer) copies every argument into one buffer first, which made
-        writing an answer take twice as long as sending it.
-        """
-        cut = pieces(data, self.piece_bytes)
-        self.open(next(cut, b""))
-        if not self.begin(bytes(head)):
-            self.pr.delete(self.key)
-            return False
-        conn = self.pr.connection_pool.get_connection()
-        try:
-            sent = 0
-            for piece in cut:
-                conn.send_packed_command(command_parts(*self._xadd(), piece), check_health=False)
-                sent += 1
-            conn.send_packed_command(command_parts(
-                b"EXPIRE", self.key.encode(), b"%d" % self.result_ttl_s), check_health=False)
-            sent += 1
-            for _ in range(sent):  # a piece after a cancel adds nothing (NOMKSTREAM: a nil)
-                conn.read_response()
-        except BaseException:
-            conn.disconnect()  # replies may be left unread: the socket is never lent again
-            raise
-        finally:
-            self.pr.connection_pool.release(conn)
-        return True
-
-    def open(self, first: bytes | memoryview) -> None:
-        """Create the pieces stream with the first piece, and its TTL. Before the header: the
-        api, woken by the header, finds the stream; every later piece only appends to it
-        (``NOMKSTREAM``), so a cancel, which deletes it, stops the rest."""
-        with self.pr.pipeline(transaction=False) as pipe:
-            pipe.execute_command(b"XADD", self.key.encode(), b"*", b"d", first)
-            pipe.expire(self.key, self.ttl_s)
-            pipe.execute()
-
-    def begin(self, head: bytes) -> bool:
-        """Drop what an earlier attempt left, write the header (a few hundred bytes of names
-        and shapes) and wake the api, if the job still runs as this attempt."""
-        state = keys.job_state(self.prefix, self.job_id)
-        return bool(self.r.eval(BEGIN_LUA, 3, state, keys.job_answer(self.prefix, self.job_id),
-                                keys.job_notify(self.prefix, self.job_id), self.attempt,
-                                head, self.ttl_s))
-
-    def add(self, piece: bytes | memoryview) -> None:
-        """One piece by one command (what :meth:`write_parts` sends for each)."""
-        self.pr.execute_command(*self._xadd(), piece)
-
-    def _xadd(self) -> list[bytes]:
-        # NOMKSTREAM: a piece never re-creates a stream a cancel deleted (nor one that expired),
-        # so no key outlives the job and the TTL set by open() covers every piece
-        return [b"XADD", self.key.encode(), b"NOMKSTREAM", b"*", b"d"]
-
-
-def command_parts(*args: bytes | memoryview) -> list[bytes | memoryview]:
-    """``args`` as one RESP command: small ones joined, a large one left as it is (a view of
-    the answer's memory, sent without a copy)."""
-    parts: list[bytes | memoryview] = []
-    small = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        small.append(b"$%d\r\n" % len(arg))
-        if len(arg) < LINE_READ:
-            small += [bytes(arg), b"\r\n"]
-            continue
-        parts += [b"".join(small), arg]
-        small = [b"\r\n"]
-    return [*parts, b"".join(small)]
-
-
-def pieces(parts: list[bytes | memoryview], size: int) -> Iterator[bytes | memoryview]:
-    """The parts cut into pieces of at most ``size`` bytes (views: nothing is copied)."""
-    for part in parts:
-        for start in range(0, len(part), size):
-            yield part[start:start + size]
-
-
-def answer_size(head: bytes) -> int:
-    """Bytes of the whole safetensors file whose header (length prefix included) is ``head``."""
-    (n,) = struct.unpack("<Q", head[:8])
-    header = json.loads(head[8:8 + n])
-    ends = [spec["data_offsets"][1] for name, spec in header.items() if name != "__metadata__"]
-    return 8 + n + max(ends, default=0)
-
-
-def _text(value: Any) -> str:
-    return bytes(value).decode() if isinstance(value, (bytes, memoryview)) else str(value)
 
 
 @dataclass
@@ -207,12 +57,12 @@ class RedisAnswer:
         if not first:
             return None
         entry_id, fields = first[0]
-        f = {_text(k): v for k, v in fields.items()}
-        attempt = _text(f.get("a", b""))
+        f = {text(k): v for k, v in fields.items()}
+        attempt = text(f.get("a", b""))
         status = state.get("status")
         whole = status == JobStatus.SUCCEEDED.value and state.get("answer") == attempt
         writing = status == JobStatus.RUNNING.value and state.get("attempts") == attempt
-        if _text(f.get("k", b"")) != "head" or not (whole or writing):
+        if text(f.get("k", b"")) != "head" or not (whole or writing):
             return None
         head = bytes(f["d"])
         return cls(r, pr, prefix, job_id, attempt, entry_id, head,
@@ -297,7 +147,7 @@ class RedisAnswer:
                     return
                 continue
             _, fields = reply[0][1][0]
-            f = {_text(k): _text(v) for k, v in fields.items()}
+            f = {text(k): text(v) for k, v in fields.items()}
             if f.get("a") != self.attempt or f.get("k") != "end":  # another attempt's header
                 raise AnswerLost(self.job_id)
             return
@@ -307,7 +157,7 @@ class RedisAnswer:
         True when it has finished (its answer named whole), False while it still runs."""
         status, attempts, answer = await self.r.hmget(
             keys.job_state(self.prefix, self.job_id), ["status", "attempts", "answer"])
-        status, attempts, answer = (None if v is None else _text(v)
+        status, attempts, answer = (None if v is None else text(v)
                                     for v in (status, attempts, answer))
         if status == JobStatus.RUNNING.value and attempts == self.attempt:
             return False

@@ -1,5 +1,5 @@
 """How a worker takes jobs: in fair order across tenants with a ticket each
-(:mod:`service.broker.redis_fair`), tickets taken over from dead workers, and the batching
+(:data:`~service.broker.redis.lua.PICK_LUA`), tickets taken over from dead workers, and the batching
 window, with the tickets it holds (buffered or in a batch)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import redis
 from redis.exceptions import ResponseError
 
 from service import keys
-from service.broker.redis import text
-from service.broker.redis_fair import PICK_LUA
+from service.broker.redis.common import text
+from service.broker.redis.lua import PICK_LUA
 from service.config import Settings
 from service.jobs import batch_until
 
