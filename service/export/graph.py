@@ -3,8 +3,8 @@
 Every node's target must be a key of the allow-list (:mod:`service.export.ops`); every argument
 is matched to the op's own schema by name and its serialized kind checked against the declared
 type: tensors only by the name of an earlier value, integers and floats as literals, strings
-only from a fixed set, dtypes from a table, devices replaced by the serving device. Guards,
-range constraints and symbolic size expressions are never read.
+only from a fixed set, dtypes from a table, devices (named, None or left out) replaced by the
+serving device. Guards, range constraints and symbolic size expressions are never read.
 """
 
 from __future__ import annotations
@@ -261,12 +261,19 @@ def _node(graph: fx.Graph, node: dict[str, Any], env: dict[str, tuple[str, Any]]
     positional = True
     for a in schema.arguments:
         given = named.get(a.name)
+        # a device left out or None is the serving device too: run as written, a factory op
+        # would allocate on the CPU whatever device the rest runs on (``meta`` in the size pass)
+        placed = str(a.real_type) in ("Device", "Optional[Device]")
         if given is None:
             if not a.has_default_value():
                 raise InvalidArchive(f"{shown} lacks argument '{a.name}'")
             positional = False
+            if placed:
+                kwargs[a.name] = device
             continue
         value = _decode(given.get("arg"), str(a.real_type), shown, a.name, env, device)
+        if placed and value is None:
+            value = device
         pin = (target.removeprefix("torch.ops.aten."), a.name)
         if pin in ops.PINNED and value != ops.PINNED[pin]:
             raise RefusedProgram(f"{shown}: {a.name}={value!r} is refused ({a.name} must be "

@@ -101,6 +101,11 @@ def _resolve(name: str) -> torch._ops.OpOverload:
         raise AssertionError(f"{name} mutates its arguments")
     if torch.Tag.nondeterministic_seeded in op.tags and not any(k[0] == name for k in PINNED):
         raise AssertionError(f"{name} is random")
+    # a tensor made from nothing takes the serving device from the graph (graph.py); made on
+    # the CPU's default, the size pass on ``meta`` would allocate what it is meant to refuse
+    types = [str(a.real_type) for a in schema.arguments]
+    if not any("Tensor" in t or "Device" in t for t in types):
+        raise AssertionError(f"{name} makes a tensor and takes no device")
     return op
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from tests.support.export import program, with_program
 
 PEAK_T = 32769  # (T - 2) * (65538 - T) is largest here: 1,073,741,823 elements (4 GiB)
+GROWN_T, GROWN_LIMIT = 8192, 1 << 24  # zeros(T, T, 2): 128 Mi elements (512 MiB) past 16 Mi
 INDEX_OPS = ("embedding", "index_select", "gather", "index")
 ROWS = 10
 
@@ -80,6 +81,38 @@ def peaked() -> bytes:
     graph["tensor_values"]["bumped"] = graph["tensor_values"][out]
     doc["graph_module"]["signature"]["output_specs"] = [
         {"user_output": {"arg": {"as_tensor": {"name": "bumped"}}}}]
+    return with_program(data, doc)
+
+
+class Grown(nn.Module):
+    """:class:`Pooled` plus ``zeros(T, T, 2).sum()``: a factory tensor that grows with the
+    length sent (T in 2..65536; 512 MiB of float32 at :data:`GROWN_T`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return self.lin(x).sum(1) + torch.zeros(t, t, 2).sum()
+
+
+@cache
+def unplaced(device: str = "absent") -> bytes:
+    """:class:`Grown` exported, then its ``zeros`` stripped of the device torch's export always
+    names (``absent``), or given ``None`` (``none``): a factory op that, run as written, lands
+    on the CPU whatever device the rest of the program runs on."""
+    torch.manual_seed(0)
+    length = torch.export.Dim("T", min=2, max=65536)
+    data = save(Grown(), (torch.randn(1, 5, 4),), ({1: length},))
+    doc = program(data)
+    zeros = [n for n in doc["graph_module"]["graph"]["nodes"]
+             if n["target"] == "torch.ops.aten.zeros.default"]
+    assert len(zeros) == 1, zeros
+    inputs = [a for a in zeros[0]["inputs"] if a["name"] != "device"]
+    if device == "none":
+        inputs.append({"name": "device", "arg": {"as_none": True}, "kind": 2})
+    zeros[0]["inputs"] = inputs
     return with_program(data, doc)
 
 

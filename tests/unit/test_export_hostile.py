@@ -1,15 +1,19 @@
 """Hostile and buggy exported programs are refused or bounded, and the server keeps serving.
 
 Sizes are checked at the sizes a request sends (a program whose size arithmetic peaks inside
-its range answers 413 there, and nothing is allocated); indices out of range, held in buffers
-or constants or computed from the inputs, are a 422 at registration or before the model runs,
-never a 500; the stored document keeps only what psgrad reads.
+its range answers 413 there, and nothing is allocated, by a factory op that names no device
+included); indices out of range, held in buffers or constants or computed from the inputs, are
+a 422 at registration or before the model runs, never a 500; the stored document keeps only
+what psgrad reads.
 """
 
 from __future__ import annotations
 
 import json
-import resource
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,15 +28,19 @@ from service.export.guard import check_example
 from tests.support.api import TD0, open_client
 from tests.support.export import TOL, exported, program, rewrite
 from tests.support.hostile import (
+    GROWN_LIMIT,
+    GROWN_T,
     INDEX_OPS,
     PEAK_T,
     ROWS,
+    Grown,
     Pooled,
     Shifted,
     coupled,
     indexing,
     peaked,
     shifted,
+    unplaced,
 )
 from tests.support.reference import per_sample_loop
 
@@ -40,9 +48,21 @@ PT2 = "application/x-torch-export"
 GIB = 1 << 30
 
 
-def _max_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_kib(field: str) -> int:
+    found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    assert found, field
+    return int(found.group(1))
+
+
+@contextmanager
+def _rise() -> Iterator[list[int]]:
+    """How far this process's resident memory rose inside the block, in bytes (in the list it
+    yields). The kernel's high-water mark is reset first (``/proc/self/clear_refs``): a peak
+    of an earlier test, or of the process this one was forked from, hides nothing."""
+    Path("/proc/self/clear_refs").write_text("5")
+    start, rose = _status_kib("VmRSS"), [0]
+    yield rose
+    rose[0] = (_status_kib("VmHWM") - start) * 1024
 
 
 async def _serving(c: Any) -> None:
@@ -60,21 +80,53 @@ async def test_sizes_that_peak_inside_a_range_answer_413_at_the_size_sent() -> N
         r = await c.put("/models/peaked", content=peaked(), headers={"content-type": PT2})
         assert r.status_code == 200, r.text
         assert r.json()["inputs"][0]["dynamic"] == {"0": [2, 65536]}
-        before = _max_rss()
         x = np.zeros((1, PEAK_T, 4), dtype=np.float32)
-        r = await c.post("/per-sample-grads", json={
-            "model": "peaked", "inputs": x.tolist(), "targets": [0], "outputs": ["norms"]})
+        with _rise() as rose:
+            r = await c.post("/per-sample-grads", json={
+                "model": "peaked", "inputs": x.tolist(), "targets": [0], "outputs": ["norms"]})
         assert r.status_code == 413, r.text
         message = r.json()["error"]["message"]
         limit = Settings().max_model_activations  # the default
         assert f"raise PSGRAD_MAX_MODEL_ACTIVATIONS (now {limit})" in message, message
-        assert _max_rss() - before < GIB  # the 4 GiB were never allocated
+        assert rose[0] < GIB  # the 4 GiB were never allocated
         x6 = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(1))
         y = torch.tensor([0, 1, 1])
         r = await c.post("/per-sample-grads", json={
             "model": "peaked", "inputs": x6.tolist(), "targets": y.tolist(), "outputs": ["norms"]})
         assert r.status_code == 200, r.text
         await _serving(c)
+    loop = per_sample_loop(reference, {"inputs": x6, "targets": y}, "cross_entropy")
+    np.testing.assert_allclose(np.asarray(r.json()["norms"]), loop.norms.numpy(),
+                               atol=TOL["atol"], rtol=TOL["rtol"])
+
+
+@pytest.mark.parametrize("device", ["absent", "none"])
+async def test_a_factory_op_that_names_no_device_is_refused_without_allocating(
+        device: str) -> None:
+    """Issue 53, finding 2: ``zeros(T, T, 2)`` with its device left out (or None) ran on the CPU
+    in the size pass, and the 413 came after 512 MiB (the peak rose 517 MiB). It is placed
+    like every device argument: the pass stays on ``meta``, a refused request costs no more
+    than a small one, and the program serves as exported."""
+    torch.manual_seed(0)
+    reference = Grown().eval()
+    x6 = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 1])
+    small = {"model": "grown", "inputs": x6.tolist(), "targets": y.tolist(),
+             "outputs": ["norms"]}
+    async with open_client(max_model_activations=GROWN_LIMIT) as c:
+        r = await c.put("/models/grown", content=unplaced(device), headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        with _rise() as served:
+            r = await c.post("/per-sample-grads", json=small)
+        assert r.status_code == 200, r.text
+        x = np.zeros((1, GROWN_T, 4), dtype=np.float32)
+        with _rise() as refused:
+            big = await c.post("/per-sample-grads", json={
+                "model": "grown", "inputs": x.tolist(), "targets": [0], "outputs": ["norms"]})
+        assert big.status_code == 413, big.text
+        assert f"raise PSGRAD_MAX_MODEL_ACTIVATIONS (now {GROWN_LIMIT})" in \
+            big.json()["error"]["message"], big.text
+        assert refused[0] <= max(served[0], 32 << 20), (refused, served)
     loop = per_sample_loop(reference, {"inputs": x6, "targets": y}, "cross_entropy")
     np.testing.assert_allclose(np.asarray(r.json()["norms"]), loop.norms.numpy(),
                                atol=TOL["atol"], rtol=TOL["rtol"])
