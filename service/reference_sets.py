@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from psgrad._contract import SAMPLE_FIELDS
 from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
 from service.config import raise_setting
 from service.model_store import is_safe_id
@@ -20,14 +21,15 @@ from service.registry import LoadedModel
 from service.strategies.base import Options
 from service.tenants import owned_key
 
-SAMPLE_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones")
 _READ = ("reference", "reference_sketches", "reference_set", "outputs")
 
 
-def checked_id(set_id: str) -> str:
-    if not is_safe_id(set_id):
-        raise BadRequest("a reference set id is 1-64 of a-z 0-9 . _ -, not starting with . _ -")
-    return set_id
+def checked_id(given: str, what: str = "reference set") -> str:
+    """``given`` if it is a safe id; else a 400 naming ``what`` it was to be and what was sent."""
+    if not is_safe_id(given):
+        raise BadRequest(f"a {what} id is 1-64 of a-z 0-9 . _ -, not starting with . _ -; "
+                         f"got {given[:80]!r}", id=given[:80])
+    return given
 
 
 def scope_reference(fields: dict[str, Any], tenant: str) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from psgrad._contract import SAMPLE_FIELDS
 from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.attribution import projection_of
-from service.reference_sets import SAMPLE_FIELDS, checked_id
+from service.reference_sets import checked_id
 from service.registry import ModelRegistry
 from service.stores.spec import StoreSpec, check_dtype, integral
 from service.strategies.projection import VERSIONS
@@ -27,7 +28,7 @@ FIXED_FIELDS = ("loss", "params", "projection_dim", "projection_seed", "projecti
 
 def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) -> StoreSpec:
     """The store a ``PUT /stores/{id}`` body defines, checked against its model."""
-    checked_id(store_id)
+    checked_id(store_id, "store")
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object: model, projection_dim, and optionally "
                          "loss, params, projection_seed, projection_kind, dtype")

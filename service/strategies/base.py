@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from psgrad._contract import SAMPLE_FIELDS as CONTRACT_SAMPLE_FIELDS
+from psgrad._contract import SAMPLE_FIELDS
 from service.strategies.projection import Projection
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 Tensors = dict[str, torch.Tensor]
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) of each segment (one per job)
-SAMPLE_FIELDS = CONTRACT_SAMPLE_FIELDS  # the request's per-sample fields (psgrad._contract)
 NAMED_INPUT = "inputs/"  # prefix of a sample's further named inputs (models that take several)
 
 

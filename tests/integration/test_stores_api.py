@@ -236,7 +236,7 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await put({**good, "projection_kind": "no-such-kind"}), 422, "invalid_input",
           "projection_kind")
     error(await put({**good, "projection_dim": 0}), 400, "bad_request", "projection_dim")
-    error(await put(good, "Bad!"), 400, "bad_request")
+    error(await put(good, "Bad!"), 400, "bad_request", "a store id", "'Bad!'")
     assert (await put(good)).status_code == 201
     error(await put({**good, "projection_dim": 32}), 409, "conflict", "DELETE")
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.concurrency import run_in_threadpool
 
+from psgrad._contract import SAMPLE_FIELDS
 from psgrad._errors import Conflict, InvalidInput, NotFound
 from psgrad._wire import JSON, SAFETENSORS, array_from_json
 from service.api.body import decode_request, loads, read_body
@@ -25,7 +26,7 @@ from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, Tenant
 from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
 from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
-from service.reference_sets import SAMPLE_FIELDS, checked_id
+from service.reference_sets import checked_id
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import Score, check_k, check_score, search
 from service.stores.requests import check_fixed, make_spec, sketch_request
@@ -96,7 +97,7 @@ def _body(model: type[BaseModel], description: str) -> dict[str, Any]:
 
 
 def _key(scope: Scope, store_id: str) -> str:
-    return owned_key(scope.owner, checked_id(store_id))
+    return owned_key(scope.owner, checked_id(store_id, "store"))
 
 
 def _missing(store_id: str) -> NotFound:
