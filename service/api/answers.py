@@ -11,11 +11,10 @@ straight into arrays allocated once (the SDK's own reader), then written row by 
 from __future__ import annotations
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from psgrad._wire import SAFETENSORS
-from service.api.body import json_response, wants_safetensors
+from service.api.body import ReleasingResponse, json_response, wants_safetensors
 from service.jobs import Answer, read_answer
 
 __all__ = ["answer_response"]
@@ -35,7 +34,7 @@ async def answer_response(
     they are read (see :meth:`service.jobs.Answer.pieces`).
     """
     if wants_safetensors(request):
-        return StreamingResponse(
+        return ReleasingResponse(
             answer.pieces(consume=consume),
             media_type=SAFETENSORS,
             headers={**(headers or {}), "content-length": str(answer.size)},
