@@ -22,7 +22,7 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     ├── Overloaded (503)             queue full or broker down; carries retry_after
     │   └── RateLimited (429)        too many requests from this client
     ├── DeadlineExceeded (504)
-    ├── InsufficientStorage (507)    the server's data directory is full; nothing was written
+    ├── InsufficientStorage (507)    the data directory is full or read-only; nothing written
     ├── JobFailed (500)              a job ended failed without a more precise error
     └── InternalError (500)          a bug: the message never carries a traceback
         └── VerificationFailed (500) ``verify``: the answer differed from the per-sample loop
@@ -259,8 +259,10 @@ class DeadlineExceeded(PsgradError):
 
 
 class InsufficientStorage(PsgradError):
-    """The server's data directory (gradient stores, reference sets) is full: nothing of the
-    request was written; retry once the operator has freed space."""
+    """The server's data directory (gradient stores, reference sets) or a DP run's ledger
+    folder cannot take a write: full, read-only or not writable (``details["reason"]``).
+    Nothing of the request was written; retry once the operator has made room or remounted
+    the volume read-write."""
 
     code = "insufficient_storage"
     status = 507

@@ -262,7 +262,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         500: "verification_failed: a verified answer (verify) differed from the per-sample "
         "loop, so it was withheld; internal_error: a bug",
         504: "the deadline passed",
-        507: "insufficient_storage: the data directory is full; nothing was written",
+        507: "insufficient_storage: the data directory is full, read-only or not writable "
+        "(details.reason); nothing was written",
     }.items()
 }
 

@@ -10,6 +10,7 @@ atomic operation that also checks the budget and remembers the job id, so a job 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from psgrad._contract import RUN_ID_PATTERN
-from psgrad._errors import PrivacyBudgetExhausted, UnknownDPRun
+from psgrad._errors import InsufficientStorage, PrivacyBudgetExhausted, UnknownDPRun
 from service import keys
 from service.config import Settings
 from service.connections import connection_kwargs
@@ -232,10 +233,19 @@ class FileRunStore(MemoryRunStore):
         self._runs[run_id], self._jobs[run_id], self._seen[run_id] = run, lines, set(lines)
 
     def _persist(self, run_id: str, job_id: str) -> None:
-        with open(self._folder(run_id) / "steps.log", "a") as f:
-            f.write(job_id + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """The step on disk before it counts; a folder that takes no write (read-only, full)
+        refuses the step (507): nothing is released that the ledger does not hold."""
+        try:
+            with open(self._folder(run_id) / "steps.log", "a") as f:
+                f.write(job_id + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise InsufficientStorage(
+                f"DP run '{run_id}': its step could not be recorded ({exc.strerror}: the folder "
+                "under PSGRAD_MODEL_DIR is read-only or full), so it was not taken and nothing "
+                "was released; retry once the operator has made it writable", run=run_id,
+                reason="read_only" if exc.errno == errno.EROFS else "not_written") from None
 
 
 class RedisRunStore(RunStore):

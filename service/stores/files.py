@@ -26,6 +26,7 @@ import contextlib
 import errno
 import io
 import json
+import logging
 import mmap
 import os
 import posixpath
@@ -55,6 +56,7 @@ IDS_BUDGET = 64 << 20  # bytes of shard ids kept in memory (about 64 bytes an id
 # self-influence is a float32 number and its float32 dot products with a query scaled to
 # entries at most 1 stay below about 1e21 at any k up to 8192 (docs/attribution.md)
 MAX_SELF_INFLUENCE = float(np.finfo(np.float32).max)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ class StoreFiles:
     def _write(self, path: str, *parts: bytes | memoryview) -> None:
         """``parts`` at ``path`` all at once: written beside it, synced (on a local disk: a
         shard is on disk before the manifest that names it), then renamed over it. A full
-        disk is a 507 that leaves no temporary file behind (so the disk does not stay full)."""
+        disk is a 507 that leaves no temporary file behind (so the disk does not stay full);
+        a read-only or unwritable one is a 507 too (:func:`_unwritable`)."""
         tmp = posixpath.join(posixpath.dirname(path), f".tmp-{uuid.uuid4().hex}")
         try:
             with self.fs.open(tmp, "wb") as f:
@@ -143,11 +146,7 @@ class StoreFiles:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 self.fs.rm(tmp)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientStorage(
-                    f"the data directory is full ({exc.strerror}); nothing was written: retry "
-                    "once the operator has freed space (PSGRAD_DATA_DIR)") from None
-            raise
+            raise _unwritable(exc) or exc from None
 
     def _read(self, path: str) -> bytes | None:
         try:
@@ -194,7 +193,10 @@ class StoreFiles:
                                    f"{found.projection_dim}, ...): DELETE it first, or use "
                                    "another id", existing=found.doc())
                 return found, False
-            self.fs.makedirs(self.path(key), exist_ok=True)
+            try:
+                self.fs.makedirs(self.path(key), exist_ok=True)
+            except OSError as exc:
+                raise _unwritable(exc) or exc from None
             self._write(self.path(key, MANIFEST), Manifest(epoch=uuid.uuid4().hex).to_json())
             self._write(self.path(key, SPEC), spec.to_json())  # now it exists
             return spec, True
@@ -203,8 +205,11 @@ class StoreFiles:
         with self.locks.hold(key):
             if self.spec(key) is None:
                 return False
-            self._rm(self.path(key, SPEC))  # gone at once; then its files
-            self.fs.rm(self.path(key), recursive=True)
+            try:
+                self._rm(self.path(key, SPEC))  # gone at once; then its files
+                self.fs.rm(self.path(key), recursive=True)
+            except OSError as exc:
+                raise _unwritable(exc) or exc from None
             return True
 
     # --- appending ---------------------------------------------------------------------------
@@ -232,8 +237,15 @@ class StoreFiles:
         return Staged(key, tuple(shards), tuple(ids), id_kind, gram)
 
     def discard(self, staged: Staged) -> None:
+        """Remove a staged batch's shards, best effort: on a disk that just turned read-only
+        they stay (no manifest lists them; they go with the store), and the error that made
+        the batch fail is the one reported, not this one."""
         for shard in staged.shards:
-            self._rm(self.path(staged.key, shard.file))
+            try:
+                self._rm(self.path(staged.key, shard.file))
+            except OSError as exc:
+                log.warning("staged shard %s of store %s not removed: %s", shard.file,
+                            staged.key, exc)
 
     def commit(self, staged: Staged) -> Manifest:
         """Make a staged batch part of the store, all of it or (refused) none of it."""
@@ -457,6 +469,28 @@ def _details(ids: Sequence[int | str], which: np.ndarray) -> dict[str, Any]:
 
 __all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "refuse_duplicates",
            "stored_rows"]
+
+
+def _unwritable(exc: OSError) -> InsufficientStorage | None:
+    """The 507 for a data directory that cannot take a write: full (ENOSPC, EDQUOT), mounted
+    read-only (EROFS: a volume remounted read-only after a disk error, a read-only bind mount),
+    or not writable by the server's user (EACCES, EPERM). None for any other error."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorage(
+            f"the data directory is full ({exc.strerror}); nothing was written: retry once the "
+            "operator has freed space (PSGRAD_DATA_DIR)", reason="full")
+    if exc.errno == errno.EROFS:
+        return InsufficientStorage(
+            "the data directory is read-only (the volume under PSGRAD_DATA_DIR was mounted or "
+            "remounted read-only); nothing was written and what the stores hold is still "
+            "readable: retry once the operator has remounted it read-write (after a disk error, "
+            "check the disk first)", reason="read_only")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return InsufficientStorage(
+            f"the data directory is not writable by the server ({exc.strerror}); nothing was "
+            "written: the operator must give the server's user write access to "
+            "PSGRAD_DATA_DIR", reason="not_writable")
+    return None
 
 
 def _sync(f: Any) -> None:

@@ -4,36 +4,22 @@ what was committed before, and the directory takes samples again once there is r
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.support.api import open_client
+from tests.support.stores import mlp_samples
+from tests.support.volumes import tmpfs
 
 DIM = 256
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)],
-                             capture_output=True, text=True, check=False)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (root needed): {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "2m") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
-def samples(n: int, first: int) -> dict[str, object]:
-    rng = np.random.default_rng(first)
-    return {"inputs": rng.standard_normal((n, 784)).astype(np.float32).round(3).tolist(),
-            "targets": rng.integers(0, 10, n).tolist(), "ids": list(range(first, first + n))}
 
 
 async def test_a_full_data_directory_is_a_507_that_leaves_nothing(small_disk: Path) -> None:
@@ -42,7 +28,7 @@ async def test_a_full_data_directory_is_a_507_that_leaves_nothing(small_disk: Pa
         assert r.status_code == 201, r.text
         held = 0
         for step in range(100):  # 64 samples of 256 floats a batch, and the store's Gram
-            r = await c.post("/stores/train/samples", json=samples(64, 64 * step))
+            r = await c.post("/stores/train/samples", json=mlp_samples(64, 64 * step))
             if r.status_code != 200:
                 break
             held = r.json()["samples"]
@@ -54,5 +40,5 @@ async def test_a_full_data_directory_is_a_507_that_leaves_nothing(small_disk: Pa
         assert (await c.delete("/stores/train")).status_code == 200  # room again
         r = await c.put("/stores/again", json={"model": "mlp", "projection_dim": DIM})
         assert r.status_code == 201, r.text
-        r = await c.post("/stores/again/samples", json=samples(64, 0))
+        r = await c.post("/stores/again/samples", json=mlp_samples(64, 0))
         assert r.status_code == 200 and r.json()["samples"] == 64, r.text

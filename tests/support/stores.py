@@ -1,4 +1,5 @@
-"""For the gradient-store tests: the top-k answer computed over the whole matrix at once."""
+"""For the gradient-store tests: the top-k answer computed over the whole matrix at once, and
+batches of MNIST-shaped samples for the ``mlp`` model."""
 
 from __future__ import annotations
 
@@ -25,3 +26,10 @@ def reference(phi: np.ndarray, q: np.ndarray | None, score: str, k: int,
         s = q @ np.linalg.inv(gram + lam * np.eye(k_dim)) @ phi.T
     order = np.argsort(-s, axis=1, kind="stable")[:, :k]
     return order, np.take_along_axis(s, order, 1)
+
+
+def mlp_samples(n: int, first: int) -> dict[str, object]:
+    """``n`` samples for the zoo's ``mlp`` (784 inputs, 10 classes), ids from ``first``."""
+    rng = np.random.default_rng(first)
+    return {"inputs": rng.standard_normal((n, 784)).astype(np.float32).round(3).tolist(),
+            "targets": rng.integers(0, 10, n).tolist(), "ids": list(range(first, first + n))}
