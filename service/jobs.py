@@ -57,6 +57,17 @@ class Job:
     enqueued_at: float = field(default_factory=time.time)
     attempts: int = 1
     tenant: str = DEFAULT_TENANT  # who made it (service.tenants); only they (or an admin) see it
+    # the deadline on the worker's monotonic clock, set by the source that hands the job over
+    # (embedded: at submit; Redis: against Redis's TIME): a step of this host's wall clock
+    # never expires a job, nor keeps an expired one alive (docs/operations.md)
+    expires: float | None = field(default=None, compare=False)
+
+    def overdue_s(self) -> float:
+        """Seconds past the deadline (negative: time left): on the monotonic clock where a
+        source set :attr:`expires`, else on this host's wall clock."""
+        if self.expires is None:
+            return time.time() - self.deadline
+        return time.monotonic() - self.expires
 
     @property
     def size(self) -> int:
@@ -203,17 +214,21 @@ class JobSource(Protocol):
 
 
 def batch_until(busy: bool, oldest_enqueued_at: float, max_delay_s: float) -> float:
-    """Until when (epoch seconds) ``take`` gathers more jobs for a batch.
+    """Until when (``time.monotonic()``) ``take`` gathers more jobs for a batch.
 
     A lone request must not pay the batching window: when the worker was idle (``busy`` False,
     the queue empty when it asked) the batch goes at once. Jobs that queued while the worker was
     busy wait for company only until the oldest has waited ``max_delay_s`` in all: the window
     bounds a job's wait, it is never a fixed delay added to every request.
     """
+    now = time.monotonic()
     if not busy or max_delay_s <= 0:
-        return 0.0
-    now = time.time()
-    return min(now + max_delay_s, max(now, oldest_enqueued_at + max_delay_s))
+        return now
+    # the oldest's wait so far, from two wall clocks (the enqueuer's, this host's), bounded to
+    # [0, max_delay_s]; the window then runs on the monotonic clock, so a step of the wall
+    # clock mid-window never holds a batch back (a step back of an hour held it an hour)
+    left = min(max_delay_s, max(0.0, oldest_enqueued_at + max_delay_s - time.time()))
+    return now + left
 
 
 SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, clipped_mean, dot) "

@@ -142,14 +142,15 @@ class Worker:
 
     def process(self, jobs: Sequence[Job]) -> None:
         """Validate, group and compute one batch of jobs; every job ends succeeded or failed."""
-        now = time.time()
         live: list[Job] = []
         for job in jobs:
-            if job.deadline < now:
+            # the monotonic deadline its source set: this host's wall clock may have stepped
+            if (overdue := job.overdue_s()) > 0:
+                waited = job.deadline - job.enqueued_at + overdue
                 self._fail(
                     job,
                     DeadlineExceeded(
-                        f"job {job.id} waited {now - job.enqueued_at:.1f} s in the queue and its "
+                        f"job {job.id} waited {waited:.1f} s in the queue and its "
                         "deadline passed before it could start: retry later, or use POST /jobs and "
                         "poll for the result"
                     ),
@@ -252,11 +253,11 @@ class Worker:
         def tell(begins: bool) -> None:
             nonlocal since
             try:
-                if begins:
-                    since = time.time()
-                    self.source.planning(jobs, since)
+                if begins:  # the api adds the time since (its clock, capped by the grace)
+                    since = time.monotonic()
+                    self.source.planning(jobs, time.time())
                     return
-                spent = time.time() - since
+                spent = time.monotonic() - since  # a duration: never the wall clock's step
                 self.source.planning(jobs, None, spent)
                 log.info("planned model %s in %.1f s, not counted against the deadline of %s",
                          model, spent, ", ".join(j.id for j in jobs))

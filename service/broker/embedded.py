@@ -81,6 +81,9 @@ class EmbeddedBroker:
             self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at,
                                             tenant=job.tenant)
             self._waiters[job.id] = asyncio.Event()
+            # the deadline on this process's monotonic clock: a step of the wall clock while
+            # the job queues neither expires it nor keeps it alive
+            job.expires = time.monotonic() + (job.deadline - time.time())
             self._queue.push(job, lim.weight)
             self._cond.notify()
 
@@ -162,7 +165,7 @@ class EmbeddedBroker:
                     jobs.append(job)
                     samples += job.size
                     continue
-                remaining = until - time.time()
+                remaining = until - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)

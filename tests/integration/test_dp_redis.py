@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +24,9 @@ from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker import Worker
-from tests.support.redis import OwnRedis, prefix_on, redis_or_skip, result_of
+from tests.support.redis import OwnRedis, quick_settings, result_of
 
-
-@pytest.fixture
-def settings() -> Iterator[Settings]:
-    shared = redis_or_skip()
-    with prefix_on(shared) as prefix:
-        yield Settings(redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
-                       result_ttl_s=30, heartbeat_s=0.2, batch_max_delay_ms=1.0, device="cpu")
-    shared.close()
+settings = pytest.fixture(quick_settings)
 
 
 def record(max_steps: int) -> DPRun:

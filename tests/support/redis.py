@@ -68,6 +68,16 @@ def fresh_prefix() -> Iterator[str]:
     client.close()
 
 
+def quick_settings() -> Iterator[Settings]:
+    """A fixture's body: settings on the shared Redis under a fresh prefix, with a short result
+    TTL and heartbeat and a 1 ms batching window (a test's worker loop answers at once)."""
+    shared = redis_or_skip()
+    with prefix_on(shared) as prefix:
+        yield Settings(redis_url=SHARED_URL, redis_prefix=prefix, result_ttl_s=30,
+                       heartbeat_s=0.2, batch_max_delay_ms=1.0, device="cpu")
+    shared.close()
+
+
 class OwnRedis:
     """A private redis-server on a free port, to stop and restart without touching 6379.
 

@@ -80,7 +80,7 @@ class StreamIntake:
             until = batch_until(busy, _entry_time(got[0][0]), max_delay_s)
             while (not full and len(got) < max_jobs
                    and (room := max_samples - sum(e[2] for e in got)) > 0
-                   and (left := until - time.time()) > 0):
+                   and (left := until - time.monotonic()) > 0):
                 # Poll rather than BLOCK for the few ms left: Redis times a blocked read out
                 # at its next cron tick (up to 100 ms at the default hz 10), not after the ms
                 # asked for, so each window that ended without a newcomer stalled the batch.

@@ -221,7 +221,7 @@ class RedisJobSource:
             if parts_size([head, *data]) <= keys.ANSWER_INLINE_BYTES:
                 ends.append((job, b"".join([head, *data])))
                 continue
-            ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+            ttl = keys.job_ttl_s(-job.overdue_s(), self.settings.result_ttl_s)
             writer = AnswerWriter(self.r, self.pr, self.prefix, job.id, job.attempts, ttl_s=ttl,
                                   result_ttl_s=self.settings.result_ttl_s,
                                   piece_bytes=self.piece_bytes)
@@ -282,16 +282,17 @@ class RedisJobSource:
         p = self.prefix
         payload_keys = [keys.job_payload(p, job_id) for _, job_id, _ in entries]
         pipe = self.r.pipeline(transaction=False)
+        pipe.time()  # deadlines are read against Redis's clock, never this host's
         for _, job_id, _ in entries:
             script_in(pipe, ATTEMPT_LUA, [keys.job_state(p, job_id)], [])  # with the state
         if self.pr is self.r:
             pipe.mget(payload_keys)
-            *counted, payloads = pipe.execute()
+            (seconds, micros), *counted, payloads = pipe.execute()
         else:  # the payloads are in the answers' Redis
-            counted = pipe.execute()
+            (seconds, micros), *counted = pipe.execute()
             payloads = self.pr.mget(payload_keys)
         jobs: list[Job] = []
-        now = time.time()
+        now, read_at = int(seconds) + int(micros) / 1e6, time.monotonic()
         for entry, (attempts, raw), payload in zip(entries, counted, payloads, strict=True):
             job_id = entry[1]
             state = {text(raw[j]): text(raw[j + 1]) for j in range(0, len(raw), 2)}
@@ -324,7 +325,8 @@ class RedisJobSource:
             jobs.append(Job(id=job_id, fields=fields, deadline=deadline,
                             enqueued_at=float(state.get("enqueued_at", now)),
                             attempts=int(attempts),
-                            tenant=state.get("tenant", DEFAULT_TENANT)))
+                            tenant=state.get("tenant", DEFAULT_TENANT),
+                            expires=read_at + (deadline - now)))
         return jobs
 
     def _poison(self, state: dict[str, str], attempts: int) -> str:
