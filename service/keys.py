@@ -212,3 +212,10 @@ def dp_run(prefix: str, run_id: str) -> str:
 def dp_run_jobs(prefix: str, run_id: str) -> str:
     """Set of the job ids already counted as steps of a run (a retried job counts once)."""
     return f"{prefix}:dp-run:{run_id}:jobs"
+
+
+def dp_ledger_sync(prefix: str) -> str:
+    """Counter a worker increments right before ``WAITAOF``: a write of that connection after
+    every step it counted, so that the wait covers them all (``WAITAOF`` waits for the writes
+    of its own connection only)."""
+    return f"{prefix}:dp-ledger-sync"

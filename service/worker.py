@@ -30,7 +30,13 @@ from typing import Any, Final, TypeVar
 
 import torch
 
-from psgrad._errors import DeadlineExceeded, InternalError, PsgradError, VerificationFailed
+from psgrad._errors import (
+    DeadlineExceeded,
+    InternalError,
+    Overloaded,
+    PsgradError,
+    VerificationFailed,
+)
 from service import engine, verify, warmup
 from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
@@ -238,12 +244,39 @@ class Worker:
                                             self.settings.dp_accounting_cpu_s), retry=True)
             if counted is _FAILED:
                 continue
-            self._ended(job, "succeeded", started)
             done.append((job, counted))
+        done = self._ledger_on_disk(done)
+        for job, _ in done:
+            self._ended(job, "succeeded", started)
         try:  # all of the group's answers at once (Redis: one round trip for small ones)
             self.source.succeed_all(done)
         except Exception:
             log.exception("storing the results of jobs %s failed", ", ".join(j.id for j, _ in done))
+
+    def _ledger_on_disk(self, done: list[tuple[Job, dict[str, Any]]]
+                        ) -> list[tuple[Job, dict[str, Any]]]:
+        """``done`` once the DP steps among them are on the ledger's disk (one wait for the
+        batch, :meth:`RunStore.sync`), so that a crash of its host never loses a step whose
+        noisy answer went out; where that fails, those jobs fail and release nothing (their
+        steps stay counted: an over-count is safe, an under-count is not)."""
+        steps = {j.id for j, _ in done if isinstance(j.fields.get("dp_run"), str)}
+        if not steps:
+            return done
+        try:
+            self.storage.runs.sync()
+            return done
+        except PsgradError as exc:
+            failure = exc
+        except Exception as exc:  # the ledger's Redis unreachable
+            log.warning("the DP steps of jobs %s are not confirmed on disk: %s",
+                        ", ".join(sorted(steps)), exc)
+            failure = Overloaded("the DP ledger did not confirm these steps on disk, so their "
+                                 "answers were not released; retry (the steps stay counted)",
+                                 retry_after=1)
+        for job, _ in done:
+            if job.id in steps:
+                self._fail(job, failure, retry=False)
+        return [(j, r) for j, r in done if j.id not in steps]
 
     def _planning(self, jobs: list[Job], model: str) -> Callable[[bool], None]:
         """What the engine tells when it plans ``model`` for these jobs: the source records

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -20,8 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError, ResponseError
+
 from psgrad._contract import RUN_ID_PATTERN
-from psgrad._errors import InsufficientStorage, PrivacyBudgetExhausted, UnknownDPRun
+from psgrad._errors import (
+    InsufficientStorage,
+    Overloaded,
+    PrivacyBudgetExhausted,
+    UnknownDPRun,
+)
 from service import keys
 from service.config import Settings
 from service.connections import connection_kwargs
@@ -32,6 +40,8 @@ CLIP_FORMS = {"exact": 0.0, "opacus": 1e-6}  # the norm offset of each clip-fact
 
 # count() answers: the step was counted now, was counted before (same job), or was refused
 COUNTED, REPEATED, EXHAUSTED, MISSING = 1, 0, -1, -2
+LEDGER_FSYNC_TIMEOUT_MS = 2000  # WAITAOF for a counted step: everysec fsyncs every second
+log = logging.getLogger(__name__)
 
 # KEYS: run hash, counted job ids. ARGV: job id, max steps. -> {code, steps}
 COUNT_LUA = """
@@ -42,6 +52,10 @@ if steps >= tonumber(ARGV[2]) then return {-1, steps} end
 redis.call('SADD', KEYS[2], ARGV[1])
 return {1, redis.call('HINCRBY', KEYS[1], 'steps', 1)}
 """
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def new_run_id() -> str:
@@ -131,6 +145,11 @@ class RunStore:
         if code == EXHAUSTED:
             raise exhausted(found[0], steps)
         return found[0], steps
+
+    def sync(self) -> None:
+        """Return once every step counted so far is on disk, or raise: called by the worker
+        before it releases the answers of the steps it counted (one wait for a whole batch).
+        Files fsync each step as they count it; memory keeps nothing past the process."""
 
     def close(self) -> None:
         return None
@@ -249,12 +268,71 @@ class FileRunStore(MemoryRunStore):
 
 
 class RedisRunStore(RunStore):
-    """Runs in Redis (key names in :mod:`service.keys`); counting is one Lua script."""
+    """Runs in Redis (key names in :mod:`service.keys`); counting is one Lua script.
+
+    A counted step must be on Redis's disk before its answer is released, or a crash of the
+    Redis host (power, kernel) inside ``appendfsync everysec``'s window loses the step while
+    the user holds its noisy answer: the ledger would under-count epsilon. :meth:`durability`
+    says how this Redis gets there (docs/operations.md, "A crash of the Redis host")."""
 
     def __init__(self, client: Any, prefix: str) -> None:
         self.r = client
         self.prefix = prefix
         self._count_script = client.register_script(COUNT_LUA)
+        self._durability: str | None = None
+
+    def durability(self) -> str:
+        """How a counted step reaches the disk before its answer goes out, probed once:
+        ``always`` (the AOF with ``appendfsync always``: Redis fsyncs before it replies),
+        ``waitaof`` (Redis 7.2 or later: each step waits for ``WAITAOF``), or ``none`` (no
+        AOF, ``everysec`` on an older Redis, or a Redis that hides its settings: a host crash
+        may lose the last second's steps; logged once as an error)."""
+        if self._durability is None:
+            self._durability = self._probe()
+            if self._durability == "none":
+                log.error(
+                    "DP runs: the Redis that keeps their step counts does not put a step on "
+                    "disk before its answer is released (no append-only file, or appendfsync "
+                    "%s on a Redis without WAITAOF): a crash of that host can lose the steps "
+                    "of its last second, and the runs' epsilon would then be under-counted. "
+                    "Set appendfsync always on it, or use Redis 7.2 or later "
+                    "(docs/operations.md)", self._config().get("appendfsync", "unknown"))
+        return self._durability
+
+    def _config(self) -> dict[str, str]:
+        try:
+            found = self.r.config_get("append*")
+        except RedisError:  # CONFIG disabled (a managed Redis): unknown
+            return {}
+        return {_text(k): _text(v) for k, v in found.items()}
+
+    def _probe(self) -> str:
+        config = self._config()
+        if config.get("appendonly") == "yes" and config.get("appendfsync") == "always":
+            return "always"
+        if config.get("appendonly") == "no":
+            return "none"
+        try:
+            self.r.execute_command("WAITAOF", 1, 0, 1)
+        except ResponseError:  # unknown before Redis 7.2, refused without an AOF
+            return "none"
+        return "waitaof"
+
+    def sync(self) -> None:
+        """With ``waitaof``: one write of this connection, then ``WAITAOF`` on it, which
+        returns once the AOF is synced past that write, so past every step counted before
+        (from any connection: the file is one sequence)."""
+        if self.durability() != "waitaof":
+            return
+        pipe = self.r.pipeline(transaction=False)
+        pipe.incr(keys.dp_ledger_sync(self.prefix))
+        pipe.execute_command("WAITAOF", 1, 0, LEDGER_FSYNC_TIMEOUT_MS)
+        _, (local, _) = pipe.execute()
+        if int(local) < 1:
+            raise Overloaded(
+                f"the DP steps were counted, but Redis did not confirm them on disk within "
+                f"{LEDGER_FSYNC_TIMEOUT_MS} ms, so their answers were not released; retry "
+                "(these steps stay counted against the budget)", retry_after=1)
 
     def create(self, run: DPRun) -> None:
         pipe = self.r.pipeline(transaction=True)
