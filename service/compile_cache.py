@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from service import keys
+from service import redis_keys
 from service.config import Settings
 
 log = logging.getLogger("psgrad.compile")
@@ -154,7 +154,7 @@ class CompiledFunctions:
         if self.redis is None:
             return False
         try:
-            blob = self.redis.get(keys.compile_artifact(self.prefix, sig))
+            blob = self.redis.get(redis_keys.compile_artifact(self.prefix, sig))
         except Exception as exc:  # the cache is an optimisation: never fail a job for it
             log.warning("compile cache: cannot read artifacts: %s", exc)
             return False
@@ -177,8 +177,8 @@ class CompiledFunctions:
         data = saved[0]
         mac = hmac.new(self.secret, data, hashlib.sha256).digest()
         try:
-            if self.redis.set(keys.compile_artifact(self.prefix, sig), mac + data, nx=True,
-                              ex=keys.COMPILE_TTL_S):
+            if self.redis.set(redis_keys.compile_artifact(self.prefix, sig), mac + data, nx=True,
+                              ex=redis_keys.COMPILE_TTL_S):
                 self.stats.stored += 1
         except Exception as exc:
             log.warning("compile cache: cannot store artifacts: %s", exc)

@@ -162,7 +162,7 @@ class Broker(Protocol):
         """
 
     async def worker_snapshots(self) -> list[dict[str, Any]]:
-        """The status (:mod:`service.status`) each worker published through the broker, with
+        """The status (:mod:`service.worker_status`) each worker published through the broker, with
         ``alive``; in-process workers publish none (the app asks their pool)."""
 
 

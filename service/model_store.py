@@ -8,7 +8,7 @@ Three backends behind one small interface, chosen by :func:`make_store` from the
   and renamed into place, weights first, so a version exists exactly when its JSON does. One
   process writes a directory at a time.
 - :class:`RedisModelStore`: distributed mode; every api and worker sees the same models, and
-  they outlive any process. Key names are in :mod:`service.keys`.
+  they outlive any process. Key names are in :mod:`service.redis_keys`.
 
 A store holds bytes and JSON only: weights are a safetensors file, never a pickle, and are
 checked (names, shapes, dtypes, finiteness) before they get here. Versions of an id are ordered
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from psgrad._contract import ID_PATTERN, REF_PATTERN, VERSION_PATTERN
-from service import keys
+from service import redis_keys
 from service.config import Settings
 
 ID_RE = re.compile(ID_PATTERN)  # the request contract's (psgrad._contract)
@@ -279,42 +279,42 @@ class RedisModelStore(ModelStore):
         self.prefix = prefix
 
     def has(self, model_id: str, version: str) -> bool:
-        return self.r.zscore(keys.model_versions(self.prefix, model_id), version) is not None
+        return self.r.zscore(redis_keys.model_versions(self.prefix, model_id), version) is not None
 
     def put(self, record: ModelRecord) -> None:
-        seq = self.r.incr(keys.model_seq(self.prefix))
+        seq = self.r.incr(redis_keys.model_seq(self.prefix))
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.model_version(self.prefix, record.id, record.version),
+        pipe.hset(redis_keys.model_version(self.prefix, record.id, record.version),
                   mapping={"spec": record.spec_json(), "weights": record.weights})
-        pipe.zadd(keys.model_versions(self.prefix, record.id), {record.version: seq})
-        pipe.sadd(keys.model_ids(self.prefix), record.id)
+        pipe.zadd(redis_keys.model_versions(self.prefix, record.id), {record.version: seq})
+        pipe.sadd(redis_keys.model_ids(self.prefix), record.id)
         pipe.execute()
 
     def get(self, model_id: str, version: str) -> ModelRecord | None:
-        spec, weights = self.r.hmget(keys.model_version(self.prefix, model_id, version),
+        spec, weights = self.r.hmget(redis_keys.model_version(self.prefix, model_id, version),
                                      ["spec", "weights"])
         if spec is None or weights is None:
             return None
         return ModelRecord.from_spec(spec, bytes(weights))
 
     def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
-        spec = self.r.hget(keys.model_version(self.prefix, model_id, version), "spec")
+        spec = self.r.hget(redis_keys.model_version(self.prefix, model_id, version), "spec")
         return ModelRecord.from_spec(spec, b"").doc if spec is not None else None
 
     def versions(self, model_id: str) -> list[str]:
-        found = self.r.zrange(keys.model_versions(self.prefix, model_id), 0, -1)
+        found = self.r.zrange(redis_keys.model_versions(self.prefix, model_id), 0, -1)
         return [v.decode() if isinstance(v, bytes) else v for v in found]
 
     def latest(self, model_id: str) -> str | None:
-        found = self.r.zrange(keys.model_versions(self.prefix, model_id), -1, -1)
+        found = self.r.zrange(redis_keys.model_versions(self.prefix, model_id), -1, -1)
         return (found[0].decode() if isinstance(found[0], bytes) else found[0]) if found else None
 
     def ids(self) -> list[str]:
-        found = self.r.smembers(keys.model_ids(self.prefix))
+        found = self.r.smembers(redis_keys.model_ids(self.prefix))
         return sorted(v.decode() if isinstance(v, bytes) else v for v in found)
 
     def delete(self, model_id: str, version: str | None = None) -> list[str]:
-        versions_key = keys.model_versions(self.prefix, model_id)
+        versions_key = redis_keys.model_versions(self.prefix, model_id)
         gone: list[str] = []
 
         def remove(pipe: Any) -> None:
@@ -324,25 +324,25 @@ class RedisModelStore(ModelStore):
             targets = present if version is None else [v for v in present if v == version]
             pipe.multi()
             for v in targets:
-                pipe.delete(keys.model_version(self.prefix, model_id, v))
+                pipe.delete(redis_keys.model_version(self.prefix, model_id, v))
                 pipe.zrem(versions_key, v)
             if targets and len(targets) == len(present):
                 pipe.delete(versions_key)
-                pipe.srem(keys.model_ids(self.prefix), model_id)
+                pipe.srem(redis_keys.model_ids(self.prefix), model_id)
             gone.extend(targets)
 
         self.r.transaction(remove, versions_key)
         return gone
 
     def warmup(self, model_id: str, version: str) -> dict[str, Any] | None:
-        raw = self.r.hget(keys.model_version(self.prefix, model_id, version), "warmup")
+        raw = self.r.hget(redis_keys.model_version(self.prefix, model_id, version), "warmup")
         try:
             return json.loads(raw) if raw is not None else None
         except ValueError:
             return None
 
     def set_warmup(self, model_id: str, version: str, record: dict[str, Any]) -> None:
-        key = keys.model_version(self.prefix, model_id, version)
+        key = redis_keys.model_version(self.prefix, model_id, version)
         self.r.eval(SET_IF_PRESENT, 1, key, "warmup", json.dumps(record))
 
     def close(self) -> None:

@@ -46,10 +46,10 @@ from service.events import BatchEnded, BatchStarted, Events, JobEnded, JobVerifi
 from service.fast_stats import SharedPlans
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
-from service.status import WorkerStatus
 from service.storage import Storage
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
+from service.worker_status import WorkerStatus
 
 log = logging.getLogger("psgrad.worker")
 

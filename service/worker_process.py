@@ -24,11 +24,11 @@ from service.broker.redis.worker import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
 from service.events import Events
-from service.metrics import WorkerMetrics
 from service.registry import make_registry
-from service.status import WorkerStatus
 from service.storage import open_storage
 from service.worker import Worker
+from service.worker_metrics import WorkerMetrics
+from service.worker_status import WorkerStatus
 
 log = logging.getLogger("psgrad.worker")
 

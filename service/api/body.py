@@ -31,7 +31,7 @@ from psgrad._wire import (
     safetensors_parts,
     widen_answers,
 )
-from service.api.status import note_model
+from service.api.status_data import note_model
 from service.config import Settings, raise_setting
 from service.validate import KNOWN_FIELDS, decode_json_body
 

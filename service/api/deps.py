@@ -22,7 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from psgrad._errors import Forbidden, InvalidInput, Unauthorized
 from service.api.metrics import Metrics
-from service.api.status import note_tenant
+from service.api.status_data import note_tenant
 from service.config import Settings
 from service.dp.runs import RunStore
 from service.jobs import Broker

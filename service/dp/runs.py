@@ -30,7 +30,7 @@ from psgrad._errors import (
     PrivacyBudgetExhausted,
     UnknownDPRun,
 )
-from service import keys
+from service import redis_keys
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.tenants import DEFAULT_TENANT
@@ -268,7 +268,7 @@ class FileRunStore(MemoryRunStore):
 
 
 class RedisRunStore(RunStore):
-    """Runs in Redis (key names in :mod:`service.keys`); counting is one Lua script.
+    """Runs in Redis (key names in :mod:`service.redis_keys`); counting is one Lua script.
 
     A counted step must be on Redis's disk before its answer is released, or a crash of the
     Redis host (power, kernel) inside ``appendfsync everysec``'s window loses the step while
@@ -325,7 +325,7 @@ class RedisRunStore(RunStore):
         if self.durability() != "waitaof":
             return
         pipe = self.r.pipeline(transaction=False)
-        pipe.incr(keys.dp_ledger_sync(self.prefix))
+        pipe.incr(redis_keys.dp_ledger_sync(self.prefix))
         pipe.execute_command("WAITAOF", 1, 0, LEDGER_FSYNC_TIMEOUT_MS)
         _, (local, _) = pipe.execute()
         if int(local) < 1:
@@ -336,27 +336,30 @@ class RedisRunStore(RunStore):
 
     def create(self, run: DPRun) -> None:
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.dp_run(self.prefix, run.id), mapping={"spec": run.to_json(), "steps": 0})
-        pipe.sadd(keys.dp_run_ids(self.prefix), run.id)
+        pipe.hset(redis_keys.dp_run(self.prefix, run.id),
+                  mapping={"spec": run.to_json(), "steps": 0})
+        pipe.sadd(redis_keys.dp_run_ids(self.prefix), run.id)
         pipe.execute()
 
     def get(self, run_id: str) -> tuple[DPRun, int] | None:
-        spec, steps = self.r.hmget(keys.dp_run(self.prefix, run_id), ["spec", "steps"])
+        spec, steps = self.r.hmget(redis_keys.dp_run(self.prefix, run_id), ["spec", "steps"])
         return None if spec is None else (DPRun.from_json(spec), int(steps or 0))
 
     def ids(self) -> list[str]:
-        found = self.r.smembers(keys.dp_run_ids(self.prefix))
+        found = self.r.smembers(redis_keys.dp_run_ids(self.prefix))
         return sorted(v.decode() if isinstance(v, bytes) else v for v in found)
 
     def delete(self, run_id: str) -> bool:
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(keys.dp_run(self.prefix, run_id), keys.dp_run_jobs(self.prefix, run_id))
-        pipe.srem(keys.dp_run_ids(self.prefix), run_id)
+        pipe.delete(redis_keys.dp_run(self.prefix, run_id),
+                    redis_keys.dp_run_jobs(self.prefix, run_id))
+        pipe.srem(redis_keys.dp_run_ids(self.prefix), run_id)
         return bool(pipe.execute()[0])
 
     def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
         code, steps = self._count_script(
-            keys=[keys.dp_run(self.prefix, run.id), keys.dp_run_jobs(self.prefix, run.id)],
+            keys=[redis_keys.dp_run(self.prefix, run.id),
+                  redis_keys.dp_run_jobs(self.prefix, run.id)],
             args=[job_id, run.max_steps])
         return int(code), int(steps)
 

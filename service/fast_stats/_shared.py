@@ -7,7 +7,7 @@ runs: per model structure, dtype, loss, selection, sample fields (dtype and numb
 dimensions: no batch size, no sequence length), device, torch version and this package's own
 code, the module replays of each *class* of calls (the digest of the sequence of ops the
 plan's forward sees) and the reason when the model has no plan at all. In Redis mode the
-entries live in Redis (:func:`service.keys.plan`); in embedded mode under the data directory
+entries live in Redis (:func:`service.redis_keys.plan`); in embedded mode under the data directory
 (``plans/``).
 
 An entry is trusted only as far as it is proven:
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from psgrad import __version__
-from service import keys
+from service import redis_keys
 
 log = logging.getLogger("psgrad.plans")
 
@@ -109,18 +109,19 @@ class Backend(Protocol):
 
 
 class RedisBackend:
-    """Entries as Redis strings (``keys.plan``), kept :data:`keys.PLAN_TTL_S` after last use."""
+    """Entries as Redis strings (``redis_keys.plan``), kept :data:`redis_keys.PLAN_TTL_S`
+    after last use."""
 
     def __init__(self, client: Any, prefix: str) -> None:
         self.r, self.prefix = client, prefix
 
     def read(self, name: str) -> bytes | None:
-        key = keys.plan(self.prefix, name)
-        data: bytes | None = self.r.getex(key, ex=keys.PLAN_TTL_S)
+        key = redis_keys.plan(self.prefix, name)
+        data: bytes | None = self.r.getex(key, ex=redis_keys.PLAN_TTL_S)
         return data
 
     def write(self, name: str, data: bytes) -> None:
-        self.r.set(keys.plan(self.prefix, name), data, ex=keys.PLAN_TTL_S)
+        self.r.set(redis_keys.plan(self.prefix, name), data, ex=redis_keys.PLAN_TTL_S)
 
     def close(self) -> None:
         self.r.close()

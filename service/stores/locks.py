@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from redis.exceptions import RedisError
 
 from psgrad._errors import Overloaded
-from service import keys
+from service import redis_keys
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RedisLocks:
 
     @contextlib.contextmanager
     def hold(self, name: str) -> Iterator[None]:
-        key, token = keys.store_lock(self.prefix, name), uuid.uuid4().hex
+        key, token = redis_keys.store_lock(self.prefix, name), uuid.uuid4().hex
         until = time.monotonic() + WAIT_S
         while not self.r.set(key, token, nx=True, px=self.lease_ms):
             if time.monotonic() > until:

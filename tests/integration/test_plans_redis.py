@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from service import keys
+from service import redis_keys
 from service.engine import Batch, Options
 from service.registry import load_model
 from tests.support.cluster import cluster
@@ -91,7 +91,7 @@ def test_corrupt_foreign_and_tampered_entries_in_redis_change_no_answer(prefix: 
     want = want_norms()
     worker(prefix, "shared-secret")
     client = redis.Redis.from_url(SHARED_URL)
-    (key,) = client.scan_iter(match=keys.plan(prefix, "*"))
+    (key,) = client.scan_iter(match=redis_keys.plan(prefix, "*"))
     good = json.loads(client.get(key) or b"")
     # changed, its seal left as it was: "no plan", or conv1's weight on the whole-model replay
     tampered = [{**good, "unsupported": "the model does not return one tensor"},

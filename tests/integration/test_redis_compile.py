@@ -11,7 +11,7 @@ import pytest
 import redis
 import torch
 
-from service import engine, keys
+from service import engine, redis_keys
 from service.compile_cache import CompiledFunctions, pieces
 from service.config import Settings
 from service.registry import ModelRegistry
@@ -62,8 +62,8 @@ def test_compiled_equals_eager_and_shares_signed_artifacts(
             for x, y in pairs:
                 torch.testing.assert_close(y.detach(), x.detach(), rtol=1e-4, atol=1e-5)
     assert writer.stats.compiled == 1 and writer.stats.stored == 1
-    stored = list(client.scan_iter(match=keys.compile_artifact(prefix, "*")))
-    assert len(stored) == 1 and 0 < client.ttl(stored[0]) <= keys.COMPILE_TTL_S
+    stored = list(client.scan_iter(match=redis_keys.compile_artifact(prefix, "*")))
+    assert len(stored) == 1 and 0 < client.ttl(stored[0]) <= redis_keys.COMPILE_TTL_S
 
     def reader(secret: str) -> CompiledFunctions:
         return CompiledFunctions(settings.model_copy(update={"compile_secret": secret}), client,

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
-from service import keys
+from service import redis_keys
 from service.broker.redis.common import text
 from service.stores.files import StoreFiles
 from service.stores.locks import ThreadLocks
@@ -332,7 +332,7 @@ async def _running_job(cluster_: Any, timeout: float = 120) -> str:
     until = time.monotonic() + timeout
     with redis.Redis.from_url(s.redis_url) as r:
         while time.monotonic() < until:
-            for key in r.scan_iter(match=keys.job_state(s.redis_prefix, "*"), count=1000,
+            for key in r.scan_iter(match=redis_keys.job_state(s.redis_prefix, "*"), count=1000,
                                    _type="hash"):  # job states, not their payloads
                 if text(r.hget(key, "status") or b"") == "running":
                     return text(key).rpartition(":")[2]

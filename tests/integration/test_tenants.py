@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service import keys
+from service import redis_keys
 from service.dp import runs
 from service.dp.runs import DPRun
 from service.tenants import DEFAULT_TENANT
@@ -308,15 +308,15 @@ async def test_redis_data_made_before_tenants_is_the_default_tenants(tmp_path: P
     shared = redis_or_skip()
     with prefix_on(shared) as prefix:
         run = old_run()
-        shared.hset(keys.dp_run(prefix, run.id),
+        shared.hset(redis_keys.dp_run(prefix, run.id),
                     mapping={"spec": without_tenant(run.to_json()), "steps": 0})
-        shared.sadd(keys.dp_run_ids(prefix), run.id)
+        shared.sadd(redis_keys.dp_run_ids(prefix), run.id)
         async with cluster(tmp_path, SHARED_URL, prefix, n_workers=1, **KEYS) as cl:
             c = cl.client
             await check_pre_tenant(c, run.id)
             r = await c.post("/jobs", json=TD0, headers=ALICE)
             job = r.json()["job_id"]
-            shared.hdel(keys.job_state(prefix, job), "tenant")  # a job queued before tenants
+            shared.hdel(redis_keys.job_state(prefix, job), "tenant")  # a job queued before tenants
             error(await c.get(f"/jobs/{job}", headers=ALICE), 404, "unknown_job")
             assert (await finished(c, job, DEFAULT))["status"] == "succeeded"
             assert (await c.get(f"/jobs/{job}", headers=OPS)).status_code == 200

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import redis
 
-from service import engine, keys
+from service import engine, redis_keys
 from service.api.app import create_app
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.common import text
@@ -100,12 +100,12 @@ class Cluster:
 
     def job_hash(self, job_id: str) -> dict[str, str]:
         with redis.Redis.from_url(self.settings.redis_url or "") as r:
-            raw = r.hgetall(keys.job_state(self.settings.redis_prefix, job_id))
+            raw = r.hgetall(redis_keys.job_state(self.settings.redis_prefix, job_id))
             return {text(k): text(v) for k, v in raw.items()}
 
     def xlen(self) -> int:
         with redis.Redis.from_url(self.settings.redis_url or "") as r:
-            return int(r.xlen(keys.job_stream(self.settings.redis_prefix)))
+            return int(r.xlen(redis_keys.job_stream(self.settings.redis_prefix)))
 
 
 @contextlib.asynccontextmanager

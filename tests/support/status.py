@@ -11,8 +11,8 @@ import pytest
 
 from service import worker as worker_module
 from service.registry import ModelRegistry
-from service.status import NORM_EDGES
 from service.validate import decode_json_body, parse_request
+from service.worker_status import NORM_EDGES
 from tests.support.reference import loop_of
 
 

@@ -16,11 +16,11 @@ from service.api import create_app
 from service.broker.embedded import EmbeddedBroker
 from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id
-from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.validate import decode_json_body
 from service.worker import Worker
+from service.worker_metrics import WorkerMetrics
 from tests.support.api import TD0, settings
 
 

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from service.api.status import MAX_LABELS, OTHER, RequestStats
+from service.api.status_data import MAX_LABELS, OTHER, RequestStats
 from service.broker.embedded import EmbeddedBroker
 from service.events import BatchEnded, BatchStarted, Events, JobEnded, WorkerEvent
 from service.jobs import Job, JobStatus, new_job_id
-from service.metrics import WorkerMetrics
 from service.registry import ModelRegistry
-from service.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
 from service.storage import open_storage
 from service.validate import decode_json_body
 from service.worker import Worker
+from service.worker_metrics import WorkerMetrics
+from service.worker_status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
 from tests.support.api import TD0, app_of, open_client, settings
 from tests.support.status import (
     buckets,
@@ -135,7 +135,7 @@ def test_a_merged_batchs_norms_count_for_each_jobs_tenant() -> None:
 
 
 def test_a_tenants_view_shows_a_batch_only_with_its_jobs() -> None:
-    from service.api.status import _worker
+    from service.api.status_data import _worker
 
     doc = {"id": "w", "alive": True, "batch": {"jobs": 2, "samples": 3, "model": "m@1",
                                                "since": 1.0, "tenants": ["a", "b"]}}
@@ -147,7 +147,7 @@ def test_a_tenants_view_shows_a_batch_only_with_its_jobs() -> None:
 
 
 def test_request_stats_keep_each_tenants_own() -> None:
-    from service.api.status import note_tenant
+    from service.api.status_data import note_tenant
 
     stats = RequestStats()
     for tenant, status, code in (("a", 200, None), ("a", 404, "unknown_model"),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
-from service import keys
+from service import redis_keys
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
 from service.stores.query import check_score, default_lambda, search
@@ -350,7 +350,7 @@ def test_a_commit_longer_than_its_lease_keeps_it() -> None:
     client = redis_or_skip()
     with prefix_on(client) as prefix:
         mine, other = RedisLocks(client, prefix, lease_ms=300), RedisLocks(client, prefix)
-        key = keys.store_lock(prefix, "s")
+        key = redis_keys.store_lock(prefix, "s")
         with mine.hold("s"):
             token = client.get(key)
             time.sleep(1.0)

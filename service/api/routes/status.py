@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse
 
 from service.api.deps import ScopeDep, StateDep
 from service.api.schemas import errors
-from service.api.status import StatusView, status_view
+from service.api.status_data import StatusView, status_view
 
 router = APIRouter(tags=["operations"])
 

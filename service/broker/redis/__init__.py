@@ -1,6 +1,6 @@
 """The Redis broker: a stream with a consumer group for jobs, keys with TTLs for everything else.
 
-Life of a job (key names in :mod:`service.keys`)::
+Life of a job (key names in :mod:`service.redis_keys`)::
 
     api  submit   the tenant's quotas checked, SET payload (safetensors) + HSET state {queued,
                   deadline, tenant, ...} + RPUSH tenant queue + XADD a ticket to the stream (one

@@ -28,7 +28,7 @@ from redis.exceptions import (
 
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_to_safetensors
-from service import keys
+from service import redis_keys
 from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable, text, value_limit
 from service.broker.redis.lua import CANCEL_LUA, SUBMIT_LUA
 from service.broker.redis.reader import RedisAnswer
@@ -104,7 +104,7 @@ class RedisBroker:
         self.r = aioredis.Redis.from_url(settings.redis_url, **kwargs)
         self.bulk = aioredis.Redis.from_url(
             settings.redis_url, **connection_kwargs(settings, bulk=True), max_connections=room)
-        self.max_value_bytes = keys.DEFAULT_MAX_VALUE_BYTES
+        self.max_value_bytes = redis_keys.DEFAULT_MAX_VALUE_BYTES
         # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
             settings.redis_url, **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
@@ -156,9 +156,9 @@ class RedisBroker:
             return
         # The consumer group exists before any worker does (workers create it too): its lag,
         # the jobs queued, is what an autoscaler reads to start the first worker.
-        stream = keys.job_stream(self.prefix)
+        stream = redis_keys.job_stream(self.prefix)
         try:
-            await self._call(lambda: self.r.xgroup_create(stream, keys.STREAM_GROUP, id="0",
+            await self._call(lambda: self.r.xgroup_create(stream, redis_keys.STREAM_GROUP, id="0",
                                                           mkstream=True))
         except (InternalError, Overloaded) as exc:
             if "BUSYGROUP" not in exc.message:
@@ -180,19 +180,20 @@ class RedisBroker:
         lim = limits(quotas, self.settings)
         if lim.queued_samples is not None and n > lim.queued_samples:
             raise too_large_for_quota(job.tenant, n, lim.queued_samples)
-        ttl = keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+        ttl = redis_keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
         p, t = self.prefix, job.tenant
-        payload_key = keys.job_payload(p, job.id)
+        payload_key = redis_keys.job_payload(p, job.id)
         apart = self.pieces_bulk is not self.bulk
         if apart:  # first: a worker reads the payload once it finds the job in the stream
             await self._call(lambda: self.pieces_bulk.set(payload_key, payload, ex=ttl))
         refused = ""
         try:
             reply = await self._call(lambda: self._submit(
-                keys=[keys.job_stream(p), keys.job_state(p, job.id), payload_key,
-                      keys.tenant_queue(p, t), keys.fair_active(p), keys.fair_passes(p),
-                      keys.fair_weights(p), keys.fair_vtime(p), keys.tenant_jobs(p, t),
-                      keys.tenant_rate(p, t)],
+                keys=[redis_keys.job_stream(p), redis_keys.job_state(p, job.id), payload_key,
+                      redis_keys.tenant_queue(p, t), redis_keys.fair_active(p),
+                      redis_keys.fair_passes(p), redis_keys.fair_weights(p),
+                      redis_keys.fair_vtime(p), redis_keys.tenant_jobs(p, t),
+                      redis_keys.tenant_rate(p, t)],
                 args=[self.settings.max_queue_depth, ttl, b"" if apart else payload, job.id, n,
                       repr(job.enqueued_at), repr(job.deadline), t, repr(lim.weight),
                       lim.concurrent_jobs or 0, lim.queued_samples or 0,
@@ -221,7 +222,7 @@ class RedisBroker:
             state = await self.state(job_id)
             if state.status.done or state.answer is not None or timeout <= 0:
                 return state
-        notify = keys.job_notify(self.prefix, job_id)
+        notify = redis_keys.job_notify(self.prefix, job_id)
         popped = await self._call(lambda: asyncio.wait_for(
             self.blocking.blpop([notify], timeout=max(timeout, 0.01)), timeout + 5.0))
         # hand the token on (any other waiter of this job wakes too) with the state's read; a
@@ -234,10 +235,10 @@ class RedisBroker:
         async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 if hand_on:
-                    pipe.rpush(keys.job_notify(p, job_id), b"done")
-                    pipe.expire(keys.job_notify(p, job_id), keys.NOTIFY_TTL_S)
-                pipe.hgetall(keys.job_state(p, job_id))
-                pipe.xrange(keys.job_answer(p, job_id), count=1)  # its header, if any
+                    pipe.rpush(redis_keys.job_notify(p, job_id), b"done")
+                    pipe.expire(redis_keys.job_notify(p, job_id), redis_keys.NOTIFY_TTL_S)
+                pipe.hgetall(redis_keys.job_state(p, job_id))
+                pipe.xrange(redis_keys.job_answer(p, job_id), count=1)  # its header, if any
                 return cast("list[Any]", await pipe.execute())
 
         *_, raw, first = await self._call(read)
@@ -251,10 +252,10 @@ class RedisBroker:
     async def cancel(self, job_id: str) -> JobState:
         p = self.prefix
         found = await self._call(lambda: self._cancel(
-            keys=[keys.job_state(p, job_id), keys.job_notify(p, job_id),
-                  keys.job_payload(p, job_id), keys.job_answer(p, job_id)],
-            args=[repr(time.time()), self.settings.result_ttl_s, keys.NOTIFY_TTL_S,
-                  keys.tenant_jobs(p, ""), job_id],
+            keys=[redis_keys.job_state(p, job_id), redis_keys.job_notify(p, job_id),
+                  redis_keys.job_payload(p, job_id), redis_keys.job_answer(p, job_id)],
+            args=[repr(time.time()), self.settings.result_ttl_s, redis_keys.NOTIFY_TTL_S,
+                  redis_keys.tenant_jobs(p, ""), job_id],
         ))
         if not found:
             raise UnknownJob(f"unknown job '{job_id}'", id=job_id)
@@ -265,16 +266,16 @@ class RedisBroker:
     async def forget(self, job_id: str) -> None:
         p = self.prefix
         try:
-            await self._delete([keys.job_state(p, job_id), keys.job_answer(p, job_id),
-                                keys.job_notify(p, job_id)], self._bulk_keys(job_id))
+            await self._delete([redis_keys.job_state(p, job_id), redis_keys.job_answer(p, job_id),
+                                redis_keys.job_notify(p, job_id)], self._bulk_keys(job_id))
         except Overloaded as exc:  # the keys expire by themselves
             log.warning("could not drop job %s now: %s", job_id, exc.message)
 
     def _bulk_keys(self, job_id: str) -> list[str]:
         """The job's keys in the answers' Redis: its payload and every pieces stream its
         deliveries may have written (one per attempt)."""
-        return [keys.job_payload(self.prefix, job_id),
-                *(keys.job_pieces(self.prefix, job_id, attempt)
+        return [redis_keys.job_payload(self.prefix, job_id),
+                *(redis_keys.job_pieces(self.prefix, job_id, attempt)
                   for attempt in range(1, self.settings.max_attempts + 1))]
 
     async def _delete(self, queue_keys: list[str], piece_keys: list[str]) -> None:
@@ -288,7 +289,7 @@ class RedisBroker:
         await self._call(lambda: self.pieces.delete(*piece_keys))
 
     async def queue_depth(self) -> int:
-        return int(await self._call(lambda: self.r.xlen(keys.job_stream(self.prefix))))
+        return int(await self._call(lambda: self.r.xlen(redis_keys.job_stream(self.prefix))))
 
     async def ready(self, *, need_worker: bool = True) -> bool:
         try:
@@ -305,8 +306,8 @@ class RedisBroker:
         return sum(1 for w in await self._workers(with_status=False) if w["alive"])
 
     async def worker_snapshots(self) -> list[dict[str, Any]]:
-        """Every worker's last published status (:mod:`service.status`), with ``alive``: a
-        dead worker's stays until its status key expires (``keys.WORKER_STATUS_TTL_S``)."""
+        """Every worker's last published status (:mod:`service.worker_status`), with ``alive``: a
+        dead worker's stays until its status key expires (``redis_keys.WORKER_STATUS_TTL_S``)."""
         return await self._workers(with_status=True)
 
     async def _workers(self, *, with_status: bool) -> list[dict[str, Any]]:
@@ -314,18 +315,18 @@ class RedisBroker:
         names whose heartbeat and status both expired are pruned from the set."""
         p = self.prefix
         names = sorted(text(n) for n in
-                       await self._call(lambda: self.r.smembers(keys.worker_names(p))))
+                       await self._call(lambda: self.r.smembers(redis_keys.worker_names(p))))
         if not names:
             return []
 
         async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.exists(keys.worker_heartbeat(p, name))
+                    pipe.exists(redis_keys.worker_heartbeat(p, name))
                     if with_status:
-                        pipe.get(keys.worker_status(p, name))
+                        pipe.get(redis_keys.worker_status(p, name))
                     else:
-                        pipe.exists(keys.worker_status(p, name))
+                        pipe.exists(redis_keys.worker_status(p, name))
                 return cast("list[Any]", await pipe.execute())
 
         replies = await self._call(read)
@@ -337,7 +338,7 @@ class RedisBroker:
             doc = _status_doc(status) if with_status else {}
             found.append({**doc, "id": name, "alive": bool(alive)})
         if dead:
-            await self._call(lambda: self.r.srem(keys.worker_names(p), *dead))
+            await self._call(lambda: self.r.srem(redis_keys.worker_names(p), *dead))
         return found
 
     @staticmethod

@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service import keys
+from service import redis_keys
 
 __all__ = ["LINE_READ", "RETRY_AFTER_DOWN_S", "answer_size", "command_parts", "pieces",
            "redis_unavailable", "text", "value_limit"]
@@ -40,7 +40,7 @@ def value_limit(config: Mapping[Any, Any] | None) -> int:
     connection on a longer one. Where CONFIG is disabled (managed Redis): the default."""
     for value in (config or {}).values():
         return int(value)
-    return keys.DEFAULT_MAX_VALUE_BYTES
+    return redis_keys.DEFAULT_MAX_VALUE_BYTES
 
 
 def command_parts(*args: bytes | memoryview) -> list[bytes | memoryview]:

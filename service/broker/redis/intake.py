@@ -11,7 +11,7 @@ from typing import Any
 import redis
 from redis.exceptions import ResponseError
 
-from service import keys
+from service import redis_keys
 from service.broker.redis.common import text
 from service.broker.redis.lua import PICK_LUA
 from service.config import Settings
@@ -44,10 +44,11 @@ class StreamIntake:
         self._autoclaim_at = 0.0
         self._pick = r.register_script(PICK_LUA)
         p = settings.redis_prefix
-        self._pick_keys = [stream, keys.fair_active(p), keys.fair_passes(p), keys.fair_weights(p),
-                           keys.fair_vtime(p), keys.job_tickets(p)]
-        self._queue_base = keys.tenant_queue(p, "")
-        self._tickets = keys.job_tickets(p)
+        self._pick_keys = [stream, redis_keys.fair_active(p), redis_keys.fair_passes(p),
+                           redis_keys.fair_weights(p), redis_keys.fair_vtime(p),
+                           redis_keys.job_tickets(p)]
+        self._queue_base = redis_keys.tenant_queue(p, "")
+        self._tickets = redis_keys.job_tickets(p)
 
     def held(self) -> list[str]:
         with self._lock:
@@ -105,7 +106,7 @@ class StreamIntake:
         if self._group_ready:
             return
         try:  # from id 0: jobs queued before any worker existed are read too
-            self.r.xgroup_create(self.stream, keys.STREAM_GROUP, id="0", mkstream=True)
+            self.r.xgroup_create(self.stream, redis_keys.STREAM_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -116,7 +117,7 @@ class StreamIntake:
         its size), each with its ticket; whether the next did not fit; the stream's last id."""
         try:
             reply: Any = self._pick(keys=self._pick_keys,
-                                    args=[keys.STREAM_GROUP, self.name, self._queue_base,
+                                    args=[redis_keys.STREAM_GROUP, self.name, self._queue_base,
                                           max_jobs, room, int(first)])
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -140,7 +141,7 @@ class StreamIntake:
         if now < self._autoclaim_at:
             return []
         self._autoclaim_at = now + max(0.05, min(1.0, vis / 2))
-        reply: Any = self.r.xautoclaim(self.stream, keys.STREAM_GROUP, self.name,
+        reply: Any = self.r.xautoclaim(self.stream, redis_keys.STREAM_GROUP, self.name,
                                        int(vis * 1000), "0-0", count=count)
         held = set(self.held())
         found = [(text(eid), {text(k): text(v) for k, v in f.items()})
@@ -157,7 +158,7 @@ class StreamIntake:
             else:  # a ticket no job was taken with (cannot happen: taken in one script)
                 stale.append(eid)
         if stale:
-            self.r.xack(self.stream, keys.STREAM_GROUP, *stale)
+            self.r.xack(self.stream, redis_keys.STREAM_GROUP, *stale)
             self.r.xdel(self.stream, *stale)
         return entries
 

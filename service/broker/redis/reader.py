@@ -17,7 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from psgrad._memory import unreferenced
-from service import keys
+from service import redis_keys
 from service.broker.redis.common import LINE_READ, answer_size, command_parts, text
 from service.jobs import AnswerLost, JobStatus
 
@@ -82,7 +82,7 @@ class RedisAnswer:
         held: bytes | memoryview = b""  # sent once the next piece (or the end mark) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.pr)
                if self.size >= RAW_MIN_BYTES else None)
-        key = keys.job_pieces(self.prefix, self.job_id, self.attempt)
+        key = redis_keys.job_pieces(self.prefix, self.job_id, self.attempt)
         async with contextlib.aclosing(self._batches(raw, key, consume)) as batches:
             async for batch in batches:
                 for piece in batch:
@@ -139,7 +139,7 @@ class RedisAnswer:
 
     async def _ended(self) -> None:
         """Every byte is in: wait for the end mark that names this attempt's answer whole."""
-        key = keys.job_answer(self.prefix, self.job_id)
+        key = redis_keys.job_answer(self.prefix, self.job_id)
         while True:
             reply: Any = await self.r.xread({key: self.head_id}, count=1, block=POLL_MS)
             if not reply:
@@ -156,7 +156,7 @@ class RedisAnswer:
         """No news for a while: go on waiting only while this attempt may still finish.
         True when it has finished (its answer named whole), False while it still runs."""
         status, attempts, answer = await self.r.hmget(
-            keys.job_state(self.prefix, self.job_id), ["status", "attempts", "answer"])
+            redis_keys.job_state(self.prefix, self.job_id), ["status", "attempts", "answer"])
         status, attempts, answer = (None if v is None else text(v)
                                     for v in (status, attempts, answer))
         if status == JobStatus.RUNNING.value and attempts == self.attempt:

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, parts_size, safetensors_parts
-from service import keys
+from service import redis_keys
 from service.broker.redis.common import redis_unavailable, text, value_limit
 from service.broker.redis.intake import Entry, StreamIntake
 from service.broker.redis.lua import ATTEMPT_LUA, FINISH_LUA, PLANNING_LUA, RETRY_LUA, START_LUA
@@ -73,7 +73,7 @@ class RedisJobSource:
         self.settings = settings
         self.prefix = settings.redis_prefix
         self.name = name or consumer_name(settings.device)
-        self.stream = keys.job_stream(self.prefix)
+        self.stream = redis_keys.job_stream(self.prefix)
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
@@ -84,14 +84,14 @@ class RedisJobSource:
                    if settings.answer_redis_url else self.r)
         # answers travel in pieces (no cap of one value); each piece fits in one value
         self.max_value_bytes: int | None = None
-        self.piece_bytes = min(keys.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
+        self.piece_bytes = min(redis_keys.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
         self._retry = self.r.register_script(RETRY_LUA)
         self.intake = StreamIntake(self.r, settings, self.stream, self.name)
         self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        # the worker's status as JSON (service.status), published with every heartbeat
+        # the worker's status as JSON (service.worker_status), published with every heartbeat
         self.status: Callable[[], str] | None = None
         # whether the worker is ready (its warm-up ended): no heartbeat, so no /readyz, before
         self.ready: Callable[[], bool] = lambda: True
@@ -108,9 +108,9 @@ class RedisJobSource:
             self._keeper.join(timeout=5)
         if deregister:
             try:
-                self.r.delete(keys.worker_heartbeat(self.prefix, self.name),
-                              keys.worker_status(self.prefix, self.name))
-                self.r.srem(keys.worker_names(self.prefix), self.name)
+                self.r.delete(redis_keys.worker_heartbeat(self.prefix, self.name),
+                              redis_keys.worker_status(self.prefix, self.name))
+                self.r.srem(redis_keys.worker_names(self.prefix), self.name)
             except RedisError:
                 pass
         self.r.close()
@@ -131,18 +131,18 @@ class RedisJobSource:
     def beat(self) -> None:
         """Write the heartbeat that ``/readyz`` reads (and the status ``/status`` reads), and
         refresh the claim on held jobs."""
-        ttl = keys.heartbeat_ttl_s(self.settings.heartbeat_s)
+        ttl = redis_keys.heartbeat_ttl_s(self.settings.heartbeat_s)
         held: list[Any] = self.intake.held()
         pipe = self.r.pipeline(transaction=False)
         if self.ready():
-            pipe.set(keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
-        pipe.sadd(keys.worker_names(self.prefix), self.name)
+            pipe.set(redis_keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
+        pipe.sadd(redis_keys.worker_names(self.prefix), self.name)
         status = self._status()
         if status is not None:
-            pipe.set(keys.worker_status(self.prefix, self.name), status,
-                     ex=keys.WORKER_STATUS_TTL_S)
+            pipe.set(redis_keys.worker_status(self.prefix, self.name), status,
+                     ex=redis_keys.WORKER_STATUS_TTL_S)
         if held:
-            pipe.xclaim(self.stream, keys.STREAM_GROUP, self.name, 0, held, justid=True)
+            pipe.xclaim(self.stream, redis_keys.STREAM_GROUP, self.name, 0, held, justid=True)
         pipe.execute()
 
     def _status(self) -> str | None:
@@ -198,7 +198,8 @@ class RedisJobSource:
         now = repr(time.time())
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, START_LUA, [keys.job_state(self.prefix, job.id)], [now, self.name])
+            script_in(pipe, START_LUA, [redis_keys.job_state(self.prefix, job.id)],
+                      [now, self.name])
         statuses = self._call(pipe.execute)
         if statuses is None:
             return list(jobs)
@@ -218,10 +219,10 @@ class RedisJobSource:
         ends: list[tuple[Job, bytes]] = []
         for job, result in done:
             head, *data = safetensors_parts(result, RESPONSE_KEY)
-            if parts_size([head, *data]) <= keys.ANSWER_INLINE_BYTES:
+            if parts_size([head, *data]) <= redis_keys.ANSWER_INLINE_BYTES:
                 ends.append((job, b"".join([head, *data])))
                 continue
-            ttl = keys.job_ttl_s(-job.overdue_s(), self.settings.result_ttl_s)
+            ttl = redis_keys.job_ttl_s(-job.overdue_s(), self.settings.result_ttl_s)
             writer = AnswerWriter(self.r, self.pr, self.prefix, job.id, job.attempts, ttl_s=ttl,
                                   result_ttl_s=self.settings.result_ttl_s,
                                   piece_bytes=self.piece_bytes)
@@ -254,7 +255,7 @@ class RedisJobSource:
     def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, PLANNING_LUA, [keys.job_state(self.prefix, job.id)],
+            script_in(pipe, PLANNING_LUA, [redis_keys.job_state(self.prefix, job.id)],
                       ["" if since is None else repr(since), repr(spent_s)])
         self._call(pipe.execute)  # unanswered: the wait counts the planning, as before
 
@@ -265,26 +266,28 @@ class RedisJobSource:
         """The retry script's keys and arguments: the job goes first in its tenant's queue.
         ``attempt``: the delivery's, so that a stale one changes nothing (None: not counted)."""
         p = self.prefix
-        return {"keys": [keys.job_state(p, job_id), self.stream, keys.job_tickets(p),
-                         keys.fair_active(p), keys.fair_passes(p), keys.fair_vtime(p)],
-                "args": [keys.STREAM_GROUP, entry_id, error, job_id, keys.tenant_queue(p, ""),
-                         DEFAULT_TENANT, "" if attempt is None else attempt]}
+        return {"keys": [redis_keys.job_state(p, job_id), self.stream, redis_keys.job_tickets(p),
+                         redis_keys.fair_active(p), redis_keys.fair_passes(p),
+                         redis_keys.fair_vtime(p)],
+                "args": [redis_keys.STREAM_GROUP, entry_id, error, job_id,
+                         redis_keys.tenant_queue(p, ""), DEFAULT_TENANT,
+                         "" if attempt is None else attempt]}
 
     @staticmethod
     def _value_limit(r: redis.Redis) -> int:
         try:
             return value_limit(r.config_get("proto-max-bulk-len"))
         except RedisError:  # CONFIG disabled, or Redis not up yet: the default
-            return keys.DEFAULT_MAX_VALUE_BYTES
+            return redis_keys.DEFAULT_MAX_VALUE_BYTES
 
     def _load(self, entries: list[Entry]) -> list[Job]:
         """Count the attempt, read state and payload; end poison, expired and canceled jobs."""
         p = self.prefix
-        payload_keys = [keys.job_payload(p, job_id) for _, job_id, _ in entries]
+        payload_keys = [redis_keys.job_payload(p, job_id) for _, job_id, _ in entries]
         pipe = self.r.pipeline(transaction=False)
         pipe.time()  # deadlines are read against Redis's clock, never this host's
         for _, job_id, _ in entries:
-            script_in(pipe, ATTEMPT_LUA, [keys.job_state(p, job_id)], [])  # with the state
+            script_in(pipe, ATTEMPT_LUA, [redis_keys.job_state(p, job_id)], [])  # with the state
         if self.pr is self.r:
             pipe.mget(payload_keys)
             (seconds, micros), *counted, payloads = pipe.execute()
@@ -362,12 +365,12 @@ class RedisJobSource:
             for job_id, status, error, attempt, answer in ends:
                 entry = self._entries.get(job_id)
                 script_in(pipe, FINISH_LUA,
-                          [keys.job_state(p, job_id), keys.job_answer(p, job_id),
-                           keys.job_notify(p, job_id), self.stream, keys.job_payload(p, job_id),
-                           keys.job_tickets(p)],
-                          [keys.STREAM_GROUP, entry[0] if entry else "", status.value, attempt,
-                           error, now, self.settings.result_ttl_s, keys.NOTIFY_TTL_S, answer,
-                           job_id, keys.tenant_jobs(p, "")])
+                          [redis_keys.job_state(p, job_id), redis_keys.job_answer(p, job_id),
+                           redis_keys.job_notify(p, job_id), self.stream,
+                           redis_keys.job_payload(p, job_id), redis_keys.job_tickets(p)],
+                          [redis_keys.STREAM_GROUP, entry[0] if entry else "", status.value,
+                           attempt, error, now, self.settings.result_ttl_s,
+                           redis_keys.NOTIFY_TTL_S, answer, job_id, redis_keys.tenant_jobs(p, "")])
             stored[:] = pipe.execute()
 
         ok = self._persist(store)
@@ -380,8 +383,8 @@ class RedisJobSource:
                 log.warning("jobs %s: taken over by a later delivery or ended meanwhile; this "
                             "delivery's end is dropped", ", ".join(stale))
             # payloads in the answers' Redis: the end script dropped only the queue's copy
-            ended = [keys.job_payload(p, end[0]) for end, done in zip(ends, stored, strict=True)
-                     if done]
+            ended = [redis_keys.job_payload(p, end[0])
+                     for end, done in zip(ends, stored, strict=True) if done]
             if ended and self.pr is not self.r:
                 self._call(self.pr.delete, *ended)  # else they expire with their TTL
         return ok

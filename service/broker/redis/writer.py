@@ -4,10 +4,11 @@ the api (:mod:`service.broker.redis.reader`).
 One value in Redis holds at most ``proto-max-bulk-len`` (512 MiB by default), and a result passed
 whole through a Lua script is copied several times and waits until it is complete. Here the
 worker writes the answer's safetensors file in two streams: its header (every size is known up
-front) to the job's answer stream (:func:`keys.job_answer`), with a push to the job's notify list
-that wakes the api at once; the tensors' bytes, in pieces of at most
-:data:`keys.ANSWER_PIECE_BYTES`, to the attempt's pieces stream (:func:`keys.job_pieces`), each a
-plain ``XADD`` of a view of the arrays (never a Lua argument, never a copy of the whole answer).
+front) to the job's answer stream (:func:`redis_keys.job_answer`), with a push to the job's
+notify list that wakes the api at once; the tensors' bytes, in pieces of at most
+:data:`redis_keys.ANSWER_PIECE_BYTES`, to the attempt's pieces stream
+(:func:`redis_keys.job_pieces`), each a plain ``XADD`` of a view of the arrays (never a Lua
+argument, never a copy of the whole answer).
 The pieces stream may live in another Redis (``PSGRAD_ANSWER_REDIS_URL``): one without
 persistence, so that an append-only file kept for the queue's sake does not receive every byte of
 every answer too.
@@ -29,7 +30,7 @@ from typing import Any
 import redis
 
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
-from service import keys
+from service import redis_keys
 from service.broker.redis.common import command_parts, pieces
 from service.broker.redis.lua import BEGIN_LUA
 
@@ -42,12 +43,12 @@ class AnswerWriter:
 
     def __init__(self, r: redis.Redis, pr: redis.Redis, prefix: str, job_id: str, attempt: int,
                  *, ttl_s: int, result_ttl_s: int | None = None,
-                 piece_bytes: int = keys.ANSWER_PIECE_BYTES) -> None:
+                 piece_bytes: int = redis_keys.ANSWER_PIECE_BYTES) -> None:
         self.r = r
         self.pr = pr
         self.prefix = prefix
         self.job_id = job_id
-        self.key = keys.job_pieces(prefix, job_id, attempt)
+        self.key = redis_keys.job_pieces(prefix, job_id, attempt)
         self.attempt = str(attempt)
         self.ttl_s = ttl_s  # while the job may still run
         self.result_ttl_s = result_ttl_s or ttl_s  # once written: as the job's end sets its keys
@@ -103,9 +104,10 @@ class AnswerWriter:
     def begin(self, head: bytes) -> bool:
         """Drop what an earlier attempt left, write the header (a few hundred bytes of names
         and shapes) and wake the api, if the job still runs as this attempt."""
-        state = keys.job_state(self.prefix, self.job_id)
-        return bool(self.r.eval(BEGIN_LUA, 3, state, keys.job_answer(self.prefix, self.job_id),
-                                keys.job_notify(self.prefix, self.job_id), self.attempt,
+        state = redis_keys.job_state(self.prefix, self.job_id)
+        return bool(self.r.eval(BEGIN_LUA, 3, state,
+                                redis_keys.job_answer(self.prefix, self.job_id),
+                                redis_keys.job_notify(self.prefix, self.job_id), self.attempt,
                                 head, self.ttl_s))
 
     def add(self, piece: bytes | memoryview) -> None:

@@ -14,7 +14,8 @@ model (a merged batch's norms are split by job, each job's slice counted for its
 
 :meth:`snapshot` is a plain JSON-ready dict: in embedded mode the api reads it from the worker
 threads (:meth:`service.worker.WorkerPool.snapshots`), in Redis mode each ``psgrad worker``
-publishes it with its heartbeat and the api aggregates every worker's (:mod:`service.api.status`).
+publishes it with its heartbeat and the api aggregates every worker's
+(:mod:`service.api.status_data`).
 """
 
 from __future__ import annotations
