@@ -337,12 +337,34 @@ def _checked(exported: Exported, deadline: float) -> str:
         return f"it fails at a batch of {BATCH}: {exc}"[:300]
 
 
+SHORT = 8  # the size each dynamic dimension takes when a batch's numbers are compared
+
+
 def _same_numbers(exported: Exported, deadline: float) -> str:
+    """A batch's outputs against its samples' one at a time, on the CPU with the program's own
+    tensors: where every dynamic dimension takes :data:`SHORT` (or the bottom of its range),
+    else at the exported sizes. What is compared, the batch's rewrites, does not change with a
+    length; GPT-2 small's comparison took 2.3 s at its exported 64 positions."""
     program = exported.program
-    gen = torch.Generator().manual_seed(1)
-    xs = [example(u.hints[1:], u.dtype, exported.highs.get(u.name), BATCH, gen)
-          for u in program.inputs]
     module = materialise(exported, torch.device("cpu"))
+    hints = [list(u.hints) for u in program.inputs]
+    short = [list(u.hints) for u in program.inputs]
+    for sizes, u in zip(short, program.inputs, strict=True):
+        for dim, low, _, _ in u.dynamic:
+            sizes[dim + 1] = max(low, min(sizes[dim + 1], SHORT))
+    if short != hints:
+        try:
+            return _compared(exported, module, short, deadline)
+        except Exception:  # sizes its graph does not take: compare at its own
+            pass
+    return _compared(exported, module, hints, deadline)
+
+
+def _compared(exported: Exported, module: ExportedModule, sizes: list[list[int]],
+              deadline: float) -> str:
+    gen = torch.Generator().manual_seed(1)
+    xs = [example(s[1:], u.dtype, exported.highs.get(u.name), BATCH, gen)
+          for s, u in zip(sizes, exported.program.inputs, strict=True)]
     with torch.no_grad():
         start = time.process_time()
         first = module(*(x[:1] for x in xs))
