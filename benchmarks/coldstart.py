@@ -6,7 +6,8 @@ a new worker or a restarted server would be:
 
 - ``register``: the ``.pt2`` registered (the api's loader and its safety checks, in the child
   the api keeps started ahead), against ``torch.export.load`` plus one forward (a sample: the
-  export's batch of one) in the same process;
+  export's batch of one) in the same process, and against a plain process that imports torch,
+  loads the program and runs that forward (what a user times as loading the model);
 - ``cold``: the first ``norms`` request with no plan anywhere;
 - ``shared``: the first request of a process whose plan store holds what ``cold`` made (a
   fresh worker beside another, or a restart), signed as workers sharing a secret sign it;
@@ -46,6 +47,9 @@ if str(ROOT) not in sys.path:
 
 def child(args: argparse.Namespace) -> None:
     """One fresh process: its steps' first and steady times, printed as one JSON line."""
+    if args.steps == "plain":
+        plain(args)
+        return
     import torch
 
     if args.threads:
@@ -108,6 +112,24 @@ def child(args: argparse.Namespace) -> None:
                     "loaded": plans.stats.loaded, "ignored": plans.stats.reasons}
     SPARES.close()
     print(json.dumps(out), flush=True)
+
+
+def plain(args: argparse.Namespace) -> None:
+    """What a user times as loading the model: ``import torch``, ``torch.export.load`` and one
+    forward of a sample, in a fresh process (the batch is made outside the time)."""
+    start = time.perf_counter()
+    import torch
+
+    ep = torch.export.load(args.pt2)
+    loaded = time.perf_counter() - start
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import realsize as rs
+
+    case = rs.make_case(args.model, args.batch, args.seq)
+    start = time.perf_counter()
+    with torch.no_grad():
+        ep.module()(*(v[:1] for v in case.inputs.values()))
+    print(json.dumps({"plain_s": loaded + time.perf_counter() - start}), flush=True)
 
 
 def run_child(model: str, pt2: Path, store: dict[str, str], steps: str,
@@ -195,13 +217,14 @@ def main() -> None:
             if args.redis:
                 store["redis"] = args.redis
             try:
+                base = run_child(name, pt2, store, "plain", args)
                 cold = run_child(name, pt2, store, "register", args)
                 shared = run_child(name, pt2, store, "new", args)
                 unsign(store)
                 unsigned = run_child(name, pt2, {**store, "secret": ""}, "", args)
             finally:
                 clear(store)
-            report(name, args, cold, shared, unsigned)
+            report(name, args, {**cold, **base}, shared, unsigned)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -227,8 +250,10 @@ def report(name: str, args: argparse.Namespace, cold: dict[str, Any], shared: di
     for reason in cold["plans"]["ignored"] + shared["plans"]["ignored"] + unsigned["plans"][
             "ignored"]:
         print(f"  ignored: {reason}")
+    rows.insert(1, ("register", cold["register_s"], cold["plain_s"], "x a plain process's"))
     for label, first, base, unit in rows:
-        print(f"  {label:28s} {first:8.2f} s  {base:8.2f} s  {first / base:6.2f} {unit}")
+        bound = f"  (2x + 5 s: {2 * base + 5:.1f} s)" if unit == "x steady" else ""
+        print(f"  {label:28s} {first:8.2f} s  {base:8.2f} s  {first / base:6.2f} {unit}{bound}")
 
 
 if __name__ == "__main__":
