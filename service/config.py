@@ -54,6 +54,8 @@ class Settings(BaseSettings):
 
     batch_max_delay_ms: float = 5.0
     batch_max_samples: int = 512
+    # a lone job larger than this runs a chunk at a time, other tenants' jobs between (0: whole)
+    fair_chunk_samples: Annotated[int, Field(ge=0)] = 64
     workers: int = 1
     torch_threads: int = 0  # intra-op threads of a worker process (0: torch's own choice)
     # CUDA's TF32 convolutions and matrix products: faster on Ampere and later, but with a 10-bit
@@ -152,6 +154,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "max_queue_depth": frozenset({API}),
     "batch_max_delay_ms": frozenset({WORKER}),
     "batch_max_samples": frozenset({WORKER}),
+    "fair_chunk_samples": frozenset({WORKER}),
     "workers": EMBEDDED_ONLY,  # worker threads of the embedded broker
     "torch_threads": frozenset({WORKER}),
     "allow_tf32": frozenset({WORKER}),

@@ -41,6 +41,10 @@ class FairQueue:
         for queue in self._queues.values():
             yield from queue
 
+    def tenants(self) -> set[str]:
+        """The tenants with jobs queued."""
+        return set(self._queues)
+
     def push(self, job: Job, weight: float = 1.0) -> None:
         """Queue ``job`` at the end of its tenant's queue; ``weight``: the tenant's share."""
         tenant = job.tenant

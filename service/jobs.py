@@ -188,6 +188,11 @@ class JobSource(Protocol):
         busy are gathered with those that arrive until the oldest has waited ``max_delay_s``.
         """
 
+    def waiting_tenants(self) -> set[str]:
+        """The tenants with jobs queued now (the worker lets them in between two chunks of a
+        running job, :meth:`service.worker.Worker._computed`)."""
+        ...
+
     def started(self, jobs: list[Job]) -> list[Job]:
         """Mark jobs running (and keep their claim fresh on long batches); returns those to
         compute, leaving out the ones canceled meanwhile (the loop acknowledges them)."""

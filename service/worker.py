@@ -25,11 +25,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, Final, TypeVar
 
 import torch
 
+from psgrad._contract import output
 from psgrad._errors import (
     DeadlineExceeded,
     InternalError,
@@ -54,6 +56,8 @@ from service.worker_status import WorkerStatus
 log = logging.getLogger("psgrad.worker")
 
 __all__ = ["Worker", "WorkerPool"]
+
+MAX_NESTED = 2  # a job run between two chunks may itself let others in, this deep at most
 
 T = TypeVar("T")
 
@@ -89,6 +93,7 @@ class Worker:
         self.result_limit = _result_limit(settings, source)
         self.warmed = threading.Event()  # set once :meth:`warm` ended (or was not asked for)
         self._to_warm: list[tuple[str, warmup.Shape]] = []
+        self._nested = 0  # jobs run between two chunks of another's (:meth:`_interleave`)
 
     def plan_warmup(self, warm: bool = True) -> None:
         """What :meth:`run` warms first (``warm``: the registered warm-ups); with nothing to
@@ -209,9 +214,7 @@ class Worker:
         norms: list[torch.Tensor] = []  # the norms the engine computed anyway (for the page)
         failure: Exception | None = None
         try:
-            results, compute_s = _compute(
-                [p for _, p in items], self.settings, self.compiled, on_norms=norms.append,
-                plans=self.storage.plans, planning=self._planning([j for j, _ in items], model))
+            results, compute_s = self._computed(items, norms)
         except Exception as exc:
             failure, results, compute_s = exc, [], 0.0
         self.events.emit(BatchEnded(
@@ -277,6 +280,47 @@ class Worker:
             if job.id in steps:
                 self._fail(job, failure, retry=False)
         return [(j, r) for j, r in done if j.id not in steps]
+
+    def _computed(self, items: list[tuple[Job, ParsedRequest]], norms: list[torch.Tensor]
+                  ) -> tuple[list[dict[str, Any]], float]:
+        """The group's answers and the seconds the engine took for them. A lone job larger than
+        ``PSGRAD_FAIR_CHUNK_SAMPLES`` whose outputs are per sample runs a chunk at a time, and
+        between two chunks the jobs of other tenants waiting meanwhile run first (fair share
+        inside a running job: they wait one chunk, not the whole job)."""
+        job, parsed = items[0]
+        chunk = self.settings.fair_chunk_samples
+        size = parsed.batch.size
+        if (len(items) > 1 or chunk <= 0 or size <= chunk or self._nested >= MAX_NESTED
+                or not all(output(o).combine == "concat" for o in parsed.opts.outputs)):
+            return _compute([p for _, p in items], self.settings, self.compiled,
+                            on_norms=norms.append, plans=self.storage.plans,
+                            planning=self._planning([job], parsed.model.ref))
+        parts: list[dict[str, Any]] = []
+        spent = 0.0
+        for start in range(0, size, chunk):
+            if start:
+                self._interleave(job.tenant)
+            part = replace(parsed, batch=parsed.batch.rows(start, min(size, start + chunk)))
+            (answer,), seconds = _compute([part], self.settings, self.compiled,
+                                          on_norms=norms.append, plans=self.storage.plans,
+                                          planning=self._planning([job], parsed.model.ref))
+            parts.append(answer)
+            spent += seconds
+        return [_joined(parts)], spent
+
+    def _interleave(self, tenant: str) -> None:
+        """Run the jobs of tenants other than ``tenant`` queued now (in fair order, as many as
+        a round takes), if there are any; the running job's next chunk waits for them."""
+        if not self.source.waiting_tenants() - {tenant}:
+            return
+        max_samples = max(1, self.settings.batch_max_samples)
+        jobs = self.source.take(max_samples, max_samples, 0.0, 0.0)
+        if jobs:
+            self._nested += 1
+            try:
+                self.process(jobs)
+            finally:
+                self._nested -= 1
 
     def _planning(self, jobs: list[Job], model: str) -> Callable[[bool], None]:
         """What the engine tells when it plans ``model`` for these jobs: the source records
@@ -470,6 +514,23 @@ def _check_result_size(parsed: ParsedRequest, limit: int, what: str, how: str) -
         outputs = ", ".join(parsed.opts.outputs)
         raise answer_too_large(size, limit, f"{what} ({outputs} for {parsed.batch.size} samples)",
                                how)
+
+
+def _joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer of its chunks' answers, every output per sample (concatenated in order);
+    the first chunk's meta, with how many chunks there were."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+
+    def cat(values: list[Any]) -> Any:
+        if isinstance(values[0], dict):
+            return {k: cat([v[k] for v in values]) for k in values[0]}
+        return torch.cat(values)
+
+    out = {k: cat([p[k] for p in parts]) for k in first if k != "meta"}
+    out["meta"] = {**first["meta"], "chunks": len(parts)}
+    return out
 
 
 def _compute(

@@ -140,6 +140,10 @@ class EmbeddedBroker:
 
     # --- JobSource (the worker threads' side) ---
 
+    def waiting_tenants(self) -> set[str]:
+        with self._cond:
+            return self._queue.tenants()
+
     def take(
         self, max_jobs: int, max_samples: int, max_delay_s: float, block_s: float
     ) -> list[Job]:

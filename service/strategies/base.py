@@ -91,6 +91,11 @@ class Batch:
         own = {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
         return own | {NAMED_INPUT + k: v for k, v in self.named.items()} if self.named else own
 
+    def rows(self, start: int, stop: int) -> Batch:
+        """Samples ``[start, stop)`` of the batch, with its weights and references."""
+        own = {k: v[start:stop] for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+        return replace(self, **own, named={k: v[start:stop] for k, v in self.named.items()})
+
     @classmethod
     def joined(cls, batches: Sequence[Batch]) -> Batch:
         """One batch of several that share weights, references and shapes: their samples one

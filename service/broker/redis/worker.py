@@ -180,6 +180,12 @@ class RedisJobSource:
 
     # --- JobSource -------------------------------------------------------------------------
 
+    def waiting_tenants(self) -> set[str]:
+        """The tenants whose queues hold jobs (the fair scheduler's active set); none while
+        Redis does not answer."""
+        found = self._call(lambda: self.r.zrange(redis_keys.fair_active(self.prefix), 0, -1))
+        return {text(t) for t in found or ()}
+
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
              block_s: float) -> list[Job]:
         entries = self._call(self.intake.gather, max_jobs, max_samples, max_delay_s, block_s)
