@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.func import functional_call
+from torch.func import functional_call, jvp
 
 from service.config import get_settings
 from service.fast_stats._budget import Budget
@@ -202,23 +202,25 @@ def _short(probe: Setup, plan: Plan) -> tuple[Setup, Plan]:
 
 
 def _check(probe: Setup, plan: Plan) -> list[str]:
-    """Parameters whose probe statistics or gradients differ from plain autograd's.
+    """Parameters whose probe statistics or gradients differ from an independent path's.
 
-    Two references, each from plain autograd (no capture, no ``torch.func``: an independent
-    path), with a random reference ``r`` (the dots' direction) and random weights ``c``:
+    With a random direction ``r`` (the dots' reference), two checks:
 
-    - every probe sample: one plain backward of ``sum_i c_i loss_i`` gives ``sum_i c_i g_i``;
-      the sources' dots ``<g_i, r>``, weighted alike, must equal its dot with ``r``, which a
-      gradient wrong for any one sample fails (the weights and ``r`` are random). This is the
-      check of what a capture shares across the batch.
+    - every probe sample: the forward-mode derivative of each sample's loss along ``r``
+      (``torch.func.jvp``: no capture, no backward) is ``<g_i, r>`` over every parameter, which
+      the sources' dots, summed over the parameters, must equal: a capture that mixes samples
+      fails it. Only where it fails (or where an op has no forward derivative) is the parameter
+      found, by one plain backward of ``sum_i c_i loss_i`` with random weights ``c`` and each
+      parameter's dots, weighted alike, against its dot with ``r``.
     - the first sample alone: one plain backward of its loss gives ``g_0``; the gradient the
       sources write for it (as a ``grads`` answer does, a group of sources at a time,
-      :data:`CHECK_BYTES` each) must equal it element by element, and their squared norm and
-      dot must equal ``|g_0|^2`` and ``<g_0, r>``.
+      :data:`CHECK_BYTES` each) must be as near it as rounding allows, and the probe's squared
+      norm and dot of that sample must equal ``|g_0|^2`` and ``<g_0, r>``.
 
-    So the check costs two plain steps of the probe and the sources' own, and writes one
-    sample's gradients (three samples' took GPT-2 small's check 2.4 s of 8, and comparing them
-    1.9 s more; a ``vmap`` per sample and group took its first call 33-126 s).
+    So a plan that holds costs one forward-mode pass, one plain backward of one sample at
+    :data:`SHORT` positions and the sources' own, and writes one sample's gradients (GPT-2
+    small's check wrote three samples' and took a plain backward of three: 8 s of a 10.6 s
+    plan; a ``vmap`` per sample and group took its first call 33-126 s).
     """
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
@@ -227,17 +229,45 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
     # random values repeated with a period of 64 Ki: drawing 124 M of them took 1.5 s
     pattern = torch.empty(1 << 16, dtype=model.dtype).uniform_(-1, 1, generator=gen)
     reference = {k: _tiled(pattern, params[k]) for k in selected}
-    want = _weighted_gradient(probe, selected, weights.to(model.device))
     first = _first_pass(probe, plan, Pass1Need(sq=True, reference=reference,
                                                bounds=((0, PROBE),), sums_dtype=model.dtype))
-    wrong = {k for k in selected if not _weighted_dots_match(
-        first[k].dot, weights, _dots(want[k].reshape(1, -1), reference[k])[0])}
-    del want
+    wrong: set[str] = set()
+    if not _totals_match(probe, reference, first):
+        want = _weighted_gradient(probe, selected, weights.to(model.device))
+        wrong = {k for k in selected if not _weighted_dots_match(
+            first[k].dot, weights, _dots(want[k].reshape(1, -1), reference[k])[0])}
+        del want
     one = replace(probe, samples={k: v[:1] for k, v in probe.samples.items()})
     alone = _weighted_gradient(one, selected, torch.ones(1, dtype=model.dtype,
                                                          device=model.device))
     wrong |= _compare(one, plan, selected, reference, alone, first)
     return [k for k in selected if k in wrong]
+
+
+def _totals_match(probe: Setup, direction: Tensors, first: Mapping[str, Pass1]) -> bool:
+    """Whether each probe sample's dots, summed over the parameters of ``direction``, equal
+    the forward-mode derivative of its loss along ``direction``; False also where the model
+    has an op without a forward derivative (the caller then checks parameter by parameter)."""
+    model = probe.model
+    fixed = {k: v.detach() for k, v in probe.params.items() if k not in direction}
+
+    def losses(moved: Tensors) -> torch.Tensor:
+        out = functional_call(model.module, ({**fixed, **moved}, model.buffers),
+                              model_inputs(probe))
+        return setup_losses(probe, out)[0]
+
+    primals = {k: probe.params[k].detach() for k in direction}
+    try:
+        derivative = jvp(losses, (primals,), (dict(direction),))[1]
+    except (RuntimeError, NotImplementedError):
+        return False
+    dots = [first[k].dot for k in direction]
+    if any(d is None for d in dots):
+        return False
+    terms = torch.stack([d.double() for d in dots if d is not None])
+    got, want = terms.sum(0), derivative.detach().double()
+    size = terms.abs().sum(0) + want.abs()
+    return bool(((got - want).abs() <= 1e-3 * size + 1e-6).all())
 
 
 def _first_pass(probe: Setup, plan: Plan, need: Pass1Need) -> dict[str, Pass1]:
