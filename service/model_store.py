@@ -30,6 +30,7 @@ from typing import Any
 from psgrad._contract import ID_PATTERN, REF_PATTERN, VERSION_PATTERN
 from service import redis_keys
 from service.config import Settings
+from service.disk import unwritable
 
 ID_RE = re.compile(ID_PATTERN)  # the request contract's (psgrad._contract)
 VERSION_RE = re.compile(VERSION_PATTERN)
@@ -209,14 +210,24 @@ class FileModelStore(ModelStore):
             raise ValueError(f"unsafe model id {record.id!r}")
         folder = self._folder(record.id)
         with self._lock:
-            folder.mkdir(exist_ok=True)
             newest = max((c for c, _ in self._specs(record.id)), default=0.0)
             created = max(record.created, newest + 1e-6)
             stored = replace(record, created=created)
             weights = folder / f"{record.version}.safetensors"
-            if not weights.exists():
-                _write_atomic(weights, record.weights)
-            _write_atomic(folder / f"{record.version}.json", stored.spec_json().encode())
+            written = False
+            try:
+                folder.mkdir(exist_ok=True)
+                if not weights.exists():
+                    _write_atomic(weights, record.weights)
+                    written = True
+                _write_atomic(folder / f"{record.version}.json", stored.spec_json().encode())
+            except OSError as exc:  # a full or read-only volume is the client's 507, not a 500
+                if written:  # no weights without their spec: nothing of the version is left
+                    weights.unlink(missing_ok=True)
+                refused = unwritable(exc, "the model directory", "PSGRAD_MODEL_DIR")
+                if refused is None:
+                    raise
+                raise refused from None
 
     def has(self, model_id: str, version: str) -> bool:
         return self._file(model_id, version, ".json").is_file()

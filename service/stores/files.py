@@ -23,7 +23,6 @@ reading exactly what it committed, because committed shards are never rewritten.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import json
 import logging
@@ -43,6 +42,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from psgrad._errors import Conflict, InsufficientStorage, InvalidInput, NonFinite, NotFound
+from service.disk import unwritable
 from service.lru import LockedLRU
 from service.stores.locks import Locks
 from service.stores.spec import StoreSpec
@@ -472,25 +472,8 @@ __all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "r
 
 
 def _unwritable(exc: OSError) -> InsufficientStorage | None:
-    """The 507 for a data directory that cannot take a write: full (ENOSPC, EDQUOT), mounted
-    read-only (EROFS: a volume remounted read-only after a disk error, a read-only bind mount),
-    or not writable by the server's user (EACCES, EPERM). None for any other error."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return InsufficientStorage(
-            f"the data directory is full ({exc.strerror}); nothing was written: retry once the "
-            "operator has freed space (PSGRAD_DATA_DIR)", reason="full")
-    if exc.errno == errno.EROFS:
-        return InsufficientStorage(
-            "the data directory is read-only (the volume under PSGRAD_DATA_DIR was mounted or "
-            "remounted read-only); nothing was written and what the stores hold is still "
-            "readable: retry once the operator has remounted it read-write (after a disk error, "
-            "check the disk first)", reason="read_only")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return InsufficientStorage(
-            f"the data directory is not writable by the server ({exc.strerror}); nothing was "
-            "written: the operator must give the server's user write access to "
-            "PSGRAD_DATA_DIR", reason="not_writable")
-    return None
+    """The 507 for a data directory that cannot take a write (:func:`service.disk.unwritable`)."""
+    return unwritable(exc, "the data directory", "PSGRAD_DATA_DIR")
 
 
 def _sync(f: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.support.api import open_client
@@ -42,3 +43,43 @@ async def test_a_full_data_directory_is_a_507_that_leaves_nothing(small_disk: Pa
         assert r.status_code == 201, r.text
         r = await c.post("/stores/again/samples", json=mlp_samples(64, 0))
         assert r.status_code == 200 and r.json()["samples"] == 64, r.text
+
+
+@pytest.fixture
+def small_model_dir(tmp_path: Path) -> Iterator[Path]:
+    with tmpfs(tmp_path / "models", "1m") as folder:
+        yield folder
+
+
+async def test_a_full_model_directory_is_a_507_that_leaves_no_partial_version(
+        small_model_dir: Path) -> None:
+    """Issue 53's rerun: registering models (or uploading weights) into a full
+    ``PSGRAD_MODEL_DIR`` answered 500 ``internal_error``; the model directory is a disk like
+    the data directory, so it answers the same 507, and no version is left half written."""
+    async with open_client(model_dir=str(small_model_dir)) as c:
+        body = {"architecture": "mlp", "config": {"sizes": [64, 64, 10]}}
+        for n in range(200):  # about 21 KB of weights each
+            r = await c.put(f"/models/m{n}", json=body)
+            if r.status_code != 200:
+                break
+        assert r.status_code == 507, r.text
+        error = r.json()["error"]
+        assert error["code"] == "insufficient_storage" and "PSGRAD_MODEL_DIR" in error["message"]
+        r = await c.put("/models/m0/weights", content=_weights(),
+                        headers={"Content-Type": "application/x-safetensors"})
+        assert r.status_code == 507, r.text
+        assert not list(small_model_dir.rglob("*.tmp"))
+        weights = {p.with_suffix("") for p in small_model_dir.rglob("*.safetensors")}
+        assert weights == {p.with_suffix("") for p in small_model_dir.rglob("*.json")}
+        ids = {m["id"] for m in (await c.get("/models")).json()["models"]}
+        assert f"m{n - 1}" in ids and f"m{n}" not in ids  # the refused one is not listed
+
+
+def _weights() -> bytes:
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(0)
+    return save({"fc1.weight": rng.normal(size=(64, 64)).astype(np.float32),
+                 "fc1.bias": np.zeros(64, np.float32),
+                 "fc2.weight": rng.normal(size=(10, 64)).astype(np.float32),
+                 "fc2.bias": np.zeros(10, np.float32)})
