@@ -271,11 +271,10 @@ class ModelRegistry:
         self._cache: LockedLRU[tuple[str, str | None], LoadedModel] = LockedLRU(cache_size)
 
     def get(self, ref: str) -> LoadedModel:
-        model_id, _, version = ref.partition("@")
+        model_id, wanted = _split(ref)
         if not _is_zoo(model_id):
-            version = self.resolve(model_id, version or None)
-        return self._cache.get_or_make((model_id, version or None),
-                                       lambda: self._load(model_id, version or None))
+            wanted = self.resolve(model_id, wanted)
+        return self._cache.get_or_make((model_id, wanted), lambda: self._load(model_id, wanted))
 
     def remember(self, model: LoadedModel, key: tuple[str, str | None] | None = None) -> None:
         self._cache.put(key or (model.id, model.version), model)
@@ -295,7 +294,7 @@ class ModelRegistry:
                 return found
         elif VERSION_RE.fullmatch(version) and self.store.has(model_id, version):
             return version  # another form is no version, as an unknown one (one 404 for both)
-        if version and self.store.latest(model_id):
+        if version is not None and self.store.latest(model_id):
             raise UnknownModel(f"'{model_id}' has no version {version[:40]!r}; it has: "
                                f"{', '.join(self.store.versions(model_id))}", id=model_id)
         known = self.ids()[:50]  # a store may hold many ids: GET /models lists them all
@@ -311,11 +310,11 @@ class ModelRegistry:
 
         A registered version's document is stored with it, so listing never builds a model.
         """
-        model_id, _, version = ref.partition("@")
+        model_id, wanted = _split(ref)
         if _is_zoo(model_id):
             model = self.get(ref)
             return {**model.describe(), "versions": [model.version]}
-        version = self.resolve(model_id, version or None)
+        version = self.resolve(model_id, wanted)
         doc = self.store.doc(model_id, version) or self.get(f"{model_id}@{version}").describe()
         return {**doc, "versions": self.store.versions(model_id)}
 
@@ -323,9 +322,9 @@ class ModelRegistry:
         if not _is_zoo(model_id):
             return self._load_registered(model_id, version or "")
         model = load_model(model_id, model_id, device=self.device)
-        if version and version != model.version:
+        if version is not None and version != model.version:
             raise UnknownModel(
-                f"'{model_id}' has no version '{version}'; its version is {model.version}",
+                f"'{model_id}' has no version {version[:40]!r}; its version is {model.version}",
             )
         return model
 
@@ -346,6 +345,13 @@ def make_registry(settings: Settings, store: ModelStore) -> ModelRegistry:
     """The registry a process serves from: its device, over its model store (the one
     :func:`service.storage.open_storage` built)."""
     return ModelRegistry(resolve_device(settings.device), store=store)
+
+
+def _split(ref: str) -> tuple[str, str | None]:
+    """``id`` (newest: None) or ``id@version``; ``id@`` names the empty version, which no
+    model has (a 404 like any unknown version, never the newest)."""
+    model_id, at, version = ref.partition("@")
+    return model_id, version if at else None
 
 
 def _is_zoo(name: str) -> bool:

@@ -54,3 +54,29 @@ async def test_a_version_of_another_form_is_an_unknown_version(tmp_path: Path, r
         codes = {await refusal(c, route, f"tiny@{v}") for v in VERSIONS
                  if route != "/models" or "/" not in v}  # a path segment holds no '/'
     assert codes == {"unknown_model"}
+
+
+@pytest.mark.parametrize("route", ["/per-sample-grads", "/jobs", "/dp-runs", "/stores"])
+@pytest.mark.parametrize("model", ["tiny", "mlp"])
+async def test_an_empty_version_is_an_unknown_version(tmp_path: Path, route: str, model: str
+                                                      ) -> None:
+    """Issue 53's rerun: ``tiny@`` (an ``@`` and no version) was served as the newest version
+    by three routes, kept as ``tiny@`` on a DP run, and refused 422 by ``POST /jobs``; it is no
+    version, so every route answers it as an unknown one (and a zoo model alike)."""
+    async with open_client(model_dir=str(tmp_path / "models"), admin_keys="admin-key") as c:
+        assert (await c.put("/models/tiny", json=SPEC, headers=ADMIN)).status_code == 200
+        if route == "/stores":
+            r = await c.put("/stores/s", json={"model": f"{model}@", "projection_dim": 8},
+                            headers=ADMIN)
+            assert r.status_code == 404, r.text
+            code = r.json()["error"]["code"]
+        else:
+            code = await refusal(c, route, f"{model}@")
+    assert code == "unknown_model"
+
+
+async def test_a_long_version_of_a_zoo_model_is_not_echoed_whole() -> None:
+    async with open_client() as c:
+        r = await c.post("/per-sample-grads", json={"model": "mlp@" + "a" * 100_000,
+                                                    "inputs": [[0.0] * 784], "targets": [0]})
+    assert r.status_code == 404 and len(r.text) < 1000, r.text[:200]
