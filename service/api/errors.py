@@ -88,9 +88,12 @@ async def _redis(_request: Request, exc: Exception) -> JSONResponse:
     Retry-After, as the queue's own calls answer; any other Redis error is a bug (500)."""
     if not redis_unavailable(exc):
         raise exc
+    # what Redis said (its address among it) is the operator's, in the log; the client is told
+    # the kind of failure only
+    log.warning("a store (Redis) is unavailable: %s: %s", type(exc).__name__, exc)
     return error_response(Overloaded(
-        f"a store (Redis) is unavailable: {type(exc).__name__}: {str(exc)[:200]}; retry "
-        "shortly", retry_after=RETRY_AFTER_DOWN_S))
+        f"a store (Redis) is unavailable ({type(exc).__name__}); retry shortly",
+        retry_after=RETRY_AFTER_DOWN_S))
 
 
 def install(app: FastAPI) -> None:

@@ -142,5 +142,8 @@ async def test_a_dp_step_during_a_redis_outage_is_a_503(tmp_path: Path) -> None:
                 assert answer.status_code == 503, answer.text
                 assert answer.json()["error"]["code"] == "overloaded"
                 assert answer.headers["retry-after"] == "2"
+                # what Redis said names its address: the operator's log has it, no client
+                port = own.url.rsplit(":", 1)[-1].split("/")[0]
+                assert port not in answer.text and "127.0.0.1" not in answer.text, answer.text
     finally:
         own.kill()

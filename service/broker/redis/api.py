@@ -44,9 +44,12 @@ T = TypeVar("T")
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
 
 def overloaded_from(exc: BaseException) -> Overloaded:
+    """The 503 of a queue that cannot answer now. What Redis said (its address among it) goes
+    to the log, not to the client."""
+    log.warning("the job queue (Redis) is unavailable: %s: %s", type(exc).__name__, exc)
     return Overloaded(
-        f"the job queue (Redis) is unavailable: {type(exc).__name__}: {str(exc)[:200]}; "
-        "retry shortly", retry_after=RETRY_AFTER_DOWN_S,
+        f"the job queue (Redis) is unavailable ({type(exc).__name__}); retry shortly",
+        retry_after=RETRY_AFTER_DOWN_S,
     )
 
 
