@@ -3,17 +3,20 @@
 One worker; tenant A queues ``--backlog`` jobs (POST /jobs) of ``PSGRAD_BATCH_MAX_SAMPLES``
 samples each (so no two merge into one batch), then tenant B sends ``--requests`` small requests
 one after the other (POST /per-sample-grads, one sample). With the queue served in fair order
-B's slowest request waits at most for the A job running when it arrives, so the goal is
+B's request waits at most for the A job running when it arrives, and with A's jobs cut in
+chunks of ``--chunk`` samples (``PSGRAD_FAIR_CHUNK_SAMPLES``; 0: whole jobs) for one chunk of
+it, so the goal is
 
-    B's slowest  <=  3 x (one A job's time + B's own time)
+    B's 90th percentile  <=  3 x (one A chunk's time + B's own time)
 
-where one A job's time is the median of the A jobs' compute times (their answers' ``timing``)
-and B's own time is B's median latency on the idle server, measured first. A FIFO queue makes B
-wait for the whole backlog instead. Runs the Redis mode (``psgrad serve`` + one ``psgrad
-worker``) and the embedded mode (``psgrad serve``, one worker thread) in turn and prints both.
+where one A chunk's time is the median of the A jobs' compute times (their answers' ``timing``)
+times ``chunk / samples``, and B's own time is B's median latency on the idle server, measured
+first. A FIFO queue makes B wait for the whole backlog instead, whole jobs for a whole A job.
+Runs the Redis mode (``psgrad serve`` + one ``psgrad worker``) and the embedded mode (``psgrad
+serve``, one worker thread) in turn and prints both.
 
-    python benchmarks/fairness.py [--backlog 20] [--requests 6] [--samples 512]
-                                  [--model mlp]
+    python benchmarks/fairness.py [--backlog 20] [--requests 10] [--samples 512]
+                                  [--chunk 64] [--model mlp]
 
 Two keys name the tenants (``PSGRAD_API_KEYS=a:...,b:...``). Needs Redis at PSGRAD_REDIS_URL
 (default the local one); its keys go under a fresh prefix, deleted at the end. A shared 2-core
@@ -91,29 +94,36 @@ async def run(base: str, args: argparse.Namespace) -> dict[str, float]:
             if doc["status"] == "succeeded":
                 compute.append(doc["result"]["timing"]["compute_ms"] / 1000)
     a_job = statistics.median(compute) if compute else float("nan")
-    return {"a_job": a_job, "b_own": own, "b_slowest": max(b), "b_median": statistics.median(b),
-            "goal": 3 * (a_job + own), "a_done": len(compute)}
+    share = min(1.0, args.chunk / args.samples) if args.chunk > 0 else 1.0
+    return {"a_job": a_job, "a_chunk": a_job * share, "b_own": own, "b_slowest": max(b),
+            "b_p90": statistics.quantiles(b, n=10, method="inclusive")[-1],
+            "b_median": statistics.median(b), "goal": 3 * (a_job * share + own),
+            "a_done": len(compute)}
 
 
 def show(mode: str, r: dict[str, float]) -> None:
-    met = "met" if r["b_slowest"] <= r["goal"] else "NOT met"
-    print(f"{mode:9s} one A job {r['a_job']:.2f} s, B alone {r['b_own']:.3f} s | B behind the "
-          f"backlog: slowest {r['b_slowest']:.2f} s, median {r['b_median']:.2f} s | goal "
-          f"3x(A job + B alone) = {r['goal']:.2f} s: {met} (ratio "
-          f"{r['b_slowest'] / (r['a_job'] + r['b_own']):.2f}x; A jobs done {r['a_done']:.0f})")
+    met = "met" if r["b_p90"] <= r["goal"] else "NOT met"
+    print(f"{mode:9s} one A job {r['a_job']:.2f} s (a chunk {r['a_chunk']:.2f} s), B alone "
+          f"{r['b_own']:.3f} s | B behind the backlog: p90 {r['b_p90']:.2f} s, slowest "
+          f"{r['b_slowest']:.2f} s, median {r['b_median']:.2f} s | goal 3x(A chunk + B alone) = "
+          f"{r['goal']:.2f} s: {met} (ratio {r['b_p90'] / (r['a_chunk'] + r['b_own']):.2f}x; "
+          f"A jobs done {r['a_done']:.0f})")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backlog", type=int, default=20)
-    parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--samples", type=int, default=512,
                         help="samples of each A job, and PSGRAD_BATCH_MAX_SAMPLES")
+    parser.add_argument("--chunk", type=int, default=64,
+                        help="PSGRAD_FAIR_CHUNK_SAMPLES (0: every job whole)")
     parser.add_argument("--model", default="mlp", choices=sorted(SHAPES))
     parser.add_argument("--modes", default="redis,embedded")
     args = parser.parse_args()
     common = {"api_keys": ",".join(f"{t}:{k}" for t, k in KEYS.items()), "device": "cpu",
-              "batch_max_samples": args.samples, "max_queue_depth": 1000}
+              "batch_max_samples": args.samples, "max_queue_depth": 1000,
+              "fair_chunk_samples": args.chunk}
     for mode in args.modes.split(","):
         port = free_port()
         base = f"http://127.0.0.1:{port}"
