@@ -145,6 +145,11 @@ def read_weights(path: Path) -> dict[str, np.ndarray]:
     reads) is a one-line error saying how to write one."""
     from safetensors import SafetensorError
 
+    if not path.is_file():
+        what = "a directory" if path.is_dir() else "not found" if not path.exists() else (
+            "not a regular file")
+        raise SystemExit(f"psgrad: error: {path} is {what}: give the path of a .safetensors "
+                         "file of weights")
     try:
         return load_file(str(path))
     except (SafetensorError, ValueError) as exc:

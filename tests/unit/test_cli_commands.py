@@ -47,3 +47,15 @@ def test_a_weights_file_that_is_not_safetensors_is_one_line(
     assert message.startswith("psgrad: error: ") and "\n" not in message
     assert "is not a safetensors file" in message and "save_file" in message
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["directory", "missing"])
+def test_a_weights_path_that_is_no_file_is_named_in_one_line(tmp_path: Path, given: str) -> None:
+    """A directory (safetensors said "No such device (os error 19)") or a missing path: the
+    line names the path and what it is."""
+    path = tmp_path if given == "directory" else tmp_path / "nowhere.safetensors"
+    with pytest.raises(SystemExit) as stopped:
+        _cli.main(["models", "upload", "m", str(path), "--url", "http://127.0.0.1:9"])
+    message = str(stopped.value)
+    assert message.startswith(f"psgrad: error: {path} is ") and "\n" not in message
+    assert ("a directory" if given == "directory" else "not found") in message
