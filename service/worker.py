@@ -288,13 +288,13 @@ class Worker:
         between two chunks the jobs of other tenants waiting meanwhile run first (fair share
         inside a running job: they wait one chunk, not the whole job)."""
         job, parsed = items[0]
+        planning = self._planning([j for j, _ in items], parsed.model.ref)
         chunk = self.settings.fair_chunk_samples
         size = parsed.batch.size
         if (len(items) > 1 or chunk <= 0 or size <= chunk or self._nested >= MAX_NESTED
                 or not all(output(o).combine == "concat" for o in parsed.opts.outputs)):
             return _compute([p for _, p in items], self.settings, self.compiled,
-                            on_norms=norms.append, plans=self.storage.plans,
-                            planning=self._planning([job], parsed.model.ref))
+                            on_norms=norms.append, plans=self.storage.plans, planning=planning)
         parts: list[dict[str, Any]] = []
         spent = 0.0
         for start in range(0, size, chunk):
@@ -303,7 +303,7 @@ class Worker:
             part = replace(parsed, batch=parsed.batch.rows(start, min(size, start + chunk)))
             (answer,), seconds = _compute([part], self.settings, self.compiled,
                                           on_norms=norms.append, plans=self.storage.plans,
-                                          planning=self._planning([job], parsed.model.ref))
+                                          planning=planning)
             parts.append(answer)
             spent += seconds
         return [_joined(parts)], spent
