@@ -41,7 +41,7 @@ from service.config import Settings, raise_setting, with_setting
 from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
 from service.losses import get_loss
-from service.model_store import ID_RE, VERSION_RE, ModelRecord
+from service.model_store import ID_RE, ModelRecord
 from service.registry import LoadedModel, ModelRegistry, load_model
 
 P = ParamSpec("P")
@@ -76,14 +76,13 @@ def check_id(model_id: str) -> None:
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
-    """``id`` or ``id@version``, both checked."""
+    """``id`` (None: every version, or the newest) or ``id@version``, the id checked; a version
+    of another form, ``id@`` included, is left to :meth:`ModelRegistry.resolve` (a 404 like any
+    unknown version, never every version)."""
     model_id, at, version = ref.partition("@")
-    if model_id in ZOO:
-        return model_id, version or None
-    check_id(model_id)
-    if at and not VERSION_RE.fullmatch(version):
-        raise BadRequest(f"invalid version {version[:40]!r}: a version is 16 hex digits")
-    return model_id, version or None
+    if model_id not in ZOO:
+        check_id(model_id)
+    return model_id, version if at else None
 
 
 def _loader(fn: Callable[P, R]) -> Callable[P, R]:
@@ -195,6 +194,8 @@ def delete(registry: ModelRegistry, ref: str,
     model_id, version = split_ref(ref)
     if model_id in ZOO:
         raise Conflict(f"'{model_id}' is a zoo model; it cannot be deleted", id=model_id)
+    if version is not None:
+        version = registry.resolve(model_id, version)  # a 404 for any other form, as GET's
     versions = [version] if version else registry.store.versions(model_id)
     holders = pinned({f"{model_id}@{v}" for v in versions})
     if holders:

@@ -80,3 +80,24 @@ async def test_a_long_version_of_a_zoo_model_is_not_echoed_whole() -> None:
         r = await c.post("/per-sample-grads", json={"model": "mlp@" + "a" * 100_000,
                                                     "inputs": [[0.0] * 784], "targets": [0]})
     assert r.status_code == 404 and len(r.text) < 1000, r.text[:200]
+
+
+async def test_the_path_routes_answer_a_version_of_another_form_as_unknown(tmp_path: Path
+                                                                          ) -> None:
+    """Issue 53's second rerun: ``DELETE /models/tiny@bad`` and ``GET
+    /models/tiny@bad/weights`` answered 400 where ``GET /models/tiny@bad`` answered 404; and
+    ``DELETE /models/tiny@`` read the empty version as "every version". Each is an unknown
+    version (404, the versions named), and nothing is deleted."""
+    async with open_client(model_dir=str(tmp_path / "models"), admin_keys="admin-key") as c:
+        made = await c.put("/models/tiny", json=SPEC, headers=ADMIN)
+        assert made.status_code == 200
+        for ref in ("tiny@bad", "tiny@", "tiny@0123456789abcdef", "tiny@" + "a" * 300):
+            for r in (await c.delete(f"/models/{ref}", headers=ADMIN),
+                      await c.get(f"/models/{ref}/weights", headers=ADMIN)):
+                assert r.status_code == 404, (ref[:40], r.status_code, r.text)
+                assert r.json()["error"]["code"] == "unknown_model"
+                assert made.json()["version"] in r.json()["error"]["message"]
+        assert (await c.get("/models/tiny", headers=ADMIN)).json()["versions"] == [
+            made.json()["version"]]
+        r = await c.delete(f"/models/tiny@{made.json()['version']}", headers=ADMIN)
+        assert r.status_code == 200 and r.json()["deleted"] == [made.json()["version"]]
