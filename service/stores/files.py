@@ -31,7 +31,7 @@ import os
 import posixpath
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,11 +301,19 @@ class StoreFiles:
     def ids(self, key: str, manifest: Manifest) -> set[int | str]:
         """Every id ``manifest`` commits (do not modify): kept between appends, so that an
         append checks its ids without listing a million others again."""
-        found: set[int | str] | None = self._recall("ids", key, manifest.version)
-        if found is None:
-            found = {i for shard in manifest.shards for i in self.ids_of(key, shard)}
-            self._remember("ids", key, manifest.version, found)
+        found: set[int | str] = self.kept(
+            "ids", key, manifest,
+            lambda: {i for shard in manifest.shards for i in self.ids_of(key, shard)})
         return found
+
+    def kept(self, what: str, key: str, manifest: Manifest, make: Callable[[], Any]) -> Any:
+        """``make()`` for this store as ``manifest`` commits it, made once and kept (for a few
+        stores) until another commit: ``what`` names it ("ids", "gram", ...)."""
+        value = self._recall(what, key, manifest.version)
+        if value is None:
+            value = make()
+            self._remember(what, key, manifest.version, value)
+        return value
 
     def _recall(self, what: str, key: str, version: tuple[str, int]) -> Any:
         """What :meth:`_remember` kept of this store at ``version`` (else None)."""
@@ -320,21 +328,24 @@ class StoreFiles:
         with self._guard:
             self._memo.pop((what, key), None)
             self._memo[(what, key)] = (version, value)
-            while len(self._memo) > 2 * MEMO_STORES:
+            while len(self._memo) > 3 * MEMO_STORES:  # ids, Gram, a row kept apart
                 del self._memo[next(iter(self._memo))]
 
     def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:
         """Phi^T Phi over what ``manifest`` commits (None for an empty store; do not modify)."""
         if manifest.gram is None:
             return None
-        gram: np.ndarray | None = self._recall("gram", key, manifest.version)
-        if gram is None:
-            raw = self._read(self.path(key, manifest.gram))
+        name = manifest.gram
+
+        def read() -> np.ndarray:
+            raw = self._read(self.path(key, name))
             if raw is None:
-                raise FileNotFoundError(manifest.gram)  # replaced since: the caller reads again
-            gram = st_load(raw)["gram"]
-            self._remember("gram", key, manifest.version, gram)
-        return gram
+                raise FileNotFoundError(name)  # replaced since: the caller reads again
+            gram: np.ndarray = st_load(raw)["gram"]
+            return gram
+
+        found: np.ndarray = self.kept("gram", key, manifest, read)
+        return found
 
     def rows(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray,
                                                                   np.ndarray]]:

@@ -61,33 +61,95 @@ def check_k(manifest: Manifest, k: int, store_id: str) -> None:
                            f"for k <= {manifest.count}", k=k, samples=manifest.count)
 
 
-def default_lambda(gram: np.ndarray, top: float, rest: float) -> float:
-    """:data:`LAMBDA_RULE`: ``trace(Phi^T Phi) / k`` while the largest row's self-influence
-    ``top`` is at most ``rest``, the total of all the other rows'; else ``2 rest / k``, as if
-    that row held only as much as the rest (robust to one extreme row; TRAK scored best at 1 to
-    10 times the mean eigenvalue). A store of one nonzero row has no rest: ``trace / k``. 1.0
-    for an all-zero store (any positive value then serves)."""
-    trace = float(np.trace(gram)) if top <= rest or rest <= 0 else 2 * rest
+@dataclass(frozen=True)
+class Largest:
+    """The store's largest self-influence ``|phi_i|^2`` (``top``, of row ``row``) and the sum
+    of all the others' (``rest``)."""
+
+    top: float = 0.0
+    rest: float = 0.0
+    row: int = -1
+
+    @property
+    def dominates(self) -> bool:
+        """That row holds more than all the others together."""
+        return self.top > self.rest > 0
+
+
+def default_lambda(gram: np.ndarray, largest: Largest) -> float:
+    """:data:`LAMBDA_RULE`: ``trace(Phi^T Phi) / k`` unless the largest row
+    :attr:`~Largest.dominates`; then ``2 rest / k``, as if that row held only as much as the
+    rest (robust to one extreme row; TRAK scored best at 1 to 10 times the mean eigenvalue). A
+    store of one nonzero row has no rest: ``trace / k``. 1.0 for an all-zero store (any positive
+    value then serves)."""
+    trace = 2 * largest.rest if largest.dominates else float(np.trace(gram))
     lam = trace / gram.shape[0]
     return lam if lam > 0 else 1.0
 
 
-def largest_row(files: StoreFiles, key: str, manifest: Manifest) -> tuple[float, float]:
-    """(the largest self-influence ``|phi_i|^2`` of the store, the sum of all the others'),
-    from the shards' norms alone; summed without subtracting, so that a rest of 800 beside a
-    row of 1e36 is not lost to rounding."""
-    top, rest = 0.0, 0.0
-    for _, norms in files.norms(key, manifest):
+def largest_row(files: StoreFiles, key: str, manifest: Manifest) -> Largest:
+    """The store's :class:`Largest` row, from the shards' norms alone; summed without
+    subtracting, so that a rest of 800 beside a row of 1e36 is not lost to rounding."""
+    top, rest, row = 0.0, 0.0, -1
+    for offset, norms in files.norms(key, manifest):
         power = np.square(norms)
         if not len(power):
             continue
         i = int(np.argmax(power))
         if power[i] > top:
             rest += top + float(power[:i].sum() + power[i + 1:].sum())
-            top = float(power[i])
+            top, row = float(power[i]), offset + i
         else:
             rest += float(power.sum())
-    return top, rest
+    return Largest(top, rest, row)
+
+
+def solve_trak(files: StoreFiles, key: str, manifest: Manifest, gram: np.ndarray,
+               largest: Largest, lam: float, q: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(Phi^T Phi + lam I)^-1 q^T`` for each query row of ``q``, as rows; and where the
+    largest row is kept apart (below), that row's scores ``[queries]`` (else None).
+
+    Where one row ``u`` holds more than all the others together, its share of the summed Gram
+    matrix can round theirs away (a row of self-influence 1.8e20 made Phi^T Phi singular in
+    float64), so it is kept apart: ``Phi^T Phi = G + u u^T``, with ``G`` summed again from the
+    other rows (one pass over the store, kept until the next commit), and Sherman-Morrison adds
+    ``u`` back exactly, with ``v = u / |u|``, ``A = G + lam I``, ``x = A^-1 q``, ``w = A^-1 v``:
+    ``(A + |u|^2 v v^T)^-1 q = x - w (v.x) / (1 / |u|^2 + v.w)``. Its own score ``|u| (v.x) /
+    (1 + |u|^2 v.w)`` is computed so too: the product of a row of 1e10 with a solved query's
+    tiny share along it would be rounding alone."""
+    eye = np.eye(len(gram))
+    if not largest.dominates:
+        return _solve(gram + lam * eye, q.T, lam).T, None
+    rest, u = files.kept("apart", key, manifest,
+                         lambda: _apart(files, key, manifest, largest.row, len(gram)))
+    size = np.sqrt(largest.top)
+    v = u / size
+    x, w = np.hsplit(_solve(rest + lam * eye, np.column_stack([q.T, v]), lam), [len(q)])
+    w = w[:, 0]
+    vx, vw = v @ x, float(v @ w)
+    return (x - np.outer(w, vx / (1.0 / largest.top + vw))).T, size * vx / (1.0 + largest.top * vw)
+
+
+def _solve(a: np.ndarray, b: np.ndarray, lam: float) -> np.ndarray:
+    try:
+        return np.linalg.solve(a, b)
+    except np.linalg.LinAlgError:
+        raise InvalidInput(f"Phi^T Phi + {lam:g} I is singular: send a 'lambda' > 0, or "
+                           "leave it out for the default") from None
+
+
+def _apart(files: StoreFiles, key: str, manifest: Manifest, row: int, k: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """(the Gram matrix of every row but ``row``, in float64; that row)."""
+    gram, kept = np.zeros((k, k)), np.zeros(k)
+    for offset, rows, _ in files.rows(key, manifest):
+        wide = rows.astype(np.float64)
+        if offset <= row < offset + len(wide):
+            kept = wide[row - offset].copy()
+            wide[row - offset] = 0.0
+        gram += wide.T @ wide
+    return gram, kept
 
 
 def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | None, k: int,
@@ -113,18 +175,17 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
         return Found(manifest, *best.result())
     assert sketches is not None
     q: np.ndarray = sketches.astype(np.float64)
+    apart: tuple[int, np.ndarray] | None = None  # a row scored on its own: (row, its scores)
     if score == "trak":
         gram = files.gram(key, manifest)
         if gram is None:  # every sketched store with rows has one
             raise InvalidInput("score 'trak' needs a store of sketches; this one holds full "
                                "gradients (a reference set made without projection_dim): "
                                "ask for 'dot' or 'cosine'")
-        lam = default_lambda(gram, *largest_row(files, key, manifest)) if lam is None else lam
-        try:
-            q = np.linalg.solve(gram + lam * np.eye(len(gram)), q.T).T
-        except np.linalg.LinAlgError:
-            raise InvalidInput(f"Phi^T Phi + {lam:g} I is singular: send a 'lambda' > 0, or "
-                               "leave it out for the default") from None
+        largest = largest_row(files, key, manifest)
+        lam = default_lambda(gram, largest) if lam is None else lam
+        q, own = solve_trak(files, key, manifest, gram, largest, lam, q)
+        apart = None if own is None else (largest.row, own)
     elif score == "cosine":
         size = np.linalg.norm(q, axis=1, keepdims=True)
         q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)
@@ -139,6 +200,8 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
             if score == "cosine":
                 part = norms[a:a + BLOCK_ROWS]
                 scores = np.divide(scores, part, out=np.zeros(scores.shape), where=part > 0)
+            if apart is not None and 0 <= apart[0] - offset - a < scores.shape[1]:
+                scores[:, apart[0] - offset - a] = apart[1]
             best.add(scores, offset + a)
     return Found(manifest, *best.result(), lam=lam if score == "trak" else None)
 

@@ -326,6 +326,38 @@ async def test_issue_53_finding_5_an_input_of_1e30_is_refused_and_trak_keeps_wor
     assert np.abs(after.json()["scores"]).min() > 0  # not all-zero scores
 
 
+
+async def test_issue_53_an_input_of_1e9_is_kept_and_trak_stays_exact(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """Issue 53's second rerun: an input of 1e9 is accepted; its row held more than all the
+    others together and every default trak query of its store answered 422 "Phi^T Phi +
+    lambda I is singular". The store answers, equal to the exact reference over the rows it
+    keeps on disk (read back here), at the default lambda."""
+    c, data = service
+    r = await c.put("/stores/x", headers=ALICE, json={"model": "att", "projection_dim": 16})
+    assert r.status_code == 201, r.text
+    r = await c.post("/per-sample-grads", headers=ALICE, json={
+        "model": "att", "inputs": [[1e9] * 6] * 3, "targets": [0, 1, 2], "outputs": ["norms"]})
+    assert r.status_code == 200, r.text
+    extreme = batch(12, 1)  # sample 5: 1e9 everywhere, with the target it is most wrong about
+    extreme["inputs"][5] = [1e9] * 6
+    extreme["targets"][5] = int(np.argmax(r.json()["norms"]))
+    r = await c.post("/stores/x/samples", headers=ALICE, json={**extreme, "ids": list(range(12))})
+    assert r.status_code == 200, r.text
+    files = StoreFiles(str(data), ThreadLocks())
+    phi = np.concatenate([x for _, x, _ in files.rows("alice~x", files.manifest("alice~x"))]
+                         ).astype(np.float64)
+    power = np.einsum("ij,ij->i", phi, phi)
+    assert power[5] > 1e8 * np.delete(power, 5).sum()  # that row dominates, by far
+    q = np.random.default_rng(4).standard_normal((3, 16))
+    r = await c.post("/stores/x/query", headers=ALICE,
+                     json={"k": 12, "score": "trak", "sketches": q.tolist()})
+    assert r.status_code == 200, r.text
+    rows, scores = reference(phi, q, "trak", 12, exact=True)
+    assert r.json()["ids"] == rows.tolist()
+    np.testing.assert_allclose(r.json()["scores"], scores, rtol=1e-4, atol=1e-7)
+
+
 async def _running_job(cluster_: Any, timeout: float = 120) -> str:
     """The id of a job some worker holds running (polled in Redis)."""
     s = cluster_.settings

@@ -18,7 +18,7 @@ from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
 from service import redis_keys
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
-from service.stores.query import check_score, default_lambda, search
+from service.stores.query import Largest, check_score, default_lambda, search
 from service.stores.spec import StoreSpec, checked_ids
 from tests.support.redis import prefix_on, redis_or_skip
 from tests.support.stores import reference
@@ -249,17 +249,49 @@ def test_issue_53_finding_5_one_extreme_row_does_not_zero_trak(tmp_path: Path) -
     q = np.random.default_rng(2).standard_normal((3, K))
     found = search(store, "s", "s", q, 50, "trak")
     assert found.lam == pytest.approx(lam, rel=1e-9) and found.lam < 2.01 * base
-    rows, scores = reference(phi2, q, "trak", 50, lam)
+    rows, scores = reference(phi2, q, "trak", 50, lam, exact=True)
     np.testing.assert_array_equal(found.rows, rows)
     np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-6)
     assert (np.abs(found.scores) > 1e-3).mean() > 0.5  # useful scores, not zeros
 
     # any finite lambda scores without underflow (the scoring is scaled, not float32 alone)
     huge = search(store, "s", "s", q, 50, "trak", 1e45)
-    rows, scores = reference(phi2, q, "trak", 50, 1e45)
+    rows, scores = reference(phi2, q, "trak", 50, 1e45, exact=True)
     np.testing.assert_array_equal(huge.rows, rows)
     np.testing.assert_allclose(huge.scores, scores, rtol=1e-4)
     assert (huge.scores != 0).all()
+
+
+def test_issue_53_a_dense_dominating_row_keeps_trak_exact(tmp_path: Path) -> None:
+    """Issue 53's second rerun: an input of 1e9 (accepted: self-influence 1.8e20) made every
+    default ``trak`` query of its store answer 422 "Phi^T Phi + lambda I is singular": the row's
+    share of the float64 Gram sum rounded every other row's out. That row is kept apart and
+    added back exactly; the scores equal the SVD reference (the others' too), for the default
+    lambda and a given one (the reference: in exact rational numbers), and a later append reads
+    the store afresh."""
+    store, phi, _ = filled(tmp_path)
+    extreme = (np.random.default_rng(5).standard_normal((1, K)) * 3e9).astype(np.float32)
+    store.append("s", spec(), ["extreme"], "str", extreme)
+    phi2 = np.concatenate([phi, extreme.astype(np.float64)])
+    s = np.einsum("ij,ij->i", phi2, phi2)
+    assert s[-1] > 1e20 and s[-1] > 1e16 * s[:-1].sum()
+    q = np.random.default_rng(2).standard_normal((3, K))
+    for lam in (None, 0.5):
+        found = search(store, "s", "s", q, 50, "trak", lam)
+        want = 2 * s[:-1].sum() / K if lam is None else lam
+        assert found.lam == pytest.approx(want, rel=1e-9)
+        rows, scores = reference(phi2, q, "trak", 50, want, exact=True)
+        np.testing.assert_array_equal(found.rows, rows)
+        np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-7)
+        assert (np.abs(found.scores) > 1e-3).mean() > 0.5  # useful scores, not zeros
+
+    more = np.random.default_rng(6).standard_normal((4, K)).astype(np.float32)
+    store.append("s", spec(), [f"more-{i}" for i in range(4)], "str", more)
+    phi3 = np.concatenate([phi2, more.astype(np.float64)])
+    found = search(store, "s", "s", q, 54, "trak", 0.5)
+    rows, scores = reference(phi3, q, "trak", 54, 0.5, exact=True)
+    np.testing.assert_array_equal(found.rows, rows)
+    np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-7)
 
 
 def test_the_default_lambda_is_the_mean_eigenvalue_unless_one_row_dominates() -> None:
@@ -268,19 +300,19 @@ def test_the_default_lambda_is_the_mean_eigenvalue_unless_one_row_dominates() ->
     rng = np.random.default_rng(7)
     phi = rng.standard_normal((30, K))
 
-    def split(phi: np.ndarray) -> tuple[float, float]:
+    def split(phi: np.ndarray) -> Largest:
         s = np.einsum("ij,ij->i", phi, phi)
         top = int(np.argmax(s))
-        return float(s[top]), float(np.delete(s, top).sum())
+        return Largest(float(s[top]), float(np.delete(s, top).sum()), top)
 
     gram = phi.T @ phi
-    assert default_lambda(gram, *split(phi)) == np.trace(gram) / K  # the value kept before
+    assert default_lambda(gram, split(phi)) == np.trace(gram) / K  # the value kept before
     phi[3] *= 1e6
-    top, rest = split(phi)
-    assert default_lambda(phi.T @ phi, top, rest) == pytest.approx(2 * rest / K)
-    assert default_lambda(np.zeros((K, K)), 0.0, 0.0) == 1.0
+    largest = split(phi)
+    assert default_lambda(phi.T @ phi, largest) == pytest.approx(2 * largest.rest / K)
+    assert default_lambda(np.zeros((K, K)), Largest()) == 1.0
     one = np.eye(1, K) * 3.0
-    assert default_lambda(one.T @ one, 9.0, 0.0) == pytest.approx(9.0 / K)  # no rest: itself
+    assert default_lambda(one.T @ one, Largest(9.0)) == pytest.approx(9.0 / K)  # no rest
 
 
 def test_definitions_and_deletion(tmp_path: Path) -> None:
