@@ -86,9 +86,10 @@ class OwnRedis:
     """
 
     def __init__(self, tmp: Path, *options: str, password: str | None = None,
-                 unix_socket: bool = False) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.skip("redis-server is not installed")
+                 unix_socket: bool = False, binary: str = "redis-server") -> None:
+        if shutil.which(binary) is None:
+            pytest.skip(f"{binary} is not installed")
+        self.binary = binary  # another server speaking the protocol, e.g. valkey-server
         self.port = free_port()
         self.dir = tmp
         self.password = password
@@ -108,7 +109,7 @@ class OwnRedis:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.dir), *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, password=self.password, socket_timeout=1)
