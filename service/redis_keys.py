@@ -1,10 +1,20 @@
-"""Every Redis key psgrad uses, and their TTLs: nothing else spells a key.
+"""Every Redis key psgrad uses, and their TTLs: nothing else spells a key; and :func:`text`,
+how any of its replies reads as text.
 
 Each key starts with the configured prefix (``PSGRAD_REDIS_PREFIX``), so several deployments or
 test runs share one Redis without seeing each other.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+
+def text(value: Any) -> str:
+    """A reply's bytes (or a view of them) as text, whether or not the client decodes
+    responses; anything else as ``str`` has it."""
+    return bytes(value).decode() if isinstance(value, (bytes, memoryview)) else str(value)
+
 
 # --- the registered-model store (service/model_store.py); no TTL: models live until deleted ---
 

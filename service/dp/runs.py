@@ -10,7 +10,6 @@ atomic operation that also checks the budget and remembers the job id, so a job 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -33,6 +32,8 @@ from psgrad._errors import (
 from service import redis_keys
 from service.config import Settings
 from service.connections import connection_kwargs
+from service.disk import unwritable
+from service.redis_keys import text
 from service.tenants import DEFAULT_TENANT
 
 RUN_ID_RE = re.compile(RUN_ID_PATTERN)  # the request contract's (psgrad._contract)
@@ -52,10 +53,6 @@ if steps >= tonumber(ARGV[2]) then return {-1, steps} end
 redis.call('SADD', KEYS[2], ARGV[1])
 return {1, redis.call('HINCRBY', KEYS[1], 'steps', 1)}
 """
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def new_run_id() -> str:
@@ -260,11 +257,13 @@ class FileRunStore(MemoryRunStore):
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
+            refused = unwritable(exc, "the DP runs' folder under PSGRAD_MODEL_DIR",
+                                 "PSGRAD_MODEL_DIR")
             raise InsufficientStorage(
-                f"DP run '{run_id}': its step could not be recorded ({exc.strerror}: the folder "
-                "under PSGRAD_MODEL_DIR is read-only or full), so it was not taken and nothing "
-                "was released; retry once the operator has made it writable", run=run_id,
-                reason="read_only" if exc.errno == errno.EROFS else "not_written") from None
+                f"DP run '{run_id}': its step was not taken and nothing was released: "
+                + (refused.message if refused else f"it could not be recorded ({exc.strerror})"),
+                run=run_id, reason=refused.details["reason"] if refused else "not_written",
+            ) from None
 
 
 class RedisRunStore(RunStore):
@@ -304,7 +303,7 @@ class RedisRunStore(RunStore):
             found = self.r.config_get("append*")
         except RedisError:  # CONFIG disabled (a managed Redis): unknown
             return {}
-        return {_text(k): _text(v) for k, v in found.items()}
+        return {text(k): text(v) for k, v in found.items()}
 
     def _probe(self) -> str:
         config = self._config()
@@ -347,7 +346,7 @@ class RedisRunStore(RunStore):
 
     def ids(self) -> list[str]:
         found = self.r.smembers(redis_keys.dp_run_ids(self.prefix))
-        return sorted(v.decode() if isinstance(v, bytes) else v for v in found)
+        return sorted(text(v) for v in found)
 
     def delete(self, run_id: str) -> bool:
         pipe = self.r.pipeline(transaction=True)

@@ -36,8 +36,8 @@ import redis
 
 from service import redis_keys
 from service.broker.redis.api import RedisBroker
-from service.broker.redis.common import text
 from service.config import Settings
+from service.redis_keys import text
 from service.registry import ModelRegistry
 from service.validate import decode_json_body, parse_request
 from tests.support.cluster import PSGRAD, env_of, mixed_request, settings_for

@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from service import redis_keys
-from service.broker.redis.common import text
 from service.broker.redis.worker import RedisJobSource
 from service.events import Events
+from service.redis_keys import text
 from service.registry import ModelRegistry, make_registry
 from service.storage import open_storage
 from service.worker import Worker

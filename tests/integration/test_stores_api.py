@@ -21,7 +21,7 @@ import redis
 
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service import redis_keys
-from service.broker.redis.common import text
+from service.redis_keys import text
 from service.stores.files import StoreFiles
 from service.stores.locks import ThreadLocks
 from tests.support.api import open_client

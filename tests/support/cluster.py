@@ -23,8 +23,8 @@ import redis
 from service import engine, redis_keys
 from service.api.app import create_app
 from service.broker.redis.api import RedisBroker
-from service.broker.redis.common import text
 from service.config import Settings
+from service.redis_keys import text
 from service.validate import decode_json_body, parse_request
 from tests.support.client import free_port
 from tests.support.redis import (

@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from service import redis_keys
 
 __all__ = ["LINE_READ", "RETRY_AFTER_DOWN_S", "answer_size", "command_parts", "pieces",
-           "redis_unavailable", "text", "value_limit"]
+           "redis_unavailable", "value_limit"]
 
 RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 _UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
@@ -28,11 +28,6 @@ def redis_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
         return True
     return isinstance(exc, ResponseError) and str(exc).upper().startswith(_UNAVAILABLE_REPLIES)
-
-
-def text(value: Any) -> str:
-    """A reply's bytes (or a view of them) as text; anything else as ``str`` has it."""
-    return bytes(value).decode() if isinstance(value, (bytes, memoryview)) else str(value)
 
 
 def value_limit(config: Mapping[Any, Any] | None) -> int:

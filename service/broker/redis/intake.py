@@ -12,10 +12,10 @@ import redis
 from redis.exceptions import ResponseError
 
 from service import redis_keys
-from service.broker.redis.common import text
 from service.broker.redis.lua import PICK_LUA
 from service.config import Settings
 from service.jobs import batch_until
+from service.redis_keys import text
 
 Entry = tuple[str, str, int]  # ticket (stream entry id), job id, samples
 GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers

@@ -18,8 +18,9 @@ import redis.asyncio as aioredis
 
 from psgrad._memory import unreferenced
 from service import redis_keys
-from service.broker.redis.common import LINE_READ, answer_size, command_parts, text
+from service.broker.redis.common import LINE_READ, answer_size, command_parts
 from service.jobs import AnswerLost, JobStatus
+from service.redis_keys import text
 
 __all__ = ["RedisAnswer"]
 

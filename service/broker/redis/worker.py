@@ -28,13 +28,14 @@ from redis.exceptions import RedisError
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, parts_size, safetensors_parts
 from service import redis_keys
-from service.broker.redis.common import redis_unavailable, text, value_limit
+from service.broker.redis.common import redis_unavailable, value_limit
 from service.broker.redis.intake import Entry, StreamIntake
 from service.broker.redis.lua import ATTEMPT_LUA, FINISH_LUA, PLANNING_LUA, RETRY_LUA, START_LUA
 from service.broker.redis.writer import AnswerWriter
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus
+from service.redis_keys import text
 from service.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
