@@ -264,10 +264,8 @@ def _totals_match(probe: Setup, direction: Tensors, first: Mapping[str, Pass1]) 
     dots = [first[k].dot for k in direction]
     if any(d is None for d in dots):
         return False
-    terms = torch.stack([d.double() for d in dots if d is not None])
-    got, want = terms.sum(0), derivative.detach().double()
-    size = terms.abs().sum(0) + want.abs()
-    return bool(((got - want).abs() <= 1e-3 * size + 1e-6).all())
+    return _sums_match(torch.stack([d.double() for d in dots if d is not None]),
+                       derivative.detach().double())
 
 
 def _first_pass(probe: Setup, plan: Plan, need: Pass1Need) -> dict[str, Pass1]:
@@ -284,10 +282,15 @@ def _weighted_dots_match(dots: torch.Tensor | None, weights: torch.Tensor,
                          want: torch.Tensor) -> bool:
     """Whether ``sum_i weights_i dots_i`` equals ``want`` to the dots' own rounding."""
     assert dots is not None
-    terms = weights.to(dots) * dots
-    got = terms.sum()
-    size = float(terms.abs().sum() + want.abs())
-    return bool(torch.isfinite(got)) and float((got - want).abs()) <= 1e-3 * size + 1e-6
+    return _sums_match(weights.to(dots) * dots, want)
+
+
+def _sums_match(terms: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``terms`` summed over their first dimension equal ``want`` to the terms' own
+    rounding (relative to the sum of their magnitudes), everywhere and finite."""
+    got = terms.sum(0)
+    size = terms.abs().sum(0) + want.abs()
+    return bool((torch.isfinite(got) & ((got - want).abs() <= 1e-3 * size + 1e-6)).all())
 
 
 def _compare(one: Setup, plan: Plan, selected: Sequence[str], reference: Tensors,
