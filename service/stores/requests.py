@@ -72,15 +72,11 @@ def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str,
     return fields
 
 
-def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
-    """The projection request of a body's batch under ``spec`` (``what``: the route, for the
+def check_batch(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
+    """``fields`` of a body that brings a batch or its sketches to store ``spec``, checked:
+    what the store fixes (:func:`check_fixed`) and its model version sent only with the store's
+    own values, nothing but the batch's fields besides (``what``: the route, for the
     messages)."""
-    if spec.exact:
-        raise InvalidInput(f"store '{spec.id}' holds full gradients (a reference set made "
-                           f"without projection_dim), not sketches: {what} cannot sketch a "
-                           "batch for it; score it with output 'influence' and 'reference_set', "
-                           f"or query it with 'sketches' [queries, {spec.projection_dim}] "
-                           "(flattened gradients)")
     fields = check_fixed(spec, fields, what)
     extra = sorted(k for k in fields if k not in BATCH_FIELDS and fields[k] is not None)
     if extra:
@@ -92,6 +88,19 @@ def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[s
         raise Conflict(f"store '{spec.id}' holds sketches of model {spec.model}; {what} "
                        f"names {asked!r}: leave 'model' out or send {spec.model}",
                        store_model=spec.model, model=asked)
+    return fields
+
+
+def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
+    """The projection request of a body's batch under ``spec`` (``what``: the route, for the
+    messages)."""
+    if spec.exact:
+        raise InvalidInput(f"store '{spec.id}' holds full gradients (a reference set made "
+                           f"without projection_dim), not sketches: {what} cannot sketch a "
+                           "batch for it; score it with output 'influence' and 'reference_set', "
+                           f"or query it with 'sketches' [queries, {spec.projection_dim}] "
+                           "(flattened gradients)")
+    fields = check_batch(spec, fields, what)
     return {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
             "projection_dim": spec.projection_dim, "projection_seed": spec.projection_seed,
             "projection_kind": spec.projection_kind, "outputs": ["projection"]}

@@ -289,6 +289,16 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await query({"sketches": [[0.0] * 16], **batch(1, 1)}), 422, "invalid_input",
           "not both")
     error(await query({**batch(1, 1), "model": "att@0123"}), 409, "conflict")
+    # issue 53's third rerun: a query by sketches ignored a model and fields a batch refuses
+    for model in ("simple-cnn", "att@0000000000000000", "m1@bad", "nosuch"):
+        error(await query({"sketches": [[0.0] * 16], "model": model}), 409, "conflict",
+              "'model'")
+    for extra in ({"outputs": ["grads"]}, {"answer_dtype": "float16"},
+                  {"dp_run": "dp-" + "0" * 24}):
+        error(await query({"sketches": [[0.0] * 16], **extra}), 422, "invalid_input",
+              *extra)
+    r = await query({"sketches": [[0.0] * 16], "model": "att"})
+    assert r.status_code == 200, r.text
     r = await query({"k": 3, "score": "self_influence"})
     assert r.status_code == 200 and sorted(r.json()["ids"][0]) == [0, 1, 2], r.text
 

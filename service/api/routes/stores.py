@@ -29,7 +29,7 @@ from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, er
 from service.reference_sets import checked_id
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import Score, check_k, check_score, search
-from service.stores.requests import check_fixed, make_spec, sketch_request
+from service.stores.requests import check_batch, make_spec, sketch_request
 from service.stores.spec import (
     Dtype,
     StoreSpec,
@@ -272,7 +272,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
         spec = _spec(state, key, store_id)
         spec.check_version()
-        rest = check_fixed(spec, fields, "this query")
+        rest = check_batch(spec, fields, "this query")
         check_k(state.storage.gradients.manifest(key), k, store_id)
         batch = any(rest.get(f) is not None for f in ("inputs", "targets", "next_inputs"))
         if score == "self_influence":
