@@ -4,6 +4,7 @@ over a large store against one in-process numpy pass over the same matrix.
     python benchmarks/stores.py [--rounds 3] [--batch 256] [--k 1024]
                                 [--rows 1000000] [--dim 1024] [--queries 16] [--topk 10]
                                 [--skip-append] [--skip-query]
+    python benchmarks/stores.py --trak-cost [--trak-dims 1024,4096,8192] [--rounds 3]
 
 **Append** (the embedded server in process, over httpx's ASGI transport, safetensors bodies
 both ways): each round times ``POST /per-sample-grads`` asking ``projection`` for a batch of
@@ -22,6 +23,13 @@ rows at a time and ``argpartition``: the in-process baseline). Prints the median
 (goal: 1.5 or less), whether both found the same ids, and the query's peak of traced memory
 (``tracemalloc``: numpy's allocations) against the store's size. The first query may read from
 disk; later ones from the page cache, as a warm server would.
+
+**trak against dot** (``--trak-cost``, alone): as a user queries a store, through the embedded
+app in process: for each k of ``--trak-dims`` a store of the zoo ``mlp`` holding 1300 samples,
+and 100 test samples sent as inputs, score ``dot`` and ``trak`` (default lambda) in
+interleaved rounds, asking for the top 10 and for every sample (as benchmarks/lds.py does).
+Prints the first ``trak`` query after the commit (it factors), the medians of the later ones
+and of ``dot``, and their ratio (goal: 1.2 or less).
 """
 
 from __future__ import annotations
@@ -181,6 +189,57 @@ def bench_query(rounds: int, rows: int, dim: int, queries: int, k: int) -> None:
           f"{peak / 2**20:.0f} MiB for a store of {matrix.nbytes / 2**20:.0f} MiB")
 
 
+async def bench_trak(rounds: int, dims: list[int]) -> None:
+    data = tempfile.TemporaryDirectory(prefix="psgrad-bench-trak-")
+    settings = Settings(data_dir=data.name, device="cpu", batch_max_delay_ms=0, redis_url=None,
+                        api_keys="", admin_keys="")
+    app = create_app(settings)
+    rng = np.random.default_rng(0)
+
+    def samples(n: int) -> dict[str, Any]:
+        return {"inputs": rng.standard_normal((n, 784)).astype(np.float32),
+                "targets": rng.integers(0, 10, n)}
+
+    print(f"\n### trak against dot: zoo mlp, 1300 samples, 100 test samples as inputs "
+          f"(load {load()})\n")
+    print("| k | top | dot, median s | trak, first after the commit s | trak, median s "
+          "| trak / dot |")
+    print("|---|---|---|---|---|---|")
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://bench", timeout=600) as c:
+
+        async def query(store: str, body: bytes) -> float:
+            t = time.perf_counter()
+            r = await c.post(f"/stores/{store}/query", content=body,
+                             headers={"content-type": SAFETENSORS})
+            assert r.status_code == 200, r.text
+            return time.perf_counter() - t
+
+        test = samples(100)
+        for k in dims:
+            store = f"t{k}"
+            r = await c.put(f"/stores/{store}", json={"model": "mlp", "projection_dim": k})
+            assert r.status_code == 201, r.text
+            for a in range(0, 1300, 260):
+                content = fields_to_safetensors({**samples(260), "ids": np.arange(a, a + 260)},
+                                                REQUEST_KEY)
+                r = await c.post(f"/stores/{store}/samples", content=content,
+                                 headers={"content-type": SAFETENSORS})
+                assert r.status_code == 200, r.text
+            for top in (10, 1300):
+                bodies = {score: fields_to_safetensors({**test, "k": top, "score": score},
+                                                       REQUEST_KEY) for score in ("dot", "trak")}
+                await query(store, bodies["dot"])  # the model planned, the sketch set up
+                first = await query(store, bodies["trak"])
+                dot, trak = [], []
+                for _ in range(rounds):
+                    dot.append(await query(store, bodies["dot"]))
+                    trak.append(await query(store, bodies["trak"]))
+                d, t = statistics.median(dot), statistics.median(trak)
+                print(f"| {k} | {top} | {d:.3f} | {first:.3f} | {t:.3f} | {t / d:.2f} |")
+    data.cleanup()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -192,7 +251,12 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--skip-append", action="store_true")
     ap.add_argument("--skip-query", action="store_true")
+    ap.add_argument("--trak-cost", action="store_true", help="only the trak / dot comparison")
+    ap.add_argument("--trak-dims", default="1024,4096,8192")
     args = ap.parse_args()
+    if args.trak_cost:
+        asyncio.run(bench_trak(args.rounds, [int(d) for d in args.trak_dims.split(",")]))
+        return
     if not args.skip_append:
         asyncio.run(bench_append(args.rounds, args.batch, args.k))
     if not args.skip_query:

@@ -49,7 +49,7 @@ from service.stores.spec import StoreSpec
 
 SPEC, MANIFEST = "spec.json", "manifest.json"
 GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its own
-MEMO_STORES = 4  # stores whose ids and Gram matrix are kept in memory between appends
+MEMO_STORES = 4  # stores whose ids, Gram matrix and trak factor are kept in memory
 ListedIds = tuple[int | str, ...]
 IDS_BUDGET = 64 << 20  # bytes of shard ids kept in memory (about 64 bytes an id)
 # a row's squared norm, at most: float32's largest number (about 3.4e38), so that a row's
@@ -328,7 +328,7 @@ class StoreFiles:
         with self._guard:
             self._memo.pop((what, key), None)
             self._memo[(what, key)] = (version, value)
-            while len(self._memo) > 3 * MEMO_STORES:  # ids, Gram, a row kept apart
+            while len(self._memo) > 3 * MEMO_STORES:  # ids, Gram, trak's factor
                 del self._memo[next(iter(self._memo))]
 
     def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:

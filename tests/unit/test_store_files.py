@@ -16,6 +16,7 @@ import pytest
 
 from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
 from service import redis_keys
+from service.stores import query
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
 from service.stores.query import Largest, check_score, default_lambda, search
@@ -292,6 +293,45 @@ def test_issue_53_a_dense_dominating_row_keeps_trak_exact(tmp_path: Path) -> Non
     rows, scores = reference(phi3, q, "trak", 54, 0.5, exact=True)
     np.testing.assert_array_equal(found.rows, rows)
     np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("sizes", [(5, 11, 1, 23, 9), (5, 6)], ids=["k-space", "row-space"])
+def test_trak_factors_once_per_committed_state_and_lambda(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...]) -> None:
+    """Issue 51, item 2: Phi^T Phi + lambda I is factored once per committed state and lambda,
+    not once per query; a commit or another lambda factors again, and every answer equals the
+    reference. A store of no more rows than k (11 here, k = 16) solves with its rows' kernel
+    instead (its lambda = 0 refused: Phi^T Phi is singular), until an append passes k."""
+    store, phi, _ = filled(tmp_path, sizes=sizes)
+    factored: list[float] = []
+    real = query._factor
+    monkeypatch.setattr(query, "_factor",
+                        lambda a, lam: factored.append(lam) or real(a, lam))
+    q = np.random.default_rng(2).standard_normal((5, K))
+
+    def check(phi: np.ndarray, lam: float | None) -> None:
+        found = search(store, "s", "s", q, 10, "trak", lam)
+        rows, scores = reference(phi, q, "trak", 10, lam)
+        np.testing.assert_array_equal(found.rows, rows)
+        np.testing.assert_allclose(found.scores, scores, rtol=2e-5, atol=2e-5)
+
+    for _ in range(3):
+        check(phi, None)
+    assert len(factored) == 1
+    check(phi, 0.5)
+    check(phi, 0.5)
+    assert factored[1:] == [0.5]
+    more = np.random.default_rng(9).standard_normal((6, K)).astype(np.float32)
+    store.append("s", spec(), [f"more-{i}" for i in range(6)], "str", more)
+    phi = np.concatenate([phi, more.astype(np.float64)])
+    check(phi, None)
+    check(phi, None)
+    assert len(factored) == 3
+    if len(phi) < K:
+        with pytest.raises(InvalidInput, match="singular"):
+            search(store, "s", "s", q, 5, "trak", 0.0)
+    else:
+        check(phi, 0.0)
 
 
 def test_the_default_lambda_is_the_mean_eigenvalue_unless_one_row_dominates() -> None:
