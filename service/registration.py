@@ -42,7 +42,7 @@ from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
 from service.losses import get_loss
 from service.model_store import ID_RE, ModelRecord
-from service.registry import LoadedModel, ModelRegistry, load_model
+from service.registry import LoadedModel, ModelRegistry, load_model, split_ref
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -73,16 +73,6 @@ def check_id(model_id: str) -> None:
     if model_id in ZOO:
         raise Conflict(f"'{model_id}' is a zoo model name; zoo names always mean the zoo model: "
                        "register yours under another id", id=model_id)
-
-
-def split_ref(ref: str) -> tuple[str, str | None]:
-    """``id`` (None: every version, or the newest) or ``id@version``, the id checked; a version
-    of another form, ``id@`` included, is left to :meth:`ModelRegistry.resolve` (a 404 like any
-    unknown version, never every version)."""
-    model_id, at, version = ref.partition("@")
-    if model_id not in ZOO:
-        check_id(model_id)
-    return model_id, version if at else None
 
 
 def _loader(fn: Callable[P, R]) -> Callable[P, R]:
@@ -194,9 +184,12 @@ def delete(registry: ModelRegistry, ref: str,
     model_id, version = split_ref(ref)
     if model_id in ZOO:
         raise Conflict(f"'{model_id}' is a zoo model; it cannot be deleted", id=model_id)
-    if version is not None:
-        version = registry.resolve(model_id, version)  # a 404 for any other form, as GET's
-    versions = [version] if version else registry.store.versions(model_id)
+    if version is None:  # every version: the id's, if it has any (else the 404 of GET's)
+        registry.resolve(model_id, None)
+        versions = registry.store.versions(model_id)
+    else:  # a 404 for a version of another form, as GET's
+        version = registry.resolve(model_id, version)
+        versions = [version]
     holders = pinned({f"{model_id}@{v}" for v in versions})
     if holders:
         raise Conflict(f"'{ref}' is pinned by {len(holders)} store(s) and reference set(s): "

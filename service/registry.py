@@ -271,7 +271,7 @@ class ModelRegistry:
         self._cache: LockedLRU[tuple[str, str | None], LoadedModel] = LockedLRU(cache_size)
 
     def get(self, ref: str) -> LoadedModel:
-        model_id, wanted = _split(ref)
+        model_id, wanted = split_ref(ref)
         if not _is_zoo(model_id):
             wanted = self.resolve(model_id, wanted)
         return self._cache.get_or_make((model_id, wanted), lambda: self._load(model_id, wanted))
@@ -310,7 +310,7 @@ class ModelRegistry:
 
         A registered version's document is stored with it, so listing never builds a model.
         """
-        model_id, wanted = _split(ref)
+        model_id, wanted = split_ref(ref)
         if _is_zoo(model_id):
             model = self.get(ref)
             return {**model.describe(), "versions": [model.version]}
@@ -347,7 +347,7 @@ def make_registry(settings: Settings, store: ModelStore) -> ModelRegistry:
     return ModelRegistry(resolve_device(settings.device), store=store)
 
 
-def _split(ref: str) -> tuple[str, str | None]:
+def split_ref(ref: str) -> tuple[str, str | None]:
     """``id`` (newest: None) or ``id@version``; ``id@`` names the empty version, which no
     model has (a 404 like any unknown version, never the newest)."""
     model_id, at, version = ref.partition("@")

@@ -87,7 +87,8 @@ async def test_the_path_routes_answer_a_version_of_another_form_as_unknown(tmp_p
     """Issue 53's second rerun: ``DELETE /models/tiny@bad`` and ``GET
     /models/tiny@bad/weights`` answered 400 where ``GET /models/tiny@bad`` answered 404; and
     ``DELETE /models/tiny@`` read the empty version as "every version". Each is an unknown
-    version (404, the versions named), and nothing is deleted."""
+    version (404, the versions named), and nothing is deleted; so is an id of another form
+    (the third rerun), as on ``GET /models/{id}``."""
     async with open_client(model_dir=str(tmp_path / "models"), admin_keys="admin-key") as c:
         made = await c.put("/models/tiny", json=SPEC, headers=ADMIN)
         assert made.status_code == 200
@@ -99,5 +100,12 @@ async def test_the_path_routes_answer_a_version_of_another_form_as_unknown(tmp_p
                 assert made.json()["version"] in r.json()["error"]["message"]
         assert (await c.get("/models/tiny", headers=ADMIN)).json()["versions"] == [
             made.json()["version"]]
+        # the third rerun: an id of another form was 404 on GET /models/{id} but 400 here
+        for ref in ("A3", "a~b", "x" * 300, "\u00e9", "-x", "A3@0123456789abcdef"):
+            answers = [await c.get(f"/models/{ref}", headers=ADMIN),
+                       await c.get(f"/models/{ref}/weights", headers=ADMIN),
+                       await c.delete(f"/models/{ref}", headers=ADMIN)]
+            assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [
+                (404, "unknown_model")] * 3, (ref[:20], [r.text for r in answers])
         r = await c.delete(f"/models/tiny@{made.json()['version']}", headers=ADMIN)
         assert r.status_code == 200 and r.json()["deleted"] == [made.json()["version"]]
