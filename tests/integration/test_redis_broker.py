@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -306,6 +307,37 @@ async def test_redis_outage_gives_503_then_recovers(tmp_path: Path) -> None:
         assert source.unreachable_for() == 0
         source.succeed(taken[0], {"norms": np.ones(2, dtype=np.float32)})
         assert (await broker.wait(j.id, 2)).status is JobStatus.SUCCEEDED
+    finally:
+        source.close()
+        await broker.close()
+        own.kill()
+
+
+async def test_a_stalled_redis_gives_503_in_seconds_then_recovers(tmp_path: Path) -> None:
+    """Issue 53's third rerun: with Redis paused (SIGSTOP: connections open, no replies) a
+    store append and POST /per-sample-grads answered 503 only after 60 s, the bulk clients'
+    PSGRAD_REDIS_TRANSFER_TIMEOUT_S that a payload of hundreds of MB may need. A submit now
+    waits PSGRAD_REDIS_TIMEOUT_S plus its bytes at 8 MiB/s; once Redis resumes it is served."""
+    own = OwnRedis(tmp_path)
+    own.start()
+    settings = Settings(redis_url=own.url, redis_prefix="stall", redis_timeout_s=0.5,
+                        redis_transfer_timeout_s=60.0, heartbeat_s=0.2)
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        await broker.submit(job())
+        assert own.proc is not None
+        own.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(Overloaded):
+                await broker.submit(job())
+            assert time.monotonic() - started < 5  # 0.5 s and its bytes: an answer, not 60 s
+        finally:
+            own.proc.send_signal(signal.SIGCONT)
+        j = job()
+        await broker.submit(j)
+        assert j.id in [t.id for t in take_all(source)]
     finally:
         source.close()
         await broker.close()

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRY_AFTER_FULL_S = 1.0  # Retry-After while the queue is full
+# The slowest a payload may travel to Redis before the queue counts as stalled: a submit waits
+# PSGRAD_REDIS_TIMEOUT_S plus its bytes at this rate (at most PSGRAD_REDIS_TRANSFER_TIMEOUT_S)
+MIN_TRANSFER_BYTES_PER_S = 8 << 20
 
 def overloaded_from(exc: BaseException) -> Overloaded:
     """The 503 of a queue that cannot answer now. What Redis said (its address among it) goes
@@ -188,11 +191,16 @@ class RedisBroker:
         p, t = self.prefix, job.tenant
         payload_key = redis_keys.job_payload(p, job.id)
         apart = self.pieces_bulk is not self.bulk
+        # a stalled Redis (a paused host, a full network buffer) answers 503 in seconds, not
+        # after the bulk clients' transfer timeout that a payload of hundreds of MB may need
+        within = min(self.settings.redis_transfer_timeout_s,
+                     self.settings.redis_timeout_s + len(payload) / MIN_TRANSFER_BYTES_PER_S)
         if apart:  # first: a worker reads the payload once it finds the job in the stream
-            await self._call(lambda: self.pieces_bulk.set(payload_key, payload, ex=ttl))
+            await self._call(lambda: asyncio.wait_for(
+                self.pieces_bulk.set(payload_key, payload, ex=ttl), within))
         refused = ""
         try:
-            reply = await self._call(lambda: self._submit(
+            reply = await self._call(lambda: asyncio.wait_for(self._submit(
                 keys=[redis_keys.job_stream(p), redis_keys.job_state(p, job.id), payload_key,
                       redis_keys.tenant_queue(p, t), redis_keys.fair_active(p),
                       redis_keys.fair_passes(p), redis_keys.fair_weights(p),
@@ -202,7 +210,7 @@ class RedisBroker:
                       repr(job.enqueued_at), repr(job.deadline), t, repr(lim.weight),
                       lim.concurrent_jobs or 0, lim.queued_samples or 0,
                       lim.requests_per_s or 0, repr(lim.burst)],
-            ))
+            ), within))
             refused, *detail = [text(v) for v in reply]
         finally:
             if apart and refused != "ok":  # no job names it (else it expires with its TTL)
