@@ -276,6 +276,13 @@ class ModelRegistry:
             wanted = self.resolve(model_id, wanted)
         return self._cache.get_or_make((model_id, wanted), lambda: self._load(model_id, wanted))
 
+    def check(self, ref: str) -> None:
+        """404 now for a ``ref`` no model answers to (an unknown id, or a registered id's
+        unknown version), without building it; a zoo model's version is checked when it is."""
+        model_id, wanted = split_ref(ref)
+        if not _is_zoo(model_id):
+            self.resolve(model_id, wanted)
+
     def remember(self, model: LoadedModel, key: tuple[str, str | None] | None = None) -> None:
         self._cache.put(key or (model.id, model.version), model)
 

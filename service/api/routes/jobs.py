@@ -1,9 +1,10 @@
 """``/jobs``: the same computation as ``POST /per-sample-grads``, without holding a connection.
 
 Results stay for ``PSGRAD_RESULT_TTL_S`` after the job finishes (or until ``DELETE``), then
-``GET`` answers 404. A body is checked against the OpenAPI schema before it is queued (what
-the document forbids is refused, not answered 202); what needs the model (shapes, names) is the
-worker's to check, and a job it refuses ends ``failed`` with the error.
+``GET`` answers 404. A body is checked against the OpenAPI schema, and its model against the
+registry, before it is queued (what the document forbids, or a model that does not exist, is
+refused, not answered 202); what needs the model (shapes, names) is the worker's to check, and
+a job it refuses ends ``failed`` with the error.
 
 A job is its tenant's: another tenant's key gets the very 404 of a job that does not exist; an
 admin key reads and deletes any.
@@ -50,7 +51,8 @@ JobId = Annotated[str, Path(json_schema_extra={"pattern": JOB_ID})]
 async def create_job(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     """Queue the same body as ``POST /per-sample-grads``; poll ``GET /jobs/{job_id}``.
 
-    What the schema forbids is refused at once (4xx); what needs the model fails the job.
+    What the schema forbids, and a model or version that does not exist, is refused at once
+    (4xx); what needs the model (shapes, names) fails the job.
     """
     job = await new_job(request, state, tenant, check=_check)
     return JSONResponse(
@@ -130,6 +132,7 @@ async def _check(fields: dict[str, Any], state: StateDep) -> None:
         )  # raises its own error for nearly all of them
         problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
         raise InvalidInput(f"the request is invalid: {'; '.join(problems)}") from None
+    await run_in_threadpool(state.registry.check, fields["model"])  # 404 now, as the sync route
 
 
 def _stand_in(value: Any) -> Any:
