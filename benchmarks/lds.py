@@ -55,7 +55,7 @@ from models.mlp import mlp_layers
 from psgrad._contract import PROJECTION_KINDS
 from service.api import create_app
 from service.config import Settings
-from service.stores.query import default_lambda
+from service.stores.query import Largest, default_lambda
 
 SIZES = [64, 64, 10]
 
@@ -139,7 +139,7 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
         gram = g_train.T @ g_train  # the stores' default lambda, on the full gradients
         power = np.einsum("ij,ij->i", g_train, g_train)
         top = int(np.argmax(power))
-        lam = default_lambda(gram, float(power[top]), float(np.delete(power, top).sum()))
+        lam = default_lambda(gram, Largest(float(power[top]), float(np.delete(power, top).sum())))
         out["exact trak"] = np.linalg.solve(gram + lam * np.eye(len(gram)), g_test.T).T @ g_train.T
         ids = np.arange(len(x))
         for dim in dims:
