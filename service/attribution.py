@@ -87,7 +87,7 @@ def references(model: LoadedModel, opts: Options, batch: Batch,
         if reference or sketches is not None:
             raise InvalidInput("output 'influence' reads its references from 'reference_set'; "
                                "send 'reference' or 'reference_sketches' with 'dots' instead")
-        found = _reference_set(set_id, sets)
+        found = reference_set(set_id, sets)
         opts = _match_set(model, opts, found)
         tensors = {k: torch.as_tensor(v) for k, v in found.tensors.items()}
         if found.projection is not None:
@@ -132,7 +132,9 @@ def _gradients(model: LoadedModel, opts: Options, batch: Batch,
     return counts.pop()
 
 
-def _reference_set(set_id: Any, sets: ReferenceSets | None) -> ReferenceSet:
+def reference_set(set_id: Any, sets: ReferenceSets | None) -> ReferenceSet:
+    """The set that ``set_id`` (its tenant's key) names; else the 404 that says how to make
+    it (another tenant's set and one that does not exist alike)."""
     if not isinstance(set_id, str) or not set_id:
         raise InvalidInput("output 'influence' needs 'reference_set': the id of a set made "
                            "with PUT /reference-sets/{id}")

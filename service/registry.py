@@ -277,11 +277,14 @@ class ModelRegistry:
         return self._cache.get_or_make((model_id, wanted), lambda: self._load(model_id, wanted))
 
     def check(self, ref: str) -> None:
-        """404 now for a ``ref`` no model answers to (an unknown id, or a registered id's
-        unknown version), without building it; a zoo model's version is checked when it is."""
+        """404 now for a ``ref`` no model answers to: an unknown id, or an unknown version
+        (a registered model's from the store; a zoo model's version is its build's digest, so
+        ``zoo@version`` builds it, as serving it would)."""
         model_id, wanted = split_ref(ref)
         if not _is_zoo(model_id):
             self.resolve(model_id, wanted)
+        elif wanted is not None:
+            self.get(ref)
 
     def remember(self, model: LoadedModel, key: tuple[str, str | None] | None = None) -> None:
         self._cache.put(key or (model.id, model.version), model)

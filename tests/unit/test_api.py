@@ -229,10 +229,25 @@ async def test_jobs_refuses_what_the_schema_forbids_before_queueing() -> None:
             assert r.status_code == status and r.json()["error"]["code"] == code, (bad, r.text)
         # a model that does not exist: 404 at once, as POST /per-sample-grads answers (issue
         # 53's third rerun: 202, then a failed job); what needs the model is queued
-        for ref in ("nope", "m1@0000000000000000"):
+        for ref in ("nope", "m1@0000000000000000", "linear-value@0000000000000000"):
             r = await c.post("/jobs", json={**TD0, "model": ref})
             assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model", r.text
         assert (await c.post("/jobs", json={**TD0, "inputs": [[1.0, 2.0]]})).status_code == 202
+
+
+async def test_jobs_refuses_a_reference_set_as_the_sync_route_does() -> None:
+    """Issue 53's fourth rerun: a reference set that 'influence' reads and that does not exist
+    (or is another tenant's) answered POST /jobs 202, then a failed job, where the sync route
+    answers 404; a malformed id answered 404 there and 400 here. Both routes now agree."""
+    influence = {"model": "mlp", "inputs": [[0.0] * 784], "targets": [0],
+                 "outputs": ["influence"]}
+    async with open_client() as c:
+        for route in ("/jobs", "/per-sample-grads"):
+            for name, status, code in (("nope", 404, "not_found"),
+                                       ("A3", 400, "bad_request"), ("a~b", 400, "bad_request")):
+                r = await c.post(route, json={**influence, "reference_set": name})
+                assert (r.status_code, r.json()["error"]["code"]) == (status, code), (route,
+                                                                                      r.text)
 
 
 async def _poll(c: object, job_id: str) -> dict[str, object]:

@@ -58,9 +58,9 @@ async def new_job(
     fields = await decode_request(request, state.settings)
     # 404 now for another tenant's DP run, 409 for one with no step left
     await dp_precheck(fields, state.storage.runs, tenant.name)
+    scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     if check is not None:
         await check(fields, state)
-    scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s,
               tenant=tenant.name)
     # Yield once before the broker call: requests that arrive together then decode in one turn

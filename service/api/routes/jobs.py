@@ -1,10 +1,10 @@
 """``/jobs``: the same computation as ``POST /per-sample-grads``, without holding a connection.
 
 Results stay for ``PSGRAD_RESULT_TTL_S`` after the job finishes (or until ``DELETE``), then
-``GET`` answers 404. A body is checked against the OpenAPI schema, and its model against the
-registry, before it is queued (what the document forbids, or a model that does not exist, is
-refused, not answered 202); what needs the model (shapes, names) is the worker's to check, and
-a job it refuses ends ``failed`` with the error.
+``GET`` answers 404. A body is checked against the OpenAPI schema, and its model and reference
+set against what exists, before it is queued (what the document forbids, or a model, version or
+set that does not exist, is refused, not answered 202); what needs the model (shapes, names) is
+the worker's to check, and a job it refuses ends ``failed`` with the error.
 
 A job is its tenant's: another tenant's key gets the very 404 of a job that does not exist; an
 admin key reads and deletes any.
@@ -29,8 +29,9 @@ from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import GradsRequest, JobCreated, JobDeleted, JobView, errors
+from service.attribution import reference_set
 from service.jobs import JobState, JobStatus, read_answer
-from service.tenants import Tenant
+from service.tenants import Tenant, owned_name
 from service.validate import TENSOR_DICT_FIELDS, parse_request
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
@@ -124,15 +125,24 @@ async def _check(fields: dict[str, Any], state: StateDep) -> None:
     for name in ("inputs", *TENSOR_DICT_FIELDS):  # named inputs, {param: tensor}
         if isinstance(doc.get(name), dict):
             doc[name] = {k: _stand_in(v) for k, v in doc[name].items()}
+    key = fields.get("reference_set")  # scoped to the caller already: the id as it was sent
+    if isinstance(key, str):
+        doc["reference_set"] = owned_name(key)
     try:
         GradsRequest.model_validate(doc, strict=True)  # no "0.5" for 0.5: JSON types as sent
     except ValidationError as exc:
         await run_in_threadpool(
-            parse_request, fields, state.registry, max_batch_size=state.settings.max_batch_size
-        )  # raises its own error for nearly all of them
+            parse_request, fields, state.registry, max_batch_size=state.settings.max_batch_size,
+            reference_sets=state.storage.sets)  # raises its own error for nearly all of them
         problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
         raise InvalidInput(f"the request is invalid: {'; '.join(problems)}") from None
-    await run_in_threadpool(state.registry.check, fields["model"])  # 404 now, as the sync route
+    # 404 now, as the sync route answers: a model or version, or a reference set that
+    # 'influence' reads, that does not exist (or is another tenant's)
+    await run_in_threadpool(state.registry.check, fields["model"])
+    outputs = fields.get("outputs")
+    if isinstance(key, str) and "influence" in ([outputs] if isinstance(outputs, str)
+                                                 else outputs or []):
+        await run_in_threadpool(reference_set, key, state.storage.sets)
 
 
 def _stand_in(value: Any) -> Any:
