@@ -203,8 +203,8 @@ def _factor(a: np.ndarray, lam: float) -> tuple[np.ndarray, bool]:
 
 
 def _singular(lam: float) -> InvalidInput:
-    return InvalidInput(f"Phi^T Phi + {lam:g} I is singular: send a 'lambda' > 0, or leave it "
-                        "out for the default")
+    return InvalidInput(f"Phi^T Phi + {lam + 0.0:g} I is singular: send a 'lambda' > 0, or "
+                        "leave it out for the default")  # + 0.0: -0.0 reads as 0
 
 
 def _apart(files: StoreFiles, key: str, manifest: Manifest, row: int, k: int
