@@ -6,6 +6,7 @@ memory bounded by one shard."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import tracemalloc
@@ -16,6 +17,7 @@ import pytest
 
 from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
 from service import redis_keys
+from service.stores import files as files_module
 from service.stores import query
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
@@ -433,6 +435,46 @@ def test_a_commit_longer_than_its_lease_keeps_it() -> None:
         with other.hold("s"):
             assert client.get(key) is not None
     client.close()
+
+
+def test_issue_53_finding_12_shards_are_on_disk_before_their_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 53, finding 12: an append's shard files (and its Gram file) were not fsynced
+    before the manifest that names them was renamed into place, so a host crash could leave a
+    manifest naming files the disk never got. Every file a committed manifest names, and the
+    manifest itself, is synced before the manifest's rename."""
+    store = files(tmp_path)
+    store.create("s", spec())
+    events: list[tuple[str, str]] = []
+    real_fsync, real_mv = files_module.os.fsync, store.fs.mv
+
+    def fsync(fd: int) -> None:
+        events.append(("sync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def mv(src: str, dst: str, **kwargs: object) -> None:
+        events.append(("rename", f"{os.path.basename(src)}>{os.path.basename(dst)}"))
+        real_mv(src, dst, **kwargs)
+
+    monkeypatch.setattr(files_module.os, "fsync", fsync)
+    monkeypatch.setattr(store.fs, "mv", mv)
+    x = np.random.default_rng(0).standard_normal((20, K)).astype(np.float32)
+    store.append("s", spec(), list(range(20)), "int", x)
+    manifest = store.manifest("s")
+    named = [s.file for s in manifest.shards] + [manifest.gram or ""] + [MANIFEST]
+    assert len(manifest.shards) == 3  # 7 rows a shard
+    synced: set[str] = set()
+    renamed: set[str] = set()
+    for kind, what in events:
+        if kind == "sync":
+            synced.add(what)
+            continue
+        tmp, final = what.split(">")
+        assert tmp in synced, f"{final} renamed into place before its bytes were synced"
+        if final == MANIFEST:
+            assert set(named[:-1]) <= renamed, "the manifest names a file not yet in place"
+        renamed.add(final)
+    assert MANIFEST in renamed
 
 
 def test_a_query_holds_one_shard_at_a_time(tmp_path: Path) -> None:
