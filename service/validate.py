@@ -241,11 +241,7 @@ def _options(fields: dict[str, Any], model: LoadedModel,
     if loss.scalar_output and math.prod(model.output_shape) != 1:
         raise LossNotSupported(f"loss '{loss_name}' needs a model with one output per sample; "
                                f"'{model.id}' gives shape {list(model.output_shape)}")
-    outputs = fields.get("outputs") or ["grads"]
-    if isinstance(outputs, str):
-        outputs = [outputs]
-    if not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
-        raise BadRequest("'outputs' must be a list of output names")
+    outputs = asked_outputs(fields)
     for name in outputs:
         if get_output(name).td0_only and loss_name != "td0":
             raise InvalidInput(f"output '{name}' is only defined for loss 'td0'")
@@ -280,6 +276,17 @@ def _options(fields: dict[str, Any], model: LoadedModel,
         gamma=1.0 if gamma is None else gamma, projection=projection_of(fields, outputs),
         reference_count=-1 if {"dots", "influence"} & set(outputs) else 0, autocast=autocast,
     )
+
+
+def asked_outputs(fields: dict[str, Any]) -> list[str]:
+    """The outputs a request asks for: a list, or one name; absent, null or [] means
+    ``['grads']``."""
+    outputs = fields.get("outputs") or ["grads"]
+    if isinstance(outputs, str):
+        outputs = [outputs]
+    if not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
+        raise BadRequest("'outputs' must be a list of output names")
+    return outputs
 
 
 def _autocast(value: Any, model: LoadedModel) -> str:

@@ -32,7 +32,7 @@ from service.api.schemas import GradsRequest, JobCreated, JobDeleted, JobView, e
 from service.attribution import reference_set
 from service.jobs import JobState, JobStatus, read_answer
 from service.tenants import Tenant, owned_name
-from service.validate import TENSOR_DICT_FIELDS, parse_request
+from service.validate import TENSOR_DICT_FIELDS, asked_outputs, parse_request
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 
@@ -139,9 +139,7 @@ async def _check(fields: dict[str, Any], state: StateDep) -> None:
     # 404 now, as the sync route answers: a model or version, or a reference set that
     # 'influence' reads, that does not exist (or is another tenant's)
     await run_in_threadpool(state.registry.check, fields["model"])
-    outputs = fields.get("outputs")
-    if isinstance(key, str) and "influence" in ([outputs] if isinstance(outputs, str)
-                                                 else outputs or []):
+    if isinstance(key, str) and "influence" in asked_outputs(fields):
         await run_in_threadpool(reference_set, key, state.storage.sets)
 
 
