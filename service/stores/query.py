@@ -141,7 +141,7 @@ class TrakSolver:
 def trak_solver(files: StoreFiles, key: str, manifest: Manifest, gram: np.ndarray,
                 largest: Largest, lam: float) -> TrakSolver:
     """The :class:`TrakSolver` of the store as ``manifest`` commits it, for ``lam``."""
-    solver: TrakSolver = _held(files, key, manifest, "trak", lam, lambda: _trak_solver(
+    solver: TrakSolver = _held(files, key, manifest, "k-space", lam, lambda: _trak_solver(
         files, key, manifest, gram, largest, lam))
     return solver
 
@@ -162,23 +162,24 @@ def trak_by_rows(files: StoreFiles, key: str, manifest: Manifest, q: np.ndarray,
                               files.rows(key, manifest)])
         return _factor(phi @ phi.T + lam * np.eye(len(phi)), lam)
 
-    factor = _held(files, key, manifest, "trak-rows", lam, kernel)
+    factor = _held(files, key, manifest, "rows", lam, kernel)
     dots = np.concatenate([q @ rows.astype(np.float64).T
                            for _, rows, _ in files.rows(key, manifest)], axis=1)
     solved: np.ndarray = cho_solve(factor, dots.T, check_finite=False).T
     return solved
 
 
-def _held(files: StoreFiles, key: str, manifest: Manifest, what: str, lam: float,
+def _held(files: StoreFiles, key: str, manifest: Manifest, kind: str, lam: float,
           make: Callable[[], Any]) -> Any:
-    """``make()`` for this committed state and ``lam``, made once and kept (the latest
-    ``lam`` of each of a few stores: one factor per store) until the next commit."""
-    held: dict[float, Any] = files.kept(what, key, manifest, dict)
-    found = held.get(lam)
+    """``make()``, the ``kind`` of factor for this committed state and ``lam``, made once and
+    kept until the next commit; one factor per store (a few stores), in one memo slot for
+    both kinds, so that a store grown past k drops its rows' factor."""
+    held: dict[tuple[str, float], Any] = files.kept("trak", key, manifest, dict)
+    found = held.get((kind, lam))
     if found is None:
         found = make()
         held.clear()
-        held[lam] = found
+        held[(kind, lam)] = found
     return found
 
 
