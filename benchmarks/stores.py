@@ -37,12 +37,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
 import tracemalloc
+from collections.abc import AsyncIterator
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
@@ -65,14 +67,21 @@ def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+@contextlib.asynccontextmanager
+async def embedded() -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the embedded app in this process, over a data directory removed after."""
+    with tempfile.TemporaryDirectory(prefix="psgrad-bench-stores-") as data:
+        app = create_app(Settings(data_dir=data, device="cpu", batch_max_delay_ms=0,
+                                  redis_url=None, api_keys="", admin_keys=""))
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://bench",
+                timeout=600) as c:
+            yield c
+
+
 async def bench_append(rounds: int, batch: int, k: int) -> None:
-    data = tempfile.TemporaryDirectory(prefix="psgrad-bench-stores-")  # removed when done
-    settings = Settings(data_dir=data.name, device="cpu", batch_max_delay_ms=0, redis_url=None,
-                        api_keys="", admin_keys="")
-    app = create_app(settings)
     rng = np.random.default_rng(0)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://bench", timeout=600) as c:
+    async with embedded() as c:
         r = await c.put("/stores/bench", json={"model": "simple-cnn", "projection_dim": k,
                                                "dtype": "float16"})
         assert r.status_code == 201, r.text
@@ -190,10 +199,6 @@ def bench_query(rounds: int, rows: int, dim: int, queries: int, k: int) -> None:
 
 
 async def bench_trak(rounds: int, dims: list[int]) -> None:
-    data = tempfile.TemporaryDirectory(prefix="psgrad-bench-trak-")
-    settings = Settings(data_dir=data.name, device="cpu", batch_max_delay_ms=0, redis_url=None,
-                        api_keys="", admin_keys="")
-    app = create_app(settings)
     rng = np.random.default_rng(0)
 
     def samples(n: int) -> dict[str, Any]:
@@ -205,8 +210,7 @@ async def bench_trak(rounds: int, dims: list[int]) -> None:
     print("| k | top | dot, median s | trak, first after the commit s | trak, median s "
           "| trak / dot |")
     print("|---|---|---|---|---|---|")
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://bench", timeout=600) as c:
+    async with embedded() as c:
 
         async def query(store: str, body: bytes) -> float:
             t = time.perf_counter()
@@ -237,7 +241,6 @@ async def bench_trak(rounds: int, dims: list[int]) -> None:
                     trak.append(await query(store, bodies["trak"]))
                 d, t = statistics.median(dot), statistics.median(trak)
                 print(f"| {k} | {top} | {d:.3f} | {first:.3f} | {t:.3f} | {t / d:.2f} |")
-    data.cleanup()
 
 
 def main() -> None:
