@@ -43,6 +43,12 @@ class Tied(Summed):
     def form(self, name: str) -> str:
         return f"tied:{self.emb.form(name)}+{self.outer.form(name)}"
 
+    def grads(self, lo: int, hi: int) -> Tensors:
+        """The output layer's rows, the embedding's added in place: one table per sample, not
+        three (GPT-2 small's ``wte`` is 154 MB a sample)."""
+        name = self.names[0]
+        return {name: self.emb.add_rows(self.outer.grads(lo, hi)[name].contiguous(), lo, hi)}
+
     def cross(self) -> torch.Tensor:
         """``<L_i, E_i>`` of every sample ``[B]``, a block of samples at a time."""
         out = []

@@ -68,13 +68,18 @@ class EmbeddingSource(Materialised):
         return self._rows
 
     def grads(self, lo: int, hi: int) -> Tensors:
+        dense = self.g.new_zeros((hi - lo, self.vocab, self.dim))
+        return {self.names[0]: self.add_rows(dense, lo, hi)}
+
+    def add_rows(self, dense: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi)'s gradients added into ``dense`` ``[hi - lo, vocab, dim]`` (contiguous),
+        and it returned: a tied weight's other part written first, no table of zeros."""
         n = hi - lo
-        dense = self.g.new_zeros((n * self.vocab, self.dim))
         local = torch.arange(n, device=self.g.device).unsqueeze(1) * self.vocab
-        dense.index_add_(
-            0, (local + self.tokens[lo:hi]).reshape(-1), self.g[lo:hi].reshape(-1, self.dim)
-        )
-        return {self.names[0]: dense.view(n, self.vocab, self.dim)}
+        dense.view(n * self.vocab, self.dim).index_add_(
+            0, (local + self.tokens[lo:hi]).reshape(-1),
+            self.g[lo:hi].reshape(-1, self.dim).to(dense.dtype))
+        return dense
 
     def answer(self) -> Tensors:
         return self.grads(0, self.batch)  # one index_add into zeros: no chunk to copy
