@@ -29,7 +29,7 @@ from service.fast_stats import (
     register_family,
 )
 from service.fast_stats._budget import Budget
-from service.fast_stats._dense import dense_sum
+from service.fast_stats._dense import Dense, dense_sum
 from service.fast_stats._outer import OuterSource
 from service.fast_stats._plan import PLANS
 from service.fast_stats._replay import ModuleReplay, OpReplay
@@ -1121,6 +1121,41 @@ def test_the_probe_checks_every_sample_not_only_the_first(
     finally:
         PLANS.drop(lambda key: key[0] != model.structure)
     assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}
+
+
+class _LoudInputs(nn.Module):
+    """A linear layer fed inputs 1000x its output gradients' scale: the weight's dots with a
+    random direction are about 10^4 times the bias's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(1000 * x)
+
+
+def test_the_probe_finds_a_small_parameter_wrong_on_every_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bias whose per-sample gradients are 1.5x the true ones in every form the sources give
+    (written, squared norm and dot alike, so they agree with one another) loses the bias to the
+    whole-model replay, and the answers are the loop's: the forward-mode check scales each
+    parameter's share to the largest's, where the bias's error (about 5e-5 of the summed
+    dots) would pass unscaled."""
+    init = Dense.__init__
+
+    def loud(self: Dense, name: str, grads: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        init(self, name, grads * 1.5 if name == "lin.bias" else grads, *args, **kwargs)
+
+    monkeypatch.setattr(Dense, "__init__", loud)
+    torch.manual_seed(0)
+    model = custom(_LoudInputs(), (64,), key="loud-inputs")
+    try:
+        meta = check(model, make_batch(model, 4), outputs=("norms", "grads"))
+    finally:
+        PLANS.drop(lambda key: key[0] != model.structure)
+    assert meta["method"] == {"lin.weight": "linear", "lin.bias": "vmap"}
 
 
 @pytest.mark.parametrize("width", [1, 7, NORM_BLOCK, 3 * NORM_BLOCK, (1 << 22) + 123])
