@@ -1,9 +1,11 @@
 """The request contract, declared once: every field of a gradients request and every output.
 
-``POST /per-sample-grads`` and ``POST /jobs`` take one body; its fields are :data:`REQUEST`
-(name, kind, range or allowed values, default, meaning) and its outputs :data:`OUTPUTS` (shape,
-and how the answers of a batch split into several requests combine). Everything else reads
-these two tables, so a field exists everywhere or nowhere:
+``POST /per-sample-grads`` and ``POST /jobs`` take one body. Each field is declared once, as a
+key of :class:`Options` (or, for ``model``, ``inputs`` and ``targets``, of :class:`Request`)
+whose annotation carries its type as the client takes it and its :class:`Field` (kind, range
+or allowed values, default, meaning); :data:`REQUEST` is read from those annotations. The
+outputs are :data:`OUTPUTS` (shape, and how the answers of a batch split into several requests
+combine). Everything else reads these two tables, so a field exists everywhere or nowhere:
 
 - the server's checks (``service.validate``: the known fields, which are tensors, the ranges),
 - the OpenAPI schema (``service.api.schemas`` builds ``GradsRequest`` and ``GradsResponse``
@@ -12,8 +14,7 @@ these two tables, so a field exists everywhere or nowhere:
 - the chunk merger (:mod:`psgrad._merge`: which fields are sliced per sample, how each output
   combines),
 - the client (:mod:`psgrad._request` checks a request with them; the keyword options of
-  ``per_sample_grads``, ``td0`` and ``submit`` are :class:`Options`, held equal to
-  :data:`REQUEST` when this module is imported).
+  ``per_sample_grads``, ``td0`` and ``submit`` are typed by :class:`Options` itself).
 
 Nothing here imports torch or the server. tests/unit/test_contract.py fails when a field exists
 on one side only.
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Literal, TypedDict, get_type_hints
 
 from psgrad._errors import BadRequest
 
-__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "field", "output"]
+__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "Request", "field", "output", "spec"]
 
 # Kinds of field: how a value travels (JSON or safetensors) and how it is checked.
 Kind = Literal[
@@ -99,6 +100,11 @@ class Field:
         return f"{lo}{self.le:g}]" if self.le is not None else f">= {self.ge:g}"
 
 
+def spec(kind: Kind, doc: str, **how: Any) -> Field:
+    """A field's declaration in :class:`Options`' annotations (its name is the key's)."""
+    return Field("", kind, doc, **how)
+
+
 @dataclass(frozen=True)
 class Output:
     """One output: its shape, and how the answers of a split batch combine into it
@@ -149,68 +155,150 @@ OUTPUTS: tuple[Output, ...] = (
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
 TENSOR_DOC = "a tensor: nested lists of numbers, or {dtype, shape, data} with base64 data"
 
-REQUEST: tuple[Field, ...] = (
-    Field("model", "ref", "a model id (see GET /models), or 'id@version'", required=True,
-          pattern=REF_PATTERN),
-    Field("inputs", "inputs", f"the batch, first dimension B; {TENSOR_DOC}; for a model with "
-          "several inputs (GET /models/{id} lists them), an object {input name: tensor}",
-          required=True, per_sample=True),
-    Field("targets", "tensor", "labels (class indices) or regression targets, first dimension B",
-          per_sample=True),
-    Field("loss", "choice", "the loss; default (absent, null or ''): the model's default loss",
-          registry="losses", blank=True),
-    Field("outputs", "names", "what to return, a list or one name (default, also for []: "
-          f"['grads']): {', '.join(OUTPUT_NAMES)}", default=["grads"], choices=OUTPUT_NAMES),
-    Field("params", "names", "restrict every output to these parameters (names as in GET "
-          "/models/{id}); default: every parameter"),
-    Field("weights", "tensors", "{param: tensor}: parameter values to use for this call only"),
-    Field("mask", "tensor", "token losses: 1 for the positions that count, 0 for padding, "
-          "[B, T] (the shape of targets)", per_sample=True),
-    Field("clip_norm", "float", "clipped_mean: per-sample clipping norm (> 0)", gt=0.0),
-    Field("noise_multiplier", "float", "clipped_mean: Gaussian noise std as a multiple of "
-          "clip_norm (>= 0)", default=0.0, ge=0.0),
-    Field("seed", "int", "clipped_mean: noise seed (echoed in meta); default: drawn", ge=0,
-          lt=MAX_SEED),
-    Field("dp_run", "ref", "a DP run id (POST /dp-runs): this request is one DP-SGD step. "
-          "outputs must be ['clipped_mean']; the run's clip_norm and noise_multiplier are used, "
-          "the noise N(0, (noise_multiplier * clip_norm)^2) is drawn from the server's CSPRNG "
-          "(no seed), the noisy sum is divided by the run's expected batch size, and the step is "
-          "counted (409 privacy_budget_exhausted when the run has no step left)",
-          pattern=RUN_ID_PATTERN),
-    Field("reference", "tensors", "{param: tensor} for the output dot: one tensor per selected "
-          "parameter, of its shape; for dots: {param: [M, *shape]}, M references"),
-    Field("next_inputs", "tensor", "td0: next states s', first dimension B", per_sample=True),
-    Field("rewards", "tensor", "td0: rewards r, shape [B]", per_sample=True),
-    Field("dones", "tensor", "td0: 1 where the episode ended, shape [B] (default: all 0)",
-          per_sample=True),
-    Field("gamma", "float", "td0: discount in [0, 1] (default 1.0)", default=1.0, ge=0.0,
-          le=1.0),
-    Field("projection_dim", "int", "projection (and a projected self_influence): k",
-          ge=1, le=MAX_PROJECTION_DIM),
-    Field("projection_seed", "int", "the projection's seed (0)", default=0, ge=0, lt=MAX_SEED),
-    Field("projection_kind", "choice", "the sketch: 'tensorsketch' (default; within 2x a dense "
-          "Gaussian projection's error) or 'kronecker' (P_out (x) P_in, for sketches made with "
-          "it)", default=PROJECTION_KINDS[0], choices=PROJECTION_KINDS),
-    Field("reference_sketches", "tensor", "dots: [M, k] sketches made with the same projection"),
-    Field("reference_set", "ref", "influence: a PUT /reference-sets id", pattern=ID_PATTERN),
-    Field("answer_dtype", "choice", "the answer's floating tensors: float32 (default), or "
-          "float16 / bfloat16 for half the bytes (relative rounding error at most 2^-11 / 2^-8; "
-          "float16 overflows past 65504 and loses precision below 6.1e-5)",
-          default=ANSWER_DTYPES[0], choices=ANSWER_DTYPES),
-    Field("autocast", "choice", "'bfloat16': the model's forward and backward run under "
-          "torch.autocast in bfloat16, as a mixed-precision training step does (a float32 "
-          "model only); the statistics are then formed in float32 from its bfloat16 "
-          "activations and output gradients, and agree with the float32 answer to bfloat16's "
-          "precision (relative differences of a few 1e-3). 'off' (default): float32 throughout",
-          default=AUTOCASTS[0], choices=AUTOCASTS),
-    Field("verify", "int", "recompute this many samples (all, if the batch has fewer) one at a "
-          "time with the per-sample loop and compare every output that can be compared; the "
-          "report is meta.verify, and a difference beyond the tolerance fails the request with "
-          "500 verification_failed instead of answering. 0 or absent: the server's "
-          "PSGRAD_VERIFY_FRACTION decides", default=0, ge=0, le=MAX_VERIFY),
-    Field("verify_seed", "int", "picks the verified samples (default: the job id)", ge=0,
-          lt=MAX_SEED),
-)
+class Options(TypedDict, total=False):
+    """The keyword options of ``per_sample_grads``, ``td0`` and ``submit``, and the one place a
+    request field is declared: its type as the client takes it (arrays as numpy arrays, torch
+    tensors or nested lists; unset means the default) and, in its :class:`Field`, how it travels
+    and what the server accepts. :data:`REQUEST` is read from here."""
+
+    loss: Annotated[str | None, spec(
+        "choice",
+        "the loss; default (absent, null or ''): the model's default loss",
+        registry="losses", blank=True)]
+    outputs: Annotated[Sequence[str] | str, spec(
+        "names",
+        "what to return, a list or one name (default, also for []: ['grads']): "
+        f"{', '.join(OUTPUT_NAMES)}",
+        default=["grads"], choices=OUTPUT_NAMES)]
+    params: Annotated[Sequence[str] | None, spec(
+        "names",
+        "restrict every output to these parameters (names as in GET /models/{id}); default: every "
+        "parameter")]
+    weights: Annotated[Mapping[str, Any] | None, spec(
+        "tensors",
+        "{param: tensor}: parameter values to use for this call only")]
+    mask: Annotated[Any, spec(
+        "tensor",
+        "token losses: 1 for the positions that count, 0 for padding, [B, T] (the shape of "
+        "targets)",
+        per_sample=True)]
+    clip_norm: Annotated[float | None, spec(
+        "float",
+        "clipped_mean: per-sample clipping norm (> 0)",
+        gt=0.0)]
+    noise_multiplier: Annotated[float | None, spec(
+        "float",
+        "clipped_mean: Gaussian noise std as a multiple of clip_norm (>= 0)",
+        default=0.0, ge=0.0)]
+    seed: Annotated[int | None, spec(
+        "int",
+        "clipped_mean: noise seed (echoed in meta); default: drawn",
+        ge=0, lt=MAX_SEED)]
+    dp_run: Annotated[str | None, spec(
+        "ref",
+        "a DP run id (POST /dp-runs): this request is one DP-SGD step. outputs must be "
+        "['clipped_mean']; the run's clip_norm and noise_multiplier are used, the noise N(0, "
+        "(noise_multiplier * clip_norm)^2) is drawn from the server's CSPRNG (no seed), the noisy "
+        "sum is divided by the run's expected batch size, and the step is counted (409 "
+        "privacy_budget_exhausted when the run has no step left)",
+        pattern=RUN_ID_PATTERN)]
+    reference: Annotated[Mapping[str, Any] | None, spec(
+        "tensors",
+        "{param: tensor} for the output dot: one tensor per selected parameter, of its shape; for "
+        "dots: {param: [M, *shape]}, M references")]
+    next_inputs: Annotated[Any, spec(
+        "tensor",
+        "td0: next states s', first dimension B",
+        per_sample=True)]
+    rewards: Annotated[Any, spec(
+        "tensor",
+        "td0: rewards r, shape [B]",
+        per_sample=True)]
+    dones: Annotated[Any, spec(
+        "tensor",
+        "td0: 1 where the episode ended, shape [B] (default: all 0)",
+        per_sample=True)]
+    gamma: Annotated[float | None, spec(
+        "float",
+        "td0: discount in [0, 1] (default 1.0)",
+        default=1.0, ge=0.0, le=1.0)]
+    projection_dim: Annotated[int | None, spec(
+        "int",
+        "projection (and a projected self_influence): k",
+        ge=1, le=MAX_PROJECTION_DIM)]
+    projection_seed: Annotated[int | None, spec(
+        "int",
+        "the projection's seed (0)",
+        default=0, ge=0, lt=MAX_SEED)]
+    projection_kind: Annotated[str | None, spec(
+        "choice",
+        "the sketch: 'tensorsketch' (default; within 2x a dense Gaussian projection's error) or "
+        "'kronecker' (P_out (x) P_in, for sketches made with it)",
+        default=PROJECTION_KINDS[0], choices=PROJECTION_KINDS)]
+    reference_sketches: Annotated[Any, spec(
+        "tensor",
+        "dots: [M, k] sketches made with the same projection")]
+    reference_set: Annotated[str | None, spec(
+        "ref",
+        "influence: a PUT /reference-sets id",
+        pattern=ID_PATTERN)]
+    answer_dtype: Annotated[str | None, spec(
+        "choice",
+        "the answer's floating tensors: float32 (default), or float16 / bfloat16 for half the "
+        "bytes (relative rounding error at most 2^-11 / 2^-8; float16 overflows past 65504 and "
+        "loses precision below 6.1e-5)",
+        default=ANSWER_DTYPES[0], choices=ANSWER_DTYPES)]
+    autocast: Annotated[str | None, spec(
+        "choice",
+        "'bfloat16': the model's forward and backward run under torch.autocast in bfloat16, as a "
+        "mixed-precision training step does (a float32 model only); the statistics are then formed"
+        " in float32 from its bfloat16 activations and output gradients, and agree with the "
+        "float32 answer to bfloat16's precision (relative differences of a few 1e-3). 'off' "
+        "(default): float32 throughout",
+        default=AUTOCASTS[0], choices=AUTOCASTS)]
+    verify: Annotated[int | None, spec(
+        "int",
+        "recompute this many samples (all, if the batch has fewer) one at a time with the per-"
+        "sample loop and compare every output that can be compared; the report is meta.verify, and"
+        " a difference beyond the tolerance fails the request with 500 verification_failed instead"
+        " of answering. 0 or absent: the server's PSGRAD_VERIFY_FRACTION decides",
+        default=0, ge=0, le=MAX_VERIFY)]
+    verify_seed: Annotated[int | None, spec(
+        "int",
+        "picks the verified samples (default: the job id)",
+        ge=0, lt=MAX_SEED)]
+
+
+class _Positional(TypedDict):
+    """The client methods' positional arguments, first in every request."""
+
+    model: Annotated[str, spec(
+        "ref",
+        "a model id (see GET /models), or 'id@version'",
+        required=True, pattern=REF_PATTERN)]
+    inputs: Annotated[Any, spec(
+        "inputs",
+        f"the batch, first dimension B; {TENSOR_DOC}; for a model with several inputs "
+        "(GET /models/{id} lists them), an object {input name: tensor}",
+        required=True, per_sample=True)]
+    targets: Annotated[Any, spec(
+        "tensor",
+        "labels (class indices) or regression targets, first dimension B",
+        per_sample=True)]
+
+
+class Request(_Positional, Options):
+    """A whole request body: the positional fields, then the options."""
+
+
+def _declared(cls: type) -> tuple[Field, ...]:
+    """Each key of ``cls`` with the :class:`Field` its annotation carries, named by the key."""
+    hints = get_type_hints(cls, include_extras=True)
+    return tuple(replace(next(m for m in hints[k].__metadata__ if isinstance(m, Field)), name=k)
+                 for k in hints)
+
+
+REQUEST: tuple[Field, ...] = _declared(Request)
 FIELDS: dict[str, Field] = {f.name: f for f in REQUEST}
 KNOWN = frozenset(FIELDS)
 SAMPLE_FIELDS = tuple(f.name for f in REQUEST if f.per_sample)
@@ -228,39 +316,3 @@ def output(name: str) -> Output:
 
 
 _OUTPUTS = {o.name: o for o in OUTPUTS}
-
-
-class Options(TypedDict, total=False):
-    """The keyword options of ``per_sample_grads``, ``td0`` and ``submit``: every field of
-    :data:`REQUEST` but the positional ``model``, ``inputs`` and ``targets``, as the client takes
-    them (arrays as numpy arrays, torch tensors or nested lists). Unset means the default."""
-
-    loss: str | None
-    outputs: Sequence[str] | str
-    params: Sequence[str] | None
-    weights: Mapping[str, Any] | None
-    mask: Any
-    clip_norm: float | None
-    noise_multiplier: float | None
-    seed: int | None
-    dp_run: str | None
-    reference: Mapping[str, Any] | None
-    next_inputs: Any
-    rewards: Any
-    dones: Any
-    gamma: float | None
-    projection_dim: int | None
-    projection_seed: int | None
-    projection_kind: str | None
-    reference_sketches: Any
-    reference_set: str | None
-    answer_dtype: str | None
-    autocast: str | None
-    verify: int | None
-    verify_seed: int | None
-
-
-_typed = set(Options.__annotations__)
-if _typed != KNOWN - set(POSITIONAL):  # a field added to one and not the other fails at import
-    raise RuntimeError(f"psgrad._contract: Options and REQUEST differ: "
-                      f"{sorted(_typed ^ (KNOWN - set(POSITIONAL)))}")
