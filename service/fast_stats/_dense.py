@@ -61,8 +61,8 @@ class Zero(Dense):
         zeros = torch.zeros((1, *shape), dtype=dtype, device=device).expand(batch, *shape)
         super().__init__(name, zeros, budget, "unused")
 
-    def answer(self) -> Tensors:
-        return {self.names[0]: self.full.contiguous()}  # an answer owns its memory
+    def answer(self, rows: int | None = None) -> Tensors:
+        return {self.names[0]: self.full[:rows].contiguous()}  # an answer owns its memory
 
     def project(self, projection: Projection, out: torch.Tensor) -> None:
         """A zero gradient adds nothing to a sketch."""
@@ -99,8 +99,9 @@ class DenseGroup(Source):
         return {k: s[lo:hi, j].reshape(hi - lo, *self.shapes[k])
                 for names, s in self.stacks for j, k in enumerate(names)}
 
-    def answer(self) -> Tensors:
-        return {k: g.contiguous() for k, g in self.grads(0, self.batch).items()}
+    def answer(self, rows: int | None = None) -> Tensors:
+        return {k: g.contiguous()
+                for k, g in self.grads(0, self.batch if rows is None else rows).items()}
 
     def _split(self, values: torch.Tensor, names: Sequence[str]) -> Tensors:
         """``values`` ``[K, n]``, one row per member, as each member's tensor in its shape."""

@@ -100,16 +100,17 @@ class OuterSource(Materialised):
         ]
         return {self.names[0]: cat(parts)}
 
-    def answer(self) -> Tensors:
+    def answer(self, rows: int | None = None) -> Tensors:
         """``G_i^T A_i`` per block, written straight into the answer (allocated once, never
         zeroed): one position is an outer product, a broadcast multiply that writes each
         element once (a batched matmul of inner size 1 is slower, see
         ``docs/architecture.md``); more positions are one batched matmul."""
         name = self.names[0]
+        batch = self.batch if rows is None else rows
         out: torch.Tensor | None = None
-        for x, y, a, g in self.blocks(0, self.batch):
+        for x, y, a, g in self.blocks(0, batch):
             if out is None:
-                out = g.new_empty((self.batch, *self.shapes[name]))
+                out = g.new_empty((batch, *self.shapes[name]))
             n = (y - x) * self.groups
             view = out[x:y].view(n, self.p, self.d)
             gt, a = g.detach().transpose(-1, -2).reshape(n, self.p, -1), a.detach()

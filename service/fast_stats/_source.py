@@ -107,11 +107,12 @@ class Source:
         """Materialised per-sample gradients of rows [lo, hi), ``{name: [n, *shape]}``."""
         raise NotImplementedError
 
-    def answer(self) -> Tensors:
+    def answer(self, rows: int | None = None) -> Tensors:
         """Every sample's gradient, ``{name: [B, *shape]}``: the answer itself, so each
         parameter's is one buffer written once (a family overrides this to write its closed
-        form straight into the buffer)."""
-        return self.grads(0, self.batch)
+        form straight into the buffer). ``rows``: the first samples' only, as the plan's check
+        reads them."""
+        return self.grads(0, self.batch if rows is None else rows)
 
     def project(self, projection: Projection, out: torch.Tensor) -> None:
         """Adds its parameters' part of every sample's sketch to ``out`` ``[B, k]``, from the
@@ -119,11 +120,12 @@ class Source:
         projection.project_many(self.grads(0, self.batch), out)
 
 
-def answers(found: Sequence[Source]) -> Tensors:
-    """Every parameter's per-sample gradients, each source's written into its own buffers."""
+def answers(found: Sequence[Source], rows: int | None = None) -> Tensors:
+    """Every parameter's per-sample gradients (``rows``: the first samples'), each source's
+    written into its own buffers."""
     out: Tensors = {}
     for source in found:
-        out.update(source.answer())
+        out.update(source.answer(rows))
     return out
 
 
@@ -231,8 +233,10 @@ class Materialised(Source):
         if keep:
             self._cache = kept
 
-    def answer(self) -> Tensors:
+    def answer(self, rows: int | None = None) -> Tensors:
         """The chunks (the cached ones, if any) copied into one buffer per parameter."""
+        if rows is not None and rows < self.batch:
+            return self.grads(0, rows)
         out: Tensors = {}
         for lo, hi, grads in self.chunks():
             keep_rows(out, self.batch, lo, hi, grads)

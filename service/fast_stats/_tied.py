@@ -49,6 +49,12 @@ class Tied(Summed):
         name = self.names[0]
         return {name: self.emb.add_rows(self.outer.grads(lo, hi)[name].contiguous(), lo, hi)}
 
+    def answer(self, rows: int | None = None) -> Tensors:
+        """The output layer's answer, the embedding's rows added into it."""
+        n = self.batch if rows is None else rows
+        name = self.names[0]
+        return {name: self.emb.add_rows(self.outer.answer(n)[name], 0, n)}
+
     def cross(self) -> torch.Tensor:
         """``<L_i, E_i>`` of every sample ``[B]``, a block of samples at a time."""
         out = []

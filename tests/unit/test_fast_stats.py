@@ -1081,8 +1081,9 @@ def test_the_probe_checks_the_written_gradients(
     whole-model replay, and the answer stays right: the sources' answers written all at once or
     one source at a time (each compared with every probe sample's gradients)."""
 
-    def wrong(self: OuterSource) -> dict[str, torch.Tensor]:
-        return {self.names[0]: torch.zeros((self.batch, *self.shapes[self.names[0]]))}
+    def wrong(self: OuterSource, rows: int | None = None) -> dict[str, torch.Tensor]:
+        n = self.batch if rows is None else rows
+        return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
 
     monkeypatch.setattr(OuterSource, "answer", wrong)
     monkeypatch.setattr(_plan, "CHECK_BYTES", check_bytes)

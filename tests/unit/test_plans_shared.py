@@ -185,8 +185,9 @@ def test_a_tampered_plan_never_changes_an_answer(
     digest recomputed (anyone can), is checked before use, fails, and the answer stays right,
     whether or not this process holds a secret (an unsigned entry is checked either way)."""
 
-    def wrong(self: OuterSource) -> dict[str, torch.Tensor]:
-        return {self.names[0]: torch.zeros((self.batch, *self.shapes[self.names[0]]))}
+    def wrong(self: OuterSource, rows: int | None = None) -> dict[str, torch.Tensor]:
+        n = self.batch if rows is None else rows
+        return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
 
     monkeypatch.setattr(OuterSource, "answer", wrong)
     model = model_of(Positions(), f"tampered-{length}")

@@ -160,13 +160,13 @@ class ConvSource(OuterSource):
                 g.view(y - x, self.groups, self.p, -1).transpose(-1, -2),
             )
 
-    def answer(self) -> Tensors:
+    def answer(self, rows: int | None = None) -> Tensors:
         """Every sample's weight gradient, allocated once: by one weight-gradient convolution
         with the batch folded into the groups where that is faster (:meth:`folded`), else by
         the unfolded chunks' batched matmuls written straight into the answer."""
         if not self.folded():
-            return super().answer()
-        return self.grads(0, self.batch)
+            return super().answer(rows)
+        return self.grads(0, self.batch if rows is None else rows)
 
     def grads(self, lo: int, hi: int) -> Tensors:
         """Rows [lo, hi) by the batch-folded convolution where it is faster (:meth:`folded`):

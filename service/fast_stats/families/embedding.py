@@ -81,8 +81,9 @@ class EmbeddingSource(Materialised):
             self.g[lo:hi].reshape(-1, self.dim).to(dense.dtype))
         return dense
 
-    def answer(self) -> Tensors:
-        return self.grads(0, self.batch)  # one index_add into zeros: no chunk to copy
+    def answer(self, rows: int | None = None) -> Tensors:
+        # one index_add into zeros: no chunk to copy
+        return self.grads(0, self.batch if rows is None else rows)
 
     def project(self, projection: Projection, out: torch.Tensor) -> None:
         """Sketches from the (token, gradient row) pairs: no dense table per sample."""
