@@ -27,7 +27,14 @@ from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
-from service.fast_stats._run import Plan, Setup, forward_backward, model_inputs, setup_losses
+from service.fast_stats._run import (
+    Plan,
+    Run,
+    Setup,
+    forward_backward,
+    model_inputs,
+    setup_losses,
+)
 from service.fast_stats._shared import SharedPlans, Stored, plan_key, signature_digest
 from service.fast_stats._source import Source, answers
 from service.lru import LockedLRU
@@ -102,7 +109,7 @@ def _adopt(probe: Setup, stored: Stored, shared: SharedPlans) -> Plan | None:
             continue
         if not stored.trusted:
             shared.stats.checks += 1
-            if wrong := _check(*_short(probe, plan)):
+            if wrong := _check(probe, plan):
                 shared.refused(f"a stored plan of {probe.model.ref} failed its check on "
                                f"{', '.join(wrong[:5])}: planning afresh")
                 return None
@@ -139,7 +146,7 @@ def _make(probe: Setup) -> Plan:
         if name in stacks:
             modules.setdefault(_enclosing(stacks[name], run.simple), []).append(name)
     plan = _finish(probe, modules)
-    wrong = _check(*_short(probe, plan))
+    wrong = _check(probe, plan)
     if wrong:
         for name in wrong:
             for replayed in modules.values():
@@ -179,27 +186,27 @@ def _finish(probe: Setup, modules: Mapping[str, Sequence[str]]) -> Plan:
     return replace(plan, signature=tuple(u.signature for u in run.uses))
 
 
-def _short(probe: Setup, plan: Plan) -> tuple[Setup, Plan]:
-    """The probe cut to :data:`SHORT` positions, and the plan as its forward reads there, where
-    the model runs the same sequence of ops at that length (every field of the sample's length
-    cut alike); else both as they are. The check's cost follows the length (GPT-2 small at 64
-    positions: 17 s; at 8: a few), and what it checks, how each op's parameters are captured,
-    does not."""
+def _short_run(probe: Setup, plan: Plan) -> tuple[Setup, Run]:
+    """The probe cut to :data:`SHORT` positions and its run (forward and backward), where the
+    model runs the same sequence of ops at that length (every field of the sample's length cut
+    alike); else the probe as it is and its run. The check's cost follows the length (GPT-2
+    small at 64 positions: 17 s; at 8: a few), and what it checks, how each op's parameters are
+    captured, does not."""
     inputs = probe.samples["inputs"]
-    if inputs.dim() < 2 or inputs.shape[1] <= SHORT:
-        return probe, plan
-    length = inputs.shape[1]
-    short = replace(probe, samples={
-        k: v[:, :SHORT] if v.dim() >= 2 and v.shape[1] == length else v
-        for k, v in probe.samples.items()})
-    try:
-        again = _finish(short, plan.modules)
-    except Exception:  # the model takes only its length (an MLP's features, a fixed export)
-        return probe, plan
-    same = signature_digest(again.signature)
-    if same is None or same != signature_digest(plan.signature):
-        return probe, plan
-    return short, again
+    if inputs.dim() >= 2 and inputs.shape[1] > SHORT:
+        length = inputs.shape[1]
+        short = replace(probe, samples={
+            k: v[:, :SHORT] if v.dim() >= 2 and v.shape[1] == length else v
+            for k, v in probe.samples.items()})
+        try:
+            run = forward_backward(short, plan)
+        except Exception:  # the model takes only its length (an MLP's features, a fixed export)
+            run = None
+        if run is not None:
+            same = signature_digest(tuple(u.signature for u in run.uses))
+            if same is not None and same == signature_digest(plan.signature):
+                return short, run
+    return probe, forward_backward(probe, plan)
 
 
 def _check(probe: Setup, plan: Plan) -> list[str]:
@@ -207,8 +214,8 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
 
     With a random direction ``r`` (the dots' reference), two checks, neither a plain backward:
 
-    - the first sample alone: the gradient the sources write for it (as a ``grads`` answer
-      does, a group of sources at a time, :data:`CHECK_BYTES` each) must have, parameter by
+    - the first sample alone: the gradient the probe's sources write for it (as a ``grads``
+      answer does, a group of sources at a time, :data:`CHECK_BYTES` each) must have, parameter by
       parameter, the squared norm and the dot with ``r`` that the probe's first pass found for
       that sample: the written form, the norm's closed form and the dot's agree.
     - every probe sample: the forward-mode derivative of each sample's loss along ``r`` scaled
@@ -220,12 +227,14 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
 
     Only where the second fails (or an op has no forward derivative) does one plain backward of
     ``sum_i c_i loss_i`` with random weights ``c`` find the parameter, by each parameter's dots,
-    weighted alike, against its dot with ``r``. So a plan that holds costs the sources' first
-    pass, one forward-mode pass, the sources' pass over one sample and that sample's written
-    gradients, all at :data:`SHORT` positions (GPT-2 small's check with a plain backward of one
-    sample and an element-wise comparison cost 2 steady calls; a ``vmap`` per sample and group
-    took its first call 33-126 s).
+    weighted alike, against its dot with ``r``. So a plan that holds costs one captured pass of
+    the probe (forward, backward, the sources' first pass), one forward-mode pass and one
+    sample's written gradients, at :data:`SHORT` positions where the model's ops allow
+    (:func:`_short_run`; GPT-2 small's check with two plain backwards and an element-wise
+    comparison cost 2 steady calls; a ``vmap`` per sample and group took its first call
+    33-126 s).
     """
+    probe, run = _short_run(probe, plan)
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
     gen = torch.Generator().manual_seed(0)
@@ -233,10 +242,16 @@ def _check(probe: Setup, plan: Plan) -> list[str]:
     # random values repeated with a period of 64 Ki: drawing 124 M of them took 1.5 s
     pattern = torch.empty(1 << 16, dtype=model.dtype).uniform_(-1, 1, generator=gen)
     reference = {k: _tiled(pattern, params[k]) for k in selected}
-    first = _first_pass(probe, plan, Pass1Need(sq=True, reference=reference,
-                                               bounds=((0, PROBE),), sums_dtype=model.dtype))
-    one = replace(probe, samples={k: v[:1] for k, v in probe.samples.items()})
-    wrong = _written_differ(one, plan, selected, reference, first)
+    need = Pass1Need(sq=True, reference=reference, bounds=((0, PROBE),),
+                     sums_dtype=model.dtype)
+    first: dict[str, Pass1] = {}
+    with torch.no_grad():
+        sources = build_sources(probe, run, plan, Budget(64 << 20))
+        del run
+        for source in sources:
+            first.update(source.pass1(need))
+        wrong = _written_differ(sources, selected, params, reference, first)
+        del sources
     if not _totals_match(probe, reference, first):
         want = _weighted_gradient(probe, selected, weights.to(model.device))
         wrong |= {k for k in selected if not _weighted_dots_match(
@@ -290,16 +305,6 @@ def _totals_match(probe: Setup, direction: Tensors, first: Mapping[str, Pass1]) 
                        derivative.detach().double())
 
 
-def _first_pass(probe: Setup, plan: Plan, need: Pass1Need) -> dict[str, Pass1]:
-    """The sources' first pass over the probe, as a call takes it."""
-    run = forward_backward(probe, plan)
-    got: dict[str, Pass1] = {}
-    with torch.no_grad():
-        for source in build_sources(probe, run, plan, Budget(64 << 20)):
-            got.update(source.pass1(need))
-    return got
-
-
 def _weighted_dots_match(dots: torch.Tensor | None, weights: torch.Tensor,
                          want: torch.Tensor) -> bool:
     """Whether ``sum_i weights_i dots_i`` equals ``want`` to the dots' own rounding."""
@@ -315,30 +320,24 @@ def _sums_match(terms: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((torch.isfinite(got) & ((got - want).abs() <= 1e-3 * size + 1e-6)).all())
 
 
-def _written_differ(one: Setup, plan: Plan, selected: Sequence[str], reference: Tensors,
-                    first: Mapping[str, Pass1]) -> set[str]:
-    """Parameters whose gradient as the sources write it for the one sample of ``one`` has
-    another squared norm or dot with ``reference`` than the probe's first pass (``first``,
-    whose first sample it is) found for that sample."""
-    params = one.params
-    run = forward_backward(one, plan)
+def _written_differ(sources: Sequence[Source], selected: Sequence[str], params: Tensors,
+                    reference: Tensors, first: Mapping[str, Pass1]) -> set[str]:
+    """Parameters whose gradient as ``sources`` write it for their first sample has another
+    squared norm or dot with ``reference`` than their first pass (``first``) found for it."""
     wrong: set[str] = set()
-    with torch.no_grad():
-        sources = build_sources(one, run, plan, Budget(64 << 20))
-        del run
-        for group in _groups(sources, set(selected), params):
-            written = answers(group)
-            for k in (k for s in group for k in s.names if k in written and k in selected):
-                rows = written[k].reshape(1, -1)
-                want_sq, want_dot = first[k].sq, first[k].dot
-                assert want_sq is not None and want_dot is not None
-                sq = squared_norms(rows)
-                scale = 1 + float(sq.max())
-                if not (_close(sq, want_sq[:1], 1e-3, 1e-5 * scale)
-                        and _close(_dots(rows, reference[k]), want_dot[:1], 1e-3,
-                                   1e-3 * scale**0.5)):
-                    wrong.add(k)
-            del written
+    for group in _groups(sources, set(selected), params):
+        written = answers(group, rows=1)
+        for k in (k for s in group for k in s.names if k in written and k in selected):
+            rows = written[k].reshape(1, -1)
+            want_sq, want_dot = first[k].sq, first[k].dot
+            assert want_sq is not None and want_dot is not None
+            sq = squared_norms(rows)
+            scale = 1 + float(sq.max())
+            if not (_close(sq, want_sq[:1], 1e-3, 1e-5 * scale)
+                    and _close(_dots(rows, reference[k]), want_dot[:1], 1e-3,
+                               1e-3 * scale**0.5)):
+                wrong.add(k)
+        del written
     return wrong
 
 
@@ -389,13 +388,13 @@ CHECK_BYTES = 64 << 20  # one sample's written gradients of one group of sources
 
 def _groups(sources: Sequence[Source], selected: set[str], params: Tensors
             ) -> list[list[Source]]:
-    """Consecutive sources whose selected parameters' probe gradients take at most
+    """Consecutive sources whose selected parameters' gradients of one sample take at most
     :data:`CHECK_BYTES` (a source larger than that alone is a group of its own)."""
     groups: list[list[Source]] = []
     size = CHECK_BYTES
     for source in sources:
-        nbytes = source.batch * sum(params[k].numel() * params[k].element_size()
-                             for k in source.names if k in selected)
+        nbytes = sum(params[k].numel() * params[k].element_size()
+                     for k in source.names if k in selected)
         if size + nbytes > CHECK_BYTES:
             groups.append([])
             size = 0
