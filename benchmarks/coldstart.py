@@ -11,7 +11,9 @@ a new worker or a restarted server would be:
 - ``cold``: the first ``norms`` request with no plan anywhere;
 - ``shared``: the first request of a process whose plan store holds what ``cold`` made (a
   fresh worker beside another, or a restart), signed as workers sharing a secret sign it;
-- ``unsigned``: the same with the store's entry unsigned (no secret: checked before use);
+- ``unsigned``: the same with the store's entry unsigned (no secret: checked before use); the
+  check's own time (the plan store's ``check_s``) is printed against the steady time, in this
+  step and in ``cold``;
 - ``new batch`` and ``new length``: the first request at another batch size and length, in a
   process that has served the first shape.
 
@@ -109,6 +111,7 @@ def child(args: argparse.Namespace) -> None:
         out[f"{batch}x{seq}"] = {"first_s": first, "steady_s": statistics.median(times)}
     assert plans is not None
     out["plans"] = {"probes": plans.stats.probes, "checks": plans.stats.checks,
+                    "check_s": plans.stats.check_s,
                     "loaded": plans.stats.loaded, "ignored": plans.stats.reasons}
     SPARES.close()
     print(json.dumps(out), flush=True)
@@ -254,6 +257,10 @@ def report(name: str, args: argparse.Namespace, cold: dict[str, Any], shared: di
     for label, first, base, unit in rows:
         bound = f"  (2x + 5 s: {2 * base + 5:.1f} s)" if unit == "x steady" else ""
         print(f"  {label:28s} {first:8.2f} s  {base:8.2f} s  {first / base:6.2f} {unit}{bound}")
+    for label, run in (("the check, cold", cold), ("the check, unsigned", unsigned)):
+        check, steady = run["plans"]["check_s"], run[shape]["steady_s"]
+        print(f"  {label:28s} {check:8.2f} s  {steady:8.2f} s  {check / steady:6.2f} x steady"
+              "  (goal: 1)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ model loads the verdict another made (:mod:`._shared` says when it is checked fi
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -107,12 +108,10 @@ def _adopt(probe: Setup, stored: Stored, shared: SharedPlans) -> Plan | None:
             continue
         if stored.classes.get(signature_digest(plan.signature) or "") != replays:
             continue
-        if not stored.trusted:
-            shared.stats.checks += 1
-            if wrong := _check(probe, plan):
-                shared.refused(f"a stored plan of {probe.model.ref} failed its check on "
-                               f"{', '.join(wrong[:5])}: planning afresh")
-                return None
+        if not stored.trusted and (wrong := _check(probe, plan, shared)):
+            shared.refused(f"a stored plan of {probe.model.ref} failed its check on "
+                           f"{', '.join(wrong[:5])}: planning afresh")
+            return None
         shared.stats.loaded += 1
         return plan
     return None
@@ -122,14 +121,13 @@ def _probe(probe: Setup, shared: SharedPlans | None) -> tuple[Plan | None, str |
     """The plan worked out by the probe and its check, or None and why."""
     if shared is not None:
         shared.stats.probes += 1
-        shared.stats.checks += 1
     try:
-        return _make(probe), None
+        return _make(probe, shared), None
     except Unsupported as exc:
         return None, str(exc) or "unsupported"
 
 
-def _make(probe: Setup) -> Plan:
+def _make(probe: Setup, shared: SharedPlans | None = None) -> Plan:
     first = Plan(probe.selected, {})
     run = forward_backward(probe, first, probe=True, backward=False)
     stacks: dict[str, list[tuple[str, ...]]] = {}
@@ -146,7 +144,7 @@ def _make(probe: Setup) -> Plan:
         if name in stacks:
             modules.setdefault(_enclosing(stacks[name], run.simple), []).append(name)
     plan = _finish(probe, modules)
-    wrong = _check(probe, plan)
+    wrong = _check(probe, plan, shared)
     if wrong:
         for name in wrong:
             for replayed in modules.values():
@@ -209,15 +207,28 @@ def _short_run(probe: Setup, plan: Plan) -> tuple[Setup, Run]:
     return probe, forward_backward(probe, plan)
 
 
-def _check(probe: Setup, plan: Plan) -> list[str]:
-    """Parameters whose probe statistics or gradients differ from an independent path's.
+def _check(probe: Setup, plan: Plan, shared: SharedPlans | None = None) -> list[str]:
+    """Parameters whose probe statistics or gradients differ from an independent path's
+    (counted, and timed, in ``shared``'s stats)."""
+    start = time.perf_counter()
+    try:
+        return _checked(probe, plan)
+    finally:
+        if shared is not None:
+            shared.stats.checks += 1
+            shared.stats.check_s += time.perf_counter() - start
+
+
+def _checked(probe: Setup, plan: Plan) -> list[str]:
+    """:func:`_check`'s work.
 
     With a random direction ``r`` (the dots' reference), two checks, neither a plain backward:
 
     - the first sample alone: the gradient the probe's sources write for it (as a ``grads``
-      answer does, a group of sources at a time, :data:`CHECK_BYTES` each) must have, parameter by
-      parameter, the squared norm and the dot with ``r`` that the probe's first pass found for
-      that sample: the written form, the norm's closed form and the dot's agree.
+      answer does, a group of sources at a time, :data:`CHECK_BYTES` each) must have,
+      parameter by parameter, the squared norm and the dot with ``r`` that the probe's first
+      pass found for that sample: the written form, the norm's closed form and the dot's
+      agree.
     - every probe sample: the forward-mode derivative of each sample's loss along ``r`` scaled
       per parameter (``torch.func.jvp``: no capture, no backward, an independent path) is
       ``sum_k s_k <g_ik, r_k>``, which the sources' dots, scaled alike, must sum to. The

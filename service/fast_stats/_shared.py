@@ -96,6 +96,7 @@ class PlanStats:
 
     probes: int = 0  # plans worked out by a probe and its check
     checks: int = 0  # checks run (a probe's, or an unsigned entry's before its first use)
+    check_s: float = 0.0  # seconds they took
     loaded: int = 0  # plans taken from the store
     stored: int = 0
     ignored: int = 0  # entries refused (corrupt, foreign, tampered, failed their check)

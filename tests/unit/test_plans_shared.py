@@ -113,6 +113,7 @@ def test_a_plan_made_once_is_loaded_not_probed_after_a_restart(
     answered(model, batch_of(4, 5, seed=1), second)
     # unsigned: checked once before its first use, never probed
     assert (second.stats.probes, second.stats.loaded, second.stats.checks) == (0, 1, 1)
+    assert second.stats.check_s > 0  # and timed (benchmarks/coldstart.py reads it)
 
 
 def test_a_signed_plan_is_taken_without_a_check(model: LoadedModel, tmp_path: Path) -> None:
@@ -122,6 +123,7 @@ def test_a_signed_plan_is_taken_without_a_check(model: LoadedModel, tmp_path: Pa
     second = store(tmp_path, "s3cret")
     answered(model, batch_of(4, 5), second)
     assert (second.stats.probes, second.stats.checks, second.stats.loaded) == (0, 0, 1)
+    assert second.stats.check_s == 0
 
 
 def test_a_new_batch_size_or_length_reuses_the_plan(model: LoadedModel, tmp_path: Path) -> None:
