@@ -43,6 +43,7 @@ from service.strategies.base import NORM_BLOCK, Tensors, squared_norms
 
 PROBE = 3  # samples in the probe batch (drawn cyclically from the first call's batch)
 SHORT = 8  # positions the check runs at, where the model's ops are the same there
+SPATIAL = 32  # an image's height and width there (ResNet-18's last maps are then 1x1)
 PLANS: LockedLRU[tuple[Any, ...], Plan | None] = LockedLRU(256)
 
 
@@ -185,20 +186,16 @@ def _finish(probe: Setup, modules: Mapping[str, Sequence[str]]) -> Plan:
 
 
 def _short_run(probe: Setup, plan: Plan) -> tuple[Setup, Run]:
-    """The probe cut to :data:`SHORT` positions and its run (forward and backward), where the
-    model runs the same sequence of ops at that length (every field of the sample's length cut
-    alike); else the probe as it is and its run. The check's cost follows the length (GPT-2
-    small at 64 positions: 17 s; at 8: a few), and what it checks, how each op's parameters are
-    captured, does not."""
-    inputs = probe.samples["inputs"]
-    if inputs.dim() >= 2 and inputs.shape[1] > SHORT:
-        length = inputs.shape[1]
-        short = replace(probe, samples={
-            k: v[:, :SHORT] if v.dim() >= 2 and v.shape[1] == length else v
-            for k, v in probe.samples.items()})
+    """The probe cut short (:func:`_cut`) and its run (forward and backward), where the model
+    runs the same sequence of ops there; else the probe as it is and its run. The check's cost
+    follows the sample's size (GPT-2 small at 64 positions: 17 s; at 8: a few; ResNet-18 at
+    224x224: 3 steady calls), and what it checks, how each op's parameters are captured, does
+    not."""
+    short = _cut(probe)
+    if short is not None:
         try:
             run = forward_backward(short, plan)
-        except Exception:  # the model takes only its length (an MLP's features, a fixed export)
+        except Exception:  # the model takes only its size (an MLP's features, a fixed export)
             run = None
         if run is not None:
             same = signature_digest(tuple(u.signature for u in run.uses))
@@ -217,6 +214,26 @@ def _check(probe: Setup, plan: Plan, shared: SharedPlans | None = None) -> list[
         if shared is not None:
             shared.stats.checks += 1
             shared.stats.check_s += time.perf_counter() - start
+
+
+def _cut(probe: Setup) -> Setup | None:
+    """The probe with every field cut alike: an image's (``[B, C, H, W]``) height and width to
+    :data:`SPATIAL`, else a sequence's length (dimension 1) to :data:`SHORT`; None where the
+    inputs are no longer than that."""
+    inputs = probe.samples["inputs"]
+    if inputs.dim() == 4:
+        size = inputs.shape[2:]
+        if max(size) <= SPATIAL:
+            return None
+        return replace(probe, samples={
+            k: v[..., :SPATIAL, :SPATIAL] if v.dim() >= 3 and v.shape[-2:] == size else v
+            for k, v in probe.samples.items()})  # a dense target [B, H, W] alike
+    if inputs.dim() < 2 or inputs.shape[1] <= SHORT:
+        return None
+    length = inputs.shape[1]
+    return replace(probe, samples={
+        k: v[:, :SHORT] if v.dim() >= 2 and v.shape[1] == length else v
+        for k, v in probe.samples.items()})
 
 
 def _checked(probe: Setup, plan: Plan) -> list[str]:

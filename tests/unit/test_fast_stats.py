@@ -1124,6 +1124,47 @@ def test_the_probe_checks_every_sample_not_only_the_first(
     assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}
 
 
+class _Pooled(nn.Module):
+    """A convolution over any image size, pooled to one value per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.adaptive_avg_pool2d(self.conv(x), 1).flatten(1))
+
+
+def test_the_check_cuts_an_image_to_32x32_and_still_finds_a_wrong_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's check runs a 40x40 image at 32x32 (``_plan.SPATIAL``: the same ops, a
+    fraction of the work), and a convolution whose written answer is wrong there still loses
+    its weight to the whole-model replay; the answers are the loop's."""
+    sizes: list[tuple[int, ...]] = []
+    run = _plan.forward_backward
+
+    def spy(setup: Any, plan: Any, **kwargs: Any) -> Any:
+        sizes.append(tuple(setup.samples["inputs"].shape[2:]))
+        return run(setup, plan, **kwargs)
+
+    def wrong(self: ConvSource, rows: int | None = None) -> dict[str, torch.Tensor]:
+        n = self.batch if rows is None else rows
+        return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
+
+    monkeypatch.setattr(_plan, "forward_backward", spy)
+    monkeypatch.setattr(ConvSource, "answer", wrong)
+    torch.manual_seed(0)
+    model = custom(_Pooled(), (2, 40, 40), key="pooled-40")
+    try:
+        meta = check(model, make_batch(model, 4), outputs=GRADS)
+    finally:
+        PLANS.drop(lambda key: key[0] != model.structure)
+    assert meta["method"]["conv.weight"] == "vmap"
+    assert (32, 32) in sizes and (40, 40) in sizes, sizes
+
+
 class _LoudInputs(nn.Module):
     """A linear layer fed inputs 1000x its output gradients' scale: the weight's dots with a
     random direction are about 10^4 times the bias's."""
