@@ -1064,6 +1064,12 @@ def test_layers_that_read_one_input_build_its_gram_matrix_once(
         assert built.count(False) >= 1, built  # read again, not built again
 
 
+def _zero_answer(self: OuterSource, rows: int | None = None) -> dict[str, torch.Tensor]:
+    """A planted wrong answer: zeros for the source's first parameter."""
+    n = self.batch if rows is None else rows
+    return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
+
+
 class _Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -1081,11 +1087,7 @@ def test_the_probe_checks_the_written_gradients(
     whole-model replay, and the answer stays right: the sources' answers written all at once or
     one source at a time (each compared with every probe sample's gradients)."""
 
-    def wrong(self: OuterSource, rows: int | None = None) -> dict[str, torch.Tensor]:
-        n = self.batch if rows is None else rows
-        return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
-
-    monkeypatch.setattr(OuterSource, "answer", wrong)
+    monkeypatch.setattr(OuterSource, "answer", _zero_answer)
     monkeypatch.setattr(_plan, "CHECK_BYTES", check_bytes)
     torch.manual_seed(0)
     model = custom(_Broken(), (4,), key=f"broken-answer-{check_bytes}")
@@ -1149,12 +1151,8 @@ def test_the_check_cuts_an_image_to_32x32_and_still_finds_a_wrong_answer(
         sizes.append(tuple(setup.samples["inputs"].shape[2:]))
         return run(setup, plan, **kwargs)
 
-    def wrong(self: ConvSource, rows: int | None = None) -> dict[str, torch.Tensor]:
-        n = self.batch if rows is None else rows
-        return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
-
     monkeypatch.setattr(_plan, "forward_backward", spy)
-    monkeypatch.setattr(ConvSource, "answer", wrong)
+    monkeypatch.setattr(ConvSource, "answer", _zero_answer)
     torch.manual_seed(0)
     model = custom(_Pooled(), (2, 40, 40), key="pooled-40")
     try:
