@@ -45,7 +45,7 @@ from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
 from service.dp.steps import on_result as count_dp_step
 from service.events import BatchEnded, BatchStarted, Events, JobEnded, JobVerified, Subscriber
-from service.fast_stats import SharedPlans
+from service.fast_stats import SharedPlans, warm_kernels
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.storage import Storage
@@ -117,6 +117,7 @@ class Worker:
             torch.set_num_threads(self.settings.torch_threads)
         set_tf32(self.settings.allow_tf32)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
+        warm_kernels()  # the CPU's compiled loops (numba), likewise
         if not self.warmed.is_set():
             self.warm(stop, self._to_warm)
         self.warmed.set()

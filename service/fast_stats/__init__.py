@@ -19,8 +19,9 @@ strategy, or declines. A layer family is one module in ``families/`` (a class de
 
 from service.fast_stats import families  # noqa: F401  (register the layer families)
 from service.fast_stats._family import FAMILIES, Family, register_family
+from service.fast_stats._kernels import warm_up as warm_kernels
 from service.fast_stats._shared import FileBackend, RedisBackend, SharedPlans
 from service.fast_stats.strategy import FastStats
 
 __all__ = ["FAMILIES", "Family", "FastStats", "FileBackend", "RedisBackend", "SharedPlans",
-           "register_family"]
+           "register_family", "warm_kernels"]

@@ -6,7 +6,8 @@ Xeon, as long again as the batched matmul that built the piece. One loop over bl
 piece's columns small enough to stay in the L1 cache reads each element twice from there and
 writes none: about four times faster (``benchmarks/pieces.py --loops fused,eager``). A batch
 norm's per-sample sums and dots over positions likewise take one read. Numba compiles each loop
-once per process at its first use (about a second per dtype). On an accelerator (whose eager
+once per process (about a second per dtype): a worker does it for float32 as it starts
+(:func:`warm_up`), other dtypes at their first use. On an accelerator (whose eager
 kernels are bandwidth-bound and fast), and for any other dtype or layout, the eager operations
 run.
 """
@@ -81,6 +82,18 @@ def sums_and_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.
         return out[:, 1]
     torch.sum(a, 1, out=out[:, 0])
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    """Compile every loop for ``dtypes`` now, as the calls compile them (the same argument
+    types), so that a worker's first request does not: ResNet-18's first check spent 1.0 s of
+    its 1.6 s compiling the batch norm's loop. Workers call this when they start."""
+    for dtype in dtypes:
+        rows, mean, m2 = torch.ones(2, 3, dtype=dtype), torch.zeros(3, dtype=dtype), \
+            torch.zeros(3, dtype=dtype)
+        merged_into(rows, mean, m2, 0)
+        norms_and_mean_dots(rows, mean)
+        sums_and_dots(rows, rows, torch.zeros(2, 2, dtype=dtype))
 
 
 def _fused(*tensors: torch.Tensor) -> bool:

@@ -4,6 +4,8 @@ and float64: each sample's mean, squared deviations, squared norms and dots with
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +125,29 @@ def test_sets_of_samples_merge_into_the_running_moments(
     torch.testing.assert_close(acc.m2.double(), ((exact - exact.mean(0)) ** 2).sum(0), rtol=0,
                                atol=tol * 300 * 300 * len(rows))
     assert merged_into(rows, acc.mean, acc.m2, 1) == fused  # where the loops run
+
+
+WARMED = """
+import torch
+from service.fast_stats import _kernels, warm_kernels
+loops = (_kernels._moments, _kernels._norms_and_dots, _kernels._sums_and_dots)
+assert [len(f.signatures) for f in loops] == [0, 0, 0]
+warm_kernels()
+warmed = [len(f.signatures) for f in loops]
+rows, mean, m2 = torch.randn(4, 64, 96), torch.empty(64, 96), torch.empty(64, 96)
+_kernels.merged_into(rows, mean, m2, 0)
+_kernels.merged_into(rows[:2], mean, m2, 4)
+_kernels.norms_and_mean_dots(rows, mean)
+_kernels.sums_and_dots(rows.reshape(8, -1), rows.reshape(8, -1), torch.empty(8, 2))
+print(warmed, [len(f.signatures) for f in loops])
+"""
+
+
+def test_a_worker_s_warm_up_compiles_the_loops_its_calls_run() -> None:
+    """In a fresh process, :func:`warm_kernels` (a worker runs it as it starts) compiles each
+    loop for float32 with the argument types real calls pass: calls of other sizes compile
+    nothing more, so no request pays numba's compile (a second per loop)."""
+    done = subprocess.run([sys.executable, "-c", WARMED], capture_output=True, text=True,
+                          check=True, timeout=120)
+    warmed, after = done.stdout.strip().split("] [")
+    assert warmed == "[1, 1, 1" and after == "1, 1, 1]", done.stdout
