@@ -20,8 +20,9 @@ a new worker or a restarted server would be:
 Each first request is divided by the same process's steady time (the median of ``--rounds``
 calls after it). The plan store is what a worker opens (``storage.make_plan_store``): Redis with
 ``--redis URL`` (a fresh key prefix, deleted after), else a temporary data directory. The engine
-is called directly (no HTTP, no queue): the ratios are the plan's and the model's, not the
-transport's.
+is called directly (no HTTP, no queue), after the warm-ups a worker runs as it starts
+(torch.func's import, the CPU's compiled loops): the ratios are the plan's and the model's, not
+the transport's.
 
     python benchmarks/coldstart.py --models gpt2,bert,resnet18 --threads 1
     python benchmarks/coldstart.py --models gpt2 --redis redis://127.0.0.1:6379/0
@@ -62,9 +63,11 @@ def child(args: argparse.Namespace) -> None:
     from service import engine
     from service.config import Settings
     from service.export.child import SPARES
+    from service.fast_stats import warm_kernels
     from service.registration import register_exported
     from service.registry import ModelRegistry
     from service.storage import make_plan_store
+    from service.strategies import per_sample
 
     settings = Settings(redis_url=args.redis or None, redis_prefix=args.prefix,
                         data_dir=args.data_dir, compile_secret=args.secret, model_dir=None,
@@ -72,6 +75,8 @@ def child(args: argparse.Namespace) -> None:
                         max_weight_bytes=4 << 30, export_memory_mb=1 << 15, export_cpu_s=1200,
                         export_timeout_s=1800)
     plans = make_plan_store(settings)
+    per_sample.warm_up()  # what a worker runs as it starts, before it takes a job
+    warm_kernels()
     if "register" in args.steps:  # as an api with admins does from its start
         SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)
     data = Path(args.pt2).read_bytes()
