@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from typing import Any
 
 import numpy as np
 import orjson
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from psgrad._errors import BadRequest, TooLarge, UnsupportedMediaType
+from psgrad._errors import BadRequest, InvalidInput, TooLarge, UnsupportedMediaType
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
@@ -126,6 +127,32 @@ def _precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
         )
     if need_model and (not isinstance(fields.get("model"), str) or not fields["model"]):
         raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
+
+
+async def conform(schema: type[BaseModel], fields: Mapping[str, Any],
+                  specific: Callable[[], object] | None = None) -> None:
+    """The decoded body (JSON or safetensors alike) against the route's one model ``schema``,
+    at the door: the schema's word on every field but tensor contents, each tensor (already
+    decoded) stood in for by the JSON type it came as. A refused body gets the route's own error
+    where ``specific`` (its checks, run off the event loop) finds one (``unknown_loss``, ...),
+    else ``invalid_input`` naming the fields."""
+    try:
+        schema.model_validate(_as_sent(fields), strict=True)  # no "0.5" for 0.5: as sent
+    except ValidationError as exc:
+        if specific is not None:
+            await run_in_threadpool(specific)
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
+        raise InvalidInput(f"the request is invalid: {'; '.join(problems)}") from None
+
+
+def _as_sent(value: Any) -> Any:
+    """A decoded body with each tensor as the JSON type it came as: a list, or a scalar
+    (``false`` stays one); {name: tensor} fields alike."""
+    if isinstance(value, np.ndarray):
+        return value.item() if value.ndim == 0 else []
+    if isinstance(value, Mapping):
+        return {k: _as_sent(v) for k, v in value.items()}
+    return value
 
 
 def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""Pydantic models of the JSON bodies: they document the api in OpenAPI.
+"""Pydantic models of the bodies: each route's one model of what it takes, and of its answers.
 
-Requests are parsed by :mod:`service.api.body` (JSON or safetensors, size-limited, decoded off the
-event loop) and checked by :mod:`service.validate`; these models describe the same fields so that
-``/docs`` and ``/openapi.json`` show every field with its meaning.
+A body is read by :mod:`service.api.body` (JSON or safetensors, size-limited, decoded off the
+event loop) and held to its route's model there, at the door (:func:`service.api.body.conform`):
+the same model that ``/docs`` and ``/openapi.json`` show. What needs the model (shapes, parameter
+names, a loss against the model's kind) is :mod:`service.validate`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MODEL_REF = f"^{REF_PATTERN}$"
 
 def contract_field(spec: ContractField, required: bool | None = None) -> tuple[Any, Any]:
     """A request field of the contract as pydantic's (type, Field): what OpenAPI documents and
-    ``POST /jobs`` checks before queueing. ``required``: other than the contract says (a body
+    the door checks before queueing. ``required``: other than the contract says (a body
     that shares the field, e.g. a store's)."""
     kind = spec.kind
     choices = LOSSES.names() if spec.registry == "losses" else spec.choices

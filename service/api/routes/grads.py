@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -14,14 +15,15 @@ from starlette.background import BackgroundTask
 from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
 from psgrad._wire import JSON, SAFETENSORS
 from service.api.answers import answer_response
-from service.api.body import decode_request, encode_result
+from service.api.body import conform, decode_request, encode_result
 from service.api.deps import StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
 from service.jobs import Job, JobState, JobStatus, new_job_id, read_answer
 from service.reference_sets import scope_reference
-from service.tenants import Tenant
+from service.tenants import Tenant, owned_name
+from service.validate import parse_request
 
 router = APIRouter(tags=["per-sample gradients"])
 
@@ -53,12 +55,17 @@ async def new_job(
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
 ) -> Job:
-    """Decode the body, ``check`` it, enqueue it as ``tenant``'s; the deadline is
-    ``PSGRAD_REQUEST_TIMEOUT_S``."""
+    """Decode the body, hold it to :class:`GradsRequest`, ``check`` it, enqueue it as
+    ``tenant``'s; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``."""
     fields = await decode_request(request, state.settings)
+    scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
+    named = fields.get("reference_set")  # ... checked: the schema reads the name as sent
+    sent = fields if not isinstance(named, str) else {**fields, "reference_set": owned_name(named)}
+    await conform(GradsRequest, sent, partial(
+        parse_request, fields, state.registry, max_batch_size=state.settings.max_batch_size,
+        reference_sets=state.storage.sets))  # its own error for nearly all the schema refuses
     # 404 now for another tenant's DP run, 409 for one with no step left
     await dp_precheck(fields, state.storage.runs, tenant.name)
-    scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     if check is not None:
         await check(fields, state)
     job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s,

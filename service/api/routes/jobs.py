@@ -16,23 +16,21 @@ import re
 import time
 from typing import Annotated, Any
 
-import numpy as np
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from psgrad._errors import InvalidInput, UnknownJob
+from psgrad._errors import UnknownJob
 from psgrad._wire import SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, new_job
-from service.api.schemas import GradsRequest, JobCreated, JobDeleted, JobView, errors
+from service.api.schemas import JobCreated, JobDeleted, JobView, errors
 from service.attribution import reference_set
 from service.jobs import JobState, JobStatus, read_answer
-from service.tenants import Tenant, owned_name
-from service.validate import TENSOR_DICT_FIELDS, asked_outputs, parse_request
+from service.tenants import Tenant
+from service.validate import asked_outputs
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 
@@ -55,7 +53,7 @@ async def create_job(request: Request, state: StateDep, tenant: TenantDep) -> JS
     What the schema forbids, and a model or version that does not exist, is refused at once
     (4xx); what needs the model (shapes, names) fails the job.
     """
-    job = await new_job(request, state, tenant, check=_check)
+    job = await new_job(request, state, tenant, check=_exists)
     return JSONResponse(
         {"job_id": job.id, "status": JobStatus.QUEUED.value},
         status_code=202,
@@ -117,37 +115,13 @@ async def cancel_job(job_id: JobId, state: StateDep, tenant: TenantDep) -> JSONR
     return JSONResponse({**_view(before), "deleted": "removed"})
 
 
-async def _check(fields: dict[str, Any], state: StateDep) -> None:
-    """The decoded body against :class:`GradsRequest`, its tensors (already decoded) stood in
-    for: the schema's word on everything but tensor contents. A refused body gets the error the
-    worker would give it (``unknown_loss``, ...), else a general ``invalid_input``."""
-    doc = {k: _stand_in(v) for k, v in fields.items()}
-    for name in ("inputs", *TENSOR_DICT_FIELDS):  # named inputs, {param: tensor}
-        if isinstance(doc.get(name), dict):
-            doc[name] = {k: _stand_in(v) for k, v in doc[name].items()}
-    key = fields.get("reference_set")  # scoped to the caller already: the id as it was sent
-    if isinstance(key, str):
-        doc["reference_set"] = owned_name(key)
-    try:
-        GradsRequest.model_validate(doc, strict=True)  # no "0.5" for 0.5: JSON types as sent
-    except ValidationError as exc:
-        await run_in_threadpool(
-            parse_request, fields, state.registry, max_batch_size=state.settings.max_batch_size,
-            reference_sets=state.storage.sets)  # raises its own error for nearly all of them
-        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
-        raise InvalidInput(f"the request is invalid: {'; '.join(problems)}") from None
-    # 404 now, as the sync route answers: a model or version, or a reference set that
-    # 'influence' reads, that does not exist (or is another tenant's)
+async def _exists(fields: dict[str, Any], state: StateDep) -> None:
+    """404 now, as the sync route answers: a model or version, or a reference set that
+    'influence' reads, that does not exist (or is another tenant's)."""
     await run_in_threadpool(state.registry.check, fields["model"])
+    key = fields.get("reference_set")  # scoped to the caller already
     if isinstance(key, str) and "influence" in asked_outputs(fields):
         await run_in_threadpool(reference_set, key, state.storage.sets)
-
-
-def _stand_in(value: Any) -> Any:
-    """A decoded tensor as the JSON type it came as: a list, or a scalar (``false`` stays one)."""
-    if isinstance(value, np.ndarray):
-        return value.item() if value.ndim == 0 else []
-    return value
 
 
 def _unknown(job_id: str, state: StateDep) -> UnknownJob:

@@ -18,10 +18,10 @@ from fastapi import APIRouter, Path, Request
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import NotFound
-from service.api.body import decode_request
+from service.api.body import conform, decode_request
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, answer_of
-from service.api.schemas import MODEL_ID, ReferenceSetDoc, errors
+from service.api.schemas import MODEL_ID, GradsRequest, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
 from service.reference_sets import check_size, checked_id, joined, set_request, split
 from service.stores.sets import keep_set, set_doc, set_rows, set_spec
@@ -80,6 +80,7 @@ async def put_reference_set(
         check_size(parsed.model, parsed.opts, parsed.batch.size, limit)
         return asked
 
+    await conform(GradsRequest, fields, check)  # check: its own error for nearly all
     fields = await run_in_threadpool(check)
     result = await split_answer(state, tenant, fields)
 

@@ -10,6 +10,7 @@ a 404); an admin reaches another tenant's with ``?tenant=<name>``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from psgrad._contract import SAMPLE_FIELDS
 from psgrad._errors import Conflict, InvalidInput, NotFound
 from psgrad._wire import JSON, SAFETENSORS, array_from_json
-from service.api.body import decode_request, loads, read_body
+from service.api.body import conform, decode_request, loads, read_body
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
@@ -29,7 +30,7 @@ from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, er
 from service.reference_sets import checked_id
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import Score, check_k, check_score, search
-from service.stores.requests import check_batch, make_spec, sketch_request
+from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, sketch_request
 from service.stores.spec import (
     Dtype,
     StoreSpec,
@@ -67,8 +68,9 @@ SampleBatch = create_model(  # the batch's fields: the request contract's
     "SampleBatch",
     __base__=_Batch,
     __doc__="""Test or training samples; the store fixes the model version, loss, parameters
-    and projection (sending them is allowed only with the store's own values).""",
-    **contract_fields(*SAMPLE_FIELDS),
+    and projection (sending them is allowed only with the store's own values); verify and
+    verify_seed as in a gradients request.""",
+    **contract_fields(*SAMPLE_FIELDS, *FIXED_FIELDS, "verify", "verify_seed"),
 )
 SamplesBody = create_model(
     "SamplesBody",
@@ -153,6 +155,8 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
 async def put_store(store_id: StoreId, request: Request, state: StateDep,
                     scope: ScopeDep) -> JSONResponse:
     body = loads(await read_body(request, state.settings.max_body_bytes))
+    await conform(StoreBody, body, partial(make_spec, store_id, body, state.registry,
+                                           scope.owner))  # its own error for nearly all
 
     def make() -> tuple[dict[str, Any], bool]:
         spec = make_spec(store_id, body, state.registry, scope.owner)
@@ -206,6 +210,8 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
         refuse_duplicates(spec.id, files.ids(key, files.manifest(key)), ids)
         return spec, job, ids, kind
 
+    listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids  # safetensors'
+    await conform(SamplesBody, {**fields, "ids": listed}, check)
     spec, job, ids, kind = await run_in_threadpool(check)
     sketches = await _sketches(state, tenant, spec, job)
 
@@ -221,6 +227,18 @@ class LookupBody(BaseModel):
     ids: list[int | str] = Field(description="sample ids to look for")
 
 
+def _lookup_ids(body: Any) -> list[int | str]:
+    """The sample ids a lookup body asks for; else 400 naming the first that is not one."""
+    if not isinstance(body, dict) or set(body) != {"ids"} or not isinstance(body["ids"], list):
+        raise InvalidInput("the body is {\"ids\": [...]}: the sample ids to look for")
+    wanted: list[int | str] = body["ids"]
+    bad = [i for i, v in enumerate(wanted) if id_kind(v) is None]
+    if bad:
+        raise InvalidInput(f"'ids' entry {bad[0]} ({wanted[bad[0]]!r}) is not a sample id: "
+                           "integers or strings of 1 to 128 printable characters")
+    return wanted
+
+
 @router.post("/{store_id}/lookup", openapi_extra=_body(LookupBody, "sample ids"),
              responses=errors(400, 401, 403, 404, 413, 422),
              summary="Which of these sample ids the store holds (to resume an upload)")
@@ -229,13 +247,8 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
     """Answers ``present``, one boolean per id, over what is committed now, and ``samples``:
     a client resuming an upload sends only the ids that are not present."""
     body = loads(await read_body(request, state.settings.max_body_bytes))
-    if not isinstance(body, dict) or set(body) != {"ids"} or not isinstance(body["ids"], list):
-        raise InvalidInput("the body is {\"ids\": [...]}: the sample ids to look for")
-    wanted = body["ids"]
-    bad = [i for i, v in enumerate(wanted) if id_kind(v) is None]
-    if bad:
-        raise InvalidInput(f"'ids' entry {bad[0]} ({wanted[bad[0]]!r}) is not a sample id: "
-                           "integers or strings of 1 to 128 printable characters")
+    await conform(LookupBody, body, partial(_lookup_ids, body))
+    wanted = _lookup_ids(body)
     key = _key(scope, store_id)
 
     def run() -> dict[str, Any]:
@@ -260,16 +273,19 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     fields = await decode_request(request, state.settings, one_job=False, extra=QUERY_EXTRA,
                                   need_model=False)
     key = _key(scope, store_id)
-    k = positive_int(fields.pop("k", 10), "k")
-    score = check_score(fields.pop("score", "dot"))
+    sent = dict(fields)
+    k = fields.pop("k", 10)
+    score = fields.pop("score", "dot")
     lam = fields.pop("lambda", None)
-    if lam is not None:
-        if score != "trak":
-            raise InvalidInput("'lambda' is read by score 'trak' only")
-        lam = finite_float(lam, "lambda")
     given = fields.pop("sketches", None)
 
     def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
+        nonlocal k, score, lam
+        k, score = positive_int(k, "k"), check_score(score)
+        if lam is not None:
+            if score != "trak":
+                raise InvalidInput("'lambda' is read by score 'trak' only")
+            lam = finite_float(lam, "lambda")
         spec = _spec(state, key, store_id)
         spec.check_version()
         rest = check_batch(spec, fields, "this query")
@@ -291,6 +307,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         parse_request(job, state.registry)
         return spec, job, None
 
+    await conform(QueryBody, sent, check)  # check: its own error for nearly all
     spec, job, sketches = await run_in_threadpool(check)
     if job is not None:
         sketches = await _sketches(state, tenant, spec, job)
