@@ -68,7 +68,10 @@ class Options:
 
 @dataclass
 class Batch:
-    """The tensors of a request, already validated, with the batch dimension first."""
+    """The tensors of a request, already validated, with the batch dimension first.
+
+    The per-sample fields (the contract's ``per_sample``) are sliced and joined by name; one the
+    engine does not read yet has no attribute here and is carried by nobody."""
 
     inputs: torch.Tensor
     targets: torch.Tensor | None = None
@@ -88,12 +91,12 @@ class Batch:
         return int(self.inputs.shape[0])
 
     def samples(self) -> Tensors:
-        own = {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+        own = {k: v for k in SAMPLE_FIELDS if (v := getattr(self, k, None)) is not None}
         return own | {NAMED_INPUT + k: v for k, v in self.named.items()} if self.named else own
 
     def rows(self, start: int, stop: int) -> Batch:
         """Samples ``[start, stop)`` of the batch, with its weights and references."""
-        own = {k: v[start:stop] for k in SAMPLE_FIELDS if (v := getattr(self, k)) is not None}
+        own = {k: v[start:stop] for k in SAMPLE_FIELDS if (v := getattr(self, k, None)) is not None}
         return replace(self, **own, named={k: v[start:stop] for k, v in self.named.items()})
 
     @classmethod
@@ -104,7 +107,7 @@ class Batch:
         if len(batches) == 1:
             return first
         own: dict[str, Any] = {k: torch.cat([getattr(b, k) for b in batches])
-               for k in SAMPLE_FIELDS if getattr(first, k) is not None}
+               for k in SAMPLE_FIELDS if getattr(first, k, None) is not None}
         named = {k: torch.cat([b.named[k] for b in batches]) for k in first.named}
         return replace(first, **own, named=named)
 

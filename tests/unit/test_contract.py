@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +189,71 @@ def test_the_stores_bodies_share_the_contract_fields() -> None:
                 assert prop["description"] == FIELDS[name].doc, (body.__name__, name)
                 shared += 1
     assert shared >= 5 + 5 + 4
+
+
+# The one edit that adds two request fields: an option with a range and a per-sample tensor.
+ADDED = '''
+    temperature: Annotated[float | None, spec(
+        "float", "a field added in one place: a positive number up to 4", gt=0.0, le=4.0)]
+    sample_tag: Annotated[Any, spec(
+        "tensor", "a field added in one place: one value per sample", per_sample=True)]
+'''
+# Run against that copy of the client package: the SDK, the OpenAPI document, the server's
+# validation at the door (JSON and safetensors) and the chunk merger all take the new fields.
+FOLLOW = '''
+import httpx, numpy as np, torch
+import psgrad
+from psgrad._merge import grads_plan
+from service.api import create_app
+from tests.support.api import safetensors_body, serving, settings
+
+assert psgrad.__file__.startswith(NEW), psgrad.__file__
+x = np.random.default_rng(0).standard_normal((3, 784)).astype(np.float32)
+y = [1, 2, 3]
+tags = np.arange(3, dtype=np.float32)
+with serving(create_app(settings())) as url, psgrad.Client(base_url=url) as client:
+    schema = httpx.get(url + "/openapi.json").json()["components"]["schemas"]["GradsRequest"]
+    prop = schema["properties"]["temperature"]
+    assert "'maximum': 4.0" in str(prop) and prop["description"].startswith("a field added"), prop
+    assert "sample_tag" in schema["properties"]
+    plain = client.per_sample_grads("mlp", x, y, outputs=["norms"])
+    added = client.per_sample_grads("mlp", x, y, outputs=["norms"], temperature=2.0,
+                                    sample_tag=tags)
+    assert np.array_equal(plain["norms"], added["norms"])  # taken, and used by nothing yet
+    try:
+        client.per_sample_grads("mlp", x, y, temperature=9.0)
+        raise AssertionError("the SDK sent temperature=9")
+    except psgrad.InvalidInput as exc:
+        assert "'temperature'" in str(exc), exc
+    doc = {"model": "mlp", "inputs": x.tolist(), "targets": y, "outputs": ["norms"]}
+    for bad in (9.0, "hot"):
+        for body, ctype in ((doc | {"temperature": bad}, None),
+                            (safetensors_body(doc | {"temperature": bad}),
+                             "application/x-safetensors")):
+            r = (httpx.post(url + "/per-sample-grads", json=body, timeout=60) if ctype is None
+                 else httpx.post(url + "/per-sample-grads", content=body, timeout=60,
+                                 headers={"content-type": ctype}))
+            assert r.status_code in (400, 422), (bad, r.status_code, r.text)
+            assert "temperature" in r.json()["error"]["message"], r.text
+plan = grads_plan({"model": "mlp", "inputs": x, "targets": np.array(y), "sample_tag": tags,
+                   "temperature": 2.0, "outputs": ["norms"]}, limit=2)
+part = next(plan)
+assert part["sample_tag"].tolist() == [0.0, 1.0] and part["temperature"] == 2.0, part
+print("followed")
+'''
+
+
+def test_a_field_added_in_one_place_reaches_every_reader(tmp_path: Path) -> None:
+    package = tmp_path / "psgrad"
+    shutil.copytree(ROOT / "client" / "psgrad", package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    contract = package / "_contract.py"
+    anchor = ":data:`REQUEST` is read from here.\"\"\"\n"
+    text = contract.read_text()
+    assert text.count(anchor) == 1, "Options' docstring moved: update the anchor"
+    contract.write_text(text.replace(anchor, anchor + ADDED))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path), str(ROOT)))}
+    done = subprocess.run([sys.executable, "-c", f"NEW = {str(package)!r}\n{FOLLOW}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("followed")
