@@ -303,16 +303,15 @@ def _balanced(dots: Mapping[str, torch.Tensor]) -> dict[str, float]:
 def _totals_match(probe: Setup, direction: Tensors, first: Mapping[str, Pass1]) -> bool:
     """Whether each probe sample's dots with ``direction``, scaled per parameter by
     :func:`_balanced` and summed over the parameters, equal the forward-mode derivative of its
-    loss along ``direction`` scaled alike (scaled in place); False also where a dot is missing
-    or the model has an op without a forward derivative (the caller then checks parameter by
-    parameter)."""
+    loss along ``direction`` scaled alike (scaled in place, and left so where they match);
+    False also where a dot is missing or the model has an op without a forward derivative (the
+    caller then checks parameter by parameter, ``direction`` as it was)."""
     model = probe.model
     dots = {k: first[k].dot for k in direction}
     if any(d is None for d in dots.values()):
         return False
     scales = _balanced({k: d for k, d in dots.items() if d is not None})
-    for k, v in direction.items():
-        v.mul_(scales[k])
+    _scale(direction, scales)
     fixed = {k: v.detach() for k, v in probe.params.items() if k not in direction}
 
     def losses(moved: Tensors) -> torch.Tensor:
@@ -323,14 +322,21 @@ def _totals_match(probe: Setup, direction: Tensors, first: Mapping[str, Pass1]) 
     primals = {k: probe.params[k].detach() for k in direction}
     try:
         derivative = jvp(losses, (primals,), (dict(direction),))[1]
+        match = _sums_match(torch.stack([d.double() * scales[k] for k, d in dots.items()
+                                         if d is not None]),
+                            derivative.detach().double())
     except (RuntimeError, NotImplementedError):
-        return False
-    finally:
-        for k, v in direction.items():
-            v.div_(scales[k])
-    return _sums_match(torch.stack([d.double() * scales[k] for k, d in dots.items()
-                                    if d is not None]),
-                       derivative.detach().double())
+        match = False
+    if not match:  # the caller reads it again; else it is left scaled (a pass saved)
+        _scale(direction, {k: 1 / v for k, v in scales.items()})
+    return match
+
+
+def _scale(direction: Tensors, scales: Mapping[str, float]) -> None:
+    """``direction`` scaled in place, parameter by parameter (powers of two: exact)."""
+    for k, v in direction.items():
+        if scales[k] != 1:
+            v.mul_(scales[k])
 
 
 def _weighted_dots_match(dots: torch.Tensor | None, weights: torch.Tensor,
