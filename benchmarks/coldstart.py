@@ -75,10 +75,10 @@ def child(args: argparse.Namespace) -> None:
                         max_weight_bytes=4 << 30, export_memory_mb=1 << 15, export_cpu_s=1200,
                         export_timeout_s=1800)
     plans = make_plan_store(settings)
+    if "register" in args.steps:  # as an api with admins does from its start: the spare
+        SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)  # starts meanwhile
     per_sample.warm_up()  # what a worker runs as it starts, before it takes a job
     warm_kernels()
-    if "register" in args.steps:  # as an api with admins does from its start
-        SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)
     data = Path(args.pt2).read_bytes()
     out: dict[str, Any] = {}
     case = rs.make_case(args.model, args.batch, args.seq)
