@@ -12,7 +12,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from psgrad._contract import ID_PATTERN, OUTPUTS, REF_PATTERN, REQUEST, field
+from psgrad._contract import (
+    ID_PATTERN,
+    OUTPUTS,
+    REF_PATTERN,
+    REQUEST,
+    TENSOR_DICT_FIELDS,
+    TENSOR_FIELDS,
+    field,
+)
 from psgrad._contract import TENSOR_DOC as TENSOR_DOC  # the stores read it here
 from psgrad._contract import Field as ContractField
 from service.losses import LOSSES
@@ -78,15 +86,17 @@ def contract_fields(*names: str, required: tuple[str, ...] = ()) -> dict[str, An
 
 
 REQUEST_FIELDS: dict[str, Any] = {spec.name: contract_field(spec) for spec in REQUEST}
+_AS_TENSORS = ", ".join([  # the safetensors form's tensors, as the contract declares them
+    *(f"``{n}``" + (" or ``inputs/<name>``" if n == "inputs" else "") for n in TENSOR_FIELDS),
+    *(f"``{n}/<param>``" for n in TENSOR_DICT_FIELDS)])
 GradsRequest = create_model(  # the body of POST /per-sample-grads and POST /jobs (JSON form)
     "GradsRequest",
     __config__=ConfigDict(extra="forbid"),
-    __doc__="""The body of ``POST /per-sample-grads`` and ``POST /jobs`` (JSON form).
+    __doc__=f"""The body of ``POST /per-sample-grads`` and ``POST /jobs`` (JSON form).
 
     The safetensors form (``Content-Type: application/x-safetensors``) carries the tensor fields
-    as tensors (``inputs`` or ``inputs/<name>``, ``targets``, ``mask``, ``next_inputs``,
-    ``rewards``, ``dones``, ``weights/<param>``, ``reference/<param>``) and the other fields as
-    JSON in the metadata key ``request``. Every field is declared in ``psgrad._contract``.
+    as tensors ({_AS_TENSORS}) and the other fields as JSON in the metadata key ``request``.
+    Every field is declared in ``psgrad._contract``.
     """,
     **REQUEST_FIELDS,
 )

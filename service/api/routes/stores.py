@@ -290,7 +290,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         spec.check_version()
         rest = check_batch(spec, fields, "this query")
         check_k(state.storage.gradients.manifest(key), k, store_id)
-        batch = any(rest.get(f) is not None for f in ("inputs", "targets", "next_inputs"))
+        batch = any(rest.get(f) is not None for f in SAMPLE_FIELDS)
         if score == "self_influence":
             if batch or given is not None:
                 raise InvalidInput("score 'self_influence' ranks the store by itself: send no "
