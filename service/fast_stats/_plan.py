@@ -40,6 +40,7 @@ from service.fast_stats._shared import SharedPlans, Stored, plan_key, signature_
 from service.fast_stats._source import Source, answers
 from service.lru import LockedLRU
 from service.strategies.base import NORM_BLOCK, Tensors, squared_norms
+from service.strategies.per_sample import FORWARD_AD
 
 PROBE = 3  # samples in the probe batch (drawn cyclically from the first call's batch)
 SHORT = 8  # positions the check runs at, where the model's ops are the same there
@@ -321,7 +322,8 @@ def _totals_match(probe: Setup, direction: Tensors, first: Mapping[str, Pass1]) 
 
     primals = {k: probe.params[k].detach() for k in direction}
     try:
-        derivative = jvp(losses, (primals,), (dict(direction),))[1]
+        with FORWARD_AD:  # one jvp at a time in a process (embedded workers are threads)
+            derivative = jvp(losses, (primals,), (dict(direction),))[1]
         match = _sums_match(torch.stack([d.double() * scales[k] for k, d in dots.items()
                                          if d is not None]),
                             derivative.detach().double())

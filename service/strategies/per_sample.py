@@ -10,6 +10,7 @@ get the per-sample loop instead (route ``loop``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,10 @@ SampleLoss = Callable[[Tensors, Tensors, Tensors, Tensors], Any]
 FUNCTIONS: LockedLRU[tuple[Any, ...], PerSampleFn] = LockedLRU(64)  # hits/misses on /metrics
 
 
+# Forward-mode AD's levels are one stack for the whole process, not one per thread: two threads
+# in ``jvp`` at once fail ("a forward AD level with an invalid index"). Every jvp holds this.
+FORWARD_AD = threading.Lock()
+
 def warm_up() -> None:
     """Pay torch.func's one-time set-up before the first job, not inside it.
 
@@ -39,7 +44,8 @@ def warm_up() -> None:
 
     vmap(grad_and_value(lambda w, x: (w * x).sum()), in_dims=(None, 0))(
         torch.ones(2), torch.ones(2, 2))
-    jvp(lambda w: (w * w).sum(), (torch.ones(2),), (torch.ones(2),))
+    with FORWARD_AD:
+        jvp(lambda w: (w * w).sum(), (torch.ones(2),), (torch.ones(2),))
 
 
 def per_sample_fn(model: LoadedModel, loss_name: str, gamma: float) -> PerSampleFn:

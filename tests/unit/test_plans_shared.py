@@ -10,6 +10,7 @@ Probes are counted (``SharedPlans.stats``), never timed.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,32 @@ async def test_an_embedded_restart_reads_the_data_directorys_plans(tmp_path: Pat
             counts.append((stats.probes, stats.checks, stats.loaded))
     assert counts == [(1, 1, 0), (0, 0, 1)]
     assert (tmp_path / "plans" / ".secret").stat().st_mode & 0o077 == 0
+
+
+def test_threads_that_warm_up_and_plan_at_once_all_answer(tmp_path: Path) -> None:
+    """Embedded workers are threads of one process, and forward mode's levels are the
+    process's: warm-ups and plan checks (each a jvp) running at once failed with "a forward
+    AD level with an invalid index" until every jvp took one lock."""
+    from service.strategies import per_sample
+
+    models = [model_of(Positions(), f"threads-{i}") for i in range(4)]
+    failures: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(25):
+                per_sample.warm_up()
+            answered(models[i], batch_of(PROBE + 1, 5, seed=i), store(tmp_path / str(i)))
+        except BaseException as exc:  # reported below, thread by thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+    finally:
+        for made in models:
+            restart(made)
+    assert not failures, failures
