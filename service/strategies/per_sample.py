@@ -31,6 +31,7 @@ FUNCTIONS: LockedLRU[tuple[Any, ...], PerSampleFn] = LockedLRU(64)  # hits/misse
 # in ``jvp`` at once fail ("a forward AD level with an invalid index"). Every jvp holds this.
 FORWARD_AD = threading.Lock()
 
+
 def warm_up() -> None:
     """Pay torch.func's one-time set-up before the first job, not inside it.
 
