@@ -1,5 +1,9 @@
-"""Turn a decoded request (JSON values and numpy arrays) into checked engine arguments.
+"""Turn a decoded request (JSON values and numpy arrays) into engine arguments, checked
+against its model.
 
+The door has held every field to the contract already (its type, range or choices, the losses
+and outputs named: :func:`service.api.body.held_to_contract`); what is left needs the model: the
+tensors' shapes and dtypes, parameter names, the loss against the model's kind, the references.
 Every refusal here is a typed error with a message that says what to change; nothing reaches the
 engine that could fail inside ``vmap`` for a reason the client could have been told about.
 """
@@ -13,28 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from psgrad._contract import (
-    ANSWER_DTYPES,
-    AUTOCASTS,
-    KNOWN,
-    TENSOR_DICT_FIELDS,
-    TENSOR_FIELDS,
-    field,
-)
-from psgrad._errors import (
-    BadRequest,
-    InvalidInput,
-    LossNotSupported,
-    ShapeMismatch,
-    TooLarge,
-)
-from psgrad._wire import array_from_json
+from psgrad._contract import ANSWER_DTYPES, AUTOCASTS
+from psgrad._errors import InvalidInput, LossNotSupported, ShapeMismatch, TooLarge
 from service.attribution import ReferenceSets, projection_of, references, refuse_unread
-from service.config import raise_setting, with_setting
+from service.config import raise_setting
 from service.dp.steps import bind
 from service.engine import Batch, Options
 from service.losses import get_loss
-from service.outputs import get_output
+from service.outputs import asked_outputs, get_output
 from service.registry import LoadedModel, ModelRegistry
 from service.request_tensors import (
     batch_inputs,
@@ -50,14 +40,6 @@ from service.request_tensors import (
 
 if TYPE_CHECKING:
     from service.dp.runs import RunStore
-
-# The fields, which of them are tensors, their ranges: the request contract (psgrad._contract)
-KNOWN_FIELDS = KNOWN
-VERIFY, VERIFY_SEED, SEED = field("verify"), field("verify_seed"), field("seed")
-CLIP, NOISE, GAMMA = field("clip_norm"), field("noise_multiplier"), field("gamma")
-MIN_CLIP, MIN_NOISE = float(CLIP.gt or 0), float(NOISE.ge or 0)  # clip_norm > 0, noise >= 0
-GAMMA_LOW, GAMMA_HIGH = float(GAMMA.ge or 0), float(GAMMA.le or 1)
-
 
 @dataclass
 class ParsedRequest:
@@ -87,37 +69,6 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
-    """Decode the tensor fields of a JSON request body into numpy arrays."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    fields = dict(body)
-    for name in TENSOR_FIELDS:
-        value = fields.get(name)
-        # a model's named inputs: an object of tensors (a tensor's {dtype, shape, data} object is
-        # told apart by its dtype, a string where named inputs hold tensors)
-        if name == "inputs" and isinstance(value, dict) and not isinstance(value.get("dtype"), str):
-            fields[name] = {k: _array(v, f"inputs.{k}", max_elements) for k, v in value.items()}
-        elif value is not None:
-            fields[name] = _array(value, name, max_elements)
-    for name in TENSOR_DICT_FIELDS:
-        group = fields.get(name)
-        if group is None:
-            continue
-        if not isinstance(group, dict):
-            raise BadRequest(f"'{name}' must be an object mapping parameter names to tensors")
-        fields[name] = {
-            k: _array(v, f"{name}.{k}", max_elements)
-            for k, v in group.items()
-        }
-    return fields
-
-
-def _array(value: Any, name: str, max_elements: int) -> Any:
-    return with_setting("max_elements", max_elements, array_from_json, value, name=name,
-                        max_elements=max_elements)
-
-
 def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                   max_batch_size: int | None = None,
                   max_activations: int | None = None,
@@ -130,17 +81,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     request check (exported programs) is held, at the sizes sent, to ``max_activations``
     (``PSGRAD_MAX_MODEL_ACTIVATIONS``) and its indices to their tables, before it runs.
     """
-    unknown = sorted(set(fields) - KNOWN_FIELDS)
-    if unknown:
-        raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_FIELDS))}",
-            unknown=unknown,
-        )
-    ref = fields.get("model")
-    if not isinstance(ref, str) or not ref:
-        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
-    checks = _verify(fields)
-    model = registry.get(ref)
+    model = registry.get(fields["model"])
     opts = _options(fields, model, dp_runs)
     loss = get_loss(opts.loss)
     inputs, named = batch_inputs(fields.get("inputs"), model)
@@ -183,7 +124,8 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
         sketches = None if raw is None else tensor_of(raw, "reference_sketches", model.dtype)
         opts = references(model, opts, batch, reference, sketches, fields.get("reference_set"),
                           reference_sets)
-        return ParsedRequest(model, opts, batch, verify=checks[0], verify_seed=checks[1])
+        return ParsedRequest(model, opts, batch, verify=_whole(fields.get("verify")) or 0,
+                             verify_seed=_whole(fields.get("verify_seed")))
     refuse_unread(fields)
     batch.reference = param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
@@ -194,31 +136,9 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                 f"{', '.join(missing)}", missing=missing,
             )
     batch.reference = {k: v for k, v in batch.reference.items() if k in opts.params}
-    return ParsedRequest(model, opts, batch, _answer_dtype(fields.get("answer_dtype")),
-                         verify=checks[0], verify_seed=checks[1])
-
-
-def _verify(fields: dict[str, Any]) -> tuple[int, int | None]:
-    """``verify`` (0 to MAX_VERIFY samples; more than the batch has checks them all) and
-    ``verify_seed``; the group key leaves them out (each job is verified alone)."""
-    k = VERIFY.integer(fields.get("verify"), ": the samples recomputed with the per-sample "
-                       "loop to check the answer")
-    return k or 0, VERIFY_SEED.integer(fields.get("verify_seed"))
-
-
-def _answer_dtype(value: Any) -> str:
-    """The answer's floating dtype; the group key leaves it out (each job is cast alone)."""
-    return _choice(value, "answer_dtype", ANSWER_DTYPES)
-
-
-def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    """One of the contract's ``choices`` for field ``name`` (absent: the first, the default)."""
-    if value is None:
-        return choices[0]
-    if value not in choices:
-        raise InvalidInput(f"'{name}' must be one of {', '.join(choices)}; got {value!r}",
-                           accepted=list(choices))
-    return str(value)
+    return ParsedRequest(model, opts, batch, fields.get("answer_dtype") or ANSWER_DTYPES[0],
+                         verify=_whole(fields.get("verify")) or 0,
+                         verify_seed=_whole(fields.get("verify_seed")))
 
 
 def check_options(fields: dict[str, Any], model: LoadedModel) -> Options:
@@ -229,9 +149,9 @@ def check_options(fields: dict[str, Any], model: LoadedModel) -> Options:
 
 def _options(fields: dict[str, Any], model: LoadedModel,
              dp_runs: RunStore | None = None) -> Options:
+    """The options of ``fields`` (held to the contract at the door:
+    :func:`service.api.body.held_to_contract`) against ``model``."""
     loss_name = fields.get("loss") or model.default_loss
-    if not isinstance(loss_name, str):
-        raise BadRequest("'loss' must be a string")
     loss = get_loss(loss_name)
     if loss_name not in model.losses:
         raise LossNotSupported(
@@ -249,69 +169,34 @@ def _options(fields: dict[str, Any], model: LoadedModel,
     if params is None:
         selected = tuple(model.params)
     else:
-        if not isinstance(params, list) or not params or not all(isinstance(p, str)
-                                                                 for p in params):
-            raise BadRequest("'params' must be a non-empty list of parameter names")
         check_names(params, model, "params")
         selected = tuple(p for p in model.params if p in set(params))
-    gamma = _gamma(fields.get("gamma"))
+    gamma = 1.0 if fields.get("gamma") is None else float(fields["gamma"])
     autocast = _autocast(fields.get("autocast"), model)
     if fields.get("dp_run") is not None:  # the run sets clip, noise and divisor (service.dp)
         plain = Options(loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
-                        gamma=1.0 if gamma is None else gamma, autocast=autocast)
+                        gamma=gamma, autocast=autocast)
         return bind(fields, plain, model.id, dp_runs)
-    clip_norm = _number(fields.get("clip_norm"), "clip_norm")
-    noise = _number(fields.get("noise_multiplier"), "noise_multiplier") or 0.0
-    if "clipped_mean" in outputs and clip_norm is None:
-        raise InvalidInput("output 'clipped_mean' needs 'clip_norm' > 0")
-    if clip_norm is not None and clip_norm <= MIN_CLIP:  # refused with any outputs, as documented
-        raise InvalidInput(f"'clip_norm' must be > 0 (output 'clipped_mean' needs it); got "
-                           f"{clip_norm:g}")
-    if noise < MIN_NOISE:
-        raise InvalidInput("'noise_multiplier' must be >= 0")
-    seed = SEED.integer(fields.get("seed"))
+    clip_norm = fields.get("clip_norm")
     return Options(
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
-        clip_norm=clip_norm, noise_multiplier=noise, seed=seed,
-        gamma=1.0 if gamma is None else gamma, projection=projection_of(fields, outputs),
+        clip_norm=None if clip_norm is None else float(clip_norm),
+        noise_multiplier=float(fields.get("noise_multiplier") or 0.0),
+        seed=_whole(fields.get("seed")), gamma=gamma, projection=projection_of(fields, outputs),
         reference_count=-1 if {"dots", "influence"} & set(outputs) else 0, autocast=autocast,
     )
-
-
-def asked_outputs(fields: dict[str, Any]) -> list[str]:
-    """The outputs a request asks for: a list, or one name; absent, null or [] means
-    ``['grads']``."""
-    outputs = fields.get("outputs") or ["grads"]
-    if isinstance(outputs, str):
-        outputs = [outputs]
-    if not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
-        raise BadRequest("'outputs' must be a list of output names")
-    return outputs
 
 
 def _autocast(value: Any, model: LoadedModel) -> str:
     """The precision of the model's forward and backward: 'off' (the model's dtype) or
     'bfloat16' (torch.autocast, a float32 model only)."""
-    value = _choice(value, "autocast", AUTOCASTS)
+    value = value or AUTOCASTS[0]
     if value != AUTOCASTS[0] and model.dtype != torch.float32:
         raise InvalidInput(f"'autocast' needs a float32 model; '{model.id}' computes in "
                            f"{str(model.dtype).removeprefix('torch.')}: leave 'autocast' out")
-    return value
+    return str(value)
 
 
-def _gamma(value: Any) -> float | None:
-    """td0's discount, in [0, 1]: beyond 1 the target r + gamma V(s') grows without bound and
-    below 0 it flips the future's sign. NaN and the infinities are outside too, so they are the
-    same 422 as -3 or 1e30 (not the 400 of the other options' non-finite numbers)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-            not GAMMA_LOW <= value <= GAMMA_HIGH:
-        raise InvalidInput(f"'gamma' must be a discount in {GAMMA.bounds()}; got {value!r}")
-    return _number(value, "gamma")
-
-
-def _number(value: Any, name: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRequest(f"'{name}' must be a finite number")
-    return float(value)
+def _whole(value: Any) -> int | None:
+    """An integer field as an int (the door took ``3.0`` for 3, as JSON Schema's integers)."""
+    return None if value is None else int(value)

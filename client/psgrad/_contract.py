@@ -7,7 +7,7 @@ or allowed values, default, meaning); :data:`REQUEST` is read from those annotat
 outputs are :data:`OUTPUTS` (shape, and how the answers of a batch split into several requests
 combine). Everything else reads these two tables, so a field exists everywhere or nowhere:
 
-- the server's checks (``service.validate``: the known fields, which are tensors, the ranges),
+- the checks of each field's value (:meth:`Field.check`: the server's door and the client),
 - the OpenAPI schema (``service.api.schemas`` builds ``GradsRequest`` and ``GradsResponse``
   from them, descriptions included) and the stores' bodies where they share fields,
 - the server's output registry (``service.outputs`` takes each output's meaning from here),
@@ -22,12 +22,13 @@ on one side only.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypedDict, get_type_hints
 
-from psgrad._errors import BadRequest
+from psgrad._errors import BadRequest, InvalidInput
 
 __all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "Request", "field", "output", "spec"]
 
@@ -79,9 +80,12 @@ class Field:
 
     def integer(self, value: Any, why: str = "") -> int | None:
         """``value`` as an integer in this field's range, None when unset; else 400 (numpy
-        integers count, booleans do not)."""
+        integers count, and whole numbers such as ``3.0`` as JSON Schema's integers do;
+        booleans do not)."""
         if value is None:
             return None
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}{why}")
         value = int(value)
@@ -89,6 +93,47 @@ class Field:
                 or (self.le is not None and value > self.le):
             raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}{why}")
         return value
+
+    def check(self, value: Any) -> Any:
+        """``value`` as sent, held to this field's kind and range (tensors are the server's to
+        read): the server's typed error for the wrong type (400), for a number out of range or
+        a string not among ``choices`` (422). A closed range [ge, le] is a range: NaN and the
+        infinities are outside it (422); an open one takes only finite numbers (400)."""
+        kind, name = self.kind, self.name
+        if value is None:  # unset (whether a body must set it is the body's to say)
+            return value
+        if kind == "int":
+            return self.integer(value)
+        if kind == "float":
+            closed = self.ge is not None and self.le is not None
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+                    not closed and not math.isfinite(value)):
+                raise BadRequest(f"'{name}' must be a finite number; got {value!r}")
+            if not self._within(float(value)):
+                raise InvalidInput(f"'{name}' must be {self.bounds()}; got {value!r}")
+            return value
+        if kind == "names":
+            one = isinstance(value, str) and self.choices is not None  # an output, alone
+            if not one and (not isinstance(value, list) or not all(isinstance(v, str)
+                                                                    for v in value)
+                            or (not value and self.choices is None)):
+                raise BadRequest(f"'{name}' must be one name or a list of names" if self.choices
+                                 else f"'{name}' must be a non-empty list of names")
+            return value
+        if kind in ("choice", "ref"):
+            if not isinstance(value, str):
+                raise BadRequest(f"'{name}' must be a string; got {value!r}")
+            if self.choices is not None and value not in self.choices and not (
+                    self.blank and not value):
+                raise InvalidInput(f"'{name}' must be one of {', '.join(self.choices)}; got "
+                                   f"{value!r}", accepted=list(self.choices))
+        return value
+
+    def _within(self, number: float) -> bool:
+        return not ((self.gt is not None and not number > self.gt)
+                    or (self.ge is not None and not number >= self.ge)
+                    or (self.lt is not None and not number < self.lt)
+                    or (self.le is not None and not number <= self.le))
 
     def bounds(self) -> str:
         """The range as the messages tell it: ``[0, 2**63)``, ``[1, 8192]``, ``> 0``."""

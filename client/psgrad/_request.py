@@ -9,13 +9,12 @@ client that can ask the server for it (:func:`psgrad._arrays.cast_floats`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from psgrad._arrays import param_arrays, to_numpy
 from psgrad._contract import FIELDS, OUTPUT_NAMES, POSITIONAL, Field
-from psgrad._errors import BadRequest, InvalidInput
+from psgrad._errors import BadRequest
 from psgrad._merge import Fields
 
 if TYPE_CHECKING:
@@ -68,29 +67,12 @@ def _value(spec: Field, value: Any) -> Any:
             raise BadRequest(f"'{name}' must name at least one of: "
                              f"{', '.join(spec.choices or ('the parameters',))}")
         return names
-    if kind == "int":
-        return spec.integer(value)
     if kind == "float":
-        return _number(value, spec)
-    if kind == "choice" and spec.choices is not None and value not in spec.choices:
-        raise InvalidInput(f"'{name}' must be one of {', '.join(spec.choices)}; got {value!r}",
-                           accepted=list(spec.choices))
-    if not isinstance(value, str):
-        raise BadRequest(f"'{name}' must be a string; got {value!r}")
-    return value
-
-
-def _number(value: Any, spec: Field) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise BadRequest(f"'{spec.name}' must be a number; got {value!r}") from None
-    if not math.isfinite(number):
-        raise BadRequest(f"'{spec.name}' must be finite")
-    if (spec.gt is not None and number <= spec.gt) or (spec.ge is not None and number < spec.ge) \
-            or (spec.le is not None and number > spec.le):
-        raise InvalidInput(f"'{spec.name}' must be {spec.bounds()}; got {number:g}")
-    return number
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise BadRequest(f"'{spec.name}' must be a number; got {value!r}") from None
+    return spec.check(value)
 
 
 assert FIELDS["outputs"].choices == OUTPUT_NAMES

@@ -21,20 +21,23 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from psgrad._contract import FIELDS, KNOWN, TENSOR_DICT_FIELDS, TENSOR_FIELDS, field
 from psgrad._errors import BadRequest, InvalidInput, TooLarge, UnsupportedMediaType
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
     RESPONSE_KEY,
     SAFETENSORS,
+    array_from_json,
     fields_from_safetensors,
     parts_size,
     safetensors_parts,
     widen_answers,
 )
 from service.api.status_data import note_model
-from service.config import Settings, raise_setting
-from service.validate import KNOWN_FIELDS, decode_json_body
+from service.config import Settings, raise_setting, with_setting
+from service.losses import get_loss
+from service.outputs import asked_outputs, get_output
 
 STREAM_CHUNK = 1 << 20  # bytes per write of a streamed safetensors answer
 JSON_CHUNK = 1 << 20  # array bytes per piece of a streamed JSON answer
@@ -99,7 +102,7 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     else:
         fields = decode(body, settings)
     note_model(request.scope, fields.get("model"))  # the status page counts by model
-    _precheck(fields, extra, need_model)
+    precheck(fields, extra, need_model)
     inputs = fields.get("inputs")
     if isinstance(inputs, dict):  # named inputs: the first one's batch
         inputs = next(iter(inputs.values()), None)
@@ -115,10 +118,10 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     return fields
 
 
-def _precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
+def precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
               need_model: bool = True) -> None:
     """What can be refused without the model, refused before queueing (the rest: the worker)."""
-    known = KNOWN_FIELDS | extra
+    known = KNOWN | extra
     unknown = sorted(set(fields) - known)
     if unknown:
         raise BadRequest(
@@ -126,7 +129,34 @@ def _precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
             unknown=unknown,
         )
     if need_model and (not isinstance(fields.get("model"), str) or not fields["model"]):
-        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
+        raise BadRequest(f"'model' is required: {field('model').doc}")
+
+
+def held_to_contract(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Each request field of ``fields`` held to the contract (its type, range or choices:
+    :meth:`psgrad._contract.Field.check`), each loss and output named known, and 'clip_norm'
+    sent where 'clipped_mean' needs it; the error names the field and says what it takes. The
+    fields as checked come back (a whole number such as ``3.0`` for an integer field as an int,
+    as JSON Schema's integers: the schema reads them so).
+    After this, :mod:`service.validate` reads the fields as typed and checks what needs the
+    model."""
+    checked = dict(fields)
+    for name, value in fields.items():
+        spec = FIELDS.get(name)
+        if spec is not None and spec.kind not in _TENSOR_KINDS:
+            checked[name] = spec.check(value)
+    if fields.get("loss"):
+        get_loss(fields["loss"])
+    outputs = asked_outputs(fields)
+    for name in outputs:
+        get_output(name)
+    if "clipped_mean" in outputs and fields.get("clip_norm") is None \
+            and fields.get("dp_run") is None:  # a DP run's step: the run's clip_norm
+        raise InvalidInput("output 'clipped_mean' needs 'clip_norm' > 0")
+    return checked
+
+
+_TENSOR_KINDS = ("inputs", "tensor", "tensors")  # read against the model (service.validate)
 
 
 async def conform(schema: type[BaseModel], fields: Mapping[str, Any],
@@ -136,6 +166,8 @@ async def conform(schema: type[BaseModel], fields: Mapping[str, Any],
     decoded) stood in for by the JSON type it came as. A refused body gets the route's own error
     where ``specific`` (its checks, run off the event loop) finds one (``unknown_loss``, ...),
     else ``invalid_input`` naming the fields."""
+    if isinstance(fields, Mapping):  # else the schema refuses it, in the route's words
+        fields = held_to_contract(fields)
     try:
         schema.model_validate(_as_sent(fields), strict=True)  # no "0.5" for 0.5: as sent
     except ValidationError as exc:
@@ -153,6 +185,37 @@ def _as_sent(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _as_sent(v) for k, v in value.items()}
     return value
+
+
+def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
+    """Decode the tensor fields of a JSON request body into numpy arrays."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    fields = dict(body)
+    for name in TENSOR_FIELDS:
+        value = fields.get(name)
+        # a model's named inputs: an object of tensors (a tensor's {dtype, shape, data} object is
+        # told apart by its dtype, a string where named inputs hold tensors)
+        if name == "inputs" and isinstance(value, dict) and not isinstance(value.get("dtype"), str):
+            fields[name] = {k: _array(v, f"inputs.{k}", max_elements) for k, v in value.items()}
+        elif value is not None:
+            fields[name] = _array(value, name, max_elements)
+    for name in TENSOR_DICT_FIELDS:
+        group = fields.get(name)
+        if group is None:
+            continue
+        if not isinstance(group, dict):
+            raise BadRequest(f"'{name}' must be an object mapping parameter names to tensors")
+        fields[name] = {
+            k: _array(v, f"{name}.{k}", max_elements)
+            for k, v in group.items()
+        }
+    return fields
+
+
+def _array(value: Any, name: str, max_elements: int) -> Any:
+    return with_setting("max_elements", max_elements, array_from_json, value, name=name,
+                        max_elements=max_elements)
 
 
 def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:

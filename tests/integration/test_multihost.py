@@ -35,11 +35,12 @@ import pytest
 import redis
 
 from service import redis_keys
+from service.api.body import decode_json_body
 from service.broker.redis.api import RedisBroker
 from service.config import Settings
 from service.redis_keys import text
 from service.registry import ModelRegistry
-from service.validate import decode_json_body, parse_request
+from service.validate import parse_request
 from tests.support.cluster import PSGRAD, env_of, mixed_request, settings_for
 from tests.support.netlab import Host, Lab, namespaces_or_skip
 from tests.support.reference import TOL, reference

@@ -21,9 +21,10 @@ from fastapi import FastAPI
 from psgrad._wire import REQUEST_KEY, RESPONSE_KEY, fields_from_safetensors, fields_to_safetensors
 from service import engine
 from service.api import create_app
+from service.api.body import decode_json_body
 from service.config import Settings
 from service.registry import ModelRegistry
-from service.validate import decode_json_body, parse_request
+from service.validate import parse_request
 from tests.support.client import free_port
 
 SAFETENSORS = "application/x-safetensors"

@@ -22,10 +22,11 @@ import redis
 
 from service import engine, redis_keys
 from service.api.app import create_app
+from service.api.body import decode_json_body
 from service.broker.redis.api import RedisBroker
 from service.config import Settings
 from service.redis_keys import text
-from service.validate import decode_json_body, parse_request
+from service.validate import parse_request
 from tests.support.client import free_port
 from tests.support.redis import (
     wait_for,

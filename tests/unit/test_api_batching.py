@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from service.api.body import decode_json_body
 from service.broker.embedded import EmbeddedBroker
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.validate import decode_json_body
 from service.worker import Worker
 from tests.support.api import TD0, assert_outputs, in_process, open_client, settings
 

@@ -249,6 +249,33 @@ async def test_gamma_outside_0_1_is_422_in_both_wire_forms() -> None:
             _error(st, 422, "invalid_input")
 
 
+@pytest.mark.parametrize("extra, status, code, word", [
+    ({"outputs": ["clipped_mean"]}, 422, "invalid_input", "'clip_norm'"),
+    ({"outputs": ["norms"], "clip_norm": 0}, 422, "invalid_input", "'clip_norm' must be > 0"),
+    ({"noise_multiplier": float("inf")}, 400, "bad_request", "'noise_multiplier'"),
+    ({"seed": 1.5}, 400, "bad_request", "'seed' must be an integer"),
+    ({"outputs": ["norms", "nrms"]}, 422, "unknown_output", "nrms"),
+    ({"outputs": [3]}, 400, "bad_request", "'outputs'"),
+    ({"loss": "l7"}, 422, "unknown_loss", "l7"),
+    ({"params": []}, 400, "bad_request", "'params'"),
+    ({"answer_dtype": "int8"}, 422, "invalid_input", "float16"),
+])
+async def test_jobs_refuses_at_once_what_the_contract_refuses(
+        extra: dict[str, Any], status: int, code: str, word: str) -> None:
+    """A field's type, range or choices, a loss or output that does not exist, and
+    'clipped_mean' without 'clip_norm' are the door's: ``POST /jobs`` answers them at once,
+    as ``POST /per-sample-grads`` does, in both wire forms."""
+    doc = {**TD0, "loss": "td0", **extra}
+    async with open_client() as c:
+        for route in ("/per-sample-grads", "/jobs"):
+            body = json.dumps(doc).encode()  # inf as JSON's common extension, as Python writes it
+            err = _error(await c.post(route, content=body, headers=JSON_CT), status, code)
+            assert word in err["message"], err
+            st = await c.post(route, content=safetensors_body(doc),
+                              headers={"content-type": SAFETENSORS})
+            assert _error(st, status, code)["message"] == err["message"]
+
+
 async def test_gamma_0_and_1_are_accepted() -> None:
     async with open_client() as c:
         for gamma, td_error in ((0.0, 2.0), (1.0, 1.8), (0, 2.0), (1, 1.8)):

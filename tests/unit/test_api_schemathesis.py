@@ -30,8 +30,8 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.openapi.checks import RejectedPositiveData
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from psgrad._contract import TENSOR_DICT_FIELDS, TENSOR_FIELDS
 from service.api import create_app
-from service.validate import TENSOR_DICT_FIELDS, TENSOR_FIELDS
 from tests.support.api import serving, settings
 
 SETTINGS = settings(

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from service.api.body import decode_json_body
 from service.broker.embedded import EmbeddedBroker
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.validate import decode_json_body
 from service.verify import choose
 from service.worker import Worker
 from tests.support import faults
@@ -191,7 +191,7 @@ async def test_the_operator_fraction_verifies_every_job_and_counts_it(
     assert metric(after, "psgrad_verification_failures_total") == 1
 
 
-@pytest.mark.parametrize("value", [-1, 65, True, 2.0, "3"])
+@pytest.mark.parametrize("value", [-1, 65, True, 2.5, "3"])
 async def test_verify_out_of_its_range_is_refused(value: Any) -> None:
     async with open_client() as c:
         r = await c.post("/per-sample-grads", json=doc(verify=value))
@@ -204,3 +204,16 @@ async def test_verify_out_of_its_range_is_refused(value: Any) -> None:
     assert seed.status_code == 400
     verify = next(s for s in schema["properties"]["verify"]["anyOf"] if s.get("type") == "integer")
     assert (verify["minimum"], verify["maximum"]) == (0, 64)
+
+
+async def test_a_whole_number_is_an_integer_as_json_schema_reads_it() -> None:
+    """``2.0`` is an integer to JSON Schema (and so to the OpenAPI document): ``verify`` and
+    ``verify_seed`` take it as 2, on both routes, in the report as ints."""
+    async with open_client() as c:
+        r = await c.post("/per-sample-grads", json=doc(verify=2.0, verify_seed=5.0))
+        again = await c.post("/per-sample-grads", json=doc(verify=2, verify_seed=5))
+        j = await c.post("/jobs", json=doc(verify=2.0, verify_seed=5.0))
+    assert r.status_code == 200 and j.status_code == 202, (r.text, j.text)
+    report = r.json()["meta"]["verify"]
+    assert report["samples"] == again.json()["meta"]["verify"]["samples"] == choose(6, 2, 5)
+    assert report["seed"] == 5 and isinstance(report["seed"], int)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from service import engine
+from service.api.body import decode_json_body
 from service.registry import ModelRegistry, load_model
-from service.validate import decode_json_body, parse_request
+from service.validate import parse_request
 from tests.support.reference import per_sample_loop
 
 CPU = torch.device("cpu")

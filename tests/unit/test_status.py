@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from service.api.body import decode_json_body
 from service.api.status_data import MAX_LABELS, OTHER, RequestStats
 from service.broker.embedded import EmbeddedBroker
 from service.events import BatchEnded, BatchStarted, Events, JobEnded, WorkerEvent
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.validate import decode_json_body
 from service.worker import Worker
 from service.worker_metrics import WorkerMetrics
 from service.worker_status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles

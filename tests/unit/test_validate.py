@@ -1,4 +1,4 @@
-"""Every refusal of a request, through ``parse_request`` (and the model load it triggers).
+"""Every refusal of a request: the door's checks, then ``parse_request`` (and the model load).
 
 Each case checks the error class (hence its code and HTTP status) and that the message says what
 was wrong; for unknown names (model, loss, output, parameter), that it lists the known ones.
@@ -34,10 +34,11 @@ from psgrad._errors import (
     UnknownParameter,
 )
 from service import engine
+from service.api.body import decode_json_body, held_to_contract, precheck
 from service.losses import LOSSES
 from service.outputs import OUTPUTS
 from service.registry import ModelRegistry, load_model
-from service.validate import ParsedRequest, decode_json_body, parse_request
+from service.validate import ParsedRequest, parse_request
 from tests.support.reference import per_sample_loop
 
 CPU = torch.device("cpu")
@@ -54,6 +55,8 @@ def parse(registry: ModelRegistry, body: dict[str, Any], **kw: Any) -> ParsedReq
     fields = decode_json_body(
         {k: v for k, v in body.items() if k not in binary}, max_elements=1 << 22
     )
+    precheck(fields)  # the door's checks, as every route runs them first
+    held_to_contract(fields)
     return parse_request({**fields, **binary}, registry, **kw)
 
 
