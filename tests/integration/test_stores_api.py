@@ -254,8 +254,11 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await post("/stores/s/samples", headers=ALICE, json=samples(2, model="att@0123")),
           409, "conflict", "att@")
     error(await post("/stores/s/samples", headers=ALICE,
-                     json=samples(2, projection_kind="another-kind")), 409, "conflict",
+                     json=samples(2, projection_kind="kronecker")), 409, "conflict",
           "projection_kind")
+    error(await post("/stores/s/samples", headers=ALICE,  # no store's: the contract's 422
+                     json=samples(2, projection_kind="another-kind")), 422, "invalid_input",
+          "tensorsketch, kronecker")
     error(await post("/stores/s/samples", headers=ALICE, json=samples(2, loss="nll")), 409,
           "conflict", "loss")
     error(await post("/stores/s/samples", headers=ALICE, json=samples(2, outputs=["grads"])),
@@ -284,7 +287,7 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await query({"sketches": [[0.0] * 8]}), 422, "invalid_input", "[queries, 16]")
     error(await query({"sketches": [[0.0] * 16], "projection_dim": 8}), 409, "conflict",
           "projection_dim")
-    error(await query({"sketches": [[0.0] * 16], "projection_kind": "another-kind"}), 409,
+    error(await query({"sketches": [[0.0] * 16], "projection_kind": "kronecker"}), 409,
           "conflict", "projection_kind")
     error(await query({"sketches": [[0.0] * 16], **batch(1, 1)}), 422, "invalid_input",
           "not both")
