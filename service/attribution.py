@@ -62,17 +62,7 @@ def projection_of(fields: dict[str, Any], outputs: Sequence[str]) -> Projection 
         return None
     k = DIM.integer(dim)
     seed = SEED.integer(seed)
-    if kind is not None and kind not in KINDS:
-        raise InvalidInput(f"unknown projection_kind {kind!r}; known: {', '.join(KINDS)} "
-                           f"(default {KINDS[0]})", known=list(KINDS))
     return Projection(int(k or 0), seed or 0, kind or KINDS[0])
-
-
-def refuse_unread(fields: dict[str, Any]) -> None:
-    """``reference_set`` and ``reference_sketches`` without an output that reads them."""
-    for name, output in (("reference_set", "influence"), ("reference_sketches", "dots")):
-        if fields.get(name) is not None:
-            raise InvalidInput(f"'{name}' is read by output '{output}' only; ask for it")
 
 
 def references(model: LoadedModel, opts: Options, batch: Batch,

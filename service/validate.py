@@ -19,7 +19,7 @@ import torch
 
 from psgrad._contract import ANSWER_DTYPES, AUTOCASTS
 from psgrad._errors import InvalidInput, LossNotSupported, ShapeMismatch, TooLarge
-from service.attribution import ReferenceSets, projection_of, references, refuse_unread
+from service.attribution import ReferenceSets, projection_of, references
 from service.config import raise_setting
 from service.dp.steps import bind
 from service.engine import Batch, Options
@@ -126,7 +126,6 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                           reference_sets)
         return ParsedRequest(model, opts, batch, verify=_whole(fields.get("verify")) or 0,
                              verify_seed=_whole(fields.get("verify_seed")))
-    refuse_unread(fields)
     batch.reference = param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
         missing = [p for p in opts.params if p not in batch.reference]

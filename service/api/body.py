@@ -134,12 +134,12 @@ def precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
 
 def held_to_contract(fields: Mapping[str, Any]) -> dict[str, Any]:
     """Each request field of ``fields`` held to the contract (its type, range or choices:
-    :meth:`psgrad._contract.Field.check`), each loss and output named known, and 'clip_norm'
-    sent where 'clipped_mean' needs it; the error names the field and says what it takes. The
-    fields as checked come back (a whole number such as ``3.0`` for an integer field as an int,
-    as JSON Schema's integers: the schema reads them so).
-    After this, :mod:`service.validate` reads the fields as typed and checks what needs the
-    model."""
+    :meth:`psgrad._contract.Field.check`), each loss and output named known, 'clip_norm' sent
+    where 'clipped_mean' needs it, and no reference field sent that no output asked reads; the
+    error names the field and says what it takes. The fields as checked come back (a whole
+    number such as ``3.0`` for an integer field as an int, as JSON Schema's integers: the schema
+    reads them so). After this, :mod:`service.validate` reads the fields as typed and checks
+    what needs the model."""
     checked = dict(fields)
     for name, value in fields.items():
         spec = FIELDS.get(name)
@@ -153,6 +153,9 @@ def held_to_contract(fields: Mapping[str, Any]) -> dict[str, Any]:
     if "clipped_mean" in outputs and fields.get("clip_norm") is None \
             and fields.get("dp_run") is None:  # a DP run's step: the run's clip_norm
         raise InvalidInput("output 'clipped_mean' needs 'clip_norm' > 0")
+    for name, reader in (("reference_set", "influence"), ("reference_sketches", "dots")):
+        if fields.get(name) is not None and not {"dots", "influence"} & set(outputs):
+            raise InvalidInput(f"'{name}' is read by output '{reader}' only; ask for it")
     return checked
 
 

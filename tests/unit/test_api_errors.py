@@ -259,6 +259,8 @@ async def test_gamma_outside_0_1_is_422_in_both_wire_forms() -> None:
     ({"loss": "l7"}, 422, "unknown_loss", "l7"),
     ({"params": []}, 400, "bad_request", "'params'"),
     ({"answer_dtype": "int8"}, 422, "invalid_input", "float16"),
+    ({"reference_set": "refs"}, 422, "invalid_input", "'reference_set' is read by output"),
+    ({"reference_sketches": [[1.0]]}, 422, "invalid_input", "'reference_sketches' is read"),
 ])
 async def test_jobs_refuses_at_once_what_the_contract_refuses(
         extra: dict[str, Any], status: int, code: str, word: str) -> None:

@@ -85,7 +85,8 @@ def test_server_validation_knows_every_field_and_reads_no_other() -> None:
     assert read, "no field reads found: the scan is broken"
     assert read <= set(FIELDS), f"read by the server, not in the contract: {read - set(FIELDS)}"
     precheck({f.name: example(f) for f in REQUEST})  # no field refused as unknown
-    held_to_contract({f.name: example(f) for f in REQUEST})  # nor a valid value refused
+    held_to_contract({**{f.name: example(f) for f in REQUEST},  # nor a valid value refused
+                      "outputs": ["dots"]})  # (an output that reads the reference fields)
     with pytest.raises(Exception, match="unknown fields: nope"):
         precheck({"model": "mlp", "nope": 1})
 

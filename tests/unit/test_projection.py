@@ -13,7 +13,7 @@ import torch
 
 from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
 from service import engine
-from service.api.body import decode_json_body
+from service.api.body import decode_json_body, held_to_contract
 from service.attribution import ReferenceSet
 from service.engine import Batch, Options
 from service.registry import LoadedModel, ModelRegistry, load_model
@@ -294,6 +294,7 @@ def parse(registry: ModelRegistry, body: dict[str, Any], **kw: Any) -> Any:
     arrays = {k: v for k, v in body.items() if isinstance(v, (np.ndarray, dict))}
     fields = decode_json_body({k: v for k, v in body.items() if k not in arrays},
                               max_elements=1 << 22)
+    held_to_contract(fields)  # the door's checks, as every route runs them first
     return parse_request({**fields, **arrays}, registry, **kw)
 
 
@@ -311,7 +312,7 @@ def body(n: int = 2, **extra: Any) -> dict[str, Any]:
     ({"projection_seed": 3}, BadRequest, "projection_dim"),
     ({"projection_kind": "kronecker"}, InvalidInput, "projection_dim"),
     ({"outputs": ["projection"], "projection_dim": 8, "projection_kind": "gaussian"},
-     InvalidInput, "known: tensorsketch, kronecker"),
+     InvalidInput, "one of tensorsketch, kronecker"),
     ({"outputs": ["dots"]}, InvalidInput, "reference"),
     ({"outputs": ["dots"], "reference_sketches": np.zeros((2, 8), np.float32)}, InvalidInput,
      "projection_dim"),
