@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from psgrad._contract import SAMPLE_FIELDS
+from psgrad._contract import SAMPLE_FIELDS, field
 from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.attribution import projection_of
 from service.reference_sets import checked_id
 from service.registry import ModelRegistry
-from service.stores.spec import StoreSpec, check_dtype, integral
+from service.stores.spec import StoreSpec, check_dtype
 from service.strategies.projection import VERSIONS
 from service.validate import check_options
 
@@ -37,13 +37,12 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
         raise BadRequest(f"unknown fields: {', '.join(unknown)}; a store takes "
                          f"{', '.join(SPEC_FIELDS)}", unknown=unknown)
     if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest("'model' is required: a model id such as 'mlp' or 'id@version'")
+        raise BadRequest(f"'model' is required: {field('model').doc}")
     if body.get("projection_dim") is None:
         raise InvalidInput("'projection_dim' is required: a store keeps sketches of k entries "
                            "per sample (k up to 8192)")
     model = registry.get(body["model"])
-    asked = {k: integral(body.get(k)) if k.startswith("projection_") else body.get(k)
-             for k in ("loss", "params", "projection_dim", "projection_seed", "projection_kind")}
+    asked = {k: body.get(k) for k in FIXED_FIELDS}  # held to the contract at the door
     asked["projection_kind"] = asked["projection_kind"] or None  # "": the default kind
     opts = check_options({**asked, "outputs": ["projection"]}, model)
     proj = projection_of(asked, ["projection"])
