@@ -78,7 +78,7 @@ class Field:
     pattern: str | None = None
     blank: bool = False  # '' means the default too
 
-    def integer(self, value: Any, why: str = "") -> int | None:
+    def integer(self, value: Any) -> int | None:
         """``value`` as an integer in this field's range, None when unset; else 400 (numpy
         integers count, and whole numbers such as ``3.0`` as JSON Schema's integers do;
         booleans do not)."""
@@ -87,11 +87,13 @@ class Field:
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}{why}")
+            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}; got "
+                             f"{_sent(value)}")
         value = int(value)
         if (self.ge is not None and value < self.ge) or (self.lt is not None and value >= self.lt) \
                 or (self.le is not None and value > self.le):
-            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}{why}")
+            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}; got "
+                             f"{_sent(value)}")
         return value
 
     def check(self, value: Any) -> Any:
@@ -108,7 +110,7 @@ class Field:
             closed = self.ge is not None and self.le is not None
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
                     not closed and not math.isfinite(value)):
-                raise BadRequest(f"'{name}' must be a finite number; got {value!r}")
+                raise BadRequest(f"'{name}' must be a finite number; got {_sent(value)}")
             if not self._within(float(value)):
                 raise InvalidInput(f"'{name}' must be {self.bounds()}; got {value!r}")
             return value
@@ -117,16 +119,17 @@ class Field:
             if not one and (not isinstance(value, list) or not all(isinstance(v, str)
                                                                     for v in value)
                             or (not value and self.choices is None)):
-                raise BadRequest(f"'{name}' must be one name or a list of names" if self.choices
-                                 else f"'{name}' must be a non-empty list of names")
+                what = ("one name or a list of names" if self.choices else
+                        "a non-empty list of names")
+                raise BadRequest(f"'{name}' must be {what}; got {_sent(value)}")
             return value
         if kind in ("choice", "ref"):
             if not isinstance(value, str):
-                raise BadRequest(f"'{name}' must be a string; got {value!r}")
+                raise BadRequest(f"'{name}' must be a string; got {_sent(value)}")
             if self.choices is not None and value not in self.choices and not (
                     self.blank and not value):
                 raise InvalidInput(f"'{name}' must be one of {', '.join(self.choices)}; got "
-                                   f"{value!r}", accepted=list(self.choices))
+                                   f"{_sent(value)}", accepted=list(self.choices))
         return value
 
     def _within(self, number: float) -> bool:
@@ -143,6 +146,12 @@ class Field:
         if self.lt is not None:
             return f"{lo}{'2**63' if self.lt == MAX_SEED else f'{self.lt:g}'})"
         return f"{lo}{self.le:g}]" if self.le is not None else f">= {self.ge:g}"
+
+
+def _sent(value: Any) -> str:
+    """What was sent, for a message: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def spec(kind: Kind, doc: str, **how: Any) -> Field:

@@ -31,6 +31,7 @@ from psgrad._contract import (
     Field,
     Options,
 )
+from psgrad._errors import BadRequest
 from psgrad._merge import COMBINE, grads_plan
 from psgrad._request import grads_fields
 from service.api.body import held_to_contract, precheck
@@ -257,3 +258,23 @@ def test_a_field_added_in_one_place_reaches_every_reader(tmp_path: Path) -> None
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("followed")
+
+
+def test_every_refusal_of_a_field_names_the_field_and_what_was_sent() -> None:
+    """Field.check, the one check of a field's value (the door's and the client's): a value of
+    the wrong type, or out of the field's range, is refused naming the field and the value."""
+    wrong = {"int": "x7", "float": "x7", "names": 7, "choice": 7, "ref": 7}
+    checked = 0
+    for spec in REQUEST:
+        if spec.kind not in wrong:
+            continue
+        with pytest.raises(BadRequest) as info:
+            spec.check(wrong[spec.kind])
+        assert f"'{spec.name}'" in info.value.message and "7" in info.value.message, info.value
+        checked += 1
+        if spec.kind in ("int", "float") and (spec.le is not None or spec.lt is not None):
+            with pytest.raises(BadRequest) as info:  # InvalidInput (422) for a float's range
+                spec.check(10**30 if spec.kind == "int" else 1e30)
+            message = info.value.message
+            assert f"'{spec.name}'" in message and ("1e+30" in message or str(10**30) in message)
+    assert checked >= 10, checked
