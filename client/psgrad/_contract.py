@@ -30,7 +30,8 @@ from typing import Annotated, Any, Literal, TypedDict, get_type_hints
 
 from psgrad._errors import BadRequest, InvalidInput
 
-__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "Request", "field", "output", "spec"]
+__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "Request", "field", "model_of",
+           "output", "spec"]
 
 # Kinds of field: how a value travels (JSON or safetensors) and how it is checked.
 Kind = Literal[
@@ -112,7 +113,7 @@ class Field:
                     not closed and not math.isfinite(value)):
                 raise BadRequest(f"'{name}' must be a finite number; got {_sent(value)}")
             if not self._within(float(value)):
-                raise InvalidInput(f"'{name}' must be {self.bounds()}; got {value!r}")
+                raise InvalidInput(f"'{name}' must be {self.bounds()}; got {_sent(value)}")
             return value
         if kind == "names":
             one = isinstance(value, str) and self.choices is not None  # an output, alone
@@ -363,6 +364,14 @@ POSITIONAL = ("model", "inputs", "targets")  # the client methods' positional ar
 
 def field(name: str) -> Field:
     return FIELDS[name]
+
+
+def model_of(body: Mapping[str, Any]) -> str:
+    """A body's ``model``, which every body that names one must name: else 400."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(f"'model' is required: {FIELDS['model'].doc}")
+    return model
 
 
 def output(name: str) -> Output:

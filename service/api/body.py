@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from psgrad._contract import FIELDS, KNOWN, TENSOR_DICT_FIELDS, TENSOR_FIELDS, field
+from psgrad._contract import FIELDS, KNOWN, TENSOR_DICT_FIELDS, TENSOR_FIELDS, model_of
 from psgrad._errors import BadRequest, InvalidInput, TooLarge, UnsupportedMediaType
 from psgrad._wire import (
     JSON,
@@ -128,8 +128,8 @@ def precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
             f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(known))}",
             unknown=unknown,
         )
-    if need_model and (not isinstance(fields.get("model"), str) or not fields["model"]):
-        raise BadRequest(f"'model' is required: {field('model').doc}")
+    if need_model:
+        model_of(fields)
 
 
 def held_to_contract(fields: Mapping[str, Any]) -> dict[str, Any]:

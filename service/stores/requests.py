@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from psgrad._contract import SAMPLE_FIELDS, field
+from psgrad._contract import SAMPLE_FIELDS, model_of
 from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.attribution import projection_of
 from service.reference_sets import checked_id
@@ -36,12 +36,11 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
     if unknown:
         raise BadRequest(f"unknown fields: {', '.join(unknown)}; a store takes "
                          f"{', '.join(SPEC_FIELDS)}", unknown=unknown)
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest(f"'model' is required: {field('model').doc}")
+    ref = model_of(body)
     if body.get("projection_dim") is None:
         raise InvalidInput("'projection_dim' is required: a store keeps sketches of k entries "
                            "per sample (k up to 8192)")
-    model = registry.get(body["model"])
+    model = registry.get(ref)
     asked = {k: body.get(k) for k in FIXED_FIELDS}  # held to the contract at the door
     asked["projection_kind"] = asked["projection_kind"] or None  # "": the default kind
     opts = check_options({**asked, "outputs": ["projection"]}, model)
