@@ -5,10 +5,11 @@
 
 A linear layer's ``variance``, ``dots`` (M=2) and the norms-and-dots-with-the-sum of
 ``cosine_mean`` over T positions build every sample's ``G_i^T A_i`` a piece at a time
-(:meth:`service.fast_stats._outer.OuterSource.pieces`): a piece holds at least ``MIN_ROWS``
-output rows, then as many samples as ``PIECE_BYTES`` holds. For BERT-base's three layer shapes
-(768x768, 768->3072, 3072->768; ``--shapes`` takes others as ``dxp``: ResNet-18's 7x7 layers,
-unfolded, are ``4608x512`` at ``--seq 49``) with random inputs and output gradients, this prints
+(:meth:`service.fast_stats._outer.OuterSource.pieces`): a piece holds at least
+``TUNING.min_rows`` output rows, then as many samples as ``TUNING.piece_bytes`` holds. For
+BERT-base's three layer shapes (768x768, 768->3072, 3072->768; ``--shapes`` takes others as
+``dxp``: ResNet-18's 7x7 layers, unfolded, are ``4608x512`` at ``--seq 49``) with random inputs
+and output gradients, this prints
 the GFLOP/s of the batched matmul alone at each height, and each statistic's time over the layers
 divided by the weight-gradient GEMM's (one ``G^T A`` over every row: what a plain step pays for
 these layers' weights). One torch thread, this process's CPU time, the best of ``--rounds``.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.fast_stats import _kernels, _outer
+from service.fast_stats import TUNING
 from service.fast_stats._budget import Budget
 from service.fast_stats._source import SourceContext
 from service.fast_stats.families.linear import LinearSource
@@ -84,9 +85,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for height in args.heights.split(","):
         rows, mib = (int(v) for v in height.split(":"))
-        _outer.MIN_ROWS, _outer.PIECE_BYTES = rows, mib << 20
+        TUNING.min_rows, TUNING.piece_bytes = rows, mib << 20
         for loops in args.loops.split(","):
-            _kernels.FUSED = loops == "fused"
+            TUNING.fused = loops == "fused"
             times = [cpu(lambda f=f: [f(x, r) for x, r in zip(layers, refs, strict=True)],
                          args.rounds)
                      for f in (lambda x, r: build(x), lambda x, r: x.moments(0, b),

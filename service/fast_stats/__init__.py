@@ -21,7 +21,8 @@ from service.fast_stats import families  # noqa: F401  (register the layer famil
 from service.fast_stats._family import FAMILIES, Family, register_family
 from service.fast_stats._kernels import warm_up as warm_kernels
 from service.fast_stats._shared import FileBackend, RedisBackend, SharedPlans
+from service.fast_stats._tuning import TUNING, Tuning
 from service.fast_stats.strategy import FastStats
 
-__all__ = ["FAMILIES", "Family", "FastStats", "FileBackend", "RedisBackend", "SharedPlans",
-           "register_family", "warm_kernels"]
+__all__ = ["FAMILIES", "TUNING", "Family", "FastStats", "FileBackend", "RedisBackend",
+           "SharedPlans", "Tuning", "register_family", "warm_kernels"]

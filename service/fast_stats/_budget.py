@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-CACHE_WORK = 32 << 20  # a chunk's transient tensors on a CPU (:meth:`Budget.chunk`)
+from service.fast_stats._tuning import TUNING
 
 
 class Budget:
@@ -26,10 +26,11 @@ class Budget:
         budget on an accelerator."""
         return min(self.budget // 4, cache_bytes if self.cached else self.budget)
 
-    def chunk(self, bytes_per_sample: int, batch: int, work: int = CACHE_WORK) -> int:
-        """Samples per chunk so that one chunk's transient tensors take about ``work`` bytes on
-        a CPU (:meth:`piece`): big enough for efficient kernels, small next to the activations
-        a backward holds."""
+    def chunk(self, bytes_per_sample: int, batch: int, work: int | None = None) -> int:
+        """Samples per chunk so that one chunk's transient tensors take about ``work`` bytes
+        (``TUNING.chunk_bytes`` unless given) on a CPU (:meth:`piece`): big enough for
+        efficient kernels, small next to the activations a backward holds."""
+        work = TUNING.chunk_bytes if work is None else work
         return max(1, min(batch, self.piece(work) // max(1, bytes_per_sample)))
 
     def reserve(self, nbytes: int) -> bool:

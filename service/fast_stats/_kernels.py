@@ -21,10 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from service.fast_stats._tuning import TUNING
 from service.strategies.base import squared_norms
-
-FUSED = True  # False: the eager operations everywhere (a test compares the two)
-BLOCK_BYTES = 16 << 10  # one block of columns, every sample's: within a core's L1 cache
 
 
 def squared_deviations(rows: torch.Tensor, mean: torch.Tensor, *, in_place: bool = False
@@ -98,7 +96,7 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
 
 def _fused(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
-    return FUSED and dtype in (torch.float32, torch.float64) and all(
+    return TUNING.fused and dtype in (torch.float32, torch.float64) and all(
         t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel() > 0
         for t in tensors)
 
@@ -110,8 +108,8 @@ def _flat(t: torch.Tensor, rows: int | None = None) -> np.ndarray:
 
 
 def _step(rows: torch.Tensor) -> int:
-    """Columns per block: every sample's share of :data:`BLOCK_BYTES`, at least 256."""
-    return max(256, BLOCK_BYTES // (rows.shape[0] * rows.element_size()))
+    """Columns per block: every sample's share of ``TUNING.block_bytes``, at least 256."""
+    return max(256, TUNING.block_bytes // (rows.shape[0] * rows.element_size()))
 
 
 @numba.njit(nogil=True, boundscheck=False)

@@ -31,14 +31,11 @@ from service.fast_stats._source import (
     merge,
     present,
 )
+from service.fast_stats._tuning import TUNING
 from service.strategies.base import Bounds, Tensors, dots_with
 from service.strategies.projection import Projection
 
 Block = tuple[int, int, torch.Tensor, torch.Tensor]  # lo, hi, A [n, Gr, T, d], G [n, Gr, T, p]
-# on a CPU (:meth:`Budget.piece`; on an accelerator, a quarter of the budget):
-PIECE_BYTES = 8 << 20  # variance's, dots' and cosine's per-sample gradients, a piece at a time
-MIN_ROWS = 128  # output rows of a piece at least (:meth:`OuterSource.piece_shape`)
-WHOLE_PIECE_BYTES = 64 << 20  # cosine's pieces, every sample of a segment in each
 AddRows = Callable[[int, int, torch.Tensor], None]  # first sample, first row, piece
 
 
@@ -227,7 +224,7 @@ class OuterSource(Materialised):
                ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Samples [lo, hi)'s gradients a piece at a time: (first sample, first row,
         ``[n, groups, rows, d]``), each written by one ``bmm`` into one reused buffer of about
-        :data:`PIECE_BYTES` (read it before the next), so that what is computed from it runs in
+        ``TUNING.piece_bytes`` (read it before the next), so that what is computed from it runs in
         cache, not over every per-sample gradient in memory. A piece is a slice of output rows
         of a set of samples (:meth:`piece_shape`; with ``whole``, every sample of a block);
         the sets come in sample order, and a set's slices one after another from row 0."""
@@ -249,15 +246,15 @@ class OuterSource(Materialised):
 
     def piece_shape(self, n: int) -> tuple[int, int]:
         """Samples and output rows of one piece, for a block of n samples: at least
-        :data:`MIN_ROWS` rows (a thinner batched matmul of inner size T runs at a fraction of a
+        ``TUNING.min_rows`` rows (a thinner batched matmul of inner size T runs at a fraction of a
         GEMM's speed: BERT-base's 3072-wide layers at B=32, T=64 took 10-row pieces at 22-37
         GFLOP/s against the GEMM's 80; on a 2-core EPYC host 64-row pieces ran BERT-base's
         layers at 47-53 GFLOP/s, 128-row ones at 55-59, the GEMM at 60-72), then as many
-        samples as :data:`PIECE_BYTES` holds (on an accelerator: as a quarter of the budget
+        samples as ``TUNING.piece_bytes`` holds (on an accelerator: as a quarter of the budget
         holds, the whole layer where it fits)."""
         per = self.groups * self.d * self.dtype.itemsize  # one output row of one sample
-        size = self.budget.piece(PIECE_BYTES)
-        rows = min(self.p, max(MIN_ROWS, size // (n * per)))
+        size = self.budget.piece(TUNING.piece_bytes)
+        rows = min(self.p, max(TUNING.min_rows, size // (n * per)))
         return max(1, min(n, size // (rows * per))), rows
 
     def span(self) -> int:
@@ -333,11 +330,11 @@ class OuterSource(Materialised):
         """Whether each sample's squared norm and dot with its segment's mean, and the
         segment's sum, come from one build of its gradient a piece at a time, every sample of
         the segment in each piece (:meth:`_with_cos`): a linear layer over positions, where
-        such a piece of :data:`MIN_ROWS` rows fits :data:`WHOLE_PIECE_BYTES` (on an
+        such a piece of ``TUNING.min_rows`` rows fits ``TUNING.whole_piece_bytes`` (on an
         accelerator, a quarter of the budget)."""
-        per = self.groups * self.d * self.dtype.itemsize * min(self.p, MIN_ROWS)
+        per = self.groups * self.d * self.dtype.itemsize * min(self.p, TUNING.min_rows)
         return (self.pieces_cos and self.whole and self._form != "outer"
-                and self.batch * per <= self.budget.piece(WHOLE_PIECE_BYTES))
+                and self.batch * per <= self.budget.piece(TUNING.whole_piece_bytes))
 
     def _with_cos(self, need: Pass1Need, keep: bool) -> Pass1:
         """The first pass with each sample's squared norm and dot with its segment's mean,

@@ -38,6 +38,7 @@ from service.fast_stats._run import (
 )
 from service.fast_stats._shared import SharedPlans, Stored, plan_key, signature_digest
 from service.fast_stats._source import Source, answers
+from service.fast_stats._tuning import TUNING
 from service.lru import LockedLRU
 from service.strategies.base import NORM_BLOCK, Tensors, squared_norms
 from service.strategies.per_sample import FORWARD_AD
@@ -243,7 +244,7 @@ def _checked(probe: Setup, plan: Plan) -> list[str]:
     With a random direction ``r`` (the dots' reference), two checks, neither a plain backward:
 
     - the first sample alone: the gradient the probe's sources write for it (as a ``grads``
-      answer does, a group of sources at a time, :data:`CHECK_BYTES` each) must have,
+      answer does, a group of sources at a time, ``TUNING.check_bytes`` each) must have,
       parameter by parameter, the squared norm and the dot with ``r`` that the probe's first
       pass found for that sample: the written form, the norm's closed form and the dot's
       agree.
@@ -419,19 +420,16 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> b
     return bool(diff.sub_(want.abs().mul_(rtol)).le_(atol).all())
 
 
-CHECK_BYTES = 64 << 20  # one sample's written gradients of one group of sources
-
-
 def _groups(sources: Sequence[Source], selected: set[str], params: Tensors
             ) -> list[list[Source]]:
     """Consecutive sources whose selected parameters' gradients of one sample take at most
-    :data:`CHECK_BYTES` (a source larger than that alone is a group of its own)."""
+    ``TUNING.check_bytes`` (a source larger than that alone is a group of its own)."""
     groups: list[list[Source]] = []
-    size = CHECK_BYTES
+    size = TUNING.check_bytes
     for source in sources:
         nbytes = sum(params[k].numel() * params[k].element_size()
                      for k in source.names if k in selected)
-        if size + nbytes > CHECK_BYTES:
+        if size + nbytes > TUNING.check_bytes:
             groups.append([])
             size = 0
         groups[-1].append(source)

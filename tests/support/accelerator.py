@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 
-from service.fast_stats import _kernels, strategy
+from service.fast_stats import TUNING, strategy
 from service.fast_stats._budget import Budget
 from service.fast_stats.families import conv
 from service.strategies import base
@@ -30,5 +30,5 @@ def sized_as_on_an_accelerator() -> Iterator[None]:
     with mock.patch.object(strategy, "Budget", budget), \
             mock.patch.object(base, "tree_reduces", lambda _device: True), \
             mock.patch.object(conv, "weight_grad", folded), \
-            mock.patch.object(_kernels, "FUSED", False):
+            mock.patch.object(TUNING, "fused", False):
         yield

@@ -19,11 +19,10 @@ from service import engine
 from service.config import Settings, get_settings
 from service.engine import Batch, Options
 from service.fast_stats import (
+    TUNING,
     Family,
     FastStats,
     _family,
-    _kernels,
-    _outer,
     _plan,
     _stream,
     register_family,
@@ -467,10 +466,10 @@ def test_variance_keeps_its_digits_when_the_mean_is_large(
     """Inputs far from 0 next to their spread: float64 sums for one position; over positions,
     each piece's deviations from its own samples' mean (the CPU's fused loop, or torch's
     eager operations as on an accelerator), sets of samples merged."""
-    monkeypatch.setattr(_kernels, "FUSED", positions != "eager")
+    monkeypatch.setattr(TUNING, "fused", positions != "eager")
     if positions:
-        monkeypatch.setattr(_outer, "PIECE_BYTES", 64)
-        monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+        monkeypatch.setattr(TUNING, "piece_bytes", 64)
+        monkeypatch.setattr(TUNING, "min_rows", 1)
         monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", "materialise")
         torch.manual_seed(0)
         module = nn.Sequential(nn.Linear(5, 4), nn.Flatten(), nn.Linear(8, 2))
@@ -706,8 +705,8 @@ def test_convolutions_folded_into_groups(
         calls.append((args[0].shape[0], per_sample))
         return real(*args, per_sample=per_sample, folded=folded)
 
-    monkeypatch.setattr(conv, "FOLD_MIN_FIELD", 0)
-    monkeypatch.setattr(conv, "FOLD_MIN_POSITIONS", 0)
+    monkeypatch.setattr(TUNING, "fold_min_field", 0)
+    monkeypatch.setattr(TUNING, "fold_min_positions", 0)
     monkeypatch.setattr(conv, "weight_grad", spy)
     model = _sequential(layers, shape)
     check(model, make_batch(model, 4), outputs=GRADS, segments=[3, 1])
@@ -743,11 +742,11 @@ def test_dots_with_references_in_either_form(
         return real(*args, per_sample=per_sample)
 
     monkeypatch.setattr(conv, "weight_grad", spy)
-    monkeypatch.setattr(conv, "FOLD_MIN_FIELD", 0 if folded else math.inf)
-    monkeypatch.setattr(conv, "FOLD_MIN_POSITIONS", 0 if folded else math.inf)
+    monkeypatch.setattr(TUNING, "fold_min_field", 0 if folded else math.inf)
+    monkeypatch.setattr(TUNING, "fold_min_positions", 0 if folded else math.inf)
     monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", form)
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer, and sets
-    monkeypatch.setattr(_outer, "MIN_ROWS", 1)  # of one or a few samples
+    monkeypatch.setattr(TUNING, "piece_bytes", 64)  # several slices per layer, and sets
+    monkeypatch.setattr(TUNING, "min_rows", 1)  # of one or a few samples
     get_settings.cache_clear()
     model = _sequential(layers, shape)
     batch = make_batch(model, 4)
@@ -775,7 +774,7 @@ def test_cosine_by_pairwise_products_the_mean_or_pieces(
     layer's over positions, a convolution's unfolded in one block; by the CPU's fused loop, or
     torch's eager operations as on an accelerator), each taken here wherever it applies, not
     only where cheaper: the loop's cosines."""
-    monkeypatch.setattr(_kernels, "FUSED", way != "pieces-eager")
+    monkeypatch.setattr(TUNING, "fused", way != "pieces-eager")
     way = way.removesuffix("-eager")
     taken = []
     built = []
@@ -792,9 +791,9 @@ def test_cosine_by_pairwise_products_the_mean_or_pieces(
 
     monkeypatch.setattr(OuterSource, "pairs_cheaper", always)
     monkeypatch.setattr(OuterSource, "_with_cos", spy)
-    monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", math.inf if way == "pieces" else 0)
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several pieces per layer
-    monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+    monkeypatch.setattr(TUNING, "whole_piece_bytes", math.inf if way == "pieces" else 0)
+    monkeypatch.setattr(TUNING, "piece_bytes", 64)  # several pieces per layer
+    monkeypatch.setattr(TUNING, "min_rows", 1)
     monkeypatch.setattr(ConvSource, "cache", False)  # not the cached gradients' dots
     monkeypatch.setattr(_stream, "held", lambda source, numel: source)  # nor the held ones
     model = _sequential(layers, shape)
@@ -843,7 +842,7 @@ def test_convolutions_unfolded_a_sample_at_a_time(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(ConvSource, "chunk_size", lambda self: 1)
     monkeypatch.setattr(ConvSource, "span", lambda self: 1)
     monkeypatch.setattr(ConvSource, "folded", lambda self: False)  # conv2 would fold
-    monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", math.inf)  # cosine: blocks, not pieces
+    monkeypatch.setattr(TUNING, "whole_piece_bytes", math.inf)  # cosine: blocks, not pieces
     model = zoo("simple-cnn", SMALL["simple-cnn"])
     check(model, make_batch(model, 3), outputs=(*GRADS, "cosine_mean", "variance", "mean"),
           segments=[2, 1])
@@ -860,8 +859,8 @@ def test_variance_merges_blocks_of_samples(
     monkeypatch.setattr(ConvSource, "chunk_size", lambda self: step)  # folded chunks
     monkeypatch.setattr(ConvSource, "span", lambda self: step)  # unfolded blocks
     monkeypatch.setattr(ConvSource, "folded", lambda self: folded)
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 64)  # several slices per layer, and sets
-    monkeypatch.setattr(_outer, "MIN_ROWS", 1)  # of one or a few samples
+    monkeypatch.setattr(TUNING, "piece_bytes", 64)  # several slices per layer, and sets
+    monkeypatch.setattr(TUNING, "min_rows", 1)  # of one or a few samples
     monkeypatch.setenv("PSGRAD_FAST_STATS_FORM", "materialise")
     get_settings.cache_clear()
     model = zoo("simple-cnn", SMALL["simple-cnn"])
@@ -989,7 +988,7 @@ def test_batch_norm_gradients_reduced_as_the_backward_reaches_them(
     pass; on the model's input it is reduced after (its gradient is the last the pass makes).
     Both give the loop's answers, with a clipped mean and without, by the CPU's fused loop or
     the eager operations."""
-    monkeypatch.setattr(_kernels, "FUSED", fused)
+    monkeypatch.setattr(TUNING, "fused", fused)
     inside: list[bool] = []
     reduce = batch_norm.BatchNorm.reduce
 
@@ -1079,7 +1078,7 @@ class _Broken(nn.Module):
         return self.lin(torch.tanh(x))
 
 
-@pytest.mark.parametrize("check_bytes", [_plan.CHECK_BYTES, 1])
+@pytest.mark.parametrize("check_bytes", [TUNING.check_bytes, 1])
 def test_the_probe_checks_the_written_gradients(
     monkeypatch: pytest.MonkeyPatch, check_bytes: int
 ) -> None:
@@ -1088,7 +1087,7 @@ def test_the_probe_checks_the_written_gradients(
     one source at a time (each compared with every probe sample's gradients)."""
 
     monkeypatch.setattr(OuterSource, "answer", _zero_answer)
-    monkeypatch.setattr(_plan, "CHECK_BYTES", check_bytes)
+    monkeypatch.setattr(TUNING, "check_bytes", check_bytes)
     torch.manual_seed(0)
     model = custom(_Broken(), (4,), key=f"broken-answer-{check_bytes}")
     try:
@@ -1246,8 +1245,8 @@ def test_sized_as_on_an_accelerator_every_statistic_is_the_loop(
             yield piece
 
     monkeypatch.setattr(OuterSource, "pieces", spy)
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 256)  # a CPU's cache: several pieces a layer
-    monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+    monkeypatch.setattr(TUNING, "piece_bytes", 256)  # a CPU's cache: several pieces a layer
+    monkeypatch.setattr(TUNING, "min_rows", 1)
     layers = [_l("Linear", 6, 8), _l("ReLU"), _l("Linear", 8, 5), _l("LayerNorm", 5),
               _l("Flatten"), _l("Linear", 20, 3)]
     model = _sequential(layers, [4, 6])

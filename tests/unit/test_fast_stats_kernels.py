@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from service.fast_stats import _kernels
+from service.fast_stats import TUNING
 from service.fast_stats._kernels import (
     merged_into,
     moments_into,
@@ -36,8 +36,8 @@ def test_moments_keep_their_digits_when_the_mean_is_large(
 ) -> None:
     """Mean 300 next to a spread of 1: the deviations from the rows' own mean keep their
     digits (E[g^2] - E[g]^2 in float32 would keep none), blocks of columns of every size."""
-    monkeypatch.setattr(_kernels, "FUSED", fused)
-    monkeypatch.setattr(_kernels, "BLOCK_BYTES", 64)  # several blocks, the last one short
+    monkeypatch.setattr(TUNING, "fused", fused)
+    monkeypatch.setattr(TUNING, "block_bytes", 64)  # several blocks, the last one short
     rows = _rows(n, shape, dtype, 300.0)
     mean, m2 = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
     moments_into(rows, mean, m2)
@@ -56,8 +56,8 @@ def test_norms_and_dots_with_the_mean(
     n: int, shape: tuple[int, ...], dtype: torch.dtype, fused: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_kernels, "FUSED", fused)
-    monkeypatch.setattr(_kernels, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(TUNING, "fused", fused)
+    monkeypatch.setattr(TUNING, "block_bytes", 64)
     rows = _rows(n, shape, dtype, 0.5)
     mean = torch.full(shape, float("nan"), dtype=dtype)
     got = norms_and_mean_dots(rows, mean)
@@ -93,7 +93,7 @@ def test_row_sums_and_dots(rows: int, width: int, dtype: torch.dtype, fused: boo
                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch norm's per-sample, per-channel sums over positions: of the output gradient, and
     of its product with the input."""
-    monkeypatch.setattr(_kernels, "FUSED", fused)
+    monkeypatch.setattr(TUNING, "fused", fused)
     a, b = _rows(rows, (width,), dtype, 0.3), _rows(rows, (width,), dtype, -2.0)
     out = torch.full((rows, 2), float("nan"), dtype=dtype)
     dots = sums_and_dots(a, b, out)
@@ -111,8 +111,8 @@ def test_sets_of_samples_merge_into_the_running_moments(
 ) -> None:
     """Chan's update of the running mean and m2 by each set's own moments (in the same loop
     where fused), with the mean large next to the spread: the moments of every sample."""
-    monkeypatch.setattr(_kernels, "FUSED", fused)
-    monkeypatch.setattr(_kernels, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(TUNING, "fused", fused)
+    monkeypatch.setattr(TUNING, "block_bytes", 64)
     rows = _rows(sum(sets), (3, 70), dtype, 300.0)
     acc = None
     ends = list(itertools.accumulate(sets))

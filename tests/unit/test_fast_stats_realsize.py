@@ -17,7 +17,7 @@ from torch import nn
 from psgrad._errors import InvalidInput
 from service import engine
 from service.config import get_settings
-from service.fast_stats import _outer
+from service.fast_stats import TUNING
 from service.fast_stats._outer import OuterSource
 from service.registration import register_exported
 from service.registry import ModelRegistry, resolve_device, set_tf32
@@ -141,8 +141,8 @@ def test_sized_as_on_an_accelerator_every_statistic_equals_the_loop(
         registry: ModelRegistry, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of per-sample gradients as a GPU sizes them (each layer's in one piece, where the
     CPU's cache takes several slices and sets of samples here) and a mean's norm fused."""
-    monkeypatch.setattr(_outer, "PIECE_BYTES", 1 << 10)  # the CPU's pieces: many per layer
-    monkeypatch.setattr(_outer, "MIN_ROWS", 1)
+    monkeypatch.setattr(TUNING, "piece_bytes", 1 << 10)  # the CPU's pieces: many per layer
+    monkeypatch.setattr(TUNING, "min_rows", 1)
     module, loss, batch = _case(name)
     references = _references(registry, name)
     with sized_as_on_an_accelerator():
@@ -237,7 +237,7 @@ def test_cosine_by_pairwise_products_or_pieces(registry: ModelRegistry, name: st
     layer still by pairs), equals the loop."""
     monkeypatch.setattr(OuterSource, "pairs_cheaper", lambda self, n: self.t > 1)
     if way == "pairs":
-        monkeypatch.setattr(_outer, "WHOLE_PIECE_BYTES", 0)
+        monkeypatch.setattr(TUNING, "whole_piece_bytes", 0)
     module, loss, batch = _case(name)
     got = _compute(registry, name, batch, {}, (["cosine_mean"],))
     [want] = summarize(per_sample_loop(module, batch, loss), [N], clip_norm=CLIP)

@@ -23,6 +23,7 @@ from service.fast_stats._family import Captured, Family, register_family
 from service.fast_stats._outer import Block, OuterSource
 from service.fast_stats._records import Pass1, Pass1Need, Use
 from service.fast_stats._source import Materialised, Source, SourceContext, cat
+from service.fast_stats._tuning import TUNING
 from service.strategies.base import Tensors
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -107,9 +108,9 @@ class ConvSource(OuterSource):
         )
 
     def gain(self) -> float:
-        """:data:`FOLD_GAIN` where the weight-gradient convolution materialises (the Gram form
+        """``TUNING.fold_gain`` where the weight-gradient convolution materialises (the Gram form
         runs on unfolded fields)."""
-        return FOLD_GAIN if self.folded() else 1.0
+        return TUNING.fold_gain if self.folded() else 1.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -219,17 +220,7 @@ class ConvSource(OuterSource):
         oneDNN's kernels are slower than the batched matmul, and its grouped ones scale badly
         on two threads shared with other work (measured in ``docs/architecture.md``)."""
         return (len(self.xs) == 1 and self.xs[0].dtype == torch.float32
-                and self.d >= FOLD_MIN_FIELD and self.t >= FOLD_MIN_POSITIONS)
-
-
-FOLD_MIN_FIELD = 64  # in_channels / groups * kernel elements
-FOLD_MIN_POSITIONS = 100  # output positions per sample
-# how much faster per operation the weight-gradient convolution materialises per-sample
-# gradients than the Gram form's batched matmuls of unfolded fields run (ResNet-18's 14x14
-# layers at B=32 on an AVX-512 host: the convolution near 200 GFLOP/s, the Gram products near
-# 100, and unfolding copies every receptive field first)
-FOLD_GAIN = 2.0
-FEW_CHANNELS = 16  # input channels per group under which a CPU takes one convolution per sample
+                and self.d >= TUNING.fold_min_field and self.t >= TUNING.fold_min_positions)
 
 
 def weight_grad(x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Size, *,
@@ -242,7 +233,7 @@ def weight_grad(x: torch.Tensor, g: torch.Tensor, geo: Geometry, shape: torch.Si
     were even, and one per sample paid a copy); ``folded`` chooses."""
     n, nd = x.shape[0], len(geo.kernel)
     if folded is None:
-        folded = x.device.type != "cpu" or x.shape[1] // geo.groups >= FEW_CHANNELS
+        folded = x.device.type != "cpu" or x.shape[1] // geo.groups >= TUNING.few_channels
     if per_sample and n > 1 and not folded:
         return torch.cat([weight_grad(x[i : i + 1], g[i : i + 1], geo, shape, per_sample=False)
                           for i in range(n)])
