@@ -4,6 +4,7 @@ the same request."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import threading
@@ -144,3 +145,13 @@ def assert_outputs(got: dict[str, Any], want: dict[str, Any], *, exact: bool = F
                 np.testing.assert_array_equal(a, b, err_msg=name)
             else:
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+async def finished_job(c: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    """``GET /jobs/{id}`` once the job is neither queued nor running (at most 12 s)."""
+    for _ in range(600):
+        body: dict[str, Any] = (await c.get(f"/jobs/{job_id}")).json()
+        if body["status"] not in ("queued", "running"):
+            return body
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"job {job_id} did not finish")

@@ -16,7 +16,14 @@ from fastapi import FastAPI
 import psgrad
 from service import engine
 from service.api.deps import AdminKey
-from tests.support.api import SAFETENSORS, TD0, app_of, open_client, safetensors_body
+from tests.support.api import (
+    SAFETENSORS,
+    TD0,
+    app_of,
+    finished_job,
+    open_client,
+    safetensors_body,
+)
 
 JSON_CT = {"content-type": "application/json"}
 
@@ -132,19 +139,10 @@ async def test_bad_json_requests(body: bytes | dict[str, Any], status: int, code
             # found by the worker, the job fails; what AT_ONCE names is refused at once
             if path == "/jobs" and status in (404, 422) and code not in AT_ONCE:
                 assert r.status_code == 202
-                job = await _finished(c, r.json()["job_id"])
+                job = await finished_job(c, r.json()["job_id"])
                 assert job["status"] == "failed" and job["error"]["code"] == code
                 continue
             _error(r, status, code)
-
-
-async def _finished(c: Any, job_id: str) -> dict[str, Any]:
-    for _ in range(600):
-        body: dict[str, Any] = (await c.get(f"/jobs/{job_id}")).json()
-        if body["status"] not in ("queued", "running"):
-            return body
-        await asyncio.sleep(0.02)
-    raise AssertionError("job did not finish")
 
 
 def _st_header(header: dict[str, Any], data: bytes = b"") -> bytes:
@@ -333,7 +331,7 @@ async def test_deadline_gives_504_and_cancels_the_job() -> None:
 async def test_deadline_passed_in_the_queue_fails_the_job() -> None:
     async with open_client(request_timeout_s=0.0) as c:
         job = (await c.post("/jobs", json=TD0)).json()["job_id"]
-        body = await _finished(c, job)
+        body = await finished_job(c, job)
     assert body["status"] == "failed" and body["error"]["code"] == "deadline_exceeded"
 
 
