@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from psgrad._contract import answer_fields
 from psgrad._wire import BFLOAT16
 from service.validate import ParsedRequest
 
@@ -36,7 +37,7 @@ def result_fields(parsed: ParsedRequest, out: dict[str, Any]) -> dict[str, Any]:
         "batch_size": parsed.batch.size,
         "loss": parsed.opts.loss,
     }
-    for name in parsed.opts.outputs:
+    for name in answer_fields(parsed.opts.outputs):
         result[name] = to_wire(out[name], parsed.answer_dtype)
     result["meta"] = dict(out.get("meta", {}))
     return result

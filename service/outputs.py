@@ -34,6 +34,7 @@ from service.strategies.base import (
     Result,
     Tensors,
     divide_,
+    squared_norm_each,
     squared_norm_sum,
     total,
 )
@@ -56,6 +57,7 @@ class Output:
     per_param_tensor: bool = False  # ... whose values have the parameter's shape
     td0_only: bool = False
     width: Callable[[Options], int] | None = None  # values per sample, when more than one
+    also: tuple[str, ...] = ()  # fields it answers beside its own: it assembles them all
 
     def need_for(self, opts: Options | None) -> Need:
         if isinstance(self.need, Need):
@@ -76,7 +78,7 @@ def output(name: str, need: NeedOf, *,
 
     def decorate(fn: Assemble) -> Assemble:
         OUTPUTS.add(name, Output(name, spec.doc, need, fn, spec.per_sample, spec.per_param,
-                                 spec.per_param_tensor, spec.td0_only, width))
+                                 spec.per_param_tensor, spec.td0_only, width, spec.also))
         return fn
 
     return decorate
@@ -171,7 +173,11 @@ def assemble(call: Call, result: Result,
     answers = []
     for s, (a, b) in enumerate(call.bounds):
         seg = Segment(assembly, s, a, b)
-        out = {name: get_output(name).assemble(seg) for name in call.opts.outputs}
+        out: dict[str, Any] = {}
+        for name in call.opts.outputs:
+            info = get_output(name)
+            value = info.assemble(seg)
+            out.update(value if info.also else {name: value})
         answers.append({**out, "meta": {**meta, **seg.meta}})
     if on_norms is not None and call.need.sq:
         on_norms(assembly.norms)
@@ -324,3 +330,53 @@ def _self_influence(seg: Segment) -> torch.Tensor:
     if seg.opts.projection is not None:
         return seg.rows(seg.assembly.sketches).pow(2).sum(1)
     return seg.rows(seg.assembly.norms).pow(2)
+
+
+
+# --- the gradient noise scale ---
+
+
+def noise_scale(sq_sum: torch.Tensor, mean_sq: torch.Tensor, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """McCandlish et al.'s simple noise scale ``tr(Sigma) / |G|^2`` and its two unbiased
+    estimates from ``n >= 2`` samples, given ``sum_i |g_i|^2`` and ``|mean|^2``:
+    ``tr(Sigma) = sum_i |g_i - mean|^2 / (n - 1) = (sum_i |g_i|^2 - n |mean|^2) / (n - 1)`` and
+    ``|G|^2 = |mean|^2 - tr(Sigma) / n``; the ratio is 0 where the second is 0. Elementwise, in
+    float64, where the difference cancels."""
+    sq_sum, mean_sq = sq_sum.double(), mean_sq.double()
+    trace = (sq_sum - mean_sq * n) / (n - 1)
+    grad_sq = mean_sq - trace / n
+    return (trace / grad_sq).nan_to_num(0.0, posinf=0.0, neginf=0.0), trace, grad_sq
+
+
+def _gns_sums(seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[P]`` each selected parameter's ``sum_i |g_i|^2`` over the segment and ``|mean|^2``:
+    the norms' and the mean's records, no per-sample gradient."""
+    params = seg.params.values()
+    sq = torch.stack([seg.rows(p.sq) for p in params]).double().sum(1)
+    return sq, squared_norm_each([_get(p.mean)[seg.index] for p in params])
+
+
+def _named(seg: Segment, name: str, values: Sequence[Any]) -> dict[str, Any]:
+    """An output's value and its ``also`` fields, by their names in the answer, in the model's
+    dtype (as ``variance``)."""
+    dtype = seg.assembly.call.model.dtype
+    cast = [{k: v.to(dtype) for k, v in x.items()} if isinstance(x, dict) else x.to(dtype)
+            for x in values]
+    return dict(zip((name, *contract_output(name).also), cast, strict=True))
+
+
+_GNS = Need(sq=True, mean=True)
+
+
+@output("gns", _GNS)
+def _gns(seg: Segment) -> dict[str, torch.Tensor]:
+    sq, mean_sq = _gns_sums(seg)
+    return _named(seg, "gns", noise_scale(sq.sum(), mean_sq.sum(), seg.n))
+
+
+@output("layer_gns", _GNS)
+def _layer_gns(seg: Segment) -> dict[str, Tensors]:
+    sq, mean_sq = _gns_sums(seg)
+    return _named(seg, "layer_gns", [dict(zip(seg.params, v.unbind(), strict=True))
+                                     for v in noise_scale(sq, mean_sq, seg.n)])

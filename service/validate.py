@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from psgrad._contract import ANSWER_DTYPES, AUTOCASTS
+from psgrad._contract import output as output_spec
 from psgrad._errors import InvalidInput, LossNotSupported, ShapeMismatch, TooLarge
 from service.attribution import ReferenceSets, projection_of, references
 from service.config import raise_setting
@@ -92,6 +93,11 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
             f"smaller batches (the SDK does this for you) or "
             f"{raise_setting('max_batch_size', max_batch_size)}", limit=max_batch_size, size=size,
         )
+    noisy = [name for name in opts.outputs if output_spec(name).combine == "gns"]
+    if noisy and size < 2:
+        raise InvalidInput(f"output '{noisy[0]}' estimates the gradients' variance across the "
+                           f"samples, which takes at least 2; got a batch of {size}: send more "
+                           f"samples", min=2, size=size)
     if model.check is not None:
         numel = model.check([inputs, *named.values()], max_activations or 1 << 62)
         if numel != model.activation_numel:  # chunks are sized for what these sizes take

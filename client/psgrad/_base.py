@@ -37,6 +37,7 @@ from psgrad._constants import (
     RETRY_STATUSES,
     USER_AGENT,
 )
+from psgrad._contract import ANSWER_NAMES
 from psgrad._errors import (
     APIConnectionError,
     APITimeoutError,
@@ -50,7 +51,7 @@ from psgrad._merge import Fields, Plan, PlanResult, grads_plan
 from psgrad._progress import Progress
 from psgrad._request import grads_fields
 from psgrad._stream import AnswerReader
-from psgrad._types import OUTPUT_NAMES, GradsResult, ModelInfo
+from psgrad._types import GradsResult, ModelInfo
 from psgrad._version import VERSION_HEADER, warn_if_older
 from psgrad._wire import (
     JSON,
@@ -313,7 +314,7 @@ class BaseClient:
     def _result(
         fields: Fields, *, as_torch: bool, started: float, order: Sequence[str] = ()
     ) -> GradsResult:
-        names = [*order, *(k for k in fields if k in OUTPUT_NAMES and k not in order)]
+        names = [*order, *(k for k in fields if k in ANSWER_NAMES and k not in order)]
         outputs = {k: fields[k] for k in names if k in fields}
         if as_torch:
             outputs = {k: to_torch(v) for k, v in outputs.items()}
@@ -334,7 +335,7 @@ def decode_json_result(doc: Any) -> Fields:
     if not isinstance(doc, dict):
         raise BadRequest("the server answered something that is not a JSON object")
     fields = dict(doc)
-    for name in OUTPUT_NAMES:
+    for name in ANSWER_NAMES:
         value = fields.get(name)
         if value is None:
             continue

@@ -30,8 +30,8 @@ from typing import Annotated, Any, Literal, TypedDict, get_type_hints
 
 from psgrad._errors import BadRequest, InvalidInput
 
-__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "Request", "field", "model_of",
-           "output", "spec"]
+__all__ = ["OUTPUTS", "REQUEST", "Field", "Options", "Output", "Request", "answer_fields", "field",
+           "model_of", "output", "spec"]
 
 # Kinds of field: how a value travels (JSON or safetensors) and how it is checked.
 Kind = Literal[
@@ -44,7 +44,7 @@ Kind = Literal[
     "int",
     "float",
 ]
-Combine = Literal["concat", "mean", "variance", "clipped_sum", "cosine"]
+Combine = Literal["concat", "mean", "variance", "clipped_sum", "cosine", "gns"]
 
 ID_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"  # model ids, reference set and store ids
 VERSION_PATTERN = r"[0-9a-f]{16}"
@@ -165,7 +165,8 @@ class Output:
     """One output: its shape, and how the answers of a split batch combine into it
     (``concat``: in sample order; ``mean``: n-weighted; ``variance``: Chan's formula;
     ``clipped_sum``: the noiseless clipped sums added, the noise drawn once; ``cosine``: a second
-    pass of ``dot`` with the combined mean)."""
+    pass of ``dot`` with the combined mean; ``gns``: from the chunks' squared norms and means).
+    ``also`` names the answer fields that come with the output, beside its own."""
 
     name: str
     doc: str
@@ -174,6 +175,7 @@ class Output:
     per_param: bool = False  # a dict keyed by parameter name
     per_param_tensor: bool = False  # ... whose values have the parameter's shape
     td0_only: bool = False
+    also: tuple[str, ...] = ()  # answer fields that come with it (its estimates), shaped as it
 
 
 OUTPUTS: tuple[Output, ...] = (
@@ -206,8 +208,17 @@ OUTPUTS: tuple[Output, ...] = (
            True),
     Output("self_influence", "[B] squared gradient norm (TracIn's self-influence); of the sketch "
            "when projection_dim is given", "concat", True),
+    Output("gns", "a number: the simple gradient noise scale tr(Sigma) / |G|^2 over the selected "
+           "parameters, with its two unbiased estimates gns_trace = sum_i |g_i - mean|^2 / (B - 1) "
+           "and gns_grad_sq = |mean|^2 - gns_trace / B (0 where gns_grad_sq is 0; B >= 2)", "gns",
+           False, also=("gns_trace", "gns_grad_sq")),
+    Output("layer_gns", "{param: number} gns of each parameter alone, with layer_gns_trace and "
+           "layer_gns_grad_sq (B >= 2)", "gns", False, per_param=True,
+           also=("layer_gns_trace", "layer_gns_grad_sq")),
 )
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
+# every output's field in an answer and the fields that come with it, in that order
+ANSWER_NAMES = tuple(name for o in OUTPUTS for name in (o.name, *o.also))
 TENSOR_DOC = "a tensor: nested lists of numbers, or {dtype, shape, data} with base64 data"
 
 class Options(TypedDict, total=False):
@@ -376,6 +387,11 @@ def model_of(body: Mapping[str, Any]) -> str:
 
 def output(name: str) -> Output:
     return _OUTPUTS[name]
+
+
+def answer_fields(outputs: Sequence[str]) -> list[str]:
+    """The fields an answer to ``outputs`` has: each output's, then those that come with it."""
+    return [name for o in outputs for name in (o, *_OUTPUTS[o].also)]
 
 
 _OUTPUTS = {o.name: o for o in OUTPUTS}

@@ -20,6 +20,11 @@ sliced, and each output is combined as the request contract declares it
   divided by B. The client does this even for a batch that fits in one request, so a seeded
   result does not depend on how the batch was split (the server's own noise, drawn with torch's
   generator, is never used by the SDK). The seed used is in ``result.meta["seed"]``.
+- ``gns`` and ``layer_gns`` (the gradient noise scale): each chunk is asked for ``norms``
+  (``layer_norms``) and ``mean`` instead; over the whole batch, in float64,
+  ``gns_trace = (sum_i |g_i|^2 - B |mean|^2) / (B - 1)``, ``gns_grad_sq = |mean|^2 -
+  gns_trace / B`` and ``gns`` their ratio (0 where ``gns_grad_sq`` is), as the server defines
+  them (per parameter for ``layer_gns``).
 - ``cosine_mean`` needs the mean gradient of the whole batch, which no chunk knows. Two passes:
   the first collects every chunk's ``mean`` (and ``norms``) with the other outputs; the second
   asks each chunk for ``dot`` with ``reference`` = the combined mean; then
@@ -46,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from psgrad._contract import OUTPUTS, SAMPLE_FIELDS
+from psgrad._contract import OUTPUTS, SAMPLE_FIELDS, answer_fields
 from psgrad._errors import TooLarge
 
 Fields = dict[str, Any]
@@ -246,11 +251,14 @@ def _run(
             progress(size, size)
         return _ordered(_combine([answer], [size], wanted, [answer]), wanted)
     two_pass = "cosine_mean" in wanted
-    first = [o for o in wanted if o != "cosine_mean"]
-    if "variance" in wanted or two_pass:
+    noisy = [o for o in wanted if COMBINE[o] == "gns"]
+    first = [o for o in wanted if o != "cosine_mean" and o not in noisy]
+    if "variance" in wanted or two_pass or noisy:
         first.append("mean")
-    if two_pass:
+    if two_pass or "gns" in wanted:
         first.append("norms")
+    if "layer_gns" in wanted:
+        first.append("layer_norms")
     first = list(dict.fromkeys(first))
     total = size * (2 if two_pass else 1)
     bounds = [(a, min(size, a + chunk)) for a in range(0, size, chunk)]
@@ -266,6 +274,8 @@ def _run(
     answers = list(parts)
     starts = [a for a, _ in bounds]
     result = _combine(parts, counts, first, answers)
+    for name in noisy:
+        result.update(noise_scale(name, result, size))
     if two_pass:
         mean = result["mean"]
         second = {**fields, "outputs": ["dot"], "reference": mean}
@@ -287,7 +297,30 @@ def _run(
 
 def _ordered(result: Fields, wanted: list[str]) -> Fields:
     """The outputs in the order they were asked for, and nothing that was not."""
-    return {k: result[k] for k in (*NOT_OUTPUTS, *wanted) if k in result}
+    return {k: result[k] for k in (*NOT_OUTPUTS, *answer_fields(wanted)) if k in result}
+
+
+def noise_scale(name: str, combined: Fields, size: int) -> Fields:
+    """``gns`` (or ``layer_gns``) and its two estimates from a batch's combined ``norms`` (or
+    ``layer_norms``) and ``mean``, in float64, answered in the mean's dtype."""
+    mean = combined["mean"]
+    dtype = next(iter(mean.values())).dtype
+    mean_sq = {k: float(np.sum(v.astype(np.float64) ** 2)) for k, v in mean.items()}
+    if name == "gns":
+        sq = {"": float(np.sum(combined["norms"].astype(np.float64) ** 2))}
+        mean_sq = {"": sum(mean_sq.values())}
+    else:
+        sq = {k: float(np.sum(v.astype(np.float64) ** 2))
+              for k, v in combined["layer_norms"].items()}
+    fields: list[dict[str, Any]] = [{}, {}, {}]
+    for k, s in sq.items():
+        trace = (s - size * mean_sq[k]) / (size - 1)
+        grad_sq = mean_sq[k] - trace / size
+        ratio = trace / grad_sq if grad_sq != 0 and math.isfinite(trace / grad_sq) else 0.0
+        for into, value in zip(fields, (ratio, trace, grad_sq), strict=True):
+            into[k] = np.asarray(value, dtype=dtype)
+    values = [f[""] if name == "gns" else f for f in fields]
+    return dict(zip(answer_fields([name]), values, strict=True))
 
 
 def _combine(
@@ -297,7 +330,7 @@ def _combine(
     out: Fields = {k: first[k] for k in ("model", "loss") if k in first}
     out["batch_size"] = sum(counts)
     if len(parts) == 1:
-        out.update({k: first[k] for k in outputs if k in first})
+        out.update({k: first[k] for k in answer_fields(outputs) if k in first})
     else:
         for name in outputs:
             if COMBINE.get(name) == "concat":

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from psgrad._contract import ANSWER_NAMES
 from psgrad._contract import OUTPUT_NAMES as CONTRACT_OUTPUTS
 
 __all__ = ["OUTPUT_NAMES", "GradsResult", "JobStatus", "ModelInfo"]
@@ -61,7 +62,7 @@ class GradsResult:
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails: the dataclass fields always win.
-        if name.startswith("_") or name not in OUTPUT_NAMES:
+        if name.startswith("_") or name not in ANSWER_NAMES:
             raise AttributeError(f"'GradsResult' has no attribute {name!r}")
         outputs = self.__dict__.get("outputs", {})
         if name not in outputs:

@@ -117,9 +117,10 @@ class _Answer(BaseModel):
 
 
 OUTPUT_FIELDS: dict[str, Any] = {
-    o.name: ((dict[str, Tensor] if o.per_param else Tensor) | None,
-             Field(None, description=o.doc))
-    for o in OUTPUTS
+    name: ((dict[str, Tensor] if o.per_param else Tensor) | None,
+           Field(None, description=o.doc if name == o.name
+                 else f"answered with '{o.name}': see its description"))
+    for o in OUTPUTS for name in (o.name, *o.also)
 }
 GradsResponse = create_model(
     "GradsResponse",

@@ -258,14 +258,19 @@ def squared_norms(rows: torch.Tensor) -> torch.Tensor:
     return sq
 
 
-def squared_norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squared norms of ``tensors``, 0-d (a mean gradient's squared norm over
-    its parameters). Where reductions add in a tree (:func:`tree_reduces`) one fused norm of
-    them all: one launch serves every parameter. On a CPU, whose ``vector_norm`` adds a whole
-    tensor in one accumulator, each in blocks (:func:`squared_norms`)."""
+def squared_norm_each(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of each of ``tensors``, ``[len(tensors)]`` (a mean gradient's, parameter
+    by parameter). Where reductions add in a tree (:func:`tree_reduces`) one fused norm of them
+    all: one launch serves every parameter. On a CPU, whose ``vector_norm`` adds a whole tensor
+    in one accumulator, each in blocks (:func:`squared_norms`)."""
     if tree_reduces(tensors[0].device):
-        return torch.stack(torch._foreach_norm(list(tensors))).square().sum()
-    return torch.stack([squared_norms(t.reshape(1, -1))[0] for t in tensors]).sum()
+        return torch.stack(torch._foreach_norm(list(tensors))).square()
+    return torch.stack([squared_norms(t.reshape(1, -1))[0] for t in tensors])
+
+
+def squared_norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squared norms of ``tensors``, 0-d (:func:`squared_norm_each`)."""
+    return squared_norm_each(tensors).sum()
 
 
 def dots_with(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:

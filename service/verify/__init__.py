@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psgrad._contract import output as output_spec
 from psgrad._errors import VerificationFailed
 from service import engine
 from service.config import Settings
@@ -127,7 +128,11 @@ def _statistics(parsed: ParsedRequest, answer: dict[str, Any], rows: list[int],
     aggregates = tuple(name for name in opts.outputs if name in AGGREGATE)
     chosen = set(rows)
     rest = [i for i in range(batch.size) if i not in chosen]
-    combined = ("mean",) if {"variance", "cosine_mean"} & set(aggregates) else ()  # for Whole
+    combined: tuple[str, ...] = ()  # what Whole reads of the others
+    if {"variance", "cosine_mean"} & set(aggregates):
+        combined = ("mean",)
+    if {"gns", "layer_gns"} & set(aggregates):
+        combined = ("mean", "layer_norms")
     quiet = replace(opts, outputs=tuple(dict.fromkeys((*aggregates, *combined))),
                     noise_multiplier=0.0)
     parts = engine.compute(parsed.model, take(batch, rows + rest), quiet,
@@ -138,6 +143,11 @@ def _statistics(parsed: ParsedRequest, answer: dict[str, Any], rows: list[int],
                   answer.get("meta", {}).get("seed", opts.seed))
     index = torch.tensor(rows, dtype=torch.long)
     for name in aggregates:
+        if output_spec(name).also:  # a noise scale: its two estimates
+            _estimates(cmp, name, parts[0], AGGREGATE[name](expected),
+                       of="recomputed by the engine over the verified samples")
+            _estimates(cmp, name, answer, getattr(whole, name), of="in the answer")
+            continue
         cos = name == "cosine_mean"
         cmp.add(name, parts[0][name], AGGREGATE[name](expected), per_sample=cos,
                 of="recomputed by the engine over the verified samples")
@@ -145,6 +155,22 @@ def _statistics(parsed: ParsedRequest, answer: dict[str, Any], rows: list[int],
         if want is not None:  # None: a DP run's noise, which nothing can draw again
             cmp.add(name, _rows_of(answer[name], index) if cos else answer[name], want,
                     per_sample=cos, of="in the answer")
+
+
+def _estimates(cmp: _Comparison, name: str, got: dict[str, Any], want: dict[str, Any], *,
+               of: str) -> None:
+    """A noise scale's ``trace`` and ``grad_sq`` against the loop's. Each is a difference of
+    terms the size of ``trace + grad_sq`` (the mean squared norm, up to (n - 1) / n), so its
+    relative tolerance is of that; the ratio is theirs (where ``grad_sq`` is near 0 any rounding
+    moves it far, so it is not compared itself)."""
+    trace, grad_sq = output_spec(name).also
+    scale = _map2(lambda t, g: t.abs() + g.abs(), want[trace], want[grad_sq])
+    for field in (trace, grad_sq):
+        cmp.add(name, got[field], want[field], per_sample=False, of=of, scale=scale)
+
+
+def _map2(fn: Any, a: Any, b: Any) -> Any:
+    return {k: fn(v, b[k]) for k, v in a.items()} if isinstance(a, dict) else fn(a, b)
 
 
 def affordable(parsed: ParsedRequest, settings: Settings) -> int:
@@ -179,17 +205,20 @@ class _Comparison:
         return None if None in values else max((v for v in values if v is not None), default=0.0)
 
     def add(self, name: str, got: Any, want: Any, *, per_sample: bool = True,
-            of: str = "in the answer") -> None:
+            of: str = "in the answer", scale: Any = None) -> None:
         """``got`` against ``want``, in ``got``'s dtype and on its device (as the tests compare);
-        ``per_sample``: row i is verified sample i."""
-        pairs = ([(f"{name}/{k}", got[k], want[k]) for k in want] if isinstance(want, dict)
-                 else [(name, got, want)])
+        ``per_sample``: row i is verified sample i; ``scale`` (shaped as ``want``): the size the
+        relative tolerance is of, where it is not ``|want|``."""
+        scales = scale if isinstance(scale, dict) else {}
+        pairs = ([(f"{name}/{k}", got[k], want[k], scales.get(k)) for k in want]
+                 if isinstance(want, dict) else [(name, got, want, scale)])
         worst = self.diffs.get(name, 0.0)
-        for where, g, w in pairs:
+        for where, g, w, size in pairs:
             g = g.detach()
             w = w.to(g.device, g.dtype)
             diff = (g - w).abs_()
-            over = ~(diff <= self.atol + self.rtol * w.abs())  # NaN: over
+            size = w.abs() if size is None else size.to(g.device, g.dtype)
+            over = ~(diff <= self.atol + self.rtol * size)  # NaN: over
             if bool(over.any()):  # infinities and NaN where both are agree
                 same = (g == w) | (g.isnan() & w.isnan())
                 over &= ~same

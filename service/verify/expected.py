@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from psgrad._contract import output
 from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import noised_mean
@@ -127,6 +128,28 @@ class Whole:
         """The verified samples' cosines with the mean of the whole job."""
         return _cosine(self.e, self.mean)
 
+    @cached_property
+    def layer_gns(self) -> dict[str, Tensors]:
+        """Each parameter's estimates over the whole job: the loop's squared norms of the
+        verified samples added to the engine's of the others (its ``layer_norms``), with the
+        combined mean: ``tr(Sigma) = (sum_i |g_i|^2 - n |mean|^2) / (n - 1)``."""
+        if not self.rest:
+            return AGGREGATE["layer_gns"](self.e)
+        n = self.k + self.n_rest
+        trace, grad_sq = {}, {}
+        for p, sq in self.e.sq.items():
+            total_sq = sq.sum() + self.rest["layer_norms"][p].pow(2).sum()
+            mean_sq = self.mean[p].pow(2).sum()
+            trace[p] = (total_sq - n * mean_sq) / (n - 1)
+            grad_sq[p] = mean_sq - trace[p] / n
+        return _noise_fields("layer_gns", trace, grad_sq)
+
+    @cached_property
+    def gns(self) -> dict[str, Any]:
+        layer = self.layer_gns
+        return _noise_fields("gns", sum(layer["layer_gns_trace"].values()),
+                             sum(layer["layer_gns_grad_sq"].values()))
+
 
 def _float64(value: Any) -> Any:
     if isinstance(value, dict):
@@ -163,6 +186,34 @@ def _clipped_mean(e: Expected) -> Tensors:
     return {k: s / divisor for k, s in _clipped_sums(e).items()}
 
 
+def _layer_gns(e: Expected) -> dict[str, Any]:
+    """By the definitions: ``tr(Sigma)`` the squared deviations from the mean over k - 1,
+    ``|G|^2 = |mean|^2 - tr(Sigma) / k``."""
+    k = len(e.losses)
+    trace = {p: _rows(g - e.mean[p]).pow(2).sum() / (k - 1) for p, g in e.grads.items()}
+    grad_sq = {p: m.pow(2).sum() - trace[p] / k for p, m in e.mean.items()}
+    return _noise_fields("layer_gns", trace, grad_sq)
+
+
+def _gns(e: Expected) -> dict[str, Any]:
+    layer = _layer_gns(e)
+    return _noise_fields("gns", sum(layer["layer_gns_trace"].values()),
+                         sum(layer["layer_gns_grad_sq"].values()))
+
+
+def _noise_fields(name: str, trace: Any, grad_sq: Any) -> dict[str, Any]:
+    """The answer's fields of a noise scale from its two estimates (numbers, or per parameter);
+    the ratio is 0 where the second is."""
+    def ratio(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (t / g).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+    if isinstance(trace, dict):
+        value: Any = {p: ratio(t, grad_sq[p]) for p, t in trace.items()}
+    else:
+        value = ratio(trace, grad_sq)
+    return dict(zip((name, *output(name).also), (value, trace, grad_sq), strict=True))
+
+
 def _cosine(e: Expected, mean: Tensors) -> torch.Tensor:
     """Each sample's cosine with ``mean`` (0 where a norm is 0, as the engine defines it)."""
     mean_norm = total([m.pow(2).sum() for m in mean.values()]).sqrt()
@@ -191,7 +242,9 @@ AGGREGATE: dict[str, Want] = {
     "variance": lambda e: {k: g.var(0, unbiased=False) for k, g in e.grads.items()},
     "clipped_mean": _clipped_mean,
     "cosine_mean": lambda e: _cosine(e, e.mean),
+    "gns": _gns,
+    "layer_gns": _layer_gns,
 }
 # Of one sample the variance is 0 and the cosine with the mean 1, whatever the gradient: these
 # take at least two samples, when the batch has them.
-AT_LEAST_TWO = frozenset({"variance", "cosine_mean"})
+AT_LEAST_TWO = frozenset({"variance", "cosine_mean", "gns", "layer_gns"})

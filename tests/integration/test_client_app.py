@@ -11,13 +11,16 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 
 import psgrad
 from service.api import create_app
 from service.config import Settings
+from service.registry import ModelRegistry
 from service.verify import choose
 from tests.support import faults
 from tests.support.client import running_app
+from tests.support.reference import assert_noise_scale, loop_noise_scales
 
 MODEL = "value-mlp"  # 8 -> 64 -> 64 -> 1, small enough for exact checks on a shared CPU
 ALL = ["grads", "losses", "norms", "layer_norms", "mean", "variance", "clipped_mean", "dot",
@@ -76,6 +79,20 @@ def test_chunked_equals_unchunked_for_every_output(client: psgrad.Client,
     assert_same(whole, parts)
     # the clip bound is active and the noise was added: the result is not the plain mean
     assert not np.allclose(whole.clipped_mean["net.fc1.weight"], whole.mean["net.fc1.weight"])
+
+
+def test_the_noise_scale_of_a_split_batch_equals_the_loops(client: psgrad.Client) -> None:
+    """gns and layer_gns, whole and merged by the SDK from chunks' norms and means."""
+    x, y = batch(13, seed=4)
+    module = ModelRegistry().get(MODEL).module  # the weights the app serves
+    want = loop_noise_scales(module, {"inputs": torch.from_numpy(x),
+                                      "targets": torch.from_numpy(y)}, "mse")
+    for chunk_size in (None, 4):
+        got = client.per_sample_grads(MODEL, x, y, loss="mse", outputs=["gns", "layer_gns"],
+                                      chunk_size=chunk_size)
+        assert got.meta["requests"] == (1 if chunk_size is None else 4)
+        for name in ("gns", "layer_gns"):
+            assert_noise_scale(name, got.outputs, want, f"chunk_size={chunk_size}")
 
 
 def test_clipped_mean_without_noise_equals_the_servers_own(client: psgrad.Client) -> None:

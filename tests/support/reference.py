@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psgrad._contract import output
 from psgrad._types import OUTPUT_NAMES
 
 if TYPE_CHECKING:
@@ -243,6 +244,8 @@ def summarize(
         if reference:
             ref = {k: v.to(torch.float64).flatten() for k, v in reference.items()}
             out["dot"] = sum(_rows(v) @ ref[k] for k, v in part.items())
+        if n >= 2:
+            out.update(noise_scales(part, mean))
         mean_norm = torch.stack([v.pow(2).sum() for v in mean.values()]).sum().sqrt()
         dots = sum(_rows(v) @ mean[k].flatten() for k, v in part.items())
         out["cosine_mean"] = (dots / (norms[rows] * mean_norm)).nan_to_num(0.0)
@@ -255,6 +258,33 @@ def summarize(
             }
         results.append(out)
     return results
+
+
+def noise_scales(part: Tensors, mean: Tensors) -> dict[str, Any]:
+    """``gns`` and ``layer_gns`` with their estimates, by their definitions: ``tr(Sigma)`` the
+    sum of squared deviations from the mean over B - 1, ``|G|^2 = |mean|^2 - tr(Sigma) / B``."""
+    n = len(next(iter(part.values())))
+    trace = {k: _rows(v - mean[k]).pow(2).sum() / (n - 1) for k, v in part.items()}
+    grad_sq = {k: m.pow(2).sum() - trace[k] / n for k, m in mean.items()}
+
+    def ratio(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (t / g).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+
+    whole_trace, whole_grad_sq = sum(trace.values()), sum(grad_sq.values())
+    return {
+        "gns": ratio(whole_trace, whole_grad_sq),
+        "gns_trace": whole_trace,
+        "gns_grad_sq": whole_grad_sq,
+        "layer_gns": {k: ratio(trace[k], grad_sq[k]) for k in trace},
+        "layer_gns_trace": trace,
+        "layer_gns_grad_sq": grad_sq,
+    }
+
+
+def loop_noise_scales(module: nn.Module, data: Mapping[str, Any], loss: str) -> dict[str, Any]:
+    """Every noise-scale field over the whole batch by its definition, from the loop."""
+    grads = {k: v.double() for k, v in per_sample_loop(module, data, loss).grads.items()}
+    return noise_scales(grads, {k: v.mean(0) for k, v in grads.items()})
 
 
 def attribution(loop: Loop, references: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -287,3 +317,49 @@ def assert_close(got: Any, want: Any, where: str = "", **tol: float) -> None:
     assert isinstance(got, torch.Tensor), where
     torch.testing.assert_close(got, want.to(got.device, got.dtype),
                                msg=lambda m: f"{where}: {m}", **tol)
+
+
+# the noise scale's estimates are differences of sums of squares: held to this fraction of the
+# terms they are differences of, and the ratio to what that much error in them moves it
+NOISE_SCALE_REL = 1e-5
+
+
+def assert_output(name: str, got: Mapping[str, Any], want: Mapping[str, Any], where: str = "",
+                  *, samples: int) -> None:
+    """Output ``name`` of the answer ``got`` (of ``samples`` samples) against ``want``, at its
+    tolerance; a noise scale with its estimates (:func:`assert_noise_scale`), where it is
+    defined (the door refuses one sample)."""
+    if output(name).combine == "gns":
+        if samples >= 2:
+            assert_noise_scale(name, got, want, where)
+        return
+    assert_close(got[name], want[name], f"{where} {name}", **tolerance(name))
+
+
+def assert_noise_scale(name: str, got: Mapping[str, Any], want: Mapping[str, Any],
+                       where: str = "") -> None:
+    """``trace`` and ``grad_sq`` are differences of terms of size ``trace + grad_sq`` (the mean
+    squared norm over the samples, up to (B - 1) / B): each is held to
+    :data:`NOISE_SCALE_REL` of that; the ratio, where ``grad_sq`` is near 0 a large number
+    that any rounding moves, to what that much error in both moves it, and to its own estimates'
+    ratio (0 where ``grad_sq`` is)."""
+    ratio, trace, grad_sq = (_flat(got[k]) for k in (name, *output(name).also))
+    want_trace, want_grad_sq = (_flat(want[k]) for k in output(name).also)
+    err = NOISE_SCALE_REL * (want_trace.abs() + want_grad_sq.abs())
+    for k, g, w in ((name + "_trace", trace, want_trace), (name + "_grad_sq", grad_sq,
+                                                             want_grad_sq)):
+        bad = (g - w).abs() > err
+        assert not bad.any(), f"{where} {k}: {g[bad].tolist()} against {w[bad].tolist()}"
+    own = (trace / grad_sq).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    torch.testing.assert_close(ratio, own, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{where} {name} is not its estimates' ratio: {m}")
+    want_ratio = _flat(want[name])
+    moved = err * (1 + want_ratio.abs()) / (want_grad_sq.abs() - err).clamp(min=1e-300)
+    bad = ((ratio - want_ratio).abs() > moved) & (want_grad_sq.abs() > 2 * err)
+    assert not bad.any(), f"{where} {name}: {ratio[bad].tolist()} vs {want_ratio[bad].tolist()}"
+
+
+def _flat(value: Any) -> torch.Tensor:
+    """A number, or {param: number}, as a float64 vector on the CPU (parameters in order)."""
+    values = list(value.values()) if isinstance(value, Mapping) else [value]
+    return torch.stack([torch.as_tensor(v).detach().cpu().double().reshape(()) for v in values])

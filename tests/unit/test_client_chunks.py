@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import psgrad
+from psgrad._contract import answer_fields
 from psgrad._merge import merge_moments
 from psgrad._wire import REQUEST_KEY, RESPONSE_KEY, fields_from_safetensors, fields_to_safetensors
 
@@ -34,9 +35,15 @@ def reference(x: np.ndarray, outputs: list[str], *, clip: float = 1.0,
         "clipped_mean": {"w": (g * np.minimum(1.0, clip / norms)[:, None]).sum(0) / len(g)},
         "cosine_mean": g @ mean / (norms * np.linalg.norm(mean)),
     }
+    if len(g) >= 2:  # the noise scale: tr(Sigma) from the deviations, |G|^2 = |mean|^2 - tr/B
+        trace = ((g - mean) ** 2).sum() / (len(g) - 1)
+        grad_sq = mean @ mean - trace / len(g)
+        out |= {"gns": trace / grad_sq, "gns_trace": trace, "gns_grad_sq": grad_sq,
+                "layer_gns": {"w": trace / grad_sq}, "layer_gns_trace": {"w": trace},
+                "layer_gns_grad_sq": {"w": grad_sq}}
     if ref is not None:
         out["dot"] = g @ ref
-    return {k: out[k] for k in outputs}
+    return {k: out[k] for k in answer_fields(outputs)}
 
 
 class FakeServer:
@@ -55,7 +62,7 @@ class FakeServer:
         assert float(fields.get("noise_multiplier") or 0.0) == 0.0  # the SDK adds the noise
         ref = fields.get("reference", {}).get("w")
         out = reference(x, fields["outputs"], clip=fields.get("clip_norm") or 1.0, ref=ref)
-        cast = {k: ({p: a.astype(np.float32) for p, a in v.items()} if isinstance(v, dict)
+        cast = {k: ({p: np.asarray(a, np.float32) for p, a in v.items()} if isinstance(v, dict)
                     else np.asarray(v, dtype=np.float32)) for k, v in out.items()}
         body = fields_to_safetensors(
             {"model": "lin@0123456789abcdef", "batch_size": len(x), "loss": "mse", **cast,
@@ -113,6 +120,23 @@ def test_variance_without_mean_and_cosine_alone_are_combined() -> None:
     with make_client(FakeServer(limit=2)) as client:
         got = client.per_sample_grads("lin", x, outputs=["variance", "cosine_mean"])
     assert_outputs_equal(got, reference(x, ["variance", "cosine_mean"]))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_the_noise_scale_is_combined_from_the_chunks_norms_and_means(chunk_size: int | None
+                                                                      ) -> None:
+    """gns and layer_gns of a split batch: chunks of one sample too, which alone have none."""
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=(10, 6)) + 0.8).astype(np.float32)  # a mean well above the noise
+    server = FakeServer(limit=100)
+    with make_client(server) as client:
+        got = client.per_sample_grads("lin", x, outputs=["gns", "layer_gns"],
+                                      chunk_size=chunk_size)
+    assert list(got.outputs) == ["gns", "gns_trace", "gns_grad_sq", "layer_gns",
+                                 "layer_gns_trace", "layer_gns_grad_sq"]
+    assert_outputs_equal(got, reference(x, ["gns", "layer_gns"]))
+    assert got.gns_trace == got["gns_trace"]
+    assert server.sizes == [10] if chunk_size is None else len(server.sizes) > 1
 
 
 def test_clipped_mean_noise_is_seeded_added_once_and_independent_of_the_split() -> None:

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 READERS = ("service/validate.py", "service/attribution.py", "service/dp/steps.py",
            "service/api/body.py", "service/api/routes/grads.py", "service/api/routes/jobs.py")
 EXAMPLE_REF = {REF_PATTERN: "mlp", RUN_ID_PATTERN: "dp-" + "0" * 24, ID_PATTERN: "refs"}
-MERGED = {"concat", "mean", "variance", "clipped_sum", "cosine"}  # what psgrad._merge combines
+# what psgrad._merge combines
+MERGED = {"concat", "mean", "variance", "clipped_sum", "cosine", "gns"}
 
 
 def example(spec: Field) -> Any:

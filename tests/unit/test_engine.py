@@ -30,9 +30,11 @@ CPU = torch.device("cpu")
 TOL = {torch.float32: {"atol": 3e-3, "rtol": 1e-5}, torch.float64: {"atol": 1e-9, "rtol": 1e-7}}
 # Two computations of the same numbers in a different batch layout (one call vs one per job).
 SAME = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.float64: {"atol": 1e-12, "rtol": 1e-10}}
-# Every registered output: the reference below must know each of them.
+# Every registered output: the reference below must know each of them. The noise scales, which
+# one sample does not define and this test's jobs of one sample would meet, are held to the loop
+# with their own tolerance, in segments, by test_fast_stats.py's check (fast and vmap alike).
 COMMON = tuple(name for name, out in OUTPUTS.items()
-               if not out.td0_only and name not in ATTRIBUTION)
+               if not out.td0_only and name not in ATTRIBUTION and not out.also)
 TD0_ONLY = tuple(name for name, out in OUTPUTS.items() if out.td0_only)
 FEW = settings(
     max_examples=4,

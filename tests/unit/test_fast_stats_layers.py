@@ -18,9 +18,9 @@ from tests.support.layers import CASES, Case, perturbed, reference_model
 from tests.support.reference import (
     SUMMARY,
     assert_close,
+    assert_output,
     per_sample_loop,
     summarize,
-    tolerance,
 )
 
 OUTPUTS = tuple(k for k in SUMMARY if k != "losses")
@@ -70,12 +70,11 @@ def test_every_allowed_layer_type(case: Case, outputs: tuple[str, ...]) -> None:
     slow = engine.compute(model, batch, opts, segments, fast_stats=False)
     stock = per_sample_loop(reference_model(case, state), {"inputs": x, "targets": y}, case.loss)
     loop = summarize(stock, segments, clip_norm=opts.clip_norm, reference=batch.reference)
-    for f, s, r in zip(fast, slow, loop, strict=True):
+    for f, s, r, n in zip(fast, slow, loop, segments, strict=True):
         assert f["meta"]["route"] == "fast_stats"
         for name in outputs:
-            assert_close(f[name], s[name], f"{name} (fast vs vmap)", **tolerance(name))
-            assert_close(f[name], r[name], f"{name} (fast vs stock torch loop)",
-                         **tolerance(name))
+            assert_output(name, f, s, "(fast vs vmap)", samples=n)
+            assert_output(name, f, r, "(fast vs stock torch loop)", samples=n)
     methods = fast[0]["meta"]["method"]
     for i, layer in enumerate(case.layers):
         for name, method in methods.items():

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from psgrad._contract import answer_fields, output
 from psgrad._errors import VerificationFailed
 from service import engine
 from service.config import Settings
@@ -41,7 +42,7 @@ CASES = [
 ]
 IDS = [f"{a}-{loss}" for a, _, loss in CASES]
 STATS = ("losses", "norms", "layer_norms", "mean", "variance", "clipped_mean", "dot",
-         "cosine_mean", "self_influence")
+         "cosine_mean", "self_influence", "gns", "layer_gns")
 _MODELS: dict[tuple[str, str, torch.dtype], LoadedModel] = {}
 
 
@@ -120,7 +121,12 @@ def test_what_verify_expects_is_what_the_reference_computes(arch: str, config: d
         if name == "self_influence":
             want[name] = want["norms"].pow(2)
         table = PER_SAMPLE if name in PER_SAMPLE else AGGREGATE
-        reference.assert_close(table[name](e), want[name], name,
+        got = table[name](e)
+        if output(name).also:  # a noise scale: its fields
+            for field in answer_fields([name]):
+                reference.assert_close(got[field], want[field], field, atol=1e-6, rtol=1e-5)
+            continue
+        reference.assert_close(got, want[name], name,
                                atol=1e-6, rtol=1e-5)  # both float64, from the same gradients
 
 
@@ -200,10 +206,11 @@ def test_merged_jobs_are_verified_on_their_own_samples() -> None:
 
 
 def test_one_sample_statistics_take_two() -> None:
-    """variance and cosine_mean are checked on at least two samples (of one: 0 and 1)."""
-    parsed = request("mlp", {"sizes": [6, 5, 3]}, "cross_entropy",
-                     outputs=("variance", "norms"))
-    assert len(verified(parsed, answer_of(parsed), k=1)["samples"]) == 2
+    """variance and cosine_mean are checked on at least two samples (of one: 0 and 1), as
+    the noise scale, which one sample does not define."""
+    for two in ("variance", "gns", "layer_gns"):
+        parsed = request("mlp", {"sizes": [6, 5, 3]}, "cross_entropy", outputs=(two, "norms"))
+        assert len(verified(parsed, answer_of(parsed), k=1)["samples"]) == 2, two
     parsed = replace(parsed, opts=replace(parsed.opts, outputs=("mean", "norms")))
     assert len(verified(parsed, answer_of(parsed), k=1)["samples"]) == 1
 
@@ -236,7 +243,8 @@ def test_dp_run_options_are_verified_as_the_run_divides_and_clips() -> None:
 
 
 @pytest.mark.parametrize("outputs", [("grads",), ("norms",), ("losses", "mean"), ("variance",),
-                                     ("clipped_mean",), ("cosine_mean",), ("dot",)])
+                                     ("clipped_mean",), ("cosine_mean",), ("dot",), ("gns",),
+                                     ("layer_gns",)])
 def test_a_wrong_gradient_in_the_strategy_is_caught(monkeypatch: pytest.MonkeyPatch,
                                                     outputs: tuple[str, ...]) -> None:
     parsed = request("value-mlp", {"sizes": [4, 5]}, "mse", outputs=outputs)
@@ -256,15 +264,19 @@ def test_a_wrong_gradient_in_the_strategy_is_caught(monkeypatch: pytest.MonkeyPa
     assert "withheld" in err.message
 
 
-@pytest.mark.parametrize("name", ["mean", "variance", "clipped_mean", "cosine_mean"])
+@pytest.mark.parametrize("name", ["mean", "variance", "clipped_mean", "cosine_mean",
+                                  "gns_trace", "layer_gns_grad_sq"])
 def test_a_wrong_statistic_in_the_answer_alone_is_caught(name: str) -> None:
     """The engine is right, the answer is not (as a merge or an assembly gone wrong would make
     it): the check of the answer against the loop's samples and the engine's others catches it,
     noise included (clipped_mean is noised here, the seed drawn again)."""
-    parsed = request("value-mlp", {"sizes": [4, 5]}, "mse", outputs=(name,))
+    asked = name.removesuffix("_trace").removesuffix("_grad_sq")  # a noise scale's estimate
+    parsed = request("value-mlp", {"sizes": [4, 5]}, "mse", outputs=(asked,))
     answer = answer_of(parsed)
     verified(parsed, answer, k=2)  # right as it is
-    if name == "cosine_mean":
+    if name == "gns_trace":
+        answer[name] = answer[name] + 0.01
+    elif name == "cosine_mean":
         answer[name] = answer[name].clone()
         answer[name][choose(6, 2, 11)[1]] += 0.01
     else:
