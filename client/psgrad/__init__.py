@@ -16,6 +16,7 @@ from psgrad._errors import *  # noqa: F403
 from psgrad._errors import __all__ as _errors_all
 from psgrad._jobs import AsyncJob, Job
 from psgrad._models import AsyncModels, Models
+from psgrad._noise_scale import NoiseScale
 from psgrad._progress import Progress
 from psgrad._stores import AsyncStore, AsyncStores, QueryResult, Store, Stores
 from psgrad._types import GradsResult, JobStatus, ModelInfo
@@ -34,6 +35,7 @@ __all__ = [
     "JobStatus",
     "ModelInfo",
     "Models",
+    "NoiseScale",
     "Progress",
     "QueryResult",
     "ServerVersionWarning",

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import psgrad
 from service.registry import ModelRegistry
 from tests.support.api import finished_job, open_client, post_st
 from tests.support.reference import assert_noise_scale, loop_noise_scales
@@ -74,3 +75,26 @@ async def test_the_openapi_document_names_the_estimates() -> None:
     request = doc["components"]["schemas"]["GradsRequest"]["properties"]["outputs"]
     assert "gns" in str(request)
 
+
+def test_the_running_noise_scale_is_the_ratio_of_the_estimates_averages() -> None:
+    """Over steps of known estimates: the EMAs by hand, their ratio, not the ratios' average."""
+    steps = [(4.0, 1.0, {"w": (2.0, 0.5)}), (2.0, -0.2, {"w": (1.0, 0.25)}),
+             (3.0, 2.0, {"w": (1.5, 1.0)})]
+    ema = psgrad.NoiseScale(beta=0.5)
+    assert ema.value == 0.0 and ema.trace == 0.0
+    trace = grad_sq = 0.0
+    for t, g, layers in steps:
+        answer = {"gns": t / g, "gns_trace": t, "gns_grad_sq": g,
+                  "layer_gns_trace": {k: v[0] for k, v in layers.items()},
+                  "layer_gns_grad_sq": {k: v[1] for k, v in layers.items()}}
+        trace, grad_sq = 0.5 * trace + 0.5 * t, 0.5 * grad_sq + 0.5 * g
+        assert ema.update(answer) == pytest.approx(trace / grad_sq)
+    assert ema.trace == pytest.approx(trace / (1 - 0.5**3))  # bias-corrected as Adam's
+    assert ema.grad_sq == pytest.approx(grad_sq / (1 - 0.5**3))
+    assert ema.layers == {"w": pytest.approx((0.125 * 2 + 0.25 * 1 + 0.5 * 1.5)
+                                             / (0.125 * 0.5 + 0.25 * 0.25 + 0.5 * 1.0))}
+    assert ema.value != pytest.approx(sum(t / g for t, g, _ in steps) / 3)
+    with pytest.raises(KeyError, match="outputs=\\['gns'\\]"):
+        ema.update({"norms": 1.0})
+    with pytest.raises(ValueError, match="beta must be in"):
+        psgrad.NoiseScale(beta=1.0)
