@@ -1,0 +1,184 @@
+"""psgrad beside a training loop: the Monitor in a plain loop, the Trainer callback, a server
+that stops mid-training. The statistics logged are held to the per-sample loop at the weights of
+the step they were sent with."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psgrad
+from psgrad.integrations import Monitor
+from psgrad.integrations._monitor import outliers
+from service.api import create_app
+from service.config import Settings
+from service.registry import ModelRegistry
+from tests.support.api import serving
+from tests.support.client import running_app
+from tests.support.reference import loop_noise_scales, per_sample_loop
+
+MODEL = "value-mlp"  # 8 -> 64 -> 64 -> 1, mse
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[psgrad.Client]:
+    app = create_app(Settings(workers=1, batch_max_delay_ms=0.0))
+    with running_app(app) as transport, \
+            psgrad.Client(base_url="http://app", transport=transport) as c:
+        yield c
+
+
+def trainable() -> nn.Module:
+    """A copy of the served model's module, its parameters trainable."""
+    return copy.deepcopy(ModelRegistry().get(MODEL).module).train().requires_grad_(True)
+
+
+def batches(steps: int, n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randn(n, 8, generator=gen), torch.randn(n, generator=gen))
+            for _ in range(steps)]
+
+
+def train(module: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], each: Any) -> None:
+    """Plain SGD on the mean mse; ``each(step, x, y)`` after every optimizer step."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        F.mse_loss(module(x).reshape(-1), y).backward()
+        opt.step()
+        each(step, x, y)
+
+
+def test_a_plain_loops_statistics_equal_the_loops_at_each_steps_weights(
+        client: psgrad.Client) -> None:
+    module = trainable()
+    monitor = Monitor(client, MODEL, outputs=["norms", "losses", "gns"], every=2, loss="mse",
+                      max_pending=8)
+    sent: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]] = {}
+
+    def each(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        weights = {k: v.detach().clone() for k, v in module.named_parameters()}
+        if monitor.observe(step, x, y, weights=dict(module.named_parameters())):
+            sent[step] = (weights, x, y)
+
+    train(module, batches(6), each)
+    counts = monitor.close(timeout=60)
+    assert counts == {"sent": 3, "answered": 3, "failed": 0, "dropped": 0}
+    assert [r["step"] for r in monitor.records] == sorted(sent) == [0, 2, 4]
+    for record in monitor.records:
+        weights, x, y = sent[record["step"]]
+        loop = per_sample_loop(module, {"inputs": x, "targets": y}, "mse", weights=weights)
+        np.testing.assert_allclose(record["psgrad/norm_max"], float(loop.norms.max()),
+                                   rtol=1e-4)
+        np.testing.assert_allclose(record["psgrad/loss_mean"], float(loop.losses.mean()),
+                                   rtol=1e-4)
+        at = copy.deepcopy(module)
+        at.load_state_dict(weights, strict=False)
+        want = loop_noise_scales(at, {"inputs": x, "targets": y}, "mse")
+        trace, grad_sq = float(want["gns_trace"]), float(want["gns_grad_sq"])
+        assert record["psgrad/gns"] == pytest.approx(trace / grad_sq, rel=1e-3)
+    assert monitor.noise_scale.steps == 3 and monitor.records[-1]["psgrad/gns_ema"] == \
+        monitor.noise_scale.value
+
+
+def test_training_finishes_when_the_server_stops_midway(caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    """The server goes away after the third step: later steps fail or are dropped, no step of
+    the loop waits on it, and the monitor says what it lost."""
+    module = trainable()
+    app = create_app(Settings(workers=1, batch_max_delay_ms=0.0))
+    waits: list[float] = []
+    with ExitStack() as server, caplog.at_level(logging.INFO, "psgrad.integrations"):
+        url = server.enter_context(serving(app))
+        with psgrad.Client(url, max_retries=0, timeout=5.0) as c:
+            monitor = Monitor(c, MODEL, outputs=["norms"], loss="mse", max_pending=1)
+
+            def each(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
+                if step == 3:
+                    deadline = time.monotonic() + 60
+                    while not monitor.answered and time.monotonic() < deadline:
+                        time.sleep(0.05)  # one answer at least, then the server stops
+                    server.close()
+                started = time.perf_counter()
+                monitor.observe(step, x, y, weights=dict(module.named_parameters()))
+                waits.append(time.perf_counter() - started)
+
+            train(module, batches(12), each)
+            counts = monitor.close(timeout=10)
+    assert counts["answered"] >= 1 and counts["failed"] >= 1
+    assert counts["sent"] == counts["answered"] + counts["failed"]
+    assert counts["sent"] + counts["dropped"] == 12  # every step is accounted for
+    assert max(waits) < 0.5  # a copy of the batch, never the network
+    assert "not answered (APIConnectionError" in caplog.text
+    assert f"psgrad monitor closed: sent {counts['sent']}" in caplog.text
+
+
+def test_outliers_are_the_norms_far_above_the_batchs() -> None:
+    norms = np.array([1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 9.0])
+    assert outliers(norms, 2.5) == [9]
+    assert outliers(np.ones(5), 1.0) == [] and outliers(norms[:2], 0.1) == []
+
+
+# ----------------------------------------------------------------------------- the Trainer
+
+
+class Classifier(nn.Module):
+    """The zoo's value-mlp as a Trainer's model: forward(input_ids, labels) -> {"loss"}."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.net(input_ids).reshape(-1), labels)}
+
+
+def test_the_trainer_callback_logs_each_steps_statistics(client: psgrad.Client,
+                                                         tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from psgrad.integrations.transformers import PsgradCallback
+
+    model = Classifier(trainable())
+    xs, ys = batches(1, 8)[0]
+    data = [{"input_ids": xs[i], "labels": ys[i]} for i in range(8)]
+    callback = PsgradCallback(client, MODEL, outputs=["norms", "gns"], loss="mse", max_pending=8,
+                              weights=lambda m: {k.removeprefix("net."): v
+                                                 for k, v in m.named_parameters()})
+    seen: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+    class Snapshot(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
+                        **kwargs: Any) -> None:
+            seen[state.global_step] = ({k.removeprefix("net."): v.detach().clone()
+                                        for k, v in model.named_parameters()},
+                                       dict(callback._batch))
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=0.05)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[Snapshot()])
+    callback.attach(trainer)
+    trainer.train()
+    assert [r["step"] for r in callback.monitor.records] == [1, 2, 3, 4]
+    for record in callback.monitor.records:
+        weights, batch = seen[record["step"]]
+        loop = per_sample_loop(model.net, {"inputs": batch["input_ids"],
+                                           "targets": batch["labels"]}, "mse", weights=weights)
+        np.testing.assert_allclose(record["psgrad/norm_mean"], float(loop.norms.mean()),
+                                   rtol=1e-4)
+    logged = [h for h in trainer.state.log_history if "psgrad/norm_mean" in h]
+    assert [h["psgrad/norm_mean"] for h in logged] == [r["psgrad/norm_mean"]
+                                                        for r in callback.monitor.records]
+    assert callback._hook is None  # removed at the end of training
