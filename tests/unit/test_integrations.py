@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import psgrad
-from psgrad.integrations import Monitor
+from psgrad.integrations import Monitor, StoreWriter
 from psgrad.integrations._monitor import outliers
 from service.api import create_app
 from service.config import Settings
 from service.registry import ModelRegistry
-from tests.support.api import serving
+from tests.support.api import serving, settings
 from tests.support.client import running_app
 from tests.support.reference import loop_noise_scales, per_sample_loop
 
@@ -121,6 +122,49 @@ def test_training_finishes_when_the_server_stops_midway(caplog: pytest.LogCaptur
     assert max(waits) < 0.5  # a copy of the batch, never the network
     assert "not answered (APIConnectionError" in caplog.text
     assert f"psgrad monitor closed: sent {counts['sent']}" in caplog.text
+
+
+def test_a_run_fills_one_store_per_checkpoint_at_its_weights(tmp_path: Path) -> None:
+    """Checkpoints at steps 0 and 3: two versions of the run's model with the weights of those
+    steps, two stores, each holding the batches of its checkpoint's steps, sketched at its
+    weights."""
+    app = create_app(settings(data_dir=str(tmp_path / "data"), batch_max_delay_ms=0.0))
+    data = batches(6, 4)
+    module = trainable()
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    with running_app(app) as transport, \
+            psgrad.Client(base_url="http://app", transport=transport) as c:
+        writer = StoreWriter(c, "run-a", architecture=MODEL, projection_dim=16, loss="mse",
+                             checkpoint_every=3, max_pending=8, dtype="float32")
+
+        def each(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            if step % 3 == 0:
+                snapshots[step] = {k: v.detach().clone() for k, v in module.named_parameters()}
+            writer.observe(step, x, y, ids=[f"s{step}-{i}" for i in range(len(x))],
+                           parameters=module.named_parameters)
+
+        train(module, data, each)
+        assert writer.close(timeout=120) == {"sent": 6, "answered": 6, "failed": 0,
+                                             "dropped": 0}
+        assert writer.stores == ["run-a-0", "run-a-3"]
+        for first in (0, 3):
+            store = c.stores.get(f"run-a-{first}")
+            assert store.info["samples"] == 12
+            version = store.info["model"]
+            served = c.models.download_weights(version)
+            for k, v in snapshots[first].items():
+                np.testing.assert_array_equal(served[k], v.numpy())
+            x = torch.cat([data[s][0] for s in range(first, first + 3)])
+            y = torch.cat([data[s][1] for s in range(first, first + 3)])
+            sketches = c.per_sample_grads(version, x, y, loss="mse", outputs=["projection"],
+                                          projection_dim=16).projection
+            top = store.query(score="self_influence", k=12)
+            ids = [f"s{s}-{i}" for s in range(first, first + 3) for i in range(4)]
+            want = dict(zip(ids, (np.asarray(sketches, np.float64) ** 2).sum(1), strict=True))
+            got = dict(zip(top.ids[0].tolist(), top.scores[0].tolist(), strict=True))
+            assert set(got) == set(want)
+            for i, score in got.items():
+                assert score == pytest.approx(want[i], rel=1e-4), i
 
 
 def test_outliers_are_the_norms_far_above_the_batchs() -> None:

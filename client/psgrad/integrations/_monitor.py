@@ -26,7 +26,7 @@ from psgrad._client import Client
 from psgrad._noise_scale import NoiseScale
 from psgrad._types import GradsResult
 
-__all__ = ["Monitor"]
+__all__ = ["Background", "Monitor"]
 
 LOG = logging.getLogger("psgrad.integrations")
 Log = Callable[[int, dict[str, Any]], None]
@@ -38,7 +38,86 @@ def _log(step: int, record: dict[str, Any]) -> None:
                                             f"{k} {v}" for k, v in record.items()))
 
 
-class Monitor:
+class Background:
+    """Every ``every``-th step's batch, copied onto a bounded queue and sent by one background
+    thread (:meth:`_send`, a subclass's); the counts of what was sent, answered, failed and
+    dropped. ``max_pending`` batches wait at most: a step that finds the queue full is dropped,
+    never waited for; a failed send is counted, its kind logged once."""
+
+    name = "psgrad monitor"
+
+    def __init__(self, client: Client, *, every: int, max_pending: int) -> None:
+        if every < 1 or max_pending < 1:
+            raise ValueError(f"every and max_pending must be at least 1; got {every}, "
+                             f"{max_pending}")
+        self.client, self.every = client, every
+        self.sent = self.answered = self.failed = self.dropped = 0
+        self._errors: set[str] = set()
+        self._queue: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue(max_pending)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _put(self, step: int, batch: dict[str, Any]) -> bool:
+        """Queue a copy of ``batch`` (arrays and tensors copied: the loop may change them)."""
+        if self._closing.is_set():
+            return False
+        try:
+            self._queue.put_nowait((step, {k: _copy(v) for k, v in batch.items()}))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                LOG.warning("%s: step %d dropped, %d batches still waiting for the server; "
+                            "later drops are counted", self.name, step, self._queue.maxsize)
+            return False
+        return True
+
+    def close(self, timeout: float = 30.0) -> dict[str, int]:
+        """Wait up to ``timeout`` seconds for the batches queued, then stop; what was not sent
+        by then is dropped. Logs and answers the counts."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._closing.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self.dropped += 1
+            self._queue.task_done()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
+        counts = {"sent": self.sent, "answered": self.answered, "failed": self.failed,
+                  "dropped": self.dropped}
+        LOG.info("%s closed: %s", self.name, ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return counts
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            try:
+                step, batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.sent += 1
+            try:
+                self._send(step, batch)
+            except Exception as exc:  # a monitor never stops the training
+                self.failed += 1
+                kind = type(exc).__name__
+                if kind not in self._errors:
+                    self._errors.add(kind)
+                    LOG.warning("%s: step %d not answered (%s: %s); later failures of this kind "
+                                "are counted", self.name, step, kind, exc)
+            else:
+                self.answered += 1
+            finally:
+                self._queue.task_done()
+
+    def _send(self, step: int, batch: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class Monitor(Background):
     """Send every ``every``-th step's batch to psgrad and log what comes back.
 
         monitor = Monitor(client, "my-model", outputs=["norms", "gns"], every=10)
@@ -65,92 +144,31 @@ class Monitor:
                  every: int = 1, max_pending: int = 2, outlier_z: float = 3.0,
                  beta: float = 0.99, log: Log | None = None,
                  **options: Any) -> None:
-        if every < 1 or max_pending < 1:
-            raise ValueError(f"every and max_pending must be at least 1; got {every}, "
-                             f"{max_pending}")
-        self.client, self.model, self.every = client, model, every
-        self.outputs, self.options = list(outputs), options
+        self.model, self.outputs, self.options = model, list(outputs), options
         self.outlier_z = outlier_z
         self.log = log or _log
         self.noise_scale = NoiseScale(beta)
         self.records: list[dict[str, Any]] = []
-        self.sent = self.answered = self.failed = self.dropped = 0
-        self._errors: set[str] = set()
-        self._queue: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue(max_pending)
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="psgrad-monitor", daemon=True)
-        self._thread.start()
+        super().__init__(client, every=every, max_pending=max_pending)
 
     def observe(self, step: int, inputs: Any, targets: Any = None, *,
                 ids: Sequence[Any] | None = None, **fields: Any) -> bool:
         """Queue this step's batch if the step is one to sample (``step % every == 0``):
         ``inputs``, ``targets`` and per-call ``fields`` (``mask``, ``weights``, ...) are copied
         now, so the training loop may change them after. Answers whether it was queued."""
-        if step % self.every or self._closing.is_set():
+        if step % self.every:
             return False
-        batch = {"inputs": _copy(inputs), "targets": _copy(targets), "ids": ids,
-                 **{k: _copy(v) for k, v in fields.items()}}
-        try:
-            self._queue.put_nowait((step, batch))
-        except queue.Full:
-            self.dropped += 1
-            if self.dropped == 1:
-                LOG.warning("psgrad monitor: step %d dropped, %d batches still waiting for the "
-                            "server; later drops are counted", step, self._queue.maxsize)
-            return False
-        return True
-
-    def close(self, timeout: float = 30.0) -> dict[str, int]:
-        """Wait up to ``timeout`` seconds for the batches queued, then stop; what was not sent
-        by then is dropped. Logs and answers the counts."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self._closing.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-            self.dropped += 1
-            self._queue.task_done()
-        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
-        counts = {"sent": self.sent, "answered": self.answered, "failed": self.failed,
-                  "dropped": self.dropped}
-        LOG.info("psgrad monitor closed: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
-        return counts
+        return self._put(step, {"inputs": inputs, "targets": targets, "ids": ids, **fields})
 
     def latest(self) -> dict[str, Any]:
         """The last record, or an empty dict."""
         return dict(self.records[-1]) if self.records else {}
 
-    def _run(self) -> None:
-        while not self._closing.is_set():
-            try:
-                step, batch = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            try:
-                self._send(step, batch)
-            finally:
-                self._queue.task_done()
-
     def _send(self, step: int, batch: dict[str, Any]) -> None:
         ids = batch.pop("ids")
         inputs, targets = batch.pop("inputs"), batch.pop("targets")
-        self.sent += 1
-        try:
-            result = self.client.per_sample_grads(self.model, inputs, targets,
-                                                  outputs=self.outputs, **self.options, **batch)
-        except Exception as exc:  # a monitor never stops the training
-            self.failed += 1
-            kind = type(exc).__name__
-            if kind not in self._errors:
-                self._errors.add(kind)
-                LOG.warning("psgrad monitor: step %d not answered (%s: %s); later failures of "
-                            "this kind are counted", step, kind, exc)
-            return
-        self.answered += 1
+        result = self.client.per_sample_grads(self.model, inputs, targets,
+                                              outputs=self.outputs, **self.options, **batch)
         record = self._record(step, result, ids)
         self.records.append(record)
         self.log(step, record)
