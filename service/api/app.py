@@ -13,7 +13,7 @@ from service.api import errors
 from service.api.deps import AppState, RefuseUnknownQuery
 from service.api.docs import install_docs, install_openapi
 from service.api.metrics import Metrics, MetricsMiddleware
-from service.api.routes import dp, grads, jobs, models, ops, reference_sets, status, stores
+from service.api.routes import dp, grads, jobs, models, oip, ops, reference_sets, status, stores
 from service.broker import make_broker
 from service.broker.embedded import EmbeddedBroker
 from service.config import Settings, get_settings
@@ -93,7 +93,7 @@ def create_app(
     app.add_middleware(errors.CatchAllMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     for router in (grads.router, jobs.router, models.router, ops.router, dp.router,
-                   reference_sets.router, stores.router, status.router):
+                   reference_sets.router, stores.router, status.router, oip.router):
         app.include_router(router)
     install_docs(app)
     install_openapi(app)

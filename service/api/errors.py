@@ -7,6 +7,7 @@ unexpected is logged here and answered as ``internal_error`` by :class:`CatchAll
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -50,18 +51,32 @@ def body(code: str, message: str, **details: Any) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "details": details}}
 
 
-async def _psgrad(_request: Request, exc: Exception) -> JSONResponse:
+OIP_PREFIX = "/v2/"  # the Open Inference Protocol's routes: errors are {"error": "<message>"}
+
+
+def _shaped(request: Request, response: JSONResponse) -> JSONResponse:
+    """``response`` in the Open Inference Protocol's error shape on its routes (the message
+    only, the status and headers kept), as it is elsewhere."""
+    if not (request.url.path + "/").startswith(OIP_PREFIX):
+        return response
+    message = json.loads(bytes(response.body))["error"]["message"]
+    headers = {k: v for k, v in response.headers.items()
+               if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse({"error": message}, status_code=response.status_code, headers=headers)
+
+
+async def _psgrad(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PsgradError)
-    return error_response(exc)
+    return _shaped(request, error_response(exc))
 
 
-async def _validation(_request: Request, exc: Exception) -> JSONResponse:
+async def _validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     problems = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
     text = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems[:5])
-    return JSONResponse(
+    return _shaped(request, JSONResponse(
         body("invalid_input", f"the request is invalid: {text}", errors=problems), status_code=422
-    )
+    ))
 
 
 async def _http(request: Request, exc: Exception) -> JSONResponse:
@@ -70,7 +85,8 @@ async def _http(request: Request, exc: Exception) -> JSONResponse:
     headers = dict(getattr(exc, "headers", None) or {})
     if exc.status_code == 405:
         headers["Allow"] = ", ".join(_allowed(request))
-    return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code, headers=headers)
+    return _shaped(request, JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code,
+                                         headers=headers))
 
 
 def _allowed(request: Request) -> list[str]:

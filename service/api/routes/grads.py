@@ -58,6 +58,17 @@ async def new_job(
     """Decode the body, hold it to :class:`GradsRequest`, ``check`` it, enqueue it as
     ``tenant``'s; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``."""
     fields = await decode_request(request, state.settings)
+    return await submit_fields(fields, state, tenant, check)
+
+
+async def submit_fields(
+    fields: dict[str, Any],
+    state: StateDep,
+    tenant: Tenant,
+    check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
+) -> Job:
+    """A decoded body held to :class:`GradsRequest`, ``check``-ed and enqueued as
+    ``tenant``'s (every route that takes a gradients request, whatever its wire form)."""
     scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     named = fields.get("reference_set")  # ... checked: the schema reads the name as sent
     sent = fields if not isinstance(named, str) else {**fields, "reference_set": owned_name(named)}
