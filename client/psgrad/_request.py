@@ -63,6 +63,8 @@ def _value(spec: Field, value: Any) -> Any:
         return param_arrays(value, name)
     if kind == "names":
         names = [value] if isinstance(value, str) else [str(v) for v in value]
+        if not names and spec.default is not None:  # outputs=[]: the default, as the server
+            return list(spec.default)                 # reads it
         if not names:
             raise BadRequest(f"'{name}' must name at least one of: "
                              f"{', '.join(spec.choices or ('the parameters',))}")

@@ -37,6 +37,7 @@ from psgrad._request import grads_fields
 from service.api.body import held_to_contract, precheck
 from service.api.schemas import GradsRequest
 from service.outputs import OUTPUTS as SERVER_OUTPUTS
+from service.outputs import asked_outputs
 from tests.support.api import open_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,3 +280,15 @@ def test_every_refusal_of_a_field_names_the_field_and_what_was_sent() -> None:
             message = info.value.message
             assert f"'{spec.name}'" in message and ("1e+30" in message or str(10**30) in message)
     assert checked >= 10, checked
+
+
+def test_no_outputs_means_the_default_on_both_sides() -> None:
+    """outputs=[] is ['grads'] to the server (service.outputs.asked_outputs) and to the client,
+    which used to refuse it; an empty params list is refused by both."""
+    x, y = np.ones((2, 784), np.float32), np.array([1, 2])
+    sent = grads_fields("mlp", x, y, outputs=[])
+    assert sent["outputs"] == FIELDS["outputs"].default == asked_outputs({"outputs": []})
+    with pytest.raises(BadRequest, match="'params' must name at least one"):
+        grads_fields("mlp", x, y, params=[])
+    with pytest.raises(BadRequest, match="'params' must be a non-empty list"):
+        held_to_contract({"model": "mlp", "params": []})
