@@ -332,7 +332,6 @@ def _self_influence(seg: Segment) -> torch.Tensor:
     return seg.rows(seg.assembly.norms).pow(2)
 
 
-
 # --- the gradient noise scale ---
 
 

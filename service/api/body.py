@@ -176,8 +176,13 @@ async def conform(schema: type[BaseModel], fields: Mapping[str, Any],
     except ValidationError as exc:
         if specific is not None:
             await run_in_threadpool(specific)
-        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
-        raise InvalidInput(f"the request is invalid: {'; '.join(problems)}") from None
+        raise invalid(exc) from None
+
+
+def invalid(exc: ValidationError, what: str = "the request") -> InvalidInput:
+    """A body its schema refused, as a 422 naming (the first five of) the fields and why."""
+    problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
+    return InvalidInput(f"{what} is invalid: {'; '.join(problems)}")
 
 
 def _as_sent(value: Any) -> Any:

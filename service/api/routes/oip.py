@@ -32,13 +32,14 @@ from psgrad import __version__
 from psgrad._contract import OUTPUTS, answer_fields
 from psgrad._errors import BadRequest, InvalidInput, TooLarge
 from psgrad._wire import widen_answers
-from service.api.body import loads
+from service.api.body import invalid, loads
 from service.api.deps import StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.routes.grads import answer_of, submit_fields
 from service.api.schemas import ERRORS
 from service.config import raise_setting
 from service.losses import get_loss
+from service.outputs import get_output
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
@@ -225,13 +226,13 @@ def _outputs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     params = {k: v["shape"] for k, v in doc["parameters"].items()}
     out = []
     for o in OUTPUTS:
-        if o.td0_only and doc["default_loss"] != "td0" and "td0" not in doc["losses"]:
+        if o.td0_only and "td0" not in doc["losses"]:
             continue
+        wide = [-1] if get_output(o.name).width is not None else []  # [B, k], [B, M]
         for field in answer_fields([o.name]):
             batch = [-1] if o.per_sample else []
             if not o.per_param:
-                out.append({"name": field, "datatype": "FP32", "shape": [*batch, *(
-                    [-1] if o.name in ("projection", "dots", "influence") else [])]})
+                out.append({"name": field, "datatype": "FP32", "shape": [*batch, *wide]})
                 continue
             for param, shape in params.items():
                 out.append({"name": f"{field}/{param}", "datatype": "FP32",
@@ -257,28 +258,24 @@ def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byte
             raise BadRequest(f"{HEADER_LENGTH} is {n} but the body has {len(body)} bytes")
         header, binary = body[:n], body[n:]
     doc = loads(header)
-    try:
+    try:  # what is read below has the shapes and types InferRequest states
         InferRequest.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                             for e in exc.errors()[:5])
-        raise InvalidInput(f"the inference request is invalid: {problems}") from None
+        raise invalid(exc, "the inference request") from None
     return doc, binary
 
 
 def _fields(doc: dict[str, Any], binary: bytes, max_elements: int
             ) -> tuple[dict[str, Any], dict[str, bool]]:
     """The gradients request's fields, and the outputs asked for by name (binary or not)."""
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise BadRequest("'parameters' must be an object of psgrad's request fields")
+    params = dict(doc.get("parameters") or {})
     binary_default = bool(params.pop("binary_data_output", False))
     fields: dict[str, Any] = {k: v for k, v in params.items() if k != "binary_data_size"}
     offset = 0
     for spec in doc["inputs"]:
         arr, used = _tensor(spec, binary, offset, max_elements)
         offset += used
-        field, _, param = str(spec["name"]).partition("/")
+        field, _, param = spec["name"].partition("/")
         if param:
             fields.setdefault(field, {})[param] = arr
         else:
@@ -288,8 +285,6 @@ def _fields(doc: dict[str, Any], binary: bytes, max_elements: int
                          f"{len(binary)} after the JSON header")
     asked: dict[str, bool] = {}
     for spec in doc.get("outputs") or []:
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise BadRequest("each requested output is an object with a 'name'")
         out_params = spec.get("parameters") or {}
         asked[spec["name"]] = bool(out_params.get("binary_data", binary_default))
     outputs = fields.get("outputs")
@@ -316,14 +311,7 @@ def _output_of(field: str) -> str:
 def _tensor(spec: Any, binary: bytes, offset: int, max_elements: int
             ) -> tuple[np.ndarray, int]:
     """One input tensor from its JSON ``data`` or its bytes at ``offset``; the bytes used."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise BadRequest("each input is an object with a 'name', 'shape', 'datatype' and data")
-    name, shape, datatype = spec["name"], spec.get("shape"), spec.get("datatype")
-    if datatype not in DATATYPES:
-        raise InvalidInput(f"input '{name}': datatype must be one of {', '.join(DATATYPES)}; "
-                           f"got {datatype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise InvalidInput(f"input '{name}': shape must be a list of sizes; got {shape!r}")
+    name, shape, datatype = spec["name"], spec["shape"], spec["datatype"]
     count = int(np.prod(shape, dtype=np.int64))
     if count > max_elements:
         raise TooLarge(f"input '{name}' has {count} elements; the limit is {max_elements}: "
