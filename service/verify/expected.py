@@ -146,9 +146,7 @@ class Whole:
 
     @cached_property
     def gns(self) -> dict[str, Any]:
-        layer = self.layer_gns
-        return _noise_fields("gns", sum(layer["layer_gns_trace"].values()),
-                             sum(layer["layer_gns_grad_sq"].values()))
+        return _whole_model(self.layer_gns)
 
 
 def _float64(value: Any) -> Any:
@@ -195,8 +193,8 @@ def _layer_gns(e: Expected) -> dict[str, Any]:
     return _noise_fields("layer_gns", trace, grad_sq)
 
 
-def _gns(e: Expected) -> dict[str, Any]:
-    layer = _layer_gns(e)
+def _whole_model(layer: dict[str, Any]) -> dict[str, Any]:
+    """``gns``'s fields from ``layer_gns``'s: each estimate is the sum of the parameters'."""
     return _noise_fields("gns", sum(layer["layer_gns_trace"].values()),
                          sum(layer["layer_gns_grad_sq"].values()))
 
@@ -242,7 +240,7 @@ AGGREGATE: dict[str, Want] = {
     "variance": lambda e: {k: g.var(0, unbiased=False) for k, g in e.grads.items()},
     "clipped_mean": _clipped_mean,
     "cosine_mean": lambda e: _cosine(e, e.mean),
-    "gns": _gns,
+    "gns": lambda e: _whole_model(_layer_gns(e)),
     "layer_gns": _layer_gns,
 }
 # Of one sample the variance is 0 and the cosine with the mean 1, whatever the gradient: these
