@@ -3,7 +3,10 @@
 # The base image brings torch, CUDA and cuDNN; nothing here downloads a second torch: the
 # project's locked requirements leave torch out, so the image's own is kept.
 # Build: docker build -t psgrad:latest .
-FROM pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
+# Another base that brings Python 3.11 with pip and this torch (a CPU build, a local mirror):
+# --build-arg PSGRAD_BASE_IMAGE=... (compose passes $PSGRAD_BASE_IMAGE; docs/operations.md).
+ARG PSGRAD_BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
+FROM ${PSGRAD_BASE_IMAGE}
 
 # Recent official images use the distribution's Python, marked externally managed (PEP 668);
 # a container is its own environment, so pip may install into it.

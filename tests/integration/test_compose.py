@@ -1,4 +1,4 @@
-"""The Dockerfile and compose files, checked with the tools we have (no Docker engine here).
+"""The Dockerfile and compose files, checked without a Docker engine (test_compose_up.py runs one).
 
 Compose itself parses the files (the plugin's ``docker compose config`` where it exists, else
 Debian's ``docker-compose config``, which .ci/run installs), and the tests read what it parsed:
@@ -33,6 +33,7 @@ from packaging.requirements import Requirement
 from psgrad._wire import array_from_json
 from service.config import API, WORKER, Settings, read_by
 from tests.support.client import free_port
+from tests.support.compose import compose_command
 from tests.support.redis import metric
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,21 +58,11 @@ DELIBERATE = {
 # Compose
 
 
-def _compose_command() -> list[str] | None:
-    docker = shutil.which("docker")
-    if docker is not None:
-        probe = subprocess.run([docker, "compose", "version"], capture_output=True, check=False)
-        if probe.returncode == 0:
-            return [docker, "compose"]
-    legacy = shutil.which("docker-compose")
-    return [legacy] if legacy is not None else None
-
-
 def run_compose_config(
     files: tuple[Path, ...], tmp_path: Path, env: dict[str, str], env_file: str = ""
 ) -> subprocess.CompletedProcess[str]:
     """``compose config`` of ``files``, given exactly ``env`` (no PSGRAD_*) and an env file."""
-    command = _compose_command()
+    command = compose_command()
     if command is None:
         pytest.skip(
             "neither the compose plugin (`docker compose`) nor `docker-compose` is installed; "
@@ -249,11 +240,12 @@ def test_api_waits_for_redis_and_reports_health(gpu_config: dict[str, Any]) -> N
     ports = api["ports"]
     assert len(ports) == 1
     port = ports[0]
-    if isinstance(port, str):
-        published, target = port.split(":")[-2:]
+    if isinstance(port, str):  # v1: 'address:published:target/tcp'
+        address, published, target = port.removesuffix("/tcp").split(":")
     else:
-        published, target = port["published"], port["target"]
-    assert (int(published), int(target)) == (8000, 8000)
+        address, published, target = port["host_ip"], port["published"], port["target"]
+    # on every interface unless PSGRAD_HOST_ADDRESS names one (the test of `up` uses loopback)
+    assert (address, int(published), int(target)) == ("0.0.0.0", 8000, 8000)
     assert api["command"] == ["serve"]  # where it listens: its settings
     assert api["environment"]["PSGRAD_LISTEN_PORT"] == "8000"
     assert api["environment"]["PSGRAD_LISTEN_HOST"] == "0.0.0.0"
@@ -348,7 +340,8 @@ def test_cpu_override_runs_cpu_workers_and_no_gpu(
     gpu_worker = next(iter(workers(gpu_config).values()))
     for name, service in cpu_workers.items():
         assert service["command"] == ["worker", "--device", "cpu"], name
-        for key in ("environment", "restart", "stop_grace_period", "depends_on", "image"):
+        for key in ("environment", "restart", "stop_grace_period", "depends_on", "image",
+                    "build"):
             assert service[key] == gpu_worker[key], (name, key)
     # The GPU workers are still defined, in a profile that is off unless asked for.
     for name in workers(gpu_config):
@@ -373,9 +366,14 @@ def dockerfile() -> list[tuple[str, str]]:
     return out
 
 
-def test_image_uses_the_base_images_torch() -> None:
+def test_image_uses_the_base_images_torch(gpu_config: dict[str, Any]) -> None:
     instructions = dockerfile()
-    base = next(rest for word, rest in instructions if word == "FROM")
+    assert next(rest for word, rest in instructions if word == "FROM") == "${PSGRAD_BASE_IMAGE}"
+    base = next(rest for word, rest in instructions if word == "ARG").split("=", 1)[1]
+    # compose builds on the same base unless PSGRAD_BASE_IMAGE names another
+    for name, service in started(gpu_config).items():
+        if "build" in service:
+            assert service["build"]["args"] == {"PSGRAD_BASE_IMAGE": base}, name
     match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", base)
     assert match, base
     with (ROOT / "pyproject.toml").open("rb") as f:  # the server's requirements
