@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -20,7 +21,7 @@ from torch import nn
 
 import psgrad
 from psgrad.integrations import Monitor, StoreWriter
-from psgrad.integrations._monitor import outliers
+from psgrad.integrations._monitor import Background, outliers
 from service.api import create_app
 from service.config import Settings
 from service.registry import ModelRegistry
@@ -122,6 +123,39 @@ def test_training_finishes_when_the_server_stops_midway(caplog: pytest.LogCaptur
     assert max(waits) < 0.5  # a copy of the batch, never the network
     assert "not answered (APIConnectionError" in caplog.text
     assert f"psgrad monitor closed: sent {counts['sent']}" in caplog.text
+
+
+def test_a_step_that_finds_the_queue_full_is_dropped_before_it_is_copied(
+        client: psgrad.Client) -> None:
+    """At one batch a step, a slow server fills the queue; the steps that find it full cost
+    the loop no copy of their batch (half of them at every step in benchmarks/callback.py)."""
+    release = threading.Event()
+    copies: list[int] = []
+
+    class Held(Background):
+        def _send(self, step: int, batch: dict[str, Any]) -> None:
+            release.wait(30)  # the server, answering slowly
+
+    class Tensor:
+        """A tensor as _copy sees one, counting its copies."""
+
+        def detach(self) -> Tensor:
+            copies.append(1)
+            return self
+
+        def to(self, *args: Any, **kwargs: Any) -> Tensor:
+            return self
+
+    held = Held(client, every=1, max_pending=1)
+    assert held._put(0, {"inputs": Tensor()})
+    deadline = time.monotonic() + 30
+    while not held.sent and time.monotonic() < deadline:
+        time.sleep(0.01)  # the thread holds step 0; step 1 fills the queue
+    queued = [held._put(step, {"inputs": Tensor()}) for step in range(1, 6)]
+    release.set()
+    counts = held.close(timeout=30)
+    assert queued == [True, False, False, False, False]
+    assert len(copies) == 2 and counts == {"sent": 2, "answered": 2, "failed": 0, "dropped": 4}
 
 
 def test_a_run_fills_one_store_per_checkpoint_at_its_weights(tmp_path: Path) -> None:

@@ -59,10 +59,13 @@ class Background:
         self._thread.start()
 
     def _put(self, step: int, batch: dict[str, Any]) -> bool:
-        """Queue a copy of ``batch`` (arrays and tensors copied: the loop may change them)."""
+        """Queue a copy of ``batch`` (arrays and tensors copied: the loop may change them); a
+        batch that finds the queue full is dropped before it is copied."""
         if self._closing.is_set():
             return False
         try:
+            if self._queue.full():
+                raise queue.Full
             self._queue.put_nowait((step, {k: _copy(v) for k, v in batch.items()}))
         except queue.Full:
             self.dropped += 1
