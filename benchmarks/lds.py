@@ -139,7 +139,8 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
         gram = g_train.T @ g_train  # the stores' default lambda, on the full gradients
         power = np.einsum("ij,ij->i", g_train, g_train)
         top = int(np.argmax(power))
-        lam = default_lambda(gram, Largest(float(power[top]), float(np.delete(power, top).sum())))
+        lam = default_lambda(len(gram), Largest(float(power[top]),
+                                                float(np.delete(power, top).sum())))
         out["exact trak"] = np.linalg.solve(gram + lam * np.eye(len(gram)), g_test.T).T @ g_train.T
         ids = np.arange(len(x))
         for dim in dims:

@@ -41,11 +41,10 @@ def client_of(args: argparse.Namespace) -> Client:
     return Client(base_url=args.url, api_key=args.api_key, timeout=args.timeout)
 
 
-def projection_options(parser: argparse.ArgumentParser, *, dim_help: str,
-                       dim_required: bool = False) -> None:
+def projection_options(parser: argparse.ArgumentParser, *, dim_help: str) -> None:
     """A sketch's options, ``--projection-dim``, ``--projection-seed`` and ``--projection-kind``
     (read back by :func:`projection_of`), for the commands that make sketches."""
-    parser.add_argument("--projection-dim", type=int, required=dim_required, help=dim_help)
+    parser.add_argument("--projection-dim", type=int, help=dim_help)
     parser.add_argument("--projection-seed", type=int, help="the projection's seed (default 0)")
     parser.add_argument("--projection-kind", help=f"{PROJECTION_KINDS[0]} (default) or "
                         + " or ".join(PROJECTION_KINDS[1:]))

@@ -27,7 +27,8 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p = ssub.add_parser("create", parents=[conn], help="define a store")
     p.add_argument("id", help="the store's id")
     p.add_argument("model", help="a model id or id@version (the store pins the version)")
-    projection_options(p, dim_help="k of the sketches", dim_required=True)
+    projection_options(p, dim_help="k of the sketches (leave out: full gradients, for models "
+                       "of at most 8192 selected values)")
     p.add_argument("--loss", help="the loss (default: the model's; margin for TRAK)")
     p.add_argument("--params", help="comma-separated parameter names")
     p.add_argument("--dtype", choices=["float32", "float16"], help="how rows are kept")

@@ -1,6 +1,7 @@
 """``client.stores``: gradient stores on the server (docs/attribution.md).
 
-``client.stores.create(id, model, projection_dim=...)`` defines a store and returns its handle;
+``client.stores.create(id, model, projection_dim=...)`` defines a store (without
+``projection_dim``: of full gradients) and returns its handle;
 ``store.add(x, y, ids=...)`` sends the samples in batches (``batch_size``), each committed whole
 by the server, skipping the ids the store already holds (so an interrupted upload resumes where
 it stopped); ``store.query(x, y, k=10, score="trak")`` answers ``(ids, scores)``, each
@@ -63,7 +64,7 @@ class _Calls:
     """Every exchange of the stores, described."""
 
     @staticmethod
-    def create(store_id: str, model: str, projection_dim: int, loss: str | None,
+    def create(store_id: str, model: str, projection_dim: int | None, loss: str | None,
                params: Sequence[str] | None, projection_seed: int | None,
                projection_kind: str | None, dtype: str | None) -> Call[dict[str, Any]]:
         body = {"model": model, "projection_dim": projection_dim, "loss": loss,
@@ -255,11 +256,13 @@ class Stores:
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def create(self, store_id: str, model: str, *, projection_dim: int,
+    def create(self, store_id: str, model: str, *, projection_dim: int | None = None,
                loss: str | None = None, params: Sequence[str] | None = None,
                projection_seed: int | None = None, projection_kind: str | None = None,
                dtype: str | None = None) -> Store:
-        """Define a store (or find the same definition already made) and return its handle."""
+        """Define a store (or find the same definition already made) and return its handle:
+        rows of ``projection_dim`` k (sketches), or without it each sample's full gradient
+        (models of at most 8192 selected values)."""
         call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
                              projection_kind, dtype)
         return Store(self._client, self._client._call(call))
@@ -317,7 +320,7 @@ class AsyncStores:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, store_id: str, model: str, *, projection_dim: int,
+    async def create(self, store_id: str, model: str, *, projection_dim: int | None = None,
                      loss: str | None = None, params: Sequence[str] | None = None,
                      projection_seed: int | None = None, projection_kind: str | None = None,
                      dtype: str | None = None) -> AsyncStore:

@@ -1,12 +1,13 @@
 """Top-k queries over a store, streamed one shard at a time.
 
-The scores of a test sketch ``q`` against a store's row ``phi_i`` (both made with the store's
-model version, loss, parameters and projection):
+The scores of a test sample's row ``q`` against a store's row ``phi_i`` (both made with the
+store's model version, loss, parameters and projection: sketches, or full gradients flattened):
 
 - ``dot``: ``<q, phi_i>``, TracIn's score (one checkpoint, unit step);
 - ``cosine``: ``<q, phi_i> / (|q| |phi_i|)`` (0 where a norm is 0);
 - ``trak``: ``q^T (Phi^T Phi + lambda I)^-1 phi_i``, TRAK's score (its ``Phi^T Phi`` is the Gram
-  matrix of every committed row, accumulated in float64 as batches are committed). ``lambda``
+  matrix of every committed row, accumulated in float64 as batches are committed; a store of
+  full gradients sums it from its rows where it needs one, :func:`gram_of`). ``lambda``
   is the query's, else :data:`LAMBDA_RULE`: the mean eigenvalue ``trace(Phi^T Phi) / k``, with
   no row counting for more than all the others together (so one extreme row cannot set it); a
   rule that reads the store alone, never a retrained model;
@@ -30,6 +31,7 @@ from scipy.linalg import cho_factor, cho_solve
 
 from psgrad._errors import Conflict, InvalidInput
 from service.stores.files import Manifest, StoreFiles
+from service.stores.spec import MAX_EXACT_WIDTH
 
 Score = Literal["dot", "cosine", "trak", "self_influence"]
 SCORES: tuple[str, ...] = get_args(Score)
@@ -78,15 +80,34 @@ class Largest:
         return self.top > self.rest > 0
 
 
-def default_lambda(gram: np.ndarray, largest: Largest) -> float:
-    """:data:`LAMBDA_RULE`: ``trace(Phi^T Phi) / k`` unless the largest row
-    :attr:`~Largest.dominates`; then ``2 rest / k``, as if that row held only as much as the
-    rest (robust to one extreme row; TRAK scored best at 1 to 10 times the mean eigenvalue). A
-    store of one nonzero row has no rest: ``trace / k``. 1.0 for an all-zero store (any positive
-    value then serves)."""
-    trace = 2 * largest.rest if largest.dominates else float(np.trace(gram))
-    lam = trace / gram.shape[0]
+def default_lambda(width: int, largest: Largest) -> float:
+    """:data:`LAMBDA_RULE`: ``trace(Phi^T Phi) / k`` (the rows' summed squared norms over their
+    width k) unless the largest row :attr:`~Largest.dominates`; then ``2 rest / k``, as if that
+    row held only as much as the rest (robust to one extreme row; TRAK scored best at 1 to 10
+    times the mean eigenvalue). A store of one nonzero row has no rest: ``trace / k``. 1.0 for
+    an all-zero store (any positive value then serves)."""
+    trace = 2 * largest.rest if largest.dominates else largest.top + largest.rest
+    lam = trace / width
     return lam if lam > 0 else 1.0
+
+
+def gram_of(files: StoreFiles, key: str, manifest: Manifest, width: int) -> np.ndarray:
+    """``Phi^T Phi`` in float64: a sketched store's, kept with each commit; a store of full
+    gradients keeps none (most are reference sets, scored by their rows' kernel), so it is
+    summed from the rows once per committed state, for stores of more rows than their width
+    and at most :data:`MAX_EXACT_WIDTH` wide."""
+    gram = files.gram(key, manifest)
+    if gram is not None:
+        return gram
+    if width > MAX_EXACT_WIDTH:
+        raise InvalidInput(f"score 'trak' on a store of full gradients with more rows "
+                           f"({manifest.count}) than values per row ({width}) factors a "
+                           f"[{width}, {width}] matrix; at most {MAX_EXACT_WIDTH} wide: ask for "
+                           "'dot' or 'cosine', or keep sketches (a store with projection_dim)",
+                           width=width, limit=MAX_EXACT_WIDTH)
+    summed: np.ndarray = files.kept("gram", key, manifest,
+                                    lambda: _apart(files, key, manifest, -1, width)[0])
+    return summed
 
 
 def largest_row(files: StoreFiles, key: str, manifest: Manifest) -> Largest:
@@ -246,17 +267,14 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
     q: np.ndarray = sketches.astype(np.float64)
     apart: tuple[int, np.ndarray] | None = None  # a row scored on its own: (row, its scores)
     if score == "trak":
-        gram = files.gram(key, manifest)
-        if gram is None:  # every sketched store with rows has one
-            raise InvalidInput("score 'trak' needs a store of sketches; this one holds full "
-                               "gradients (a reference set made without projection_dim): "
-                               "ask for 'dot' or 'cosine'")
+        width = q.shape[1]
         largest = largest_row(files, key, manifest)
-        lam = default_lambda(gram, largest) if lam is None else lam
-        if manifest.count <= len(gram):  # no more rows than k: solve with their kernel
+        lam = default_lambda(width, largest) if lam is None else lam
+        if manifest.count <= width:  # no more rows than k: solve with their kernel
             best.add(trak_by_rows(files, key, manifest, q, lam), 0)
             return Found(manifest, *best.result(), lam=lam)
-        q, own = trak_solver(files, key, manifest, gram, largest, lam).solve(q)
+        q, own = trak_solver(files, key, manifest, gram_of(files, key, manifest, width),
+                             largest, lam).solve(q)
         apart = None if own is None else (largest.row, own)
     elif score == "cosine":
         size = np.linalg.norm(q, axis=1, keepdims=True)

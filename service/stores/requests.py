@@ -9,6 +9,7 @@ loss, parameters and projection), so no batch can be sketched differently from t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from psgrad._contract import SAMPLE_FIELDS, model_of
@@ -16,7 +17,7 @@ from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.attribution import projection_of
 from service.reference_sets import checked_id
 from service.registry import ModelRegistry
-from service.stores.spec import StoreSpec, check_dtype
+from service.stores.spec import EXACT, MAX_EXACT_WIDTH, StoreSpec, check_dtype
 from service.strategies.projection import VERSIONS
 from service.validate import check_options
 
@@ -36,21 +37,26 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
     if unknown:
         raise BadRequest(f"unknown fields: {', '.join(unknown)}; a store takes "
                          f"{', '.join(SPEC_FIELDS)}", unknown=unknown)
-    ref = model_of(body)
-    if body.get("projection_dim") is None:
-        raise InvalidInput("'projection_dim' is required: a store keeps sketches of k entries "
-                           "per sample (k up to 8192)")
-    model = registry.get(ref)
+    model = registry.get(model_of(body))
     asked = {k: body.get(k) for k in FIXED_FIELDS}  # held to the contract at the door
     asked["projection_kind"] = asked["projection_kind"] or None  # "": the default kind
-    opts = check_options({**asked, "outputs": ["projection"]}, model)
-    proj = projection_of(asked, ["projection"])
-    assert proj is not None
+    exact = asked["projection_dim"] is None
+    output = "grads" if exact else "projection"
+    opts = check_options({**asked, "outputs": [output]}, model)
+    shapes = {p: list(model.params[p].shape) for p in opts.params}
+    proj = projection_of(asked, [output])  # refuses a seed or kind without projection_dim
+    width, seed, kind = (proj.k, proj.seed, proj.kind) if proj else (
+        sum(math.prod(s) for s in shapes.values()), 0, EXACT)
+    if width > MAX_EXACT_WIDTH:
+        raise InvalidInput(
+            f"a store of full gradients keeps at most {MAX_EXACT_WIDTH} values per sample; "
+            f"{model.ref}'s selected parameters hold {width}: send 'projection_dim' (a sketch "
+            f"of k values, up to {MAX_EXACT_WIDTH}), or select fewer 'params'",
+            width=width, limit=MAX_EXACT_WIDTH)
     return StoreSpec(id=store_id, model=model.ref, loss=opts.loss, params=opts.params,
-                     projection_dim=proj.k, projection_seed=proj.seed,
-                     projection_kind=proj.kind, dtype=check_dtype(body.get("dtype")),
-                     tenant=tenant, projection_version=VERSIONS[proj.kind],
-                     shapes={p: list(model.params[p].shape) for p in opts.params})
+                     projection_dim=width, projection_seed=seed, projection_kind=kind,
+                     dtype=check_dtype(body.get("dtype")), tenant=tenant,
+                     projection_version=VERSIONS.get(kind, 1), shapes=shapes)
 
 
 def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
@@ -89,16 +95,14 @@ def check_batch(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str,
     return fields
 
 
-def sketch_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
-    """The projection request of a body's batch under ``spec`` (``what``: the route, for the
-    messages)."""
-    if spec.exact:
-        raise InvalidInput(f"store '{spec.id}' holds full gradients (a reference set made "
-                           f"without projection_dim), not sketches: {what} cannot sketch a "
-                           "batch for it; score it with output 'influence' and 'reference_set', "
-                           f"or query it with 'sketches' [queries, {spec.projection_dim}] "
-                           "(flattened gradients)")
+def rows_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
+    """The request whose answer is the rows of a body's batch under ``spec`` (``what``: the
+    route, for the messages): its ``projection``, or for a store of full gradients its
+    ``grads`` (:func:`service.stores.sets.set_rows` flattens them)."""
     fields = check_batch(spec, fields, what)
+    if spec.exact:
+        return {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
+                "outputs": ["grads"]}
     return {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
             "projection_dim": spec.projection_dim, "projection_seed": spec.projection_seed,
             "projection_kind": spec.projection_kind, "outputs": ["projection"]}

@@ -17,15 +17,19 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from psgrad._contract import MAX_PROJECTION_DIM
 from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.strategies.projection import VERSIONS
 from service.tenants import DEFAULT_TENANT
 
 Dtype = Literal["float32", "float16"]  # how a store keeps its rows
 DTYPES: tuple[str, ...] = get_args(Dtype)
-# the projection_kind of a store of full gradients (a reference set made without
-# projection_dim): each row is a sample's gradients, flattened in ``params`` order
+# the projection_kind of a store of full gradients (made without projection_dim): each row is
+# a sample's gradients, flattened in ``params`` order
 EXACT = "exact"
+# the widest row PUT /stores keeps of full gradients: the widest sketch's (trak then factors at
+# most the same [k, k] as a sketched store's; a reference set of full gradients may be wider)
+MAX_EXACT_WIDTH = MAX_PROJECTION_DIM
 MAX_ID_CHARS = 128  # a string id: short, one line
 ID_KINDS = ("int", "str")
 

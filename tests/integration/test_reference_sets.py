@@ -236,8 +236,16 @@ async def test_a_reference_set_is_a_small_gradient_store(tmp_path: Path) -> None
                                                      "k": 2})
         np.testing.assert_allclose(r.json()["scores"], torch.sort(
             exact, dim=1, descending=True).values, rtol=1e-4, atol=1e-5)
-        r = await c.post("/stores/full/query", json={"sketches": flat(want_test).tolist(),
-                                                     "k": 1, "score": "trak"})
-        assert r.status_code == 422 and "'dot' or 'cosine'" in r.text, r.text
+        # an exact store answers every score, and takes samples and queries as any store
         r = await c.post("/stores/full/samples", json={**batch(1, 5), "ids": [9]})
-        assert r.status_code == 422 and "full gradients" in r.text, r.text
+        assert r.status_code == 200 and r.json()["samples"] == 3, r.text
+        phi = torch.cat([flat(loop_grads("att", full)), flat(loop_grads("att", batch(1, 5)))])
+        lam = float((phi.double() ** 2).sum()) / phi.shape[1]  # the default: trace / width
+        want_trak = flat(want_test).double() @ torch.linalg.solve(
+            phi.double().t() @ phi.double() + lam * torch.eye(phi.shape[1], dtype=torch.float64),
+            phi.double().t())
+        r = await c.post("/stores/full/query", json={**test, "k": 3, "score": "trak"})
+        assert r.status_code == 200, r.text
+        assert r.json()["lambda"] == pytest.approx(lam, rel=1e-6)
+        np.testing.assert_allclose(r.json()["scores"], torch.sort(
+            want_trak, dim=1, descending=True).values, rtol=1e-4, atol=1e-6)

@@ -18,15 +18,18 @@ import httpx
 import numpy as np
 import pytest
 import redis
+import torch
 
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service import redis_keys
 from service.redis_keys import text
+from service.registry import load_model
 from service.stores.files import StoreFiles
 from service.stores.locks import ThreadLocks
 from tests.support.api import open_client
 from tests.support.cluster import cluster
 from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
+from tests.support.reference import per_sample_loop
 from tests.support.stores import reference
 
 KEYS = {"api_keys": "alice:alice-key,bob:bob-key", "admin_keys": "ops:ops-key"}
@@ -192,6 +195,51 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
     assert not (data_dir / "stores" / "alice~train").exists()
 
 
+def loop_rows(data: dict[str, Any]) -> np.ndarray:
+    """Each sample's gradient by the per-sample loop on ``att``'s weights, flattened in the
+    model's parameter order: an exact store's rows."""
+    module = load_model("att", "mlp", MLP, device=torch.device("cpu")).module
+    loop = per_sample_loop(module, {"inputs": torch.tensor(data["inputs"]),
+                                    "targets": torch.tensor(data["targets"])}, "cross_entropy")
+    return torch.cat([g.reshape(len(g), -1) for g in loop.grads.values()], 1).double().numpy()
+
+
+async def test_a_store_of_full_gradients_holds_the_loops_and_answers_every_score(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """No projection_dim: each row is the sample's gradient (the per-sample loop's, flattened
+    in parameter order), and the store answers every score for samples or their rows; with
+    more rows than values per row, trak factors the Gram matrix it sums from the rows."""
+    c, data_dir = service
+    r = await c.put("/stores/full", headers=ALICE, json={"model": "att"})
+    assert r.status_code == 201, r.text
+    width = 6 * 5 + 5 + 5 * 3 + 3
+    assert (r.json()["projection_kind"], r.json()["projection_dim"]) == ("exact", width)
+    parts = [batch(40, 11), batch(30, 12)]  # 70 rows, each of 53 values
+    for at, part in zip((0, 40), parts, strict=True):
+        r = await c.post("/stores/full/samples", headers=ALICE,
+                         json={**part, "ids": list(range(at, at + len(part["inputs"])))})
+        assert r.status_code == 200, r.text
+    phi = np.concatenate([loop_rows(part) for part in parts])
+    files = StoreFiles(str(data_dir), ThreadLocks())
+    rows = np.concatenate([x for _, x, _ in files.rows("alice~full",
+                                                       files.manifest("alice~full"))])
+    np.testing.assert_allclose(rows, phi, rtol=1e-5, atol=1e-7)
+
+    test = batch(4, 13)
+    q = loop_rows(test)
+    for score in ("dot", "cosine", "trak", "self_influence"):
+        for sent in ({} if score == "self_influence" else test, {"sketches": q.tolist()}):
+            if score == "self_influence" and "sketches" in sent:
+                continue
+            r = await c.post("/stores/full/query", headers=ALICE,
+                             json={"k": 6, "score": score, **sent})
+            assert r.status_code == 200, (score, r.text)
+            want_rows, want_scores = reference(phi, q, score, 6)
+            assert r.json()["ids"] == want_rows.tolist(), score
+            np.testing.assert_allclose(r.json()["scores"], want_scores, rtol=1e-4,
+                                       atol=1e-6 * np.abs(want_scores).max())
+
+
 async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
         service: tuple[httpx.AsyncClient, Path]) -> None:
     """A store made before the default kind's numbers changed (its record has no
@@ -227,7 +275,10 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
         return await c.put(f"/stores/{name}", headers=ALICE, json=body)
 
     good = {"model": "att", "projection_dim": 16}
-    error(await put({"model": "att"}), 422, "invalid_input", "projection_dim")
+    # without projection_dim: full gradients, for models of at most 8192 selected values
+    error(await put({"model": "mlp"}), 422, "invalid_input", "8192", "projection_dim")
+    error(await put({"model": "att", "projection_seed": 3}), 422, "invalid_input",
+          "needs 'projection_dim'")
     error(await put({**good, "dtype": "int8"}), 422, "invalid_input", "float16")
     error(await put({**good, "color": 1}), 400, "bad_request", "color")
     error(await put({**good, "model": "nope"}), 404, "unknown_model")

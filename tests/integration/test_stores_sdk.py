@@ -115,3 +115,25 @@ async def test_the_async_client_does_the_same(tmp_path: Path) -> None:
         np.testing.assert_allclose(found.scores, want, rtol=2e-3)
         assert [s["id"] for s in await client.stores.list()] == ["t"]
         assert (await client.stores.delete("t"))["deleted"] is True
+
+
+def test_a_store_of_full_gradients_from_the_sdk(transport: httpx.BaseTransport) -> None:
+    """``create`` without ``projection_dim``: each row is the sample's gradient, so a query
+    scores what ``grads`` answers for the same samples."""
+    with psgrad.Client(base_url="http://app", transport=transport) as client:
+        store = client.stores.create("full", "value-mlp", loss="mse")
+        assert (store.info["projection_kind"], store.info["projection_dim"]) == ("exact", 4801)
+        rng = np.random.default_rng(4)
+        x, y = rng.standard_normal((20, 8)).astype(np.float32), rng.standard_normal(20)
+        store.add(x, y, ids=list(range(20)), batch_size=8)
+        tx, ty = x[:3] + 0.5, y[:3]
+        found = store.query(tx, ty, k=4, score="cosine")
+
+        def flat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            grads = client.per_sample_grads("value-mlp", a, b, loss="mse", outputs=["grads"])
+            return np.concatenate([np.asarray(g, np.float64).reshape(len(a), -1)
+                                   for g in grads.grads.values()], axis=1)
+
+        rows, scores = reference(flat(x, y), flat(tx, ty), "cosine", 4)
+        assert np.asarray(found.ids).tolist() == rows.tolist()
+        np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-6)

@@ -348,14 +348,13 @@ def test_the_default_lambda_is_the_mean_eigenvalue_unless_one_row_dominates() ->
         top = int(np.argmax(s))
         return Largest(float(s[top]), float(np.delete(s, top).sum()), top)
 
-    gram = phi.T @ phi
-    assert default_lambda(gram, split(phi)) == np.trace(gram) / K  # the value kept before
+    gram = phi.T @ phi  # trace(Phi^T Phi): the rows' summed squared norms
+    assert default_lambda(K, split(phi)) == pytest.approx(np.trace(gram) / K, rel=1e-13)
     phi[3] *= 1e6
     largest = split(phi)
-    assert default_lambda(phi.T @ phi, largest) == pytest.approx(2 * largest.rest / K)
-    assert default_lambda(np.zeros((K, K)), Largest()) == 1.0
-    one = np.eye(1, K) * 3.0
-    assert default_lambda(one.T @ one, Largest(9.0)) == pytest.approx(9.0 / K)  # no rest
+    assert default_lambda(K, largest) == pytest.approx(2 * largest.rest / K)
+    assert default_lambda(K, Largest()) == 1.0
+    assert default_lambda(K, Largest(9.0)) == pytest.approx(9.0 / K)  # one row: no rest
 
 
 def test_definitions_and_deletion(tmp_path: Path) -> None:
@@ -516,3 +515,32 @@ def test_replicas_never_use_what_they_kept_of_another_version(tmp_path: Path) ->
     assert two.ids("s", manifest) == {1, 2, 3}
     with pytest.raises(Conflict):
         one.append("s", spec(), [3], "int", x)
+
+
+def test_trak_on_full_gradients_sums_the_gram_once_and_refuses_one_too_wide(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store of full gradients keeps no Gram file: past its width in rows, trak sums
+    Phi^T Phi from the rows once per committed state (answers equal numpy's); a store wider
+    than MAX_EXACT_WIDTH is refused there with a 422 naming the scores that still work."""
+    exact = StoreSpec(id="s", model="mlp@abc", loss="cross_entropy", params=("w",),
+                      projection_dim=K, projection_seed=0, projection_kind="exact",
+                      dtype="float32")
+    store = files(tmp_path)
+    store.create("s", exact)
+    phi = np.random.default_rng(3).standard_normal((40, K)).astype(np.float32)
+    store.append("s", exact, list(range(40)), "int", phi)
+    assert store.manifest("s").gram is None
+    q = np.random.default_rng(4).standard_normal((3, K))
+    summed = []
+    real = query._apart
+    monkeypatch.setattr(query, "_apart", lambda *a: summed.append(1) or real(*a))
+    for _ in range(2):
+        found = search(store, "s", "s", q, 5, "trak")
+        want_rows, want_scores = reference(phi.astype(np.float64), q, "trak", 5)
+        np.testing.assert_array_equal(found.rows, want_rows)
+        np.testing.assert_allclose(found.scores, want_scores, rtol=1e-5, atol=1e-7)
+    assert len(summed) == 1  # the second query found it kept
+    monkeypatch.setattr(query, "MAX_EXACT_WIDTH", K - 1)
+    store.append("s", exact, [40], "int", phi[:1])  # a new state: the Gram is summed again
+    with pytest.raises(InvalidInput, match="'dot' or 'cosine'"):
+        search(store, "s", "s", q, 5, "trak")

@@ -7,7 +7,7 @@ import pytest
 
 from psgrad._contract import SAMPLE_FIELDS
 from psgrad._errors import InvalidInput
-from service.stores.requests import sketch_request
+from service.stores.requests import rows_request
 from service.stores.spec import StoreSpec
 
 SPEC = StoreSpec(id="s", model="gpt@abc", loss="next_token", params=("w",), projection_dim=8,
@@ -18,11 +18,11 @@ def test_an_append_takes_every_per_sample_field_of_the_contract() -> None:
     """A padded text batch's ``mask`` goes into the store's projection request with the rest
     (the store's own list of sample fields had drifted from the contract's and refused it)."""
     batch = {k: np.zeros((2, 3)) for k in SAMPLE_FIELDS}
-    fields = sketch_request(SPEC, batch, "POST /stores/s/samples")
+    fields = rows_request(SPEC, batch, "POST /stores/s/samples")
     assert all(fields[k] is batch[k] for k in SAMPLE_FIELDS)
     assert (fields["model"], fields["loss"]) == ("gpt@abc", "next_token")
 
 
 def test_an_append_names_what_it_does_not_take() -> None:
     with pytest.raises(InvalidInput, match="leave out clip_norm"):
-        sketch_request(SPEC, {"inputs": np.zeros((2, 3)), "clip_norm": 1.0}, "an append")
+        rows_request(SPEC, {"inputs": np.zeros((2, 3)), "clip_norm": 1.0}, "an append")

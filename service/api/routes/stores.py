@@ -1,6 +1,8 @@
-"""``/stores``: gradient stores. ``PUT`` defines one, ``POST .../samples`` adds a batch's
-sketches under the caller's ids, ``POST .../query`` ranks the store for test samples (or their
-sketches), ``GET`` describes it, ``DELETE`` removes it (docs/attribution.md).
+"""``/stores``: gradient stores. ``PUT`` defines one, ``POST .../samples`` adds a batch's rows
+under the caller's ids, ``POST .../query`` ranks the store for test samples (or their rows),
+``GET`` describes it, ``DELETE`` removes it (docs/attribution.md). A row is a sample's sketch
+(``projection_dim`` k), or its full gradient flattened (a store made without ``projection_dim``,
+of kind ``exact``, for models of at most ``MAX_EXACT_WIDTH`` selected values).
 
 Sketches are computed by the workers as ordinary ``projection`` jobs, in the caller's fair share
 and quotas, as ``PUT /reference-sets`` makes its jobs; the api writes and reads the files
@@ -30,7 +32,8 @@ from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, er
 from service.reference_sets import checked_id
 from service.stores.files import Manifest, refuse_duplicates
 from service.stores.query import Score, check_k, check_score, search
-from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, sketch_request
+from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_request
+from service.stores.sets import set_rows
 from service.stores.spec import (
     Dtype,
     StoreSpec,
@@ -53,8 +56,7 @@ StoreBody = create_model(  # loss, params and the projection: the request contra
     __config__=ConfigDict(extra="forbid"),
     model=(str, Field(pattern=MODEL_REF, description="model id, or id@version; the store pins "
                       "the version")),
-    **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind",
-                      required=("projection_dim",)),
+    **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind"),
     dtype=(Dtype, Field("float32", description="how rows are kept")),
 )
 
@@ -87,7 +89,8 @@ QueryBody = create_model(
     lambda_=(float | None, Field(None, alias="lambda", ge=0, description="trak only; "
                                  "default: trace(Phi^T Phi) / k, no row counting for more "
                                  "than all the others together")),
-    sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch")),
+    sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch (a "
+                                   "store of full gradients: the flattened gradients)")),
 )
 
 
@@ -120,9 +123,10 @@ def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
     return spec
 
 
-async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any]
-                    ) -> np.ndarray:
-    """The batch's sketches, computed by the workers (several jobs past the batch limit)."""
+async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any]
+                ) -> np.ndarray:
+    """The batch's rows (sketches, or flattened gradients), computed by the workers (several
+    jobs past the batch limit)."""
     result = await split_answer(state, tenant, job)
     meta = result.get("meta") or {}
     kind = meta.get("projection_kind", spec.projection_kind)
@@ -132,7 +136,7 @@ async def _sketches(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[
         raise Conflict(f"the sketches came from {result['model']} ({kind} version {version}), "
                        f"not the store's {spec.model} ({spec.projection_kind} version "
                        f"{spec.projection_version}); send the batch again")
-    return np.asarray(result["projection"], dtype=np.float32)
+    return np.asarray(set_rows(spec, result), dtype=np.float32)
 
 
 @router.get("", responses=errors(400, 401, 403),
@@ -190,12 +194,13 @@ async def delete_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> d
              openapi_extra=_body(SamplesBody, "a batch (inputs, targets, ...) and 'ids', one "
                                  "per sample: integers or short strings"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
-             summary="Add a batch's sketches under the caller's ids (all or nothing)")
+             summary="Add a batch's rows under the caller's ids (all or nothing)")
 async def add_samples(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
                       scope: ScopeDep) -> dict[str, Any]:
-    """The batch is sketched by the workers with the store's model version, loss, parameters
-    and projection, then committed whole: an id already in the store refuses the whole batch
-    (409, listing them), so a retry of a batch that was added is refused, never doubled."""
+    """The batch's rows are computed by the workers with the store's model version, loss,
+    parameters and projection, then committed whole: an id already in the store refuses the
+    whole batch (409, listing them), so a retry of a batch that was added is refused, never
+    doubled."""
     fields = await decode_request(request, state.settings, one_job=False, extra=SAMPLES_EXTRA,
                                   need_model=False)
     key, raw_ids = _key(scope, store_id), fields.pop("ids", None)
@@ -203,7 +208,7 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
     def check() -> tuple[StoreSpec, dict[str, Any], list[int | str], str]:
         spec = _spec(state, key, store_id)
         spec.check_version()
-        job = sketch_request(spec, fields, f"POST /stores/{store_id}/samples")
+        job = rows_request(spec, fields, f"POST /stores/{store_id}/samples")
         parsed = parse_request(job, state.registry)  # the whole batch, before any job runs
         ids, kind = checked_ids(raw_ids, parsed.batch.size)
         files = state.storage.gradients
@@ -213,7 +218,7 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
     listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids  # safetensors'
     await conform(SamplesBody, {**fields, "ids": listed}, check)
     spec, job, ids, kind = await run_in_threadpool(check)
-    sketches = await _sketches(state, tenant, spec, job)
+    sketches = await _rows(state, tenant, spec, job)
 
     def keep() -> dict[str, Any]:
         manifest = state.storage.gradients.append(key, spec, ids, kind, sketches)
@@ -303,14 +308,14 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         if not batch:
             raise InvalidInput(f"score '{score}' needs test samples (inputs, targets, ...) or "
                                f"their 'sketches' [queries, {spec.projection_dim}]")
-        job = sketch_request(spec, fields, "this query")
+        job = rows_request(spec, fields, "this query")
         parse_request(job, state.registry)
         return spec, job, None
 
     await conform(QueryBody, sent, check)  # check: its own error for nearly all
     spec, job, sketches = await run_in_threadpool(check)
     if job is not None:
-        sketches = await _sketches(state, tenant, spec, job)
+        sketches = await _rows(state, tenant, spec, job)
 
     def run() -> dict[str, Any]:
         found = search(state.storage.gradients, key, store_id, sketches, k, score, lam)
