@@ -1,8 +1,9 @@
 """``psgrad stores create|add|query|show|list|delete``: gradient stores from the shell.
 
 Arrays come from ``.npy`` or ``.safetensors[:NAME]`` files (never pickles); sample ids from a
-``.npy`` of integers or strings, or ``--first-id N`` (N, N+1, ... in file order). Answers are
-JSON on stdout; ``add`` draws a progress bar on stderr.
+``.npy`` of integers or strings, or ``--first-id N`` (N, N+1, ... in file order); ``add
+--rows`` imports rows made elsewhere. Answers are JSON on stdout; ``add`` draws a progress bar
+on stderr.
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--params", help="comma-separated parameter names")
     p.add_argument("--dtype", choices=["float32", "float16"], help="how rows are kept")
     p.set_defaults(func=_create)
-    p = ssub.add_parser("add", parents=[conn], help="add samples (skips ids already held)")
+    p = ssub.add_parser("add", parents=[conn], help="add samples, or import rows (skips ids "
+                                                    "already held)")
     p.add_argument("id", help="the store's id")
-    p.add_argument("--inputs", required=True, help="a .npy or .safetensors[:NAME] file")
-    p.add_argument("--targets", help="the same for targets")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--inputs", help="samples: a .npy or .safetensors[:NAME] file")
+    what.add_argument("--rows", help="or rows made elsewhere [n, projection_dim] (the store's "
+                      "sketches, or flattened gradients), imported as they are")
+    p.add_argument("--targets", help="the samples' targets, as --inputs")
     ids = p.add_mutually_exclusive_group()
     ids.add_argument("--ids", help="a .npy file of integer or string ids, one per sample")
     ids.add_argument("--first-id", type=int, help="ids N, N+1, ... (default 0 for an empty "
                      "store; a store with samples needs it or --ids)")
-    p.add_argument("--batch-size", type=int, default=256, help="samples per request")
+    p.add_argument("--batch-size", type=int, help="samples per request (256; rows: 16384)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_add)
     p = ssub.add_parser("query", parents=[conn], help="the top k training samples per test "
@@ -80,7 +85,9 @@ SKIPPED = 3  # the exit status of an add that skipped samples whose ids the stor
 
 def _add(args: argparse.Namespace) -> int:
     """Exit 0 when every sample was added, :data:`SKIPPED` when some ids were held already."""
-    inputs = load_array(args.inputs, default_name="inputs")
+    rows = args.rows is not None
+    inputs = load_array(args.rows, default_name="rows") if rows else load_array(
+        args.inputs, default_name="inputs")
     targets = load_array(args.targets, default_name="targets") if args.targets else None
     with client_of(args) as client:
         store = client.stores.get(args.id)
@@ -92,8 +99,11 @@ def _add(args: argparse.Namespace) -> int:
                 "own, or the --first-id of an interrupted add to resume it")
         ids = (load_array(args.ids) if args.ids
                else np.arange(first or 0, (first or 0) + len(inputs)))
-        info = store.add(inputs, targets, ids=ids, batch_size=args.batch_size,
-                         progress=not args.no_progress)
+        progress = not args.no_progress
+        info = (store.add_rows(inputs, ids=ids, batch_size=args.batch_size or 16384,
+                               progress=progress) if rows else
+                store.add(inputs, targets, ids=ids, batch_size=args.batch_size or 256,
+                          progress=progress))
     print(json.dumps(info))
     if info["skipped"]:
         print(f"psgrad: {info['skipped']} of {len(ids)} samples skipped: store {args.id} "

@@ -95,6 +95,10 @@ class _Calls:
         return _binary(_path(store_id, "/samples"), fields)
 
     @staticmethod
+    def rows(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
+        return _binary(_path(store_id, "/rows"), fields)
+
+    @staticmethod
     def query(store_id: str, fields: dict[str, Any]) -> Call[QueryResult]:
         call = _binary(_path(store_id, "/query"), fields)
         return Call(call.method, call.path, _result, content=call.content, headers=call.headers)
@@ -159,10 +163,12 @@ Plan = Generator[Step, Any, None]
 
 
 def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int,
-            progress: bool | Progress) -> Generator[Step, Any, dict[str, Any]]:
-    """``add``, as steps that ``Store`` runs and ``AsyncStore`` awaits: per batch, which ids
-    the store holds, then the rest of the batch in the model's dtype, then its commit. Ends
-    with the store's description and this call's ``added`` and ``skipped`` (ids it held)."""
+            progress: bool | Progress, rows: bool = False
+            ) -> Generator[Step, Any, dict[str, Any]]:
+    """``add`` (``add_rows`` where ``rows``: ``inputs`` are the rows), as steps that ``Store``
+    runs and ``AsyncStore`` awaits: per batch, which ids the store holds, then the rest of the
+    batch (samples in the model's dtype, or rows in the store's), then its commit. Ends with
+    the store's description and this call's ``added`` and ``skipped`` (ids it held)."""
     bar = Progress(f"store {store.id}") if progress is True else progress or None
     total = None if ids is None else len(_ids(ids, len(ids)))
     done = skipped = 0
@@ -170,7 +176,12 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
         names = _ids(names, len(names))
         present = (yield "call", _Calls.lookup(store.id, names))["present"]
         keep = [not p for p in present]
-        if any(keep):
+        if rows and any(keep):
+            pick = np.flatnonzero(keep)
+            fields = {"rows": np.ascontiguousarray(x[pick], dtype=store.info["dtype"]),
+                      "ids": [names[i] for i in pick]}
+            store.info = yield "call", _Calls.rows(store.id, fields)
+        elif any(keep):
             fields = yield "prepare", _sample_fields(store.info["model"], x, y, names, keep)
             store.info = yield "call", _Calls.add(store.id, fields)
         done += len(names)
@@ -238,6 +249,16 @@ class Store(_Handle):
                                                   progress))
         return added
 
+    def add_rows(self, rows: Any, *, ids: Any, batch_size: int = 16384,
+                 progress: bool | Progress = False) -> dict[str, Any]:
+        """Import rows made elsewhere (``[n, projection_dim]``: the ``projection`` output for
+        the store's fields, or flattened gradients for a store of them), sent in the store's
+        dtype in batches of ``batch_size``, each committed whole, skipping the ids the store
+        holds, as :meth:`add` does; nothing is computed on the server."""
+        added: dict[str, Any] = self._run(_adding(self, rows, None, ids, batch_size, progress,
+                                                  rows=True))
+        return added
+
     def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
               k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:
         """The top ``k`` training samples of each test sample (or of each sketch), best first;
@@ -301,6 +322,13 @@ class AsyncStore(_Handle):
         """See ``Store.add``."""
         added: dict[str, Any] = await self._run(_adding(self, inputs, targets, ids, batch_size,
                                                         progress))
+        return added
+
+    async def add_rows(self, rows: Any, *, ids: Any, batch_size: int = 16384,
+                       progress: bool | Progress = False) -> dict[str, Any]:
+        """See ``Store.add_rows``."""
+        added: dict[str, Any] = await self._run(_adding(self, rows, None, ids, batch_size,
+                                                        progress, rows=True))
         return added
 
     async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,

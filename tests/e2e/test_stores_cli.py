@@ -76,4 +76,18 @@ def test_stores_commands(url: str, tmp_path: Path) -> None:
     np.testing.assert_allclose(got["scores"], want.scores, rtol=1e-6)
     top = json.loads(cli(url, "stores", "query", "train", "--score", "self_influence", "-k", "2"))
     assert np.asarray(top["ids"]).shape == (1, 2)
+
+    # the same sketches imported as rows rank the same (--rows, then the store's query)
+    with psgrad.Client(base_url=url) as client:
+        phi = client.per_sample_grads("mlp", x, y, outputs=["projection"],
+                                      projection_dim=64).projection
+    np.save(tmp_path / "rows.npy", np.asarray(phi, np.float32))
+    cli(url, "stores", "create", "rows", "mlp", "--projection-dim", "64", "--dtype", "float16")
+    imported = json.loads(cli(url, "stores", "add", "rows", "--rows", str(tmp_path / "rows.npy"),
+                              "--ids", str(tmp_path / "ids.npy"), "--no-progress"))
+    assert (imported["samples"], imported["added"], imported["commits"]) == (40, 40, 1)
+    again = json.loads(cli(url, "stores", "query", "rows", "--inputs", str(tmp_path / "tx.npy"),
+                           "--targets", str(tmp_path / "ty.npy"), "-k", "4", "--score", "trak"))
+    assert again["ids"] == got["ids"]
+    np.testing.assert_allclose(again["scores"], got["scores"], rtol=1e-5)
     assert json.loads(cli(url, "stores", "delete", "train"))["deleted"] is True

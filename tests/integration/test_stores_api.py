@@ -240,6 +240,59 @@ async def test_a_store_of_full_gradients_holds_the_loops_and_answers_every_score
                                        atol=1e-6 * np.abs(want_scores).max())
 
 
+async def test_rows_imported_are_kept_as_sent_and_bad_ones_refused_whole(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """POST /stores/{id}/rows: the projection of a batch, made by /per-sample-grads, imported
+    in JSON and safetensors, ranks as the same samples added through /samples; wrong dims, a
+    NaN, a repeated or held id, another dtype or a batch's fields are refused, nothing kept."""
+    c, data_dir = service
+    r = await c.put("/stores/imp", headers=ALICE, json={
+        "model": "att", "projection_dim": DIM, "projection_seed": SEED})
+    assert r.status_code == 201, r.text
+    train = batch(12, 21)
+    phi = (await projection(c, train)).astype(np.float32)
+    r = await c.post("/stores/imp/rows", headers=ALICE,
+                     json={"rows": phi[:5].tolist(), "ids": [f"r{i}" for i in range(5)]})
+    assert r.status_code == 200 and (r.json()["added"], r.json()["samples"]) == (5, 5), r.text
+    body = fields_to_safetensors({"rows": phi[5:], "ids": [f"r{i}" for i in range(5, 12)]},
+                                 REQUEST_KEY)
+    r = await c.post("/stores/imp/rows", headers={**ALICE, "content-type": SAFETENSORS},
+                     content=body)
+    assert r.status_code == 200 and r.json()["samples"] == 12, r.text
+    files = StoreFiles(str(data_dir), ThreadLocks())
+    rows = np.concatenate([x for _, x, _ in files.rows("alice~imp", files.manifest("alice~imp"))])
+    np.testing.assert_array_equal(rows, phi)  # kept as sent
+    test = batch(3, 22)
+    r = await c.post("/stores/imp/query", headers=ALICE, json={"k": 4, "score": "trak", **test})
+    assert r.status_code == 200, r.text
+    want_rows, want_scores = reference(phi.astype(np.float64), await projection(c, test),
+                                       "trak", 4)
+    assert r.json()["ids"] == [[f"r{i}" for i in row] for row in want_rows]
+    np.testing.assert_allclose(r.json()["scores"], want_scores, rtol=1e-4,
+                               atol=1e-5 * np.abs(want_scores).max())
+
+    async def refused(status: int, words: str, **body: Any) -> None:
+        sent = {"rows": phi[:2].tolist(), "ids": ["n0", "n1"], **body}
+        if isinstance(sent["rows"], np.ndarray):
+            r = await c.post("/stores/imp/rows", content=fields_to_safetensors(sent, REQUEST_KEY),
+                             headers={**ALICE, "content-type": SAFETENSORS})
+        else:
+            r = await c.post("/stores/imp/rows", headers=ALICE, json=sent)
+        assert r.status_code == status and words in r.text, r.text
+        assert (await c.get("/stores/imp", headers=ALICE)).json()["samples"] == 12
+
+    await refused(422, "[n, 64]", rows=phi[:2, :10].tolist())
+    await refused(422, "not finite", rows=np.where(np.eye(2, DIM) > 0, np.nan, phi[:2]
+                                                   ).astype(np.float32))
+    await refused(422, "repeats", ids=["n0", "n0"])
+    await refused(409, "already holds", ids=["n0", "r3"])
+    await refused(422, "float64", rows=phi[:2].astype(np.float64))
+    await refused(422, "takes 'rows' and 'ids' only", targets=[0, 1])
+    await refused(409, "projection_dim", projection_dim=8)
+    error(await c.post("/stores/nope/rows", headers=ALICE, json={"rows": [[0.0]], "ids": [1]}),
+          404, "not_found")
+
+
 async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
         service: tuple[httpx.AsyncClient, Path]) -> None:
     """A store made before the default kind's numbers changed (its record has no
@@ -335,7 +388,7 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await query({"score": "self_influence", **batch(1, 1)}), 422, "invalid_input",
           "no samples")
     error(await query({"score": "dot"}), 422, "invalid_input", "test samples")
-    error(await query({"sketches": [[0.0] * 8]}), 422, "invalid_input", "[queries, 16]")
+    error(await query({"sketches": [[0.0] * 8]}), 422, "invalid_input", "[n, 16]")
     error(await query({"sketches": [[0.0] * 16], "projection_dim": 8}), 409, "conflict",
           "projection_dim")
     error(await query({"sketches": [[0.0] * 16], "projection_kind": "kronecker"}), 409,

@@ -137,3 +137,26 @@ def test_a_store_of_full_gradients_from_the_sdk(transport: httpx.BaseTransport) 
         rows, scores = reference(flat(x, y), flat(tx, ty), "cosine", 4)
         assert np.asarray(found.ids).tolist() == rows.tolist()
         np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-6)
+
+
+def test_rows_imported_from_the_sdk_resume_and_rank_as_samples(
+        transport: httpx.BaseTransport) -> None:
+    """``store.add_rows``: the sketches a caller kept, sent in batches in the store's dtype,
+    skipping held ids on a second run; the store ranks as one filled by ``add``."""
+    with psgrad.Client(base_url="http://app", transport=transport) as client:
+        x, y = data(30, 6)
+        made = client.stores.create("made", "mlp", projection_dim=DIM, dtype="float16")
+        made.add(x, y, ids=np.arange(30), batch_size=16)
+        kept = client.stores.create("kept", "mlp", projection_dim=DIM, dtype="float16")
+        phi = sketches(client, x, y)
+        first = kept.add_rows(phi[:20], ids=np.arange(20), batch_size=8)
+        assert (first["added"], first["samples"]) == (20, 20)
+        again = kept.add_rows(phi, ids=np.arange(30), batch_size=8, progress=True)
+        assert (again["added"], again["skipped"], again["samples"]) == (10, 20, 30)
+        tx, ty = data(3, 7)
+        for store in (made, kept):
+            found = store.query(tx, ty, k=5, score="dot")
+            rows, scores = reference(phi.astype(np.float16).astype(np.float64),
+                                     sketches(client, tx, ty), "dot", 5)
+            assert np.asarray(found.ids).tolist() == rows.tolist(), store.id
+            np.testing.assert_allclose(found.scores, scores, rtol=2e-3, atol=1e-4)

@@ -49,6 +49,7 @@ StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"patt
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
 SAMPLES_EXTRA = frozenset({"ids"})
 QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches"})
+ROWS_EXTRA = frozenset({"rows", "ids"})
 
 
 StoreBody = create_model(  # loss, params and the projection: the request contract's fields
@@ -80,6 +81,14 @@ SamplesBody = create_model(
     **contract_fields("inputs", required=("inputs",)),
     ids=(list[int | str], Field(min_length=1, description="one per sample: integers or strings "
                                 "of 1 to 128 printable characters, new to the store")),
+)
+RowsBody = create_model(
+    "RowsBody",
+    __base__=_Batch,
+    rows=(Tensor, Field(description="[n, projection_dim] in the store's dtype: sketches made "
+                        "with the store's definition, or a store of full gradients' flattened "
+                        "gradients")),
+    ids=(list[int | str], Field(min_length=1, description="one per row, new to the store")),
 )
 QueryBody = create_model(
     "QueryBody",
@@ -227,6 +236,53 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
     return await run_in_threadpool(keep)
 
 
+@router.post("/{store_id}/rows",
+             openapi_extra=_body(RowsBody, "'rows' [n, projection_dim] and 'ids', one per row"),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 507),
+             summary="Import rows made elsewhere under the caller's ids (all or nothing)")
+async def import_rows(store_id: StoreId, request: Request, state: StateDep,
+                      scope: ScopeDep) -> dict[str, Any]:
+    """Bulk import: rows a caller already has (the ``projection`` output for the store's
+    fields, kept elsewhere), committed whole as an append is, with nothing computed, so a
+    store fills at disk speed. The whole batch is refused, nothing written, for a shape other
+    than ``[n, projection_dim]``, a value that is not finite, a tensor of another dtype than
+    the store's (safetensors), an id repeated or already held (409)."""
+    fields = await decode_request(request, state.settings, one_job=False, extra=ROWS_EXTRA,
+                                  need_model=False)
+    key, what = _key(scope, store_id), f"POST /stores/{store_id}/rows"
+    raw_rows, raw_ids = fields.pop("rows", None), fields.pop("ids", None)
+
+    def check() -> tuple[StoreSpec, np.ndarray, list[int | str], str]:
+        spec = _spec(state, key, store_id)
+        spec.check_version()
+        rest = check_batch(spec, fields, what)
+        batch = sorted(k for k, v in rest.items() if v is not None and k != "model")
+        if batch:
+            raise InvalidInput(f"{what} takes 'rows' and 'ids' only: {', '.join(batch)} make "
+                               f"a batch, whose rows POST /stores/{store_id}/samples computes")
+        if raw_rows is None:
+            raise InvalidInput(f"{what} needs 'rows' [n, {spec.projection_dim}] and 'ids'")
+        if isinstance(raw_rows, np.ndarray) and raw_rows.dtype != np.dtype(spec.dtype):
+            raise InvalidInput(f"'rows' is {raw_rows.dtype}; store '{store_id}' keeps "
+                               f"{spec.dtype}: send {spec.dtype} rows", dtype=str(raw_rows.dtype),
+                               store_dtype=spec.dtype)
+        rows = _given_rows(raw_rows, spec, state.settings.max_elements, "rows")
+        ids, kind = checked_ids(raw_ids, len(rows))
+        files = state.storage.gradients
+        refuse_duplicates(spec.id, files.ids(key, files.manifest(key)), ids)
+        return spec, rows, ids, kind
+
+    listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids
+    await conform(RowsBody, {**fields, "rows": raw_rows, "ids": listed}, check)
+    spec, rows, ids, kind = await run_in_threadpool(check)
+
+    def keep() -> dict[str, Any]:
+        manifest = state.storage.gradients.append(key, spec, ids, kind, rows)
+        return {**_doc(spec, manifest), "added": len(ids)}
+
+    return await run_in_threadpool(keep)
+
+
 class LookupBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ids: list[int | str] = Field(description="sample ids to look for")
@@ -304,7 +360,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         if given is not None:
             if batch:
                 raise InvalidInput("send test samples (inputs, ...) or their 'sketches', not both")
-            return spec, None, _query_sketches(given, spec, state.settings.max_elements)
+            return spec, None, _given_rows(given, spec, state.settings.max_elements,
+                                           "sketches")
         if not batch:
             raise InvalidInput(f"score '{score}' needs test samples (inputs, targets, ...) or "
                                f"their 'sketches' [queries, {spec.projection_dim}]")
@@ -329,13 +386,17 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     return await run_in_threadpool(run)
 
 
-def _query_sketches(raw: Any, spec: StoreSpec, max_elements: int) -> np.ndarray:
+def _given_rows(raw: Any, spec: StoreSpec, max_elements: int, name: str) -> np.ndarray:
+    """Rows a body sends (a query's ``sketches``, an import's ``rows``) as float64 ``[n,
+    projection_dim]``, every value finite."""
     arr = raw if isinstance(raw, np.ndarray) else array_from_json(
-        raw, name="sketches", max_elements=max_elements)
+        raw, name=name, max_elements=max_elements)
     arr = np.asarray(arr, dtype=np.float64)
     if arr.ndim != 2 or arr.shape[1] != spec.projection_dim or not len(arr):
-        raise InvalidInput(f"'sketches' has shape {list(arr.shape)}; expected [queries, "
-                           f"{spec.projection_dim}] (made with the store's projection)")
+        raise InvalidInput(f"'{name}' has shape {list(arr.shape)}; expected [n, "
+                           f"{spec.projection_dim}] (made with the store's "
+                           f"{'gradients, flattened' if spec.exact else 'projection'})",
+                           shape=list(arr.shape), projection_dim=spec.projection_dim)
     if not np.isfinite(arr).all():
-        raise InvalidInput("'sketches' holds values that are not finite")
+        raise InvalidInput(f"'{name}' holds values that are not finite")
     return arr
