@@ -33,6 +33,8 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", help="the loss (default: the model's; margin for TRAK)")
     p.add_argument("--params", help="comma-separated parameter names")
     p.add_argument("--dtype", choices=["float32", "float16"], help="how rows are kept")
+    p.add_argument("--index", help="a FAISS factory string (IVF1024,Flat, ...): an approximate "
+                   "index for dot and trak queries")
     p.set_defaults(func=_create)
     p = ssub.add_parser("add", parents=[conn], help="add samples, or import rows (skips ids "
                                                     "already held)")
@@ -60,6 +62,8 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
                    choices=["trak", "dot", "cosine", "self_influence"])
     p.add_argument("--lambda", dest="lam", type=float, help="trak's lambda (default: "
                    "trace(Phi^T Phi) / k, no row counting for more than all the others)")
+    p.add_argument("--exact", action="store_true", help="score every row, not through the "
+                   "store's index")
     p.set_defaults(func=_query)
     for name, func, text in (("show", _show, "describe a store (JSON)"),
                              ("delete", _delete, "delete a store")):
@@ -75,7 +79,7 @@ def _create(args: argparse.Namespace) -> int:
         store = client.stores.create(
             args.id, args.model, projection_dim=args.projection_dim, loss=args.loss,
             params=names(args.params), projection_seed=args.projection_seed,
-            projection_kind=args.projection_kind, dtype=args.dtype)
+            projection_kind=args.projection_kind, dtype=args.dtype, index=args.index)
     print(json.dumps(store.info))
     return 0
 
@@ -119,9 +123,10 @@ def _query(args: argparse.Namespace) -> int:
     with client_of(args) as client:
         found = client.stores.get(args.id).query(
             read(args.inputs, "inputs"), read(args.targets, "targets"),
-            sketches=read(args.sketches, "sketches"), k=args.k, score=args.score, lam=args.lam)
+            sketches=read(args.sketches, "sketches"), k=args.k, score=args.score, lam=args.lam,
+            exact=True if args.exact else None)
     print(json.dumps({"ids": found.ids.tolist(), "scores": found.scores.tolist(),
-                      "score": found.score, "lambda": found.lam}))
+                      "score": found.score, "lambda": found.lam, "exact": found.exact}))
     return 0
 
 

@@ -40,6 +40,7 @@ class QueryResult:
     scores: np.ndarray
     score: str
     lam: float | None = None  # the lambda of a ``trak`` query
+    exact: bool = True  # False: ranked among the store's index's candidates
 
 
 def _path(store_id: str, tail: str = "") -> str:
@@ -52,7 +53,7 @@ _doc = json_doc
 def _result(response: httpx.Response) -> QueryResult:
     doc = response.json()
     return QueryResult(np.asarray(doc["ids"]), np.asarray(doc["scores"], dtype=np.float64),
-                       doc["score"], doc.get("lambda"))
+                       doc["score"], doc.get("lambda"), bool(doc.get("exact", True)))
 
 
 def _binary(path: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
@@ -66,11 +67,12 @@ class _Calls:
     @staticmethod
     def create(store_id: str, model: str, projection_dim: int | None, loss: str | None,
                params: Sequence[str] | None, projection_seed: int | None,
-               projection_kind: str | None, dtype: str | None) -> Call[dict[str, Any]]:
+               projection_kind: str | None, dtype: str | None,
+               index: str | None) -> Call[dict[str, Any]]:
         body = {"model": model, "projection_dim": projection_dim, "loss": loss,
                 "params": None if params is None else list(params),
                 "projection_seed": projection_seed, "projection_kind": projection_kind,
-                "dtype": dtype}
+                "dtype": dtype, "index": index}
         return Call("PUT", _path(store_id), _doc, json={k: v for k, v in body.items()
                                                          if v is not None})
 
@@ -145,10 +147,12 @@ def _sample_fields(model: str, x: Any, y: Any, ids: list[Any], keep: list[bool])
 
 
 def _query_fields(model: str, x: Any, y: Any, sketches: Any, k: int, score: str,
-                  lam: float | None) -> dict[str, Any]:
+                  lam: float | None, exact: bool | None) -> dict[str, Any]:
     fields: dict[str, Any] = {"k": k, "score": score}
     if lam is not None:
         fields["lambda"] = float(lam)
+    if exact is not None:
+        fields["exact"] = bool(exact)
     if sketches is not None:
         fields["sketches"] = to_numpy(sketches, "sketches").astype(np.float32)
     elif x is not None:
@@ -197,8 +201,8 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
 
 
 def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
-              lam: float | None) -> Generator[Step, Any, QueryResult]:
-    fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam)
+              lam: float | None, exact: bool | None) -> Generator[Step, Any, QueryResult]:
+    fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam, exact)
     if "inputs" in fields:
         fields = yield "prepare", fields
     result: QueryResult = yield "call", _Calls.query(store.id, fields)
@@ -260,11 +264,14 @@ class Store(_Handle):
         return added
 
     def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
-              k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:
+              k: int = 10, score: str = "trak", lam: float | None = None,
+              exact: bool | None = None) -> QueryResult:
         """The top ``k`` training samples of each test sample (or of each sketch), best first;
-        ``score`` ``self_influence`` takes no samples and ranks the store itself."""
+        ``score`` ``self_influence`` takes no samples and ranks the store itself. A store with
+        an index answers ``dot`` and ``trak`` through it (``result.exact`` False) unless
+        ``exact=True``."""
         result: QueryResult = self._run(_querying(self, inputs, targets, sketches, k, score,
-                                                  lam))
+                                                  lam, exact))
         return result
 
     def delete(self) -> dict[str, Any]:
@@ -280,12 +287,13 @@ class Stores:
     def create(self, store_id: str, model: str, *, projection_dim: int | None = None,
                loss: str | None = None, params: Sequence[str] | None = None,
                projection_seed: int | None = None, projection_kind: str | None = None,
-               dtype: str | None = None) -> Store:
+               dtype: str | None = None, index: str | None = None) -> Store:
         """Define a store (or find the same definition already made) and return its handle:
         rows of ``projection_dim`` k (sketches), or without it each sample's full gradient
-        (models of at most 8192 selected values)."""
+        (models of at most 8192 selected values). ``index``: a FAISS factory string (such as
+        ``"IVF1024,Flat"``) for an approximate index of ``dot`` and ``trak`` queries."""
         call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
-                             projection_kind, dtype)
+                             projection_kind, dtype, index)
         return Store(self._client, self._client._call(call))
 
     def get(self, store_id: str) -> Store:
@@ -332,10 +340,11 @@ class AsyncStore(_Handle):
         return added
 
     async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
-                    k: int = 10, score: str = "trak", lam: float | None = None) -> QueryResult:
+                    k: int = 10, score: str = "trak", lam: float | None = None,
+                    exact: bool | None = None) -> QueryResult:
         """See ``Store.query``."""
         result: QueryResult = await self._run(_querying(self, inputs, targets, sketches, k,
-                                                        score, lam))
+                                                        score, lam, exact))
         return result
 
     async def delete(self) -> dict[str, Any]:
@@ -351,10 +360,10 @@ class AsyncStores:
     async def create(self, store_id: str, model: str, *, projection_dim: int | None = None,
                      loss: str | None = None, params: Sequence[str] | None = None,
                      projection_seed: int | None = None, projection_kind: str | None = None,
-                     dtype: str | None = None) -> AsyncStore:
+                     dtype: str | None = None, index: str | None = None) -> AsyncStore:
         """See ``Stores.create``."""
         call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
-                             projection_kind, dtype)
+                             projection_kind, dtype, index)
         return AsyncStore(self._client, await self._client._call(call))
 
     async def get(self, store_id: str) -> AsyncStore:

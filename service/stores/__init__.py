@@ -9,7 +9,8 @@ influential samples of a test batch (``/stores``; docs/attribution.md).
   lease shared by api replicas);
 - :mod:`service.stores.query`: the streamed top-k (``dot``, ``cosine``, ``trak``,
   ``self_influence``);
-- :mod:`service.stores.requests`: bodies to specs and to the projection jobs that sketch a batch.
+- :mod:`service.stores.index`: a store's FAISS index, kept per commit, for approximate top-k;
+- :mod:`service.stores.requests`: bodies to specs and to the jobs that compute a batch's rows.
 """
 
 from __future__ import annotations

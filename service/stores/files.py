@@ -9,11 +9,14 @@ Under the data directory (a local path or any fsspec URL: ``s3://bucket/psgrad``
                                             (a JSON list: the caller's sample ids)
     stores/<key>/gram-<seq>.safetensors     ``gram`` [k, k] float64: Phi^T Phi of every
                                             committed row (TRAK's preconditioner)
+    stores/<key>/index-<seq>.faiss          a store made with ``index``: its FAISS index of
+                                            every committed row (:mod:`service.stores.index`)
 
 An append is staged, then committed. :meth:`StoreFiles.stage` writes the batch's shards (at most
 ``PSGRAD_STORE_SHARD_BYTES`` of rows each) under fresh names that no manifest lists yet.
 :meth:`StoreFiles.commit`, under the store's lock, checks the ids against the committed ones,
-writes the new Gram matrix (the old one plus the batch's, in float64) and then the new manifest:
+writes the new Gram matrix (the old one plus the batch's, in float64) and index (the old one
+with the batch's rows added), then the new manifest:
 a whole file written beside it and renamed over it (one object PUT on an object store), the one
 step that makes the batch visible. A process that dies before the rename leaves only files no
 manifest names (ignored, removed with the store); a reader holding the previous manifest keeps
@@ -44,6 +47,7 @@ from safetensors.numpy import save as st_save
 from psgrad._errors import Conflict, InsufficientStorage, InvalidInput, NonFinite, NotFound
 from service.disk import unwritable
 from service.lru import LockedLRU
+from service.stores import index as index_file
 from service.stores.locks import Locks
 from service.stores.spec import StoreSpec
 
@@ -75,6 +79,7 @@ class Manifest:
     gram: str | None = None
     id_kind: str | None = None  # "int" or "str", fixed by the first batch
     epoch: str = ""  # drawn when the store is made: a store made again under its id is another
+    index: str | None = None  # the index file (a store made with one, once trained)
 
     @property
     def count(self) -> int:
@@ -86,13 +91,14 @@ class Manifest:
 
     def to_json(self) -> bytes:
         return json.dumps({"seq": self.seq, "gram": self.gram, "id_kind": self.id_kind,
-                           "epoch": self.epoch, "shards": [vars(s) for s in self.shards]}).encode()
+                           "epoch": self.epoch, "index": self.index,
+                           "shards": [vars(s) for s in self.shards]}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         d = json.loads(raw)
         return cls(int(d["seq"]), tuple(Shard(**s) for s in d["shards"]), d["gram"],
-                   d["id_kind"], d["epoch"])
+                   d["id_kind"], d["epoch"], d.get("index"))
 
     @property
     def version(self) -> tuple[str, int]:
@@ -109,6 +115,7 @@ class Staged:
     ids: tuple[int | str, ...]
     id_kind: str
     gram: np.ndarray | None = field(repr=False)  # None: a store of full gradients keeps none
+    rows: np.ndarray | None = field(default=None, repr=False)  # for a store with an index
 
 
 class StoreFiles:
@@ -234,7 +241,8 @@ class StoreFiles:
         except BaseException:
             self.discard(Staged(key, tuple(shards), (), id_kind, gram))
             raise
-        return Staged(key, tuple(shards), tuple(ids), id_kind, gram)
+        return Staged(key, tuple(shards), tuple(ids), id_kind, gram,
+                      rows if spec.index is not None else None)
 
     def discard(self, staged: Staged) -> None:
         """Remove a staged batch's shards, best effort: on a disk that just turned read-only
@@ -265,22 +273,40 @@ class StoreFiles:
                 seq = old.seq + 1
                 total = (None if staged.gram is None else
                          staged.gram if gram is None else gram + staged.gram)
+                built = self._indexed(key, spec, old, staged)
                 new = Manifest(seq, old.shards + staged.shards,
                                f"gram-{seq}.safetensors" if total is not None else None,
-                               staged.id_kind if old.count == 0 else old.id_kind, old.epoch)
+                               staged.id_kind if old.count == 0 else old.id_kind, old.epoch,
+                               f"index-{seq}.faiss" if built is not None else None)
                 if total is not None:
                     self._write(self.path(key, new.gram or ""), *raw_safetensors("gram", total))
+                if built is not None:
+                    self._write(self.path(key, new.index or ""), index_file.to_bytes(built))
                 self._write(self.path(key, MANIFEST), new.to_json())  # the commit
                 committed.update(staged.ids)  # in place: a copy would cost O(store)
                 self._remember("ids", key, new.version, committed)
                 if total is not None:
                     self._remember("gram", key, new.version, total)
+                if built is not None:
+                    self._remember("index", key, new.version, built)
         except BaseException:
             self.discard(staged)
             raise
         if seq > GRAM_KEEP:
             self._rm(self.path(key, f"gram-{seq - GRAM_KEEP}.safetensors"))
+            self._rm(self.path(key, f"index-{seq - GRAM_KEEP}.faiss"))
         return new
+
+    def _indexed(self, key: str, spec: StoreSpec, old: Manifest, staged: Staged) -> Any:
+        """The index of the store with ``staged`` committed (None: the store has none, or too
+        few rows to train one yet)."""
+        if spec.index is None or staged.rows is None:
+            return None
+        if old.index is not None:
+            return index_file.extended(self.index(key, old), spec.index, spec.projection_dim,
+                                       staged.rows, None)
+        every = np.concatenate([*(rows for _, rows, _ in self.rows(key, old)), staged.rows])
+        return index_file.extended(None, spec.index, spec.projection_dim, staged.rows, every)
 
     def append(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
                sketches: np.ndarray) -> Manifest:
@@ -328,7 +354,7 @@ class StoreFiles:
         with self._guard:
             self._memo.pop((what, key), None)
             self._memo[(what, key)] = (version, value)
-            while len(self._memo) > 3 * MEMO_STORES:  # ids, Gram, trak's factor
+            while len(self._memo) > 4 * MEMO_STORES:  # ids, Gram, trak's factor, index
                 del self._memo[next(iter(self._memo))]
 
     def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:
@@ -347,14 +373,45 @@ class StoreFiles:
         found: np.ndarray = self.kept("gram", key, manifest, read)
         return found
 
-    def rows(self, key: str, manifest: Manifest) -> Iterator[tuple[int, np.ndarray,
-                                                                  np.ndarray]]:
+    def index(self, key: str, manifest: Manifest) -> Any:
+        """The FAISS index ``manifest`` commits (None where it has none; do not modify)."""
+        if manifest.index is None:
+            return None
+        name = manifest.index
+
+        def read() -> Any:
+            raw = self._read(self.path(key, name))
+            if raw is None:
+                raise FileNotFoundError(name)  # replaced since: the caller reads again
+            return index_file.from_bytes(raw)
+
+        return self.kept("index", key, manifest, read)
+
+    def rows_at(self, key: str, manifest: Manifest, wanted: np.ndarray) -> np.ndarray:
+        """The rows of global row numbers ``wanted`` (sorted, unique), ``[n, k]`` float64,
+        reading only the shards that hold them."""
+        out = np.empty((len(wanted), 0))
+        starts = np.cumsum([0] + [s.rows for s in manifest.shards])
+        for offset, sketches, _ in self.rows(key, manifest, np.searchsorted(
+                starts, wanted, side="right") - 1):
+            mine = (wanted >= offset) & (wanted < offset + len(sketches))
+            if not out.shape[1]:
+                out = np.empty((len(wanted), sketches.shape[1]))
+            out[mine] = sketches[wanted[mine] - offset]
+        return out
+
+    def rows(self, key: str, manifest: Manifest, only: np.ndarray | None = None
+             ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """``(offset, sketches, norms)`` of each shard in order, one shard in memory at a time:
         a local file is mapped (its pages come from the page cache, no copy), any other is read
         into one buffer reused for every shard (fresh memory for each would fault its pages
-        in again)."""
+        in again). ``only``: the shards' positions to read (the others are skipped)."""
         offset, buffer = 0, bytearray()
-        for shard in manifest.shards:
+        chosen = None if only is None else set(np.asarray(only).tolist())
+        for number, shard in enumerate(manifest.shards):
+            if chosen is not None and number not in chosen:
+                offset += shard.rows
+                continue
             path = self.path(key, shard.file)
             try:
                 with self.fs.open(path, "rb") as f:

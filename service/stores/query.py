@@ -31,6 +31,7 @@ from scipy.linalg import cho_factor, cho_solve
 
 from psgrad._errors import Conflict, InvalidInput
 from service.stores.files import Manifest, StoreFiles
+from service.stores.index import INDEXED, candidates
 from service.stores.spec import MAX_EXACT_WIDTH
 
 Score = Literal["dot", "cosine", "trak", "self_influence"]
@@ -47,6 +48,7 @@ class Found:
     rows: np.ndarray
     scores: np.ndarray
     lam: float | None = None  # the lambda of a trak query
+    exact: bool = True  # every row scored (False: the index's candidates, ranked exactly)
 
 
 def check_score(score: object) -> str:
@@ -243,13 +245,14 @@ def _apart(files: StoreFiles, key: str, manifest: Manifest, row: int, k: int
 
 
 def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | None, k: int,
-           score: str, lam: float | None = None) -> Found:
-    """The best ``k`` rows of each query over what the store has committed now."""
+           score: str, lam: float | None = None, exact: bool | None = None) -> Found:
+    """The best ``k`` rows of each query over what the store has committed now: through its
+    index where it has one and the score allows, unless ``exact``."""
     for attempt in range(3):
         manifest = files.manifest(key)
         check_k(manifest, k, store_id)
         try:
-            return _search(files, key, manifest, sketches, k, score, lam)
+            return _search(files, key, manifest, sketches, k, score, lam, exact is not True)
         except FileNotFoundError:  # its Gram file was replaced meanwhile: read the new state
             if attempt == 2:
                 raise
@@ -257,7 +260,7 @@ def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | No
 
 
 def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarray | None,
-            k: int, score: str, lam: float | None) -> Found:
+            k: int, score: str, lam: float | None, approximate: bool) -> Found:
     best = Best(1 if sketches is None else len(sketches), k)
     if score == "self_influence":
         for offset, norms in files.norms(key, manifest):
@@ -276,7 +279,17 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
         q, own = trak_solver(files, key, manifest, gram_of(files, key, manifest, width),
                              largest, lam).solve(q)
         apart = None if own is None else (largest.row, own)
-    elif score == "cosine":
+    if approximate and manifest.index is not None and score in INDEXED and apart is None:
+        rows = candidates(files.index(key, manifest), q, k)
+        if ((rows >= 0).sum(axis=1) >= k).all():  # else a query found too few: scan
+            wanted = np.unique(rows[rows >= 0])
+            found = files.rows_at(key, manifest, wanted)  # their exact scores, in float64
+            at = np.searchsorted(wanted, np.maximum(rows, 0))
+            scores = np.stack([found[a] @ one for a, one in zip(at, q, strict=True)])
+            best.add_rows(np.where(rows >= 0, scores, -np.inf), rows)
+            return Found(manifest, *best.result(), lam=lam if score == "trak" else None,
+                         exact=False)
+    if score == "cosine":
         size = np.linalg.norm(q, axis=1, keepdims=True)
         q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)
     # each query scaled by a power of two (exact) to entries in [0.5, 1): in float32 it neither
@@ -305,7 +318,11 @@ class Best:
         self.rows = np.empty((queries, 0), np.int64)
 
     def add(self, scores: np.ndarray, offset: int) -> None:
-        rows = np.broadcast_to(np.arange(offset, offset + scores.shape[1]), scores.shape)
+        self.add_rows(scores, np.broadcast_to(np.arange(offset, offset + scores.shape[1]),
+                                              scores.shape))
+
+    def add_rows(self, scores: np.ndarray, rows: np.ndarray) -> None:
+        """Scores ``[queries, n]`` of the rows numbered ``rows`` (the same shape)."""
         scores, rows = _best(scores, rows, self.k)
         self.scores, self.rows = _best(np.concatenate([self.scores, scores], 1),
                                        np.concatenate([self.rows, rows], 1), self.k)

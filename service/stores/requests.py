@@ -17,12 +17,13 @@ from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.attribution import projection_of
 from service.reference_sets import checked_id
 from service.registry import ModelRegistry
+from service.stores.index import check_factory
 from service.stores.spec import EXACT, MAX_EXACT_WIDTH, StoreSpec, check_dtype
 from service.strategies.projection import VERSIONS
 from service.validate import check_options
 
 SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
-               "projection_kind", "dtype")
+               "projection_kind", "dtype", "index")
 BATCH_FIELDS = (*SAMPLE_FIELDS, "model", "verify", "verify_seed")
 FIXED_FIELDS = ("loss", "params", "projection_dim", "projection_seed", "projection_kind")
 
@@ -53,10 +54,12 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
             f"{model.ref}'s selected parameters hold {width}: send 'projection_dim' (a sketch "
             f"of k values, up to {MAX_EXACT_WIDTH}), or select fewer 'params'",
             width=width, limit=MAX_EXACT_WIDTH)
+    factory = body.get("index")
     return StoreSpec(id=store_id, model=model.ref, loss=opts.loss, params=opts.params,
                      projection_dim=width, projection_seed=seed, projection_kind=kind,
                      dtype=check_dtype(body.get("dtype")), tenant=tenant,
-                     projection_version=VERSIONS.get(kind, 1), shapes=shapes)
+                     projection_version=VERSIONS.get(kind, 1), shapes=shapes,
+                     index=None if factory is None else check_factory(factory, width))
 
 
 def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:

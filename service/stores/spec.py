@@ -52,6 +52,7 @@ class StoreSpec:
     # reference sets became stores; empty in a store made before)
     # the definition of the kind's numbers (``VERSIONS``); 1 in records made before versions
     projection_version: int = 1
+    index: str | None = None  # a FAISS factory string: the store keeps an approximate index
 
     @property
     def exact(self) -> bool:

@@ -293,6 +293,38 @@ async def test_rows_imported_are_kept_as_sent_and_bad_ones_refused_whole(
           404, "not_found")
 
 
+async def test_a_store_with_an_index_answers_through_it_and_says_so(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """``index`` at PUT: a FAISS factory string (a bad one is a 422 with FAISS's reason);
+    queries answer ``exact`` false through the index (the same top k here: every list is
+    searched), true when asked or for cosine; the store's GET says ``indexed``."""
+    c, _ = service
+    bad = await c.put("/stores/ix", headers=ALICE, json={"model": "att", "projection_dim": DIM,
+                                                         "index": "IVF,Nope"})
+    error(bad, 422, "invalid_input", "FAISS")
+    r = await c.put("/stores/ix", headers=ALICE, json={
+        "model": "att", "projection_dim": DIM, "projection_seed": SEED, "index": "IVF2,Flat"})
+    assert r.status_code == 201 and r.json()["index"] == "IVF2,Flat", r.text
+    assert r.json()["indexed"] is False
+    train = batch(80, 31)  # more rows than k: trak through its factor, not the rows' kernel
+    r = await c.post("/stores/ix/samples", headers=ALICE, json={**train, "ids": list(range(80))})
+    assert r.status_code == 200 and r.json()["indexed"] is True, r.text
+    phi = await projection(c, train)
+    test = batch(2, 32)
+    q = await projection(c, test)
+    for score, exact, said in (("dot", None, False), ("dot", True, True),
+                               ("trak", False, False), ("cosine", None, True)):
+        body = {"k": 5, "score": score, **test, **({} if exact is None else {"exact": exact})}
+        r = await c.post("/stores/ix/query", headers=ALICE, json=body)
+        assert r.status_code == 200 and r.json()["exact"] is said, (score, r.text)
+        want_rows, want_scores = reference(phi, q, score, 5)
+        assert r.json()["ids"] == want_rows.tolist(), score
+        np.testing.assert_allclose(r.json()["scores"], want_scores, rtol=1e-4,
+                                   atol=1e-5 * np.abs(want_scores).max())
+    error(await c.post("/stores/ix/query", headers=ALICE, json={"k": 1, **test, "exact": "yes"}),
+          422, "invalid_input", "exact")
+
+
 async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
         service: tuple[httpx.AsyncClient, Path]) -> None:
     """A store made before the default kind's numbers changed (its record has no

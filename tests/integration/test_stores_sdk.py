@@ -154,7 +154,13 @@ def test_rows_imported_from_the_sdk_resume_and_rank_as_samples(
         again = kept.add_rows(phi, ids=np.arange(30), batch_size=8, progress=True)
         assert (again["added"], again["skipped"], again["samples"]) == (10, 20, 30)
         tx, ty = data(3, 7)
-        for store in (made, kept):
+        indexed = client.stores.create("indexed", "mlp", projection_dim=DIM, dtype="float16",
+                                       index="IVF2,Flat")
+        indexed.add_rows(phi, ids=np.arange(30))
+        assert indexed.info["indexed"] and indexed.info["index"] == "IVF2,Flat"
+        assert not indexed.query(tx, ty, k=5, score="dot").exact
+        assert indexed.query(tx, ty, k=5, score="dot", exact=True).exact
+        for store in (made, kept, indexed):
             found = store.query(tx, ty, k=5, score="dot")
             rows, scores = reference(phi.astype(np.float16).astype(np.float64),
                                      sketches(client, tx, ty), "dot", 5)

@@ -544,3 +544,38 @@ def test_trak_on_full_gradients_sums_the_gram_once_and_refuses_one_too_wide(
     store.append("s", exact, [40], "int", phi[:1])  # a new state: the Gram is summed again
     with pytest.raises(InvalidInput, match="'dot' or 'cosine'"):
         search(store, "s", "s", q, 5, "trak")
+
+
+def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(tmp_path: Path) -> None:
+    """A store with an IVF index: none while too few rows train it (queries scan), then one
+    per commit holding every row (read back by another process's StoreFiles), searched in all
+    its lists so that the top k of dot and trak equal the exact scan's; cosine scans."""
+    indexed = StoreSpec(id="s", model="mlp@abc", loss="cross_entropy", params=("w",),
+                        projection_dim=K, projection_seed=0, projection_kind="kronecker",
+                        dtype="float32", index="IVF4,Flat")
+    store = files(tmp_path)
+    store.create("s", indexed)
+    rng = np.random.default_rng(9)
+    phi = rng.standard_normal((150, K)).astype(np.float32)
+    q = rng.standard_normal((3, K))
+    store.append("s", indexed, [0, 1, 2], "int", phi[:3])  # 3 rows cannot train 4 lists
+    assert store.manifest("s").index is None
+    assert search(store, "s", "s", q, 2, "dot").exact
+    for a, b in ((3, 100), (100, 150)):
+        store.append("s", indexed, list(range(a, b)), "int", phi[a:b])
+        manifest = store.manifest("s")
+        assert manifest.index == f"index-{manifest.seq}.faiss"
+        assert store.index("s", manifest).ntotal == b
+    again = files(tmp_path)  # another process: the index from its file
+    for score in ("dot", "trak"):
+        for k in (1, 10, 40):
+            found = search(again, "s", "s", q, k, score)
+            want_rows, want_scores = reference(phi.astype(np.float64), q, score, k)
+            assert not found.exact
+            np.testing.assert_array_equal(found.rows, want_rows)
+            np.testing.assert_allclose(found.scores, want_scores, rtol=1e-5, atol=1e-6)
+            assert search(again, "s", "s", q, k, score, exact=True).exact
+    assert search(again, "s", "s", q, 5, "cosine").exact
+    assert (tmp_path / "data" / "stores" / "s" / "index-3.faiss").exists()
+    again.delete("s")
+    assert not (tmp_path / "data" / "stores" / "s").exists()

@@ -48,7 +48,7 @@ from service.validate import parse_request
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
 SAMPLES_EXTRA = frozenset({"ids"})
-QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches"})
+QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches", "exact"})
 ROWS_EXTRA = frozenset({"rows", "ids"})
 
 
@@ -59,6 +59,9 @@ StoreBody = create_model(  # loss, params and the projection: the request contra
                       "the version")),
     **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind"),
     dtype=(Dtype, Field("float32", description="how rows are kept")),
+    index=(str | None, Field(None, description="a FAISS factory string (\"IVF1024,Flat\", "
+                             "\"IVF4096,PQ64\", \"HNSW32\"): an approximate index for dot and "
+                             "trak queries, kept as rows are committed")),
 )
 
 
@@ -100,6 +103,8 @@ QueryBody = create_model(
                                  "than all the others together")),
     sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch (a "
                                    "store of full gradients: the flattened gradients)")),
+    exact=(bool | None, Field(None, description="true: score every row; default: through the "
+                              "store's index where it has one (dot, trak)")),
 )
 
 
@@ -122,7 +127,8 @@ def _doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
     """``GET /stores/{id}``: the definition and what is committed."""
     return {**spec.doc(), "samples": manifest.count, "bytes": manifest.nbytes,
             "shards": len(manifest.shards), "commits": manifest.seq,
-            "state": "ready" if manifest.count else "empty"}
+            "state": "ready" if manifest.count else "empty",
+            "indexed": manifest.index is not None}
 
 
 def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
@@ -339,10 +345,14 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     score = fields.pop("score", "dot")
     lam = fields.pop("lambda", None)
     given = fields.pop("sketches", None)
+    exact = fields.pop("exact", None)
 
     def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
         nonlocal k, score, lam
         k, score = positive_int(k, "k"), check_score(score)
+        if exact is not None and not isinstance(exact, bool):
+            raise InvalidInput("'exact' is true (score every row) or false (the store's index, "
+                               "where it has one)")
         if lam is not None:
             if score != "trak":
                 raise InvalidInput("'lambda' is read by score 'trak' only")
@@ -375,10 +385,11 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         sketches = await _rows(state, tenant, spec, job)
 
     def run() -> dict[str, Any]:
-        found = search(state.storage.gradients, key, store_id, sketches, k, score, lam)
+        found = search(state.storage.gradients, key, store_id, sketches, k, score, lam, exact)
         out = {"ids": state.storage.gradients.id_at(key, found.manifest, found.rows),
                "scores": found.scores.tolist(), "score": score, "k": k,
-               "samples": found.manifest.count, "projection_kind": spec.projection_kind}
+               "samples": found.manifest.count, "projection_kind": spec.projection_kind,
+               "exact": found.exact}
         if found.lam is not None:
             out["lambda"] = found.lam
         return out
