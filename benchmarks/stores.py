@@ -5,6 +5,8 @@ over a large store against one in-process numpy pass over the same matrix.
                                 [--rows 1000000] [--dim 1024] [--queries 16] [--topk 10]
                                 [--skip-append] [--skip-query]
     python benchmarks/stores.py --trak-cost [--trak-dims 1024,4096,8192] [--rounds 3]
+    python benchmarks/stores.py --index [--rows 1000000] [--dim 1024] [--factory IVF1024,PQ64]
+                                [--queries 16] [--topk 10] [--rounds 20] [--batch 65536]
 
 **Append** (the embedded server in process, over httpx's ASGI transport, safetensors bodies
 both ways): each round times ``POST /per-sample-grads`` asking ``projection`` for a batch of
@@ -30,6 +32,17 @@ and 100 test samples sent as inputs, score ``dot`` and ``trak`` (default lambda)
 interleaved rounds, asking for the top 10 and for every sample (as benchmarks/lds.py does).
 Prints the first ``trak`` query after the commit (it factors), the medians of the later ones
 and of ``dot``, and their ratio (goal: 1.2 or less).
+
+**The index** (``--index``, alone): as a user fills and queries a large store, through the
+embedded app in process: two float16 stores of ``--dim`` (``mlp``; the model is not involved),
+one with ``--factory`` as its index and one without, filled side by side by bulk import
+(``POST /stores/{id}/rows``, ``--batch`` rows a request, safetensors) with the same ``--rows``
+rows, drawn from 4096 Gaussian clusters (sketches of a real training set have neighbours;
+uniform noise in 1024 dimensions has none an index could find). Prints each store's import rate,
+the index's cost (the difference), the process's peak resident memory while importing into the
+indexed store, recall@``--topk`` of the approximate answers against the exact scan of the same
+store, and the p50/p99 over ``--rounds`` of a ``dot`` query of ``--queries`` test rows (sent as
+``sketches``), exact and approximate, and of ``trak`` approximate.
 """
 
 from __future__ import annotations
@@ -243,6 +256,79 @@ async def bench_trak(rounds: int, dims: list[int]) -> None:
                 print(f"| {k} | {top} | {d:.3f} | {first:.3f} | {t:.3f} | {t / d:.2f} |")
 
 
+def clustered(rng: np.random.Generator, centers: np.ndarray, n: int) -> np.ndarray:
+    """``n`` rows near random ``centers`` (noise a quarter of a center's scale)."""
+    which = rng.integers(0, len(centers), n)
+    noise = rng.standard_normal((n, centers.shape[1]), dtype=np.float32) * 0.25
+    return (centers[which] + noise).astype(np.float16)
+
+
+async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int, rounds: int,
+                      batch: int) -> None:
+    import psutil
+
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((4096, dim), dtype=np.float32)
+    test = clustered(rng, centers, queries).astype(np.float32)
+    proc, peak = psutil.Process(), [0]
+    took: dict[str, float] = {"plain": 0.0, "indexed": 0.0}
+    async with embedded() as c:
+        for name, index in (("plain", None), ("indexed", factory)):
+            r = await c.put(f"/stores/{name}", json={"model": "mlp", "projection_dim": dim,
+                                                     "dtype": "float16", "index": index})
+            assert r.status_code == 201, r.text
+        base = proc.memory_info().rss
+        for a in range(0, rows, batch):
+            part = clustered(rng, centers, min(batch, rows - a))
+            body = fields_to_safetensors({"rows": part, "ids": np.arange(a, a + len(part))},
+                                         REQUEST_KEY)
+            for name in ("plain", "indexed"):
+                t = time.perf_counter()
+                r = await c.post(f"/stores/{name}/rows", content=body,
+                                 headers={"content-type": SAFETENSORS})
+                took[name] += time.perf_counter() - t
+                assert r.status_code == 200, r.text
+                peak[0] = max(peak[0], proc.memory_info().rss)
+        doc = (await c.get("/stores/indexed")).json()
+        assert doc["indexed"], doc
+
+        async def query(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+            content = fields_to_safetensors({"sketches": test, "k": topk, **body}, REQUEST_KEY)
+            t = time.perf_counter()
+            r = await c.post("/stores/indexed/query", content=content,
+                             headers={"content-type": SAFETENSORS})
+            assert r.status_code == 200, r.text
+            return time.perf_counter() - t, r.json()
+
+        times: dict[str, list[float]] = {"exact dot": [], "approximate dot": [],
+                                         "approximate trak": []}
+        recall = []
+        await query({"score": "trak"})  # the trak factor, once per commit
+        for _ in range(rounds):
+            t_exact, exact = await query({"score": "dot", "exact": True})
+            t_approx, approx = await query({"score": "dot"})
+            t_trak, _ = await query({"score": "trak"})
+            assert approx["exact"] is False and exact["exact"] is True
+            times["exact dot"].append(t_exact)
+            times["approximate dot"].append(t_approx)
+            times["approximate trak"].append(t_trak)
+            recall.append(np.mean([len(set(a) & set(e)) / topk for a, e in
+                                   zip(approx["ids"], exact["ids"], strict=True)]))
+    size = rows * dim * 2
+    print(f"\n### Index {factory}: {rows} rows x {dim} float16 ({size / 2**30:.2f} GiB), bulk "
+          f"import in requests of {batch} rows, {queries} queries, top {topk} (load {load()})\n")
+    print(f"import: plain store {rows / took['plain']:.0f} rows/s, indexed store "
+          f"{rows / took['indexed']:.0f} rows/s (the index's cost: "
+          f"{took['indexed'] - took['plain']:.1f} s); peak resident memory while importing "
+          f"{(peak[0] - base) / 2**30:.2f} GiB above the start")
+    print(f"recall@{topk} of the approximate answers against the exact scan: "
+          f"{statistics.mean(recall):.3f} (min {min(recall):.3f})\n")
+    print("| query | p50 ms | p99 ms |\n|---|---|---|")
+    for name, values in times.items():
+        ms = np.asarray(values) * 1e3
+        print(f"| {name} | {np.percentile(ms, 50):.1f} | {np.percentile(ms, 99):.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -256,7 +342,13 @@ def main() -> None:
     ap.add_argument("--skip-query", action="store_true")
     ap.add_argument("--trak-cost", action="store_true", help="only the trak / dot comparison")
     ap.add_argument("--trak-dims", default="1024,4096,8192")
+    ap.add_argument("--index", action="store_true", help="only the index's import and queries")
+    ap.add_argument("--factory", default="IVF1024,PQ64")
     args = ap.parse_args()
+    if args.index:
+        asyncio.run(bench_index(args.rows, args.dim, args.factory, args.queries, args.topk,
+                                max(args.rounds, 20), max(args.batch, 65536)))
+        return
     if args.trak_cost:
         asyncio.run(bench_trak(args.rounds, [int(d) for d in args.trak_dims.split(",")]))
         return
