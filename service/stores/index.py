@@ -27,7 +27,9 @@ from psgrad._errors import InvalidInput
 OVERFETCH = 4  # candidates per query: this many times k (at least k + MIN_EXTRA)
 MIN_EXTRA = 64
 PROBES = 64  # an IVF index's lists searched per query (nprobe), at most all of them
-TRAIN_ROWS = 256 * 1024  # rows an index is trained on, at most (drawn evenly from the store)
+TRAIN_ROWS = 65536  # rows an index is trained on, at most (evenly drawn): FAISS k-means
+# subsamples to 256 per centroid anyway, and training runs inside a commit (a minute at 65536
+# rows of IVF256,PQ32 on two cores)
 INDEXED = ("dot", "trak")  # the scores an inner-product index over the raw rows serves
 
 
