@@ -68,11 +68,12 @@ class _Calls:
     def create(store_id: str, model: str, projection_dim: int | None, loss: str | None,
                params: Sequence[str] | None, projection_seed: int | None,
                projection_kind: str | None, dtype: str | None,
-               index: str | None) -> Call[dict[str, Any]]:
+               index: str | None, checkpoints: Sequence[str] | None) -> Call[dict[str, Any]]:
         body = {"model": model, "projection_dim": projection_dim, "loss": loss,
                 "params": None if params is None else list(params),
                 "projection_seed": projection_seed, "projection_kind": projection_kind,
-                "dtype": dtype, "index": index}
+                "dtype": dtype, "index": index,
+                "checkpoints": None if checkpoints is None else list(checkpoints)}
         return Call("PUT", _path(store_id), _doc, json={k: v for k, v in body.items()
                                                          if v is not None})
 
@@ -287,13 +288,16 @@ class Stores:
     def create(self, store_id: str, model: str, *, projection_dim: int | None = None,
                loss: str | None = None, params: Sequence[str] | None = None,
                projection_seed: int | None = None, projection_kind: str | None = None,
-               dtype: str | None = None, index: str | None = None) -> Store:
+               dtype: str | None = None, index: str | None = None,
+               checkpoints: Sequence[str] | None = None) -> Store:
         """Define a store (or find the same definition already made) and return its handle:
         rows of ``projection_dim`` k (sketches), or without it each sample's full gradient
         (models of at most 8192 selected values). ``index``: a FAISS factory string (such as
-        ``"IVF1024,Flat"``) for an approximate index of ``dot`` and ``trak`` queries."""
+        ``"IVF1024,Flat"``) for an approximate index of ``dot`` and ``trak`` queries.
+        ``checkpoints``: versions of ``model`` (``id@version``), an ensemble whose scores are
+        the sums over them."""
         call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
-                             projection_kind, dtype, index)
+                             projection_kind, dtype, index, checkpoints)
         return Store(self._client, self._client._call(call))
 
     def get(self, store_id: str) -> Store:
@@ -360,10 +364,11 @@ class AsyncStores:
     async def create(self, store_id: str, model: str, *, projection_dim: int | None = None,
                      loss: str | None = None, params: Sequence[str] | None = None,
                      projection_seed: int | None = None, projection_kind: str | None = None,
-                     dtype: str | None = None, index: str | None = None) -> AsyncStore:
+                     dtype: str | None = None, index: str | None = None,
+                     checkpoints: Sequence[str] | None = None) -> AsyncStore:
         """See ``Stores.create``."""
         call = _Calls.create(store_id, model, projection_dim, loss, params, projection_seed,
-                             projection_kind, dtype, index)
+                             projection_kind, dtype, index, checkpoints)
         return AsyncStore(self._client, await self._client._call(call))
 
     async def get(self, store_id: str) -> AsyncStore:

@@ -182,7 +182,8 @@ class StoreFiles:
     def pinning(self, refs: set[str]) -> list[str]:
         """The stores (``<tenant>~<id>`` keys) whose pinned model version is one of ``refs``."""
         return [key for key in self.store_keys()
-                if (spec := self.spec(key)) is not None and spec.model in refs]
+                if (spec := self.spec(key)) is not None
+                and (spec.model in refs or refs & set(spec.checkpoints))]
 
     def manifest(self, key: str) -> Manifest:
         raw = self._read(self.path(key, MANIFEST))
@@ -479,6 +480,30 @@ def raw_safetensors(name: str, array: np.ndarray) -> tuple[bytes, memoryview]:
     return len(header).to_bytes(8, "little") + header, array.data.cast("B")
 
 
+def commit_all(files: StoreFiles, parts: Sequence[tuple[str, StoreSpec, np.ndarray]],
+               ids: list[int | str], id_kind: str) -> Manifest:
+    """Append one batch's rows to each store of ``parts`` (an ensemble's checkpoints: key,
+    definition, rows), all staged before any is committed, so that a batch refused by one
+    (its ids, its rows) is committed by none; answers the first's manifest."""
+    staged: list[Staged] = []
+    try:
+        for key, spec, rows in parts:
+            staged.append(files.stage(key, spec, ids, id_kind, rows))
+    except BaseException:
+        for one in staged:
+            files.discard(one)
+        raise
+    done = []
+    for i, one in enumerate(staged):
+        try:
+            done.append(files.commit(one))
+        except BaseException:
+            for rest in staged[i + 1:]:
+                files.discard(rest)
+            raise
+    return done[0]
+
+
 def refuse_duplicates(store_id: str, committed: set[int | str],
                       ids: Sequence[int | str]) -> None:
     """An id already in the store refuses the whole batch (409, the ids listed): a sample is
@@ -535,7 +560,8 @@ def _details(ids: Sequence[int | str], which: np.ndarray) -> dict[str, Any]:
             "count": int(np.count_nonzero(which))}
 
 
-__all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "refuse_duplicates",
+__all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "commit_all",
+           "refuse_duplicates",
            "stored_rows"]
 
 

@@ -23,7 +23,7 @@ shard rows]`` scores and the running best, never the store. Ties go to the earli
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -47,7 +47,7 @@ class Found:
     manifest: Manifest
     rows: np.ndarray
     scores: np.ndarray
-    lam: float | None = None  # the lambda of a trak query
+    lam: float | list[float] | None = None  # of a trak query (an ensemble's: one per model)
     exact: bool = True  # every row scored (False: the index's candidates, ranked exactly)
 
 
@@ -257,6 +257,34 @@ def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | No
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def search_all(files: StoreFiles, keys: list[str], store_id: str,
+               queries: list[np.ndarray | None], k: int, score: str, lam: float | None = None,
+               exact: bool | None = None) -> Found:
+    """:func:`search` of one store (``keys`` of one), or of an ensemble: each checkpoint's
+    store scored with that checkpoint's rows of the queries (``queries``, one per key), every
+    row, and the best ``k`` of the sums (TRAK's ensemble: the scores summed over models).
+    Rows beyond the shortest checkpoint's (an append committed to some but not yet all) are
+    left out; the answer is exact, its ``lam`` one per checkpoint for ``trak``."""
+    if len(keys) == 1:
+        return search(files, keys[0], store_id, queries[0], k, score, lam, exact)
+    parts = []
+    for key, q in zip(keys, queries, strict=True):
+        count = files.manifest(key).count
+        found = search(files, key, store_id, q, count, score, lam, exact=True)
+        full = np.empty(found.rows.shape)  # [queries, rows] in row order
+        np.put_along_axis(full, found.rows, found.scores, 1)
+        parts.append(replace(found, scores=full))
+    common = min(p.scores.shape[1] for p in parts)
+    if k > common:
+        raise InvalidInput(f"k={k} but store '{store_id}' holds {common} samples in every "
+                           f"checkpoint: ask for k <= {common}", k=k, samples=common)
+    best = Best(len(parts[0].scores), k)
+    best.add(sum(p.scores[:, :common] for p in parts), 0)  # type: ignore[arg-type]
+    lams = [p.lam for p in parts]
+    return Found(parts[0].manifest, *best.result(),
+                 lam=[float(x) for x in lams if isinstance(x, float)] or None)
 
 
 def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarray | None,

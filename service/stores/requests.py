@@ -18,12 +18,12 @@ from service.attribution import projection_of
 from service.reference_sets import checked_id
 from service.registry import ModelRegistry
 from service.stores.index import check_factory
-from service.stores.spec import EXACT, MAX_EXACT_WIDTH, StoreSpec, check_dtype
+from service.stores.spec import EXACT, MAX_CHECKPOINTS, MAX_EXACT_WIDTH, StoreSpec, check_dtype
 from service.strategies.projection import VERSIONS
 from service.validate import check_options
 
 SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
-               "projection_kind", "dtype", "index")
+               "projection_kind", "dtype", "index", "checkpoints")
 BATCH_FIELDS = (*SAMPLE_FIELDS, "model", "verify", "verify_seed")
 FIXED_FIELDS = ("loss", "params", "projection_dim", "projection_seed", "projection_kind")
 
@@ -38,7 +38,11 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
     if unknown:
         raise BadRequest(f"unknown fields: {', '.join(unknown)}; a store takes "
                          f"{', '.join(SPEC_FIELDS)}", unknown=unknown)
-    model = registry.get(model_of(body))
+    versions = checkpoints(body, registry)
+    if not versions and body.get("model") is None:
+        raise InvalidInput("a store needs 'model' (an id, or id@version), or 'checkpoints' "
+                           "(versions of one model, for an ensemble)")
+    model = registry.get(versions[0] if versions else model_of(body))
     asked = {k: body.get(k) for k in FIXED_FIELDS}  # held to the contract at the door
     asked["projection_kind"] = asked["projection_kind"] or None  # "": the default kind
     exact = asked["projection_dim"] is None
@@ -59,7 +63,33 @@ def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) ->
                      projection_dim=width, projection_seed=seed, projection_kind=kind,
                      dtype=check_dtype(body.get("dtype")), tenant=tenant,
                      projection_version=VERSIONS.get(kind, 1), shapes=shapes,
-                     index=None if factory is None else check_factory(factory, width))
+                     index=None if factory is None else check_factory(factory, width),
+                     checkpoints=tuple(versions))
+
+
+def checkpoints(body: dict[str, Any], registry: ModelRegistry) -> list[str]:
+    """An ensemble's model versions (``checkpoints``: ``id@version`` of one model, each
+    registered, of the same parameters), in order; [] for a store of one model."""
+    refs = body.get("checkpoints")
+    if refs is None:
+        return []
+    if (not isinstance(refs, list) or not 2 <= len(refs) <= MAX_CHECKPOINTS
+            or not all(isinstance(r, str) and "@" in r for r in refs)):
+        raise InvalidInput(f"'checkpoints' lists 2 to {MAX_CHECKPOINTS} versions of one model "
+                           "as 'id@version' (GET /models/{id} lists them)")
+    models = [registry.get(ref) for ref in refs]
+    ids = {m.ref.partition("@")[0] for m in models}
+    named = body.get("model")
+    if len(ids) > 1 or (named is not None and named not in ids):
+        raise InvalidInput(f"'checkpoints' are versions of one model (got {sorted(ids)}"
+                           f"{'' if named is None else f' for model {named!r}'})")
+    if len({m.ref for m in models}) < len(models):
+        raise InvalidInput("'checkpoints' lists a version twice: each once, in order")
+    shapes = [{p: tuple(t.shape) for p, t in m.params.items()} for m in models]
+    if any(s != shapes[0] for s in shapes):
+        raise InvalidInput("'checkpoints' hold parameters of other names or shapes: an "
+                           "ensemble's versions share one architecture")
+    return [m.ref for m in models]
 
 
 def check_fixed(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
@@ -91,11 +121,20 @@ def check_batch(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str,
                            f"the rest: leave out {', '.join(extra)}", fields=extra)
     asked = fields.get("model")
     model_id = spec.model.partition("@")[0]
-    if asked is not None and asked not in (model_id, spec.model):
+    if asked is not None and asked not in (model_id, spec.model, *spec.checkpoints):
         raise Conflict(f"store '{spec.id}' holds sketches of model {spec.model}; {what} "
                        f"names {asked!r}: leave 'model' out or send {spec.model}",
                        store_model=spec.model, model=asked)
     return fields
+
+
+def rows_requests(spec: StoreSpec, key: str, fields: dict[str, Any], what: str
+                  ) -> list[dict[str, Any]]:
+    """:func:`rows_request` for each checkpoint of ``spec`` (the store ``key``; one for a store
+    of one model), the batch checked once against the whole store."""
+    fields = check_batch(spec, fields, what)
+    fields.pop("model", None)  # each checkpoint's own version
+    return [rows_request(member, fields, what) for _, member in spec.members(key)]
 
 
 def rows_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:

@@ -110,8 +110,13 @@ class StoredSets:
         spec = self.files.spec(key)
         if spec is None:
             return None
+        name = owned_name(key)
+        if spec.checkpoints:
+            raise Conflict(f"store '{name}' is an ensemble of {len(spec.checkpoints)} "
+                           f"checkpoints, not a reference set: rank it with POST "
+                           f"/stores/{name}/query")
         manifest = self.files.manifest(key)
-        name, size = owned_name(key), set_bytes(spec, manifest)
+        size = set_bytes(spec, manifest)
         if size > self.max_bytes:
             raise TooLarge(f"store '{name}' holds {size} bytes of rows, more than a reference "
                            f"set may ({self.max_bytes}): rank it with POST /stores/{name}/query "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -30,6 +30,8 @@ EXACT = "exact"
 # the widest row PUT /stores keeps of full gradients: the widest sketch's (trak then factors at
 # most the same [k, k] as a sketched store's; a reference set of full gradients may be wider)
 MAX_EXACT_WIDTH = MAX_PROJECTION_DIM
+MEMBER = "checkpoint-"  # an ensemble's checkpoint i keeps its rows in the store's folder <this>i
+MAX_CHECKPOINTS = 64
 MAX_ID_CHARS = 128  # a string id: short, one line
 ID_KINDS = ("int", "str")
 
@@ -53,6 +55,9 @@ class StoreSpec:
     # the definition of the kind's numbers (``VERSIONS``); 1 in records made before versions
     projection_version: int = 1
     index: str | None = None  # a FAISS factory string: the store keeps an approximate index
+    # an ensemble's model versions (``id@version``, ``model`` the first): each checkpoint's
+    # rows are a store of their own inside this one (:meth:`members`); () for one model
+    checkpoints: tuple[str, ...] = ()
 
     @property
     def exact(self) -> bool:
@@ -71,7 +76,17 @@ class StoreSpec:
     @classmethod
     def from_json(cls, raw: bytes) -> StoreSpec:
         d = json.loads(raw)
-        return cls(**{**d, "params": tuple(d["params"])})
+        return cls(**{**d, "params": tuple(d["params"]),
+                      "checkpoints": tuple(d.get("checkpoints", ()))})
+
+    def members(self, key: str) -> list[tuple[str, StoreSpec]]:
+        """(store key, definition) of each checkpoint's rows: the store itself for one model;
+        for an ensemble, a store per model version under its folder, in ``checkpoints``
+        order, each this definition with that version."""
+        if not self.checkpoints:
+            return [(key, self)]
+        return [(f"{key}/{MEMBER}{i}", replace(self, model=ref, checkpoints=(), index=None))
+                for i, ref in enumerate(self.checkpoints)]
 
     @property
     def itemsize(self) -> int:
@@ -91,7 +106,8 @@ class StoreSpec:
 
     def doc(self) -> dict[str, Any]:
         """The definition as ``GET /stores/{id}`` shows it."""
-        return {**asdict(self), "params": list(self.params)}
+        return {**asdict(self), "params": list(self.params),
+                "checkpoints": list(self.checkpoints) or None}
 
 
 def check_dtype(value: Any) -> str:

@@ -325,6 +325,67 @@ async def test_a_store_with_an_index_answers_through_it_and_says_so(
           422, "invalid_input", "exact")
 
 
+def full_scores(phi: np.ndarray, q: np.ndarray | None, score: str) -> np.ndarray:
+    """The reference's score of every row, in row order ``[queries, rows]``."""
+    rows, scores = reference(phi, q, score, len(phi))
+    out = np.empty(rows.shape)
+    np.put_along_axis(out, rows, scores, 1)
+    return out
+
+
+async def test_an_ensemble_scores_the_sum_over_its_checkpoints(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """``checkpoints``: two versions of ``att``; each keeps its own rows (the projection under
+    that version), and a query's scores are the sums of each checkpoint's own scores (each
+    ``trak`` with its own lambda), for every score; what an ensemble cannot do says so."""
+    c, _ = service
+    first = (await c.get("/models/att", headers=OPS)).json()["version"]
+    module = load_model("att", "mlp", MLP, device=torch.device("cpu")).module
+    weights = {k: (v.detach() * 1.5 + 0.01).tolist() for k, v in module.state_dict().items()}
+    r = await c.put("/models/att", headers=OPS, json={"architecture": "mlp", "config": MLP,
+                                                       "weights": weights})
+    assert r.status_code == 200, r.text
+    second = r.json()["version"]
+    refs = [f"att@{first}", f"att@{second}"]
+    assert first != second
+    r = await c.put("/stores/ens", headers=ALICE, json={
+        "checkpoints": refs, "projection_dim": DIM, "projection_seed": SEED})
+    assert r.status_code == 201, r.text
+    assert r.json()["checkpoints"] == refs and r.json()["model"] == refs[0]
+    train, test = batch(30, 41), batch(3, 42)
+    r = await c.post("/stores/ens/samples", headers=ALICE, json={**train, "ids": list(range(30))})
+    assert r.status_code == 200 and r.json()["samples"] == 30, r.text
+    phis = [await projection(c, train, model=ref) for ref in refs]
+    qs = [await projection(c, test, model=ref) for ref in refs]
+    assert not np.allclose(phis[0], phis[1])  # two checkpoints, two sets of rows
+    for score in ("dot", "cosine", "trak", "self_influence"):
+        body = {"k": 5, "score": score, **({} if score == "self_influence" else test)}
+        r = await c.post("/stores/ens/query", headers=ALICE, json=body)
+        assert r.status_code == 200, (score, r.text)
+        total = sum(full_scores(phi, None if score == "self_influence" else q, score)
+                    for phi, q in zip(phis, qs, strict=True))
+        want = np.argsort(-total, axis=1, kind="stable")[:, :5]
+        assert r.json()["ids"] == want.tolist(), score
+        np.testing.assert_allclose(r.json()["scores"], np.take_along_axis(total, want, 1),
+                                   rtol=1e-4, atol=1e-5 * np.abs(total).max())
+        assert r.json()["checkpoints"] == refs
+        if score == "trak":
+            assert len(r.json()["lambda"]) == 2
+    got = await c.post("/stores/ens/query", headers=ALICE,
+                       json={"k": 1, "sketches": qs[0].tolist()})
+    error(got, 422, "invalid_input", "ensemble")
+    got = await c.post("/stores/ens/rows", headers=ALICE, json={"rows": phis[0][:1].tolist(),
+                                                                "ids": [99]})
+    error(got, 422, "invalid_input", "ensemble")
+    got = await c.post("/per-sample-grads", headers=ALICE, json={
+        "model": refs[0], **test, "outputs": ["influence"], "reference_set": "ens"})
+    error(got, 409, "conflict", "ensemble")
+    error(await c.delete(f"/models/att@{second}", headers=OPS), 409, "conflict", "alice~ens")
+    error(await c.put("/stores/e2", headers=ALICE, json={"checkpoints": [refs[0], refs[0]],
+                                                         "projection_dim": DIM}),
+          422, "invalid_input", "twice")
+
+
 async def test_a_store_of_an_older_sketch_definition_is_refused_not_mixed(
         service: tuple[httpx.AsyncClient, Path]) -> None:
     """A store made before the default kind's numbers changed (its record has no

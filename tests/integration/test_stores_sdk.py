@@ -166,3 +166,31 @@ def test_rows_imported_from_the_sdk_resume_and_rank_as_samples(
                                      sketches(client, tx, ty), "dot", 5)
             assert np.asarray(found.ids).tolist() == rows.tolist(), store.id
             np.testing.assert_allclose(found.scores, scores, rtol=2e-3, atol=1e-4)
+
+
+def test_an_ensemble_from_the_sdk(transport: httpx.BaseTransport) -> None:
+    """``create(..., checkpoints=[...])`` over two versions of a registered model: each
+    checkpoint's rows are its own projection, and a dot query ranks by their summed scores."""
+    with psgrad.Client(base_url="http://app", transport=transport) as client:
+        one = client.models.register("ens-mlp", architecture="mlp",
+                                     config={"sizes": [784, 16, 10]})
+        weights = {k: np.asarray(client.models.download_weights("ens-mlp")[k]) * 2.0
+                   for k in one.parameters}
+        two = client.models.upload_weights("ens-mlp", weights)
+        refs = [f"ens-mlp@{one.version}", f"ens-mlp@{two.version}"]
+        store = client.stores.create("ens", "ens-mlp", checkpoints=refs, projection_dim=DIM)
+        assert store.info["checkpoints"] == refs
+        x, y = data(12, 8)
+        store.add(x, y, ids=np.arange(12))
+        tx, ty = data(2, 9)
+
+        def sketch(ref: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            out = client.per_sample_grads(ref, a, b, outputs=["projection"], projection_dim=DIM)
+            return np.asarray(out.projection, dtype=np.float64)
+
+        total = sum(sketch(r, tx, ty) @ sketch(r, x, y).T for r in refs)
+        found = store.query(tx, ty, k=4, score="dot")
+        want = np.argsort(-total, axis=1, kind="stable")[:, :4]
+        assert np.asarray(found.ids).tolist() == want.tolist()
+        np.testing.assert_allclose(found.scores, np.take_along_axis(total, want, 1),
+                                   rtol=1e-4, atol=1e-5)

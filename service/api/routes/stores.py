@@ -12,6 +12,7 @@ a 404); an admin reaches another tenant's with ``?tenant=<name>``.
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 from typing import Annotated, Any
 
@@ -30,9 +31,9 @@ from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
 from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
 from service.reference_sets import checked_id
-from service.stores.files import Manifest, refuse_duplicates
-from service.stores.query import Score, check_k, check_score, search
-from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_request
+from service.stores.files import Manifest, commit_all, refuse_duplicates
+from service.stores.query import Score, check_k, check_score, search_all
+from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
 from service.stores.spec import (
     Dtype,
@@ -55,8 +56,11 @@ ROWS_EXTRA = frozenset({"rows", "ids"})
 StoreBody = create_model(  # loss, params and the projection: the request contract's fields
     "StoreBody",
     __config__=ConfigDict(extra="forbid"),
-    model=(str, Field(pattern=MODEL_REF, description="model id, or id@version; the store pins "
-                      "the version")),
+    model=(str | None, Field(None, pattern=MODEL_REF, description="model id, or id@version; "
+                             "the store pins the version")),
+    checkpoints=(list[str] | None, Field(None, min_length=2, description="an ensemble: versions "
+                                         "of one model (id@version), scored as the sum over "
+                                         "them")),
     **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind"),
     dtype=(Dtype, Field("float32", description="how rows are kept")),
     index=(str | None, Field(None, description="a FAISS factory string (\"IVF1024,Flat\", "
@@ -138,6 +142,12 @@ def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
     return spec
 
 
+def _shown(state: AppState, key: str, spec: StoreSpec) -> Manifest:
+    """The committed state a store's description shows: its own, or an ensemble's first
+    checkpoint's (every checkpoint holds the same samples)."""
+    return state.storage.gradients.manifest(spec.members(key)[0][0])
+
+
 async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any]
                 ) -> np.ndarray:
     """The batch's rows (sketches, or flattened gradients), computed by the workers (several
@@ -162,7 +172,7 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
         for key in state.storage.gradients.store_keys():
             spec = state.storage.gradients.spec(key)
             if spec is not None and scope.sees(spec.tenant):
-                out.append(_doc(spec, state.storage.gradients.manifest(key)))
+                out.append(_doc(spec, _shown(state, key, spec)))
         return out
 
     return {"stores": await run_in_threadpool(read)}
@@ -178,9 +188,11 @@ async def put_store(store_id: StoreId, request: Request, state: StateDep,
                                            scope.owner))  # its own error for nearly all
 
     def make() -> tuple[dict[str, Any], bool]:
-        spec = make_spec(store_id, body, state.registry, scope.owner)
-        stored, created = state.storage.gradients.create(_key(scope, store_id), spec)
-        return _doc(stored, state.storage.gradients.manifest(_key(scope, store_id))), created
+        spec, key = make_spec(store_id, body, state.registry, scope.owner), _key(scope, store_id)
+        stored, created = state.storage.gradients.create(key, spec)
+        for member_key, member in stored.members(key) if stored.checkpoints else ():
+            state.storage.gradients.create(member_key, member)  # again: a no-op once made
+        return _doc(stored, _shown(state, key, stored)), created
 
     doc, created = await run_in_threadpool(make)
     return JSONResponse(doc, status_code=201 if created else 200)
@@ -193,7 +205,7 @@ async def get_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict
 
     def read() -> dict[str, Any]:
         spec = _spec(state, key, store_id)
-        return _doc(spec, state.storage.gradients.manifest(key))
+        return _doc(spec, _shown(state, key, spec))
 
     return await run_in_threadpool(read)
 
@@ -220,23 +232,30 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
                                   need_model=False)
     key, raw_ids = _key(scope, store_id), fields.pop("ids", None)
 
-    def check() -> tuple[StoreSpec, dict[str, Any], list[int | str], str]:
+    def check() -> tuple[StoreSpec, list[dict[str, Any]], list[int | str], str]:
         spec = _spec(state, key, store_id)
         spec.check_version()
-        job = rows_request(spec, fields, f"POST /stores/{store_id}/samples")
-        parsed = parse_request(job, state.registry)  # the whole batch, before any job runs
+        what = f"POST /stores/{store_id}/samples"
+        jobs = rows_requests(spec, key, fields, what)
+        parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         ids, kind = checked_ids(raw_ids, parsed.batch.size)
         files = state.storage.gradients
-        refuse_duplicates(spec.id, files.ids(key, files.manifest(key)), ids)
-        return spec, job, ids, kind
+        for member_key, _ in spec.members(key):
+            refuse_duplicates(spec.id, files.ids(member_key, files.manifest(member_key)), ids)
+        return spec, jobs, ids, kind
 
     listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids  # safetensors'
     await conform(SamplesBody, {**fields, "ids": listed}, check)
-    spec, job, ids, kind = await run_in_threadpool(check)
-    sketches = await _rows(state, tenant, spec, job)
+    spec, jobs, ids, kind = await run_in_threadpool(check)
+    members = spec.members(key)
+    rows = await asyncio.gather(*(_rows(state, tenant, member, job)
+                                  for (_, member), job in zip(members, jobs, strict=True)))
 
     def keep() -> dict[str, Any]:
-        manifest = state.storage.gradients.append(key, spec, ids, kind, sketches)
+        manifest = commit_all(state.storage.gradients, [
+            (member_key, member, part) for (member_key, member), part in zip(members, rows,
+                                                                              strict=True)],
+            ids, kind)
         return {**_doc(spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
@@ -261,6 +280,11 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
     def check() -> tuple[StoreSpec, np.ndarray, list[int | str], str]:
         spec = _spec(state, key, store_id)
         spec.check_version()
+        if spec.checkpoints:
+            raise InvalidInput(f"store '{store_id}' is an ensemble of {len(spec.checkpoints)} "
+                               f"checkpoints, each with rows of its own: add samples with POST "
+                               f"/stores/{store_id}/samples, or import rows into a store of "
+                               "one model version")
         rest = check_batch(spec, fields, what)
         batch = sorted(k for k, v in rest.items() if v is not None and k != "model")
         if batch:
@@ -319,9 +343,9 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
     key = _key(scope, store_id)
 
     def run() -> dict[str, Any]:
-        _spec(state, key, store_id)
-        manifest = state.storage.gradients.manifest(key)
-        held = state.storage.gradients.ids(key, manifest)
+        first = _spec(state, key, store_id).members(key)[0][0]
+        manifest = state.storage.gradients.manifest(first)
+        held = state.storage.gradients.ids(first, manifest)
         return {"present": [v in held for v in wanted], "samples": manifest.count}
 
     return await run_in_threadpool(run)
@@ -347,7 +371,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     given = fields.pop("sketches", None)
     exact = fields.pop("exact", None)
 
-    def check() -> tuple[StoreSpec, dict[str, Any] | None, np.ndarray | None]:
+    def check() -> tuple[StoreSpec, list[dict[str, Any]], list[np.ndarray | None]]:
         nonlocal k, score, lam
         k, score = positive_int(k, "k"), check_score(score)
         if exact is not None and not isinstance(exact, bool):
@@ -360,38 +384,50 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         spec = _spec(state, key, store_id)
         spec.check_version()
         rest = check_batch(spec, fields, "this query")
-        check_k(state.storage.gradients.manifest(key), k, store_id)
+        check_k(_shown(state, key, spec), k, store_id)
         batch = any(rest.get(f) is not None for f in SAMPLE_FIELDS)
+        members = spec.members(key)
         if score == "self_influence":
             if batch or given is not None:
                 raise InvalidInput("score 'self_influence' ranks the store by itself: send no "
                                    "samples or sketches")
-            return spec, None, None
+            return spec, [], [None] * len(members)
         if given is not None:
             if batch:
                 raise InvalidInput("send test samples (inputs, ...) or their 'sketches', not both")
-            return spec, None, _given_rows(given, spec, state.settings.max_elements,
-                                           "sketches")
+            if spec.checkpoints:
+                raise InvalidInput(f"store '{store_id}' is an ensemble: each checkpoint makes "
+                                   "its own rows of a test sample, so send the samples (inputs, "
+                                   "targets, ...), not 'sketches'")
+            return spec, [], [_given_rows(given, spec, state.settings.max_elements,
+                                          "sketches")]
         if not batch:
             raise InvalidInput(f"score '{score}' needs test samples (inputs, targets, ...) or "
                                f"their 'sketches' [queries, {spec.projection_dim}]")
-        job = rows_request(spec, fields, "this query")
-        parse_request(job, state.registry)
-        return spec, job, None
+        jobs = rows_requests(spec, key, fields, "this query")
+        parse_request(jobs[0], state.registry)
+        return spec, jobs, []
 
     await conform(QueryBody, sent, check)  # check: its own error for nearly all
-    spec, job, sketches = await run_in_threadpool(check)
-    if job is not None:
-        sketches = await _rows(state, tenant, spec, job)
+    spec, jobs, queries = await run_in_threadpool(check)
+    members = spec.members(key)
+    if jobs:
+        queries = list(await asyncio.gather(*(
+            _rows(state, tenant, member, job) for (_, member), job in zip(members, jobs,
+                                                                           strict=True))))
 
     def run() -> dict[str, Any]:
-        found = search(state.storage.gradients, key, store_id, sketches, k, score, lam, exact)
-        out = {"ids": state.storage.gradients.id_at(key, found.manifest, found.rows),
+        files = state.storage.gradients
+        found = search_all(files, [m for m, _ in members], store_id, queries, k, score, lam,
+                           exact)
+        out = {"ids": files.id_at(members[0][0], found.manifest, found.rows),
                "scores": found.scores.tolist(), "score": score, "k": k,
                "samples": found.manifest.count, "projection_kind": spec.projection_kind,
                "exact": found.exact}
         if found.lam is not None:
             out["lambda"] = found.lam
+        if spec.checkpoints:
+            out["checkpoints"] = list(spec.checkpoints)
         return out
 
     return await run_in_threadpool(run)
