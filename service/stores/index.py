@@ -25,7 +25,7 @@ import numpy as np
 from psgrad._errors import InvalidInput
 
 OVERFETCH = 4  # candidates per query: this many times k (at least k + MIN_EXTRA)
-MIN_EXTRA = 64
+MIN_EXTRA = 256  # PQ codes rank coarsely: 74 candidates kept 0.94 of the top 10, 256 all
 PROBES = 64  # an IVF index's lists searched per query (nprobe), at most all of them
 TRAIN_ROWS = 65536  # rows an index is trained on, at most (evenly drawn): FAISS k-means
 # subsamples to 256 per centroid anyway, and training runs inside a commit (a minute at 65536
