@@ -130,21 +130,20 @@ def check_batch(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str,
 
 def rows_requests(spec: StoreSpec, key: str, fields: dict[str, Any], what: str
                   ) -> list[dict[str, Any]]:
-    """:func:`rows_request` for each checkpoint of ``spec`` (the store ``key``; one for a store
-    of one model), the batch checked once against the whole store."""
+    """The requests whose answers are the rows of a body's batch under ``spec`` (the store
+    ``key``), one per checkpoint (:meth:`StoreSpec.members`; one for a store of one model):
+    each its ``projection``, or for a store of full gradients its ``grads``
+    (:func:`service.stores.sets.set_rows` flattens them). The batch is checked once against
+    the whole store (``what``: the route, for the messages)."""
     fields = check_batch(spec, fields, what)
     fields.pop("model", None)  # each checkpoint's own version
-    return [rows_request(member, fields, what) for _, member in spec.members(key)]
+    return [_rows_request(member, fields) for _, member in spec.members(key)]
 
 
-def rows_request(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str, Any]:
-    """The request whose answer is the rows of a body's batch under ``spec`` (``what``: the
-    route, for the messages): its ``projection``, or for a store of full gradients its
-    ``grads`` (:func:`service.stores.sets.set_rows` flattens them)."""
-    fields = check_batch(spec, fields, what)
+def _rows_request(spec: StoreSpec, fields: dict[str, Any]) -> dict[str, Any]:
+    request = {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params)}
     if spec.exact:
-        return {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
-                "outputs": ["grads"]}
-    return {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params),
-            "projection_dim": spec.projection_dim, "projection_seed": spec.projection_seed,
-            "projection_kind": spec.projection_kind, "outputs": ["projection"]}
+        return {**request, "outputs": ["grads"]}
+    return {**request, "projection_dim": spec.projection_dim,
+            "projection_seed": spec.projection_seed, "projection_kind": spec.projection_kind,
+            "outputs": ["projection"]}
