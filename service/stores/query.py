@@ -281,7 +281,7 @@ def search_all(files: StoreFiles, keys: list[str], store_id: str,
         raise InvalidInput(f"k={k} but store '{store_id}' holds {common} samples in every "
                            f"checkpoint: ask for k <= {common}", k=k, samples=common)
     best = Best(len(parts[0].scores), k)
-    best.add(sum(p.scores[:, :common] for p in parts), 0)  # type: ignore[arg-type]
+    best.add(np.add.reduce([p.scores[:, :common] for p in parts]), 0)
     lams = [p.lam for p in parts]
     return Found(parts[0].manifest, *best.result(),
                  lam=[float(x) for x in lams if isinstance(x, float)] or None)
