@@ -306,6 +306,9 @@ class StoreFiles:
         if old.index is not None:
             return index_file.extended(self.index(key, old), spec.index, spec.projection_dim,
                                        staged.rows, None)
+        if old.count + len(staged.rows) < index_file.rows_to_train(spec.index,
+                                                                   spec.projection_dim):
+            return None  # too few rows yet: the stored ones are not read to learn it
         every = np.concatenate([*(rows for _, rows, _ in self.rows(key, old)), staged.rows])
         return index_file.extended(None, spec.index, spec.projection_dim, staged.rows, every)
 

@@ -18,6 +18,7 @@ rows orders by, and ``self_influence`` needs no query: both scan exactly.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,26 @@ def check_factory(factory: object, width: int) -> str:
         raise InvalidInput(f"'index' {factory!r} is not a FAISS index of rows {width} wide: "
                            f"{reason}", index=factory) from None
     return factory
+
+
+@functools.cache
+def rows_to_train(factory: str, width: int) -> int:
+    """The fewest rows that can train ``factory``'s index of ``width`` rows: an IVF index's
+    lists, a product quantizer's codes per subvector, whichever is more (1 for others; 0 for an
+    index that needs no training). A lower bound: training may still refuse more rows than
+    this, and then :func:`extended` waits."""
+    faiss = _faiss()
+    index = faiss.index_factory(width, factory, faiss.METRIC_INNER_PRODUCT)
+    if index.is_trained:
+        return 0
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:  # not an IVF index
+        ivf = None
+    inner = faiss.downcast_index(ivf if ivf is not None else index)
+    storage = getattr(inner, "storage", None)  # HNSW's codes
+    pq = getattr(inner if storage is None else faiss.downcast_index(storage), "pq", None)
+    return max(1, int(ivf.nlist) if ivf is not None else 1, int(pq.ksub) if pq else 1)
 
 
 def extended(old: Any, factory: str, width: int, new_rows: np.ndarray,

@@ -11,6 +11,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -546,10 +547,12 @@ def test_trak_on_full_gradients_sums_the_gram_once_and_refuses_one_too_wide(
         search(store, "s", "s", q, 5, "trak")
 
 
-def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(tmp_path: Path) -> None:
-    """A store with an IVF index: none while too few rows train it (queries scan), then one
-    per commit holding every row (read back by another process's StoreFiles), searched in all
-    its lists so that the top k of dot and trak equal the exact scan's; cosine scans."""
+def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store with an IVF index: none while too few rows train it (queries scan, and a commit
+    reads no stored rows to try), then one per commit holding every row (read back by another
+    process's StoreFiles), searched in all its lists so that the top k of dot and trak equal
+    the exact scan's; cosine scans."""
     indexed = StoreSpec(id="s", model="mlp@abc", loss="cross_entropy", params=("w",),
                         projection_dim=K, projection_seed=0, projection_kind="kronecker",
                         dtype="float32", index="IVF4,Flat")
@@ -558,8 +561,18 @@ def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(tmp_path: 
     rng = np.random.default_rng(9)
     phi = rng.standard_normal((150, K)).astype(np.float32)
     q = rng.standard_normal((3, K))
-    store.append("s", indexed, [0, 1, 2], "int", phi[:3])  # 3 rows cannot train 4 lists
-    assert store.manifest("s").index is None
+    store.append("s", indexed, [0], "int", phi[:1])
+    read: list[str] = []
+    rows = StoreFiles.rows
+
+    def counted(self: StoreFiles, key: str, *args: Any, **kwargs: Any) -> Any:
+        read.append(key)
+        return rows(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(StoreFiles, "rows", counted)
+    store.append("s", indexed, [1, 2], "int", phi[1:3])  # 3 rows cannot train 4 lists
+    assert store.manifest("s").index is None and not read
+    monkeypatch.undo()
     assert search(store, "s", "s", q, 2, "dot").exact
     for a, b in ((3, 100), (100, 150)):
         store.append("s", indexed, list(range(a, b)), "int", phi[a:b])
