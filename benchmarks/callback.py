@@ -1,17 +1,22 @@
 """What psgrad's training-loop monitor costs the training loop.
 
     python benchmarks/callback.py [--steps 200] [--rounds 3] [--batch 32] [--every 1,10,100]
-                                  [--outputs norms,gns] [--no-weights]
+                                  [--senders process,thread] [--outputs norms,gns] [--no-weights]
 
 The zoo's ``tiny-transformer`` (2 layers, d_model 64, 32 tokens, 4 classes) trains with plain
 SGD in this process, one torch thread, pinned to the first core; ``psgrad serve`` (embedded
 mode, one worker, one torch thread) runs in its own process on the second core, as a server
-on another host would. Each round runs ``--steps`` steps without a monitor, then with a
-:class:`psgrad.integrations.Monitor` sampling every N steps (each batch sent with the step's
-weights unless ``--no-weights``), in turn; a row's ratio is the median over rounds of its loop
-time over the round's loop without a monitor. ``answered`` is the share of the sampled steps the
-server answered before the monitor closed (the rest were dropped: the queue holds two batches).
-Timing stops at the last step; closing the monitor is not counted.
+on another host would. Each round runs, for each row, ``--steps`` steps without a monitor,
+then as many with a :class:`psgrad.integrations.Monitor` sampling every N steps (each batch
+sent with the step's weights unless ``--no-weights``), one second idle before each loop. The
+rows are the ways of sending: ``process``, the monitor's default, a child process at the
+lowest CPU priority; ``thread`` (``process=False``), the monitor's thread in the training
+process; ``none``, a second loop without a monitor, how far two plain loops differ (the
+table's noise: this machine's speed drifts by a third over minutes). A row's ratio is the
+median over rounds of its loop time over the plain loop's just before it; a first loop, not
+counted, warms the process. ``answered`` is the share of the sampled steps the server answered
+before the monitor closed (the rest were dropped: the queue holds two batches). Timing stops
+at the last step; closing the monitor is not counted.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MODEL = "tiny-transformer"
+PAUSE = 1.0  # seconds idle before each loop, monitored or not: a loop after a pause runs slower
 
 
 def serve(port: int) -> subprocess.Popen[bytes]:
@@ -61,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--every", default="1,10,100")
+    parser.add_argument("--senders", default="process,thread")
     parser.add_argument("--outputs", default="norms,gns")
     parser.add_argument("--no-weights", dest="weights", action="store_false")
     parser.add_argument("--port", type=int, default=8771)
@@ -85,23 +92,28 @@ def main() -> None:
         data = [(torch.randint(0, config["vocab"], (args.batch, config["seq_len"]), generator=gen),
                  torch.randint(0, config["classes"], (args.batch,), generator=gen))
                 for _ in range(16)]
-        everies = [int(e) for e in args.every.split(",")]
-        ratios: dict[int, list[float]] = {e: [] for e in everies}
-        answered: dict[int, list[float]] = {e: [] for e in everies}
+        rows = [("none", 0)] + [(sender, int(e)) for sender in args.senders.split(",")
+                                for e in args.every.split(",")]
+        ratios: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
+        answered: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
         plain: list[float] = []
         with psgrad.Client(url, timeout=60.0) as client:
             client.per_sample_grads(MODEL, data[0][0], data[0][1], outputs=["norms"])  # warm
+            run(family, config, data, args.steps, None)  # a process's first loop is slower
             for _ in range(args.rounds):
-                base = run(family, config, data, args.steps, None)
-                plain.append(base[0] / args.steps)
-                for every in everies:
-                    monitor = Monitor(client, MODEL, outputs=args.outputs.split(","),
-                                      every=every)
+                for sender, every in rows:
+                    time.sleep(PAUSE)
+                    base, _ = run(family, config, data, args.steps, None)
+                    plain.append(base / args.steps)
+                    monitor: Any = None if sender == "none" else Monitor(
+                        client, MODEL, outputs=args.outputs.split(","), every=every,
+                        process=sender == "process")
+                    time.sleep(PAUSE)  # and the child's imports, before the clock starts
                     took, sampled = run(family, config, data, args.steps, monitor,
                                         weights=args.weights)
-                    counts = monitor.close(timeout=120)
-                    ratios[every].append(took / base[0])
-                    answered[every].append(counts["answered"] / max(1, sampled))
+                    counts = monitor.close(timeout=120) if monitor else {"answered": 0}
+                    ratios[sender, every].append(took / base)
+                    answered[sender, every].append(counts["answered"] / max(1, sampled))
     finally:
         server.terminate()
         server.wait(30)
@@ -109,11 +121,13 @@ def main() -> None:
           f"{args.steps} steps x {args.rounds} rounds, outputs {args.outputs}, weights "
           f"{'sent' if args.weights else 'not sent'}; plain step "
           f"{statistics.median(plain) * 1e3:.1f} ms")
-    print("| sampled every | step time x no monitor | answered |")
-    print("|---:|---:|---:|")
-    for every in everies:
-        print(f"| {every} | {statistics.median(ratios[every]):.3f} | "
-              f"{statistics.median(answered[every]):.0%} |")
+    print("| sent from | sampled every | step time x no monitor | answered |")
+    print("|---|---:|---:|---:|")
+    for sender, every in rows:
+        sent = (f"{statistics.median(answered[sender, every]):.0%}" if sender != "none"
+                else "")
+        print(f"| {sender} | {every or ''} | {statistics.median(ratios[sender, every]):.3f} | "
+              f"{sent} |")
 
 
 def run(family: Any, config: dict[str, Any], data: list[Any], steps: int, monitor: Any, *,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -34,9 +35,9 @@ MODEL = "value-mlp"  # 8 -> 64 -> 64 -> 1, mse
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[psgrad.Client]:
+    """A client of a real server over HTTP: a monitor's child process can reach it too."""
     app = create_app(Settings(workers=1, batch_max_delay_ms=0.0))
-    with running_app(app) as transport, \
-            psgrad.Client(base_url="http://app", transport=transport) as c:
+    with serving(app) as url, psgrad.Client(url) as c:
         yield c
 
 
@@ -61,11 +62,12 @@ def train(module: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], each
         each(step, x, y)
 
 
+@pytest.mark.parametrize("process", [True, False], ids=["child process", "thread"])
 def test_a_plain_loops_statistics_equal_the_loops_at_each_steps_weights(
-        client: psgrad.Client) -> None:
+        client: psgrad.Client, process: bool) -> None:
     module = trainable()
     monitor = Monitor(client, MODEL, outputs=["norms", "losses", "gns"], every=2, loss="mse",
-                      max_pending=8)
+                      max_pending=8, process=process)
     sent: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]] = {}
 
     def each(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -123,6 +125,46 @@ def test_training_finishes_when_the_server_stops_midway(caplog: pytest.LogCaptur
     assert max(waits) < 0.5  # a copy of the batch, never the network
     assert "not answered (APIConnectionError" in caplog.text
     assert f"psgrad monitor closed: sent {counts['sent']}" in caplog.text
+
+
+def test_a_child_that_exits_is_started_again(client: psgrad.Client) -> None:
+    """The sending process is killed between two batches: the next batch starts a new one,
+    and every batch is answered. The child runs at the lowest priority, so that it takes only
+    what the training leaves idle."""
+    x, y = batches(1)[0]
+    monitor = Monitor(client, MODEL, outputs=["norms"], loss="mse", max_pending=4)
+    first = monitor._sender._proc  # type: ignore[union-attr]
+    assert first is not None
+    assert monitor.observe(0, x, y)
+    deadline = time.monotonic() + 60
+    while not monitor.answered and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert os.getpriority(os.PRIO_PROCESS, first.pid) == 19  # it lowered itself first
+    first.kill()
+    first.wait()
+    assert monitor.observe(1, x, y) and monitor.observe(2, x, y)
+    deadline = time.monotonic() + 60
+    while monitor.answered < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = monitor._sender._proc  # type: ignore[union-attr]
+    assert second is not None and second.pid != first.pid
+    assert monitor.close(timeout=60) == {"sent": 3, "answered": 3, "failed": 0, "dropped": 0}
+    assert second.poll() is not None  # closing stops it
+    assert [r["step"] for r in monitor.records] == [0, 1, 2]
+
+
+def test_a_client_of_an_app_in_this_process_sends_from_a_thread() -> None:
+    """A child process cannot reach an app served in this one: the monitor says so at once,
+    and ``process=False`` sends from its thread instead."""
+    app = create_app(Settings(workers=1, batch_max_delay_ms=0.0))
+    with running_app(app) as transport, \
+            psgrad.Client(base_url="http://app", transport=transport) as c:
+        with pytest.raises(ValueError, match="pass process=False"):
+            Monitor(c, MODEL, outputs=["norms"], loss="mse")
+        monitor = Monitor(c, MODEL, outputs=["norms"], loss="mse", process=False)
+        x, y = batches(1)[0]
+        assert monitor.observe(0, x, y)
+        assert monitor.close(timeout=60)["answered"] == 1
 
 
 def test_a_step_that_finds_the_queue_full_is_dropped_before_it_is_copied(

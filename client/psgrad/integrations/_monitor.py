@@ -1,13 +1,14 @@
 """Per-sample statistics of a training run, sent to psgrad beside the training loop.
 
 A :class:`Monitor` takes a training step's batch (every ``every`` steps), copies it, and puts it
-on a bounded queue; one background thread sends each as one request (``POST
-/per-sample-grads``), waits for its answer, and logs the statistics. Training waits on nothing
-but the copy: when the queue is full (the server is slow or down) the step's batch is dropped
-and counted, never waited for. The thread sends requests rather than jobs: a job's answer is
-polled, and the polls' CPU, on the training process's cores, cost the loop more
-(``benchmarks/callback.py``: sampling every 10 steps, 1.12x the loop's time with jobs against
-1.01-1.05x with requests).
+on a bounded queue; one background thread hands each to a child process at the lowest CPU
+priority (:mod:`psgrad.integrations._sender`), which sends it as one request (``POST
+/per-sample-grads``) and answers the statistics, which the thread logs. Training waits on
+nothing but the copy: when the queue is full (the server is slow or down, or the child finds
+no idle CPU) the step's batch is dropped and counted, never waited for. Requests rather than
+jobs: a job's answer is polled, and the polls cost CPU (``benchmarks/callback.py``: sampling
+every 10 steps from a thread, 1.12x the loop's time with jobs against 1.01-1.05x with
+requests).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from psgrad._client import Client
 from psgrad._noise_scale import NoiseScale
 from psgrad._types import GradsResult
+from psgrad.integrations._sender import Child
 
 __all__ = ["Background", "Monitor"]
 
@@ -40,9 +42,10 @@ def _log(step: int, record: dict[str, Any]) -> None:
 
 class Background:
     """Every ``every``-th step's batch, copied onto a bounded queue and sent by one background
-    thread (:meth:`_send`, a subclass's); the counts of what was sent, answered, failed and
-    dropped. ``max_pending`` batches wait at most: a step that finds the queue full is dropped,
-    never waited for; a failed send is counted, its kind logged once."""
+    thread (:meth:`_send`, a subclass's; :meth:`_stop` ends what it started); the counts of
+    what was sent, answered, failed and dropped. ``max_pending`` batches wait at most: a step
+    that finds the queue full is dropped, never waited for; a failed send is counted, its kind
+    logged once."""
 
     name = "psgrad monitor"
 
@@ -89,6 +92,7 @@ class Background:
                 break
             self.dropped += 1
             self._queue.task_done()
+        self._stop()
         self._thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
         counts = {"sent": self.sent, "answered": self.answered, "failed": self.failed,
                   "dropped": self.dropped}
@@ -106,7 +110,7 @@ class Background:
                 self._send(step, batch)
             except Exception as exc:  # a monitor never stops the training
                 self.failed += 1
-                kind = type(exc).__name__
+                kind = getattr(exc, "kind", type(exc).__name__)
                 if kind not in self._errors:
                     self._errors.add(kind)
                     LOG.warning("%s: step %d not answered (%s: %s); later failures of this kind "
@@ -118,6 +122,9 @@ class Background:
 
     def _send(self, step: int, batch: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _stop(self) -> None:
+        """Called by :meth:`close` once the queue is empty, before the thread is joined."""
 
 
 class Monitor(Background):
@@ -141,13 +148,20 @@ class Monitor(Background):
     (``dropped``), as is one the server fails (``failed``, the error logged once per kind).
     :meth:`close` waits for the queue up to its timeout and logs what was sent, answered and
     dropped.
+
+    The requests are sent by a child process at the lowest CPU priority, so that their work
+    (the HTTP client's, about 4 ms a request) runs on what the training leaves idle; where
+    every core is busy, fewer steps are answered rather than the steps made slower.
+    ``process=False`` sends from the monitor's thread in this process instead: for a client
+    with its own transport (an in-process app), which a child cannot copy.
     """
 
     def __init__(self, client: Client, model: str, *, outputs: Sequence[str] = ("norms", "gns"),
                  every: int = 1, max_pending: int = 2, outlier_z: float = 3.0,
-                 beta: float = 0.99, log: Log | None = None,
+                 beta: float = 0.99, log: Log | None = None, process: bool = True,
                  **options: Any) -> None:
         self.model, self.outputs, self.options = model, list(outputs), options
+        self._sender: Client | Child = Child(client) if process else client
         self.outlier_z = outlier_z
         self.log = log or _log
         self.noise_scale = NoiseScale(beta)
@@ -170,13 +184,18 @@ class Monitor(Background):
     def _send(self, step: int, batch: dict[str, Any]) -> None:
         ids = batch.pop("ids")
         inputs, targets = batch.pop("inputs"), batch.pop("targets")
-        result = self.client.per_sample_grads(self.model, inputs, targets,
-                                              outputs=self.outputs, **self.options, **batch)
+        result = self._sender.per_sample_grads(self.model, inputs, targets,
+                                               outputs=self.outputs, **self.options, **batch)
         record = self._record(step, result, ids)
         self.records.append(record)
         self.log(step, record)
 
-    def _record(self, step: int, result: GradsResult, ids: Sequence[Any] | None
+    def _stop(self) -> None:
+        if isinstance(self._sender, Child):
+            self._sender.close()
+
+    def _record(self, step: int, result: GradsResult | Mapping[str, Any],
+                ids: Sequence[Any] | None
                 ) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
         if "norms" in result:
