@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.export import ops
+from service.export import allowed
 
 MAX_KIND = 64  # longest union tag kept as sent (every tag psgrad reads is far shorter)
 MAX_ITEMS = 1025  # a list argument longer than the builder accepts stays too long to pass
@@ -119,10 +119,10 @@ def _node(node: Any) -> dict[str, Any] | None:
     inputs = [{"name": _scalar(a.get("name")), "arg": _arg(a.get("arg")),
                "kind": _scalar(a.get("kind"))} if isinstance(a, dict) else None
               for a in _list(node.get("inputs"))[:MAX_ITEMS]]
-    if target in ops.DROPPED:  # never run: nothing of its arguments is read
+    if target in allowed.DROPPED:  # never run: nothing of its arguments is read
         inputs = []
-    elif target in ops.IDENTITY:  # only the argument passed through is read
-        inputs = [a for a in inputs if a is not None and a["name"] == ops.IDENTITY[target]]
+    elif target in allowed.IDENTITY:  # only the argument passed through is read
+        inputs = [a for a in inputs if a is not None and a["name"] == allowed.IDENTITY[target]]
     return {"target": target, "inputs": inputs,
             "outputs": [_output(o) for o in _list(node.get("outputs"))[:MAX_ITEMS]]}
 

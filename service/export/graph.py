@@ -1,6 +1,6 @@
 """The program document: its signature read strictly, its graph rebuilt node by node in fx.
 
-Every node's target must be a key of the allow-list (:mod:`service.export.ops`); every argument
+Every node's target must be a key of the allow-list (:mod:`service.export.allowed`); every argument
 is matched to the op's own schema by name and its serialized kind checked against the declared
 type: tensors only by the name of an earlier value, integers and floats as literals, strings
 only from a fixed set, dtypes from a table, devices (named, None or left out) replaced by the
@@ -20,7 +20,7 @@ from torch import fx
 
 from psgrad._errors import InvalidArchive, RefusedProgram, TooLarge
 from service.config import raise_setting
-from service.export import ops
+from service.export import allowed
 from service.export.document import prune
 from service.export.payloads import DTYPES, literal_int, obj, tensor_meta
 
@@ -230,24 +230,24 @@ def _node(graph: fx.Graph, node: dict[str, Any], env: dict[str, tuple[str, Any]]
         named[_name(a.get("name"), f"an argument of {shown}")] = a
     if len(named) != len(inputs):
         raise InvalidArchive(f"{shown}: an argument is given twice")
-    if target in ops.DROPPED:
+    if target in allowed.DROPPED:
         if outputs:
             raise InvalidArchive(f"{shown} has outputs")
         return
-    if target in ops.SYM_OPS:
+    if target in allowed.SYM_OPS:
         if set(named) != {"a", "b"}:
             raise RefusedProgram(f"{shown} takes 'a' and 'b'", op=shown)
         pair = tuple(_sym(named[k].get("arg"), env, shown) for k in ("a", "b"))
-        _bind(outputs, ["int"], graph.call_function(ops.SYM_OPS[target], pair), env, shown)
+        _bind(outputs, ["int"], graph.call_function(allowed.SYM_OPS[target], pair), env, shown)
         return
-    if target in ops.IDENTITY:
-        keep = ops.IDENTITY[target]
+    if target in allowed.IDENTITY:
+        keep = allowed.IDENTITY[target]
         if keep not in named:
             raise InvalidArchive(f"{shown} lacks '{keep}'")
         value = _decode(named[keep].get("arg"), "Tensor", shown, keep, env, device)
         _bind(outputs, ["Tensor"], value, env, shown)
         return
-    op = ops.OPS.get(target)
+    op = allowed.OPS.get(target)
     if op is None:
         raise RefusedProgram(f"op '{shown}' is not on psgrad's allow-list of pure aten ops",
                              op=shown)
@@ -275,9 +275,9 @@ def _node(graph: fx.Graph, node: dict[str, Any], env: dict[str, tuple[str, Any]]
         if placed and value is None:
             value = device
         pin = (target.removeprefix("torch.ops.aten."), a.name)
-        if pin in ops.PINNED and value != ops.PINNED[pin]:
+        if pin in allowed.PINNED and value != allowed.PINNED[pin]:
             raise RefusedProgram(f"{shown}: {a.name}={value!r} is refused ({a.name} must be "
-                                 f"{ops.PINNED[pin]!r}; export model.eval())", op=shown,
+                                 f"{allowed.PINNED[pin]!r}; export model.eval())", op=shown,
                                  argument=a.name)
         if positional and not a.kwarg_only and given.get("kind") == 1:
             args.append(value)
@@ -369,7 +369,7 @@ def _decode(arg: Any, typ: str, shown: str, name: str, env: dict[str, tuple[str,
             len(body) <= MAX_LIST and all(isinstance(b, bool) for b in body):
         return list(body)
     if base == "str" and kind == "as_string" and isinstance(body, str):
-        if not ops.known_string(shown, name, body):
+        if not allowed.known_string(shown, name, body):
             raise RefusedProgram(f"{where}: the string {body[:60]!r} is not one psgrad accepts",
                                  op=shown, argument=name)
         return body
