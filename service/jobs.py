@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from psgrad._answer_reader import AnswerReader
 from psgrad._errors import Overloaded, TooLarge
-from psgrad._stream import AnswerReader
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 from psgrad._wire import RESPONSE_KEY
 from service.tenants import DEFAULT_TENANT, Quotas

@@ -23,6 +23,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
+from psgrad._answer_reader import AnswerReader
 from psgrad._arrays import cast_floats, float_dtype, needs_model_dtype, to_torch
 from psgrad._constants import (
     DEFAULT_BASE_URL,
@@ -50,7 +51,6 @@ from psgrad._memory import AnswerMemory
 from psgrad._merge import Fields, Plan, PlanResult, grads_plan
 from psgrad._progress import Progress
 from psgrad._request import grads_fields
-from psgrad._stream import AnswerReader
 from psgrad._types import GradsResult, ModelInfo
 from psgrad._version import VERSION_HEADER, warn_if_older
 from psgrad._wire import (

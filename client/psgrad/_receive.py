@@ -19,7 +19,7 @@ from typing import cast
 
 import httpx
 
-from psgrad._stream import AnswerReader
+from psgrad._answer_reader import AnswerReader
 
 __all__ = ["receive_answer"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import psgrad
-from psgrad._stream import AnswerReader
+from psgrad._answer_reader import AnswerReader
 from psgrad._wire import RESPONSE_KEY
 from service.api import create_app
 from service.config import Settings

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import redis
 
+from psgrad._answer_reader import AnswerReader
 from psgrad._errors import Overloaded
-from psgrad._stream import AnswerReader
 from psgrad._wire import RESPONSE_KEY
 from service import redis_keys
 from service.broker.redis import reader

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from psgrad import _receive
+from psgrad._answer_reader import AnswerReader
 from psgrad._errors import BadRequest
-from psgrad._stream import AnswerReader
 from psgrad._wire import RESPONSE_KEY, fields_to_safetensors
 
 RESULT = {"model": "x", "grads": {"w": np.arange(600_000, dtype=np.float32).reshape(200, 3000),
