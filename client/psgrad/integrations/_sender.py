@@ -52,8 +52,10 @@ class Unanswered(Exception):
 
 class Child:
     """The parent's end: :meth:`per_sample_grads` as the client's, answered by a child process
-    with the client's settings (started on the first call, and again after it exits).
-    Only a client that reaches its server over HTTP can be copied into another process."""
+    with the client's settings (started with this, and again at the call after it exits). Only
+    a client that reaches its server over HTTP can be copied into another process. The child
+    has a session of its own, so a Ctrl-C meant for the training does not interrupt it: it
+    ends when its stdin does (:meth:`close`, or this process gone)."""
 
     def __init__(self, client: Client) -> None:
         transport = getattr(client._http, "_transport", None)
@@ -124,7 +126,7 @@ class Child:
         start = (f"import os\nif hasattr(os, 'nice'): os.nice({NICE})\n"  # not on Windows
                  f"from {__name__} import main\nmain()")
         proc = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env)
+                                stdout=subprocess.PIPE, env=env, start_new_session=True)
         assert proc.stdin is not None
         _write(proc.stdin, self._settings, SETTINGS)
         return proc
