@@ -65,10 +65,7 @@ def rows_to_train(factory: str, width: int) -> int:
     index = faiss.index_factory(width, factory, faiss.METRIC_INNER_PRODUCT)
     if index.is_trained:
         return 0
-    try:
-        ivf = faiss.extract_index_ivf(index)
-    except RuntimeError:  # not an IVF index
-        ivf = None
+    ivf = _ivf(index)
     inner = faiss.downcast_index(ivf if ivf is not None else index)
     storage = getattr(inner, "storage", None)  # HNSW's codes
     pq = getattr(inner if storage is None else faiss.downcast_index(storage), "pq", None)
@@ -109,13 +106,17 @@ def from_bytes(raw: bytes) -> Any:
 def candidates(index: Any, q: np.ndarray, k: int) -> np.ndarray:
     """``[queries, n]`` row numbers (-1 where the index has fewer): each query's best ``n``
     by inner product as the index finds them, ``n`` = :data:`OVERFETCH` ``k``."""
-    faiss = _faiss()
     n = min(int(index.ntotal), max(OVERFETCH * k, k + MIN_EXTRA))
-    try:
-        ivf = faiss.extract_index_ivf(index)
-    except RuntimeError:  # not an IVF index
-        ivf = None
+    ivf = _ivf(index)
     if ivf is not None:
         ivf.nprobe = min(int(ivf.nlist), PROBES)
     _, rows = index.search(np.ascontiguousarray(q, dtype=np.float32), n)
     return np.asarray(rows, dtype=np.int64)
+
+
+def _ivf(index: Any) -> Any:
+    """The IVF index inside ``index``, or None where it is no IVF index."""
+    try:
+        return _faiss().extract_index_ivf(index)
+    except RuntimeError:
+        return None
