@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,14 +154,26 @@ def test_a_child_that_exits_is_started_again(client: psgrad.Client) -> None:
     assert [r["step"] for r in monitor.records] == [0, 1, 2]
 
 
+def test_a_monitor_refused_for_its_arguments_starts_no_process(client: psgrad.Client) -> None:
+    before = set(psutil.Process().children())
+    with pytest.raises(ValueError, match="every and max_pending must be at least 1"):
+        Monitor(client, MODEL, every=0)
+    assert set(psutil.Process().children()) == before
+
+
 def test_a_client_of_an_app_in_this_process_sends_from_a_thread() -> None:
     """A child process cannot reach an app served in this one: the monitor says so at once,
     and ``process=False`` sends from its thread instead."""
     app = create_app(Settings(workers=1, batch_max_delay_ms=0.0))
     with running_app(app) as transport, \
             psgrad.Client(base_url="http://app", transport=transport) as c:
+        threads = threading.active_count()
         with pytest.raises(ValueError, match="pass process=False"):
             Monitor(c, MODEL, outputs=["norms"], loss="mse")
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threading.active_count() == threads  # the refused monitor's thread ended
         monitor = Monitor(c, MODEL, outputs=["norms"], loss="mse", process=False)
         x, y = batches(1)[0]
         assert monitor.observe(0, x, y)

@@ -161,12 +161,16 @@ class Monitor(Background):
                  beta: float = 0.99, log: Log | None = None, process: bool = True,
                  **options: Any) -> None:
         self.model, self.outputs, self.options = model, list(outputs), options
-        self._sender: Client | Child = Child(client) if process else client
         self.outlier_z = outlier_z
         self.log = log or _log
         self.noise_scale = NoiseScale(beta)
         self.records: list[dict[str, Any]] = []
-        super().__init__(client, every=every, max_pending=max_pending)
+        super().__init__(client, every=every, max_pending=max_pending)  # checks its arguments
+        try:  # the child only once they are good: a refused monitor leaves no process behind
+            self._sender: Client | Child = Child(client) if process else client
+        except BaseException:
+            self._closing.set()  # nor a thread
+            raise
 
     def observe(self, step: int, inputs: Any, targets: Any = None, *,
                 ids: Sequence[Any] | None = None, **fields: Any) -> bool:
