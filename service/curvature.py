@@ -1,0 +1,338 @@
+"""K-FAC and EK-FAC: a model's Fisher, layer by layer, as Kronecker factors; gradients
+preconditioned by it.
+
+A linear layer ``y = W a + b`` has, for one sample of tokens ``t``, the gradient ``G = sum_t g_t
+a_t^T`` (``[out, in]``; where its bias is selected too, a last column, and every ``a`` ends in a
+1), with ``a_t`` the layer's input and ``g_t`` the loss's gradient by its output. Its Fisher, over
+the fitting samples ``i`` and with ``vec`` reading a matrix row by row,
+``F = E_i[vec(G_i) vec(G_i)^T]``, is approximated by
+
+- K-FAC (Martens and Grosse, 2015): ``S (x) A``, with ``A`` the inputs' covariance (``a a^T``
+  summed over every token, over the tokens) and ``S`` the output gradients' (``g g^T`` summed
+  over every token, over the samples): exact for samples of one token whose inputs and output
+  gradients are independent. With ``A = Q_A diag(l_A) Q_A^T`` and ``S = Q_S diag(l_S) Q_S^T``,
+  ``S (x) A`` is diagonal in the basis ``Q_S (x) Q_A``, with eigenvalues ``l_S[o] l_A[j]``;
+- EK-FAC (George et al., 2018): the same basis, its eigenvalues replaced by the fitting
+  samples' second moments there, ``Lambda = E_i[(Q_S^T G_i Q_A)^2]``: of the matrices diagonal
+  in that basis, the one nearest ``F`` (Frobenius).
+
+So ``(F + lambda I)^-1 vec(G) = vec(Q_S [(Q_S^T G Q_A) / (Lambda + lambda)] Q_A^T)``, elementwise,
+at the cost of four products of a layer's size. Every other selected parameter (embeddings,
+norms, convolutions, anything not an ``nn.Linear``'s weight or bias, an exported graph's every
+parameter) is preconditioned by its diagonal Fisher ``E_i[g_i^2]`` (EK-FAC in the identity
+basis), never left out.
+
+Fitting takes two passes over the fitting samples, one sample at a time with plain autograd
+(:func:`covariances`, then :func:`corrections` in the eigenbases of the first); the Fisher is
+the empirical one, of the loss at the samples' own targets, as the scores' gradients are.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+from torch import nn
+
+from service.registry import LoadedModel
+from service.strategies.base import Tensors
+from service.strategies.per_sample import sample_loss_of
+
+Kind = Literal["kfac", "ekfac"]
+KINDS: tuple[Kind, ...] = ("kfac", "ekfac")
+WIDE = torch.float64  # factors are summed and decomposed in float64
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear layer of the selected parameters: its weight's name, its bias's where that is
+    selected too (else None: the layer's inputs get no column of ones)."""
+
+    weight: str
+    bias: str | None
+
+
+@dataclass
+class Covariances:
+    """The first pass's sums, per layer by weight name: ``a a^T`` and ``g g^T`` over every
+    token, the tokens, and the samples seen."""
+
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    samples: int = 0
+
+    def add(self, other: Covariances) -> None:
+        for name, a in other.inputs.items():
+            self.inputs[name] = self.inputs[name] + a if name in self.inputs else a
+            self.grads[name] = self.grads[name] + other.grads[name] if name in self.grads \
+                else other.grads[name]
+            self.tokens[name] = self.tokens.get(name, 0) + other.tokens[name]
+        self.samples += other.samples
+
+
+@dataclass(frozen=True)
+class Basis:
+    """A layer's eigenbases and K-FAC eigenvalues: ``A = Q_A diag(l_A) Q_A^T`` (``[in, in]``),
+    ``S = Q_S diag(l_S) Q_S^T`` (``[out, out]``)."""
+
+    q_inputs: torch.Tensor
+    l_inputs: torch.Tensor
+    q_grads: torch.Tensor
+    l_grads: torch.Tensor
+
+    def rotate(self, g: torch.Tensor) -> torch.Tensor:
+        """``Q_S^T G Q_A`` of each ``G`` in ``[n, out, in]``."""
+        return self.q_grads.T @ g @ self.q_inputs
+
+    def back(self, g: torch.Tensor) -> torch.Tensor:
+        """``Q_S G Q_A^T``, the inverse of :meth:`rotate`."""
+        return self.q_grads @ g @ self.q_inputs.T
+
+
+def bases(sums: Covariances) -> dict[str, Basis]:
+    """Each layer's :class:`Basis`, of its covariances ``A`` and ``S`` (eigenvalues clipped at
+    0: a covariance's negative ones are rounding)."""
+    out = {}
+    for name, a in sums.inputs.items():
+        l_a, q_a = torch.linalg.eigh(a / max(sums.tokens[name], 1))
+        l_s, q_s = torch.linalg.eigh(sums.grads[name] / max(sums.samples, 1))
+        out[name] = Basis(q_a, l_a.clamp(min=0), q_s, l_s.clamp(min=0))
+    return out
+
+
+@dataclass
+class Corrections:
+    """The second pass's sums: per layer ``(Q_S^T G Q_A)^2``, per other parameter ``g^2``,
+    over the samples seen."""
+
+    layers: dict[str, torch.Tensor] = field(default_factory=dict)
+    diagonal: dict[str, torch.Tensor] = field(default_factory=dict)
+    samples: int = 0
+
+    def add(self, other: Corrections) -> None:
+        for mine, theirs in ((self.layers, other.layers), (self.diagonal, other.diagonal)):
+            for name, s in theirs.items():
+                mine[name] = mine[name] + s if name in mine else s
+        self.samples += other.samples
+
+
+@dataclass(frozen=True)
+class Curvature:
+    """A fitted curvature: the linear layers' bases and eigenvalues, the other parameters'
+    diagonal Fisher."""
+
+    layers: dict[str, Linear]
+    bases: dict[str, Basis]
+    corrected: dict[str, torch.Tensor]  # E_i[(Q_S^T G_i Q_A)^2], [out, in]
+    diagonal: dict[str, torch.Tensor]  # E_i[g_i^2] of every other selected parameter
+    samples: int
+
+    def eigenvalues(self, name: str, kind: Kind) -> torch.Tensor:
+        """Layer ``name``'s ``Lambda`` ``[out, in]`` in its basis: K-FAC's or EK-FAC's."""
+        if kind == "ekfac":
+            return self.corrected[name]
+        basis = self.bases[name]
+        return torch.outer(basis.l_grads, basis.l_inputs)
+
+    def precondition(self, grads: Tensors, damping: float, kind: Kind) -> Tensors:
+        """``(F + damping I)^-1 g`` of each sample's gradient ``{param: [n, *shape]}`` (every
+        parameter the curvature was fitted on), in float64."""
+        if not damping > 0:
+            raise ValueError(f"damping must be > 0, got {damping}")
+        out = {name: grads[name].to(WIDE) / (d + damping) for name, d in self.diagonal.items()}
+        for name, layer in self.layers.items():
+            basis = self.bases[name]
+            g = basis.rotate(joined(grads, layer).to(WIDE))
+            solved = basis.back(g / (self.eigenvalues(name, kind) + damping))
+            out.update(split(solved, layer, grads[layer.weight].shape))
+        return out
+
+
+def joined(grads: Tensors, layer: Linear) -> torch.Tensor:
+    """A layer's gradients ``[n, out, in (+ 1 for the bias)]``."""
+    w = grads[layer.weight]
+    w = w.reshape(len(w), w.shape[1], -1)
+    if layer.bias is None:
+        return w
+    return torch.cat([w, grads[layer.bias].reshape(len(w), -1, 1)], dim=2)
+
+
+def split(g: torch.Tensor, layer: Linear, shape: torch.Size) -> Tensors:
+    """:func:`joined`'s inverse: ``{weight: [n, *shape], bias: [n, out]}``."""
+    width = g.shape[2] - (layer.bias is not None)
+    out = {layer.weight: g[:, :, :width].reshape(shape)}
+    if layer.bias is not None:
+        out[layer.bias] = g[:, :, width]
+    return out
+
+
+def linear_layers(model: LoadedModel, params: Sequence[str], loss: str, gamma: float,
+                  samples: Tensors) -> dict[str, Linear]:
+    """The ``nn.Linear`` layers whose weight is among ``params``, by weight name: those whose
+    captured inputs and output gradients rebuild their gradient on the batch's first sample.
+    A layer whose weight its parent reads directly (``nn.MultiheadAttention``'s ``out_proj``) or
+    shares with another (a head tied to an embedding) is left to the diagonal."""
+    chosen = set(params)
+    found = {}
+    for prefix, module in model.module.named_modules():
+        weight = f"{prefix}.weight" if prefix else "weight"
+        if isinstance(module, nn.Linear) and weight in chosen:
+            bias = weight.removesuffix("weight") + "bias"
+            found[weight] = Linear(weight, bias if module.bias is not None and bias in chosen
+                                   else None)
+    first = {k: v[:1] for k, v in samples.items()}
+    for one in captured(model, loss, gamma, found, params, first):
+        g = {k: v.unsqueeze(0) for k, v in one.grads.items()}
+        return {name: layer for name, layer in found.items()
+                if _rebuilds(one.out_grads[name].T @ one.inputs[name], joined(g, layer)[0])}
+    return {}
+
+
+def _rebuilds(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return bool((got - want).abs().max() <= 1e-4 * scale + 1e-12) if got.numel() else False
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample's gradients ``{param: [*shape]}`` and, per linear layer, its inputs ``[T,
+    in (+1)]`` and output gradients ``[T, out]`` (``T``: every token of every call)."""
+
+    grads: Tensors
+    inputs: dict[str, torch.Tensor]
+    out_grads: dict[str, torch.Tensor]
+
+
+def captured(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
+             params: Sequence[str], samples: Tensors, weights: Tensors | None = None
+             ) -> Iterator[Sample]:
+    """Each sample of ``samples`` (a batch's fields, ``[n, ...]`` each) run alone through the
+    model with plain autograd: its gradients and its linear layers' inputs and output gradients.
+    Hooks go on a copy of the module (sharing its tensors), so other jobs never see them."""
+    module = _shallow_copy(model.module)
+    frozen = {**model.params, **(weights or {})}
+    sample_loss = sample_loss_of(_with_module(model, module), loss, gamma)
+    n = len(next(iter(samples.values())))
+    with _recording(module, layers) as calls:
+        for i in range(n):
+            calls.clear()
+            selected = {k: frozen[k].detach().requires_grad_(True) for k in params}
+            others = {k: v for k, v in frozen.items() if k not in selected}
+            value, _ = sample_loss(selected, others, model.buffers,
+                                   {k: v[i] for k, v in samples.items()})
+            outs = [y for _, _, y in calls]
+            found = torch.autograd.grad(value, [*selected.values(), *outs], allow_unused=True)
+            grads = {k: torch.zeros_like(v) if g is None else g
+                     for (k, v), g in zip(selected.items(), found, strict=False)}
+            by_out = found[len(selected):]
+            inputs: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
+            out_grads: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
+            for (name, a, y), g in zip(calls, by_out, strict=True):
+                a = a.reshape(-1, a.shape[-1])
+                if layers[name].bias is not None:
+                    a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype, device=a.device)], 1)
+                inputs[name].append(a)
+                out_grads[name].append((torch.zeros_like(y) if g is None else g)
+                                       .reshape(-1, y.shape[-1]))
+            yield Sample(grads, {k: _cat(v, layers, k, model, 1) for k, v in inputs.items()},
+                         {k: _cat(v, layers, k, model, 0) for k, v in out_grads.items()})
+
+
+def _cat(parts: list[torch.Tensor], layers: dict[str, Linear], name: str, model: LoadedModel,
+         axis: int) -> torch.Tensor:
+    """A sample's rows of one layer (no rows where the layer did not run)."""
+    if parts:
+        return torch.cat(parts)
+    w = model.params[name]
+    width = w.shape[axis] + (axis == 1 and layers[name].bias is not None)
+    return w.new_zeros(0, width)
+
+
+def covariances(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
+                params: Sequence[str], samples: Tensors, weights: Tensors | None = None
+                ) -> Covariances:
+    """The first pass over one batch: :class:`Covariances`."""
+    sums = Covariances()
+    for one in captured(model, loss, gamma, layers, params, samples, weights):
+        part = Covariances({k: _gram(a.T) for k, a in one.inputs.items()},
+                           {k: _gram(g.T) for k, g in one.out_grads.items()},
+                           {k: len(a) for k, a in one.inputs.items()}, 1)
+        sums.add(part)
+    return sums
+
+
+def corrections(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
+                params: Sequence[str], samples: Tensors, found: dict[str, Basis],
+                weights: Tensors | None = None) -> Corrections:
+    """The second pass over one batch, in the bases of the first: :class:`Corrections`."""
+    covered = {p for layer in layers.values() for p in (layer.weight, layer.bias) if p}
+    sums = Corrections()
+    for one in captured(model, loss, gamma, layers, params, samples, weights):
+        g = {k: v.unsqueeze(0) for k, v in one.grads.items()}
+        sums.add(Corrections(
+            {k: found[k].rotate(joined(g, layer).to(WIDE))[0].square()
+             for k, layer in layers.items()},
+            {k: v.to(WIDE).square()[0] for k, v in g.items() if k not in covered}, 1))
+    return sums
+
+
+def fit(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],
+        batches: Iterable[Tensors]) -> Curvature:
+    """The :class:`Curvature` of ``params`` over the fitting ``batches`` (read twice)."""
+    batches = list(batches)
+    layers = linear_layers(model, params, loss, gamma, batches[0])
+    sums = Covariances()
+    for batch in batches:
+        sums.add(covariances(model, loss, gamma, layers, params, batch))
+    found = bases(sums)
+    second = Corrections()
+    for batch in batches:
+        second.add(corrections(model, loss, gamma, layers, params, batch, found))
+    return curvature(layers, found, second)
+
+
+def curvature(layers: dict[str, Linear], found: dict[str, Basis], sums: Corrections
+              ) -> Curvature:
+    """The :class:`Curvature` of both passes' sums."""
+    n = max(sums.samples, 1)
+    return Curvature(layers, found, {k: v / n for k, v in sums.layers.items()},
+                     {k: v / n for k, v in sums.diagonal.items()}, sums.samples)
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(WIDE)
+    return x @ x.T
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """The module's structure copied, its parameters and buffers shared."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def _with_module(model: LoadedModel, module: nn.Module) -> LoadedModel:
+    return replace(model, module=module)
+
+
+@contextmanager
+def _recording(module: nn.Module, layers: dict[str, Linear]
+               ) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """Every call of the layers' modules while open: (weight name, input, output)."""
+    calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    by_module = {f"{name}".removesuffix("weight").removesuffix("."): name for name in layers}
+    handles = []
+    for prefix, sub in module.named_modules():
+        if prefix in by_module:
+            name = by_module[prefix]
+            handles.append(sub.register_forward_hook(
+                lambda _m, args, out, name=name: calls.append((name, args[0].detach(), out))))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
