@@ -44,6 +44,8 @@ from service.strategies.per_sample import sample_loss_of
 
 Kind = Literal["kfac", "ekfac"]
 KINDS: tuple[Kind, ...] = ("kfac", "ekfac")
+DAMPING_RULE = "0.1 x the mean eigenvalue of F (trace(F) / P over the P fitted parameters)"
+DAMPING_SHARE = 0.1
 WIDE = torch.float64  # factors are summed and decomposed in float64
 
 
@@ -139,16 +141,31 @@ class Curvature:
         basis = self.bases[name]
         return torch.outer(basis.l_grads, basis.l_inputs)
 
-    def precondition(self, grads: Tensors, damping: float, kind: Kind) -> Tensors:
-        """``(F + damping I)^-1 g`` of each sample's gradient ``{param: [n, *shape]}`` (every
-        parameter the curvature was fitted on), in float64."""
+    def default_damping(self, kind: Kind) -> float:
+        """:data:`DAMPING_RULE`: a tenth of ``F``'s mean eigenvalue, every layer's ``Lambda``
+        and every diagonal entry counted once (for EK-FAC, ``trace(F)`` is the fitting
+        samples' mean squared gradient norm: a rotation keeps a gradient's norm); it reads the
+        curvature alone, never a retrained model, and is scale-free as TRAK's ``lambda`` rule
+        is. 1.0 where ``F`` is 0."""
+        values = [self.eigenvalues(name, kind) for name in self.layers]
+        values += list(self.diagonal.values())
+        count = sum(v.numel() for v in values)
+        mean = float(sum(v.sum() for v in values)) / max(count, 1)
+        return DAMPING_SHARE * mean if mean > 0 else 1.0
+
+    def precondition(self, grads: Tensors, damping: float, kind: Kind, power: float = 1.0
+                     ) -> Tensors:
+        """``(F + damping I)^-power g`` of each sample's gradient ``{param: [n, *shape]}``
+        (every parameter the curvature was fitted on), in float64: ``power`` 1 solves, 1/2
+        whitens (both sides of a score preconditioned by half)."""
         if not damping > 0:
             raise ValueError(f"damping must be > 0, got {damping}")
-        out = {name: grads[name].to(WIDE) / (d + damping) for name, d in self.diagonal.items()}
+        out = {name: grads[name].to(WIDE) / (d + damping) ** power
+               for name, d in self.diagonal.items()}
         for name, layer in self.layers.items():
             basis = self.bases[name]
             g = basis.rotate(joined(grads, layer).to(WIDE))
-            solved = basis.back(g / (self.eigenvalues(name, kind) + damping))
+            solved = basis.back(g / (self.eigenvalues(name, kind) + damping) ** power)
             out.update(split(solved, layer, grads[layer.weight].shape))
         return out
 

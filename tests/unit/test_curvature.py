@@ -175,3 +175,29 @@ def test_damping_must_be_positive() -> None:
     curv = fit(model, "cross_entropy", 1.0, params, [fields])
     with pytest.raises(ValueError, match="damping"):
         curv.precondition(_loop(model, fields, params), 0.0, "kfac")
+
+
+def test_ekfac_default_damping_is_a_tenth_of_the_fishers_mean_eigenvalue() -> None:
+    model = _model("tiny-transformer", SMALL_TRANSFORMER)
+    params = list(model.params)
+    fields = _fields(model, 4, seed=9)
+    curv = fit(model, "cross_entropy", 1.0, params, [fields])
+    loop = _loop(model, fields, params)
+    # trace(F) of the empirical Fisher: the mean squared gradient norm, over P parameters
+    trace = sum(float(g.square().sum()) for g in loop.values()) / 4
+    width = sum(model.params[k].numel() for k in params)
+    assert curv.default_damping("ekfac") == pytest.approx(0.1 * trace / width, rel=1e-9)
+    kfac = curv.default_damping("kfac")
+    assert kfac > 0 and kfac != pytest.approx(curv.default_damping("ekfac"))
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_whitening_twice_is_preconditioning_once(kind: str) -> None:
+    model = _model("tiny-transformer", SMALL_TRANSFORMER)
+    params = list(model.params)
+    fields = _fields(model, 4, seed=10)
+    curv = fit(model, "cross_entropy", 1.0, params, [fields])
+    g = _loop(model, fields, params)
+    half = curv.precondition(curv.precondition(g, DAMPING, kind, power=0.5),  # type: ignore[arg-type]
+                             DAMPING, kind, power=0.5)  # type: ignore[arg-type]
+    assert_close(half, curv.precondition(g, DAMPING, kind))  # type: ignore[arg-type]
