@@ -13,6 +13,14 @@ scores every (test, train) pair from the model trained on all samples, through t
 gradients' Gram matrix), and stores at each k of ``--dims`` queried with ``k`` = every
 sample, under ``dot``, ``cosine`` and ``trak`` (the default lambda, ``trace(Phi^T Phi) / k``
 with no row counting for more than all the others together).
+``kfac`` and ``ekfac`` precondition each test gradient by the K-FAC or EK-FAC Fisher
+(:mod:`service.curvature`, fitted over the training samples at its default damping, a tenth of
+the mean eigenvalue) and score it against the training gradients: exact, and at each k of
+``--dims`` with both sides sketched by the stores' projection, either the preconditioned test
+gradient against the training gradients' sketches (``query preconditioned``: rows stay plain
+sketches) or both sides whitened by ``(F + damping I)^-1/2`` before sketching (``both sides
+whitened``: rows sketched after the fit); computed in process with the service's modules (the
+stores do not serve these scores yet).
 A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
 printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
@@ -20,6 +28,11 @@ printed: the top-1% overlap of each score matrix with exact TracIn's (per test s
 ``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) on the same model, subsets
 and margins (dattri is not a dependency: ``pip install --no-deps --target /tmp/dattri dattri``
 and run with ``PYTHONPATH=/tmp/dattri``).
+
+``--kronfluence`` adds Kronfluence's EK-FAC and K-FAC (its defaults: the true Fisher of sampled
+labels, damping a tenth of the mean eigenvalue; the query's measurement is its loss, as psgrad's)
+on the same model (``pip install --no-deps --target /tmp/kron kronfluence einops einconv`` and
+``PYTHONPATH=/tmp/kron``).
 
 ``--overlap-only`` trains the one model and prints only sketched TracIn's top-1% overlap with
 exact TracIn, at each k of ``--dims``: mean, min and max over ``--sketch-seeds`` seeds, for
@@ -53,9 +66,12 @@ from sklearn.datasets import load_digits
 import psgrad
 from models.mlp import mlp_layers
 from psgrad._contract import PROJECTION_KINDS
+from service import curvature
 from service.api import create_app
 from service.config import Settings
+from service.registry import load_model
 from service.stores.query import Largest, default_lambda
+from service.strategies.projection import Projection
 
 SIZES = [64, 64, 10]
 
@@ -151,6 +167,94 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
                 full = np.empty((len(tx), len(x)))
                 np.put_along_axis(full, found.ids.astype(np.int64), found.scores, 1)
                 out[f"k={dim} {score}"] = full
+    return out
+
+
+def curvature_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
+                     ty: np.ndarray, dims: list[int]) -> dict[str, np.ndarray]:
+    """``kfac`` and ``ekfac``: each test gradient preconditioned by the Fisher fitted over the
+    training samples (at its default damping), against the training gradients; exact and
+    sketched at each k of ``dims`` (the stores' projection, seed 0)."""
+    model = load_model("lds", "mlp", {"sizes": SIZES},
+                       {k: v.detach() for k, v in net.state_dict().items()},
+                       device=torch.device("cpu"), dtype=torch.float64)
+    params = list(model.params)
+
+    def fields(a: np.ndarray, b: np.ndarray) -> dict[str, torch.Tensor]:
+        return {"inputs": torch.from_numpy(a).double(), "targets": torch.from_numpy(b).long()}
+
+    fitted = curvature.fit(model, "cross_entropy", 1.0, params, [fields(x, y)])
+
+    def grads(a: np.ndarray, b: np.ndarray) -> dict[str, torch.Tensor]:
+        rows = list(curvature.captured(model, "cross_entropy", 1.0, fitted.layers, params,
+                                       fields(a, b)))
+        return {k: torch.stack([r.grads[k] for r in rows]) for k in params}
+
+    def flat(g: dict[str, torch.Tensor]) -> np.ndarray:
+        return torch.cat([v.reshape(len(v), -1) for v in g.values()], 1).numpy()
+
+    g_train, g_test = grads(x, y), grads(tx, ty)
+    out = {}
+    for kind in curvature.KINDS:
+        damping = fitted.default_damping(kind)
+        pre = fitted.precondition(g_test, damping, kind)
+        out[f"exact {kind}"] = flat(pre) @ flat(g_train).T
+        half_test, half_train = (fitted.precondition(g, damping, kind, power=0.5)
+                                 for g in (g_test, g_train))
+        for dim in dims:
+            proj = Projection(dim, 0)
+
+            def sketch(g: dict[str, torch.Tensor], proj: Projection = proj) -> np.ndarray:
+                return sum(proj.project(k, v) for k, v in g.items()).numpy()  # type: ignore[union-attr]
+
+            out[f"k={dim} {kind}, query preconditioned"] = sketch(pre) @ sketch(g_train).T
+            out[f"k={dim} {kind}, both sides whitened"] = (sketch(half_test)
+                                                          @ sketch(half_train).T)
+    return out
+
+
+def kronfluence_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
+                       ty: np.ndarray) -> dict[str, np.ndarray]:
+    """Kronfluence's EK-FAC and K-FAC pairwise scores, at its defaults, on the same model."""
+    import copy
+
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    class Classify(Task):  # type: ignore[misc]
+        def compute_train_loss(self, batch: Any, model: torch.nn.Module,
+                               sample: bool = False) -> torch.Tensor:
+            xb, yb = batch
+            logits = model(xb)
+            if sample:  # the true Fisher: labels drawn from the model
+                with torch.no_grad():
+                    yb = torch.multinomial(torch.softmax(logits, 1), 1).flatten()
+            return torch.nn.functional.cross_entropy(logits, yb, reduction="sum")
+
+        def compute_measurement(self, batch: Any, model: torch.nn.Module) -> torch.Tensor:
+            return self.compute_train_loss(batch, model)
+
+    train = TensorDataset(torch.from_numpy(x), torch.from_numpy(y).long())
+    test = TensorDataset(torch.from_numpy(tx), torch.from_numpy(ty).long())
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="psgrad-kron-") as folder:
+        for strategy in ("ekfac", "kfac"):
+            task = Classify()
+            analyzer = Analyzer(analysis_name=strategy, model=prepare_model(copy.deepcopy(net),
+                                                                            task),
+                                task=task, cpu=True, output_dir=folder, disable_tqdm=True)
+            analyzer.fit_all_factors(factors_name=strategy, dataset=train,
+                                     per_device_batch_size=len(x),
+                                     factor_args=FactorArguments(strategy=strategy))
+            analyzer.compute_pairwise_scores(scores_name=strategy, factors_name=strategy,
+                                             query_dataset=test, train_dataset=train,
+                                             per_device_query_batch_size=len(tx),
+                                             per_device_train_batch_size=len(x))
+            scores = analyzer.load_pairwise_scores(strategy)["all_modules"]
+            out[f"Kronfluence {strategy.upper().replace('KFAC', 'K-FAC')}"] = (
+                scores.double().numpy())
     return out
 
 
@@ -288,6 +392,9 @@ def main() -> None:
     ap.add_argument("--dattri", type=int, default=0, metavar="K",
                     help="also dattri's TracIn and TRAK at this k (dattri installed with "
                     "--no-deps, e.g. PYTHONPATH=/tmp/dattri)")
+    ap.add_argument("--kronfluence", action="store_true",
+                    help="also Kronfluence's EK-FAC and K-FAC (installed with --no-deps, e.g. "
+                    "PYTHONPATH=/tmp/kron)")
     ap.add_argument("--overlap-only", action="store_true",
                     help="no retrained models: only the top-1%% overlap with exact TracIn of "
                     "sketches (psgrad's kinds, dense and orthogonal Gaussian, a reference "
@@ -312,6 +419,9 @@ def main() -> None:
     print(f"trained {args.models + 1} models in {time.perf_counter() - t:.0f} s; test accuracy "
           f"{(margins(net, tx, ty) > 0).mean():.2f}")
     found = asyncio.run(scores_of(net, x, y, tx, ty, dims))
+    found.update(curvature_scores(net, x, y, tx, ty, dims))
+    if args.kronfluence:
+        found.update(kronfluence_scores(net, x, y, tx, ty))
     if args.dattri:
         found.update(dattri_scores(net, x, y, tx, ty, args.dattri))
     exact = found["exact dot"]
