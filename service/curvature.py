@@ -194,6 +194,17 @@ def linear_layers(model: LoadedModel, params: Sequence[str], loss: str, gamma: f
     captured inputs and output gradients rebuild their gradient on the batch's first sample.
     A layer whose weight its parent reads directly (``nn.MultiheadAttention``'s ``out_proj``) or
     shares with another (a head tied to an embedding) is left to the diagonal."""
+    found = _candidates(model, params)
+    first = {k: v[:1] for k, v in samples.items()}
+    for one in captured(model, loss, gamma, found, params, first):
+        g = {k: v.unsqueeze(0) for k, v in one.grads.items()}
+        return {name: layer for name, layer in found.items()
+                if _rebuilds(one.out_grads[name].T @ one.inputs[name], joined(g, layer)[0])}
+    return {}
+
+
+def _candidates(model: LoadedModel, params: Sequence[str]) -> dict[str, Linear]:
+    """The ``nn.Linear`` modules whose weight is among ``params``, by weight name."""
     chosen = set(params)
     found = {}
     for prefix, module in model.module.named_modules():
@@ -202,12 +213,17 @@ def linear_layers(model: LoadedModel, params: Sequence[str], loss: str, gamma: f
             bias = weight.removesuffix("weight") + "bias"
             found[weight] = Linear(weight, bias if module.bias is not None and bias in chosen
                                    else None)
-    first = {k: v[:1] for k, v in samples.items()}
-    for one in captured(model, loss, gamma, found, params, first):
-        g = {k: v.unsqueeze(0) for k, v in one.grads.items()}
-        return {name: layer for name, layer in found.items()
-                if _rebuilds(one.out_grads[name].T @ one.inputs[name], joined(g, layer)[0])}
-    return {}
+    return found
+
+
+def factor_numel(model: LoadedModel, params: Sequence[str]) -> int:
+    """At most how many values the ``kfac_inputs`` output and its fields hold: ``(in + 1)^2 +
+    out^2 + 1`` per linear layer of ``params``."""
+    total = 0
+    for name, layer in _candidates(model, params).items():
+        out, width = model.params[name].shape[0], model.params[name][0].numel()
+        total += (width + (layer.bias is not None)) ** 2 + out**2 + 1
+    return total
 
 
 def _rebuilds(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -283,19 +299,40 @@ def covariances(model: LoadedModel, loss: str, gamma: float, layers: dict[str, L
     return sums
 
 
+def factor_means(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],
+                 samples: Tensors, weights: Tensors | None = None
+                 ) -> tuple[Tensors, Tensors, Tensors]:
+    """The ``kfac_inputs`` output and its two fields of one batch: per linear layer, by weight
+    name, the means over samples of ``sum_t a a^T``, of ``sum_t g g^T`` and of the tokens."""
+    layers = linear_layers(model, params, loss, gamma, samples)
+    sums = covariances(model, loss, gamma, layers, params, samples, weights)
+    n = max(sums.samples, 1)
+    return ({k: v / n for k, v in sums.inputs.items()},
+            {k: v / n for k, v in sums.grads.items()},
+            {k: torch.tensor(t / n, dtype=WIDE) for k, t in sums.tokens.items()})
+
+
 def corrections(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
                 params: Sequence[str], samples: Tensors, found: dict[str, Basis],
                 weights: Tensors | None = None) -> Corrections:
     """The second pass over one batch, in the bases of the first: :class:`Corrections`."""
-    covered = {p for layer in layers.values() for p in (layer.weight, layer.bias) if p}
     sums = Corrections()
     for one in captured(model, loss, gamma, layers, params, samples, weights):
-        g = {k: v.unsqueeze(0) for k, v in one.grads.items()}
-        sums.add(Corrections(
-            {k: found[k].rotate(joined(g, layer).to(WIDE))[0].square()
-             for k, layer in layers.items()},
-            {k: v.to(WIDE).square()[0] for k, v in g.items() if k not in covered}, 1))
+        sums.add(corrections_of(layers, found, {k: v.unsqueeze(0) for k, v in
+                                                one.grads.items()}))
     return sums
+
+
+def corrections_of(layers: dict[str, Linear], found: dict[str, Basis], grads: Tensors
+                   ) -> Corrections:
+    """The second pass's sums over per-sample gradients ``{param: [n, *shape]}`` already
+    computed (a store's fitting rows)."""
+    covered = {p for layer in layers.values() for p in (layer.weight, layer.bias) if p}
+    return Corrections(
+        {k: found[k].rotate(joined(grads, layer).to(WIDE)).square().sum(0)
+         for k, layer in layers.items()},
+        {k: v.to(WIDE).square().sum(0) for k, v in grads.items() if k not in covered},
+        len(next(iter(grads.values()))))
 
 
 def fit(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],

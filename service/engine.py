@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from psgrad._errors import InvalidInput
-from service import graphs
+from service import curvature, graphs
 from service.fast_stats import FastStats, SharedPlans
 from service.outputs import assemble, need_of
 from service.outputs import output_bytes as _output_bytes
@@ -133,4 +133,6 @@ def output_bytes(model: LoadedModel, opts: Options, batch_size: int) -> int:
     """Bytes of the answer, to refuse an oversized result before computing it."""
     n_selected = sum(model.params[k].numel() for k in opts.params)
     itemsize = torch.finfo(model.dtype).bits // 8
-    return _output_bytes(opts.outputs, len(opts.params), n_selected, batch_size, itemsize, opts)
+    factors = curvature.factor_numel(model, opts.params) if "kfac_inputs" in opts.outputs else 0
+    return (_output_bytes(opts.outputs, len(opts.params), n_selected, batch_size, itemsize, opts)
+            + factors * itemsize)

@@ -23,6 +23,7 @@ import torch
 
 from psgrad._contract import output as contract_output
 from psgrad._errors import UnknownOutput
+from service import curvature
 from service.dp.noise import secure_normal
 from service.losses import Loss, get_loss
 from service.plugins import Registry
@@ -379,3 +380,11 @@ def _layer_gns(seg: Segment) -> dict[str, Tensors]:
     sq, mean_sq = _gns_sums(seg)
     return _named(seg, "layer_gns", [dict(zip(seg.params, v.unbind(), strict=True))
                                      for v in noise_scale(sq, mean_sq, seg.n)])
+
+
+@output("kfac_inputs", Need())
+def _kfac(seg: Segment) -> dict[str, Tensors]:
+    call = seg.assembly.call
+    rows = {k: v[seg.start : seg.stop] for k, v in call.samples.items()}
+    return _named(seg, "kfac_inputs", curvature.factor_means(
+        call.model, call.opts.loss, call.opts.gamma, call.selected, rows, call.params))

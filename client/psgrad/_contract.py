@@ -215,6 +215,13 @@ OUTPUTS: tuple[Output, ...] = (
     Output("layer_gns", "{param: number} gns of each parameter alone, with layer_gns_trace and "
            "layer_gns_grad_sq (B >= 2)", "gns", False, per_param=True,
            also=("layer_gns_trace", "layer_gns_grad_sq")),
+    Output("kfac_inputs", "{weight: [in, in]} K-FAC's factors of each linear layer among the "
+           "selected parameters, by its weight's name (the bias as a last input of ones where "
+           "it is selected too): the mean over samples of sum_t a_t a_t^T over the layer's "
+           "inputs, with kfac_grads {weight: [out, out]}, the mean of sum_t g_t g_t^T over the "
+           "loss's gradients by its outputs, and kfac_tokens {weight: number}, the mean tokens "
+           "per sample (K-FAC's A is kfac_inputs / kfac_tokens, its S kfac_grads)", "mean",
+           False, per_param=True, also=("kfac_grads", "kfac_tokens")),
 )
 OUTPUT_NAMES = tuple(o.name for o in OUTPUTS)
 # every output's field in an answer and the fields that come with it, in that order

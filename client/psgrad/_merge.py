@@ -13,7 +13,8 @@ sliced, and each output is combined as the request contract declares it
   ``td_errors``, ``updates``, ``projection``, ``dots``, ...) are concatenated in order.
 - ``mean`` is the n-weighted mean of the chunk means, and ``variance`` is merged with Chan's
   parallel formula (M2 = M2_a + M2_b + delta^2 n_a n_b / n, with M2_c = variance_c * n_c), in
-  float64; a chunk's ``mean`` is requested alongside ``variance`` for that.
+  float64; a chunk's ``mean`` is requested alongside ``variance`` for that. Every other output
+  that combines as a ``mean`` (``kfac_inputs`` and its fields) is n-weighted the same way.
 - ``clipped_mean``: each chunk is asked for its noiseless clipped mean (``noise_multiplier=0``),
   the clipped sums (mean_c * n_c) are added, then the noise N(0, (noise_multiplier * clip_norm)^2)
   is drawn once per element by the client with ``numpy.random.default_rng(seed)`` and the total
@@ -60,6 +61,7 @@ Steps = Generator[Fields, Fields, Fields]
 
 # What is sliced per sample, and how each output combines: the request contract's.
 COMBINE = {o.name: o.combine for o in OUTPUTS}
+FIELD_OF = {field: o.name for o in OUTPUTS for field in o.also}  # a field to its output
 CONCAT = tuple(name for name, how in COMBINE.items() if how == "concat")
 NOT_OUTPUTS = ("model", "batch_size", "loss", "timing", "meta")
 
@@ -340,6 +342,9 @@ def _combine(
             out["mean"], var = merge_moments(counts, [p["mean"] for p in parts], variances)
             if variances is not None:
                 out["variance"] = var
+        for name in answer_fields([o for o in outputs if o != "mean"]):
+            if COMBINE.get(name, COMBINE.get(FIELD_OF.get(name, ""))) == "mean":
+                out[name] = merge_moments(counts, [p[name] for p in parts])[0]
         if "clipped_mean" in outputs:
             cms = [p["clipped_mean"] for p in parts]
             sums = clipped_sum(counts, cms)

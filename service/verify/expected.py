@@ -243,6 +243,9 @@ AGGREGATE: dict[str, Want] = {
     "gns": lambda e: _whole_model(_layer_gns(e)),
     "layer_gns": _layer_gns,
 }
+# Outputs the engine computes with the per-sample autograd loop itself (one sample at a time,
+# plain autograd: service.curvature), which a second run of that loop could only repeat.
+BY_THE_LOOP = frozenset({"kfac_inputs"})
 # Of one sample the variance is 0 and the cosine with the mean 1, whatever the gradient: these
 # take at least two samples, when the batch has them.
 AT_LEAST_TWO = frozenset({"variance", "cosine_mean", "gns", "layer_gns"})

@@ -36,8 +36,11 @@ def tolerance(output: str) -> dict[str, float]:
 # The outputs that summarise the batch without per-sample gradients, td0 or not (the fast path's).
 # Data attribution's outputs need a projection or references: tests/unit/test_projection.py.
 ATTRIBUTION = ("projection", "dots", "influence", "self_influence")
+# Outputs of layer inputs and output gradients, not of per-sample gradients: held to factors
+# written out by hand in tests/unit/test_curvature.py.
+FACTORS = ("kfac_inputs",)
 SUMMARY = tuple(n for n in OUTPUT_NAMES
-                if n not in ("grads", "td_errors", "updates", *ATTRIBUTION))
+                if n not in ("grads", "td_errors", "updates", *ATTRIBUTION, *FACTORS))
 BATCH_FIELDS = ("inputs", "targets", "next_inputs", "rewards", "dones", "mask")
 
 Tensor = torch.Tensor

@@ -4,6 +4,7 @@ the per-sample loop's gradients."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +202,51 @@ def test_whitening_twice_is_preconditioning_once(kind: str) -> None:
     half = curv.precondition(curv.precondition(g, DAMPING, kind, power=0.5),  # type: ignore[arg-type]
                              DAMPING, kind, power=0.5)  # type: ignore[arg-type]
     assert_close(half, curv.precondition(g, DAMPING, kind))  # type: ignore[arg-type]
+
+
+async def test_the_kfac_output_is_the_mean_factors_of_its_samples_chunked_or_not(
+        tmp_path: Path) -> None:
+    """``kfac_inputs`` (with ``kfac_grads`` and ``kfac_tokens``) through the service, one request
+    and split by the SDK into three, against the factors written out by hand."""
+    import httpx
+    import numpy as np
+
+    import psgrad
+    from service.api import create_app
+    from service.config import Settings
+
+    model = _model(*MLP)
+    weights = {k: v.float().numpy() for k, v in model.params.items()}
+    fields = _fields(model, 12, seed=11)
+    want = _mlp_covariances(model, fields)
+    x, y = fields["inputs"].float().numpy(), fields["targets"].numpy()
+    app = create_app(Settings(data_dir=str(tmp_path), device="cpu", redis_url=None, api_keys="",
+                              admin_keys="", batch_max_delay_ms=0))
+    async with (app.router.lifespan_context(app),
+                psgrad.AsyncClient("http://app", transport=httpx.ASGITransport(app=app)) as c):
+        await c.models.register("small", architecture="mlp", config={"sizes": [6, 5, 3]})
+        await c.models.upload_weights("small", weights)
+        for chunk in (None, 5):
+            r = await c.per_sample_grads("small", x, y, outputs=["kfac_inputs"],
+                                         chunk_size=chunk)
+            assert r.meta["requests"] == (1 if chunk is None else 3)
+            assert sorted(r.kfac_inputs) == sorted(want)
+            for name, (a, s) in want.items():
+                np.testing.assert_allclose(r.kfac_inputs[name], a.numpy(), rtol=1e-4, atol=1e-6)
+                np.testing.assert_allclose(r.kfac_grads[name], s.numpy(), rtol=1e-4, atol=1e-7)
+                assert float(r.kfac_tokens[name]) == pytest.approx(1.0)
+
+
+def test_the_answer_size_counts_the_factors() -> None:
+    from service import engine
+    from service.engine import Options
+
+    model = _model(*MLP)
+    params = tuple(model.params)
+    plain = engine.output_bytes(model, Options(loss="cross_entropy", params=params,
+                                               outputs=("losses",)), 4)
+    with_factors = engine.output_bytes(model, Options(loss="cross_entropy", params=params,
+                                                      outputs=("losses", "kfac_inputs")), 4)
+    # fc1: 7 x 7 inputs, 5 x 5 grads, one token count; fc2: 6 x 6, 3 x 3, one; and the
+    # table's one value per parameter of a per-parameter output
+    assert with_factors - plain == 8 * (49 + 25 + 1 + 36 + 9 + 1 + len(params))
