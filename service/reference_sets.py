@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from psgrad._contract import SAMPLE_FIELDS
+from psgrad._contract import SAMPLE_FIELDS, answer_fields
 from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
+from psgrad._merge import merge_moments
 from service.config import raise_setting
 from service.model_store import is_safe_id
 from service.registry import LoadedModel
@@ -83,6 +84,10 @@ def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
     if len({str(p["model"]) for p in parts}) != 1:
         raise Conflict("the model changed version while the set was computed; send it again")
     out = {**first, "batch_size": sum(int(p["batch_size"]) for p in parts)}
+    counts = [int(p["batch_size"]) for p in parts]
+    for name in answer_fields(["kfac_inputs"]) if "kfac_inputs" in first else ():
+        out[name] = merge_moments(counts, [{k: np.asarray(v) for k, v in p[name].items()}
+                                           for p in parts])[0]  # means: n-weighted
     if "projection" in first:
         out["projection"] = np.concatenate([np.asarray(p["projection"]) for p in parts])
     else:

@@ -59,12 +59,24 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--sketches", help="or their sketches [queries, k]")
     p.add_argument("-k", type=int, default=10, help="how many per test sample (default 10)")
     p.add_argument("--score", default="trak",
-                   choices=["trak", "dot", "cosine", "self_influence"])
+                   choices=["trak", "dot", "cosine", "self_influence", "kfac", "ekfac"])
     p.add_argument("--lambda", dest="lam", type=float, help="trak's lambda (default: "
                    "trace(Phi^T Phi) / k, no row counting for more than all the others)")
     p.add_argument("--exact", action="store_true", help="score every row, not through the "
                    "store's index")
+    p.add_argument("--damping", type=float, help="kfac's and ekfac's damping (default: a tenth "
+                   "of the Fisher's mean eigenvalue)")
     p.set_defaults(func=_query)
+    p = ssub.add_parser("factors", parents=[conn], help="fit a store's K-FAC and EK-FAC factors "
+                                                        "over samples (a store of full gradients)")
+    p.add_argument("id", help="the store's id")
+    p.add_argument("--inputs", required=True, help="samples: a .npy or .safetensors[:NAME] file")
+    p.add_argument("--targets", help="their targets, as --inputs")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per request (256)")
+    p.add_argument("--resume", action="store_true", help="skip as many leading samples as the "
+                   "factors hold (an interrupted fit of the same samples)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_factors)
     for name, func, text in (("show", _show, "describe a store (JSON)"),
                              ("delete", _delete, "delete a store")):
         p = ssub.add_parser(name, parents=[conn], help=text)
@@ -124,9 +136,21 @@ def _query(args: argparse.Namespace) -> int:
         found = client.stores.get(args.id).query(
             read(args.inputs, "inputs"), read(args.targets, "targets"),
             sketches=read(args.sketches, "sketches"), k=args.k, score=args.score, lam=args.lam,
-            exact=True if args.exact else None)
+            exact=True if args.exact else None, damping=args.damping)
     print(json.dumps({"ids": found.ids.tolist(), "scores": found.scores.tolist(),
-                      "score": found.score, "lambda": found.lam, "exact": found.exact}))
+                      "score": found.score, "lambda": found.lam, "exact": found.exact,
+                      "damping": found.damping}))
+    return 0
+
+
+def _factors(args: argparse.Namespace) -> int:
+    inputs = load_array(args.inputs, default_name="inputs")
+    targets = load_array(args.targets, default_name="targets") if args.targets else None
+    with client_of(args) as client:
+        info = client.stores.get(args.id).fit_factors(
+            inputs, targets, batch_size=args.batch_size, progress=not args.no_progress,
+            resume=args.resume)
+    print(json.dumps(info))
     return 0
 
 

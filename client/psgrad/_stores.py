@@ -4,8 +4,9 @@
 ``projection_dim``: of full gradients) and returns its handle;
 ``store.add(x, y, ids=...)`` sends the samples in batches (``batch_size``), each committed whole
 by the server, skipping the ids the store already holds (so an interrupted upload resumes where
-it stopped); ``store.query(x, y, k=10, score="trak")`` answers ``(ids, scores)``, each
-``[queries, k]``, best first. Each exchange is described once (:class:`_Calls`); ``Store`` sends
+it stopped); ``store.fit_factors(x, y)`` fits its K-FAC factors over samples;
+``store.query(x, y, k=10, score="trak")`` answers ``(ids, scores)``, each ``[queries, k]``,
+best first. Each exchange is described once (:class:`_Calls`); ``Store`` sends
 it and ``AsyncStore`` awaits it.
 """
 
@@ -41,6 +42,7 @@ class QueryResult:
     score: str
     lam: float | None = None  # the lambda of a ``trak`` query
     exact: bool = True  # False: ranked among the store's index's candidates
+    damping: float | list[float] | None = None  # of a ``kfac`` or ``ekfac`` query
 
 
 def _path(store_id: str, tail: str = "") -> str:
@@ -53,7 +55,8 @@ _doc = json_doc
 def _result(response: httpx.Response) -> QueryResult:
     doc = response.json()
     return QueryResult(np.asarray(doc["ids"]), np.asarray(doc["scores"], dtype=np.float64),
-                       doc["score"], doc.get("lambda"), bool(doc.get("exact", True)))
+                       doc["score"], doc.get("lambda"), bool(doc.get("exact", True)),
+                       doc.get("damping"))
 
 
 def _binary(path: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
@@ -96,6 +99,10 @@ class _Calls:
     @staticmethod
     def add(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
         return _binary(_path(store_id, "/samples"), fields)
+
+    @staticmethod
+    def factors(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
+        return _binary(_path(store_id, "/factors"), fields)
 
     @staticmethod
     def rows(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
@@ -148,10 +155,13 @@ def _sample_fields(model: str, x: Any, y: Any, ids: list[Any], keep: list[bool])
 
 
 def _query_fields(model: str, x: Any, y: Any, sketches: Any, k: int, score: str,
-                  lam: float | None, exact: bool | None) -> dict[str, Any]:
+                  lam: float | None, exact: bool | None, damping: float | None
+                  ) -> dict[str, Any]:
     fields: dict[str, Any] = {"k": k, "score": score}
     if lam is not None:
         fields["lambda"] = float(lam)
+    if damping is not None:
+        fields["damping"] = float(damping)
     if exact is not None:
         fields["exact"] = bool(exact)
     if sketches is not None:
@@ -201,9 +211,35 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
     return {**store.info, "added": done - skipped, "skipped": skipped}
 
 
+def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
+             progress: bool | Progress, resume: bool) -> Generator[Step, Any, dict[str, Any]]:
+    """``fit_factors`` as steps: the samples in batches of ``batch_size``, each added to the
+    store's factors; ``resume`` first skips as many leading samples as the factors hold."""
+    if batch_size < 1:
+        raise BadRequest("'batch_size' must be a positive integer")
+    x = to_numpy(inputs, "inputs")
+    y = None if targets is None else to_numpy(targets, "targets")
+    store.info = yield "call", _Calls.get(store.id)
+    start = int((store.info.get("factors") or {}).get("samples", 0)) if resume else 0
+    bar = Progress(f"factors {store.id}") if progress is True else progress or None
+    for a in range(min(start, len(x)), len(x), batch_size):
+        fields: dict[str, Any] = {"model": store.info["model"], "inputs": x[a:a + batch_size]}
+        if y is not None:
+            fields["targets"] = y[a:a + batch_size]
+        fields = yield "prepare", fields
+        store.info = yield "call", _Calls.factors(store.id, fields)
+        if bar is not None:
+            bar(min(a + batch_size, len(x)), len(x))
+    if bar is not None:
+        bar.close()
+    return {**store.info, "fitted": max(0, len(x) - start), "skipped": min(start, len(x))}
+
+
 def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
-              lam: float | None, exact: bool | None) -> Generator[Step, Any, QueryResult]:
-    fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam, exact)
+              lam: float | None, exact: bool | None, damping: float | None = None
+              ) -> Generator[Step, Any, QueryResult]:
+    fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam, exact,
+                           damping)
     if "inputs" in fields:
         fields = yield "prepare", fields
     result: QueryResult = yield "call", _Calls.query(store.id, fields)
@@ -264,15 +300,27 @@ class Store(_Handle):
                                                   rows=True))
         return added
 
+    def fit_factors(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
+                    progress: bool | Progress = False, resume: bool = False) -> dict[str, Any]:
+        """Fit the store's K-FAC and EK-FAC factors over samples, sent in batches of
+        ``batch_size``, each added to the fit (a store of full gradients; docs/attribution.md).
+        ``resume=True`` skips as many leading samples as the factors already hold: an
+        interrupted fit of the same samples in the same order goes on where it stopped.
+        Returns the store's description with this call's ``fitted`` and ``skipped``."""
+        fitted: dict[str, Any] = self._run(_fitting(self, inputs, targets, batch_size,
+                                                    progress, resume))
+        return fitted
+
     def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
               k: int = 10, score: str = "trak", lam: float | None = None,
-              exact: bool | None = None) -> QueryResult:
+              exact: bool | None = None, damping: float | None = None) -> QueryResult:
         """The top ``k`` training samples of each test sample (or of each sketch), best first;
         ``score`` ``self_influence`` takes no samples and ranks the store itself. A store with
         an index answers ``dot`` and ``trak`` through it (``result.exact`` False) unless
-        ``exact=True``."""
+        ``exact=True``. ``kfac`` and ``ekfac`` need the store's factors (:meth:`fit_factors`)
+        and take ``damping`` (default: a tenth of the Fisher's mean eigenvalue)."""
         result: QueryResult = self._run(_querying(self, inputs, targets, sketches, k, score,
-                                                  lam, exact))
+                                                  lam, exact, damping))
         return result
 
     def delete(self) -> dict[str, Any]:
@@ -343,12 +391,20 @@ class AsyncStore(_Handle):
                                                         progress, rows=True))
         return added
 
+    async def fit_factors(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
+                          progress: bool | Progress = False, resume: bool = False
+                          ) -> dict[str, Any]:
+        """See ``Store.fit_factors``."""
+        fitted: dict[str, Any] = await self._run(_fitting(self, inputs, targets, batch_size,
+                                                          progress, resume))
+        return fitted
+
     async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
                     k: int = 10, score: str = "trak", lam: float | None = None,
-                    exact: bool | None = None) -> QueryResult:
+                    exact: bool | None = None, damping: float | None = None) -> QueryResult:
         """See ``Store.query``."""
         result: QueryResult = await self._run(_querying(self, inputs, targets, sketches, k,
-                                                        score, lam, exact))
+                                                        score, lam, exact, damping))
         return result
 
     async def delete(self) -> dict[str, Any]:

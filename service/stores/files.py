@@ -11,6 +11,8 @@ Under the data directory (a local path or any fsspec URL: ``s3://bucket/psgrad``
                                             committed row (TRAK's preconditioner)
     stores/<key>/index-<seq>.faiss          a store made with ``index``: its FAISS index of
                                             every committed row (:mod:`service.stores.index`)
+    stores/<key>/factors.safetensors        its K-FAC factors, once fitted
+                                            (:mod:`service.stores.factors`)
 
 An append is staged, then committed. :meth:`StoreFiles.stage` writes the batch's shards (at most
 ``PSGRAD_STORE_SHARD_BYTES`` of rows each) under fresh names that no manifest lists yet.
@@ -339,11 +341,26 @@ class StoreFiles:
     def kept(self, what: str, key: str, manifest: Manifest, make: Callable[[], Any]) -> Any:
         """``make()`` for this store as ``manifest`` commits it, made once and kept (for a few
         stores) until another commit: ``what`` names it ("ids", "gram", ...)."""
-        value = self._recall(what, key, manifest.version)
+        return self.kept_at(what, key, manifest.version, make)
+
+    def kept_at(self, what: str, key: str, version: tuple[str, int],
+                make: Callable[[], Any]) -> Any:
+        """:meth:`kept` of a state that another record than the manifest versions (a store's
+        factors: its epoch and their own count of writes)."""
+        value = self._recall(what, key, version)
         if value is None:
             value = make()
-            self._remember(what, key, manifest.version, value)
+            self._remember(what, key, version, value)
         return value
+
+    def read_file(self, key: str, name: str) -> bytes | None:
+        """A whole file of the store (None where there is none)."""
+        return self._read(self.path(key, name))
+
+    def write_file(self, key: str, name: str, *parts: bytes | memoryview) -> None:
+        """A whole file of the store, written beside it and renamed over it; a caller that
+        reads, changes and writes one holds the store's lock (``locks.hold``)."""
+        self._write(self.path(key, name), *parts)
 
     def _recall(self, what: str, key: str, version: tuple[str, int]) -> Any:
         """What :meth:`_remember` kept of this store at ``version`` (else None)."""
@@ -358,7 +375,7 @@ class StoreFiles:
         with self._guard:
             self._memo.pop((what, key), None)
             self._memo[(what, key)] = (version, value)
-            while len(self._memo) > 4 * MEMO_STORES:  # ids, Gram, trak's factor, index
+            while len(self._memo) > 5 * MEMO_STORES:  # ids, Gram, trak's, index, curvature
                 del self._memo[next(iter(self._memo))]
 
     def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:

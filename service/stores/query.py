@@ -11,7 +11,10 @@ store's model version, loss, parameters and projection: sketches, or full gradie
   is the query's, else :data:`LAMBDA_RULE`: the mean eigenvalue ``trace(Phi^T Phi) / k``, with
   no row counting for more than all the others together (so one extreme row cannot set it); a
   rule that reads the store alone, never a retrained model;
-- ``self_influence``: ``|phi_i|^2``, the store ranked by itself (no test samples).
+- ``self_influence``: ``|phi_i|^2``, the store ranked by itself (no test samples);
+- ``kfac``, ``ekfac``: ``g_q^T (F + damping I)^-1 g_i`` with the store's K-FAC or EK-FAC Fisher
+  (:mod:`service.stores.factors`, stores of full gradients): the query preconditioned there,
+  then scored as ``dot``.
 
 Each shard's rows are widened to float32 and multiplied by the queries (one GEMM per shard; each
 query scaled by a power of two to entries below 1 first, and its scores scaled back in float64,
@@ -34,7 +37,7 @@ from service.stores.files import Manifest, StoreFiles
 from service.stores.index import INDEXED, candidates
 from service.stores.spec import MAX_EXACT_WIDTH
 
-Score = Literal["dot", "cosine", "trak", "self_influence"]
+Score = Literal["dot", "cosine", "trak", "self_influence", "kfac", "ekfac"]
 SCORES: tuple[str, ...] = get_args(Score)
 LAMBDA_RULE = "trace(Phi^T Phi) / k, no row counting for more than all the others"
 BLOCK_ROWS = 16384  # rows widened to float32 at once: 64 MiB at k = 1024

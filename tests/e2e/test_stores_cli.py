@@ -91,3 +91,33 @@ def test_stores_commands(url: str, tmp_path: Path) -> None:
     assert again["ids"] == got["ids"]
     np.testing.assert_allclose(again["scores"], got["scores"], rtol=1e-5)
     assert json.loads(cli(url, "stores", "delete", "train"))["deleted"] is True
+
+
+def test_stores_factors_and_ekfac_query(url: str, tmp_path: Path) -> None:
+    """``psgrad stores factors`` fits a store of full gradients (resumed with --resume), and
+    ``query --score ekfac --damping`` answers the SDK's."""
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((30, 6)).astype(np.float32), rng.integers(0, 3, 30)
+    for name, value in (("x", x), ("y", y), ("x_part", x[:12]), ("y_part", y[:12]),
+                        ("tx", x[:2]), ("ty", y[:2])):
+        np.save(tmp_path / f"{name}.npy", value)
+    with psgrad.Client(base_url=url) as client:
+        client.models.register("small", architecture="mlp", config={"sizes": [6, 5, 3]})
+    cli(url, "stores", "create", "full", "small")
+    cli(url, "stores", "add", "full", "--inputs", str(tmp_path / "x.npy"), "--targets",
+        str(tmp_path / "y.npy"), "--no-progress")
+    part = json.loads(cli(url, "stores", "factors", "full", "--inputs",
+                          str(tmp_path / "x_part.npy"), "--targets", str(tmp_path / "y_part.npy"),
+                          "--no-progress"))
+    assert part["factors"]["samples"] == 12
+    done = json.loads(cli(url, "stores", "factors", "full", "--inputs", str(tmp_path / "x.npy"),
+                          "--targets", str(tmp_path / "y.npy"), "--resume", "--batch-size", "8",
+                          "--no-progress"))
+    assert (done["factors"]["samples"], done["fitted"], done["skipped"]) == (30, 18, 12)
+    got = json.loads(cli(url, "stores", "query", "full", "--inputs", str(tmp_path / "tx.npy"),
+                         "--targets", str(tmp_path / "ty.npy"), "-k", "3", "--score", "ekfac",
+                         "--damping", "0.05"))
+    with psgrad.Client(base_url=url) as client:
+        want = client.stores.get("full").query(x[:2], y[:2], k=3, score="ekfac", damping=0.05)
+    assert got["ids"] == want.ids.tolist() and got["damping"] == 0.05 == want.damping
+    np.testing.assert_allclose(got["scores"], want.scores, rtol=1e-6)

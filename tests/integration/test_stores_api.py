@@ -21,11 +21,13 @@ import redis
 import torch
 
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
-from service import redis_keys
+from service import curvature, redis_keys
 from service.redis_keys import text
 from service.registry import load_model
+from service.stores import factors
 from service.stores.files import StoreFiles
 from service.stores.locks import ThreadLocks
+from service.stores.spec import StoreSpec
 from tests.support.api import open_client
 from tests.support.cluster import cluster
 from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
@@ -36,6 +38,11 @@ KEYS = {"api_keys": "alice:alice-key,bob:bob-key", "admin_keys": "ops:ops-key"}
 ALICE, BOB, OPS = ({"authorization": f"Bearer {k}-key"} for k in ("alice", "bob", "ops"))
 MLP = {"sizes": [6, 5, 3]}
 DIM, SEED = 64, 3
+SPEC_OF_ATT = StoreSpec(id="fk", model="att@1", loss="cross_entropy",
+                        params=("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"),
+                        projection_dim=53, projection_seed=0, projection_kind="exact",
+                        dtype="float32", shapes={"fc1.weight": [5, 6], "fc1.bias": [5],
+                                                 "fc2.weight": [3, 5], "fc2.bias": [3]})
 
 
 def batch(n: int, seed: int) -> dict[str, Any]:
@@ -238,6 +245,71 @@ async def test_a_store_of_full_gradients_holds_the_loops_and_answers_every_score
             assert r.json()["ids"] == want_rows.tolist(), score
             np.testing.assert_allclose(r.json()["scores"], want_scores, rtol=1e-4,
                                        atol=1e-6 * np.abs(want_scores).max())
+
+
+async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factors(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """``POST /stores/{id}/factors`` in two batches, then ``kfac`` and ``ekfac`` queries: the
+    scores are the per-sample loop's query gradients preconditioned by the curvature fitted
+    in process over the same batches (service.curvature, itself held to dense solves), dotted
+    with the stored rows; damping defaults and is echoed; what cannot be scored says so."""
+    c, _ = service
+    r = await c.put("/stores/fk", headers=ALICE, json={"model": "att"})
+    assert r.status_code == 201 and r.json()["factors"] is None, r.text
+    train, test = batch(40, 21), batch(3, 22)
+    r = await c.post("/stores/fk/samples", headers=ALICE, json={**train, "ids": list(range(40))})
+    assert r.status_code == 200, r.text
+    error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
+                                                                 **test}),
+          409, "conflict", "POST /stores/fk/factors")
+    halves = [{k: v[a:a + 20] for k, v in train.items()} for a in (0, 20)]
+    for half in halves:
+        r = await c.post("/stores/fk/factors", headers=ALICE, json=half)
+        assert r.status_code == 200 and r.json()["fitted"] == 20, r.text
+    assert r.json()["factors"] == {"samples": 40, "layers": ["fc1.weight", "fc2.weight"]}
+    r = await c.get("/stores/fk", headers=ALICE)
+    assert r.json()["factors"]["samples"] == 40
+
+    model = load_model("att", "mlp", MLP, device=torch.device("cpu"), dtype=torch.float64)
+    params = list(model.params)
+    fields = [{"inputs": torch.tensor(h["inputs"], dtype=torch.float64),
+               "targets": torch.tensor(h["targets"])} for h in halves]
+    fitted = curvature.fit(model, "cross_entropy", 1.0, params, fields)
+    phi, q = loop_rows(train), loop_rows(test)
+    grads = factors.as_grads(SPEC_OF_ATT, q)
+    for kind in ("kfac", "ekfac"):
+        for damping in (None, 0.01):
+            used = fitted.default_damping(kind) if damping is None else damping
+            pre = fitted.precondition(grads, used, kind)  # type: ignore[arg-type]
+            want = np.concatenate([pre[p].reshape(3, -1).numpy() for p in params], 1) @ phi.T
+            order = np.argsort(-want, axis=1, kind="stable")[:, :5]
+            for sent in (test, {"sketches": q.tolist()}):
+                body = {"k": 5, "score": kind, **sent,
+                        **({} if damping is None else {"damping": damping})}
+                r = await c.post("/stores/fk/query", headers=ALICE, json=body)
+                assert r.status_code == 200, (kind, r.text)
+                assert r.json()["ids"] == order.tolist(), kind
+                np.testing.assert_allclose(r.json()["scores"],
+                                           np.take_along_axis(want, order, 1), rtol=2e-3,
+                                           atol=1e-4 * np.abs(want).max())
+                assert r.json()["damping"] == pytest.approx(used, rel=1e-3)
+    error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "damping": 0.1,
+                                                                 **test}),
+          422, "invalid_input", "'damping'")
+    error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
+                                                                 "damping": -1.0, **test}),
+          400, "bad_request", "'damping'")
+    error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
+                                                                 "damping": 0, **test}),
+          422, "invalid_input", "'damping' must be > 0")
+    r = await c.put("/stores/sk", headers=ALICE, json={"model": "att", "projection_dim": DIM})
+    assert r.status_code == 201, r.text
+    error(await c.post("/stores/sk/factors", headers=ALICE, json=halves[0]),
+          422, "invalid_input", "without 'projection_dim'")
+    error(await c.post("/stores/sk/query", headers=ALICE, json={"k": 1, "score": "kfac",
+                                                                 **test}),
+          422, "invalid_input", "without 'projection_dim'")
+    error(await c.post("/stores/fk/factors", headers=BOB, json=halves[0]), 404, "not_found")
 
 
 async def test_rows_imported_are_kept_as_sent_and_bad_ones_refused_whole(

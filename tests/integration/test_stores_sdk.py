@@ -194,3 +194,32 @@ def test_an_ensemble_from_the_sdk(transport: httpx.BaseTransport) -> None:
         assert np.asarray(found.ids).tolist() == want.tolist()
         np.testing.assert_allclose(found.scores, np.take_along_axis(total, want, 1),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_factors_fitted_in_batches_resumed_and_queried(transport: httpx.BaseTransport) -> None:
+    """``fit_factors`` in batches, resumed, then ``ekfac`` and ``kfac`` queries: the same
+    answers as a store fitted in one request that the server splits into jobs (its batch limit
+    is 16), whose factors are merged as size-weighted means."""
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((40, 6)).astype(np.float32), rng.integers(0, 3, 40)
+    with psgrad.Client(base_url="http://app", transport=transport) as client:
+        client.models.register("small", architecture="mlp", config={"sizes": [6, 5, 3]})
+        found = {}
+        for name, plan in (("parts", ((25, False), (40, True))), ("whole", ((40, False),))):
+            store = client.stores.create(name, "small")
+            store.add(x, y, ids=list(range(40)))
+            for upto, resume in plan:
+                info = store.fit_factors(x[:upto], y[:upto], batch_size=10 if resume or
+                                         name == "parts" else 40, resume=resume)
+                assert info["factors"]["samples"] == upto, info
+            if name == "parts":
+                assert (info["skipped"], info["fitted"]) == (25, 15)
+            found[name] = {score: store.query(x[:3], y[:3], k=4, score=score)
+                           for score in ("kfac", "ekfac")}
+        for score in ("kfac", "ekfac"):
+            a, b = found["parts"][score], found["whole"][score]
+            assert a.ids.tolist() == b.ids.tolist() and a.score == score
+            np.testing.assert_allclose(a.scores, b.scores, rtol=1e-4)
+            assert a.damping == pytest.approx(b.damping, rel=1e-4) and a.damping > 0
+        fixed = client.stores.get("parts").query(x[:3], y[:3], k=2, score="ekfac", damping=0.5)
+        assert fixed.damping == 0.5

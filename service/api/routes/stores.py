@@ -30,7 +30,9 @@ from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, Tenant
 from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
 from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
+from service.curvature import KINDS as FACTOR_SCORES
 from service.reference_sets import checked_id
+from service.stores import factors
 from service.stores.files import Manifest, commit_all, refuse_duplicates
 from service.stores.query import Score, check_k, check_score, search_all
 from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_requests
@@ -49,7 +51,7 @@ from service.validate import parse_request
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
 SAMPLES_EXTRA = frozenset({"ids"})
-QUERY_EXTRA = frozenset({"k", "score", "lambda", "sketches", "exact"})
+QUERY_EXTRA = frozenset({"k", "score", "lambda", "damping", "sketches", "exact"})
 ROWS_EXTRA = frozenset({"rows", "ids"})
 
 
@@ -109,6 +111,8 @@ QueryBody = create_model(
                                    "store of full gradients: the flattened gradients)")),
     exact=(bool | None, Field(None, description="true: score every row; default: through the "
                               "store's index where it has one (dot, trak)")),
+    damping=(float | None, Field(None, gt=0, description="kfac and ekfac only; default: a "
+                                 "tenth of the fitted Fisher's mean eigenvalue")),
 )
 
 
@@ -127,12 +131,15 @@ def _missing(store_id: str) -> NotFound:
     return NotFound(f"store '{store_id}' not found: create it with PUT /stores/{store_id}")
 
 
-def _doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
-    """``GET /stores/{id}``: the definition and what is committed."""
+def _doc(spec: StoreSpec, manifest: Manifest, fitted: factors.Fitted | None = None
+         ) -> dict[str, Any]:
+    """``GET /stores/{id}``: the definition, what is committed and the factors fitted."""
     return {**spec.doc(), "samples": manifest.count, "bytes": manifest.nbytes,
             "shards": len(manifest.shards), "commits": manifest.seq,
             "state": "ready" if manifest.count else "empty",
-            "indexed": manifest.index is not None}
+            "indexed": manifest.index is not None,
+            "factors": None if fitted is None else {"samples": fitted.samples,
+                                                    "layers": fitted.layers}}
 
 
 def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
@@ -153,6 +160,12 @@ async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str,
     """The batch's rows (sketches, or flattened gradients), computed by the workers (several
     jobs past the batch limit)."""
     result = await split_answer(state, tenant, job)
+    _same_model(spec, result)
+    return np.asarray(set_rows(spec, result), dtype=np.float32)
+
+
+def _same_model(spec: StoreSpec, result: dict[str, Any]) -> None:
+    """The workers answered with the store's model version and projection (409 otherwise)."""
     meta = result.get("meta") or {}
     kind = meta.get("projection_kind", spec.projection_kind)
     version = meta.get("projection_version", spec.projection_version)
@@ -161,7 +174,6 @@ async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str,
         raise Conflict(f"the sketches came from {result['model']} ({kind} version {version}), "
                        f"not the store's {spec.model} ({spec.projection_kind} version "
                        f"{spec.projection_version}); send the batch again")
-    return np.asarray(set_rows(spec, result), dtype=np.float32)
 
 
 @router.get("", responses=errors(400, 401, 403),
@@ -205,7 +217,9 @@ async def get_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict
 
     def read() -> dict[str, Any]:
         spec = _spec(state, key, store_id)
-        return _doc(spec, _shown(state, key, spec))
+        first = spec.members(key)[0][0]
+        return _doc(spec, _shown(state, key, spec), factors.fitted(state.storage.gradients,
+                                                                   first))
 
     return await run_in_threadpool(read)
 
@@ -313,6 +327,46 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
     return await run_in_threadpool(keep)
 
 
+@router.post("/{store_id}/factors",
+             openapi_extra=_body(SampleBatch, "a batch (inputs, targets, ...), as for /samples"),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
+             summary="Fit the store's K-FAC and EK-FAC factors over a batch (repeatable)")
+async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
+                      scope: ScopeDep) -> dict[str, Any]:
+    """The workers compute the batch's K-FAC factors (``kfac_inputs``) and gradients with the
+    store's model version, loss and parameters; they are added to the store's (each
+    checkpoint's own, for an ensemble), all or nothing. Each batch adds to the fit: send the
+    fitting set in as many batches as suits (the store's own samples, or others). ``GET
+    /stores/{id}`` shows ``factors``: the samples fitted and the layers covered."""
+    fields = await decode_request(request, state.settings, one_job=False, need_model=False)
+    key, what = _key(scope, store_id), f"POST /stores/{store_id}/factors"
+
+    def check() -> tuple[StoreSpec, list[dict[str, Any]]]:
+        spec = _spec(state, key, store_id)
+        spec.check_version()
+        factors.check_fits(spec, store_id)
+        jobs = [{**job, "outputs": ["grads", "kfac_inputs"]}
+                for job in rows_requests(spec, key, fields, what)]
+        parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
+        return spec, jobs
+
+    await conform(SampleBatch, fields, check)
+    spec, jobs = await run_in_threadpool(check)
+    members = spec.members(key)
+    answers = await asyncio.gather(*(split_answer(state, tenant, job) for job in jobs))
+    for (_, member), answer in zip(members, answers, strict=True):
+        _same_model(member, answer)
+
+    def keep() -> dict[str, Any]:
+        files = state.storage.gradients
+        done = [factors.add(files, member_key, member, answer, set_rows(member, answer))
+                for (member_key, member), answer in zip(members, answers, strict=True)]
+        return {**_doc(spec, _shown(state, key, spec), done[0]),
+                "fitted": int(answers[0]["batch_size"])}
+
+    return await run_in_threadpool(keep)
+
+
 class LookupBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ids: list[int | str] = Field(description="sample ids to look for")
@@ -370,9 +424,10 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     lam = fields.pop("lambda", None)
     given = fields.pop("sketches", None)
     exact = fields.pop("exact", None)
+    damping = fields.pop("damping", None)
 
     def check() -> tuple[StoreSpec, list[dict[str, Any]], list[np.ndarray | None]]:
-        nonlocal k, score, lam
+        nonlocal k, score, lam, damping
         k, score = positive_int(k, "k"), check_score(score)
         if exact is not None and not isinstance(exact, bool):
             raise InvalidInput("'exact' is true (score every row) or false (the store's index, "
@@ -381,8 +436,17 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
             if score != "trak":
                 raise InvalidInput("'lambda' is read by score 'trak' only")
             lam = finite_float(lam, "lambda")
+        if damping is not None:
+            if score not in FACTOR_SCORES:
+                raise InvalidInput("'damping' is read by scores 'kfac' and 'ekfac' only")
+            damping = finite_float(damping, "damping")
+            if damping == 0:
+                raise InvalidInput("'damping' must be > 0: (F + damping I) is singular where F "
+                                   "is; leave it out for the default")
         spec = _spec(state, key, store_id)
         spec.check_version()
+        if score in FACTOR_SCORES:
+            factors.check_fits(spec, store_id)
         rest = check_batch(spec, fields, "this query")
         check_k(_shown(state, key, spec), k, store_id)
         batch = any(rest.get(f) is not None for f in SAMPLE_FIELDS)
@@ -418,7 +482,14 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
 
     def run() -> dict[str, Any]:
         files = state.storage.gradients
-        found = search_all(files, [m for m, _ in members], store_id, queries, k, score, lam,
+        scored, used = score, None
+        if score in FACTOR_SCORES:  # the queries preconditioned, then scored as dot
+            scored, pre = "dot", [factors.preconditioned(
+                member, factors.curvature_of(files, member_key, member, store_id), q, score,
+                damping) for (member_key, member), q in zip(members, queries, strict=True)
+                if q is not None]
+            queries[:], used = [q for q, _ in pre], [d for _, d in pre]
+        found = search_all(files, [m for m, _ in members], store_id, queries, k, scored, lam,
                            exact)
         out = {"ids": files.id_at(members[0][0], found.manifest, found.rows),
                "scores": found.scores.tolist(), "score": score, "k": k,
@@ -426,6 +497,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
                "exact": found.exact}
         if found.lam is not None:
             out["lambda"] = found.lam
+        if used is not None:
+            out["damping"] = used[0] if len(used) == 1 else used
         if spec.checkpoints:
             out["checkpoints"] = list(spec.checkpoints)
         return out
