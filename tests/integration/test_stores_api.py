@@ -312,6 +312,52 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
     error(await c.post("/stores/fk/factors", headers=BOB, json=halves[0]), 404, "not_found")
 
 
+async def test_an_ensembles_checkpoints_each_fit_and_score_their_own_factors(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """An ensemble of full gradients: each checkpoint fits factors of its own, and an ``ekfac``
+    query's scores are the sums over checkpoints of each one's own preconditioned scores."""
+    c, _ = service
+    first = (await c.get("/models/att", headers=OPS)).json()["version"]
+    base = load_model("att", "mlp", MLP, device=torch.device("cpu")).module.state_dict()
+    shifted = {k: v.detach() * 1.5 + 0.01 for k, v in base.items()}
+    r = await c.put("/models/att", headers=OPS, json={
+        "architecture": "mlp", "config": MLP,
+        "weights": {k: v.tolist() for k, v in shifted.items()}})
+    assert r.status_code == 200, r.text
+    refs = [f"att@{first}", f"att@{r.json()['version']}"]
+    r = await c.put("/stores/ek", headers=ALICE, json={"checkpoints": refs})
+    assert r.status_code == 201, r.text
+    train, test = batch(30, 51), batch(2, 52)
+    r = await c.post("/stores/ek/samples", headers=ALICE, json={**train, "ids": list(range(30))})
+    assert r.status_code == 200, r.text
+    r = await c.post("/stores/ek/factors", headers=ALICE, json=train)
+    assert r.status_code == 200 and r.json()["factors"]["samples"] == 30, r.text
+    total, dampings = np.zeros((2, 30)), []
+    for state in ({k: v.detach() for k, v in base.items()}, shifted):
+        model = load_model("att", "mlp", MLP, state, device=torch.device("cpu"),
+                           dtype=torch.float64)
+        sent = {name: {"inputs": torch.tensor(data["inputs"], dtype=torch.float64),
+                       "targets": torch.tensor(data["targets"])}
+                for name, data in (("train", train), ("test", test))}
+        fitted = curvature.fit(model, "cross_entropy", 1.0, list(model.params), [sent["train"]])
+        rows = {k: per_sample_loop(model.module, data, "cross_entropy").grads
+                for k, data in sent.items()}
+        flat = {k: torch.cat([g.reshape(len(g), -1) for g in v.values()], 1).double().numpy()
+                for k, v in rows.items()}
+        dampings.append(fitted.default_damping("ekfac"))
+        pre = fitted.precondition(factors.as_grads(SPEC_OF_ATT, flat["test"]), dampings[-1],
+                                  "ekfac")
+        total += np.concatenate([pre[p].reshape(2, -1).numpy() for p in SPEC_OF_ATT.params],
+                                1) @ flat["train"].T
+    r = await c.post("/stores/ek/query", headers=ALICE, json={"k": 4, "score": "ekfac", **test})
+    assert r.status_code == 200, r.text
+    want = np.argsort(-total, axis=1, kind="stable")[:, :4]
+    assert r.json()["ids"] == want.tolist()
+    np.testing.assert_allclose(r.json()["scores"], np.take_along_axis(total, want, 1),
+                               rtol=2e-3, atol=1e-4 * np.abs(total).max())
+    assert r.json()["damping"] == pytest.approx(dampings, rel=1e-3)
+
+
 async def test_rows_imported_are_kept_as_sent_and_bad_ones_refused_whole(
         service: tuple[httpx.AsyncClient, Path]) -> None:
     """POST /stores/{id}/rows: the projection of a batch, made by /per-sample-grads, imported
