@@ -69,7 +69,7 @@ from psgrad._contract import PROJECTION_KINDS
 from service import curvature
 from service.api import create_app
 from service.config import Settings
-from service.registry import load_model
+from service.registry import LoadedModel, load_model
 from service.stores.query import Largest, default_lambda
 from service.strategies.projection import Projection
 
@@ -152,12 +152,7 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
         out["exact dot"] = g_test @ g_train.T
         size = np.linalg.norm(g_test, axis=1)[:, None] * np.linalg.norm(g_train, axis=1)
         out["exact cosine"] = out["exact dot"] / size
-        gram = g_train.T @ g_train  # the stores' default lambda, on the full gradients
-        power = np.einsum("ij,ij->i", g_train, g_train)
-        top = int(np.argmax(power))
-        lam = default_lambda(len(gram), Largest(float(power[top]),
-                                                float(np.delete(power, top).sum())))
-        out["exact trak"] = np.linalg.solve(gram + lam * np.eye(len(gram)), g_test.T).T @ g_train.T
+        out["exact trak"] = trak(g_train, g_test)  # the stores' default lambda
         ids = np.arange(len(x))
         for dim in dims:
             store = await c.stores.create(f"k{dim}", "lds", projection_dim=dim)
@@ -170,18 +165,19 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
     return out
 
 
-def curvature_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
-                     ty: np.ndarray, dims: list[int]) -> dict[str, np.ndarray]:
+def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
+                     ty: np.ndarray, dims: list[int], baselines: bool = False
+                     ) -> dict[str, np.ndarray]:
     """``kfac`` and ``ekfac``: each test gradient preconditioned by the Fisher fitted over the
     training samples (at its default damping), against the training gradients; exact and
-    sketched at each k of ``dims`` (the stores' projection, seed 0)."""
-    model = load_model("lds", "mlp", {"sizes": SIZES},
-                       {k: v.detach() for k, v in net.state_dict().items()},
-                       device=torch.device("cpu"), dtype=torch.float64)
+    sketched at each k of ``dims`` (the stores' projection, seed 0). ``baselines`` adds exact
+    ``dot`` and ``trak`` (the stores' default lambda) from the same gradients."""
     params = list(model.params)
 
     def fields(a: np.ndarray, b: np.ndarray) -> dict[str, torch.Tensor]:
-        return {"inputs": torch.from_numpy(a).double(), "targets": torch.from_numpy(b).long()}
+        inputs = torch.from_numpy(a)
+        return {"inputs": inputs.double() if inputs.is_floating_point() else inputs,
+                "targets": torch.from_numpy(b).long()}
 
     fitted = curvature.fit(model, "cross_entropy", 1.0, params, [fields(x, y)])
 
@@ -195,6 +191,10 @@ def curvature_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.
 
     g_train, g_test = grads(x, y), grads(tx, ty)
     out = {}
+    if baselines:
+        phi, q = flat(g_train), flat(g_test)
+        out["exact dot"] = q @ phi.T
+        out["exact trak"] = trak(phi, q)
     for kind in curvature.KINDS:
         damping = fitted.default_damping(kind)
         pre = fitted.precondition(g_test, damping, kind)
@@ -211,6 +211,16 @@ def curvature_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.
             out[f"k={dim} {kind}, both sides whitened"] = (sketch(half_test)
                                                           @ sketch(half_train).T)
     return out
+
+
+def trak(phi: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Exact TRAK scores ``q (Phi^T Phi + lambda I)^-1 Phi^T`` at the stores' default lambda."""
+    gram = phi.T @ phi
+    power = np.einsum("ij,ij->i", phi, phi)
+    top = int(np.argmax(power))
+    lam = default_lambda(len(gram), Largest(float(power[top]), float(np.delete(power, top).sum())))
+    scores: np.ndarray = np.linalg.solve(gram + lam * np.eye(len(gram)), q.T).T @ phi.T
+    return scores
 
 
 def kronfluence_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
@@ -419,7 +429,9 @@ def main() -> None:
     print(f"trained {args.models + 1} models in {time.perf_counter() - t:.0f} s; test accuracy "
           f"{(margins(net, tx, ty) > 0).mean():.2f}")
     found = asyncio.run(scores_of(net, x, y, tx, ty, dims))
-    found.update(curvature_scores(net, x, y, tx, ty, dims))
+    found.update(curvature_scores(load_model(
+        "lds", "mlp", {"sizes": SIZES}, {k: v.detach() for k, v in net.state_dict().items()},
+        device=torch.device("cpu"), dtype=torch.float64), x, y, tx, ty, dims))
     if args.kronfluence:
         found.update(kronfluence_scores(net, x, y, tx, ty))
     if args.dattri:
