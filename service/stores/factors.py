@@ -6,20 +6,23 @@
                                        weight name): sum_t a a^T and sum_t g g^T summed over
                                        the fitting samples (float64); ``tokens/<w>``; ``rows``
                                        [n, P]: the fitting samples' gradients, flattened as the
-                                       store's rows (float32); ``count`` [samples, writes]
+                                       store's rows (float32); metadata ``samples`` and
+                                       ``writes`` (batches added), read from the header alone
 
 A batch's factors are the workers' ``kfac_inputs`` output and its ``grads``. Each batch is added
 under the store's lock and the file written whole (beside it, then renamed over it), so a
 reader sees every batch or none of one. EK-FAC's eigenvalues are second moments in the bases
 of every batch's factors together, so they are computed from the kept rows when a query first
 needs them, once per written state (eigendecompositions and that pass), and kept until the
-next write. Only a store of full gradients fits factors: a query's gradient is preconditioned
+next write. The file holds 4 bytes per parameter per fitting sample: fit over thousands of
+samples, not millions. Only a store of full gradients fits factors: a query's gradient is preconditioned
 in full and scored against full rows, so its scores are exact (docs/attribution.md says why
 sketched rows are not scored this way).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,25 +43,42 @@ FILE = "factors.safetensors"
 
 @dataclass(frozen=True)
 class Fitted:
-    """What a store's factors file holds."""
+    """What a store's factors file says of itself (its safetensors header): the samples
+    fitted, how many batches wrote it, the layers covered."""
 
-    tensors: dict[str, np.ndarray]
     samples: int
     writes: int
-
-    @property
-    def layers(self) -> list[str]:
-        return sorted(k.removeprefix("inputs/") for k in self.tensors if k.startswith("inputs/"))
+    layers: list[str]
 
 
 def fitted(files: StoreFiles, key: str) -> Fitted | None:
-    """The store's factors as written now, or None before the first fit."""
+    """The store's factors as written now, from the file's header alone (a ``GET`` and every
+    query read it; the tensors only when the curvature is made), or None before a fit."""
+    head = files.read_file(key, FILE, 0, 8)
+    if head is None or len(head) < 8:
+        return None
+    return _described(files.read_file(key, FILE, 8, 8 + int.from_bytes(head, "little")) or b"")
+
+
+def _described(header: bytes) -> Fitted:
+    """:class:`Fitted` of a factors file's safetensors header."""
+    entries = json.loads(header)
+    meta = entries.get("__metadata__", {})
+    return Fitted(int(meta["samples"]), int(meta["writes"]),
+                  sorted(k.removeprefix("inputs/") for k in entries if k.startswith("inputs/")))
+
+
+def _tensors(files: StoreFiles, key: str, store_id: str) -> tuple[Fitted, dict[str, np.ndarray]]:
+    """The whole file: what it says of itself and its tensors (409 before a fit)."""
     raw = files.read_file(key, FILE)
     if raw is None:
-        return None
-    tensors = st_load(raw)
-    samples, writes = (int(v) for v in tensors.pop("count"))
-    return Fitted(tensors, samples, writes)
+        raise _unfitted(store_id)
+    return _described(raw[8:8 + int.from_bytes(raw[:8], "little")]), st_load(raw)
+
+
+def _unfitted(store_id: str) -> Conflict:
+    return Conflict(f"store '{store_id}' has no factors: fit them with POST "
+                    f"/stores/{store_id}/factors (a batch, as for /samples) first")
 
 
 def check_fits(spec: StoreSpec, store_id: str) -> None:
@@ -86,35 +106,38 @@ def add(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],
             for w, v in answer[field].items()}
     with files.locks.hold(key):
         old = fitted(files, key)
+        tensors: dict[str, np.ndarray]
         if old is None:
-            new = Fitted({**sums, "rows": rows.astype(np.float32)}, n, 1)
+            tensors, samples, writes = {**sums, "rows": rows.astype(np.float32)}, n, 1
         else:
-            if sorted(old.tensors.keys() - {"rows"}) != sorted(sums):
+            _, kept = _tensors(files, key, spec.id)
+            if sorted(kept.keys() - {"rows"}) != sorted(sums):
                 raise Conflict(f"store '{spec.id}''s factors cover the layers "
                                f"{', '.join(old.layers)}; this batch's cover others: fit with "
                                "batches of the same inputs' shapes")
-            merged = {k: old.tensors[k] + v for k, v in sums.items()}
-            merged["rows"] = np.concatenate([old.tensors["rows"], rows.astype(np.float32)])
-            new = Fitted(merged, old.samples + n, old.writes + 1)
-        files.write_file(key, FILE, st_save({
-            **new.tensors, "count": np.array([new.samples, new.writes], np.int64)}))
-    return new
+            tensors = {k: kept[k] + v for k, v in sums.items()}
+            tensors["rows"] = np.concatenate([kept["rows"], rows.astype(np.float32)])
+            samples, writes = old.samples + n, old.writes + 1
+        files.write_file(key, FILE, st_save(tensors, metadata={"samples": str(samples),
+                                                               "writes": str(writes)}))
+    return Fitted(samples, writes, sorted(w.removeprefix("inputs/") for w in sums
+                                          if w.startswith("inputs/")))
 
 
 def curvature_of(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) -> Curvature:
     """The store's :class:`~service.curvature.Curvature` as fitted now (409 before a fit)."""
     found = fitted(files, key)
     if found is None:
-        raise Conflict(f"store '{store_id}' has no factors: fit them with POST "
-                       f"/stores/{store_id}/factors (a batch, as for /samples) first")
+        raise _unfitted(store_id)
     epoch = files.manifest(key).epoch
     made: Curvature = files.kept_at("curvature", key, (epoch, found.writes),
-                                    lambda: _curvature(spec, found))
+                                    lambda: _curvature(spec, *_tensors(files, key, store_id)))
     return made
 
 
-def _curvature(spec: StoreSpec, found: Fitted) -> Curvature:
-    t = found.tensors
+def _curvature(spec: StoreSpec, found: Fitted, t: dict[str, np.ndarray]) -> Curvature:
+    """Kept under the writes count its header read; a write in between only makes the kept
+    curvature newer than its key, and the next query reads the next count."""
     layers = {w: Linear(w, _bias(spec, w, t[f"inputs/{w}"].shape[0])) for w in found.layers}
     sums = Covariances({w: torch.from_numpy(t[f"inputs/{w}"]) for w in layers},
                        {w: torch.from_numpy(t[f"grads/{w}"]) for w in layers},

@@ -157,9 +157,10 @@ class StoreFiles:
                 self.fs.rm(tmp)
             raise _unwritable(exc) or exc from None
 
-    def _read(self, path: str) -> bytes | None:
+    def _read(self, path: str, start: int | None = None, end: int | None = None
+              ) -> bytes | None:
         try:
-            return bytes(self.fs.cat_file(path))
+            return bytes(self.fs.cat_file(path, start=start, end=end))
         except FileNotFoundError:
             return None
 
@@ -353,9 +354,10 @@ class StoreFiles:
             self._remember(what, key, version, value)
         return value
 
-    def read_file(self, key: str, name: str) -> bytes | None:
-        """A whole file of the store (None where there is none)."""
-        return self._read(self.path(key, name))
+    def read_file(self, key: str, name: str, start: int | None = None, end: int | None = None
+                  ) -> bytes | None:
+        """A file of the store, whole or bytes ``[start, end)`` (None where there is none)."""
+        return self._read(self.path(key, name), start, end)
 
     def write_file(self, key: str, name: str, *parts: bytes | memoryview) -> None:
         """A whole file of the store, written beside it and renamed over it; a caller that
