@@ -37,9 +37,11 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
+from service.losses import get_loss
 from service.registry import LoadedModel
-from service.strategies.base import Tensors
+from service.strategies.base import NAMED_INPUT, Tensors
 from service.strategies.per_sample import sample_loss_of
 
 Kind = Literal["kfac", "ekfac"]
@@ -262,18 +264,25 @@ def captured(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Line
             found = torch.autograd.grad(value, [*selected.values(), *outs], allow_unused=True)
             grads = {k: torch.zeros_like(v) if g is None else g
                      for (k, v), g in zip(selected.items(), found, strict=False)}
-            by_out = found[len(selected):]
-            inputs: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
-            out_grads: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
-            for (name, a, y), g in zip(calls, by_out, strict=True):
-                a = a.reshape(-1, a.shape[-1])
-                if layers[name].bias is not None:
-                    a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype, device=a.device)], 1)
-                inputs[name].append(a)
-                out_grads[name].append((torch.zeros_like(y) if g is None else g)
-                                       .reshape(-1, y.shape[-1]))
-            yield Sample(grads, {k: _cat(v, layers, k, model, 1) for k, v in inputs.items()},
-                         {k: _cat(v, layers, k, model, 0) for k, v in out_grads.items()})
+            yield Sample(grads, *_layer_rows(model, layers, calls, found[len(selected):]))
+
+
+Call = tuple[str, torch.Tensor, torch.Tensor]  # a layer's call: (weight name, input, output)
+
+
+def _layer_rows(model: LoadedModel, layers: dict[str, Linear], calls: list[Call],
+                grads: Sequence[torch.Tensor | None]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each layer's input rows ``[T, in (+1)]`` and output gradient rows ``[T, out]`` over its
+    ``calls`` (``grads``: the loss's gradient by each call's output; None: it did not reach
+    it), the layers that did not run with no rows."""
+    inputs: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
+    out_grads: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
+    for (name, a, y), g in zip(calls, grads, strict=True):
+        inputs[name].append(_with_ones(a.reshape(-1, a.shape[-1]), layers[name]))
+        out_grads[name].append((torch.zeros_like(y) if g is None else g).reshape(-1, y.shape[-1]))
+    return ({k: _cat(v, layers, k, model, 1) for k, v in inputs.items()},
+            {k: _cat(v, layers, k, model, 0) for k, v in out_grads.items()})
 
 
 def _cat(parts: list[torch.Tensor], layers: dict[str, Linear], name: str, model: LoadedModel,
@@ -289,14 +298,54 @@ def _cat(parts: list[torch.Tensor], layers: dict[str, Linear], name: str, model:
 def covariances(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
                 params: Sequence[str], samples: Tensors, weights: Tensors | None = None
                 ) -> Covariances:
-    """The first pass over one batch: :class:`Covariances`."""
+    """The first pass over one batch: :class:`Covariances` (the whole batch at once where the
+    loss has a batched form, :func:`_at_once`; else one sample at a time)."""
+    at_once = _at_once(model, loss, layers, params, samples, weights)
+    if at_once is not None:
+        return at_once
     sums = Covariances()
     for one in captured(model, loss, gamma, layers, params, samples, weights):
-        part = Covariances({k: _gram(a.T) for k, a in one.inputs.items()},
-                           {k: _gram(g.T) for k, g in one.out_grads.items()},
-                           {k: len(a) for k, a in one.inputs.items()}, 1)
-        sums.add(part)
+        sums.add(_summed(one.inputs, one.out_grads, 1))
     return sums
+
+
+def _summed(inputs: dict[str, torch.Tensor], out_grads: dict[str, torch.Tensor], samples: int
+            ) -> Covariances:
+    """:class:`Covariances` of layer rows (:func:`_layer_rows`) of ``samples`` samples."""
+    return Covariances({k: _gram(a.T) for k, a in inputs.items()},
+                       {k: _gram(g.T) for k, g in out_grads.items()},
+                       {k: len(a) for k, a in inputs.items()}, samples)
+
+
+def _at_once(model: LoadedModel, loss: str, layers: dict[str, Linear], params: Sequence[str],
+             samples: Tensors, weights: Tensors | None) -> Covariances | None:
+    """The first pass in one forward and one backward of the batch's summed losses: the
+    samples are independent (eval mode), so each token's output gradient is its own sample's,
+    and the sums over samples of ``a a^T`` and ``g g^T`` are the whole batch's. None where
+    the loss has no batched form or the model runs one sample at a time."""
+    rows_loss = get_loss(loss).batched
+    if rows_loss is None or not model.batched:
+        return None
+    frozen = {**model.params, **(weights or {})}
+    live = {k: v.detach().requires_grad_(True) if k in params else v for k, v in frozen.items()}
+    named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
+    module = _shallow_copy(model.module)
+    with _recording(module, layers) as calls:
+        out = functional_call(module, (live, model.buffers),
+                              (samples["inputs"], *(samples[k] for k in named)))
+        found = rows_loss(out, samples)
+        if found is None:
+            return None
+        outs = [y for _, _, y in calls]
+        grads = torch.autograd.grad(found[0].sum(), outs, allow_unused=True) if outs else ()
+        return _summed(*_layer_rows(model, layers, calls, grads), len(out))
+
+
+def _with_ones(a: torch.Tensor, layer: Linear) -> torch.Tensor:
+    """A layer's input rows, with a column of ones where its bias is selected."""
+    if layer.bias is None:
+        return a
+    return torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype, device=a.device)], 1)
 
 
 def factor_means(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],
@@ -374,10 +423,9 @@ def _with_module(model: LoadedModel, module: nn.Module) -> LoadedModel:
 
 
 @contextmanager
-def _recording(module: nn.Module, layers: dict[str, Linear]
-               ) -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
-    """Every call of the layers' modules while open: (weight name, input, output)."""
-    calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+def _recording(module: nn.Module, layers: dict[str, Linear]) -> Iterator[list[Call]]:
+    """Every call of the layers' modules while open."""
+    calls: list[Call] = []
     by_module = {f"{name}".removesuffix("weight").removesuffix("."): name for name in layers}
     handles = []
     for prefix, sub in module.named_modules():

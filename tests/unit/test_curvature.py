@@ -250,3 +250,26 @@ def test_the_answer_size_counts_the_factors() -> None:
     # fc1: 7 x 7 inputs, 5 x 5 grads, one token count; fc2: 6 x 6, 3 x 3, one; and the
     # table's one value per parameter of a per-parameter output
     assert with_factors - plain == 8 * (49 + 25 + 1 + 36 + 9 + 1 + len(params))
+
+
+@pytest.mark.parametrize("arch", ["mlp", "tiny-transformer"])
+def test_the_batch_at_once_sums_the_samples_one_at_a_time(arch: str) -> None:
+    """The first pass over a whole batch (one forward, one backward of the summed losses)
+    equals the per-sample loop's sums, for samples of one token and of many."""
+    from service.curvature import _at_once, covariances
+
+    model = _model(*MLP) if arch == "mlp" else _model(arch, SMALL_TRANSFORMER)
+    params = list(model.params)
+    fields = _fields(model, 6, seed=12)
+    layers = linear_layers(model, params, "cross_entropy", 1.0, fields)
+    at_once = _at_once(model, "cross_entropy", layers, params, fields, None)
+    assert at_once is not None and at_once.samples == 6
+    loop = list(captured(model, "cross_entropy", 1.0, layers, params, fields))
+    for name in layers:
+        a = torch.cat([one.inputs[name] for one in loop])
+        g = torch.cat([one.out_grads[name] for one in loop])
+        assert_close(at_once.inputs[name], a.T @ a, name)
+        assert_close(at_once.grads[name], g.T @ g, name)
+        assert at_once.tokens[name] == len(a)
+    assert covariances(model, "cross_entropy", 1.0, layers, params, fields).samples == 6
+    assert _at_once(model, "mse", layers, params, fields, None) is None  # no batched form
