@@ -296,13 +296,14 @@ def _cat(parts: list[torch.Tensor], layers: dict[str, Linear], name: str, model:
 
 
 def covariances(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
-                params: Sequence[str], samples: Tensors, weights: Tensors | None = None
-                ) -> Covariances:
+                params: Sequence[str], samples: Tensors, weights: Tensors | None = None,
+                at_once: bool = True) -> Covariances:
     """The first pass over one batch: :class:`Covariances` (the whole batch at once where the
-    loss has a batched form, :func:`_at_once`; else one sample at a time)."""
-    at_once = _at_once(model, loss, layers, params, samples, weights)
-    if at_once is not None:
-        return at_once
+    loss has a batched form, :func:`_at_once`; else, or not ``at_once``, one sample at a
+    time, as ``verify`` recomputes it)."""
+    whole = _at_once(model, loss, layers, params, samples, weights) if at_once else None
+    if whole is not None:
+        return whole
     sums = Covariances()
     for one in captured(model, loss, gamma, layers, params, samples, weights):
         sums.add(_summed(one.inputs, one.out_grads, 1))
@@ -349,12 +350,12 @@ def _with_ones(a: torch.Tensor, layer: Linear) -> torch.Tensor:
 
 
 def factor_means(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],
-                 samples: Tensors, weights: Tensors | None = None
+                 samples: Tensors, weights: Tensors | None = None, at_once: bool = True
                  ) -> tuple[Tensors, Tensors, Tensors]:
     """The ``kfac_inputs`` output and its two fields of one batch: per linear layer, by weight
     name, the means over samples of ``sum_t a a^T``, of ``sum_t g g^T`` and of the tokens."""
     layers = linear_layers(model, params, loss, gamma, samples)
-    sums = covariances(model, loss, gamma, layers, params, samples, weights)
+    sums = covariances(model, loss, gamma, layers, params, samples, weights, at_once)
     n = max(sums.samples, 1)
     return ({k: v / n for k, v in sums.inputs.items()},
             {k: v / n for k, v in sums.grads.items()},

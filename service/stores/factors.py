@@ -15,9 +15,9 @@ reader sees every batch or none of one. EK-FAC's eigenvalues are second moments 
 of every batch's factors together, so they are computed from the kept rows when a query first
 needs them, once per written state (eigendecompositions and that pass), and kept until the
 next write. The file holds 4 bytes per parameter per fitting sample: fit over thousands of
-samples, not millions. Only a store of full gradients fits factors: a query's gradient is preconditioned
-in full and scored against full rows, so its scores are exact (docs/attribution.md says why
-sketched rows are not scored this way).
+samples, not millions. Only a store of full gradients fits factors: a query's gradient is
+preconditioned in full and scored against full rows, so its scores are exact
+(docs/attribution.md says why sketched rows are not scored this way).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psgrad._contract import answer_fields
 from psgrad._contract import output as output_spec
 from psgrad._errors import VerificationFailed
 from service import engine
@@ -88,7 +89,7 @@ def check(parsed: ParsedRequest, answer: dict[str, Any], how: Plan, *, settings:
         k = max(k, 2)
     rows = choose(batch.size, min(k, affordable(parsed, settings)), how.seed)
     sub = take(batch, rows)
-    expected = Expected(per_sample_loop(model, sub, opts), sub, opts)
+    expected = Expected(per_sample_loop(model, sub, opts), sub, opts, model)
     # under autocast the engine's forward and backward round through bfloat16; the loop's don't
     atol, rtol = TOLERANCE.get(opts.autocast_dtype or model.dtype, FLOAT32)
     cmp = _Comparison(rows, atol, rtol)
@@ -105,8 +106,7 @@ def check(parsed: ParsedRequest, answer: dict[str, Any], how: Plan, *, settings:
         "source": how.source,
         "max_abs_diff": cmp.worst,
         "tolerance": {"atol": atol, "rtol": rtol},
-        # in the request's order; None: computed by the loop itself (BY_THE_LOOP)
-        "checked": {name: cmp.diffs.get(name) for name in opts.outputs},
+        "checked": {name: cmp.diffs[name] for name in opts.outputs},  # in the request's order
         "ms": round((time.perf_counter() - started) * 1000, 3),
     }
     if cmp.failure is not None:
@@ -144,6 +144,13 @@ def _statistics(parsed: ParsedRequest, answer: dict[str, Any], rows: list[int],
                   answer.get("meta", {}).get("seed", opts.seed))
     index = torch.tensor(rows, dtype=torch.long)
     for name in aggregates:
+        if name == "kfac_inputs":  # each of its fields, in the segment and in the answer
+            for field in answer_fields([name]):
+                cmp.add(name, parts[0][field], AGGREGATE[name](expected)[field],
+                        per_sample=False, of="recomputed by the engine over the verified samples")
+                cmp.add(name, answer[field], whole.kfac_inputs[field], per_sample=False,
+                        of="in the answer")
+            continue
         if output_spec(name).also:  # a noise scale: its two estimates
             _estimates(cmp, name, parts[0], AGGREGATE[name](expected),
                        of="recomputed by the engine over the verified samples")

@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from psgrad._contract import output
-from service.engine import Batch, Options
+from psgrad._contract import answer_fields, output
+from service.curvature import factor_means
+from service.engine import Batch, Options, lock_for, prepare
 from service.losses import get_loss
 from service.outputs import noised_mean
+from service.registry import LoadedModel
 from service.strategies.base import Tensors, clip_factors, total
 from service.verify.loop import Loop
 
@@ -40,12 +42,27 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class Expected:
     """The loop's results on the verified samples and what the outputs derive from them."""
 
-    def __init__(self, loop: Loop, batch: Batch, opts: Options) -> None:
+    def __init__(self, loop: Loop, batch: Batch, opts: Options,
+                 model: LoadedModel | None = None) -> None:
         self.grads: Tensors = {k: v.detach().cpu().double() for k, v in loop.grads.items()}
         self.losses = loop.losses.detach().cpu().double()
         self.aux = loop.aux.detach().cpu().double()
         self.batch = batch
         self.opts = opts
+        self.model = model  # for what the gradients do not hold (the K-FAC factors)
+
+    @cached_property
+    def factors(self) -> dict[str, Tensors]:
+        """``kfac_inputs`` and its fields, one sample at a time with plain autograd (where
+        the engine takes the batch at once)."""
+        assert self.model is not None, "verify passes the model for kfac_inputs"
+        call = prepare(self.model, self.batch, self.opts, [self.batch.size])
+        with lock_for(self.model), torch.enable_grad():
+            found = factor_means(self.model, self.opts.loss, self.opts.gamma, self.opts.params,
+                                 call.samples, call.params, at_once=False)
+        return dict(zip(answer_fields(["kfac_inputs"]),
+                        ({k: v.detach().cpu().double() for k, v in part.items()}
+                         for part in found), strict=True))
 
     @cached_property
     def sq(self) -> Tensors:
@@ -148,6 +165,16 @@ class Whole:
     def gns(self) -> dict[str, Any]:
         return _whole_model(self.layer_gns)
 
+    @cached_property
+    def kfac_inputs(self) -> dict[str, Tensors]:
+        """Each field's mean over the whole job: the loop's and the others', n-weighted."""
+        if not self.rest:
+            return self.e.factors
+        n = self.k + self.n_rest
+        return {field: {w: (self.k * v + self.n_rest * self.rest[field][w]) / n
+                        for w, v in own.items()}
+                for field, own in self.e.factors.items()}
+
 
 def _float64(value: Any) -> Any:
     if isinstance(value, dict):
@@ -242,10 +269,8 @@ AGGREGATE: dict[str, Want] = {
     "cosine_mean": lambda e: _cosine(e, e.mean),
     "gns": lambda e: _whole_model(_layer_gns(e)),
     "layer_gns": _layer_gns,
+    "kfac_inputs": lambda e: e.factors,
 }
-# Outputs the engine computes with the per-sample autograd loop itself (one sample at a time,
-# plain autograd: service.curvature), which a second run of that loop could only repeat.
-BY_THE_LOOP = frozenset({"kfac_inputs"})
 # Of one sample the variance is 0 and the cosine with the mean 1, whatever the gradient: these
 # take at least two samples, when the batch has them.
 AT_LEAST_TWO = frozenset({"variance", "cosine_mean", "gns", "layer_gns"})
