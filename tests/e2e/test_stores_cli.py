@@ -89,7 +89,9 @@ def test_stores_commands(url: str, tmp_path: Path) -> None:
     again = json.loads(cli(url, "stores", "query", "rows", "--inputs", str(tmp_path / "tx.npy"),
                            "--targets", str(tmp_path / "ty.npy"), "-k", "4", "--score", "trak"))
     assert again["ids"] == got["ids"]
-    np.testing.assert_allclose(again["scores"], got["scores"], rtol=1e-5)
+    # float16 rows: a sketch computed in another batch (40 at once here, 8 and 16 there) can
+    # round to the neighbouring float16 (seen on Xeon with AVX-512: scores 2e-5 apart)
+    np.testing.assert_allclose(again["scores"], got["scores"], rtol=1e-3)
     assert json.loads(cli(url, "stores", "delete", "train"))["deleted"] is True
 
 
