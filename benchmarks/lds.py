@@ -25,9 +25,9 @@ A subset's predicted margin is the sum of its samples' scores; LDS is the mean o
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
 printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
 
-``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) on the same model, subsets
-and margins (dattri is not a dependency: ``pip install --no-deps --target /tmp/dattri dattri``
-and run with ``PYTHONPATH=/tmp/dattri``).
+``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) and EK-FAC on the same
+model, subsets and margins (dattri is not a dependency: ``pip install --no-deps --target
+/tmp/dattri dattri`` and run with ``PYTHONPATH=/tmp/dattri``).
 
 ``--kronfluence`` adds Kronfluence's EK-FAC and K-FAC (its defaults: the true Fisher of sampled
 labels, damping a tenth of the mean eigenvalue; the query's measurement is its loss, as psgrad's)
@@ -342,7 +342,9 @@ async def overlaps(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.nd
 def dattri_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.ndarray,
                   ty: np.ndarray, dim: int) -> dict[str, np.ndarray]:
     """dattri's TracIn (the loss's gradients) and TRAK (the margin's, regularization 0, its
-    default), both with dattri's dense projection at ``dim``, on the same model."""
+    default), both with dattri's dense projection at ``dim``, and its EK-FAC influence (every
+    linear layer, its default damping 0), on the same model."""
+    from dattri.algorithm.influence_function import IFAttributorEKFAC
     from dattri.algorithm.tracin import TracInAttributor
     from dattri.algorithm.trak import TRAKAttributor
     from dattri.task import AttributionTask
@@ -375,6 +377,16 @@ def dattri_scores(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.nda
                           correct_probability_func=prob, projector_kwargs=dict(proj))
     trak.cache(loader(x, y))
     out[f"dattri TRAK k={dim}"] = trak.attribute(loader(tx, ty)).T.numpy()
+
+    def batch_loss(params: dict[str, torch.Tensor], data: tuple[torch.Tensor, ...]
+                   ) -> torch.Tensor:  # EK-FAC fits its covariances over batches
+        xb, yb = data
+        return torch.nn.functional.cross_entropy(torch.func.functional_call(net, params, xb), yb)
+
+    ekfac = IFAttributorEKFAC(task=AttributionTask(loss_func=batch_loss, model=net,
+                                                   checkpoints=net.state_dict()), device="cpu")
+    ekfac.cache(loader(x, y))  # its default damping, 0
+    out["dattri EK-FAC"] = ekfac.attribute(loader(x, y), loader(tx, ty)).T.detach().numpy()
     return out
 
 
