@@ -88,7 +88,8 @@ def check_fits(spec: StoreSpec, store_id: str) -> None:
             f"store '{store_id}' keeps sketches (projection_dim {spec.projection_dim}); K-FAC "
             "and EK-FAC scores precondition full gradients: make a store without "
             "'projection_dim' (models of at most 8192 selected values) to fit factors and "
-            "query 'kfac' or 'ekfac' (sketched stores: docs/attribution.md)")
+            "query 'kfac' or 'ekfac', or query this one with 'trak', which scores sketches "
+            "better than a sketched EK-FAC would (docs/attribution.md)")
     if not spec.shapes:
         raise Conflict(f"store '{store_id}' was made before stores recorded their parameters' "
                        "shapes, which its factors need: make it again (PUT /stores/{id} after "
