@@ -10,18 +10,19 @@
                                        ``writes`` (batches added), read from the header alone
 
 A batch's factors are the workers' ``kfac_inputs`` output and its ``grads``. Each batch is added
-under the store's lock and the file written whole (beside it, then renamed over it), so a
-reader sees every batch or none of one. EK-FAC's eigenvalues are second moments in the bases
-of every batch's factors together, so they are computed from the kept rows when a query first
-needs them, once per written state (eigendecompositions and that pass), and kept until the
-next write. The file holds 4 bytes per parameter per fitting sample: fit over thousands of
-samples, not millions. Only a store of full gradients fits factors: a query's gradient is
-preconditioned in full and scored against full rows, so its scores are exact
-(docs/attribution.md says why sketched rows are not scored this way).
+under the store's lock (an ensemble's: every checkpoint's) and the file written whole (beside
+it, then renamed over it), so a reader sees every batch or none of one. EK-FAC's eigenvalues
+are second moments in the bases of every batch's factors together, so they are computed from
+the kept rows when a query first needs them, once per written state (eigendecompositions and
+that pass), and kept until the next write. The file holds 4 bytes per parameter per fitting
+sample: fit over thousands of samples, not millions. Only a store of full gradients fits
+factors: a query's gradient is preconditioned in full and scored against full rows, so its
+scores are exact (docs/attribution.md says why sketched rows are not scored this way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -96,33 +97,46 @@ def check_fits(spec: StoreSpec, store_id: str) -> None:
                        "DELETE) and add its samples")
 
 
-def add(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],
-        rows: np.ndarray) -> Fitted:
-    """Add one batch's factors (``answer``: its ``kfac_inputs``, ``kfac_grads`` and
-    ``kfac_tokens``, means over its samples) and its gradient ``rows`` to the store's."""
+def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any], np.ndarray]]
+        ) -> Fitted:
+    """Add one batch's factors to each store of ``parts`` (an ensemble's checkpoints: key,
+    definition, the workers' answer with ``kfac_inputs``, ``kfac_grads`` and ``kfac_tokens``
+    as means over its samples, and its gradient ``rows``), all of them or none: every store's
+    lock held, every new file made and checked before the first is written. Answers the
+    first's :class:`Fitted`."""
+    with contextlib.ExitStack() as held:
+        for key, _, _, _ in parts:
+            held.enter_context(files.locks.hold(key))
+        made = [_merged(files, key, spec, answer, rows) for key, spec, answer, rows in parts]
+        for (key, _, _, _), (raw, _) in zip(parts, made, strict=True):
+            files.write_file(key, FILE, raw)
+    return made[0][1]
+
+
+def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],
+            rows: np.ndarray) -> tuple[bytes, Fitted]:
+    """The store's factors file with one batch added (its bytes), and what it says."""
     n = len(rows)
     sums = {f"{part}/{w}": np.atleast_1d(np.asarray(v, np.float64)) * n
             for part, field in (("inputs", "kfac_inputs"), ("grads", "kfac_grads"),
                                 ("tokens", "kfac_tokens"))
             for w, v in answer[field].items()}
-    with files.locks.hold(key):
-        old = fitted(files, key)
-        tensors: dict[str, np.ndarray]
-        if old is None:
-            tensors, samples, writes = {**sums, "rows": rows.astype(np.float32)}, n, 1
-        else:
-            _, kept = _tensors(files, key, spec.id)
-            if sorted(kept.keys() - {"rows"}) != sorted(sums):
-                raise Conflict(f"store '{spec.id}''s factors cover the layers "
-                               f"{', '.join(old.layers)}; this batch's cover others: fit with "
-                               "batches of the same inputs' shapes")
-            tensors = {k: kept[k] + v for k, v in sums.items()}
-            tensors["rows"] = np.concatenate([kept["rows"], rows.astype(np.float32)])
-            samples, writes = old.samples + n, old.writes + 1
-        files.write_file(key, FILE, st_save(tensors, metadata={"samples": str(samples),
-                                                               "writes": str(writes)}))
-    return Fitted(samples, writes, sorted(w.removeprefix("inputs/") for w in sums
-                                          if w.startswith("inputs/")))
+    old = fitted(files, key)
+    tensors: dict[str, np.ndarray]
+    if old is None:
+        tensors, samples, writes = {**sums, "rows": rows.astype(np.float32)}, n, 1
+    else:
+        _, kept = _tensors(files, key, spec.id)
+        if sorted(kept.keys() - {"rows"}) != sorted(sums):
+            raise Conflict(f"store '{spec.id}''s factors cover the layers "
+                           f"{', '.join(old.layers)}; this batch's cover others: fit with "
+                           "batches of the same inputs' shapes")
+        tensors = {k: kept[k] + v for k, v in sums.items()}
+        tensors["rows"] = np.concatenate([kept["rows"], rows.astype(np.float32)])
+        samples, writes = old.samples + n, old.writes + 1
+    raw = st_save(tensors, metadata={"samples": str(samples), "writes": str(writes)})
+    return raw, Fitted(samples, writes, sorted(w.removeprefix("inputs/") for w in sums
+                                               if w.startswith("inputs/")))
 
 
 def curvature_of(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) -> Curvature:

@@ -592,3 +592,31 @@ def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(
     assert (tmp_path / "data" / "stores" / "s" / "index-3.faiss").exists()
     again.delete("s")
     assert not (tmp_path / "data" / "stores" / "s").exists()
+
+
+def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_path: Path) -> None:
+    """A batch whose layers one checkpoint's factors do not cover is refused there, and the
+    other checkpoint, checked first, keeps its file as it was."""
+    from service.stores import factors
+
+    store = files(tmp_path)
+    for key in ("a", "b"):
+        store.create(key, spec())
+    rows = np.ones((2, K), np.float32)
+
+    def answer(*layers: str) -> dict[str, Any]:
+        return {"kfac_inputs": {w: np.eye(3) for w in layers},
+                "kfac_grads": {w: np.eye(2) for w in layers},
+                "kfac_tokens": {w: np.float64(1.0) for w in layers}}
+
+    first = factors.add(store, [("b", spec(), answer("fc1.weight"), rows)])
+    assert (first.samples, first.writes, first.layers) == (2, 1, ["fc1.weight"])
+    before = store.read_file("b", factors.FILE)
+    with pytest.raises(Conflict, match=r"cover the layers fc1\.weight"):
+        factors.add(store, [("a", spec(), answer("fc1.weight", "fc2.weight"), rows),
+                            ("b", spec(), answer("fc1.weight", "fc2.weight"), rows)])
+    assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
+    both = factors.add(store, [("a", spec(), answer("fc1.weight"), rows),
+                               ("b", spec(), answer("fc1.weight"), rows)])
+    assert (both.samples, both.writes) == (2, 1)  # a's own first batch
+    assert factors.fitted(store, "b") == factors.Fitted(4, 2, ["fc1.weight"])

@@ -358,10 +358,10 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
         _same_model(member, answer)
 
     def keep() -> dict[str, Any]:
-        files = state.storage.gradients
-        done = [factors.add(files, member_key, member, answer, set_rows(member, answer))
-                for (member_key, member), answer in zip(members, answers, strict=True)]
-        return {**_doc(spec, _shown(state, key, spec), done[0]),
+        done = factors.add(state.storage.gradients, [
+            (member_key, member, answer, set_rows(member, answer))
+            for (member_key, member), answer in zip(members, answers, strict=True)])
+        return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
 
     return await run_in_threadpool(keep)
