@@ -52,7 +52,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
@@ -432,12 +432,7 @@ def main() -> None:
         print_overlaps(asyncio.run(overlaps(net, x, y, tx, ty, dims, args.sketch_seeds)),
                        args, time.perf_counter() - t)
         return
-    rng = np.random.default_rng(args.seed + 1)
-    masks = np.zeros((args.models, len(x)), bool)
-    actual = np.empty((args.models, len(tx)))
-    for m in range(args.models):
-        masks[m, rng.choice(len(x), len(x) // 2, replace=False)] = True
-        actual[m] = margins(train(x[masks[m]], y[masks[m]], args.epochs, args.seed), tx, ty)
+    masks, actual = retrained(train, x, y, tx, ty, args)
     print(f"trained {args.models + 1} models in {time.perf_counter() - t:.0f} s; test accuracy "
           f"{(margins(net, tx, ty) > 0).mean():.2f}")
     found = asyncio.run(scores_of(net, x, y, tx, ty, dims))
@@ -448,6 +443,25 @@ def main() -> None:
         found.update(kronfluence_scores(net, x, y, tx, ty))
     if args.dattri:
         found.update(dattri_scores(net, x, y, tx, ty, args.dattri))
+    print_table(found, masks, actual)
+
+
+def retrained(train: Callable[[np.ndarray, np.ndarray, int, int], torch.nn.Module],
+              x: np.ndarray, y: np.ndarray, tx: np.ndarray, ty: np.ndarray,
+              args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """``--models`` random halves of the training samples (masks ``[models, train]``) and the
+    margins on the test samples of a model trained on each (``[models, test]``)."""
+    rng = np.random.default_rng(args.seed + 1)
+    masks = np.zeros((args.models, len(x)), bool)
+    actual = np.empty((args.models, len(tx)))
+    for m in range(args.models):
+        masks[m, rng.choice(len(x), len(x) // 2, replace=False)] = True
+        actual[m] = margins(train(x[masks[m]], y[masks[m]], args.epochs, args.seed), tx, ty)
+    return masks, actual
+
+
+def print_table(found: dict[str, np.ndarray], masks: np.ndarray, actual: np.ndarray) -> None:
+    """Each score's LDS and its top-1% overlap with exact TracIn's, as a Markdown table."""
     exact = found["exact dot"]
     print("\n| scores | LDS | top-1% overlap with exact TracIn |\n|---|---|---|")
     for name, s in found.items():

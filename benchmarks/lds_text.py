@@ -31,7 +31,7 @@ import pydoc_data.topics
 
 import numpy as np
 import torch
-from lds import curvature_scores, kronfluence_scores, lds, margins, top_overlap  # beside it
+from lds import curvature_scores, kronfluence_scores, print_table, retrained  # beside it
 
 from service.registry import load_model
 
@@ -101,12 +101,7 @@ def main() -> None:
     dims = [int(d) for d in args.dims.split(",") if d]
     t = time.perf_counter()
     net = train(x, y, args.epochs, args.seed)
-    rng = np.random.default_rng(args.seed + 1)
-    masks = np.zeros((args.models, len(x)), bool)
-    actual = np.empty((args.models, len(tx)))
-    for m in range(args.models):
-        masks[m, rng.choice(len(x), len(x) // 2, replace=False)] = True
-        actual[m] = margins(train(x[masks[m]], y[masks[m]], args.epochs, args.seed), tx, ty)
+    masks, actual = retrained(train, x, y, tx, ty, args)
     with torch.no_grad():
         hits = (net(torch.from_numpy(tx)).argmax(1).numpy() == ty).mean()
     print(f"trained {args.models + 1} models in {time.perf_counter() - t:.0f} s; next-character "
@@ -117,10 +112,7 @@ def main() -> None:
     found = curvature_scores(model, x, y, tx, ty, dims, baselines=True)
     if args.kronfluence:
         found.update(kronfluence_scores(net, x, y, tx, ty))
-    exact = found["exact dot"]
-    print("\n| scores | LDS | top-1% overlap with exact TracIn |\n|---|---|---|")
-    for name, s in found.items():
-        print(f"| {name} | {lds(s, masks, actual):.3f} | {top_overlap(s, exact):.2f} |")
+    print_table(found, masks, actual)
 
 
 if __name__ == "__main__":
