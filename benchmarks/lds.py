@@ -15,12 +15,14 @@ sample, under ``dot``, ``cosine`` and ``trak`` (the default lambda, ``trace(Phi^
 with no row counting for more than all the others together).
 ``kfac`` and ``ekfac`` precondition each test gradient by the K-FAC or EK-FAC Fisher
 (:mod:`service.curvature`, fitted over the training samples at its default damping, a tenth of
-the mean eigenvalue) and score it against the training gradients: exact, and at each k of
-``--dims`` with both sides sketched by the stores' projection, either the preconditioned test
-gradient against the training gradients' sketches (``query preconditioned``: rows stay plain
-sketches) or both sides whitened by ``(F + damping I)^-1/2`` before sketching (``both sides
-whitened``: rows sketched after the fit); computed in process with the service's modules (the
-stores do not serve these scores yet).
+the mean eigenvalue) and score it against the training gradients, through the stores (each
+store of ``--dims`` and one of full gradients, its factors fitted over the training samples:
+the preconditioned test gradient sketched as the store's rows are), and in process with the
+service's modules: exact, and at each k of ``--dims`` either as the stores do (``query
+preconditioned``: the preconditioned test gradient against the training gradients' sketches;
+the same figures as the stores', a check of the served path) or with both sides whitened by
+``(F + damping I)^-1/2`` before sketching (``both sides whitened``: rows sketched after the
+fit; the stores do not serve this).
 A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
 printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
@@ -154,14 +156,16 @@ async def scores_of(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, tx: np.n
         out["exact cosine"] = out["exact dot"] / size
         out["exact trak"] = trak(g_train, g_test)  # the stores' default lambda
         ids = np.arange(len(x))
-        for dim in dims:
-            store = await c.stores.create(f"k{dim}", "lds", projection_dim=dim)
+        for dim in [*dims, None]:
+            store = await c.stores.create(f"k{dim or 'full'}", "lds", projection_dim=dim)
             await store.add(x, y, ids=ids, batch_size=512)
-            for score in ("dot", "cosine", "trak"):
+            await store.fit_factors(x, y, batch_size=512)
+            kept = f"k={dim}" if dim else "store of full gradients,"
+            for score in ("dot", "cosine", "trak", "kfac", "ekfac") if dim else ("kfac", "ekfac"):
                 found = await store.query(tx, ty, k=len(x), score=score)
                 full = np.empty((len(tx), len(x)))
                 np.put_along_axis(full, found.ids.astype(np.int64), found.scores, 1)
-                out[f"k={dim} {score}"] = full
+                out[f"{kept} {score}"] = full
     return out
 
 

@@ -68,7 +68,7 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
                    "of the Fisher's mean eigenvalue)")
     p.set_defaults(func=_query)
     p = ssub.add_parser("factors", parents=[conn], help="fit a store's K-FAC and EK-FAC factors "
-                                                        "over samples (a store of full gradients)")
+                                                        "over samples (repeatable)")
     p.add_argument("id", help="the store's id")
     p.add_argument("--inputs", required=True, help="samples: a .npy or .safetensors[:NAME] file")
     p.add_argument("--targets", help="their targets, as --inputs")

@@ -303,7 +303,7 @@ class Store(_Handle):
     def fit_factors(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
                     progress: bool | Progress = False, resume: bool = False) -> dict[str, Any]:
         """Fit the store's K-FAC and EK-FAC factors over samples, sent in batches of
-        ``batch_size``, each added to the fit (a store of full gradients; docs/attribution.md).
+        ``batch_size``, each added to the fit (docs/attribution.md).
         ``resume=True`` skips as many leading samples as the factors already hold: an
         interrupted fit of the same samples in the same order goes on where it stopped.
         Returns the store's description with this call's ``fitted`` and ``skipped``."""

@@ -15,9 +15,13 @@ it, then renamed over it), so a reader sees every batch or none of one. EK-FAC's
 are second moments in the bases of every batch's factors together, so they are computed from
 the kept rows when a query first needs them, once per written state (eigendecompositions and
 that pass), and kept until the next write. The file holds 4 bytes per parameter per fitting
-sample: fit over thousands of samples, not millions. Only a store of full gradients fits
-factors: a query's gradient is preconditioned in full and scored against full rows, so its
-scores are exact (docs/attribution.md says why sketched rows are not scored this way).
+sample: fit over thousands of samples, not millions.
+
+A query's gradient is preconditioned in full parameter space, per layer. A store of full
+gradients scores it against its rows exactly; a store of sketches projects it with the
+store's own projection first and scores that against its sketches, an unbiased estimate of
+the exact score (``E[<R x, R g>] = <x, g>``; docs/attribution.md gives its LDS beside
+``trak``'s). Either way the factors are fitted from full gradients.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from service import curvature
 from service.curvature import Covariances, Curvature, Kind, Linear
 from service.stores.files import StoreFiles
 from service.stores.spec import StoreSpec
+from service.strategies.projection import Projection
 
 FILE = "factors.safetensors"
 
@@ -83,14 +88,7 @@ def _unfitted(store_id: str) -> Conflict:
 
 
 def check_fits(spec: StoreSpec, store_id: str) -> None:
-    """Factors are fitted, and ``kfac``/``ekfac`` scored, on stores of full gradients."""
-    if not spec.exact:
-        raise InvalidInput(
-            f"store '{store_id}' keeps sketches (projection_dim {spec.projection_dim}); K-FAC "
-            "and EK-FAC scores precondition full gradients: make a store without "
-            "'projection_dim' (models of at most 8192 selected values) to fit factors and "
-            "query 'kfac' or 'ekfac', or query this one with 'trak', which scores sketches "
-            "better than a sketched EK-FAC would (docs/attribution.md)")
+    """The store knows its parameters' shapes, which its factors need."""
     if not spec.shapes:
         raise Conflict(f"store '{store_id}' was made before stores recorded their parameters' "
                        "shapes, which its factors need: make it again (PUT /stores/{id} after "
@@ -182,11 +180,17 @@ def as_grads(spec: StoreSpec, rows: np.ndarray) -> dict[str, torch.Tensor]:
 def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kind,
                    damping: float | None) -> tuple[np.ndarray, float]:
     """Query rows of full gradients ``[n, P]`` times ``(F + damping I)^-1`` (the curvature's
-    default damping where ``damping`` is None), as rows; and the damping used."""
+    default damping where ``damping`` is None), as rows of the store: flattened, or sketched
+    with its projection where it keeps sketches; and the damping used."""
     used = curv.default_damping(kind) if damping is None else damping
     if not used > 0:
         raise InvalidInput("'damping' must be > 0 (leave it out for the default, a tenth of "
                            "the Fisher's mean eigenvalue)")
     pre = curv.precondition(as_grads(spec, rows), used, kind)
+    if not spec.exact:
+        out = torch.zeros(len(rows), spec.projection_dim, dtype=torch.float64)
+        Projection(spec.projection_dim, spec.projection_seed, spec.projection_kind
+                   ).project_many({p: pre[p] for p in spec.params}, out)
+        return out.numpy(), used
     return np.concatenate([pre[p].reshape(len(rows), -1).numpy() for p in spec.params],
                           axis=1), used

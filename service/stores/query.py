@@ -13,8 +13,8 @@ store's model version, loss, parameters and projection: sketches, or full gradie
   rule that reads the store alone, never a retrained model;
 - ``self_influence``: ``|phi_i|^2``, the store ranked by itself (no test samples);
 - ``kfac``, ``ekfac``: ``g_q^T (F + damping I)^-1 g_i`` with the store's K-FAC or EK-FAC Fisher
-  (:mod:`service.stores.factors`, stores of full gradients): the query preconditioned there,
-  then scored as ``dot``.
+  (:mod:`service.stores.factors`): the query's full gradient preconditioned there (and
+  sketched as the rows are, on a store of sketches), then scored as ``dot``.
 
 Each shard's rows are widened to float32 and multiplied by the queries (one GEMM per shard; each
 query scaled by a power of two to entries below 1 first, and its scores scaled back in float64,

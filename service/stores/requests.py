@@ -128,21 +128,22 @@ def check_batch(spec: StoreSpec, fields: dict[str, Any], what: str) -> dict[str,
     return fields
 
 
-def rows_requests(spec: StoreSpec, key: str, fields: dict[str, Any], what: str
-                  ) -> list[dict[str, Any]]:
+def rows_requests(spec: StoreSpec, key: str, fields: dict[str, Any], what: str,
+                  full: bool = False) -> list[dict[str, Any]]:
     """The requests whose answers are the rows of a body's batch under ``spec`` (the store
     ``key``), one per checkpoint (:meth:`StoreSpec.members`; one for a store of one model):
-    each its ``projection``, or for a store of full gradients its ``grads``
-    (:func:`service.stores.sets.set_rows` flattens them). The batch is checked once against
-    the whole store (``what``: the route, for the messages)."""
+    each its ``projection``, or for a store of full gradients (or ``full``: K-FAC's fit and
+    queries, which need them) its ``grads`` (:func:`service.stores.sets.set_rows` flattens
+    them). The batch is checked once against the whole store (``what``: the route, for the
+    messages)."""
     fields = check_batch(spec, fields, what)
     fields.pop("model", None)  # each checkpoint's own version
-    return [_rows_request(member, fields) for _, member in spec.members(key)]
+    return [_rows_request(member, fields, full) for _, member in spec.members(key)]
 
 
-def _rows_request(spec: StoreSpec, fields: dict[str, Any]) -> dict[str, Any]:
+def _rows_request(spec: StoreSpec, fields: dict[str, Any], full: bool) -> dict[str, Any]:
     request = {**fields, "model": spec.model, "loss": spec.loss, "params": list(spec.params)}
-    if spec.exact:
+    if spec.exact or full:
         return {**request, "outputs": ["grads"]}
     return {**request, "projection_dim": spec.projection_dim,
             "projection_seed": spec.projection_seed, "projection_kind": spec.projection_kind,

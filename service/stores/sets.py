@@ -51,10 +51,11 @@ def set_spec(set_id: str, fields: dict[str, Any], result: dict[str, Any], model:
                      dtype="float32", tenant=tenant, shapes=shapes, projection_version=version)
 
 
-def set_rows(spec: StoreSpec, result: dict[str, Any]) -> np.ndarray:
+def set_rows(spec: StoreSpec, result: dict[str, Any], full: bool = False) -> np.ndarray:
     """The set's rows ``[M, projection_dim]``: the sketches, or each sample's gradients
-    flattened in ``spec.params`` order."""
-    if not spec.exact:
+    flattened in ``spec.params`` order (``full``: the gradients of a store that keeps sketches,
+    which K-FAC fits and preconditions)."""
+    if not (spec.exact or full):
         return np.asarray(result["projection"])
     grads = result["grads"]
     return np.concatenate([np.asarray(grads[p]).reshape(len(grads[p]), -1)

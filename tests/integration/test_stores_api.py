@@ -28,6 +28,7 @@ from service.stores import factors
 from service.stores.files import StoreFiles
 from service.stores.locks import ThreadLocks
 from service.stores.spec import StoreSpec
+from service.strategies.projection import Projection
 from tests.support.api import open_client
 from tests.support.cluster import cluster
 from tests.support.redis import SHARED_URL, prefix_on, redis_or_skip
@@ -302,14 +303,38 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
     error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
                                                                  "damping": 0, **test}),
           422, "invalid_input", "'damping' must be > 0")
-    r = await c.put("/stores/sk", headers=ALICE, json={"model": "att", "projection_dim": DIM})
-    assert r.status_code == 201, r.text
-    error(await c.post("/stores/sk/factors", headers=ALICE, json=halves[0]),
-          422, "invalid_input", "without 'projection_dim'")
-    error(await c.post("/stores/sk/query", headers=ALICE, json={"k": 1, "score": "kfac",
-                                                                 **test}),
-          422, "invalid_input", "without 'projection_dim'")
     error(await c.post("/stores/fk/factors", headers=BOB, json=halves[0]), 404, "not_found")
+
+    # a store of sketches: the preconditioned query sketched with the store's projection
+    r = await c.put("/stores/sk", headers=ALICE, json={"model": "att", "projection_dim": DIM,
+                                                        "projection_seed": SEED})
+    assert r.status_code == 201, r.text
+    r = await c.post("/stores/sk/samples", headers=ALICE, json={**train, "ids": list(range(40))})
+    assert r.status_code == 200, r.text
+    for half in halves:
+        r = await c.post("/stores/sk/factors", headers=ALICE, json=half)
+        assert r.status_code == 200 and r.json()["fitted"] == 20, r.text
+    assert r.json()["factors"] == {"samples": 40, "layers": ["fc1.weight", "fc2.weight"]}
+
+    def sketch(g: dict[str, torch.Tensor]) -> np.ndarray:
+        out = torch.zeros(len(g[params[0]]), DIM, dtype=torch.float64)
+        Projection(DIM, SEED).project_many({p: g[p].double() for p in params}, out)
+        return out.numpy()
+
+    stored = sketch(factors.as_grads(SPEC_OF_ATT, phi))
+    for kind in ("kfac", "ekfac"):
+        used = fitted.default_damping(kind)
+        want = sketch(fitted.precondition(grads, used, kind)) @ stored.T  # type: ignore[arg-type]
+        order = np.argsort(-want, axis=1, kind="stable")[:, :5]
+        r = await c.post("/stores/sk/query", headers=ALICE, json={"k": 5, "score": kind, **test})
+        assert r.status_code == 200, (kind, r.text)
+        assert r.json()["ids"] == order.tolist(), kind
+        np.testing.assert_allclose(r.json()["scores"], np.take_along_axis(want, order, 1),
+                                   rtol=2e-3, atol=1e-4 * np.abs(want).max())
+        assert r.json()["damping"] == pytest.approx(used, rel=1e-3)
+    error(await c.post("/stores/sk/query", headers=ALICE, json={
+        "k": 1, "score": "kfac", "sketches": stored[:1].tolist()}),
+          422, "invalid_input", "send the samples")
 
 
 async def test_an_ensembles_checkpoints_each_fit_and_score_their_own_factors(

@@ -155,13 +155,13 @@ def _shown(state: AppState, key: str, spec: StoreSpec) -> Manifest:
     return state.storage.gradients.manifest(spec.members(key)[0][0])
 
 
-async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any]
-                ) -> np.ndarray:
-    """The batch's rows (sketches, or flattened gradients), computed by the workers (several
-    jobs past the batch limit)."""
+async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any],
+                full: bool = False) -> np.ndarray:
+    """The batch's rows (sketches, or flattened gradients; ``full``: gradients either way),
+    computed by the workers (several jobs past the batch limit)."""
     result = await split_answer(state, tenant, job)
     _same_model(spec, result)
-    return np.asarray(set_rows(spec, result), dtype=np.float32)
+    return np.asarray(set_rows(spec, result, full), dtype=np.float32)
 
 
 def _same_model(spec: StoreSpec, result: dict[str, Any]) -> None:
@@ -346,7 +346,7 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
         spec.check_version()
         factors.check_fits(spec, store_id)
         jobs = [{**job, "outputs": ["grads", "kfac_inputs"]}
-                for job in rows_requests(spec, key, fields, what)]
+                for job in rows_requests(spec, key, fields, what, full=True)]
         parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         return spec, jobs
 
@@ -359,7 +359,7 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
 
     def keep() -> dict[str, Any]:
         done = factors.add(state.storage.gradients, [
-            (member_key, member, answer, set_rows(member, answer))
+            (member_key, member, answer, set_rows(member, answer, full=True))
             for (member_key, member), answer in zip(members, answers, strict=True)])
         return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
@@ -463,12 +463,16 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
                 raise InvalidInput(f"store '{store_id}' is an ensemble: each checkpoint makes "
                                    "its own rows of a test sample, so send the samples (inputs, "
                                    "targets, ...), not 'sketches'")
+            if score in FACTOR_SCORES and not spec.exact:
+                raise InvalidInput(f"score '{score}' preconditions the test samples' full "
+                                   f"gradients, which store '{store_id}''s sketches are not: "
+                                   "send the samples (inputs, targets, ...)")
             return spec, [], [_given_rows(given, spec, state.settings.max_elements,
                                           "sketches")]
         if not batch:
             raise InvalidInput(f"score '{score}' needs test samples (inputs, targets, ...) or "
                                f"their 'sketches' [queries, {spec.projection_dim}]")
-        jobs = rows_requests(spec, key, fields, "this query")
+        jobs = rows_requests(spec, key, fields, "this query", full=score in FACTOR_SCORES)
         parse_request(jobs[0], state.registry)
         return spec, jobs, []
 
@@ -477,8 +481,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     members = spec.members(key)
     if jobs:
         queries = list(await asyncio.gather(*(
-            _rows(state, tenant, member, job) for (_, member), job in zip(members, jobs,
-                                                                           strict=True))))
+            _rows(state, tenant, member, job, score in FACTOR_SCORES)
+            for (_, member), job in zip(members, jobs, strict=True))))
 
     def run() -> dict[str, Any]:
         files = state.storage.gradients
