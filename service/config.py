@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     # unset: $XDG_DATA_HOME/psgrad. With Redis, every api replica must see the same one.
     data_dir: str | None = None
     store_shard_bytes: Annotated[int, Field(ge=1)] = 64 * 1024 * 1024  # rows per shard file
+    # a store's factors file: each fitting sample's full gradient, 4 bytes per parameter
+    max_factors_bytes: Annotated[int, Field(ge=1)] = 2 * 1024 * 1024 * 1024
 
     max_body_bytes: int = 512 * 1024 * 1024
     max_batch_size: int = 4096
@@ -143,6 +145,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "model_dir": EMBEDDED_ONLY,  # with Redis, models live in Redis
     "data_dir": BOTH,  # the api writes and queries stores; workers read reference sets
     "store_shard_bytes": frozenset({API}),
+    "max_factors_bytes": frozenset({API}),
     "max_body_bytes": frozenset({API}),
     "max_batch_size": BOTH,  # checked at the api and again where the worker decodes
     "max_result_bytes": frozenset({WORKER}),

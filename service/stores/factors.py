@@ -15,7 +15,7 @@ it, then renamed over it), so a reader sees every batch or none of one. EK-FAC's
 are second moments in the bases of every batch's factors together, so they are computed from
 the kept rows when a query first needs them, once per written state (eigendecompositions and
 that pass), and kept until the next write. The file holds 4 bytes per parameter per fitting
-sample: fit over thousands of samples, not millions.
+sample: fit over thousands of samples, not millions (``PSGRAD_MAX_FACTORS_BYTES`` bounds it).
 
 A query's gradient is preconditioned in full parameter space, per layer. A store of full
 gradients scores it against its rows exactly; a store of sketches projects it with the
@@ -37,8 +37,9 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from psgrad._errors import Conflict, InvalidInput
+from psgrad._errors import Conflict, InvalidInput, TooLarge
 from service import curvature
+from service.config import raise_setting
 from service.curvature import Covariances, Curvature, Kind, Linear
 from service.stores.files import StoreFiles
 from service.stores.spec import StoreSpec
@@ -95,17 +96,26 @@ def check_fits(spec: StoreSpec, store_id: str) -> None:
                        "DELETE) and add its samples")
 
 
-def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any], np.ndarray]]
-        ) -> Fitted:
+def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any], np.ndarray]],
+        max_bytes: int) -> Fitted:
     """Add one batch's factors to each store of ``parts`` (an ensemble's checkpoints: key,
     definition, the workers' answer with ``kfac_inputs``, ``kfac_grads`` and ``kfac_tokens``
     as means over its samples, and its gradient ``rows``), all of them or none: every store's
-    lock held, every new file made and checked before the first is written. Answers the
-    first's :class:`Fitted`."""
+    lock held, every new file made and checked (at most ``max_bytes``, else 413) before the
+    first is written. Answers the first's :class:`Fitted`."""
     with contextlib.ExitStack() as held:
         for key, _, _, _ in parts:
             held.enter_context(files.locks.hold(key))
         made = [_merged(files, key, spec, answer, rows) for key, spec, answer, rows in parts]
+        for (_, spec, _, rows), (raw, done) in zip(parts, made, strict=True):
+            if len(raw) > max_bytes:
+                raise TooLarge(
+                    f"store '{spec.id}''s factors would hold {len(raw)} bytes ({done.samples} "
+                    f"fitting samples' gradients of {rows.shape[1]} values, 4 bytes each, and "
+                    f"the factors); the limit is {max_bytes}: fit over fewer samples (thousands "
+                    f"are enough) or parameters, or "
+                    f"{raise_setting('max_factors_bytes', max_bytes)}",
+                    limit=max_bytes, size=len(raw))
         for (key, _, _, _), (raw, _) in zip(parts, made, strict=True):
             files.write_file(key, FILE, raw)
     return made[0][1]

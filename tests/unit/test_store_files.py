@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound
+from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound, TooLarge
 from service import redis_keys
 from service.stores import files as files_module
 from service.stores import query
@@ -28,6 +28,7 @@ from tests.support.redis import prefix_on, redis_or_skip
 from tests.support.stores import reference
 
 K = 16
+LIMIT = 1 << 30  # a factors file's bytes, far above these
 
 
 def spec(dtype: str = "float32", dim: int = K) -> StoreSpec:
@@ -596,7 +597,8 @@ def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(
 
 def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_path: Path) -> None:
     """A batch whose layers one checkpoint's factors do not cover is refused there, and the
-    other checkpoint, checked first, keeps its file as it was."""
+    other checkpoint, checked first, keeps its file as it was; so is a batch that takes one
+    checkpoint's file past the size limit (413 naming the setting)."""
     from service.stores import factors
 
     store = files(tmp_path)
@@ -609,14 +611,21 @@ def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_pat
                 "kfac_grads": {w: np.eye(2) for w in layers},
                 "kfac_tokens": {w: np.float64(1.0) for w in layers}}
 
-    first = factors.add(store, [("b", spec(), answer("fc1.weight"), rows)])
+    first = factors.add(store, [("b", spec(), answer("fc1.weight"), rows)], LIMIT)
     assert (first.samples, first.writes, first.layers) == (2, 1, ["fc1.weight"])
     before = store.read_file("b", factors.FILE)
+    assert before is not None
     with pytest.raises(Conflict, match=r"cover the layers fc1\.weight"):
         factors.add(store, [("a", spec(), answer("fc1.weight", "fc2.weight"), rows),
-                            ("b", spec(), answer("fc1.weight", "fc2.weight"), rows)])
+                            ("b", spec(), answer("fc1.weight", "fc2.weight"), rows)], LIMIT)
+    assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
+    with pytest.raises(TooLarge, match="PSGRAD_MAX_FACTORS_BYTES") as refused:
+        # a's new file is smaller than b's, which already holds a batch: b's is past the limit
+        factors.add(store, [("a", spec(), answer("fc1.weight"), rows),
+                            ("b", spec(), answer("fc1.weight"), rows)], len(before) + 1)
+    assert refused.value.details["size"] > len(before) + 1
     assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
     both = factors.add(store, [("a", spec(), answer("fc1.weight"), rows),
-                               ("b", spec(), answer("fc1.weight"), rows)])
+                               ("b", spec(), answer("fc1.weight"), rows)], LIMIT)
     assert (both.samples, both.writes) == (2, 1)  # a's own first batch
     assert factors.fitted(store, "b") == factors.Fitted(4, 2, ["fc1.weight"])

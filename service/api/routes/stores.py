@@ -360,7 +360,8 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
     def keep() -> dict[str, Any]:
         done = factors.add(state.storage.gradients, [
             (member_key, member, answer, set_rows(member, answer, full=True))
-            for (member_key, member), answer in zip(members, answers, strict=True)])
+            for (member_key, member), answer in zip(members, answers, strict=True)],
+            state.settings.max_factors_bytes)
         return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
 
