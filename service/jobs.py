@@ -1,7 +1,7 @@
 """The job contract: what a job is, and the two sides of the queue that moves it.
 
 The api is written against :class:`Broker` (enqueue, wait, inspect, cancel) and the worker loop
-(:mod:`service.worker`) against :class:`JobSource` (take, report each job's end). Two brokers
+(:mod:`service.worker.loop`) against :class:`JobSource` (take, report each job's end). Two brokers
 implement them, in :mod:`service.broker`: the embedded one (an in-process queue, both sides in
 one object, served by the app's own worker threads) and the Redis one (Redis Streams with a
 consumer group, served by ``psgrad worker`` processes on any number of hosts). Brokers only move
@@ -162,7 +162,7 @@ class Broker(Protocol):
         """
 
     async def worker_snapshots(self) -> list[dict[str, Any]]:
-        """The status (:mod:`service.worker_status`) each worker published through the broker, with
+        """The status (:mod:`service.worker.status`) each worker published through the broker, with
         ``alive``; in-process workers publish none (the app asks their pool)."""
 
 
@@ -190,7 +190,7 @@ class JobSource(Protocol):
 
     def waiting_tenants(self) -> set[str]:
         """The tenants with jobs queued now (the worker lets them in between two chunks of a
-        running job, :meth:`service.worker.Worker._computed`)."""
+        running job, :meth:`service.worker.loop.Worker._computed`)."""
         ...
 
     def started(self, jobs: list[Job]) -> list[Job]:

@@ -9,8 +9,8 @@ shapes and their jobs are kept with the version (:meth:`ModelStore.set_warmup`) 
 /models/{id}`` shows their progress (:func:`progress`).
 
 A worker starting up computes the same shapes of every model that asked for a warm-up before it
-reports ready (:meth:`service.worker.Worker.warm`, within ``PSGRAD_WARMUP_TIMEOUT_S``): with the
-plans already shared that is loading the model and one call per shape.
+reports ready (:meth:`service.worker.loop.Worker.warm`, within ``PSGRAD_WARMUP_TIMEOUT_S``):
+with the plans already shared that is loading the model and one call per shape.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``psgrad worker``: one process per device, taking jobs from Redis and running the batching loop.
 
-The loop (:mod:`service.worker`) runs in a thread; the main thread owns the signals and watches
+The loop (:mod:`service.worker.loop`) runs in a thread; the main thread owns the signals and watches
 Redis. SIGTERM (or SIGINT) stops taking jobs, finishes and acknowledges the batch in hand, hands
 back jobs read but not started, and exits 0. A worker that cannot reach Redis for
 ``PSGRAD_WORKER_REDIS_GRACE_S`` exits 1, so its supervisor (Docker, systemd, Kubernetes)
@@ -23,12 +23,12 @@ from prometheus_client import start_http_server
 from service.broker.redis.worker import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
-from service.events import Events
 from service.registry import make_registry
 from service.storage import open_storage
-from service.worker import Worker
-from service.worker_metrics import WorkerMetrics
-from service.worker_status import WorkerStatus
+from service.worker.events import Events
+from service.worker.loop import Worker
+from service.worker.metrics import WorkerMetrics
+from service.worker.status import WorkerStatus
 
 log = logging.getLogger("psgrad.worker")
 

@@ -22,7 +22,7 @@ from service.jobs import Broker
 from service.keyring import Keyring, install_sighup
 from service.registry import ModelRegistry, make_registry
 from service.storage import Storage, open_storage
-from service.worker import WorkerPool
+from service.worker.loop import WorkerPool
 
 log = logging.getLogger("psgrad.api")
 

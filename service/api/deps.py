@@ -30,7 +30,7 @@ from service.keyring import Keyring
 from service.registry import ModelRegistry
 from service.storage import Storage
 from service.tenants import TENANT_NAME, Tenant
-from service.worker import WorkerPool
+from service.worker.loop import WorkerPool
 
 
 @dataclass

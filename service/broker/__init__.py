@@ -1,9 +1,10 @@
 """Brokers: how jobs travel from the api to the workers. Both implement :mod:`service.jobs`.
 
 :mod:`service.broker.embedded` is an in-process queue (the default, no Redis URL): the app's
-lifespan starts a :class:`service.worker.WorkerPool` of threads over it. :mod:`service.broker.redis`
-(the api's side) and :mod:`service.broker.redis.worker` (the worker's side) move jobs through
-Redis Streams to ``psgrad worker`` processes. Brokers only move jobs: none starts a worker.
+lifespan starts a :class:`service.worker.loop.WorkerPool` of threads over it.
+:mod:`service.broker.redis` (the api's side) and :mod:`service.broker.redis.worker` (the worker's
+side) move jobs through Redis Streams to ``psgrad worker`` processes. Brokers only move jobs:
+none starts a worker.
 """
 
 from __future__ import annotations

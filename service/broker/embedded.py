@@ -1,10 +1,10 @@
 """The embedded broker: an in-process queue (the default, no Redis needed).
 
 One object is both sides of the job contract: the api calls its async :class:`Broker` methods on
-the event loop, and the app's worker threads (:class:`service.worker.WorkerPool`, started by the
-app's lifespan) call its :class:`JobSource` methods. It moves jobs and nothing else: it starts no
-thread and knows no model. All state is behind one condition variable; a finished job wakes its
-waiter on the event loop with ``call_soon_threadsafe``. Finished jobs are kept for
+the event loop, and the app's worker threads (:class:`service.worker.loop.WorkerPool`, started
+by the app's lifespan) call its :class:`JobSource` methods. It moves jobs and nothing else: it
+starts no thread and knows no model. All state is behind one condition variable; a finished job
+wakes its waiter on the event loop with ``call_soon_threadsafe``. Finished jobs are kept for
 ``PSGRAD_RESULT_TTL_S`` (the sync route forgets its job as soon as it has the answer).
 
 Jobs wait in a :class:`service.fair_queue.FairQueue` (one queue per tenant, served by weighted

@@ -26,14 +26,14 @@ from service.config import Settings
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
+from service.worker.loop import Worker
 from tests.support.api import settings as embedded_settings
 from tests.support.redis import queue, quick_settings
 
 STEP_S = 3600.0
 # the modules a worker reads its clock in; the api's (service.broker.redis.api, the routes)
 # keep the real one
-WORKER_MODULES = ("service.worker", "service.jobs", "service.broker.embedded",
+WORKER_MODULES = ("service.worker.loop", "service.jobs", "service.broker.embedded",
                   "service.broker.redis.worker", "service.broker.redis.intake")
 _real_time = time.time
 

@@ -23,7 +23,7 @@ from service.dp.runs import DPRun, RedisRunStore
 from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
+from service.worker.loop import Worker
 from tests.support.redis import OwnRedis, quick_settings, result_of
 
 settings = pytest.fixture(quick_settings)

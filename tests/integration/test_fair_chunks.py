@@ -19,7 +19,7 @@ from service.config import Settings
 from service.jobs import Job, JobSource, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
+from service.worker.loop import Worker
 from tests.support.api import settings as embedded_settings
 from tests.support.redis import prefix_on, queue, redis_or_skip
 from tests.support.reference import per_sample_loop

@@ -24,12 +24,12 @@ from service import redis_keys
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
-from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
-from service.worker_metrics import WorkerMetrics
+from service.worker.events import Events
+from service.worker.loop import Worker
+from service.worker.metrics import WorkerMetrics
 from tests.support.redis import OwnRedis, prefix_on, queue, redis_or_skip, result_of
 
 

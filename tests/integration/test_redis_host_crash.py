@@ -41,7 +41,7 @@ from service.dp.runs import DPRun, RedisRunStore
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
+from service.worker.loop import Worker
 from tests.support.redis import OwnRedis, queue, result_of
 
 PREFIX = "crash"

@@ -17,12 +17,12 @@ import redis
 
 from service import redis_keys
 from service.broker.redis.worker import RedisJobSource
-from service.events import Events
 from service.redis_keys import text
 from service.registry import ModelRegistry, make_registry
 from service.storage import open_storage
-from service.worker import Worker
-from service.worker_status import WorkerStatus
+from service.worker.events import Events
+from service.worker.loop import Worker
+from service.worker.status import WorkerStatus
 from tests.support.api import open_client
 from tests.support.client import free_port
 from tests.support.cluster import cluster, settings_for

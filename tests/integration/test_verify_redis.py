@@ -22,12 +22,12 @@ from service.api.app import create_app
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
-from service.events import Events
 from service.registry import make_registry
 from service.storage import open_storage
 from service.verify import choose
-from service.worker import Worker
-from service.worker_metrics import WorkerMetrics
+from service.worker.events import Events
+from service.worker.loop import Worker
+from service.worker.metrics import WorkerMetrics
 from tests.support import faults
 from tests.support.api import safetensors_body
 from tests.support.cluster import cluster, job_done, settings_for

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service import worker as worker_module
 from service.api.body import decode_json_body
 from service.registry import ModelRegistry
 from service.validate import parse_request
-from service.worker_status import NORM_EDGES
+from service.worker import loop as worker_module
+from service.worker.status import NORM_EDGES
 from tests.support.reference import loop_of
 
 

@@ -13,7 +13,7 @@ from service.broker.embedded import EmbeddedBroker
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
+from service.worker.loop import Worker
 from tests.support.api import TD0, assert_outputs, in_process, open_client, settings
 
 

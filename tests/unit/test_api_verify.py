@@ -18,7 +18,7 @@ from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.verify import choose
-from service.worker import Worker
+from service.worker.loop import Worker
 from tests.support import faults
 from tests.support.api import assert_outputs, in_process, open_client, post_st, settings
 from tests.support.export import CASES, exported

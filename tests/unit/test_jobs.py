@@ -15,12 +15,12 @@ import torch
 from service.api import create_app
 from service.api.body import decode_json_body
 from service.broker.embedded import EmbeddedBroker
-from service.events import Events
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
-from service.worker_metrics import WorkerMetrics
+from service.worker.events import Events
+from service.worker.loop import Worker
+from service.worker.metrics import WorkerMetrics
 from tests.support.api import TD0, settings
 
 

@@ -17,13 +17,13 @@ import torch
 from service.api.body import decode_json_body
 from service.api.status_data import MAX_LABELS, OTHER, RequestStats
 from service.broker.embedded import EmbeddedBroker
-from service.events import BatchEnded, BatchStarted, Events, JobEnded, WorkerEvent
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
-from service.worker import Worker
-from service.worker_metrics import WorkerMetrics
-from service.worker_status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
+from service.worker.events import BatchEnded, BatchStarted, Events, JobEnded, WorkerEvent
+from service.worker.loop import Worker
+from service.worker.metrics import WorkerMetrics
+from service.worker.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
 from tests.support.api import TD0, app_of, open_client, settings
 from tests.support.status import (
     buckets,
@@ -183,7 +183,7 @@ def _round(monkeypatch: pytest.MonkeyPatch, *, merged_call_fails: bool) -> tuple
         WorkerMetrics, dict[str, Any]]:
     """Two jobs that merge, a canceled one and a bad one through one worker loop whose events
     go to a subscriber that always raises, the Prometheus series and a status recorder."""
-    from service import worker as worker_module
+    from service.worker import loop as worker_module
 
     if merged_call_fails:
         compute = worker_module._compute

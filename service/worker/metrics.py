@@ -1,7 +1,7 @@
 """The worker loop's Prometheus series, one :class:`CollectorRegistry` per owner.
 
-:class:`WorkerMetrics` subscribes to the loop's events (:mod:`service.events`). ``psgrad worker``
-serves it alone on ``PSGRAD_WORKER_METRICS_PORT``; the api's metrics
+:class:`WorkerMetrics` subscribes to the loop's events (:mod:`service.worker.events`).
+``psgrad worker`` serves it alone on ``PSGRAD_WORKER_METRICS_PORT``; the api's metrics
 (:class:`service.api.metrics.Metrics`) extend it, so in embedded mode one ``/metrics`` shows the
 requests and the worker threads together. Tests and apps never share a registry.
 """
@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.events import BatchEnded, JobEnded, JobVerified, WorkerEvent
 from service.fast_stats._plan import PLANS
 from service.lru import LockedLRU
 from service.strategies import per_sample
+from service.worker.events import BatchEnded, JobEnded, JobVerified, WorkerEvent
 
 __all__ = ["TIME_BUCKETS", "WorkerMetrics"]
 
@@ -97,7 +97,7 @@ class WorkerMetrics:
         r.register(_CacheCollector())
 
     def on_event(self, event: WorkerEvent) -> None:
-        """A subscriber of :class:`service.events.Events`: each event into its series."""
+        """A subscriber of :class:`service.worker.events.Events`: each event into its series."""
         match event:
             case BatchEnded(compute_s=float(compute_s)):  # a failed call (None) is not timed
                 self.compute.observe(compute_s)

@@ -1,9 +1,9 @@
 """What the worker loop reports: one stream of events, read by every subscriber.
 
-The loop (:class:`service.worker.Worker`) emits each event once, into the :class:`Events` it
+The loop (:class:`service.worker.loop.Worker`) emits each event once, into the :class:`Events` it
 was handed where it was assembled; the Prometheus series
-(:meth:`service.worker_metrics.WorkerMetrics.on_event`) and the status page's recorder
-(:meth:`service.worker_status.WorkerStatus.on_event`) are two subscribers of the same stream.
+(:meth:`service.worker.metrics.WorkerMetrics.on_event`) and the status page's recorder
+(:meth:`service.worker.status.WorkerStatus.on_event`) are two subscribers of the same stream.
 Events are small frozen records, emitted once per batch or job, never per sample, on the loop's
 own thread.
 

@@ -1,7 +1,7 @@
 """What one worker loop is doing, for the status page (``GET /status``): kept cheap, read rarely.
 
 Each worker loop has one :class:`WorkerStatus`, a subscriber of its events
-(:mod:`service.events`): when a batch starts and ends, how each job ended, and the per-sample
+(:mod:`service.worker.events`): when a batch starts and ends, how each job ended, and the per-sample
 gradient norms the engine computed anyway (any call whose outputs need squared norms: ``norms``,
 ``layer_norms``, ``clipped_mean``, ``cosine_mean``, unprojected ``self_influence``; never
 computed for it). All of
@@ -13,7 +13,7 @@ Norm histograms are kept per model and, for the tenants' own views of the page, 
 model (a merged batch's norms are split by job, each job's slice counted for its tenant).
 
 :meth:`snapshot` is a plain JSON-ready dict: in embedded mode the api reads it from the worker
-threads (:meth:`service.worker.WorkerPool.snapshots`), in Redis mode each ``psgrad worker``
+threads (:meth:`service.worker.loop.WorkerPool.snapshots`), in Redis mode each ``psgrad worker``
 publishes it with its heartbeat and the api aggregates every worker's
 (:mod:`service.api.status_data`).
 """
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.events import BatchEnded, BatchStarted, JobEnded, WorkerEvent
+from service.worker.events import BatchEnded, BatchStarted, JobEnded, WorkerEvent
 
 __all__ = [
     "NORM_EDGES",
@@ -129,8 +129,8 @@ class WorkerStatus:
         self._tenant_norms: dict[tuple[str, str], TimeRing] = {}  # (tenant, model) -> the same
 
     def on_event(self, event: WorkerEvent) -> None:
-        """A subscriber of :class:`service.events.Events`: the batch in hand, the counters, the
-        queue waits and the norms the engine computed anyway."""
+        """A subscriber of :class:`service.worker.events.Events`: the batch in hand, the counters,
+        the queue waits and the norms the engine computed anyway."""
         match event:
             case BatchStarted():
                 batch = {"jobs": event.jobs, "samples": event.samples, "model": event.model,

@@ -44,14 +44,21 @@ from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
 from service.dp.steps import on_result as count_dp_step
-from service.events import BatchEnded, BatchStarted, Events, JobEnded, JobVerified, Subscriber
 from service.fast_stats import SharedPlans, warm_kernels
 from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.storage import Storage
 from service.strategies import per_sample
 from service.validate import ParsedRequest, parse_request
-from service.worker_status import WorkerStatus
+from service.worker.events import (
+    BatchEnded,
+    BatchStarted,
+    Events,
+    JobEnded,
+    JobVerified,
+    Subscriber,
+)
+from service.worker.status import WorkerStatus
 
 log = logging.getLogger("psgrad.worker")
 
