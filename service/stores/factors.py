@@ -108,17 +108,30 @@ def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any], np.
             held.enter_context(files.locks.hold(key))
         made = [_merged(files, key, spec, answer, rows) for key, spec, answer, rows in parts]
         for (_, spec, _, rows), (raw, done) in zip(parts, made, strict=True):
-            if len(raw) > max_bytes:
-                raise TooLarge(
-                    f"store '{spec.id}''s factors would hold {len(raw)} bytes ({done.samples} "
-                    f"fitting samples' gradients of {rows.shape[1]} values, 4 bytes each, and "
-                    f"the factors); the limit is {max_bytes}: fit over fewer samples (thousands "
-                    f"are enough) or parameters, or "
-                    f"{raise_setting('max_factors_bytes', max_bytes)}",
-                    limit=max_bytes, size=len(raw))
+            _within(spec, len(raw), done.samples, rows.shape[1], max_bytes)
         for (key, _, _, _), (raw, _) in zip(parts, made, strict=True):
             files.write_file(key, FILE, raw)
     return made[0][1]
+
+
+def check_room(files: StoreFiles, key: str, spec: StoreSpec, samples: int, width: int,
+               max_bytes: int) -> None:
+    """Refuse (413) before any worker runs a batch whose gradients alone, ``samples`` more rows
+    of ``width`` values, would take the store's factors file past ``max_bytes``; :func:`add`
+    checks the whole file again once the factors are made."""
+    old = fitted(files, key)
+    total = samples + (0 if old is None else old.samples)
+    _within(spec, total * width * 4, total, width, max_bytes, "at least ")
+
+
+def _within(spec: StoreSpec, size: int, samples: int, width: int, max_bytes: int,
+            bound: str = "") -> None:
+    if size > max_bytes:
+        raise TooLarge(
+            f"store '{spec.id}''s factors would hold {bound}{size} bytes ({samples} fitting "
+            f"samples' gradients of {width} values, 4 bytes each, and the factors); the limit is "
+            f"{max_bytes}: fit over fewer samples (thousands are enough) or parameters, or "
+            f"{raise_setting('max_factors_bytes', max_bytes)}", limit=max_bytes, size=size)
 
 
 def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],

@@ -337,6 +337,34 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
           422, "invalid_input", "send the samples")
 
 
+async def test_factors_past_the_size_limit_are_refused_before_the_workers_run(
+        tmp_path: Path) -> None:
+    """A batch whose gradients alone would take the factors file past
+    ``PSGRAD_MAX_FACTORS_BYTES`` gets a 413 from the estimate (samples fitted plus sent, times
+    the selected values, 4 bytes each) before any job is queued; the fit so far is kept."""
+    per_sample = 53 * 4  # fc1 and fc2, weights and biases, in float32
+    async with open_client(data_dir=str(tmp_path / "data"), max_factors_bytes=30 * per_sample,
+                           **KEYS) as c:
+        await _register(c)
+        r = await c.put("/stores/fk", headers=ALICE, json={"model": "att"})
+        assert r.status_code == 201, r.text
+        r = await c.post("/stores/fk/factors", headers=ALICE, json=batch(20, 21))
+        assert r.status_code == 200 and r.json()["factors"]["samples"] == 20, r.text
+        samples = _samples_computed((await c.get("/metrics")).text)
+        error(await c.post("/stores/fk/factors", headers=ALICE, json=batch(20, 22)),
+              413, "too_large", f"would hold at least {40 * per_sample} bytes (40 fitting samples'",
+              "PSGRAD_MAX_FACTORS_BYTES")
+        r = await c.get("/stores/fk", headers=ALICE)
+        assert r.json()["factors"]["samples"] == 20
+        assert _samples_computed((await c.get("/metrics")).text) == samples == 20
+
+
+def _samples_computed(metrics: str) -> float:
+    """The workers' ``psgrad_samples_total`` in a ``/metrics`` page."""
+    line = next(x for x in metrics.splitlines() if x.startswith("psgrad_samples_total "))
+    return float(line.split()[1])
+
+
 async def test_an_ensembles_checkpoints_each_fit_and_score_their_own_factors(
         service: tuple[httpx.AsyncClient, Path]) -> None:
     """An ensemble of full gradients: each checkpoint fits factors of its own, and an ``ekfac``

@@ -347,7 +347,11 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
         factors.check_fits(spec, store_id)
         jobs = [{**job, "outputs": ["grads", "kfac_inputs"]}
                 for job in rows_requests(spec, key, fields, what, full=True)]
-        parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
+        parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
+        width = sum(parsed.model.params[p].numel() for p in spec.params)
+        for member_key, member in spec.members(key):
+            factors.check_room(state.storage.gradients, member_key, member, parsed.batch.size,
+                               width, state.settings.max_factors_bytes)
         return spec, jobs
 
     await conform(SampleBatch, fields, check)
