@@ -42,7 +42,7 @@ from tests.support.api import open_client
 
 ROOT = Path(__file__).resolve().parents[2]
 # the modules that read a request's fields by name
-READERS = ("service/validate.py", "service/attribution.py", "service/dp/steps.py",
+READERS = ("service/validate/__init__.py", "service/attribution.py", "service/dp/steps.py",
            "service/api/body.py", "service/api/routes/grads.py", "service/api/routes/jobs.py")
 EXAMPLE_REF = {REF_PATTERN: "mlp", RUN_ID_PATTERN: "dp-" + "0" * 24, ID_PATTERN: "refs"}
 # what psgrad._merge combines

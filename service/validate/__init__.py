@@ -27,7 +27,7 @@ from service.engine import Batch, Options
 from service.losses import get_loss
 from service.outputs import asked_outputs, get_output
 from service.registry import LoadedModel, ModelRegistry
-from service.request_tensors import (
+from service.validate.tensors import (
     batch_inputs,
     check_names,
     mask_of,
