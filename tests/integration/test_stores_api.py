@@ -20,8 +20,10 @@ import pytest
 import redis
 import torch
 
+from psgrad._errors import Conflict
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service import curvature, redis_keys
+from service.api.routes.stores import _same_model
 from service.redis_keys import text
 from service.registry import load_model
 from service.stores import factors
@@ -363,6 +365,17 @@ def _samples_computed(metrics: str) -> float:
     """The workers' ``psgrad_samples_total`` in a ``/metrics`` page."""
     line = next(x for x in metrics.splitlines() if x.startswith("psgrad_samples_total "))
     return float(line.split()[1])
+
+
+def test_an_answer_of_another_model_version_is_refused_by_what_it_holds() -> None:
+    """A store's batch answered by another version than the store's (a new version registered
+    meanwhile) is a 409 naming what came back: sketches, or gradients for a store of full
+    gradients and for the fits and queries that need them."""
+    spec = SPEC_OF_ATT  # of att@1
+    _same_model(spec, {"model": "att@1", "grads": {}})
+    for outputs, rows in (({"projection": []}, "sketches"), ({"grads": {}}, "gradients")):
+        with pytest.raises(Conflict, match=f"the {rows} came from att@2 .*send the batch again"):
+            _same_model(spec, {"model": "att@2", **outputs})
 
 
 async def test_an_ensembles_checkpoints_each_fit_and_score_their_own_factors(

@@ -165,13 +165,15 @@ async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str,
 
 
 def _same_model(spec: StoreSpec, result: dict[str, Any]) -> None:
-    """The workers answered with the store's model version and projection (409 otherwise)."""
+    """The workers answered with the store's model version and projection (409 otherwise,
+    naming what they answered: sketches, or full gradients)."""
     meta = result.get("meta") or {}
     kind = meta.get("projection_kind", spec.projection_kind)
     version = meta.get("projection_version", spec.projection_version)
     if (str(result["model"]) != spec.model or kind != spec.projection_kind
             or version != spec.projection_version):
-        raise Conflict(f"the sketches came from {result['model']} ({kind} version {version}), "
+        rows = "sketches" if "projection" in result else "gradients"
+        raise Conflict(f"the {rows} came from {result['model']} ({kind} version {version}), "
                        f"not the store's {spec.model} ({spec.projection_kind} version "
                        f"{spec.projection_version}); send the batch again")
 
