@@ -122,4 +122,4 @@ def register_model(cls: type[ModelFamily]) -> type[ModelFamily]:
 
 def get_family(name: str) -> ModelFamily:
     """The family called ``name``; an unknown name raises :class:`UnknownModel` naming them all."""
-    return ZOO.get(name)
+    return ZOO[name]

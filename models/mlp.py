@@ -23,7 +23,10 @@ def mlp_layers(sizes: list[int], activation: str) -> nn.Sequential:
     """``fc1, act1, fc2, ...``: Linear layers between ``sizes``, no activation after the last."""
     if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
         raise InvalidModelSpec(f"sizes must list at least two positive integers; got {sizes}")
-    make = ACTIVATIONS.get(activation)  # checked before any layer is built
+    if not isinstance(activation, str):
+        raise InvalidModelSpec(f"activation must be a string naming one of "
+                               f"{', '.join(ACTIVATIONS.names())}; got {activation!r}")
+    make = ACTIVATIONS[activation]  # checked before any layer is built
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes), start=1):
         layers[f"fc{i}"] = nn.Linear(n_in, n_out)

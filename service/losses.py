@@ -57,7 +57,7 @@ def register_loss(name: str, *, needs: tuple[str, ...] = ("targets",), classific
 
 
 def get_loss(name: str) -> Loss:
-    return LOSSES.get(name)
+    return LOSSES[name]
 
 
 def rows_of(fn: Callable[..., torch.Tensor]) -> BatchedFn:

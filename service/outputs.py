@@ -86,7 +86,7 @@ def output(name: str, need: NeedOf, *,
 
 
 def get_output(name: str) -> Output:
-    return OUTPUTS.get(name)
+    return OUTPUTS[name]
 
 
 def asked_outputs(fields: Mapping[str, Any]) -> list[str]:

@@ -9,8 +9,8 @@ uses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from psgrad._errors import PsgradError
 
@@ -24,8 +24,12 @@ def key_name(key: Any) -> str:
     return getattr(key, "__name__", None) or str(key)
 
 
-class Registry(Generic[K, V]):
-    """Plug-ins by key, in registration order.
+class Registry(dict[K, V]):
+    """Plug-ins by key, in registration order: a dict whose lookup ``registry[key]`` of an
+    unknown key raises the registry's error (``get`` answers None, as a dict's does).
+
+    A known key is found by the dict itself, with no call into this module: a request looks up
+    its loss and outputs several times.
 
     Args:
         what: what a key names, for messages ("loss", "output", "architecture").
@@ -34,15 +38,22 @@ class Registry(Generic[K, V]):
     """
 
     def __init__(self, what: str, error: type[PsgradError], *, sort: bool = True) -> None:
+        super().__init__()
         self.what = what
         self.error = error
         self.sort = sort
-        self._items: dict[K, V] = {}
+
+    def __missing__(self, key: K) -> V:
+        known = self.names()
+        raise self.error(
+            f"unknown {self.what} '{key_name(key)}'; known: {', '.join(known) or '(none)'}",
+            known=known,
+        )
 
     def add(self, key: K, value: V) -> V:
-        if key in self._items:
+        if key in self:
             raise ValueError(f"{self.what} {key_name(key)!r} is registered twice")
-        self._items[key] = value
+        self[key] = value
         return value
 
     def register(self, *keys: K) -> Callable[[T], T]:
@@ -55,42 +66,6 @@ class Registry(Generic[K, V]):
 
         return decorate
 
-    def remove(self, key: K) -> V | None:
-        """Take ``key`` out (test-only plug-ins leave no trace); None when it was not there."""
-        return self._items.pop(key, None)
-
-    def get(self, key: K) -> V:
-        try:
-            return self._items[key]
-        except (KeyError, TypeError):
-            known = self.names()
-            raise self.error(
-                f"unknown {self.what} '{key_name(key)}'; known: {', '.join(known) or '(none)'}",
-                known=known,
-            ) from None
-
-    def find(self, key: K) -> V | None:
-        """The plug-in for ``key``, or None (for lookups that fall back instead of failing)."""
-        return self._items.get(key)
-
     def names(self) -> list[str]:
-        names = [key_name(k) for k in self._items]
+        names = [key_name(k) for k in self]
         return sorted(names) if self.sort else names
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def keys(self) -> list[K]:
-        return list(self._items)
-
-    def values(self) -> list[V]:
-        return list(self._items.values())
-
-    def items(self) -> list[tuple[K, V]]:
-        return list(self._items.items())

@@ -365,5 +365,5 @@ def split_ref(ref: str) -> tuple[str, str | None]:
 
 
 def _is_zoo(name: str) -> bool:
-    family = ZOO.find(name)
+    family = ZOO.get(name)
     return family is not None and family.standalone

@@ -74,7 +74,7 @@ class Capture(TorchFunctionMode):
         }
         if not found:
             return func(*args, **kwargs)
-        family = _family.FAMILIES.find(func)
+        family = _family.FAMILIES.get(func)
         if family is not None:
             answer = family.capture(self, func, tuple(args), kwargs, found)
             if answer is not None:

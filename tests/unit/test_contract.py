@@ -124,7 +124,7 @@ async def test_openapi_is_the_table() -> None:
 def test_server_outputs_are_the_table() -> None:
     assert tuple(SERVER_OUTPUTS.names()) == OUTPUT_NAMES
     for out in OUTPUTS:
-        served = SERVER_OUTPUTS.get(out.name)
+        served = SERVER_OUTPUTS[out.name]
         assert (served.description, served.per_sample, served.per_param,
                 served.per_param_tensor, served.td0_only) == (
             out.doc, out.per_sample, out.per_param, out.per_param_tensor, out.td0_only)

@@ -623,7 +623,7 @@ GRADS = ("grads",)
 
 
 def _losses(arch: str) -> tuple[str, ...]:
-    family = ZOO.get(arch)
+    family = ZOO[arch]
     return tuple(family.loss_info(family.config(SMALL[arch]))[1])
 
 

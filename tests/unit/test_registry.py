@@ -21,18 +21,20 @@ def test_an_unknown_architecture_names_every_family() -> None:
     known = sorted(ZOO)
     assert info.value.message == f"unknown architecture 'resnet'; known: {', '.join(known)}"
     assert info.value.details["known"] == known
-    assert "mlp" in ZOO and ZOO.find("resnet") is None
+    assert "mlp" in ZOO and ZOO.get("resnet") is None
 
 
 def test_an_unknown_activation_names_every_activation() -> None:
     with pytest.raises(InvalidModelSpec, match=r"unknown activation 'swish'; known: gelu, relu"):
         mlp_layers([2, 3], "swish")
+    with pytest.raises(InvalidModelSpec, match=r"activation must be a string naming one of gelu"):
+        mlp_layers([2, 3], ["relu"])  # type: ignore[arg-type]  # a config's JSON, unchecked
 
 
 def test_a_family_is_registered_once() -> None:
     with pytest.raises(ValueError, match="registered twice"):
         ZOO.add("mlp", get_family("mlp"))
-    assert ZOO.remove("no-such-family") is None
+    assert ZOO.pop("no-such-family", None) is None
 
 
 def test_models_are_built_once_and_the_cache_is_bounded() -> None:

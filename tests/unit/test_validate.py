@@ -485,7 +485,7 @@ def test_families() -> Iterator[None]:
         register_model(Family)
     yield
     for name in BUILDERS:
-        ZOO.remove(name)
+        ZOO.pop(name, None)
 
 
 @pytest.mark.usefixtures("test_families")
