@@ -81,18 +81,15 @@ class LoadedModel:
     inputs: tuple[TensorSpec, ...] = ()
     # checks a request's inputs before the model runs (exported programs: sizes, indices)
     check: RequestCheck | None = None
+    # derived once from the fields above (``dataclasses.replace`` derives them again)
+    ref: str = field(init=False)  # "id@version"
+    dtype: torch.dtype = field(init=False)  # the parameters' (a model has at least one)
+    device: torch.device = field(init=False)
 
-    @property
-    def ref(self) -> str:
-        return f"{self.id}@{self.version}"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(iter(self.params.values())).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.params.values())).device
+    def __post_init__(self) -> None:
+        self.ref = f"{self.id}@{self.version}"
+        first = next(iter(self.params.values()))
+        self.dtype, self.device = first.dtype, first.device
 
     def describe(self) -> dict[str, Any]:
         """The document of ``GET /models/{id}``; parameters in the module's own order."""
