@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     admin_keys: str = ""
     keys_file: str | None = None  # TOML, or JSON (*.json): tenants' keys, roles, quotas
 
-    # each tenant's quotas unless its keys file entry gives its own (service.quotas); 0: none
+    # each tenant's quotas unless its keys file entry gives its own (service.broker.quotas); 0: none
     tenant_max_queued_samples: Annotated[int, Field(ge=0)] = 0  # samples queued or running
     tenant_max_jobs: Annotated[int, Field(ge=0)] = 0  # jobs queued or running
     tenant_requests_per_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0

@@ -137,7 +137,7 @@ class Broker(Protocol):
     async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
         """Enqueue in its tenant's queue; raises :class:`psgrad.Overloaded` when the queue is
         full or unreachable, :class:`psgrad.RateLimited` past one of the tenant's ``quotas``
-        (:mod:`service.quotas`; None: the server's defaults and weight 1)."""
+        (:mod:`service.broker.quotas`; None: the server's defaults and weight 1)."""
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         """Block until the job is done or ``timeout`` passes (then returns its current state);

@@ -7,8 +7,9 @@ starts no thread and knows no model. All state is behind one condition variable;
 wakes its waiter on the event loop with ``call_soon_threadsafe``. Finished jobs are kept for
 ``PSGRAD_RESULT_TTL_S`` (the sync route forgets its job as soon as it has the answer).
 
-Jobs wait in a :class:`service.fair_queue.FairQueue` (one queue per tenant, served by weighted
-fair order) and each tenant's quotas are checked at submit (:mod:`service.quotas`).
+Jobs wait in a :class:`service.broker.fair_queue.FairQueue` (one queue per tenant, served by
+weighted fair order) and each tenant's quotas are checked at submit
+(:mod:`service.broker.quotas`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from psgrad._errors import Overloaded, UnknownJob
+from service.broker.fair_queue import FairQueue
+from service.broker.quotas import TenantUsage, limits
 from service.config import Settings
-from service.fair_queue import FairQueue
 from service.jobs import Job, JobState, JobStatus, batch_until
-from service.quotas import TenantUsage, limits
 from service.tenants import Quotas
 
 __all__ = ["EmbeddedBroker"]

@@ -29,13 +29,13 @@ from redis.exceptions import (
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_to_safetensors
 from service import redis_keys
+from service.broker.quotas import limits, refusal, too_large_for_quota
 from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable, value_limit
 from service.broker.redis.lua import CANCEL_LUA, SUBMIT_LUA
 from service.broker.redis.reader import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
-from service.quotas import limits, refusal, too_large_for_quota
 from service.redis_keys import text
 from service.tenants import DEFAULT_TENANT, Quotas
 

@@ -8,7 +8,7 @@ pass through them (ids, statuses, errors, numbers, and an answer of at most
 :data:`service.redis_keys.ANSWER_INLINE_BYTES`, written whole by the end script in the same round
 trip); larger answers travel as stream pieces (:mod:`service.broker.redis.writer`).
 
-Fair scheduling across tenants: the rule is :mod:`service.fair_queue`'s (start-time fair
+Fair scheduling across tenants: the rule is :mod:`service.broker.fair_queue`'s (start-time fair
 queueing in samples, weighted by ``Quotas.weight``), kept in Redis so that every worker process
 and api replica shares it: each tenant's queue is a list of ``"<n> <job id>"``
 (``tenant_queue``), the tenants with jobs queued are a sorted set scored by their pass
