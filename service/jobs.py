@@ -162,8 +162,8 @@ class Broker(Protocol):
         """
 
     async def worker_snapshots(self) -> list[dict[str, Any]]:
-        """The status (:mod:`service.worker.status`) each worker published through the broker, with
-        ``alive``; in-process workers publish none (the app asks their pool)."""
+        """The status (:mod:`service.worker.recorder`) each worker published through the broker,
+        with ``alive``; in-process workers publish none (the app asks their pool)."""
 
 
 class JobSource(Protocol):

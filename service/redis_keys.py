@@ -174,7 +174,7 @@ WORKER_STATUS_TTL_S = 300  # a dead worker's last status stays on the status pag
 
 
 def worker_status(prefix: str, name: str) -> str:
-    """JSON of the worker's :meth:`service.worker.status.WorkerStatus.snapshot`, written with each
+    """JSON of the worker's :meth:`service.worker.recorder.WorkerStatus.snapshot`, written with each
     heartbeat; it outlives the heartbeat (``WORKER_STATUS_TTL_S``) so a dead worker shows dead."""
     return f"{prefix}:worker:{name}:status"
 

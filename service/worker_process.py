@@ -27,8 +27,8 @@ from service.registry import make_registry
 from service.storage import open_storage
 from service.worker.events import Events
 from service.worker.loop import Worker
-from service.worker.metrics import WorkerMetrics
-from service.worker.status import WorkerStatus
+from service.worker.recorder import WorkerStatus
+from service.worker.series import WorkerMetrics
 
 log = logging.getLogger("psgrad.worker")
 

@@ -1,7 +1,7 @@
 """The api's Prometheus metrics: the worker loop's series plus the requests and the queue.
 
 The request counter is filled by :class:`MetricsMiddleware` with the route template (not the raw
-path, so ids do not explode the label set); the worker series (:mod:`service.worker.metrics`)
+path, so ids do not explode the label set); the worker series (:mod:`service.worker.series`)
 are fed by the embedded worker threads' events (and stay empty with Redis, whose workers serve
 their own); the queue depth is read from the broker on scrape.
 """
@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.status_data import RequestStats, error_code
-from service.worker.metrics import TIME_BUCKETS, WorkerMetrics
+from service.worker.series import TIME_BUCKETS, WorkerMetrics
 
 ERROR_BODY_BYTES = 8192  # an error answer's body is read this far for its code (status page)
 

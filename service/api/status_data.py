@@ -9,7 +9,7 @@ the answer. It lives on the event loop alone, so it takes no lock.
 (:meth:`service.worker.loop.WorkerPool.snapshots`), with Redis what each ``psgrad worker`` published
 with its heartbeat (:meth:`service.broker.redis.api.RedisBroker.worker_snapshots`). Queue waits and
 norm histograms are merged over the workers (the raw recent waits, so the percentiles are exact;
-the histograms share their buckets, :data:`service.worker.status.NORM_EDGES`). Latency and request
+the histograms share their buckets, :data:`service.worker.recorder.NORM_EDGES`). Latency and request
 counts are this api process's: several api replicas each show their own.
 
 Each tenant sees its own view: the requests its keys made (routes, models, errors), the norm
@@ -31,7 +31,7 @@ from starlette.types import Scope
 
 from psgrad._errors import PsgradError
 from service.model_store import REF_RE
-from service.worker.status import NORM_EDGES, WINDOW_S, Recent, percentiles
+from service.worker.recorder import NORM_EDGES, WINDOW_S, Recent, percentiles
 
 if TYPE_CHECKING:
     from service.api.deps import AppState

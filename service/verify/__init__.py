@@ -3,8 +3,8 @@
 A request's ``verify: k`` (or ``PSGRAD_VERIFY_FRACTION`` of the jobs that did not ask, with
 ``PSGRAD_VERIFY_SAMPLES`` samples) makes the worker, once the engine has answered, pick ``k`` of
 the job's samples at random (seeded by ``verify_seed``, else by the job id: the same job picks the
-same samples), recompute them one at a time with plain autograd (:mod:`service.verify.loop`) and
-compare every output it can (:mod:`service.verify.expected` says what, per output) within the
+same samples), recompute them one at a time with plain autograd (:mod:`service.verify.reference`)
+and compare every output it can (:mod:`service.verify.expected` says what, per output) within the
 tolerance the tests hold the engine to. A difference beyond it fails the job with
 :class:`psgrad.VerificationFailed` (500 ``verification_failed``): the answer is withheld, never
 served as right. The report is the answer's ``meta.verify``.
@@ -31,7 +31,7 @@ from service import engine
 from service.config import Settings
 from service.validate import ParsedRequest
 from service.verify.expected import AGGREGATE, AT_LEAST_TWO, PER_SAMPLE, Expected, Whole
-from service.verify.loop import per_sample_loop, take
+from service.verify.reference import per_sample_loop, take
 
 if TYPE_CHECKING:
     from service.compile_cache import CompiledFunctions

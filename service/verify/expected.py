@@ -29,7 +29,7 @@ from service.losses import get_loss
 from service.outputs import noised_mean
 from service.registry import LoadedModel
 from service.strategies.base import Tensors, clip_factors, total
-from service.verify.loop import Loop
+from service.verify.reference import Loop
 
 __all__ = ["AGGREGATE", "PER_SAMPLE", "Expected", "Whole"]
 

@@ -2,8 +2,8 @@
 
 The loop (:class:`service.worker.loop.Worker`) emits each event once, into the :class:`Events` it
 was handed where it was assembled; the Prometheus series
-(:meth:`service.worker.metrics.WorkerMetrics.on_event`) and the status page's recorder
-(:meth:`service.worker.status.WorkerStatus.on_event`) are two subscribers of the same stream.
+(:meth:`service.worker.series.WorkerMetrics.on_event`) and the status page's recorder
+(:meth:`service.worker.recorder.WorkerStatus.on_event`) are two subscribers of the same stream.
 Events are small frozen records, emitted once per batch or job, never per sample, on the loop's
 own thread.
 

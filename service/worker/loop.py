@@ -58,7 +58,7 @@ from service.worker.events import (
     JobVerified,
     Subscriber,
 )
-from service.worker.status import WorkerStatus
+from service.worker.recorder import WorkerStatus
 
 log = logging.getLogger("psgrad.worker")
 

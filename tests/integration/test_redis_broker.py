@@ -29,7 +29,7 @@ from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker.events import Events
 from service.worker.loop import Worker
-from service.worker.metrics import WorkerMetrics
+from service.worker.series import WorkerMetrics
 from tests.support.redis import OwnRedis, prefix_on, queue, redis_or_skip, result_of
 
 

@@ -22,7 +22,7 @@ from service.registry import ModelRegistry, make_registry
 from service.storage import open_storage
 from service.worker.events import Events
 from service.worker.loop import Worker
-from service.worker.status import WorkerStatus
+from service.worker.recorder import WorkerStatus
 from tests.support.api import open_client
 from tests.support.client import free_port
 from tests.support.cluster import cluster, settings_for

@@ -27,7 +27,7 @@ from service.storage import open_storage
 from service.verify import choose
 from service.worker.events import Events
 from service.worker.loop import Worker
-from service.worker.metrics import WorkerMetrics
+from service.worker.series import WorkerMetrics
 from tests.support import faults
 from tests.support.api import safetensors_body
 from tests.support.cluster import cluster, job_done, settings_for

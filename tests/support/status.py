@@ -13,7 +13,7 @@ from service.api.body import decode_json_body
 from service.registry import ModelRegistry
 from service.validate import parse_request
 from service.worker import loop as worker_module
-from service.worker.status import NORM_EDGES
+from service.worker.recorder import NORM_EDGES
 from tests.support.reference import loop_of
 
 

@@ -20,7 +20,7 @@ from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker.events import Events
 from service.worker.loop import Worker
-from service.worker.metrics import WorkerMetrics
+from service.worker.series import WorkerMetrics
 from tests.support.api import TD0, settings
 
 

@@ -22,8 +22,8 @@ from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker.events import BatchEnded, BatchStarted, Events, JobEnded, WorkerEvent
 from service.worker.loop import Worker
-from service.worker.metrics import WorkerMetrics
-from service.worker.status import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
+from service.worker.recorder import NORM_EDGES, Recent, TimeRing, WorkerStatus, percentiles
+from service.worker.series import WorkerMetrics
 from tests.support.api import TD0, app_of, open_client, settings
 from tests.support.status import (
     buckets,

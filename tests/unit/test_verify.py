@@ -26,7 +26,7 @@ from service.strategies.projection import Projection
 from service.validate import ParsedRequest
 from service.verify import Plan, check, choose, plan
 from service.verify.expected import AGGREGATE, PER_SAMPLE, Expected
-from service.verify.loop import per_sample_loop, take
+from service.verify.reference import per_sample_loop, take
 from tests.support import faults, reference
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
 

@@ -318,7 +318,7 @@ class RedisBroker:
         return sum(1 for w in await self._workers(with_status=False) if w["alive"])
 
     async def worker_snapshots(self) -> list[dict[str, Any]]:
-        """Every worker's last published status (:mod:`service.worker.status`), with ``alive``: a
+        """Every worker's last published status (:mod:`service.worker.recorder`), with ``alive``: a
         dead worker's stays until its status key expires (``redis_keys.WORKER_STATUS_TTL_S``)."""
         return await self._workers(with_status=True)
 

@@ -92,7 +92,7 @@ class RedisJobSource:
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        # the worker's status as JSON (service.worker.status), published with every heartbeat
+        # the worker's status as JSON (service.worker.recorder), published with every heartbeat
         self.status: Callable[[], str] | None = None
         # whether the worker is ready (its warm-up ended): no heartbeat, so no /readyz, before
         self.ready: Callable[[], bool] = lambda: True
