@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
 from service.strategies.per_sample import sample_loss_of
@@ -324,7 +324,7 @@ def _at_once(model: LoadedModel, loss: str, layers: dict[str, Linear], params: S
     samples are independent (eval mode), so each token's output gradient is its own sample's,
     and the sums over samples of ``a a^T`` and ``g g^T`` are the whole batch's. None where
     the loss has no batched form or the model runs one sample at a time."""
-    rows_loss = get_loss(loss).batched
+    rows_loss = LOSSES[loss].batched
     if rows_loss is None or not model.batched:
         return None
     frozen = {**model.params, **(weights or {})}

@@ -56,10 +56,6 @@ def register_loss(name: str, *, needs: tuple[str, ...] = ("targets",), classific
     return decorate
 
 
-def get_loss(name: str) -> Loss:
-    return LOSSES[name]
-
-
 def rows_of(fn: Callable[..., torch.Tensor]) -> BatchedFn:
     """A classification loss over [B, C] scores and [B] targets, one row per sample."""
 

@@ -25,7 +25,7 @@ from psgrad._contract import output as contract_output
 from psgrad._errors import UnknownOutput
 from service import curvature
 from service.dp.noise import secure_normal
-from service.losses import Loss, get_loss
+from service.losses import LOSSES, Loss
 from service.plugins import Registry
 from service.strategies.base import (
     Call,
@@ -85,10 +85,6 @@ def output(name: str, need: NeedOf, *,
     return decorate
 
 
-def get_output(name: str) -> Output:
-    return OUTPUTS[name]
-
-
 def asked_outputs(fields: Mapping[str, Any]) -> list[str]:
     """The outputs a request asks for: a list, or one name; absent, null or [] means
     ``['grads']``."""
@@ -99,7 +95,7 @@ def asked_outputs(fields: Mapping[str, Any]) -> list[str]:
 def need_of(outputs: Sequence[str], opts: Options | None = None) -> Need:
     """What every selected parameter's record must hold for these outputs (some outputs'
     needs depend on the options: ``self_influence`` projected or not)."""
-    return reduce(Need.__or__, (get_output(name).need_for(opts) for name in outputs), Need())
+    return reduce(Need.__or__, (OUTPUTS[name].need_for(opts) for name in outputs), Need())
 
 
 class Assembly:
@@ -108,7 +104,7 @@ class Assembly:
     def __init__(self, call: Call, result: Result) -> None:
         self.call = call
         self.result = result
-        self.loss: Loss = get_loss(call.opts.loss)
+        self.loss: Loss = LOSSES[call.opts.loss]
 
     @cached_property
     def norms(self) -> torch.Tensor:
@@ -176,7 +172,7 @@ def assemble(call: Call, result: Result,
         seg = Segment(assembly, s, a, b)
         out: dict[str, Any] = {}
         for name in call.opts.outputs:
-            info = get_output(name)
+            info = OUTPUTS[name]
             value = info.assemble(seg)
             out.update(value if info.also else {name: value})
         answers.append({**out, "meta": {**meta, **seg.meta}})
@@ -214,7 +210,7 @@ def output_bytes(outputs: Sequence[str], n_params: int, n_selected: int, batch_s
     """Bytes of an answer, to refuse an oversized result before computing it."""
     count = 0
     for name in outputs:
-        info = get_output(name)
+        info = OUTPUTS[name]
         per = n_selected if info.per_param_tensor else (n_params if info.per_param else 1)
         if info.width is not None and opts is not None:
             per *= info.width(opts)  # [B, k] sketches, [B, M] dot products

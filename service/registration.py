@@ -40,7 +40,7 @@ from psgrad._wire import array_from_json, fields_from_safetensors
 from service.config import Settings, raise_setting, with_setting
 from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.model_store import ID_RE, ModelRecord
 from service.registry import LoadedModel, ModelRegistry, load_model, split_ref
 
@@ -122,7 +122,7 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
     config = family.config(raw)
     _, losses = family.loss_info(config)
     for name in losses:
-        get_loss(name)
+        LOSSES[name]
     meta = _measure(architecture, config, limits)
     weights = body.get("weights")
     state = None

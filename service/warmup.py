@@ -26,7 +26,7 @@ from models.examples import example
 from psgrad._errors import InvalidInput, PsgradError, UnknownJob
 from service.config import Settings
 from service.jobs import Broker, Job, JobStatus, new_job_id
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.model_store import ModelStore
 from service.registry import LoadedModel
 
@@ -63,7 +63,7 @@ def example_fields(model: LoadedModel, shape: Shape) -> dict[str, Any]:
     if length is not None and not any(s.dynamic for s in specs):
         raise InvalidInput(f"'{model.id}' takes samples of one shape {list(model.input.shape)}: "
                            f"warm it up at batch sizes alone (warmup={batch})")
-    loss = get_loss(model.default_loss)
+    loss = LOSSES[model.default_loss]
     unknown = sorted(set(loss.needs) - {"targets", "mask"})
     if unknown:
         raise InvalidInput(f"a warm-up runs the default loss '{loss.name}' on random samples, "

@@ -36,8 +36,8 @@ from psgrad._wire import (
 )
 from service.api.status_data import note_model
 from service.config import Settings, raise_setting, with_setting
-from service.losses import get_loss
-from service.outputs import asked_outputs, get_output
+from service.losses import LOSSES
+from service.outputs import OUTPUTS, asked_outputs
 
 STREAM_CHUNK = 1 << 20  # bytes per write of a streamed safetensors answer
 JSON_CHUNK = 1 << 20  # array bytes per piece of a streamed JSON answer
@@ -146,10 +146,10 @@ def held_to_contract(fields: Mapping[str, Any]) -> dict[str, Any]:
         if spec is not None and spec.kind not in _TENSOR_KINDS:
             checked[name] = spec.check(value)
     if fields.get("loss"):
-        get_loss(fields["loss"])
+        LOSSES[fields["loss"]]
     outputs = asked_outputs(fields)
     for name in outputs:
-        get_output(name)
+        OUTPUTS[name]
     if "clipped_mean" in outputs and fields.get("clip_norm") is None \
             and fields.get("dp_run") is None:  # a DP run's step: the run's clip_norm
         raise InvalidInput("output 'clipped_mean' needs 'clip_norm' > 0")

@@ -18,7 +18,7 @@ from service.export.archive import SLACK, ArchiveLimits
 from service.export.child import limits_dict, run_child
 from service.export.module import ExportLimits
 from service.export.precheck import precheck
-from service.losses import get_loss
+from service.losses import LOSSES
 
 
 def export_limits(settings: Settings) -> ExportLimits:
@@ -37,7 +37,7 @@ def check_program(data: bytes, settings: Settings, *, default_loss: str,
     that state's safetensors file as the child wrote it (parsed into the state here)."""
     losses = list(dict.fromkeys([default_loss, *losses]))
     for name in losses:
-        get_loss(name)
+        LOSSES[name]
     if len(description) > 2000:
         raise InvalidModelSpec("the description is limited to 2000 characters")
     limits = export_limits(settings)

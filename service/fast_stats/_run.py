@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from service.fast_stats._capture import Capture
 from service.fast_stats._records import ModuleCall, Output, Signature, Unsupported, Use
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
 
@@ -113,7 +113,7 @@ def batched_losses(
     The loss is the same function the ``vmap`` path uses; its ``forward`` answers the model's
     output for this sample (or for its next state, ``td0``) instead of running the model.
     """
-    loss = get_loss(loss_name)
+    loss = LOSSES[loss_name]
     if loss.batched is not None and next_out is None:
         rows = loss.batched(out, samples)
         if rows is not None:
@@ -144,7 +144,7 @@ def setup_losses(setup: Setup, out: torch.Tensor) -> tuple[torch.Tensor, torch.T
     states ``td0`` reads run here, without a gradient)."""
     model, samples = setup.model, setup.samples
     next_out = None
-    if "next_inputs" in get_loss(setup.loss).needs and "next_inputs" in samples:
+    if "next_inputs" in LOSSES[setup.loss].needs and "next_inputs" in samples:
         with torch.no_grad():
             next_out = functional_call(model.module, (setup.params, model.buffers),
                                        (samples["next_inputs"],))

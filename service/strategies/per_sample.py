@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad_and_value, jvp, vmap
 
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.lru import LockedLRU
 from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
@@ -60,7 +60,7 @@ def sample_loss_of(model: LoadedModel, loss_name: str, gamma: float) -> SampleLo
     """``(selected, others, buffers, sample) -> (loss, aux)`` of ONE sample, run as a batch of
     one: what ``vmap(grad)`` differentiates here, and what :mod:`service.verify` differentiates
     with plain autograd, one sample at a time."""
-    loss = get_loss(loss_name)
+    loss = LOSSES[loss_name]
     module = model.module
     named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
     on_cuda = model.device.type == "cuda"

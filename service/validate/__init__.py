@@ -24,8 +24,8 @@ from service.attribution import ReferenceSets, projection_of, references
 from service.config import raise_setting
 from service.dp.steps import bind
 from service.engine import Batch, Options
-from service.losses import get_loss
-from service.outputs import asked_outputs, get_output
+from service.losses import LOSSES
+from service.outputs import OUTPUTS, asked_outputs
 from service.registry import LoadedModel, ModelRegistry
 from service.validate.tensors import (
     batch_inputs,
@@ -84,7 +84,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
     """
     model = registry.get(fields["model"])
     opts = _options(fields, model, dp_runs)
-    loss = get_loss(opts.loss)
+    loss = LOSSES[opts.loss]
     inputs, named = batch_inputs(fields.get("inputs"), model)
     size = int(inputs.shape[0])
     if max_batch_size is not None and size > max_batch_size:
@@ -157,7 +157,7 @@ def _options(fields: dict[str, Any], model: LoadedModel,
     """The options of ``fields`` (held to the contract at the door:
     :func:`service.api.body.held_to_contract`) against ``model``."""
     loss_name = fields.get("loss") or model.default_loss
-    loss = get_loss(loss_name)
+    loss = LOSSES[loss_name]
     if loss_name not in model.losses:
         raise LossNotSupported(
             f"model '{model.id}' does not accept loss '{loss_name}'; it accepts: "
@@ -168,7 +168,7 @@ def _options(fields: dict[str, Any], model: LoadedModel,
                                f"'{model.id}' gives shape {list(model.output_shape)}")
     outputs = asked_outputs(fields)
     for name in outputs:
-        if get_output(name).td0_only and loss_name != "td0":
+        if OUTPUTS[name].td0_only and loss_name != "td0":
             raise InvalidInput(f"output '{name}' is only defined for loss 'td0'")
     params = fields.get("params")
     if params is None:

@@ -25,7 +25,7 @@ import torch
 from psgrad._contract import answer_fields, output
 from service.curvature import factor_means
 from service.engine import Batch, Options, lock_for, prepare
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.outputs import noised_mean
 from service.registry import LoadedModel
 from service.strategies.base import Tensors, clip_factors, total
@@ -183,7 +183,7 @@ def _float64(value: Any) -> Any:
 
 
 def _updates(e: Expected) -> Tensors:
-    updates = get_loss(e.opts.loss).updates
+    updates = LOSSES[e.opts.loss].updates
     assert updates is not None, "validation lets 'updates' through only for losses that have it"
     return {k: updates(g) for k, g in e.grads.items()}
 

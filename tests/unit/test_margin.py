@@ -11,7 +11,7 @@ import torch
 from psgrad._errors import InvalidInput
 from service import engine
 from service.engine import Options
-from service.losses import get_loss
+from service.losses import LOSSES
 from service.registry import load_model
 from service.strategies.projection import Projection
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
@@ -45,7 +45,7 @@ def test_margin_gradients_are_the_per_sample_loop(arch: str, config: dict[str, A
 def test_margin_is_the_log_odds_and_stable_at_confident_scores() -> None:
     """``logit_y - logsumexp(others)``: finite where ``p`` rounds to 1 in float32, equal to
     ``log p - log(1 - p)`` where that is computable, and batched == one sample at a time."""
-    loss = get_loss("margin")
+    loss = LOSSES["margin"]
     scores = torch.tensor([[2.0, -1.0, 0.5], [200.0, -300.0, 0.0], [0.0, 0.0, 0.0]])
     targets = torch.tensor([0, 0, 2])
     assert loss.batched is not None

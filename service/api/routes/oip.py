@@ -38,8 +38,8 @@ from service.api.docs import schema_ref
 from service.api.routes.grads import answer_of, submit_fields
 from service.api.schemas import ERRORS
 from service.config import raise_setting
-from service.losses import get_loss
-from service.outputs import get_output
+from service.losses import LOSSES
+from service.outputs import OUTPUTS as SERVED
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
@@ -207,7 +207,7 @@ def _inputs(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "shape": [-1, *v["shape"]]} for k, v in named.items()] if isinstance(named, dict)
               else [{"name": "inputs", "datatype": _datatype(spec.get("dtype", "float32")),
                      "shape": [-1, *spec["shape"]]}])
-    loss = get_loss(doc["default_loss"])
+    loss = LOSSES[doc["default_loss"]]
     if "targets" in loss.needs:
         targets = ([-1, -1] if loss.tokens else [-1] if loss.classification
                    else [-1, *doc["output"]["shape"]])
@@ -228,7 +228,7 @@ def _outputs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for o in OUTPUTS:
         if o.td0_only and "td0" not in doc["losses"]:
             continue
-        wide = [-1] if get_output(o.name).width is not None else []  # [B, k], [B, M]
+        wide = [-1] if SERVED[o.name].width is not None else []  # [B, k], [B, M]
         for field in answer_fields([o.name]):
             batch = [-1] if o.per_sample else []
             if not o.per_param:
