@@ -14,7 +14,7 @@ its need.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, reduce
 from typing import Any
@@ -83,13 +83,6 @@ def output(name: str, need: NeedOf, *,
         return fn
 
     return decorate
-
-
-def asked_outputs(fields: Mapping[str, Any]) -> list[str]:
-    """The outputs a request asks for: a list, or one name; absent, null or [] means
-    ``['grads']``."""
-    outputs = fields.get("outputs") or ["grads"]
-    return [outputs] if isinstance(outputs, str) else list(outputs)
 
 
 def need_of(outputs: Sequence[str], opts: Options | None = None) -> Need:

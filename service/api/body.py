@@ -37,7 +37,8 @@ from psgrad._wire import (
 from service.api.status_data import note_model
 from service.config import Settings, raise_setting, with_setting
 from service.losses import LOSSES
-from service.outputs import OUTPUTS, asked_outputs
+from service.outputs import OUTPUTS
+from service.validate import asked_outputs
 
 STREAM_CHUNK = 1 << 20  # bytes per write of a streamed safetensors answer
 JSON_CHUNK = 1 << 20  # array bytes per piece of a streamed JSON answer

@@ -14,13 +14,13 @@ from typing import Any
 
 from psgrad._contract import SAMPLE_FIELDS, model_of
 from psgrad._errors import BadRequest, Conflict, InvalidInput
-from service.attribution import projection_of
 from service.reference_sets import checked_id
 from service.registry import ModelRegistry
 from service.stores.index import check_factory
 from service.stores.spec import EXACT, MAX_CHECKPOINTS, MAX_EXACT_WIDTH, StoreSpec, check_dtype
 from service.strategies.projection import VERSIONS
 from service.validate import check_options
+from service.validate.attribution import projection_of
 
 SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
                "projection_kind", "dtype", "index", "checkpoints")

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from psgrad._errors import Conflict, TooLarge
-from service.attribution import ReferenceSet
 from service.config import raise_setting
 from service.lru import LockedLRU
 from service.registry import LoadedModel
@@ -30,6 +29,7 @@ from service.stores.files import Manifest, StoreFiles
 from service.stores.spec import EXACT, StoreSpec
 from service.strategies.projection import KINDS, VERSIONS, Projection
 from service.tenants import owned_name
+from service.validate.attribution import ReferenceSet
 
 
 def set_spec(set_id: str, fields: dict[str, Any], result: dict[str, Any], model: LoadedModel,
@@ -96,7 +96,7 @@ def set_doc(spec: StoreSpec, manifest: Manifest) -> dict[str, Any]:
 
 
 class StoredSets:
-    """The reference sets ``influence`` reads (:class:`service.attribution.ReferenceSets`):
+    """The reference sets ``influence`` reads (:class:`service.validate.attribution.ReferenceSets`):
     the stores of a data directory, each read whole, up to ``max_bytes``. The sets read last
     are kept (``max_bytes`` of rows in all) as of their commit, so a batch split in many
     requests reads its set once; a commit or a store made again under the id is read anew."""

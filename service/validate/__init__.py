@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from psgrad._contract import ANSWER_DTYPES, AUTOCASTS
-from psgrad._contract import output as output_spec
+from psgrad._contract import OUTPUTS as DECLARED
 from psgrad._errors import InvalidInput, LossNotSupported, ShapeMismatch, TooLarge
-from service.attribution import ReferenceSets, projection_of, references
 from service.config import raise_setting
 from service.dp.steps import bind
 from service.engine import Batch, Options
 from service.losses import LOSSES
-from service.outputs import OUTPUTS, asked_outputs
+from service.outputs import OUTPUTS
 from service.registry import LoadedModel, ModelRegistry
+from service.validate.attribution import ReferenceSets, projection_of, references
 from service.validate.tensors import (
     batch_inputs,
     check_names,
@@ -41,6 +42,9 @@ from service.validate.tensors import (
 
 if TYPE_CHECKING:
     from service.dp.runs import RunStore
+
+GNS = frozenset(o.name for o in DECLARED if o.combine == "gns")  # estimates across the batch
+
 
 @dataclass
 class ParsedRequest:
@@ -70,6 +74,13 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def asked_outputs(fields: Mapping[str, Any]) -> list[str]:
+    """The outputs a request asks for: a list, or one name; absent, null or [] means
+    ``['grads']``."""
+    outputs = fields.get("outputs") or ["grads"]
+    return [outputs] if isinstance(outputs, str) else list(outputs)
+
+
 def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
                   max_batch_size: int | None = None,
                   max_activations: int | None = None,
@@ -93,7 +104,7 @@ def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
             f"smaller batches (the SDK does this for you) or "
             f"{raise_setting('max_batch_size', max_batch_size)}", limit=max_batch_size, size=size,
         )
-    noisy = [name for name in opts.outputs if output_spec(name).combine == "gns"]
+    noisy = [name for name in opts.outputs if name in GNS]
     if noisy and size < 2:
         raise InvalidInput(f"output '{noisy[0]}' estimates the gradients' variance across the "
                            f"samples, which takes at least 2; got a batch of {size}: send more "

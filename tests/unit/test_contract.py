@@ -37,12 +37,12 @@ from psgrad._request import grads_fields
 from service.api.body import held_to_contract, precheck
 from service.api.schemas import GradsRequest
 from service.outputs import OUTPUTS as SERVER_OUTPUTS
-from service.outputs import asked_outputs
+from service.validate import asked_outputs
 from tests.support.api import open_client
 
 ROOT = Path(__file__).resolve().parents[2]
 # the modules that read a request's fields by name
-READERS = ("service/validate/__init__.py", "service/attribution.py", "service/dp/steps.py",
+READERS = ("service/validate/__init__.py", "service/validate/attribution.py", "service/dp/steps.py",
            "service/api/body.py", "service/api/routes/grads.py", "service/api/routes/jobs.py")
 EXAMPLE_REF = {REF_PATTERN: "mlp", RUN_ID_PATTERN: "dp-" + "0" * 24, ID_PATTERN: "refs"}
 # what psgrad._merge combines
@@ -283,7 +283,7 @@ def test_every_refusal_of_a_field_names_the_field_and_what_was_sent() -> None:
 
 
 def test_no_outputs_means_the_default_on_both_sides() -> None:
-    """outputs=[] is ['grads'] to the server (service.outputs.asked_outputs) and to the client,
+    """outputs=[] is ['grads'] to the server (service.validate.asked_outputs) and to the client,
     which used to refuse it; an empty params list is refused by both."""
     x, y = np.ones((2, 784), np.float32), np.array([1, 2])
     sent = grads_fields("mlp", x, y, outputs=[])

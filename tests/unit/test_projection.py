@@ -14,11 +14,11 @@ import torch
 from psgrad._errors import BadRequest, InvalidInput, NotFound, ShapeMismatch
 from service import engine
 from service.api.body import decode_json_body, held_to_contract
-from service.attribution import ReferenceSet
 from service.engine import Batch, Options
 from service.registry import LoadedModel, ModelRegistry, load_model
 from service.strategies.projection import KINDS, KRONECKER, Projection, kind_of
 from service.validate import parse_request
+from service.validate.attribution import ReferenceSet
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
 from tests.support.reference import assert_close, attribution, per_sample_loop
 from tests.support.sketches import in_fresh_processes

@@ -27,10 +27,10 @@ from service.api.body import encode_result, json_response, wants_safetensors
 from service.api.deps import ApiKey, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import JobCreated, JobDeleted, JobView, errors
-from service.attribution import reference_set
 from service.jobs import JobState, JobStatus, read_answer
-from service.outputs import asked_outputs
 from service.tenants import Tenant
+from service.validate import asked_outputs
+from service.validate.attribution import reference_set
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 
