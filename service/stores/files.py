@@ -28,6 +28,7 @@ reading exactly what it committed, because committed shards are never rewritten.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -56,8 +57,8 @@ from service.stores.spec import StoreSpec
 SPEC, MANIFEST = "spec.json", "manifest.json"
 GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its own
 MEMO_STORES = 4  # stores whose ids, Gram matrix and trak factor are kept in memory
-ListedIds = tuple[int | str, ...]
-IDS_BUDGET = 64 << 20  # bytes of shard ids kept in memory (about 64 bytes an id)
+ListedIds = np.ndarray | tuple[str, ...]  # a shard's ids: int64 for integer ids
+IDS_BUDGET = 128 << 20  # bytes of shard ids kept in memory: 16 million integer ids
 # a row's squared norm, at most: float32's largest number (about 3.4e38), so that a row's
 # self-influence is a float32 number and its float32 dot products with a query scaled to
 # entries at most 1 stay below about 1e21 at any k up to 8192 (docs/attribution.md)
@@ -132,7 +133,9 @@ class StoreFiles:
         self._memo: dict[tuple[str, str], tuple[tuple[str, int], Any]] = {}
         # the ids of committed shards (immutable files), read from their headers once
         self._ids: LockedLRU[str, ListedIds] = LockedLRU(
-            65536, budget=IDS_BUDGET, weigh=lambda ids: 16 + 64 * len(ids))
+            65536, budget=IDS_BUDGET, weigh=_weight)
+        # where each tensor of a committed shard lies: its header parsed once (ids and all)
+        self._layouts: LockedLRU[str, Layout] = LockedLRU(65536)
 
     def path(self, key: str, name: str = "") -> str:
         return posixpath.join(self.root, "stores", key, name) if name else posixpath.join(
@@ -327,17 +330,24 @@ class StoreFiles:
             with self.fs.open(self.path(key, shard.file), "rb") as f:
                 size = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(size))
-            return tuple(json.loads(header["__metadata__"]["ids"]))
+            ids = json.loads(header["__metadata__"]["ids"])
+            return (np.asarray(ids, dtype=np.int64) if ids and isinstance(ids[0], int)
+                    else tuple(ids))
 
         return self._ids.get_or_make(self.path(key, shard.file), read)
 
     def ids(self, key: str, manifest: Manifest) -> set[int | str]:
         """Every id ``manifest`` commits (do not modify): kept between appends, so that an
         append checks its ids without listing a million others again."""
-        found: set[int | str] = self.kept(
-            "ids", key, manifest,
-            lambda: {i for shard in manifest.shards for i in self.ids_of(key, shard)})
-        return found
+        def read() -> set[int | str]:
+            found: set[int | str] = set()
+            for shard in manifest.shards:
+                ids = self.ids_of(key, shard)
+                found.update(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+            return found
+
+        listed: set[int | str] = self.kept("ids", key, manifest, read)
+        return listed
 
     def kept(self, what: str, key: str, manifest: Manifest, make: Callable[[], Any]) -> Any:
         """``make()`` for this store as ``manifest`` commits it, made once and kept (for a few
@@ -446,7 +456,7 @@ class StoreFiles:
                         raw = memoryview(buffer)[:f.readinto(buffer)]
             except FileNotFoundError:
                 raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted") from None
-            tensors = views(raw)  # no copy of the shard's bytes
+            tensors = views(raw, self._layouts.get_or_make(path, functools.partial(layout, raw)))
             yield offset, tensors["sketches"], tensors["norms"]
             del tensors
             offset += shard.rows
@@ -469,7 +479,7 @@ class StoreFiles:
         """The ids of global row numbers ``rows`` (any shape), as nested lists."""
         starts = np.cumsum([0] + [s.rows for s in manifest.shards])
         which = np.searchsorted(starts, rows, side="right") - 1
-        flat = [self.ids_of(key, manifest.shards[s])[r - starts[s]]
+        flat = [_plain(self.ids_of(key, manifest.shards[s])[r - starts[s]])
                 for s, r in zip(which.ravel().tolist(), rows.ravel().tolist(), strict=True)]
         return np.asarray(flat, dtype=object).reshape(rows.shape).tolist()
 
@@ -477,19 +487,34 @@ class StoreFiles:
 _DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
-def views(raw: bytes | memoryview | mmap.mmap) -> dict[str, np.ndarray]:
-    """A shard's tensors as read-only views of its bytes (``safetensors.numpy.load`` copies)."""
+def _weight(ids: ListedIds) -> int:
+    return 16 + (ids.nbytes if isinstance(ids, np.ndarray) else 64 * len(ids))
+
+
+def _plain(value: Any) -> int | str:
+    """A listed id as JSON writes it (an int64 as a Python int)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+Layout = dict[str, tuple[np.dtype, tuple[int, ...], int]]  # name: dtype, shape, byte offset
+
+
+def layout(raw: bytes | memoryview | mmap.mmap) -> Layout:
+    """Where a shard's tensors lie in its bytes, from its safetensors header."""
     size = int.from_bytes(raw[:8], "little")
     header = json.loads(bytes(raw[8:8 + size]))
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, stop = entry["data_offsets"]
-        dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
-        out[name] = np.frombuffer(raw, dtype, (stop - start) // dtype.itemsize,
-                                  8 + size + start).reshape(entry["shape"])
-    return out
+    return {name: (np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<"), tuple(entry["shape"]),
+                   8 + size + entry["data_offsets"][0])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def views(raw: bytes | memoryview | mmap.mmap, where: Layout) -> dict[str, np.ndarray]:
+    """A shard's tensors as read-only views of its bytes (``safetensors.numpy.load`` copies;
+    no copy here), laid out as ``where`` says."""
+    return {name: np.frombuffer(raw, dtype, int(np.prod(shape)), offset).reshape(shape)
+            for name, (dtype, shape, offset) in where.items()}
+
+
 
 
 def raw_safetensors(name: str, array: np.ndarray) -> tuple[bytes, memoryview]:
