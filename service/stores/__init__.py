@@ -9,7 +9,8 @@ influential samples of a test batch (``/stores``; docs/attribution.md).
   lease shared by api replicas);
 - :mod:`service.stores.query`: the streamed top-k (``dot``, ``cosine``, ``trak``,
   ``self_influence``, ``kfac``, ``ekfac``);
-- :mod:`service.stores.index`: a store's FAISS index, kept per commit, for approximate top-k;
+- :mod:`service.stores.index`: a store's FAISS index for approximate top-k: trained once, a
+  piece per shard, merged in a process's memory (``Live``);
 - :mod:`service.stores.factors`: a store's K-FAC factors and the ``kfac``/``ekfac`` scores'
   preconditioning of a query;
 - :mod:`service.stores.requests`: bodies to specs and to the jobs that compute a batch's rows.

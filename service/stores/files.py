@@ -9,16 +9,17 @@ Under the data directory (a local path or any fsspec URL: ``s3://bucket/psgrad``
                                             (a JSON list: the caller's sample ids)
     stores/<key>/gram-<seq>.safetensors     ``gram`` [k, k] float64: Phi^T Phi of every
                                             committed row (TRAK's preconditioner)
-    stores/<key>/index-<seq>.faiss          a store made with ``index``: its FAISS index of
-                                            every committed row (:mod:`service.stores.index`)
+    stores/<key>/trained-<seq>.faiss        a store made with ``index``: its FAISS index,
+                                            trained and empty (:mod:`service.stores.index`)
+    stores/<key>/shard-<uuid>.faiss         that index holding the shard's rows (its piece)
     stores/<key>/factors.safetensors        its K-FAC factors, once fitted
                                             (:mod:`service.stores.factors`)
 
 An append is staged, then committed. :meth:`StoreFiles.stage` writes the batch's shards (at most
 ``PSGRAD_STORE_SHARD_BYTES`` of rows each) under fresh names that no manifest lists yet.
 :meth:`StoreFiles.commit`, under the store's lock, checks the ids against the committed ones,
-writes the new Gram matrix (the old one plus the batch's, in float64) and index (the old one
-with the batch's rows added), then the new manifest:
+writes the new Gram matrix (the old one plus the batch's, in float64) and the index pieces of
+the batch's shards, then the new manifest:
 a whole file written beside it and renamed over it (one object PUT on an object store), the one
 step that makes the batch visible. A process that dies before the rename leaves only files no
 manifest names (ignored, removed with the store); a reader holding the previous manifest keeps
@@ -82,7 +83,7 @@ class Manifest:
     gram: str | None = None
     id_kind: str | None = None  # "int" or "str", fixed by the first batch
     epoch: str = ""  # drawn when the store is made: a store made again under its id is another
-    index: str | None = None  # the index file (a store made with one, once trained)
+    index: str | None = None  # the trained index (a store made with one, once trained)
 
     @property
     def count(self) -> int:
@@ -131,6 +132,7 @@ class StoreFiles:
         self.shard_bytes = shard_bytes
         self._guard = threading.Lock()
         self._memo: dict[tuple[str, str], tuple[tuple[str, int], Any]] = {}
+        self._live: dict[str, index_file.Live] = {}  # a few stores' indexes, as last queried
         # the ids of committed shards (immutable files), read from their headers once
         self._ids: LockedLRU[str, ListedIds] = LockedLRU(
             65536, budget=IDS_BUDGET, weigh=_weight)
@@ -219,6 +221,8 @@ class StoreFiles:
         with self.locks.hold(key):
             if self.spec(key) is None:
                 return False
+            with self._guard:
+                self._live.pop(key, None)
             try:
                 self._rm(self.path(key, SPEC))  # gone at once; then its files
                 self.fs.rm(self.path(key), recursive=True)
@@ -258,6 +262,7 @@ class StoreFiles:
         for shard in staged.shards:
             try:
                 self._rm(self.path(staged.key, shard.file))
+                self._rm(self.path(staged.key, shard.file.removesuffix(".safetensors") + ".faiss"))
             except OSError as exc:
                 log.warning("staged shard %s of store %s not removed: %s", shard.file,
                             staged.key, exc)
@@ -280,43 +285,58 @@ class StoreFiles:
                 seq = old.seq + 1
                 total = (None if staged.gram is None else
                          staged.gram if gram is None else gram + staged.gram)
-                built = self._indexed(key, spec, old, staged)
+                trained, pieces = self._indexed(key, spec, old, staged)
                 new = Manifest(seq, old.shards + staged.shards,
                                f"gram-{seq}.safetensors" if total is not None else None,
                                staged.id_kind if old.count == 0 else old.id_kind, old.epoch,
-                               f"index-{seq}.faiss" if built is not None else None)
+                               trained[0] if trained is not None else None)
                 if total is not None:
                     self._write(self.path(key, new.gram or ""), *raw_safetensors("gram", total))
-                if built is not None:
-                    self._write(self.path(key, new.index or ""), index_file.to_bytes(built))
+                if trained is not None and trained[1] is not None:
+                    self._write(self.path(key, trained[0]), trained[1])
+                for name, raw in pieces:
+                    self._write(self.path(key, name), raw)
                 self._write(self.path(key, MANIFEST), new.to_json())  # the commit
                 committed.update(staged.ids)  # in place: a copy would cost O(store)
                 self._remember("ids", key, new.version, committed)
                 if total is not None:
                     self._remember("gram", key, new.version, total)
-                if built is not None:
-                    self._remember("index", key, new.version, built)
         except BaseException:
             self.discard(staged)
             raise
         if seq > GRAM_KEEP:
             self._rm(self.path(key, f"gram-{seq - GRAM_KEEP}.safetensors"))
-            self._rm(self.path(key, f"index-{seq - GRAM_KEEP}.faiss"))
         return new
 
-    def _indexed(self, key: str, spec: StoreSpec, old: Manifest, staged: Staged) -> Any:
-        """The index of the store with ``staged`` committed (None: the store has none, or too
-        few rows to train one yet)."""
+    def _indexed(self, key: str, spec: StoreSpec, old: Manifest, staged: Staged
+                 ) -> tuple[tuple[str, bytes | None] | None, list[tuple[str, bytes]]]:
+        """The trained index of the store with ``staged`` committed, as (its file, its bytes
+        where this commit writes it), and the pieces to write (file, bytes): the batch's
+        shards', or, on the commit that trains it, every shard's. None: the store has no
+        index, or too few rows to train one yet."""
         if spec.index is None or staged.rows is None:
-            return None
-        if old.index is not None:
-            return index_file.extended(self.index(key, old), spec.index, spec.projection_dim,
-                                       staged.rows, None)
+            return None, []
+        if old.index is not None and not old.index.startswith("index-"):  # from before pieces
+            name = old.index
+            empty = self.kept_at("trained", key, (f"{old.epoch}/{name}", 0),
+                                 lambda: self._trained(key, name))
+            return (old.index, None), _pieces(empty, staged.shards, staged.rows, old.count)
         if old.count + len(staged.rows) < index_file.rows_to_train(spec.index,
                                                                    spec.projection_dim):
-            return None  # too few rows yet: the stored ones are not read to learn it
+            return None, []  # too few rows yet: the stored ones are not read to learn it
         every = np.concatenate([*(rows for _, rows, _ in self.rows(key, old)), staged.rows])
-        return index_file.extended(None, spec.index, spec.projection_dim, staged.rows, every)
+        empty = index_file.trained(spec.index, spec.projection_dim, every)
+        if empty is None:
+            return None, []
+        name = f"trained-{old.seq + 1}.faiss"
+        return (name, index_file.to_bytes(empty)), _pieces(
+            empty, old.shards + staged.shards, every, 0)
+
+    def _trained(self, key: str, name: str) -> Any:
+        raw = self._read(self.path(key, name))
+        if raw is None:
+            raise FileNotFoundError(name)
+        return index_file.from_bytes(raw)
 
     def append(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
                sketches: np.ndarray) -> Manifest:
@@ -387,7 +407,7 @@ class StoreFiles:
         with self._guard:
             self._memo.pop((what, key), None)
             self._memo[(what, key)] = (version, value)
-            while len(self._memo) > 5 * MEMO_STORES:  # ids, Gram, trak's, index, curvature
+            while len(self._memo) > 5 * MEMO_STORES:  # ids, Gram, trak's, trained index, curvature
                 del self._memo[next(iter(self._memo))]
 
     def gram(self, key: str, manifest: Manifest) -> np.ndarray | None:
@@ -406,19 +426,35 @@ class StoreFiles:
         found: np.ndarray = self.kept("gram", key, manifest, read)
         return found
 
-    def index(self, key: str, manifest: Manifest) -> Any:
-        """The FAISS index ``manifest`` commits (None where it has none; do not modify)."""
-        if manifest.index is None:
-            return None
-        name = manifest.index
-
-        def read() -> Any:
-            raw = self._read(self.path(key, name))
-            if raw is None:
-                raise FileNotFoundError(name)  # replaced since: the caller reads again
-            return index_file.from_bytes(raw)
-
-        return self.kept("index", key, manifest, read)
+    def candidates(self, key: str, manifest: Manifest, q: np.ndarray, k: int,
+                   probes: int | None) -> np.ndarray | None:
+        """Each query's candidate rows (``[queries, n]``, -1 for none) from the store's index
+        as ``manifest`` commits it (None where it has none): the process's live index, brought
+        up to ``manifest`` first (rows committed after it are left out)."""
+        if manifest.index is None or manifest.index.startswith("index-"):
+            return None  # none, or one from before pieces: scanned until a commit trains anew
+        with self._guard:
+            live = self._live.get(key)
+        if live is None or (live.epoch, live.name) != (manifest.epoch, manifest.index):
+            live = index_file.Live(manifest.epoch, manifest.index,
+                                   self._trained(key, manifest.index))
+            with self._guard:
+                self._live.pop(key, None)
+                self._live[key] = live
+                while len(self._live) > MEMO_STORES:
+                    del self._live[next(iter(self._live))]
+        with live.lock:
+            first = live.rows
+            for number, shard in enumerate(manifest.shards[live.shards:], live.shards):
+                stem = shard.file.removesuffix(".safetensors")
+                live.extend(self._read(self.path(key, f"{stem}.faiss")) if live.merge else None,
+                            lambda n=number: next(self.rows(key, manifest, np.array([n])))[1],
+                            shard.rows, f"{key}/{stem}")
+            if live.rows > first:
+                log.info("index of store %s: %d rows added, %d in all", key, live.rows - first,
+                         live.rows)
+            rows = live.candidates(q, k, probes)
+        return np.where(rows < manifest.count, rows, -1)
 
     def rows_at(self, key: str, manifest: Manifest, wanted: np.ndarray) -> np.ndarray:
         """The rows of global row numbers ``wanted`` (sorted, unique), ``[n, k]`` float64,
@@ -515,6 +551,18 @@ def views(raw: bytes | memoryview | mmap.mmap, where: Layout) -> dict[str, np.nd
             for name, (dtype, shape, offset) in where.items()}
 
 
+def _pieces(empty: Any, shards: Sequence[Shard], rows: np.ndarray, first: int
+            ) -> list[tuple[str, bytes]]:
+    """The index pieces of ``shards``, which hold ``rows`` from global row ``first`` on: none
+    for an index FAISS does not merge (its live index adds the shards' rows)."""
+    if not index_file.mergeable(empty):
+        return []
+    out, at = [], 0
+    for shard in shards:
+        out.append((shard.file.removesuffix(".safetensors") + ".faiss",
+                    index_file.piece(empty, rows[at:at + shard.rows], first + at)))
+        at += shard.rows
+    return out
 
 
 def raw_safetensors(name: str, array: np.ndarray) -> tuple[bytes, memoryview]:

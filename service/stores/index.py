@@ -1,12 +1,15 @@
 """A gradient store's approximate top-k index: FAISS over the store's rows, inner product.
 
-``PUT /stores/{id}`` may name a FAISS factory string (``"IVF1024,Flat"``, ``"IVF4096,PQ64"``,
-``"HNSW32"``, ...). The index holds every committed row as stored (FAISS's ids are the global row
-numbers: rows are added in commit order) and is kept beside the shards, one file per commit
-(``index-<seq>.faiss``, FAISS's own binary format, never a pickle), made by
-:meth:`~service.stores.files.StoreFiles.commit`: the previous commit's index with the batch's
-rows added, or, while there is none, a new one trained on the rows committed so far (an index
-that needs training waits until there are enough rows: queries scan exactly until then).
+``PUT /stores/{id}`` may name a FAISS factory string (``"IVF1024,Flat"``, ``"IVF4096,SQ4"``,
+``"HNSW32"``, ...). The commit that first holds enough rows trains an empty index on them and
+writes it once (``trained-<seq>.faiss``, FAISS's own binary format, never a pickle); from then on
+every commit encodes only its own rows, one piece per shard beside it (``shard-<uuid>.faiss``:
+the trained index holding that shard's rows, FAISS's ids being the global row numbers), so an
+append costs the same at ten rows as at ten million. A process answering queries keeps one
+:class:`Live` index per store in memory, the trained index with every piece merged in, and
+merges each new commit's pieces as a query first sees it. An index FAISS cannot merge (HNSW)
+gets no pieces: its live index adds the shards' stored rows instead; so does a piece that is
+missing or unreadable (logged), whose rows are all still in its shard.
 
 One index over the raw rows serves ``dot`` and ``trak``: ``trak``'s preconditioner is applied to
 the query (``(Phi^T Phi + lambda I)^-1 q``), whose inner products with the rows are its scores.
@@ -19,6 +22,8 @@ rows orders by, and ``self_influence`` needs no query: both scan exactly.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -27,11 +32,12 @@ from psgrad._errors import InvalidInput
 
 OVERFETCH = 4  # candidates per query: this many times k (at least k + MIN_EXTRA)
 MIN_EXTRA = 256  # PQ codes rank coarsely: 74 candidates kept 0.94 of the top 10, 256 all
-PROBES = 64  # an IVF index's lists searched per query (nprobe), at most all of them
+PROBES = 64  # an IVF index's lists searched per query (nprobe) unless the query says
 TRAIN_ROWS = 65536  # rows an index is trained on, at most (evenly drawn): FAISS k-means
 # subsamples to 256 per centroid anyway, and training runs inside a commit (a minute at 65536
 # rows of IVF256,PQ32 on two cores)
 INDEXED = ("dot", "trak")  # the scores an inner-product index over the raw rows serves
+log = logging.getLogger(__name__)
 
 
 def _faiss() -> Any:
@@ -45,7 +51,7 @@ def check_factory(factory: object, width: int) -> str:
     422 with FAISS's reason."""
     if not isinstance(factory, str) or not factory.strip() or len(factory) > 200:
         raise InvalidInput("'index' is a FAISS factory string such as \"IVF1024,Flat\", "
-                           "\"IVF4096,PQ64\" or \"HNSW32\", or null for none")
+                           "\"IVF4096,SQ4\" or \"HNSW32\", or null for none")
     try:
         _faiss().index_factory(width, factory, _faiss().METRIC_INNER_PRODUCT)
     except RuntimeError as exc:
@@ -60,7 +66,7 @@ def rows_to_train(factory: str, width: int) -> int:
     """The fewest rows that can train ``factory``'s index of ``width`` rows: an IVF index's
     lists, a product quantizer's codes per subvector, whichever is more (1 for others; 0 for an
     index that needs no training). A lower bound: training may still refuse more rows than
-    this, and then :func:`extended` waits."""
+    this, and then :func:`trained` waits."""
     faiss = _faiss()
     index = faiss.index_factory(width, factory, faiss.METRIC_INNER_PRODUCT)
     if index.is_trained:
@@ -72,27 +78,46 @@ def rows_to_train(factory: str, width: int) -> int:
     return max(1, int(ivf.nlist) if ivf is not None else 1, int(pq.ksub) if pq else 1)
 
 
-def extended(old: Any, factory: str, width: int, new_rows: np.ndarray,
-             every_row: np.ndarray | None) -> Any:
-    """The index after a commit: ``old`` (not modified) with ``new_rows`` added, or with no
-    ``old`` a new one trained on ``every_row`` (the store's rows after the commit) and holding
-    them; None while there are too few rows to train it."""
+def trained(factory: str, width: int, rows: np.ndarray) -> Any:
+    """An empty ``factory`` index trained on ``rows`` (at most :data:`TRAIN_ROWS` of them,
+    evenly drawn); None while they are too few to train it."""
     faiss = _faiss()
-    if old is not None:
-        index = faiss.clone_index(old)
-        index.add(np.ascontiguousarray(new_rows, dtype=np.float32))
-        return index
-    assert every_row is not None
     index = faiss.index_factory(width, factory, faiss.METRIC_INNER_PRODUCT)
-    rows = np.ascontiguousarray(every_row, dtype=np.float32)
     if not index.is_trained:
         step = max(1, len(rows) // TRAIN_ROWS)
         try:
-            index.train(np.ascontiguousarray(rows[::step]))
+            index.train(np.ascontiguousarray(rows[::step], dtype=np.float32))
         except RuntimeError:  # fewer rows than its clusters or codes need: later
             return None
-    index.add(rows)
     return index
+
+
+def mergeable(index: Any) -> bool:
+    """Whether FAISS merges two indexes of ``index``'s kind (IVF and flat codes do; HNSW not)."""
+    faiss = _faiss()
+    try:
+        faiss.clone_index(index).merge_from(faiss.clone_index(index), 0)
+    except RuntimeError:
+        return False
+    return True
+
+
+def add(index: Any, rows: np.ndarray, first: int) -> None:
+    """``rows`` added to ``index`` as global rows ``first, first + 1, ...``: as their ids where
+    the index keeps ids (IVF); elsewhere in order, which is the same while rows come in order."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if _ivf(index) is not None:
+        index.add_with_ids(rows, np.arange(first, first + len(rows), dtype=np.int64))
+    else:
+        index.add(rows)
+
+
+def piece(index: Any, rows: np.ndarray, first: int) -> bytes:
+    """A shard's piece: the empty trained ``index`` holding ``rows`` (global rows from
+    ``first``), as bytes."""
+    part = _faiss().clone_index(index)
+    add(part, rows, first)
+    return to_bytes(part)
 
 
 def to_bytes(index: Any) -> bytes:
@@ -103,15 +128,65 @@ def from_bytes(raw: bytes) -> Any:
     return _faiss().deserialize_index(np.frombuffer(raw, dtype=np.uint8))
 
 
-def candidates(index: Any, q: np.ndarray, k: int) -> np.ndarray:
-    """``[queries, n]`` row numbers (-1 where the index has fewer): each query's best ``n``
-    by inner product as the index finds them, ``n`` = :data:`OVERFETCH` ``k``."""
-    n = min(int(index.ntotal), max(OVERFETCH * k, k + MIN_EXTRA))
+class Live:
+    """One store's index in a process's memory: its trained index with the pieces of the first
+    :attr:`shards` shards merged in (:attr:`rows` rows). Hold :attr:`lock` to extend or
+    search it (FAISS does not search an index while it grows)."""
+
+    def __init__(self, epoch: str, name: str, empty: Any) -> None:
+        self.epoch, self.name, self.index = epoch, name, empty
+        self.merge = mergeable(empty)
+        self.shards, self.rows = 0, 0
+        self.lock = threading.Lock()
+
+    def extend(self, raw: bytes | None, rows: Any, count: int, what: str) -> None:
+        """The next shard (``count`` rows) added: its piece ``raw`` merged in, or its stored
+        rows (``rows()``) encoded where the index does not merge or the piece is missing or
+        unreadable."""
+        part = None
+        if self.merge and raw is not None:
+            try:
+                part = from_bytes(raw)
+                if part.ntotal != count or part.d != self.index.d:
+                    raise RuntimeError(f"{part.ntotal} rows of {part.d}, not {count}")
+                ids = _ids(part)
+                if ids is not None and not np.array_equal(np.sort(ids), np.arange(
+                        self.rows, self.rows + count)):
+                    raise RuntimeError(f"it holds other rows than {self.rows} to "
+                                       f"{self.rows + count - 1}")
+            except RuntimeError as exc:
+                log.warning("index piece %s is unreadable (%s): its rows are encoded again",
+                            what, str(exc).strip().splitlines()[-1][:200])
+                part = None
+        elif self.merge:
+            log.warning("index piece %s is missing: its rows are encoded again", what)
+        if part is not None:
+            self.index.merge_from(part, 0)
+        else:
+            add(self.index, rows(), self.rows)
+        self.shards, self.rows = self.shards + 1, self.rows + count
+
+    def candidates(self, q: np.ndarray, k: int, probes: int | None) -> np.ndarray:
+        """``[queries, n]`` row numbers (-1 where the index has fewer): each query's best
+        ``n`` by inner product as the index finds them, ``n`` = :data:`OVERFETCH` ``k``,
+        searching ``probes`` lists of an IVF index (:data:`PROBES` by default)."""
+        n = min(int(self.index.ntotal), max(OVERFETCH * k, k + MIN_EXTRA))
+        ivf = _ivf(self.index)
+        if ivf is not None:
+            ivf.nprobe = min(int(ivf.nlist), probes or PROBES)
+        _, rows = self.index.search(np.ascontiguousarray(q, dtype=np.float32), n)
+        return np.asarray(rows, dtype=np.int64)
+
+
+def _ids(index: Any) -> np.ndarray | None:
+    """The ids an IVF index holds (None for another index: its rows are numbered in order)."""
     ivf = _ivf(index)
-    if ivf is not None:
-        ivf.nprobe = min(int(ivf.nlist), PROBES)
-    _, rows = index.search(np.ascontiguousarray(q, dtype=np.float32), n)
-    return np.asarray(rows, dtype=np.int64)
+    if ivf is None:
+        return None
+    faiss, lists = _faiss(), ivf.invlists
+    return np.concatenate([np.empty(0, np.int64), *(
+        faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i)).copy()
+        for i in range(ivf.nlist) if lists.list_size(i))])
 
 
 def _ivf(index: Any) -> Any:

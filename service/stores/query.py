@@ -34,7 +34,7 @@ from scipy.linalg import cho_factor, cho_solve
 
 from psgrad._errors import Conflict, InvalidInput
 from service.stores.files import Manifest, StoreFiles
-from service.stores.index import INDEXED, candidates
+from service.stores.index import INDEXED
 from service.stores.spec import MAX_EXACT_WIDTH
 
 Score = Literal["dot", "cosine", "trak", "self_influence", "kfac", "ekfac"]
@@ -248,14 +248,17 @@ def _apart(files: StoreFiles, key: str, manifest: Manifest, row: int, k: int
 
 
 def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | None, k: int,
-           score: str, lam: float | None = None, exact: bool | None = None) -> Found:
+           score: str, lam: float | None = None, exact: bool | None = None,
+           probes: int | None = None) -> Found:
     """The best ``k`` rows of each query over what the store has committed now: through its
-    index where it has one and the score allows, unless ``exact``."""
+    index where it has one and the score allows (searching ``probes`` of an IVF index's
+    lists), unless ``exact``."""
     for attempt in range(3):
         manifest = files.manifest(key)
         check_k(manifest, k, store_id)
         try:
-            return _search(files, key, manifest, sketches, k, score, lam, exact is not True)
+            return _search(files, key, manifest, sketches, k, score, lam, exact is not True,
+                           probes)
         except FileNotFoundError:  # its Gram file was replaced meanwhile: read the new state
             if attempt == 2:
                 raise
@@ -264,14 +267,14 @@ def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | No
 
 def search_all(files: StoreFiles, keys: list[str], store_id: str,
                queries: list[np.ndarray | None], k: int, score: str, lam: float | None = None,
-               exact: bool | None = None) -> Found:
+               exact: bool | None = None, probes: int | None = None) -> Found:
     """:func:`search` of one store (``keys`` of one), or of an ensemble: each checkpoint's
     store scored with that checkpoint's rows of the queries (``queries``, one per key), every
     row, and the best ``k`` of the sums (TRAK's ensemble: the scores summed over models).
     Rows beyond the shortest checkpoint's (an append committed to some but not yet all) are
     left out; the answer is exact, its ``lam`` one per checkpoint for ``trak``."""
     if len(keys) == 1:
-        return search(files, keys[0], store_id, queries[0], k, score, lam, exact)
+        return search(files, keys[0], store_id, queries[0], k, score, lam, exact, probes)
     parts = []
     for key, q in zip(keys, queries, strict=True):
         count = files.manifest(key).count
@@ -291,7 +294,8 @@ def search_all(files: StoreFiles, keys: list[str], store_id: str,
 
 
 def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarray | None,
-            k: int, score: str, lam: float | None, approximate: bool) -> Found:
+            k: int, score: str, lam: float | None, approximate: bool, probes: int | None
+            ) -> Found:
     best = Best(1 if sketches is None else len(sketches), k)
     if score == "self_influence":
         for offset, norms in files.norms(key, manifest):
@@ -310,16 +314,16 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
         q, own = trak_solver(files, key, manifest, gram_of(files, key, manifest, width),
                              largest, lam).solve(q)
         apart = None if own is None else (largest.row, own)
-    if approximate and manifest.index is not None and score in INDEXED and apart is None:
-        rows = candidates(files.index(key, manifest), q, k)
-        if ((rows >= 0).sum(axis=1) >= k).all():  # else a query found too few: scan
-            wanted = np.unique(rows[rows >= 0])
-            found = files.rows_at(key, manifest, wanted)  # their exact scores, in float64
-            at = np.searchsorted(wanted, np.maximum(rows, 0))
-            scores = np.stack([found[a] @ one for a, one in zip(at, q, strict=True)])
-            best.add_rows(np.where(rows >= 0, scores, -np.inf), rows)
-            return Found(manifest, *best.result(), lam=lam if score == "trak" else None,
-                         exact=False)
+    rows = (files.candidates(key, manifest, q, k, probes)
+            if approximate and score in INDEXED and apart is None else None)
+    if rows is not None and ((rows >= 0).sum(axis=1) >= k).all():  # else too few: scan
+        wanted = np.unique(rows[rows >= 0])
+        found = files.rows_at(key, manifest, wanted)  # their exact scores, in float64
+        at = np.searchsorted(wanted, np.maximum(rows, 0))
+        scores = np.stack([found[a] @ one for a, one in zip(at, q, strict=True)])
+        best.add_rows(np.where(rows >= 0, scores, -np.inf), rows)
+        return Found(manifest, *best.result(), lam=lam if score == "trak" else None,
+                     exact=False)
     if score == "cosine":
         size = np.linalg.norm(q, axis=1, keepdims=True)
         q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)

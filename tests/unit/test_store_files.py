@@ -548,15 +548,35 @@ def test_trak_on_full_gradients_sums_the_gram_once_and_refuses_one_too_wide(
         search(store, "s", "s", q, 5, "trak")
 
 
-def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(
+def indexed_spec(factory: str = "IVF4,Flat") -> StoreSpec:
+    return StoreSpec(id="s", model="mlp@abc", loss="cross_entropy", params=("w",),
+                     projection_dim=K, projection_seed=0, projection_kind="kronecker",
+                     dtype="float32", index=factory)
+
+
+def assert_ranks_as_the_scan(store: StoreFiles, phi: np.ndarray, q: np.ndarray,
+                             ks: tuple[int, ...] = (1, 10, 40)) -> None:
+    """Through the index (searched in all its lists, so at full over-fetch) the top k of dot
+    and trak equal the exact scan's; cosine scans."""
+    for score in ("dot", "trak"):
+        for k in ks:
+            found = search(store, "s", "s", q, k, score)
+            want_rows, want_scores = reference(phi.astype(np.float64), q, score, k)
+            assert not found.exact
+            np.testing.assert_array_equal(found.rows, want_rows)
+            np.testing.assert_allclose(found.scores, want_scores, rtol=1e-5, atol=1e-6)
+            assert search(store, "s", "s", q, k, score, exact=True).exact
+    assert search(store, "s", "s", q, 5, "cosine").exact
+
+
+def test_an_index_is_trained_once_and_each_commit_encodes_only_its_own_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store with an IVF index: none while too few rows train it (queries scan, and a commit
-    reads no stored rows to try), then one per commit holding every row (read back by another
-    process's StoreFiles), searched in all its lists so that the top k of dot and trak equal
-    the exact scan's; cosine scans."""
-    indexed = StoreSpec(id="s", model="mlp@abc", loss="cross_entropy", params=("w",),
-                        projection_dim=K, projection_seed=0, projection_kind="kronecker",
-                        dtype="float32", index="IVF4,Flat")
+    reads no stored rows to try); the commit that can trains it once on every row and writes a
+    piece per shard; later commits read no stored rows and write only their own shards'
+    pieces; another process merges the pieces and ranks as the scan; a query holding an older
+    state finds no row committed after it; DELETE takes it all."""
+    indexed = indexed_spec()
     store = files(tmp_path)
     store.create("s", indexed)
     rng = np.random.default_rng(9)
@@ -575,24 +595,54 @@ def test_an_index_kept_per_commit_ranks_as_the_scan_at_full_overfetch(
     assert store.manifest("s").index is None and not read
     monkeypatch.undo()
     assert search(store, "s", "s", q, 2, "dot").exact
-    for a, b in ((3, 100), (100, 150)):
-        store.append("s", indexed, list(range(a, b)), "int", phi[a:b])
-        manifest = store.manifest("s")
-        assert manifest.index == f"index-{manifest.seq}.faiss"
-        assert store.index("s", manifest).ntotal == b
-    again = files(tmp_path)  # another process: the index from its file
-    for score in ("dot", "trak"):
-        for k in (1, 10, 40):
-            found = search(again, "s", "s", q, k, score)
-            want_rows, want_scores = reference(phi.astype(np.float64), q, score, k)
-            assert not found.exact
-            np.testing.assert_array_equal(found.rows, want_rows)
-            np.testing.assert_allclose(found.scores, want_scores, rtol=1e-5, atol=1e-6)
-            assert search(again, "s", "s", q, k, score, exact=True).exact
-    assert search(again, "s", "s", q, 5, "cosine").exact
-    assert (tmp_path / "data" / "stores" / "s" / "index-3.faiss").exists()
-    again.delete("s")
-    assert not (tmp_path / "data" / "stores" / "s").exists()
+    store.append("s", indexed, list(range(3, 100)), "int", phi[3:100])  # trains: seq 3
+    folder = tmp_path / "data" / "stores" / "s"
+    pieces = {p.name for p in folder.glob("shard-*.faiss")}
+    shards = store.manifest("s").shards
+    assert store.manifest("s").index == "trained-3.faiss"
+    assert pieces == {s.file.removesuffix(".safetensors") + ".faiss" for s in shards}
+    old = store.manifest("s")
+    assert_ranks_as_the_scan(store, phi[:100], q)  # merges every piece into its live index
+    monkeypatch.setattr(StoreFiles, "rows", counted)
+    store.append("s", indexed, list(range(100, 150)), "int", phi[100:150])
+    assert not read  # a commit after training reads no stored rows
+    monkeypatch.undo()
+    manifest = store.manifest("s")
+    assert manifest.index == "trained-3.faiss" and len(manifest.shards) > len(shards)
+    assert len(list(folder.glob("shard-*.faiss"))) == len(manifest.shards)
+    assert_ranks_as_the_scan(store, phi, q)  # the live index, the new pieces merged in
+    assert_ranks_as_the_scan(files(tmp_path), phi, q)  # another process: from the files
+    stale = store.candidates("s", old, q, 10, None)
+    assert stale is not None and stale.max() < old.count  # nothing the old state lacks
+    store.delete("s")
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("factory", ["HNSW8", "IVF4,Flat"])
+def test_an_index_without_pieces_encodes_the_stored_rows(
+        tmp_path: Path, factory: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An index FAISS cannot merge (HNSW) writes no pieces and adds the shards' stored rows; an
+    IVF index whose piece is lost or corrupt says so in the log and does the same: either way
+    the top k equal the scan's."""
+    indexed = indexed_spec(factory)
+    store = files(tmp_path)
+    store.create("s", indexed)
+    rng = np.random.default_rng(4)
+    phi = rng.standard_normal((60, K)).astype(np.float32)
+    store.append("s", indexed, list(range(60)), "int", phi)
+    folder = tmp_path / "data" / "stores" / "s"
+    pieces = sorted(folder.glob("shard-*.faiss"))
+    if factory.startswith("HNSW"):
+        assert not pieces
+    else:
+        pieces[0].unlink()
+        pieces[1].write_bytes(b"not an index")
+        pieces[2].write_bytes(pieces[3].read_bytes())  # another shard's rows
+    hnsw = factory.startswith("HNSW")  # a graph: exact at small k only
+    assert_ranks_as_the_scan(files(tmp_path), phi, rng.standard_normal((3, K)),
+                             (1, 10) if hnsw else (1, 10, 40))
+    logged = [r.getMessage() for r in caplog.records if "index piece" in r.getMessage()]
+    assert len(logged) == (0 if hnsw else 3), logged
 
 
 def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_path: Path) -> None:
