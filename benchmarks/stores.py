@@ -5,9 +5,9 @@ over a large store against one in-process numpy pass over the same matrix.
                                 [--rows 1000000] [--dim 1024] [--queries 16] [--topk 10]
                                 [--skip-append] [--skip-query]
     python benchmarks/stores.py --trak-cost [--trak-dims 1024,4096,8192] [--rounds 3]
-    python benchmarks/stores.py --index [--rows 1000000] [--dim 1024] [--factory IVF1024,PQ64]
+    python benchmarks/stores.py --index [--rows 1000000] [--dim 1024] [--factory IVF1024,SQ4]
                                 [--queries 16] [--topk 10] [--rounds 20] [--batch 65536]
-                                [--no-plain] [--exact-rounds N]
+                                [--no-plain] [--exact-rounds N] [--probes N,M]
 
 **Append** (the embedded server in process, over httpx's ASGI transport, safetensors bodies
 both ways): each round times ``POST /per-sample-grads`` asking ``projection`` for a batch of
@@ -41,10 +41,12 @@ one with ``--factory`` as its index and one without, filled side by side by bulk
 rows, drawn from 4096 Gaussian clusters (sketches of a real training set have neighbours;
 uniform noise in 1024 dimensions has none an index could find). Prints each store's import rate,
 the index's cost (the difference; ``--no-plain`` imports into the indexed store alone), the
-commit that trained the index against the others, the process's peak resident memory while
-importing, recall@``--topk`` of the approximate answers against the exact scan of the same
-store, and the p50/p99 over ``--rounds`` of a ``dot`` query of ``--queries`` test rows (sent as
-``sketches``), exact and approximate, and of ``trak`` approximate.
+commit that trained the index against the others, the process's peak memory (resident, less
+the shards' mapped pages) while importing and while querying, the first approximate query (it
+merges the index's pieces), recall@``--topk`` of the approximate answers against the exact scan
+of the same store, and the p50/p99 over ``--rounds`` of a ``dot`` query of ``--queries`` test
+rows (sent as ``sketches``), exact and approximate (``--probes`` lists of an IVF index), and of
+``trak`` approximate.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -72,6 +75,7 @@ from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service.api import create_app
 from service.config import Settings
 from service.stores.files import StoreFiles
+from service.stores.index import PROBES
 from service.stores.locks import ThreadLocks
 from service.stores.query import search
 from service.stores.spec import StoreSpec
@@ -266,14 +270,39 @@ def clustered(rng: np.random.Generator, centers: np.ndarray, n: int) -> np.ndarr
     return (centers[which] + noise).astype(np.float16)
 
 
-async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int, rounds: int,
-                      batch: int, plain: bool, exact_rounds: int) -> None:
-    import psutil
+class Peak:
+    """The process's peak memory above its start, sampled every 0.1 s: resident less what is
+    file-backed (the shards' mapped pages, which the page cache holds, not the process)."""
 
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.base = self.now()
+        self.top = self.base
+        self.stop = threading.Event()
+        threading.Thread(target=self.sample, daemon=True).start()
+
+    def now(self) -> int:
+        info = self.proc.memory_info()
+        return int(info.rss - info.shared)
+
+    def sample(self) -> None:
+        while not self.stop.wait(0.1):
+            self.top = max(self.top, self.now())
+
+    def take(self) -> float:
+        """GiB above the start at the peak since the last take."""
+        top, self.top = max(self.top, self.now()), self.now()
+        return (top - self.base) / 2**30
+
+
+async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int, rounds: int,
+                      batch: int, plain: bool, exact_rounds: int,
+                      probes: list[int | None]) -> None:
     rng = np.random.default_rng(0)
     centers = rng.standard_normal((4096, dim), dtype=np.float32)
     test = clustered(rng, centers, queries).astype(np.float32)
-    proc, peak = psutil.Process(), [0]
     names = ("plain", "indexed") if plain else ("indexed",)
     took: dict[str, list[float]] = {name: [] for name in names}
     async with embedded() as c:
@@ -282,7 +311,7 @@ async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int
                 "model": "mlp", "projection_dim": dim, "dtype": "float16",
                 "index": factory if name == "indexed" else None})
             assert r.status_code == 201, r.text
-        base, start = proc.memory_info().rss, time.perf_counter()
+        peak, start = Peak(), time.perf_counter()
         for a in range(0, rows, batch):
             part = clustered(rng, centers, min(batch, rows - a))
             body = fields_to_safetensors({"rows": part, "ids": np.arange(a, a + len(part))},
@@ -293,11 +322,11 @@ async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int
                                  headers={"content-type": SAFETENSORS})
                 took[name].append(time.perf_counter() - t)
                 assert r.status_code == 200, r.text
-                peak[0] = max(peak[0], proc.memory_info().rss)
             print(f"imported {a + len(part)} of {rows} rows in "
                   f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         doc = (await c.get("/stores/indexed")).json()
         assert doc["indexed"], doc
+        importing = peak.take()
 
         async def query(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
             content = fields_to_safetensors({"sketches": test, "k": topk, **body}, REQUEST_KEY)
@@ -307,24 +336,28 @@ async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int
             assert r.status_code == 200, r.text
             return time.perf_counter() - t, r.json()
 
-        times: dict[str, list[float]] = {"exact dot": [], "approximate dot": [],
-                                         "approximate trak": []}
-        recall = []
+        asked = {p: {} if p is None else {"probes": p} for p in probes}
+        times: dict[str, list[float]] = {"exact dot": []}
+        recall: dict[int | None, list[float]] = {p: [] for p in probes}
+        first, _ = await query({"score": "dot", **asked[probes[0]]})  # the pieces merged
         await query({"score": "trak"})  # the trak factor, once per commit
         for n in range(rounds):
             if n < exact_rounds:
                 t_exact, exact = await query({"score": "dot", "exact": True})
                 times["exact dot"].append(t_exact)
-            t_approx, approx = await query({"score": "dot"})
-            t_trak, _ = await query({"score": "trak"})
-            assert approx["exact"] is False and exact["exact"] is True
-            times["approximate dot"].append(t_approx)
-            times["approximate trak"].append(t_trak)
-            recall.append(np.mean([len(set(a) & set(e)) / topk for a, e in
-                                   zip(approx["ids"], exact["ids"], strict=True)]))
+            for p, extra in asked.items():
+                t_approx, approx = await query({"score": "dot", **extra})
+                t_trak, _ = await query({"score": "trak", **extra})
+                assert approx["exact"] is False and exact["exact"] is True
+                times.setdefault(f"approximate dot, {p or PROBES} probes", []).append(t_approx)
+                times.setdefault(f"approximate trak, {p or PROBES} probes", []).append(t_trak)
+                recall[p].append(np.mean([len(set(a) & set(e)) / topk for a, e in
+                                          zip(approx["ids"], exact["ids"], strict=True)]))
+        querying = peak.take()
     size = rows * dim * 2
-    print(f"\n### Index {factory}: {rows} rows x {dim} float16 ({size / 2**30:.2f} GiB), bulk "
-          f"import in requests of {batch} rows, {queries} queries, top {topk} (load {load()})\n")
+    print(f"\n### Index {factory}: {rows} rows x {dim} float16 "
+          f"({size / 2**30:.2f} GiB), bulk import in requests of {batch} rows, {queries} "
+          f"queries, top {topk} (load {load()})\n")
     total = {name: sum(t) for name, t in took.items()}
     trained = int(np.argmax(took["indexed"]))
     others = took["indexed"][:trained] + took["indexed"][trained + 1:] or [0.0]
@@ -333,10 +366,13 @@ async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int
              f"{total['indexed'] - total['plain']:.1f} s)" if plain else "")
           + f"; the commit that trained the index (request {trained + 1} of "
           f"{len(took['indexed'])}) {took['indexed'][trained]:.1f} s, the others' median "
-          f"{statistics.median(others):.1f} s; peak resident memory while importing "
-          f"{(peak[0] - base) / 2**30:.2f} GiB above the start")
-    print(f"recall@{topk} of the approximate answers against the exact scan: "
-          f"{statistics.mean(recall):.3f} (min {min(recall):.3f})\n")
+          f"{statistics.median(others):.1f} s; peak memory above the start (resident, less "
+          f"the shards' mapped pages) {importing:.2f} GiB while importing, {querying:.2f} GiB "
+          f"while querying; the first approximate query (merging the index) {first:.1f} s")
+    for p, values in recall.items():
+        print(f"recall@{topk} of the approximate answers ({p or PROBES} probes) against the "
+              f"exact scan: {statistics.mean(values):.3f} (min {min(values):.3f})")
+    print()
     print("| query | p50 ms | p99 ms |\n|---|---|---|")
     for name, values in times.items():
         ms = np.asarray(values) * 1e3
@@ -357,7 +393,9 @@ def main() -> None:
     ap.add_argument("--trak-cost", action="store_true", help="only the trak / dot comparison")
     ap.add_argument("--trak-dims", default="1024,4096,8192")
     ap.add_argument("--index", action="store_true", help="only the index's import and queries")
-    ap.add_argument("--factory", default="IVF1024,PQ64")
+    ap.add_argument("--factory", default="IVF1024,SQ4")
+    ap.add_argument("--probes", help="--index: an IVF index's lists searched per query, "
+                    "comma-separated values each measured (default: the service's)")
     ap.add_argument("--no-plain", action="store_true",
                     help="--index: import only into the indexed store (half the disk and time)")
     ap.add_argument("--exact-rounds", type=int, default=0, metavar="N",
@@ -367,7 +405,9 @@ def main() -> None:
         rounds = max(args.rounds, 20)
         asyncio.run(bench_index(args.rows, args.dim, args.factory, args.queries, args.topk,
                                 rounds, max(args.batch, 65536), not args.no_plain,
-                                min(args.exact_rounds or rounds, rounds)))
+                                min(args.exact_rounds or rounds, rounds),
+                                [int(p) for p in args.probes.split(",")] if args.probes
+                                else [None]))
         return
     if args.trak_cost:
         asyncio.run(bench_trak(args.rounds, [int(d) for d in args.trak_dims.split(",")]))

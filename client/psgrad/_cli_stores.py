@@ -66,6 +66,8 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
                    "store's index")
     p.add_argument("--damping", type=float, help="kfac's and ekfac's damping (default: a tenth "
                    "of the Fisher's mean eigenvalue)")
+    p.add_argument("--probes", type=int, help="an IVF index's lists searched per query "
+                   "(default 64): more for recall, fewer for speed")
     p.set_defaults(func=_query)
     p = ssub.add_parser("factors", parents=[conn], help="fit a store's K-FAC and EK-FAC factors "
                                                         "over samples (repeatable)")
@@ -136,7 +138,7 @@ def _query(args: argparse.Namespace) -> int:
         found = client.stores.get(args.id).query(
             read(args.inputs, "inputs"), read(args.targets, "targets"),
             sketches=read(args.sketches, "sketches"), k=args.k, score=args.score, lam=args.lam,
-            exact=True if args.exact else None, damping=args.damping)
+            exact=True if args.exact else None, damping=args.damping, probes=args.probes)
     print(json.dumps({"ids": found.ids.tolist(), "scores": found.scores.tolist(),
                       "score": found.score, "lambda": found.lam, "exact": found.exact,
                       "damping": found.damping}))

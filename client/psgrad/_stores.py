@@ -155,8 +155,8 @@ def _sample_fields(model: str, x: Any, y: Any, ids: list[Any], keep: list[bool])
 
 
 def _query_fields(model: str, x: Any, y: Any, sketches: Any, k: int, score: str,
-                  lam: float | None, exact: bool | None, damping: float | None
-                  ) -> dict[str, Any]:
+                  lam: float | None, exact: bool | None, damping: float | None,
+                  probes: int | None) -> dict[str, Any]:
     fields: dict[str, Any] = {"k": k, "score": score}
     if lam is not None:
         fields["lambda"] = float(lam)
@@ -164,6 +164,8 @@ def _query_fields(model: str, x: Any, y: Any, sketches: Any, k: int, score: str,
         fields["damping"] = float(damping)
     if exact is not None:
         fields["exact"] = bool(exact)
+    if probes is not None:
+        fields["probes"] = int(probes)
     if sketches is not None:
         fields["sketches"] = to_numpy(sketches, "sketches").astype(np.float32)
     elif x is not None:
@@ -236,10 +238,10 @@ def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
 
 
 def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
-              lam: float | None, exact: bool | None, damping: float | None = None
-              ) -> Generator[Step, Any, QueryResult]:
+              lam: float | None, exact: bool | None, damping: float | None = None,
+              probes: int | None = None) -> Generator[Step, Any, QueryResult]:
     fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam, exact,
-                           damping)
+                           damping, probes)
     if "inputs" in fields:
         fields = yield "prepare", fields
     result: QueryResult = yield "call", _Calls.query(store.id, fields)
@@ -313,14 +315,16 @@ class Store(_Handle):
 
     def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
               k: int = 10, score: str = "trak", lam: float | None = None,
-              exact: bool | None = None, damping: float | None = None) -> QueryResult:
+              exact: bool | None = None, damping: float | None = None,
+              probes: int | None = None) -> QueryResult:
         """The top ``k`` training samples of each test sample (or of each sketch), best first;
         ``score`` ``self_influence`` takes no samples and ranks the store itself. A store with
-        an index answers ``dot`` and ``trak`` through it (``result.exact`` False) unless
-        ``exact=True``. ``kfac`` and ``ekfac`` need the store's factors (:meth:`fit_factors`)
-        and take ``damping`` (default: a tenth of the Fisher's mean eigenvalue)."""
+        an index answers ``dot`` and ``trak`` through it (``result.exact`` False, searching
+        ``probes`` of an IVF index's lists: default 64) unless ``exact=True``. ``kfac`` and
+        ``ekfac`` need the store's factors (:meth:`fit_factors`) and take ``damping``
+        (default: a tenth of the Fisher's mean eigenvalue)."""
         result: QueryResult = self._run(_querying(self, inputs, targets, sketches, k, score,
-                                                  lam, exact, damping))
+                                                  lam, exact, damping, probes))
         return result
 
     def delete(self) -> dict[str, Any]:
@@ -401,10 +405,11 @@ class AsyncStore(_Handle):
 
     async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
                     k: int = 10, score: str = "trak", lam: float | None = None,
-                    exact: bool | None = None, damping: float | None = None) -> QueryResult:
+                    exact: bool | None = None, damping: float | None = None,
+                    probes: int | None = None) -> QueryResult:
         """See ``Store.query``."""
         result: QueryResult = await self._run(_querying(self, inputs, targets, sketches, k,
-                                                        score, lam, exact, damping))
+                                                        score, lam, exact, damping, probes))
         return result
 
     async def delete(self) -> dict[str, Any]:

@@ -498,7 +498,8 @@ async def test_a_store_with_an_index_answers_through_it_and_says_so(
     q = await projection(c, test)
     for score, exact, said in (("dot", None, False), ("dot", True, True),
                                ("trak", False, False), ("cosine", None, True)):
-        body = {"k": 5, "score": score, **test, **({} if exact is None else {"exact": exact})}
+        body = {"k": 5, "score": score, **test, **({} if exact is None else {"exact": exact}),
+                **({"probes": 2} if score == "trak" else {})}
         r = await c.post("/stores/ix/query", headers=ALICE, json=body)
         assert r.status_code == 200 and r.json()["exact"] is said, (score, r.text)
         want_rows, want_scores = reference(phi, q, score, 5)
@@ -507,6 +508,10 @@ async def test_a_store_with_an_index_answers_through_it_and_says_so(
                                    atol=1e-5 * np.abs(want_scores).max())
     error(await c.post("/stores/ix/query", headers=ALICE, json={"k": 1, **test, "exact": "yes"}),
           422, "invalid_input", "exact")
+    for probes in (0, "many"):
+        error(await c.post("/stores/ix/query", headers=ALICE,
+                           json={"k": 1, **test, "probes": probes}), 400, "bad_request",
+              "'probes' must be a positive integer")
 
 
 def full_scores(phi: np.ndarray, q: np.ndarray | None, score: str) -> np.ndarray:

@@ -158,7 +158,7 @@ def test_rows_imported_from_the_sdk_resume_and_rank_as_samples(
                                        index="IVF2,Flat")
         indexed.add_rows(phi, ids=np.arange(30))
         assert indexed.info["indexed"] and indexed.info["index"] == "IVF2,Flat"
-        assert not indexed.query(tx, ty, k=5, score="dot").exact
+        assert not indexed.query(tx, ty, k=5, score="dot", probes=2).exact
         assert indexed.query(tx, ty, k=5, score="dot", exact=True).exact
         for store in (made, kept, indexed):
             found = store.query(tx, ty, k=5, score="dot")

@@ -614,6 +614,9 @@ def test_an_index_is_trained_once_and_each_commit_encodes_only_its_own_rows(
     assert_ranks_as_the_scan(files(tmp_path), phi, q)  # another process: from the files
     stale = store.candidates("s", old, q, 10, None)
     assert stale is not None and stale.max() < old.count  # nothing the old state lacks
+    every, one = (store.candidates("s", manifest, q, 10, p) for p in (None, 1))
+    assert every is not None and one is not None
+    assert (every >= 0).all() and (one < 0).any()  # all 4 lists searched, or only 1 of them
     store.delete("s")
     assert not folder.exists()
 

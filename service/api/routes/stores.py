@@ -34,6 +34,7 @@ from service.curvature import KINDS as FACTOR_SCORES
 from service.reference_sets import checked_id
 from service.stores import factors
 from service.stores.files import Manifest, commit_all, refuse_duplicates
+from service.stores.index import PROBES
 from service.stores.query import Score, check_k, check_score, search_all
 from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
@@ -51,7 +52,7 @@ from service.validate import parse_request
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
 SAMPLES_EXTRA = frozenset({"ids"})
-QUERY_EXTRA = frozenset({"k", "score", "lambda", "damping", "sketches", "exact"})
+QUERY_EXTRA = frozenset({"k", "score", "lambda", "damping", "sketches", "exact", "probes"})
 ROWS_EXTRA = frozenset({"rows", "ids"})
 
 
@@ -66,7 +67,7 @@ StoreBody = create_model(  # loss, params and the projection: the request contra
     **contract_fields("loss", "params", "projection_dim", "projection_seed", "projection_kind"),
     dtype=(Dtype, Field("float32", description="how rows are kept")),
     index=(str | None, Field(None, description="a FAISS factory string (\"IVF1024,Flat\", "
-                             "\"IVF4096,PQ64\", \"HNSW32\"): an approximate index for dot and "
+                             "\"IVF4096,SQ4\", \"HNSW32\"): an approximate index for dot and "
                              "trak queries, kept as rows are committed")),
 )
 
@@ -113,6 +114,9 @@ QueryBody = create_model(
                               "store's index where it has one (dot, trak)")),
     damping=(float | None, Field(None, gt=0, description="kfac and ekfac only; default: a "
                                  "tenth of the fitted Fisher's mean eigenvalue")),
+    probes=(int | None, Field(None, ge=1, description="an IVF index's lists searched per "
+                              f"query (FAISS's nprobe; default {PROBES}): more for recall, "
+                              "fewer for speed")),
 )
 
 
@@ -432,10 +436,12 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     given = fields.pop("sketches", None)
     exact = fields.pop("exact", None)
     damping = fields.pop("damping", None)
+    probes = fields.pop("probes", None)
 
     def check() -> tuple[StoreSpec, list[dict[str, Any]], list[np.ndarray | None]]:
-        nonlocal k, score, lam, damping
+        nonlocal k, score, lam, damping, probes
         k, score = positive_int(k, "k"), check_score(score)
+        probes = None if probes is None else positive_int(probes, "probes")
         if exact is not None and not isinstance(exact, bool):
             raise InvalidInput("'exact' is true (score every row) or false (the store's index, "
                                "where it has one)")
@@ -501,7 +507,7 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
                 if q is not None]
             queries[:], used = [q for q, _ in pre], [d for _, d in pre]
         found = search_all(files, [m for m, _ in members], store_id, queries, k, scored, lam,
-                           exact)
+                           exact, probes)
         out = {"ids": files.id_at(members[0][0], found.manifest, found.rows),
                "scores": found.scores.tolist(), "score": score, "k": k,
                "samples": found.manifest.count, "projection_kind": spec.projection_kind,
