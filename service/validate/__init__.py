@@ -81,19 +81,25 @@ def asked_outputs(fields: Mapping[str, Any]) -> list[str]:
     return [outputs] if isinstance(outputs, str) else list(outputs)
 
 
-def parse_request(fields: dict[str, Any], registry: ModelRegistry, *,
+def parse_request(fields: dict[str, Any], registry: ModelRegistry, **limits: Any
+                  ) -> ParsedRequest:
+    """:func:`check_request` against the model the request names, loaded from ``registry``."""
+    return check_request(fields, registry.get(fields["model"]), **limits)
+
+
+def check_request(fields: dict[str, Any], model: LoadedModel, *,
                   max_batch_size: int | None = None,
                   max_activations: int | None = None,
                   dp_runs: RunStore | None = None,
                   reference_sets: ReferenceSets | None = None) -> ParsedRequest:
-    """Check a decoded request against its model and build the engine's arguments.
+    """Check a decoded request against ``model`` (the one it names) and build the engine's
+    arguments.
 
     ``dp_runs`` holds the DP runs a ``dp_run`` field may name (:mod:`service.dp`),
     ``reference_sets`` the reference sets a ``reference_set`` field may name. A model with a
     request check (exported programs) is held, at the sizes sent, to ``max_activations``
     (``PSGRAD_MAX_MODEL_ACTIVATIONS``) and its indices to their tables, before it runs.
     """
-    model = registry.get(fields["model"])
     opts = _options(fields, model, dp_runs)
     loss = LOSSES[opts.loss]
     inputs, named = batch_inputs(fields.get("inputs"), model)

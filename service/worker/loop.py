@@ -49,7 +49,7 @@ from service.jobs import Job, JobSource, answer_too_large
 from service.registry import ModelRegistry, set_tf32
 from service.storage import Storage
 from service.strategies import per_sample
-from service.validate import ParsedRequest, parse_request
+from service.validate import ParsedRequest, check_request
 from service.worker.events import (
     BatchEnded,
     BatchStarted,
@@ -195,8 +195,9 @@ class Worker:
 
     def _request(self, fields: dict[str, Any]) -> ParsedRequest:
         """A request's fields checked against its model, under this worker's limits."""
-        return parse_request(
-            fields, self.registry, max_batch_size=self.settings.max_batch_size,
+        return check_request(
+            fields, self.registry.get(fields["model"]),
+            max_batch_size=self.settings.max_batch_size,
             max_activations=self.settings.max_model_activations,
             dp_runs=self.storage.runs,
             reference_sets=self.storage.sets,
