@@ -433,12 +433,11 @@ class StoreFiles:
         up to ``manifest`` first (rows committed after it are left out)."""
         if manifest.index is None or manifest.index.startswith("index-"):
             return None  # none, or one from before pieces: scanned until a commit trains anew
-        with self._guard:
+        with self._guard:  # one live index per store, even when queries race to make it
             live = self._live.get(key)
-        if live is None or (live.epoch, live.name) != (manifest.epoch, manifest.index):
-            live = index_file.Live(manifest.epoch, manifest.index,
-                                   self._trained(key, manifest.index))
-            with self._guard:
+            if live is None or (live.epoch, live.name) != (manifest.epoch, manifest.index):
+                live = index_file.Live(manifest.epoch, manifest.index,
+                                       self._trained(key, manifest.index))
                 self._live.pop(key, None)
                 self._live[key] = live
                 while len(self._live) > MEMO_STORES:

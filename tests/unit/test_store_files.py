@@ -621,6 +621,40 @@ def test_an_index_is_trained_once_and_each_commit_encodes_only_its_own_rows(
     assert not folder.exists()
 
 
+def test_queries_racing_to_a_fresh_process_merge_each_piece_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four queries at once in a process that holds no index yet: each shard's piece is merged
+    once (one index in memory, not one per query), and every query ranks as the scan."""
+    from service.stores import index as index_file
+
+    indexed = indexed_spec()
+    files(tmp_path).create("s", indexed)
+    phi = np.random.default_rng(5).standard_normal((90, K)).astype(np.float32)
+    files(tmp_path).append("s", indexed, list(range(90)), "int", phi)
+    store = files(tmp_path)
+    merged: list[int] = []
+    extend = index_file.Live.extend
+    monkeypatch.setattr(index_file.Live, "extend",
+                        lambda self, *a: merged.append(a[2]) or extend(self, *a))
+    q = np.random.default_rng(6).standard_normal((2, K))
+    start, found = threading.Barrier(4), []
+
+    def query() -> None:
+        start.wait()
+        found.append(search(store, "s", "s", q, 5, "dot"))
+
+    threads = [threading.Thread(target=query) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(merged) == 90 and len(merged) == len(store.manifest("s").shards)
+    want_rows, _ = reference(phi.astype(np.float64), q, "dot", 5)
+    for one in found:
+        assert not one.exact
+        np.testing.assert_array_equal(one.rows, want_rows)
+
+
 @pytest.mark.parametrize("factory", ["HNSW8", "IVF4,Flat"])
 def test_an_index_without_pieces_encodes_the_stored_rows(
         tmp_path: Path, factory: str, caplog: pytest.LogCaptureFixture) -> None:
