@@ -456,15 +456,15 @@ class StoreFiles:
         return np.where(rows < manifest.count, rows, -1)
 
     def rows_at(self, key: str, manifest: Manifest, wanted: np.ndarray) -> np.ndarray:
-        """The rows of global row numbers ``wanted`` (sorted, unique), ``[n, k]`` float64,
+        """The rows of global row numbers ``wanted`` (sorted, unique), ``[n, k]`` float32,
         reading only the shards that hold them."""
-        out = np.empty((len(wanted), 0))
+        out = np.empty((len(wanted), 0), np.float32)
         starts = np.cumsum([0] + [s.rows for s in manifest.shards])
         for offset, sketches, _ in self.rows(key, manifest, np.searchsorted(
                 starts, wanted, side="right") - 1):
             mine = (wanted >= offset) & (wanted < offset + len(sketches))
             if not out.shape[1]:
-                out = np.empty((len(wanted), sketches.shape[1]))
+                out = np.empty((len(wanted), sketches.shape[1]), np.float32)
             out[mine] = sketches[wanted[mine] - offset]
         return out
 

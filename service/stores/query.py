@@ -318,20 +318,16 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
             if approximate and score in INDEXED and apart is None else None)
     if rows is not None and ((rows >= 0).sum(axis=1) >= k).all():  # else too few: scan
         wanted = np.unique(rows[rows >= 0])
-        found = files.rows_at(key, manifest, wanted)  # their exact scores, in float64
-        at = np.searchsorted(wanted, np.maximum(rows, 0))
-        scores = np.stack([found[a] @ one for a, one in zip(at, q, strict=True)])
+        qm, scale = _scaled(q)  # their exact scores, as the scan below makes them
+        every = (qm @ files.rows_at(key, manifest, wanted).T) * scale  # [queries, wanted]
+        scores = np.take_along_axis(every, np.searchsorted(wanted, np.maximum(rows, 0)), 1)
         best.add_rows(np.where(rows >= 0, scores, -np.inf), rows)
         return Found(manifest, *best.result(), lam=lam if score == "trak" else None,
                      exact=False)
     if score == "cosine":
         size = np.linalg.norm(q, axis=1, keepdims=True)
         q = np.divide(q, size, out=np.zeros_like(q), where=size > 0)
-    # each query scaled by a power of two (exact) to entries in [0.5, 1): in float32 it neither
-    # underflows (a trak query over a large lambda) nor overflows against rows of
-    # self-influence at most MAX_SELF_INFLUENCE; its scores are scaled back in float64
-    scale = np.ldexp(1.0, np.frexp(np.abs(q).max(axis=1, initial=0.0))[1])[:, None]
-    qm = (q / scale).astype(np.float32)
+    qm, scale = _scaled(q)
     for offset, rows, norms in files.rows(key, manifest):
         for a in range(0, len(rows), BLOCK_ROWS):  # widened a block at a time
             scores = (qm @ rows[a:a + BLOCK_ROWS].astype(np.float32).T) * scale
@@ -342,6 +338,15 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
                 scores[:, apart[0] - offset - a] = apart[1]
             best.add(scores, offset + a)
     return Found(manifest, *best.result(), lam=lam if score == "trak" else None)
+
+
+def _scaled(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``q`` in float32 for a GEMM against the rows, and the scale its scores are multiplied by
+    (in float64): each query scaled by a power of two (exact) to entries in [0.5, 1), so that
+    in float32 it neither underflows (a trak query over a large lambda) nor overflows against
+    rows of self-influence at most MAX_SELF_INFLUENCE."""
+    scale = np.ldexp(1.0, np.frexp(np.abs(q).max(axis=1, initial=0.0))[1])[:, None]
+    return (q / scale).astype(np.float32), scale
 
 
 class Best:
