@@ -8,6 +8,7 @@ over a large store against one in-process numpy pass over the same matrix.
     python benchmarks/stores.py --index [--rows 1000000] [--dim 1024] [--factory IVF1024,SQ4]
                                 [--queries 16] [--topk 10] [--rounds 20] [--batch 65536]
                                 [--no-plain] [--exact-rounds N] [--probes N,M]
+                                [--data DIR]
 
 **Append** (the embedded server in process, over httpx's ASGI transport, safetensors bodies
 both ways): each round times ``POST /per-sample-grads`` asking ``projection`` for a batch of
@@ -88,9 +89,11 @@ def load() -> str:
 
 
 @contextlib.asynccontextmanager
-async def embedded() -> AsyncIterator[httpx.AsyncClient]:
-    """A client of the embedded app in this process, over a data directory removed after."""
-    with tempfile.TemporaryDirectory(prefix="psgrad-bench-stores-") as data:
+async def embedded(keep: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the embedded app in this process, over a data directory removed after (or
+    over ``keep``, kept)."""
+    with (contextlib.nullcontext(keep) if keep else
+          tempfile.TemporaryDirectory(prefix="psgrad-bench-stores-")) as data:
         app = create_app(Settings(data_dir=data, device="cpu", batch_max_delay_ms=0,
                                   redis_url=None, api_keys="", admin_keys=""))
         async with app.router.lifespan_context(app), httpx.AsyncClient(
@@ -299,20 +302,22 @@ class Peak:
 
 async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int, rounds: int,
                       batch: int, plain: bool, exact_rounds: int,
-                      probes: list[int | None]) -> None:
+                      probes: list[int | None], data: str | None) -> None:
     rng = np.random.default_rng(0)
     centers = rng.standard_normal((4096, dim), dtype=np.float32)
     test = clustered(rng, centers, queries).astype(np.float32)
     names = ("plain", "indexed") if plain else ("indexed",)
     took: dict[str, list[float]] = {name: [] for name in names}
-    async with embedded() as c:
+    async with embedded(data) as c:
+        held = {name: (await c.get(f"/stores/{name}")).json().get("samples", 0)
+                for name in names}
         for name in names:
             r = await c.put(f"/stores/{name}", json={
                 "model": "mlp", "projection_dim": dim, "dtype": "float16",
                 "index": factory if name == "indexed" else None})
-            assert r.status_code == 201, r.text
+            assert r.status_code in (200, 201), r.text
         peak, start = Peak(), time.perf_counter()
-        for a in range(0, rows, batch):
+        for a in range(min(held.values()), rows, batch):
             part = clustered(rng, centers, min(batch, rows - a))
             body = fields_to_safetensors({"rows": part, "ids": np.arange(a, a + len(part))},
                                          REQUEST_KEY)
@@ -358,17 +363,21 @@ async def bench_index(rows: int, dim: int, factory: str, queries: int, topk: int
     print(f"\n### Index {factory}: {rows} rows x {dim} float16 "
           f"({size / 2**30:.2f} GiB), bulk import in requests of {batch} rows, {queries} "
           f"queries, top {topk} (load {load()})\n")
-    total = {name: sum(t) for name, t in took.items()}
-    trained = int(np.argmax(took["indexed"]))
-    others = took["indexed"][:trained] + took["indexed"][trained + 1:] or [0.0]
-    print(f"import: indexed store {rows / total['indexed']:.0f} rows/s"
-          + (f", plain store {rows / total['plain']:.0f} rows/s (the index's cost: "
-             f"{total['indexed'] - total['plain']:.1f} s)" if plain else "")
-          + f"; the commit that trained the index (request {trained + 1} of "
-          f"{len(took['indexed'])}) {took['indexed'][trained]:.1f} s, the others' median "
-          f"{statistics.median(others):.1f} s; peak memory above the start (resident, less "
-          f"the shards' mapped pages) {importing:.2f} GiB while importing, {querying:.2f} GiB "
-          f"while querying; the first approximate query (merging the index) {first:.1f} s")
+    memory = (f"peak memory above the start (resident, less the shards' mapped pages) "
+              f"{importing:.2f} GiB while importing, {querying:.2f} GiB while querying; the "
+              f"first approximate query (merging the index) {first:.1f} s")
+    if took["indexed"]:
+        total = {name: sum(t) for name, t in took.items()}
+        trained = int(np.argmax(took["indexed"]))
+        others = took["indexed"][:trained] + took["indexed"][trained + 1:] or [0.0]
+        print(f"import: indexed store {rows / total['indexed']:.0f} rows/s"
+              + (f", plain store {rows / total['plain']:.0f} rows/s (the index's cost: "
+                 f"{total['indexed'] - total['plain']:.1f} s)" if plain else "")
+              + f"; the commit that trained the index (request {trained + 1} of "
+              f"{len(took['indexed'])}) {took['indexed'][trained]:.1f} s, the others' median "
+              f"{statistics.median(others):.1f} s; {memory}")
+    else:
+        print(f"import: none (--data: the stores held their rows already); {memory}")
     for p, values in recall.items():
         print(f"recall@{topk} of the approximate answers ({p or PROBES} probes) against the "
               f"exact scan: {statistics.mean(values):.3f} (min {min(values):.3f})")
@@ -394,6 +403,8 @@ def main() -> None:
     ap.add_argument("--trak-dims", default="1024,4096,8192")
     ap.add_argument("--index", action="store_true", help="only the index's import and queries")
     ap.add_argument("--factory", default="IVF1024,SQ4")
+    ap.add_argument("--data", help="--index: a data directory kept after the run; its stores "
+                    "are filled up to --rows (not again), so that a second run only queries")
     ap.add_argument("--probes", help="--index: an IVF index's lists searched per query, "
                     "comma-separated values each measured (default: the service's)")
     ap.add_argument("--no-plain", action="store_true",
@@ -407,7 +418,7 @@ def main() -> None:
                                 rounds, max(args.batch, 65536), not args.no_plain,
                                 min(args.exact_rounds or rounds, rounds),
                                 [int(p) for p in args.probes.split(",")] if args.probes
-                                else [None]))
+                                else [None], args.data))
         return
     if args.trak_cost:
         asyncio.run(bench_trak(args.rounds, [int(d) for d in args.trak_dims.split(",")]))
