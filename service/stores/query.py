@@ -33,7 +33,7 @@ import numpy as np
 from scipy.linalg import cho_factor, cho_solve
 
 from psgrad._errors import Conflict, InvalidInput
-from service.stores.files import Manifest, StoreFiles
+from service.stores.files import Manifest, StoreFiles, widened
 from service.stores.index import INDEXED
 from service.stores.spec import MAX_EXACT_WIDTH
 
@@ -116,8 +116,15 @@ def gram_of(files: StoreFiles, key: str, manifest: Manifest, width: int) -> np.n
 
 
 def largest_row(files: StoreFiles, key: str, manifest: Manifest) -> Largest:
-    """The store's :class:`Largest` row, from the shards' norms alone; summed without
-    subtracting, so that a rest of 800 beside a row of 1e36 is not lost to rounding."""
+    """The store's :class:`Largest` row, from the shards' norms alone (kept until the next
+    commit); summed without subtracting, so that a rest of 800 beside a row of 1e36 is not
+    lost to rounding."""
+    found: Largest = files.kept("largest", key, manifest,
+                                lambda: _largest(files, key, manifest))
+    return found
+
+
+def _largest(files: StoreFiles, key: str, manifest: Manifest) -> Largest:
     top, rest, row = 0.0, 0.0, -1
     for offset, norms in files.norms(key, manifest):
         power = np.square(norms)
@@ -330,7 +337,7 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
     qm, scale = _scaled(q)
     for offset, rows, norms in files.rows(key, manifest):
         for a in range(0, len(rows), BLOCK_ROWS):  # widened a block at a time
-            scores = (qm @ rows[a:a + BLOCK_ROWS].astype(np.float32).T) * scale
+            scores = (qm @ widened(rows[a:a + BLOCK_ROWS]).T) * scale
             if score == "cosine":
                 part = norms[a:a + BLOCK_ROWS]
                 scores = np.divide(scores, part, out=np.zeros(scores.shape), where=part > 0)
