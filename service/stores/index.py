@@ -7,9 +7,11 @@ every commit encodes only its own rows, one piece per shard beside it (``shard-<
 the trained index holding that shard's rows, FAISS's ids being the global row numbers), so an
 append costs the same at ten rows as at ten million. A process answering queries keeps one
 :class:`Live` index per store in memory, the trained index with every piece merged in, and
-merges each new commit's pieces as a query first sees it. An index FAISS cannot merge (HNSW)
-gets no pieces: its live index adds the shards' stored rows instead; so does a piece that is
-missing or unreadable (logged), whose rows are all still in its shard.
+merges each new commit's pieces as a query first sees it (an IVF index of many lists finds a
+query's lists through an HNSW graph over its centroids there: :func:`_graph_quantizer`). An
+index FAISS cannot merge (HNSW) gets no pieces: its live index adds the shards' stored rows
+instead; so does a piece that is missing or unreadable (logged), whose rows are all still in
+its shard.
 
 One index over the raw rows serves ``dot`` and ``trak``: ``trak``'s preconditioner is applied to
 the query (``(Phi^T Phi + lambda I)^-1 q``), whose inner products with the rows are its scores.
@@ -36,6 +38,7 @@ PROBES = 64  # an IVF index's lists searched per query (nprobe) unless the query
 TRAIN_ROWS = 65536  # rows an index is trained on, at most (evenly drawn): FAISS k-means
 # subsamples to 256 per centroid anyway, and training runs inside a commit (a minute at 65536
 # rows of IVF256,PQ32 on two cores)
+GRAPH_LISTS = 1024  # an IVF index with this many lists searches them through a graph
 INDEXED = ("dot", "trak")  # the scores an inner-product index over the raw rows serves
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class Live:
         self.merge = mergeable(empty)
         self.shards, self.rows = 0, 0
         self.lock = threading.Lock()
+        self._quantizers = _graph_quantizer(empty)
 
     def extend(self, raw: bytes | None, rows: Any, count: int, what: str) -> None:
         """The next shard (``count`` rows) added: its piece ``raw`` merged in, or its stored
@@ -176,6 +180,28 @@ class Live:
             ivf.nprobe = min(int(ivf.nlist), probes or PROBES)
         _, rows = self.index.search(np.ascontiguousarray(q, dtype=np.float32), n)
         return np.asarray(rows, dtype=np.int64)
+
+
+def _graph_quantizer(index: Any) -> tuple[Any, Any] | None:
+    """An IVF index of at least :data:`GRAPH_LISTS` lists over a flat quantizer gets an HNSW
+    graph over the same centroids in its place (a search's lists found in 2 ms instead of 8
+    at 4096 lists of 1024 and 16 queries; the same nearest list for each here); the two
+    quantizers, kept with the index that uses one (None: nothing replaced)."""
+    faiss = _faiss()
+    ivf = _ivf(index)
+    if (ivf is None or ivf.nlist < GRAPH_LISTS
+            or type(faiss.downcast_index(ivf.quantizer)) not in (faiss.IndexFlatIP,
+                                                                 faiss.IndexFlatL2)):
+        return None
+    flat = ivf.quantizer
+    graph = faiss.IndexHNSWFlat(ivf.d, 32, ivf.metric_type)
+    graph.hnsw.efSearch = 64
+    graph.add(flat.reconstruct_n(0, ivf.nlist))
+    if ivf.own_fields:  # the flat one is freed with this pair, the graph never by the index
+        ivf.own_fields = False
+        flat.this.own(True)
+    ivf.quantizer = graph
+    return flat, graph
 
 
 def _ids(index: Any) -> np.ndarray | None:

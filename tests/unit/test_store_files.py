@@ -655,6 +655,26 @@ def test_queries_racing_to_a_fresh_process_merge_each_piece_once(
         np.testing.assert_array_equal(one.rows, want_rows)
 
 
+def test_an_index_of_many_lists_finds_them_through_a_graph(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past GRAPH_LISTS lists, the live index searches its centroids through an HNSW graph
+    instead of the flat quantizer it was trained with, and still ranks as the scan."""
+    import faiss
+
+    from service.stores import index as index_file
+
+    monkeypatch.setattr(index_file, "GRAPH_LISTS", 4)
+    indexed = indexed_spec()
+    store = files(tmp_path)
+    store.create("s", indexed)
+    rng = np.random.default_rng(8)
+    phi = rng.standard_normal((120, K)).astype(np.float32)
+    store.append("s", indexed, list(range(120)), "int", phi)
+    assert_ranks_as_the_scan(store, phi, rng.standard_normal((3, K)))
+    quantizer = faiss.extract_index_ivf(store._live["s"].index).quantizer
+    assert isinstance(faiss.downcast_index(quantizer), faiss.IndexHNSWFlat)
+
+
 @pytest.mark.parametrize("factory", ["HNSW8", "IVF4,Flat"])
 def test_an_index_without_pieces_encodes_the_stored_rows(
         tmp_path: Path, factory: str, caplog: pytest.LogCaptureFixture) -> None:
