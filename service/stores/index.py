@@ -117,9 +117,17 @@ def add(index: Any, rows: np.ndarray, first: int) -> None:
 
 def piece(index: Any, rows: np.ndarray, first: int) -> bytes:
     """A shard's piece: the empty trained ``index`` holding ``rows`` (global rows from
-    ``first``), as bytes."""
-    part = _faiss().clone_index(index)
+    ``first``), as bytes; an IVF piece without its centroids (the trained index has them:
+    16 MiB a piece at 4096 lists of 1024), its lists merged as they are (:meth:`Live.extend`)."""
+    faiss = _faiss()
+    part = faiss.clone_index(index)
     add(part, rows, first)
+    ivf = _ivf(part)
+    if ivf is not None:
+        centroids, ivf.own_fields = ivf.quantizer, False
+        centroids.this.own(True)  # freed with this call
+        ivf.quantizer = faiss.IndexFlat(ivf.d, ivf.metric_type)
+        return to_bytes(part)
     return to_bytes(part)
 
 
@@ -153,6 +161,10 @@ class Live:
                 part = from_bytes(raw)
                 if part.ntotal != count or part.d != self.index.d:
                     raise RuntimeError(f"{part.ntotal} rows of {part.d}, not {count}")
+                mine, theirs = _ivf(self.index), _ivf(part)
+                if mine is not None and (theirs is None or (theirs.nlist, theirs.code_size) != (
+                        mine.nlist, mine.code_size)):
+                    raise RuntimeError("its lists are not this index's")
                 ids = _ids(part)
                 if ids is not None and not np.array_equal(np.sort(ids), np.arange(
                         self.rows, self.rows + count)):
@@ -164,7 +176,13 @@ class Live:
                 part = None
         elif self.merge:
             log.warning("index piece %s is missing: its rows are encoded again", what)
-        if part is not None:
+        if part is not None and _ivf(part) is not None:  # its lists, as they are
+            ivf = _ivf(self.index)
+            ivf.invlists.merge_from(_ivf(part).invlists, 0)
+            ivf.ntotal += count
+            if not isinstance(_faiss().downcast_index(self.index), _faiss().IndexIVF):
+                self.index.ntotal += count  # a transform around the IVF index counts too
+        elif part is not None:
             self.index.merge_from(part, 0)
         else:
             add(self.index, rows(), self.rows)

@@ -675,12 +675,12 @@ def test_an_index_of_many_lists_finds_them_through_a_graph(
     assert isinstance(faiss.downcast_index(quantizer), faiss.IndexHNSWFlat)
 
 
-@pytest.mark.parametrize("factory", ["HNSW8", "IVF4,Flat"])
+@pytest.mark.parametrize("factory", ["HNSW8", "IVF4,Flat", "RR16,IVF4,Flat"])
 def test_an_index_without_pieces_encodes_the_stored_rows(
         tmp_path: Path, factory: str, caplog: pytest.LogCaptureFixture) -> None:
     """An index FAISS cannot merge (HNSW) writes no pieces and adds the shards' stored rows; an
-    IVF index whose piece is lost or corrupt says so in the log and does the same: either way
-    the top k equal the scan's."""
+    IVF index (behind a rotation, too) whose piece is lost or corrupt says so in the log and
+    does the same: either way the top k equal the scan's."""
     indexed = indexed_spec(factory)
     store = files(tmp_path)
     store.create("s", indexed)
