@@ -69,7 +69,6 @@ MAX_SELF_INFLUENCE = float(np.finfo(np.float32).max)
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Shard:
     file: str
@@ -87,6 +86,12 @@ class Manifest:
     id_kind: str | None = None  # "int" or "str", fixed by the first batch
     epoch: str = ""  # drawn when the store is made: a store made again under its id is another
     index: str | None = None  # the trained index (a store made with one, once trained)
+
+    @property
+    def trained(self) -> str | None:
+        """The trained index's file (None: no index yet, or one written whole per commit
+        before pieces, ``index-<seq>.faiss``, which scans until a commit trains anew)."""
+        return None if self.index is None or self.index.startswith("index-") else self.index
 
     @property
     def count(self) -> int:
@@ -323,11 +328,11 @@ class StoreFiles:
         index, or too few rows to train one yet."""
         if spec.index is None or staged.rows is None:
             return None, []
-        if old.index is not None and not old.index.startswith("index-"):  # from before pieces
-            name = old.index
+        name = old.trained
+        if name is not None:
             empty = self.kept_at("trained", key, (f"{old.epoch}/{name}", 0),
-                                 lambda: self._trained(key, name))
-            return (old.index, None), _pieces(empty, staged.shards, staged.rows, old.count)
+                                 functools.partial(self._trained, key, name))
+            return (name, None), _pieces(empty, staged.shards, staged.rows, old.count)
         if old.count + len(staged.rows) < index_file.rows_to_train(spec.index,
                                                                    spec.projection_dim):
             return None, []  # too few rows yet: the stored ones are not read to learn it
@@ -439,13 +444,13 @@ class StoreFiles:
         """Each query's candidate rows (``[queries, n]``, -1 for none) from the store's index
         as ``manifest`` commits it (None where it has none): the process's live index, brought
         up to ``manifest`` first (rows committed after it are left out)."""
-        if manifest.index is None or manifest.index.startswith("index-"):
-            return None  # none, or one from before pieces: scanned until a commit trains anew
+        name = manifest.trained
+        if name is None:
+            return None
         with self._guard:  # one live index per store, even when queries race to make it
             live = self._live.get(key)
-            if live is None or (live.epoch, live.name) != (manifest.epoch, manifest.index):
-                live = index_file.Live(manifest.epoch, manifest.index,
-                                       self._trained(key, manifest.index))
+            if live is None or (live.epoch, live.name) != (manifest.epoch, name):
+                live = index_file.Live(manifest.epoch, name, self._trained(key, name))
                 self._live.pop(key, None)
                 self._live[key] = live
                 while len(self._live) > MEMO_STORES:

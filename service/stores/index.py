@@ -127,7 +127,6 @@ def piece(index: Any, rows: np.ndarray, first: int) -> bytes:
         centroids, ivf.own_fields = ivf.quantizer, False
         centroids.this.own(True)  # freed with this call
         ivf.quantizer = faiss.IndexFlat(ivf.d, ivf.metric_type)
-        return to_bytes(part)
     return to_bytes(part)
 
 
