@@ -89,9 +89,10 @@ class JobStatus(str, enum.Enum):
     FAILED = "failed"
     CANCELED = "canceled"
 
-    @property
-    def done(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+    done: bool  # succeeded, failed or canceled: nothing more will happen to the job
+
+    def __init__(self, value: object) -> None:  # each member, as the class is made
+        self.done = value in ("succeeded", "failed", "canceled")
 
     def __str__(self) -> str:
         return self.value
