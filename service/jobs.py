@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 from psgrad._answer_reader import AnswerReader
@@ -69,7 +70,7 @@ class Job:
             return time.time() - self.deadline
         return time.monotonic() - self.expires
 
-    @property
+    @cached_property
     def size(self) -> int:
         """Samples in the job (the first dimension of ``inputs``; 1 if it has none)."""
         shape = getattr(self.fields.get("inputs"), "shape", None)

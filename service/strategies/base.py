@@ -15,6 +15,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -86,7 +87,7 @@ class Batch:
     references: Tensors = field(default_factory=dict)  # {param: [M, *shape]}, for ``dots``
     sketches: torch.Tensor | None = None  # [M, k] reference sketches, for ``dots``
 
-    @property
+    @cached_property
     def size(self) -> int:
         return int(self.inputs.shape[0])
 
