@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import lru_cache
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from psgrad._contract import MAX_VERIFY
 from psgrad._errors import TooLarge
-
-T = TypeVar("T")
 
 
 class Settings(BaseSettings):
@@ -204,14 +201,10 @@ def raise_setting(field: str, value: object) -> str:
     return f"raise PSGRAD_{field.upper()} (now {value})"
 
 
-def with_setting(field: str, value: object, fn: Callable[..., T], *args: Any,
-                 **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, its 413 naming the setting behind its limit (a check shared
-    with the client, which has no settings to name)."""
-    try:
-        return fn(*args, **kwargs)
-    except TooLarge as exc:
-        raise TooLarge(f"{exc.message}: {raise_setting(field, value)}", **exc.details) from None
+def naming_setting(exc: TooLarge, field: str, value: object) -> TooLarge:
+    """``exc``, a 413 from a check shared with the client (which has no settings to name), as
+    the server says it: naming the setting behind its limit."""
+    return TooLarge(f"{exc.message}: {raise_setting(field, value)}", **exc.details)
 
 
 @lru_cache

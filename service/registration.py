@@ -37,7 +37,7 @@ from psgrad._errors import (
     UnsupportedMediaType,
 )
 from psgrad._wire import array_from_json, fields_from_safetensors
-from service.config import Settings, raise_setting, with_setting
+from service.config import Settings, naming_setting, raise_setting
 from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
 from service.losses import LOSSES
@@ -262,8 +262,10 @@ def _json_state(weights: dict[str, Any], meta: torch.nn.Module,
     own = dict(meta.named_parameters()) | dict(meta.named_buffers())
     state = {}
     for name, value in weights.items():
-        arr = with_setting("max_elements", limits.max_elements, array_from_json, value,
-                           name=f"weights.{name}", max_elements=limits.max_elements)
+        try:
+            arr = array_from_json(value, name=f"weights.{name}", max_elements=limits.max_elements)
+        except TooLarge as exc:
+            raise naming_setting(exc, "max_elements", limits.max_elements) from None
         t = torch.from_numpy(np.array(arr, order="C"))
         if isinstance(value, list) and name in own and not t.dtype.is_complex:
             t = t.to(own[name].dtype)

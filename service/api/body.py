@@ -35,7 +35,7 @@ from psgrad._wire import (
     widen_answers,
 )
 from service.api.status_data import note_model
-from service.config import Settings, raise_setting, with_setting
+from service.config import Settings, naming_setting, raise_setting
 from service.losses import LOSSES
 from service.outputs import OUTPUTS
 from service.validate import asked_outputs
@@ -201,30 +201,28 @@ def decode_json_body(body: Any, *, max_elements: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     fields = dict(body)
-    for name in TENSOR_FIELDS:
-        value = fields.get(name)
-        # a model's named inputs: an object of tensors (a tensor's {dtype, shape, data} object is
-        # told apart by its dtype, a string where named inputs hold tensors)
-        if name == "inputs" and isinstance(value, dict) and not isinstance(value.get("dtype"), str):
-            fields[name] = {k: _array(v, f"inputs.{k}", max_elements) for k, v in value.items()}
-        elif value is not None:
-            fields[name] = _array(value, name, max_elements)
-    for name in TENSOR_DICT_FIELDS:
-        group = fields.get(name)
-        if group is None:
-            continue
-        if not isinstance(group, dict):
-            raise BadRequest(f"'{name}' must be an object mapping parameter names to tensors")
-        fields[name] = {
-            k: _array(v, f"{name}.{k}", max_elements)
-            for k, v in group.items()
-        }
+    try:
+        for name in TENSOR_FIELDS:
+            value = fields.get(name)
+            # a model's named inputs: an object of tensors (a tensor's {dtype, shape, data}
+            # object is told apart by its dtype, a string where named inputs hold tensors)
+            if (name == "inputs" and isinstance(value, dict)
+                    and not isinstance(value.get("dtype"), str)):
+                fields[name] = {k: array_from_json(v, name=f"inputs.{k}", max_elements=max_elements)
+                                for k, v in value.items()}
+            elif value is not None:
+                fields[name] = array_from_json(value, name=name, max_elements=max_elements)
+        for name in TENSOR_DICT_FIELDS:
+            group = fields.get(name)
+            if group is None:
+                continue
+            if not isinstance(group, dict):
+                raise BadRequest(f"'{name}' must be an object mapping parameter names to tensors")
+            fields[name] = {k: array_from_json(v, name=f"{name}.{k}", max_elements=max_elements)
+                            for k, v in group.items()}
+    except TooLarge as exc:
+        raise naming_setting(exc, "max_elements", max_elements) from None
     return fields
-
-
-def _array(value: Any, name: str, max_elements: int) -> Any:
-    return with_setting("max_elements", max_elements, array_from_json, value, name=name,
-                        max_elements=max_elements)
 
 
 def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:
