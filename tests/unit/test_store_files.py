@@ -6,6 +6,7 @@ memory bounded by one shard."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound, TooLarge
 from service import redis_keys
+from service.api.routes.stores import _doc as described
 from service.stores import files as files_module
 from service.stores import query
 from service.stores.files import MANIFEST, StoreFiles
@@ -619,6 +621,30 @@ def test_an_index_is_trained_once_and_each_commit_encodes_only_its_own_rows(
     assert (every >= 0).all() and (one < 0).any()  # all 4 lists searched, or only 1 of them
     store.delete("s")
     assert not folder.exists()
+
+
+def test_a_store_indexed_before_pieces_scans_until_its_next_commit_trains_again(
+        tmp_path: Path) -> None:
+    """A manifest naming an index written whole (``index-<seq>.faiss``, before pieces): the
+    store is not ``trained`` (what its GET's ``indexed`` says) and queries scan; its next
+    commit trains the index again, after which queries go through it."""
+    indexed = indexed_spec()
+    files(tmp_path).create("s", indexed)
+    phi = np.random.default_rng(7).standard_normal((120, K)).astype(np.float32)
+    q = np.random.default_rng(8).standard_normal((2, K))
+    files(tmp_path).append("s", indexed, list(range(100)), "int", phi[:100])
+    path = tmp_path / "data" / "stores" / "s" / MANIFEST
+    doc = json.loads(path.read_text())
+    doc["index"] = f"index-{doc['seq']}.faiss"
+    path.write_text(json.dumps(doc))
+    store = files(tmp_path)  # another process: it reads the manifest as written
+    assert store.manifest("s").index is not None and store.manifest("s").trained is None
+    assert described(indexed, store.manifest("s"))["indexed"] is False
+    assert search(store, "s", "s", q, 5, "dot").exact
+    store.append("s", indexed, list(range(100, 120)), "int", phi[100:])
+    assert store.manifest("s").trained == f"trained-{doc['seq'] + 1}.faiss"
+    assert described(indexed, store.manifest("s"))["indexed"] is True
+    assert_ranks_as_the_scan(store, phi, q)
 
 
 def test_queries_racing_to_a_fresh_process_merge_each_piece_once(

@@ -141,7 +141,7 @@ def _doc(spec: StoreSpec, manifest: Manifest, fitted: factors.Fitted | None = No
     return {**spec.doc(), "samples": manifest.count, "bytes": manifest.nbytes,
             "shards": len(manifest.shards), "commits": manifest.seq,
             "state": "ready" if manifest.count else "empty",
-            "indexed": manifest.index is not None,
+            "indexed": manifest.trained is not None,  # an index written whole before pieces scans
             "factors": None if fitted is None else {"samples": fitted.samples,
                                                     "layers": fitted.layers}}
 
