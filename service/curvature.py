@@ -17,10 +17,11 @@ the fitting samples ``i`` and with ``vec`` reading a matrix row by row,
   in that basis, the one nearest ``F`` (Frobenius).
 
 So ``(F + lambda I)^-1 vec(G) = vec(Q_S [(Q_S^T G Q_A) / (Lambda + lambda)] Q_A^T)``, elementwise,
-at the cost of four products of a layer's size. Every other selected parameter (embeddings,
-norms, convolutions, anything not an ``nn.Linear``'s weight or bias, an exported graph's every
-parameter) is preconditioned by its diagonal Fisher ``E_i[g_i^2]`` (EK-FAC in the identity
-basis), never left out.
+at the cost of four products of a layer's size. The linear layers are ``nn.Linear`` modules and
+an exported program's ``aten.linear`` and ``aten.addmm`` (Hugging Face's ``Conv1D``, its weight
+``[in, out]``: :class:`Linear`'s ``transposed``). Every other selected parameter (embeddings,
+norms, convolutions, a weight read another way) is preconditioned by its diagonal Fisher
+``E_i[g_i^2]`` (EK-FAC in the identity basis), never left out.
 
 Fitting takes two passes over the fitting samples, one sample at a time with plain autograd
 (:func:`covariances`, then :func:`corrections` in the eigenbases of the first); the Fisher is
@@ -31,14 +32,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import fx, nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
+from service.export.interpreter import named_args
 from service.losses import LOSSES
 from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
@@ -54,10 +57,18 @@ WIDE = torch.float64  # factors are summed and decomposed in float64
 @dataclass(frozen=True)
 class Linear:
     """A linear layer of the selected parameters: its weight's name, its bias's where that is
-    selected too (else None: the layer's inputs get no column of ones)."""
+    selected too (else None: no column or row of ones), and whether the weight is ``[in, out]``
+    (``x @ w + b``: Hugging Face's ``Conv1D``, ``aten.addmm`` in an exported graph).
+
+    A layer's matrix ``G`` is its weight's gradient in the weight's own layout, the bias
+    beside it: ``sum_t g_t a_t^T`` with a last column of ``sum_t g_t`` (``[out, in + 1]``), or,
+    transposed, ``sum_t a_t g_t^T`` with a last row (``[in + 1, out]``). Its rows' side is
+    called the output gradients and its columns' the inputs below: for a transposed layer the
+    roles swap, and the math is the same."""
 
     weight: str
     bias: str | None
+    transposed: bool = False
 
 
 @dataclass
@@ -173,29 +184,32 @@ class Curvature:
 
 
 def joined(grads: Tensors, layer: Linear) -> torch.Tensor:
-    """A layer's gradients ``[n, out, in (+ 1 for the bias)]``."""
+    """A layer's gradients ``[n, rows, columns]``: the weight's, its bias a last column (a
+    last row where the weight is transposed)."""
     w = grads[layer.weight]
     w = w.reshape(len(w), w.shape[1], -1)
     if layer.bias is None:
         return w
-    return torch.cat([w, grads[layer.bias].reshape(len(w), -1, 1)], dim=2)
+    b = grads[layer.bias].reshape(len(w), 1, -1)
+    return torch.cat([w, b], dim=1) if layer.transposed else torch.cat([w, b.mT], dim=2)
 
 
 def split(g: torch.Tensor, layer: Linear, shape: torch.Size) -> Tensors:
     """:func:`joined`'s inverse: ``{weight: [n, *shape], bias: [n, out]}``."""
-    width = g.shape[2] - (layer.bias is not None)
-    out = {layer.weight: g[:, :, :width].reshape(shape)}
-    if layer.bias is not None:
-        out[layer.bias] = g[:, :, width]
-    return out
+    if layer.bias is None:
+        return {layer.weight: g.reshape(shape)}
+    if layer.transposed:
+        return {layer.weight: g[:, :-1].reshape(shape), layer.bias: g[:, -1]}
+    return {layer.weight: g[:, :, :-1].reshape(shape), layer.bias: g[:, :, -1]}
 
 
 def linear_layers(model: LoadedModel, params: Sequence[str], loss: str, gamma: float,
                   samples: Tensors) -> dict[str, Linear]:
-    """The ``nn.Linear`` layers whose weight is among ``params``, by weight name: those whose
-    captured inputs and output gradients rebuild their gradient on the batch's first sample.
-    A layer whose weight its parent reads directly (``nn.MultiheadAttention``'s ``out_proj``) or
-    shares with another (a head tied to an embedding) is left to the diagonal."""
+    """The linear layers whose weight is among ``params`` (``nn.Linear`` modules, an exported
+    graph's ``aten.linear`` and ``aten.addmm`` nodes), by weight name: those whose captured
+    inputs and output gradients rebuild their gradient on the batch's first sample. A layer
+    whose weight its parent reads directly (``nn.MultiheadAttention``'s ``out_proj``) or shares
+    with another (a head tied to an embedding) is left to the diagonal."""
     found = _candidates(model, params)
     first = {k: v[:1] for k, v in samples.items()}
     for one in captured(model, loss, gamma, found, params, first):
@@ -205,8 +219,14 @@ def linear_layers(model: LoadedModel, params: Sequence[str], loss: str, gamma: f
     return {}
 
 
+_LINEAR = torch.ops.aten.linear.default
+_ADDMM = torch.ops.aten.addmm.default
+
+
 def _candidates(model: LoadedModel, params: Sequence[str]) -> dict[str, Linear]:
-    """The ``nn.Linear`` modules whose weight is among ``params``, by weight name."""
+    """The linear layers whose weight is among ``params``, by weight name: ``nn.Linear``
+    modules, and an exported graph's ``aten.linear`` and plain ``aten.addmm`` nodes (``bias +
+    x @ w``) reading a weight of the program (each weight read one way only)."""
     chosen = set(params)
     found = {}
     for prefix, module in model.module.named_modules():
@@ -215,7 +235,30 @@ def _candidates(model: LoadedModel, params: Sequence[str]) -> dict[str, Linear]:
             bias = weight.removesuffix("weight") + "bias"
             found[weight] = Linear(weight, bias if module.bias is not None and bias in chosen
                                    else None)
-    return found
+    graph = getattr(model.module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return found
+    read: dict[str, set[Linear]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (_LINEAR, _ADDMM):
+            continue
+        args = named_args(node.target, node.args, node.kwargs)
+        if node.target is _ADDMM and (args.get("beta", 1) != 1 or args.get("alpha", 1) != 1):
+            continue
+        w, b = (args["weight"], args.get("bias")) if node.target is _LINEAR else (
+            args["mat2"], args["self"])
+        read_w, read_b = _attribute(w), _attribute(b)
+        if read_w in chosen and model.params[read_w].dim() == 2:
+            bias = read_w.removesuffix("weight") + "bias"  # a store's factors name it so
+            read.setdefault(read_w, set()).add(Linear(
+                read_w, bias if read_b == bias and bias in chosen else None,
+                transposed=node.target is _ADDMM))
+    return found | {w: layer for w, (layer, *more) in read.items() if not more}
+
+
+def _attribute(node: Any) -> str | None:
+    """The program's tensor a graph node reads (a ``get_attr``), by its dotted name."""
+    return str(node.target) if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
 def factor_numel(model: LoadedModel, params: Sequence[str]) -> int:
@@ -223,8 +266,10 @@ def factor_numel(model: LoadedModel, params: Sequence[str]) -> int:
     out^2 + 1`` per linear layer of ``params``."""
     total = 0
     for name, layer in _candidates(model, params).items():
-        out, width = model.params[name].shape[0], model.params[name][0].numel()
-        total += (width + (layer.bias is not None)) ** 2 + out**2 + 1
+        rows, columns = model.params[name].shape[0], model.params[name][0].numel()
+        bias = layer.bias is not None
+        total += (columns + (bias and not layer.transposed)) ** 2 \
+            + (rows + (bias and layer.transposed)) ** 2 + 1
     return total
 
 
@@ -247,24 +292,24 @@ def captured(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Line
              params: Sequence[str], samples: Tensors, weights: Tensors | None = None
              ) -> Iterator[Sample]:
     """Each sample of ``samples`` (a batch's fields, ``[n, ...]`` each) run alone through the
-    model with plain autograd: its gradients and its linear layers' inputs and output gradients.
-    Hooks go on a copy of the module (sharing its tensors), so other jobs never see them."""
-    module = _shallow_copy(model.module)
+    model with plain autograd: its gradients and its linear layers' inputs and output gradients
+    (:class:`_Calls`). It runs a copy of the module (sharing its tensors): ``functional_call``
+    swaps the parameters of the module it runs, and the engine's lock is not held here."""
     frozen = {**model.params, **(weights or {})}
-    sample_loss = sample_loss_of(_with_module(model, module), loss, gamma)
+    sample_loss = sample_loss_of(replace(model, module=_shallow_copy(model.module)), loss, gamma)
     n = len(next(iter(samples.values())))
-    with _recording(module, layers) as calls:
+    with _Calls(layers) as calls:
         for i in range(n):
-            calls.clear()
             selected = {k: frozen[k].detach().requires_grad_(True) for k in params}
             others = {k: v for k, v in frozen.items() if k not in selected}
+            calls.watch(selected)
             value, _ = sample_loss(selected, others, model.buffers,
                                    {k: v[i] for k, v in samples.items()})
-            outs = [y for _, _, y in calls]
+            outs = [y for _, _, y in calls.seen]
             found = torch.autograd.grad(value, [*selected.values(), *outs], allow_unused=True)
             grads = {k: torch.zeros_like(v) if g is None else g
                      for (k, v), g in zip(selected.items(), found, strict=False)}
-            yield Sample(grads, *_layer_rows(model, layers, calls, found[len(selected):]))
+            yield Sample(grads, *_layer_rows(model, layers, calls.seen, found[len(selected):]))
 
 
 Call = tuple[str, torch.Tensor, torch.Tensor]  # a layer's call: (weight name, input, output)
@@ -275,24 +320,27 @@ def _layer_rows(model: LoadedModel, layers: dict[str, Linear], calls: list[Call]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each layer's input rows ``[T, in (+1)]`` and output gradient rows ``[T, out]`` over its
     ``calls`` (``grads``: the loss's gradient by each call's output; None: it did not reach
-    it), the layers that did not run with no rows."""
+    it), swapped for a transposed layer (:class:`Linear`); the layers that did not run with no
+    rows."""
     inputs: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
     out_grads: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
     for (name, a, y), g in zip(calls, grads, strict=True):
-        inputs[name].append(_with_ones(a.reshape(-1, a.shape[-1]), layers[name]))
-        out_grads[name].append((torch.zeros_like(y) if g is None else g).reshape(-1, y.shape[-1]))
-    return ({k: _cat(v, layers, k, model, 1) for k, v in inputs.items()},
-            {k: _cat(v, layers, k, model, 0) for k, v in out_grads.items()})
+        layer = layers[name]
+        a = _with_ones(a.reshape(-1, a.shape[-1]), layer)
+        g = (torch.zeros_like(y) if g is None else g).reshape(-1, y.shape[-1])
+        inputs[name].append(g if layer.transposed else a)
+        out_grads[name].append(a if layer.transposed else g)
+    return ({k: _cat(v, model.params[k], layers[k], columns=True) for k, v in inputs.items()},
+            {k: _cat(v, model.params[k], layers[k], columns=False) for k, v in out_grads.items()})
 
 
-def _cat(parts: list[torch.Tensor], layers: dict[str, Linear], name: str, model: LoadedModel,
-         axis: int) -> torch.Tensor:
-    """A sample's rows of one layer (no rows where the layer did not run)."""
+def _cat(parts: list[torch.Tensor], w: torch.Tensor, layer: Linear, columns: bool
+         ) -> torch.Tensor:
+    """A sample's rows of one side of a layer (none where the layer did not run)."""
     if parts:
         return torch.cat(parts)
-    w = model.params[name]
-    width = w.shape[axis] + (axis == 1 and layers[name].bias is not None)
-    return w.new_zeros(0, width)
+    bias = layer.bias is not None and layer.transposed != columns
+    return w.new_zeros(0, (w[0].numel() if columns else w.shape[0]) + bias)
 
 
 def covariances(model: LoadedModel, loss: str, gamma: float, layers: dict[str, Linear],
@@ -330,20 +378,20 @@ def _at_once(model: LoadedModel, loss: str, layers: dict[str, Linear], params: S
     frozen = {**model.params, **(weights or {})}
     live = {k: v.detach().requires_grad_(True) if k in params else v for k, v in frozen.items()}
     named = [NAMED_INPUT + spec.name for spec in model.inputs[1:]]
-    module = _shallow_copy(model.module)
-    with _recording(module, layers) as calls:
-        out = functional_call(module, (live, model.buffers),
+    with _Calls(layers) as calls:
+        calls.watch(live)
+        out = functional_call(_shallow_copy(model.module), (live, model.buffers),
                               (samples["inputs"], *(samples[k] for k in named)))
         found = rows_loss(out, samples)
         if found is None:
             return None
-        outs = [y for _, _, y in calls]
+        outs = [y for _, _, y in calls.seen]
         grads = torch.autograd.grad(found[0].sum(), outs, allow_unused=True) if outs else ()
-        return _summed(*_layer_rows(model, layers, calls, grads), len(out))
+        return _summed(*_layer_rows(model, layers, calls.seen, grads), len(out))
 
 
 def _with_ones(a: torch.Tensor, layer: Linear) -> torch.Tensor:
-    """A layer's input rows, with a column of ones where its bias is selected."""
+    """A layer's input rows, each with a 1 at its end where its bias is selected."""
     if layer.bias is None:
         return a
     return torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype, device=a.device)], 1)
@@ -419,23 +467,36 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _with_module(model: LoadedModel, module: nn.Module) -> LoadedModel:
-    return replace(model, module=module)
+class _Calls(TorchFunctionMode):
+    """Every call of a layer's op while open (``F.linear``, ``aten.linear``, ``aten.addmm``):
+    ``seen``, ``(weight name, input, output)`` each, of the weights :meth:`watch` named.
+    A torch function mode is the thread's own, so other jobs never see it; one op that calls
+    another (``nn.MultiheadAttention`` its ``out_proj``) shows only the outer call."""
+
+    def __init__(self, layers: dict[str, Linear]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.weights: dict[int, str] = {}
+        self.seen: list[Call] = []
+
+    def watch(self, tensors: Tensors) -> None:
+        """The next forward's weights: ``tensors`` by name (what it is called with)."""
+        self.weights = {id(tensors[k]): k for k in self.layers if k in tensors}
+        self.seen = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        names = _OPS.get(func)
+        if names is not None:
+            x, w = (args[i] if i < len(args) else kwargs.get(n) for i, n in names)
+            name = self.weights.get(id(w))
+            if name is not None and isinstance(x, torch.Tensor):
+                self.seen.append((name, x.detach(), out))
+        return out
 
 
-@contextmanager
-def _recording(module: nn.Module, layers: dict[str, Linear]) -> Iterator[list[Call]]:
-    """Every call of the layers' modules while open."""
-    calls: list[Call] = []
-    by_module = {f"{name}".removesuffix("weight").removesuffix("."): name for name in layers}
-    handles = []
-    for prefix, sub in module.named_modules():
-        if prefix in by_module:
-            name = by_module[prefix]
-            handles.append(sub.register_forward_hook(
-                lambda _m, args, out, name=name: calls.append((name, args[0].detach(), out))))
-    try:
-        yield calls
-    finally:
-        for h in handles:
-            h.remove()
+# each op's input and weight: (position, keyword)
+_OPS = {F.linear: ((0, "input"), (1, "weight")), _LINEAR: ((0, "input"), (1, "weight")),
+        _ADDMM: ((1, "mat1"), (2, "mat2"))}

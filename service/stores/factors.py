@@ -174,7 +174,8 @@ def curvature_of(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) ->
 def _curvature(spec: StoreSpec, found: Fitted, t: dict[str, np.ndarray]) -> Curvature:
     """Kept under the writes count its header read; a write in between only makes the kept
     curvature newer than its key, and the next query reads the next count."""
-    layers = {w: Linear(w, _bias(spec, w, t[f"inputs/{w}"].shape[0])) for w in found.layers}
+    layers = {w: _layer(spec, w, t[f"inputs/{w}"].shape[0], t[f"grads/{w}"].shape[0])
+              for w in found.layers}
     sums = Covariances({w: torch.from_numpy(t[f"inputs/{w}"]) for w in layers},
                        {w: torch.from_numpy(t[f"grads/{w}"]) for w in layers},
                        {w: round(float(t[f"tokens/{w}"].sum())) for w in layers}, found.samples)
@@ -183,10 +184,16 @@ def _curvature(spec: StoreSpec, found: Fitted, t: dict[str, np.ndarray]) -> Curv
     return curvature.curvature(layers, bases, curvature.corrections_of(layers, bases, grads))
 
 
-def _bias(spec: StoreSpec, weight: str, width: int) -> str | None:
-    """The layer's bias name where its inputs have a column of ones for it."""
-    return (weight.removesuffix("weight") + "bias"
-            if width == math.prod(spec.shapes[weight][1:]) + 1 else None)
+def _layer(spec: StoreSpec, weight: str, columns: int, rows: int) -> Linear:
+    """The layer of a weight's factors, by their widths: its bias (``...bias``) a column of
+    ones where the inputs' side is one wider than the weight's columns, a row where the
+    output gradients' side is one longer than its rows (a transposed weight), else none."""
+    shape, bias = spec.shapes[weight], weight.removesuffix("weight") + "bias"
+    if columns == math.prod(shape[1:]) + 1:
+        return Linear(weight, bias)
+    if rows == shape[0] + 1:
+        return Linear(weight, bias, transposed=True)
+    return Linear(weight, None)
 
 
 def as_grads(spec: StoreSpec, rows: np.ndarray) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.curvature import Curvature, captured, fit, linear_layers
+from service.curvature import Curvature, captured, factor_means, fit, linear_layers
 from service.registry import LoadedModel, load_model
 from tests.support.batches import SMALL_TRANSFORMER, make_batch
 from tests.support.reference import assert_close, per_sample_loop
@@ -72,6 +72,23 @@ def test_captured_rows_rebuild_each_samples_gradient() -> None:
             assert_close(rebuilt, want, name)
     assert not model.module._forward_hooks and all(
         not m._forward_hooks for m in model.module.modules())
+
+
+def test_fitting_never_runs_the_module_other_threads_run() -> None:
+    """``functional_call`` swaps the parameters of the module it runs, and no lock is held while
+    an answer's ``kfac_inputs`` are made: both passes (the batch at once, and one sample at a
+    time) run a copy of the module, sharing its tensors."""
+    model = _model(*MLP)
+    fields = _fields(model, 4, seed=5)
+    ran: list[bool] = []
+    hook = model.module.register_forward_pre_hook(
+        lambda module, _args: ran.append(module is model.module))
+    try:
+        factor_means(model, "cross_entropy", 1.0, list(model.params), fields)
+        fit(model, "cross_entropy", 1.0, list(model.params), [fields])
+    finally:
+        hook.remove()
+    assert len(ran) > 4 and not any(ran)
 
 
 def _mlp_covariances(model: LoadedModel, fields: dict[str, torch.Tensor]

@@ -5,6 +5,7 @@ original module; a program whose batch cannot be made generic stays on the vmap 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,10 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from service import engine
+from service import curvature, engine
 from service.export.batch import BATCH_NAME
 from service.registration import register_exported
 from service.registry import LoadedModel, ModelRegistry
+from service.stores import factors
+from service.stores.files import StoreFiles
+from service.stores.locks import ThreadLocks
+from service.stores.spec import EXACT, StoreSpec
 from service.strategies.projection import Projection
 from service.validate import parse_request
 from tests.support.api import settings
@@ -125,6 +130,65 @@ def test_projection_by_fast_statistics_is_the_projected_loop(registry: ModelRegi
     want = sum(proj.project(k, g.double()) for k, g in loop.grads.items())
     assert isinstance(want, torch.Tensor)
     assert_close(got["projection"], want)
+
+
+# the linear layers of one transformer block, by their names in the exported program
+BLOCK_LAYERS = {
+    "gpt2": [f"model.transformer.h.{i}.{m}.weight" for i in (0, 1)
+             for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")],
+    "bert": [f"model.bert.encoder.layer.{i}.{m}.weight" for i in (0, 1)
+             for m in ("attention.self.query", "attention.self.key", "attention.self.value",
+                       "attention.output.dense", "intermediate.dense", "output.dense")]
+    + ["model.bert.pooler.dense.weight", "model.classifier.weight"],
+}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_kfac_covers_an_exported_graphs_linear_layers(registry: ModelRegistry, name: str,
+                                                      tmp_path: Path) -> None:
+    """K-FAC's layers in an exported program: BERT's ``aten.linear`` and GPT-2's Conv1D
+    (``aten.addmm``, its weight ``[in, out]``: transposed, its bias a row), with their biases;
+    EK-FAC's eigenvalues are the second moments of the loop's gradients (on the original
+    module) in their bases, and preconditioning a transposed layer is the dense solve. The
+    head tied to the embedding stays on the diagonal. A store's factors file gives the same
+    curvature back."""
+    module, _, loss, batch = _case(name)
+    model = registry.get(name)
+    parsed = parse_request({"model": name, "outputs": ["grads"], **_fields(batch)}, registry)
+    params = list(model.params)
+    curv = curvature.fit(model, loss, 1.0, params, [parsed.batch.samples()])
+    assert sorted(curv.layers) == sorted(BLOCK_LAYERS[name])
+    for layer in curv.layers.values():
+        assert layer.transposed is (name == "gpt2")
+        assert layer.bias == layer.weight.removesuffix("weight") + "bias"
+    assert "model.transformer.wte.weight" in curv.diagonal or name == "bert"
+    loop = {k: v.double() for k, v in per_sample_loop(module, batch, loss).grads.items()}
+    for weight, layer in curv.layers.items():
+        rotated = curv.bases[weight].rotate(curvature.joined(loop, layer))
+        assert_close(curv.corrected[weight], rotated.square().mean(0), weight)
+    first = curv.layers[BLOCK_LAYERS[name][0]]
+    basis = curv.bases[first.weight]
+    q = torch.kron(basis.q_grads, basis.q_inputs)
+    dense = q @ torch.diag(curv.corrected[first.weight].flatten()) @ q.T
+    g = curvature.joined(loop, first).flatten(1)
+    damping = curv.default_damping("ekfac")
+    want = torch.linalg.solve(dense + damping * torch.eye(len(dense), dtype=dense.dtype), g.T).T
+    got = curv.precondition(loop, damping, "ekfac")
+    assert_close(curvature.joined(got, first).flatten(1), want, first.weight)
+    # a store's factors file keeps no layer's orientation: its widths tell it again
+    store = StoreFiles(str(tmp_path), ThreadLocks())
+    spec = StoreSpec(id="s", model=name, loss=loss, params=tuple(params), projection_dim=1,
+                     projection_seed=0, projection_kind=EXACT, dtype="float32",
+                     shapes={k: list(v.shape) for k, v in model.params.items()})
+    store.create("s", spec)
+    means = curvature.factor_means(model, loss, 1.0, params, parsed.batch.samples())
+    answer = dict(zip(("kfac_inputs", "kfac_grads", "kfac_tokens"), means, strict=True))
+    rows = torch.cat([loop[k].flatten(1) for k in params], 1).numpy()
+    factors.add(store, [("s", spec, answer, rows)], 1 << 30)
+    kept = factors.curvature_of(store, "s", spec, "s")
+    assert kept.layers == curv.layers
+    for weight in curv.layers:
+        assert_close(kept.corrected[weight], curv.corrected[weight], weight)
 
 
 class FlattensTheBatch(nn.Module):
