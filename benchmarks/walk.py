@@ -1,6 +1,6 @@
 """The rooms one request walks: how often its path returns to a module it has already left.
 
-    python benchmarks/walk.py [--outputs norms,clipped_mean]
+    python benchmarks/walk.py [--outputs norms,clipped_mean] [--redis redis://127.0.0.1:6379/0]
 
 A room is a top-level entry of ``service/`` (a module or a package: ``api``, ``validate``,
 ``fast_stats``, ...) or the client package ``psgrad``. One ``POST /per-sample-grads`` to the zoo's
@@ -10,14 +10,20 @@ it) as one stop. Per thread (the api's event loop, the worker's), the rooms in t
 are entered (a stop each time the room changes) and the returns: stops at a room this thread
 had already left. A return is a hop back up or across the layers: the fewer, the fewer rooms a
 reader holds to follow a request. Counts, not times: the same on every run of one commit.
+
+With ``--redis``, in Redis mode instead: the api on a Redis broker (under a fresh key prefix,
+deleted after) and one worker loop on a Redis job source in this process, as ``psgrad worker``
+runs it; the threads that only keep time (the source's heartbeat) are left out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -27,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SERVICE = f"{ROOT}/service/"
+KEEPING = {"psgrad-keeper"}  # threads that keep time, not a request's path
 ENGINE = f"{ROOT}/service/engine.py"
 
 
@@ -75,21 +82,61 @@ def returns(seq: list[str]) -> int:
     return count
 
 
-async def trace(outputs: list[str]) -> Walk:
+@contextlib.contextmanager
+def redis_worker(url: str) -> Iterator[dict[str, Any]]:
+    """Redis mode's settings for the api, under a fresh prefix, with one worker loop serving
+    them in a thread of this process until the block ends."""
+    import redis
+
+    from service.broker.redis.worker import RedisJobSource, consumer_name
+    from service.config import Settings
+    from service.registry import make_registry
+    from service.storage import open_storage
+    from service.worker.events import Events
+    from service.worker.loop import Worker
+    from tests.support.redis import prefix_on
+
+    client = redis.Redis.from_url(url)
+    with prefix_on(client) as prefix:
+        fields = {"redis_url": url, "redis_prefix": prefix, "device": "cpu",
+                  "batch_max_delay_ms": 1.0, "heartbeat_s": 5.0}
+        settings = Settings(**fields)
+        storage = open_storage(settings)
+        source = RedisJobSource(settings, name=consumer_name("cpu"))
+        work = Worker(source, make_registry(settings, storage.models), settings, Events(),
+                      name=source.name, storage=storage)
+        stop = threading.Event()
+        loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
+        source.start()
+        loop.start()
+        try:
+            yield fields
+        finally:
+            stop.set()
+            loop.join()
+            source.close()
+            storage.close()
+    client.close()
+
+
+async def trace(outputs: list[str], redis_url: str | None = None) -> Walk:
     from tests.support.api import open_client
 
     doc = {"model": "mlp", "inputs": [[0.1] * 784] * 2, "targets": [1, 2], "outputs": outputs,
            "clip_norm": 1.0, "seed": 3}
     walk = Walk()
-    threading.setprofile(walk)
+    threading.setprofile(walk)  # before any thread of the walk starts
     sys.setprofile(walk)
     try:
-        async with open_client() as client:
-            for on in (False, True):  # the first request warms up
-                walk.on = on
-                r = await client.post("/per-sample-grads", json=doc)
-                assert r.status_code == 200, r.text
-                walk.on = False
+        mode: contextlib.AbstractContextManager[dict[str, Any]] = (
+            redis_worker(redis_url) if redis_url else contextlib.nullcontext({}))
+        with mode as settings:
+            async with open_client(**settings) as client:
+                for on in (False, True):  # the first request warms up
+                    walk.on = on
+                    r = await client.post("/per-sample-grads", json=doc)
+                    assert r.status_code == 200, r.text
+                    walk.on = False
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
@@ -99,14 +146,16 @@ async def trace(outputs: list[str]) -> Walk:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outputs", default="norms,clipped_mean")
+    parser.add_argument("--redis", metavar="URL", help="Redis mode, on this Redis")
     args = parser.parse_args()
-    walk = asyncio.run(trace(args.outputs.split(",")))
+    walk = asyncio.run(trace(args.outputs.split(","), args.redis))
+    rooms = {t: seq for t, seq in walk.rooms.items() if t not in KEEPING}
     print("| thread | stops | returns | rooms in order |")
     print("|---|---|---|---|")
-    for thread, seq in walk.rooms.items():
+    for thread, seq in rooms.items():
         print(f"| {thread} | {len(seq)} | {returns(seq)} | {' > '.join(seq)} |")
-    stops = sum(len(s) for s in walk.rooms.values())
-    print(f"| all | {stops} | {sum(returns(s) for s in walk.rooms.values())} | |")
+    stops = sum(len(s) for s in rooms.values())
+    print(f"| all | {stops} | {sum(returns(s) for s in rooms.values())} | |")
 
 
 if __name__ == "__main__":
