@@ -1,7 +1,7 @@
 """Attribution quality on text: the LDS of a small character language model.
 
     python benchmarks/lds_text.py [--models 50] [--train 1500] [--test 100] [--epochs 300]
-                                  [--dims 1024,4096] [--seed 0] [--kronfluence]
+                                  [--dims 1024,4096] [--seed 0] [--kronfluence] [--exported]
 
 The corpus is Python's own documentation as the interpreter ships it (``pydoc_data.topics``,
 about 465,000 characters; nothing is downloaded): lowercased, its 47 most frequent characters
@@ -14,13 +14,16 @@ hold it). It is trained on ``--train`` windows and again on ``--models`` random 
 held-out windows are the truth, as in ``benchmarks/lds.py``, whose LDS, overlap and scores this
 script reuses: exact ``dot`` and ``trak`` (the stores' default lambda), K-FAC and EK-FAC exact
 and sketched at each k of ``--dims`` (the embedding gets its diagonal Fisher), and with
-``--kronfluence`` Kronfluence's EK-FAC and K-FAC on the same model.
+``--kronfluence`` Kronfluence's EK-FAC and K-FAC on the same model. ``--exported`` adds exact
+K-FAC and EK-FAC of the same trained model exported (``torch.export``) and registered as a
+program, whose layers the curvature finds in its graph (``aten.linear``) instead of its modules.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import io
 import os
 import time
 from typing import Any
@@ -33,7 +36,9 @@ import numpy as np
 import torch
 from lds import curvature_scores, kronfluence_scores, print_table, retrained  # beside it
 
-from service.registry import load_model
+from service.config import Settings
+from service.registration import register_exported
+from service.registry import LoadedModel, ModelRegistry, load_model
 
 WINDOW, SYMBOLS, WIDTH, HIDDEN = 8, 48, 8, 48
 CONFIG: dict[str, Any] = {
@@ -85,6 +90,15 @@ def train(x: np.ndarray, y: np.ndarray, epochs: int, seed: int) -> torch.nn.Modu
     return net.eval()
 
 
+def exported(net: torch.nn.Module, example: np.ndarray) -> LoadedModel:
+    """``net`` exported and registered as a program (``PUT /models/{id}`` with a ``.pt2``)."""
+    buf = io.BytesIO()
+    torch.export.save(torch.export.export(net.eval(), (torch.from_numpy(example),)), buf)
+    registry = ModelRegistry(torch.device("cpu"))
+    return register_exported(registry, "lm-program", buf.getvalue(), Settings(device="cpu"),
+                             default_loss="cross_entropy", losses=[])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=int, default=50)
@@ -93,6 +107,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=300)
     ap.add_argument("--dims", default="1024,4096")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exported", action="store_true",
+                    help="also the exact scores of the trained model as an exported program")
     ap.add_argument("--kronfluence", action="store_true",
                     help="also Kronfluence's EK-FAC and K-FAC (installed with --no-deps, e.g. "
                     "PYTHONPATH=/tmp/kron)")
@@ -110,6 +126,10 @@ def main() -> None:
                        {k: v.detach() for k, v in net.state_dict().items()},
                        device=torch.device("cpu"), dtype=torch.float64)
     found = curvature_scores(model, x, y, tx, ty, dims, baselines=True)
+    if args.exported:
+        program = exported(net, x[:1])
+        found.update({f"exported program, {k}": v for k, v in
+                      curvature_scores(program, x, y, tx, ty, []).items()})
     if args.kronfluence:
         found.update(kronfluence_scores(net, x, y, tx, ty))
     print_table(found, masks, actual)
