@@ -42,6 +42,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from service.export.interpreter import named_args
+from service.fast_stats._capture import bind
 from service.losses import LOSSES
 from service.registry import LoadedModel
 from service.strategies.base import NAMED_INPUT, Tensors
@@ -232,7 +233,7 @@ def _candidates(model: LoadedModel, params: Sequence[str]) -> dict[str, Linear]:
     for prefix, module in model.module.named_modules():
         weight = f"{prefix}.weight" if prefix else "weight"
         if isinstance(module, nn.Linear) and weight in chosen:
-            bias = weight.removesuffix("weight") + "bias"
+            bias = bias_of(weight)
             found[weight] = Linear(weight, bias if module.bias is not None and bias in chosen
                                    else None)
     graph = getattr(model.module, "graph", None)
@@ -249,11 +250,17 @@ def _candidates(model: LoadedModel, params: Sequence[str]) -> dict[str, Linear]:
             args["mat2"], args["self"])
         read_w, read_b = _attribute(w), _attribute(b)
         if read_w in chosen and model.params[read_w].dim() == 2:
-            bias = read_w.removesuffix("weight") + "bias"  # a store's factors name it so
+            bias = bias_of(read_w)
             read.setdefault(read_w, set()).add(Linear(
                 read_w, bias if read_b == bias and bias in chosen else None,
                 transposed=node.target is _ADDMM))
     return found | {w: layer for w, (layer, *more) in read.items() if not more}
+
+
+def bias_of(weight: str) -> str:
+    """The name of a linear layer's bias beside its weight's (``fc.weight``: ``fc.bias``); a
+    bias named otherwise is left to the diagonal, and a store's factors file reads it so."""
+    return weight.removesuffix("weight") + "bias"
 
 
 def _attribute(node: Any) -> str | None:
@@ -490,13 +497,13 @@ class _Calls(TorchFunctionMode):
         out = func(*args, **kwargs)
         names = _OPS.get(func)
         if names is not None:
-            x, w = (args[i] if i < len(args) else kwargs.get(n) for i, n in names)
+            x, w = bind(args, kwargs, names)[-2:]
             name = self.weights.get(id(w))
             if name is not None and isinstance(x, torch.Tensor):
                 self.seen.append((name, x.detach(), out))
         return out
 
 
-# each op's input and weight: (position, keyword)
-_OPS = {F.linear: ((0, "input"), (1, "weight")), _LINEAR: ((0, "input"), (1, "weight")),
-        _ADDMM: ((1, "mat1"), (2, "mat2"))}
+# each op's arguments up to its input and weight, the last two
+_OPS = {F.linear: ("input", "weight"), _LINEAR: ("input", "weight"),
+        _ADDMM: ("self", "mat1", "mat2")}

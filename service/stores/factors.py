@@ -188,7 +188,7 @@ def _layer(spec: StoreSpec, weight: str, columns: int, rows: int) -> Linear:
     """The layer of a weight's factors, by their widths: its bias (``...bias``) a column of
     ones where the inputs' side is one wider than the weight's columns, a row where the
     output gradients' side is one longer than its rows (a transposed weight), else none."""
-    shape, bias = spec.shapes[weight], weight.removesuffix("weight") + "bias"
+    shape, bias = spec.shapes[weight], curvature.bias_of(weight)
     if columns == math.prod(shape[1:]) + 1:
         return Linear(weight, bias)
     if rows == shape[0] + 1:
