@@ -149,6 +149,7 @@ class Live:
         self.shards, self.rows = 0, 0
         self.lock = threading.Lock()
         self._quantizers = _graph_quantizer(empty)
+        self._lists = _ivf(empty)  # the IVF index inside, whose lists pieces merge into
 
     def extend(self, raw: bytes | None, rows: Any, count: int, what: str) -> None:
         """The next shard (``count`` rows) added: its piece ``raw`` merged in, or its stored
@@ -160,7 +161,7 @@ class Live:
                 part = from_bytes(raw)
                 if part.ntotal != count or part.d != self.index.d:
                     raise RuntimeError(f"{part.ntotal} rows of {part.d}, not {count}")
-                mine, theirs = _ivf(self.index), _ivf(part)
+                mine, theirs = self._lists, _ivf(part)
                 if mine is not None and (theirs is None or (theirs.nlist, theirs.code_size) != (
                         mine.nlist, mine.code_size)):
                     raise RuntimeError("its lists are not this index's")
@@ -175,10 +176,9 @@ class Live:
                 part = None
         elif self.merge:
             log.warning("index piece %s is missing: its rows are encoded again", what)
-        if part is not None and _ivf(part) is not None:  # its lists, as they are
-            ivf = _ivf(self.index)
-            ivf.invlists.merge_from(_ivf(part).invlists, 0)
-            ivf.ntotal += count
+        if part is not None and self._lists is not None:  # its lists (checked above), as they are
+            self._lists.invlists.merge_from(_ivf(part).invlists, 0)
+            self._lists.ntotal += count
             if not isinstance(_faiss().downcast_index(self.index), _faiss().IndexIVF):
                 self.index.ntotal += count  # a transform around the IVF index counts too
         elif part is not None:
@@ -192,9 +192,8 @@ class Live:
         ``n`` by inner product as the index finds them, ``n`` = :data:`OVERFETCH` ``k``,
         searching ``probes`` lists of an IVF index (:data:`PROBES` by default)."""
         n = min(int(self.index.ntotal), max(OVERFETCH * k, k + MIN_EXTRA))
-        ivf = _ivf(self.index)
-        if ivf is not None:
-            ivf.nprobe = min(int(ivf.nlist), probes or PROBES)
+        if self._lists is not None:
+            self._lists.nprobe = min(int(self._lists.nlist), probes or PROBES)
         _, rows = self.index.search(np.ascontiguousarray(q, dtype=np.float32), n)
         return np.asarray(rows, dtype=np.int64)
 
