@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     store_shard_bytes: Annotated[int, Field(ge=1)] = 64 * 1024 * 1024  # rows per shard file
     # a store's factors file: each fitting sample's full gradient, 4 bytes per parameter
     max_factors_bytes: Annotated[int, Field(ge=1)] = 2 * 1024 * 1024 * 1024
+    # stores' approximate indexes an api process keeps in memory (at 10 million rows of
+    # IVF4096,SQ4 at 1024 one is about 7 GiB); past it the least recently queried store's goes
+    index_memory_bytes: Annotated[int, Field(ge=1)] = 16 * 1024 * 1024 * 1024
 
     max_body_bytes: int = 512 * 1024 * 1024
     max_batch_size: int = 4096
@@ -143,6 +146,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "data_dir": BOTH,  # the api writes and queries stores; workers read reference sets
     "store_shard_bytes": frozenset({API}),
     "max_factors_bytes": frozenset({API}),
+    "index_memory_bytes": frozenset({API}),
     "max_body_bytes": frozenset({API}),
     "max_batch_size": BOTH,  # checked at the api and again where the worker decodes
     "max_result_bytes": frozenset({WORKER}),

@@ -22,7 +22,8 @@ _MISSING = object()
 class LockedLRU(Generic[K, V]):
     """At most ``size`` entries, and with ``weigh`` at most ``budget`` of their total weight
     (bytes, say; the newest entry stays even if it alone is heavier); ``hits`` and ``misses``
-    count :meth:`get_or_make` lookups."""
+    count :meth:`get_or_make` lookups. An entry is weighed when stored: :meth:`put` it again
+    where its weight has changed (a value that grows)."""
 
     def __init__(self, size: int, *, budget: int | None = None,
                  weigh: Callable[[V], int] | None = None) -> None:
@@ -33,6 +34,7 @@ class LockedLRU(Generic[K, V]):
         self.hits = 0
         self.misses = 0
         self._data: OrderedDict[K, V] = OrderedDict()
+        self._weights: dict[K, int] = {}  # each entry's weight as it was stored
         self._lock = threading.Lock()
 
     def get_or_make(self, key: K, make: Callable[[], V]) -> V:
@@ -48,6 +50,15 @@ class LockedLRU(Generic[K, V]):
         with self._lock:
             return self._store(key, value, keep_first=True)
 
+    def find(self, key: K) -> V | None:
+        """The cached value for ``key`` (None where there is none), as the most recently used;
+        counts no hit or miss."""
+        with self._lock:
+            if key not in self._data:
+                return None
+            self._data.move_to_end(key)
+            return self._data[key]
+
     def put(self, key: K, value: V) -> None:
         with self._lock:
             self._store(key, value, keep_first=False)
@@ -61,6 +72,7 @@ class LockedLRU(Generic[K, V]):
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._weights.clear()
             self.weight = 0
 
     def __len__(self) -> int:
@@ -76,14 +88,13 @@ class LockedLRU(Generic[K, V]):
         if key in self._data:
             self._remove(key)
         self._data[key] = value
-        self.weight += self._weight_of(value)
+        self._weights[key] = 0 if self.weigh is None else self.weigh(value)
+        self.weight += self._weights[key]
         while len(self._data) > self.size or (
                 self.budget is not None and self.weight > self.budget and len(self._data) > 1):
             self._remove(next(iter(self._data)))
         return value
 
     def _remove(self, key: K) -> None:
-        self.weight -= self._weight_of(self._data.pop(key))
-
-    def _weight_of(self, value: V) -> int:
-        return 0 if self.weigh is None else self.weigh(value)
+        del self._data[key]
+        self.weight -= self._weights.pop(key)

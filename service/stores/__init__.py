@@ -57,4 +57,5 @@ def make_store_files(settings: Settings) -> StoreFiles:
                            settings.redis_prefix)
     else:
         locks = ThreadLocks()
-    return StoreFiles(data_dir(settings), locks, settings.store_shard_bytes)
+    return StoreFiles(data_dir(settings), locks, settings.store_shard_bytes,
+                      settings.index_memory_bytes)

@@ -133,14 +133,18 @@ class Staged:
 class StoreFiles:
     """Every store of one data directory; safe to call from threads and processes."""
 
-    def __init__(self, url: str, locks: Locks, shard_bytes: int = 64 << 20) -> None:
+    def __init__(self, url: str, locks: Locks, shard_bytes: int = 64 << 20,
+                 index_bytes: int = 16 << 30) -> None:
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.locks = locks
         self.shard_bytes = shard_bytes
         self._guard = threading.Lock()
         self._memo: dict[tuple[str, str], tuple[tuple[str, int], Any]] = {}
-        self._live: dict[str, index_file.Live] = {}  # a few stores' indexes, as last queried
+        # a few stores' indexes as last queried, at most index_bytes of them (the one in use
+        # stays whatever it weighs): another store's query evicts the least recently used
+        self._live: LockedLRU[str, index_file.Live] = LockedLRU(
+            MEMO_STORES, budget=index_bytes, weigh=lambda live: live.held_bytes)
         # the ids of committed shards (immutable files), read from their headers once
         self._ids: LockedLRU[str, ListedIds] = LockedLRU(
             65536, budget=IDS_BUDGET, weigh=_weight)
@@ -232,8 +236,7 @@ class StoreFiles:
         with self.locks.hold(key):
             if self.spec(key) is None:
                 return False
-            with self._guard:
-                self._live.pop(key, None)
+            self._live.drop(lambda held: held != key)
             self._maps.drop(lambda path: not path.startswith(self.path(key) + "/"))
             try:
                 self._rm(self.path(key, SPEC))  # gone at once; then its files
@@ -439,6 +442,17 @@ class StoreFiles:
         found: np.ndarray = self.kept("gram", key, manifest, read)
         return found
 
+    def _keep(self, key: str, live: index_file.Live) -> None:
+        """``live`` kept as store ``key``'s (made or grown: weighed again), the least recently
+        queried stores' indexes evicted (logged) while they all weigh more than the budget.
+        Hold :attr:`_guard`."""
+        before = len(self._live) + (key not in self._live)
+        self._live.put(key, live)
+        if len(self._live) < before:
+            log.info("indexes of %d stores evicted from memory: the %d kept weigh %.2f GiB "
+                     "(PSGRAD_INDEX_MEMORY_BYTES: %.2f GiB)", before - len(self._live),
+                     len(self._live), self._live.weight / 2**30, (self._live.budget or 0) / 2**30)
+
     def candidates(self, key: str, manifest: Manifest, q: np.ndarray, k: int,
                    probes: int | None) -> np.ndarray | None:
         """Each query's candidate rows (``[queries, n]``, -1 for none) from the store's index
@@ -448,13 +462,10 @@ class StoreFiles:
         if name is None:
             return None
         with self._guard:  # one live index per store, even when queries race to make it
-            live = self._live.get(key)
+            live = self._live.find(key)
             if live is None or (live.epoch, live.name) != (manifest.epoch, name):
                 live = index_file.Live(manifest.epoch, name, self._trained(key, name))
-                self._live.pop(key, None)
-                self._live[key] = live
-                while len(self._live) > MEMO_STORES:
-                    del self._live[next(iter(self._live))]
+                self._keep(key, live)
         with live.lock:
             first = live.rows
             for number, shard in enumerate(manifest.shards[live.shards:], live.shards):
@@ -465,6 +476,9 @@ class StoreFiles:
             if live.rows > first:
                 log.info("index of store %s: %d rows added, %d in all", key, live.rows - first,
                          live.rows)
+                with self._guard:
+                    if self._live.find(key) is live:  # not replaced since
+                        self._keep(key, live)
             rows = live.candidates(q, k, probes)
         return np.where(rows < manifest.count, rows, -1)
 

@@ -39,6 +39,7 @@ TRAIN_ROWS = 65536  # rows an index is trained on, at most (evenly drawn): FAISS
 # subsamples to 256 per centroid anyway, and training runs inside a commit (a minute at 65536
 # rows of IVF256,PQ32 on two cores)
 GRAPH_LISTS = 1024  # an IVF index with this many lists searches them through a graph
+GRAPH_LINKS = 2 * 32 * 4  # bytes of a centroid's links in that graph (its level 0: 2 M ints)
 INDEXED = ("dot", "trak")  # the scores an inner-product index over the raw rows serves
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,16 @@ class Live:
         self.lock = threading.Lock()
         self._quantizers = _graph_quantizer(empty)
         self._lists = _ivf(empty)  # the IVF index inside, whose lists pieces merge into
+        self._empty_bytes = len(to_bytes(empty)) + (
+            0 if self._quantizers is None else self._lists.nlist * (empty.d * 4 + GRAPH_LINKS))
+        self._row_bytes = row_bytes(empty)
+
+    @property
+    def held_bytes(self) -> int:
+        """What it holds in memory, about: the trained index (its graph over the centroids
+        too) and :func:`row_bytes` per row (an IVF index's lists grow by doubling as pieces
+        merge, so a merged index may hold up to twice its rows' bytes)."""
+        return self._empty_bytes + self.rows * self._row_bytes
 
     def extend(self, raw: bytes | None, rows: Any, count: int, what: str) -> None:
         """The next shard (``count`` rows) added: its piece ``raw`` merged in, or its stored
@@ -198,6 +209,22 @@ class Live:
         return np.asarray(rows, dtype=np.int64)
 
 
+def row_bytes(index: Any) -> int:
+    """The bytes ``index`` holds per row: an IVF index's code and id, a flat index's code, an
+    HNSW graph's vector and level-0 links; a float32 vector where FAISS does not say."""
+    faiss, ivf = _faiss(), _ivf(index)
+    if ivf is not None:
+        return int(ivf.code_size) + 8
+    inner = faiss.downcast_index(index)
+    if hasattr(inner, "hnsw"):
+        return int(faiss.downcast_index(inner.storage).sa_code_size()) + 4 * int(
+            inner.hnsw.nb_neighbors(0))
+    try:
+        return int(index.sa_code_size())
+    except RuntimeError:
+        return 4 * int(index.d)
+
+
 def _graph_quantizer(index: Any) -> tuple[Any, Any] | None:
     """An IVF index of at least :data:`GRAPH_LISTS` lists over a flat quantizer gets an HNSW
     graph over the same centroids in its place (a search's lists found in 2 ms instead of 8
@@ -210,7 +237,7 @@ def _graph_quantizer(index: Any) -> tuple[Any, Any] | None:
                                                                  faiss.IndexFlatL2)):
         return None
     flat = ivf.quantizer
-    graph = faiss.IndexHNSWFlat(ivf.d, 32, ivf.metric_type)
+    graph = faiss.IndexHNSWFlat(ivf.d, GRAPH_LINKS // 8, ivf.metric_type)
     graph.hnsw.efSearch = 64
     graph.add(flat.reconstruct_n(0, ivf.nlist))
     if ivf.own_fields:  # the flat one is freed with this pair, the graph never by the index

@@ -36,3 +36,20 @@ def test_get_or_make_keeps_the_first_value_and_counts_misses() -> None:
     assert lru.weight == 0 and len(lru) == 0
     assert lru.get_or_make("k", lambda: b"again") == b"again"
     assert lru.misses == 2
+
+
+def test_a_value_that_grew_is_weighed_again_when_put_again() -> None:
+    """An entry keeps the weight it was stored with: a value that grows in place (a store's
+    index in memory) is put again to count its new weight, and leaving takes off what it
+    counted, so the total never drifts."""
+    lru: LockedLRU[str, bytearray] = LockedLRU(4, budget=10, weigh=len)
+    grown = bytearray(b"xx")
+    lru.put("old", bytearray(b"xxxx"))
+    lru.put("grown", grown)
+    assert lru.find("old") is not None  # now the newest: "grown" leaves first
+    grown.extend(b"xxxxxx")
+    assert lru.weight == 6  # as stored
+    lru.put("grown", grown)  # 4 + 8 past the budget: "old" is older now, and leaves
+    assert list(lru._data) == ["grown"] and lru.weight == 8
+    lru.drop(lambda key: False)
+    assert lru.weight == 0 and lru.find("grown") is None

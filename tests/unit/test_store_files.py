@@ -7,10 +7,12 @@ memory bounded by one shard."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -697,8 +699,40 @@ def test_an_index_of_many_lists_finds_them_through_a_graph(
     phi = rng.standard_normal((120, K)).astype(np.float32)
     store.append("s", indexed, list(range(120)), "int", phi)
     assert_ranks_as_the_scan(store, phi, rng.standard_normal((3, K)))
-    quantizer = faiss.extract_index_ivf(store._live["s"].index).quantizer
+    live = store._live.find("s")
+    assert live is not None
+    quantizer = faiss.extract_index_ivf(live.index).quantizer
     assert isinstance(faiss.downcast_index(quantizer), faiss.IndexHNSWFlat)
+
+
+@pytest.mark.parametrize("budget", [1, 1 << 30])
+def test_indexes_past_the_memory_budget_go_least_recently_queried_first(
+        tmp_path: Path, budget: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Each store's index in memory weighs its trained index and its rows' codes and ids; past
+    ``index_bytes`` the least recently queried store's is evicted (logged) and made again by its
+    next query, which still ranks as the scan; the one in use stays whatever it weighs, and
+    under the budget both stay."""
+    caplog.set_level(logging.INFO, logger=files_module.__name__)
+    store = StoreFiles(str(tmp_path / "data"), ThreadLocks(), shard_bytes=7 * K * 4,
+                       index_bytes=budget)
+    rng = np.random.default_rng(9)
+    phis = {}
+    for name in ("a", "b"):
+        indexed = replace(indexed_spec(), id=name)
+        store.create(name, indexed)
+        phis[name] = rng.standard_normal((60, K)).astype(np.float32)
+        store.append(name, indexed, list(range(60)), "int", phis[name])
+    q = rng.standard_normal((3, K))
+    for name in ("a", "b", "a"):
+        found = search(store, name, name, q, 10, "dot")
+        want_rows, _ = reference(phis[name].astype(np.float64), q, "dot", 10)
+        assert not found.exact
+        np.testing.assert_array_equal(found.rows, want_rows)
+        live = store._live.find(name)
+        assert live is not None and live.rows == 60
+        assert live.held_bytes > 60 * (K * 4 + 8)  # IVF4,Flat: each row's float32 code and its id
+    evicted = "indexes of 1 stores evicted from memory" in caplog.text
+    assert ("b" in store._live, evicted) == ((False, True) if budget == 1 else (True, False))
 
 
 @pytest.mark.parametrize("factory", ["HNSW8", "IVF4,Flat", "RR16,IVF4,Flat"])
