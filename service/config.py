@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     # unset: $XDG_DATA_HOME/psgrad. With Redis, every api replica must see the same one.
     data_dir: str | None = None
     store_shard_bytes: Annotated[int, Field(ge=1)] = 64 * 1024 * 1024  # rows per shard file
-    # a store's factors file: each fitting sample's full gradient, 4 bytes per parameter
+    # a store's factors file: its linear layers' Kronecker factors, two values per parameter
     max_factors_bytes: Annotated[int, Field(ge=1)] = 2 * 1024 * 1024 * 1024
     # stores' approximate indexes an api process keeps in memory (at 10 million rows of
     # IVF4096,SQ4 at 1024 one is about 7 GiB); past it the least recently queried store's goes

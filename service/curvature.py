@@ -431,13 +431,24 @@ def corrections(model: LoadedModel, loss: str, gamma: float, layers: dict[str, L
 def corrections_of(layers: dict[str, Linear], found: dict[str, Basis], grads: Tensors
                    ) -> Corrections:
     """The second pass's sums over per-sample gradients ``{param: [n, *shape]}`` already
-    computed (a store's fitting rows)."""
+    computed: :func:`rotated_squares` and :func:`diagonal_squares`."""
+    return Corrections(rotated_squares(layers, found, grads), diagonal_squares(layers, grads),
+                       len(next(iter(grads.values()))))
+
+
+def rotated_squares(layers: dict[str, Linear], found: dict[str, Basis], grads: Tensors
+                    ) -> dict[str, torch.Tensor]:
+    """Per layer, ``sum_i (Q_S^T G_i Q_A)^2`` over per-sample gradients ``{param: [n,
+    *shape]}``: EK-FAC's eigenvalues, times ``n``, in the bases ``found``."""
+    return {k: found[k].rotate(joined(grads, layer).to(WIDE)).square().sum(0)
+            for k, layer in layers.items()}
+
+
+def diagonal_squares(layers: dict[str, Linear], grads: Tensors) -> dict[str, torch.Tensor]:
+    """Per parameter outside ``layers``, ``sum_i g_i^2`` over per-sample gradients: its
+    diagonal Fisher, times ``n`` (no basis: the first pass can sum it)."""
     covered = {p for layer in layers.values() for p in (layer.weight, layer.bias) if p}
-    return Corrections(
-        {k: found[k].rotate(joined(grads, layer).to(WIDE)).square().sum(0)
-         for k, layer in layers.items()},
-        {k: v.to(WIDE).square().sum(0) for k, v in grads.items() if k not in covered},
-        len(next(iter(grads.values()))))
+    return {k: v.to(WIDE).square().sum(0) for k, v in grads.items() if k not in covered}
 
 
 def fit(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],

@@ -69,14 +69,17 @@ def add_store_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", type=int, help="an IVF index's lists searched per query "
                    "(default 64): more for recall, fewer for speed")
     p.set_defaults(func=_query)
-    p = ssub.add_parser("factors", parents=[conn], help="fit a store's K-FAC and EK-FAC factors "
-                                                        "over samples (repeatable)")
+    p = ssub.add_parser("factors", parents=[conn], help="fit a store's K-FAC factors and EK-FAC "
+                                                        "eigenvalues over samples (repeatable)")
     p.add_argument("id", help="the store's id")
     p.add_argument("--inputs", required=True, help="samples: a .npy or .safetensors[:NAME] file")
     p.add_argument("--targets", help="their targets, as --inputs")
     p.add_argument("--batch-size", type=int, default=256, help="samples per request (256)")
-    p.add_argument("--resume", action="store_true", help="skip as many leading samples as the "
-                   "factors hold (an interrupted fit of the same samples)")
+    p.add_argument("--resume", action="store_true", help="skip as many leading samples as each "
+                   "pass holds (an interrupted fit of the same samples)")
+    p.add_argument("--passes", choices=["both", "factors", "eigenvalues"], default="both",
+                   help="the K-FAC factors, then EK-FAC's eigenvalues in their bases (both, the "
+                   "default); or one: factors over many runs, then eigenvalues")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_factors)
     for name, func, text in (("show", _show, "describe a store (JSON)"),
@@ -149,9 +152,10 @@ def _factors(args: argparse.Namespace) -> int:
     inputs = load_array(args.inputs, default_name="inputs")
     targets = load_array(args.targets, default_name="targets") if args.targets else None
     with client_of(args) as client:
-        info = client.stores.get(args.id).fit_factors(
-            inputs, targets, batch_size=args.batch_size, progress=not args.no_progress,
-            resume=args.resume)
+        store, how = client.stores.get(args.id), {
+            "batch_size": args.batch_size, "progress": not args.no_progress, "resume": args.resume}
+        info = (store.fit_eigenvalues(inputs, targets, **how) if args.passes == "eigenvalues"
+                else store.fit_factors(inputs, targets, eigenvalues=args.passes == "both", **how))
     print(json.dumps(info))
     return 0
 

@@ -4,8 +4,8 @@
 ``projection_dim``: of full gradients) and returns its handle;
 ``store.add(x, y, ids=...)`` sends the samples in batches (``batch_size``), each committed whole
 by the server, skipping the ids the store already holds (so an interrupted upload resumes where
-it stopped); ``store.fit_factors(x, y)`` fits its K-FAC factors over samples;
-``store.query(x, y, k=10, score="trak")`` answers ``(ids, scores)``, each ``[queries, k]``,
+it stopped); ``store.fit_factors(x, y)`` fits its K-FAC factors and EK-FAC eigenvalues over
+samples; ``store.query(x, y, k=10, score="trak")`` answers ``(ids, scores)``, each ``[queries, k]``,
 best first. Each exchange is described once (:class:`_Calls`); ``Store`` sends
 it and ``AsyncStore`` awaits it.
 """
@@ -101,8 +101,10 @@ class _Calls:
         return _binary(_path(store_id, "/samples"), fields)
 
     @staticmethod
-    def factors(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
-        return _binary(_path(store_id, "/factors"), fields)
+    def factors(store_id: str, fields: dict[str, Any], second: bool = False
+                ) -> Call[dict[str, Any]]:
+        return _binary(_path(store_id, "/factors/eigenvalues" if second else "/factors"),
+                       fields)
 
     @staticmethod
     def rows(store_id: str, fields: dict[str, Any]) -> Call[dict[str, Any]]:
@@ -213,28 +215,40 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
     return {**store.info, "added": done - skipped, "skipped": skipped}
 
 
+PASSES = ("factors", "eigenvalues")  # a fit's passes, each counted in the store's ``factors``
+
+
 def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
-             progress: bool | Progress, resume: bool) -> Generator[Step, Any, dict[str, Any]]:
-    """``fit_factors`` as steps: the samples in batches of ``batch_size``, each added to the
-    store's factors; ``resume`` first skips as many leading samples as the factors hold."""
+             progress: bool | Progress, resume: bool, passes: tuple[str, ...]
+             ) -> Generator[Step, Any, dict[str, Any]]:
+    """``fit_factors`` as steps: each of ``passes`` sends the samples in batches of
+    ``batch_size``, each added to the store's factors (``factors``) or to their EK-FAC
+    eigenvalues (``eigenvalues``); ``resume`` first skips as many leading samples as that pass
+    holds. Answers the first pass's ``fitted`` and ``skipped`` samples."""
     if batch_size < 1:
         raise BadRequest("'batch_size' must be a positive integer")
     x = to_numpy(inputs, "inputs")
     y = None if targets is None else to_numpy(targets, "targets")
     store.info = yield "call", _Calls.get(store.id)
-    start = int((store.info.get("factors") or {}).get("samples", 0)) if resume else 0
     bar = Progress(f"factors {store.id}") if progress is True else progress or None
-    for a in range(min(start, len(x)), len(x), batch_size):
-        fields: dict[str, Any] = {"model": store.info["model"], "inputs": x[a:a + batch_size]}
-        if y is not None:
-            fields["targets"] = y[a:a + batch_size]
-        fields = yield "prepare", fields
-        store.info = yield "call", _Calls.factors(store.id, fields)
-        if bar is not None:
-            bar(min(a + batch_size, len(x)), len(x))
+    counts = []
+    for at, name in enumerate(passes):
+        held = {"factors": "samples", "eigenvalues": "eigenvalues"}[name]
+        start = min(int((store.info.get("factors") or {}).get(held, 0)), len(x)) if resume else 0
+        counts.append((len(x) - start, start))
+        if isinstance(bar, Progress):
+            bar.label(f"{name} {store.id}")
+        for a in range(start, len(x), batch_size):
+            fields: dict[str, Any] = {"model": store.info["model"], "inputs": x[a:a + batch_size]}
+            if y is not None:
+                fields["targets"] = y[a:a + batch_size]
+            fields = yield "prepare", fields
+            store.info = yield "call", _Calls.factors(store.id, fields, name == "eigenvalues")
+            if bar is not None:
+                bar(at * len(x) + min(a + batch_size, len(x)), len(passes) * len(x))
     if bar is not None:
         bar.close()
-    return {**store.info, "fitted": max(0, len(x) - start), "skipped": min(start, len(x))}
+    return {**store.info, "fitted": counts[0][0], "skipped": counts[0][1]}
 
 
 def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
@@ -303,14 +317,27 @@ class Store(_Handle):
         return added
 
     def fit_factors(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
-                    progress: bool | Progress = False, resume: bool = False) -> dict[str, Any]:
-        """Fit the store's K-FAC and EK-FAC factors over samples, sent in batches of
-        ``batch_size``, each added to the fit (docs/attribution.md).
-        ``resume=True`` skips as many leading samples as the factors already hold: an
-        interrupted fit of the same samples in the same order goes on where it stopped.
-        Returns the store's description with this call's ``fitted`` and ``skipped``."""
-        fitted: dict[str, Any] = self._run(_fitting(self, inputs, targets, batch_size,
-                                                    progress, resume))
+                    progress: bool | Progress = False, resume: bool = False,
+                    eigenvalues: bool = True) -> dict[str, Any]:
+        """Fit the store's K-FAC factors over samples, then (``eigenvalues``) EK-FAC's
+        eigenvalues in their bases over the same samples: two passes, each sending them in
+        batches of ``batch_size`` (docs/attribution.md). ``kfac`` queries need the first,
+        ``ekfac`` both; with ``eigenvalues=False`` only the first runs (fit factors over many
+        calls, then :meth:`fit_eigenvalues`). ``resume=True`` skips as many leading samples
+        as each pass already holds: an interrupted fit of the same samples in the same order
+        goes on where it stopped. Returns the store's description with the first pass's
+        ``fitted`` and ``skipped`` samples."""
+        fitted: dict[str, Any] = self._run(_fitting(
+            self, inputs, targets, batch_size, progress, resume, PASSES[:1 + eigenvalues]))
+        return fitted
+
+    def fit_eigenvalues(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
+                        progress: bool | Progress = False, resume: bool = False
+                        ) -> dict[str, Any]:
+        """The second pass of :meth:`fit_factors` alone: EK-FAC's eigenvalues over samples,
+        in the bases of the factors fitted so far (a later factors batch drops them)."""
+        fitted: dict[str, Any] = self._run(_fitting(
+            self, inputs, targets, batch_size, progress, resume, PASSES[1:]))
         return fitted
 
     def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,
@@ -396,11 +423,19 @@ class AsyncStore(_Handle):
         return added
 
     async def fit_factors(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
-                          progress: bool | Progress = False, resume: bool = False
-                          ) -> dict[str, Any]:
+                          progress: bool | Progress = False, resume: bool = False,
+                          eigenvalues: bool = True) -> dict[str, Any]:
         """See ``Store.fit_factors``."""
-        fitted: dict[str, Any] = await self._run(_fitting(self, inputs, targets, batch_size,
-                                                          progress, resume))
+        fitted: dict[str, Any] = await self._run(_fitting(
+            self, inputs, targets, batch_size, progress, resume, PASSES[:1 + eigenvalues]))
+        return fitted
+
+    async def fit_eigenvalues(self, inputs: Any, targets: Any = None, *, batch_size: int = 256,
+                              progress: bool | Progress = False, resume: bool = False
+                              ) -> dict[str, Any]:
+        """See ``Store.fit_eigenvalues``."""
+        fitted: dict[str, Any] = await self._run(_fitting(
+            self, inputs, targets, batch_size, progress, resume, PASSES[1:]))
         return fitted
 
     async def query(self, inputs: Any = None, targets: Any = None, *, sketches: Any = None,

@@ -1,21 +1,29 @@
 """A store's curvature: the K-FAC factors fitted over the batches sent to ``POST
-/stores/{id}/factors``, and the ``kfac`` and ``ekfac`` scores' preconditioning of a query
-(:mod:`service.curvature` holds the math)::
+/stores/{id}/factors``, EK-FAC's eigenvalues over those sent to ``POST
+/stores/{id}/factors/eigenvalues`` after them, and the ``kfac`` and ``ekfac`` scores'
+preconditioning of a query (:mod:`service.curvature` holds the math)::
 
-    stores/<key>/factors.safetensors   ``inputs/<w>``, ``grads/<w>`` per linear layer (by
-                                       weight name): sum_t a a^T and sum_t g g^T summed over
-                                       the fitting samples (float64); ``tokens/<w>``; ``rows``
-                                       [n, P]: the fitting samples' gradients, flattened as the
-                                       store's rows (float32); metadata ``samples`` and
-                                       ``writes`` (batches added), read from the header alone
+    stores/<key>/factors.safetensors   the first pass, ``POST .../factors``: ``inputs/<w>``,
+                                       ``grads/<w>``, ``tokens/<w>`` per linear layer (by
+                                       weight name): sum_t a a^T, sum_t g g^T and the tokens,
+                                       summed over the fitting samples; ``diagonal/<p>`` per
+                                       other parameter: sum_i g_i^2;
+                                       the second, ``POST .../factors/eigenvalues``:
+                                       ``eigen/<w>``: sum_i (Q_S^T G_i Q_A)^2 in the bases of
+                                       the first pass's sums as they were (all float64);
+                                       metadata ``samples``, ``eigenvalues`` (each pass's
+                                       samples), ``writes`` (batches added) and ``basis`` (the
+                                       writes when the first pass last added one)
 
-A batch's factors are the workers' ``kfac_inputs`` output and its ``grads``. Each batch is added
-under the store's lock (an ensemble's: every checkpoint's) and the file written whole (beside
-it, then renamed over it), so a reader sees every batch or none of one. EK-FAC's eigenvalues
-are second moments in the bases of every batch's factors together, so they are computed from
-the kept rows when a query first needs them, once per written state (eigendecompositions and
-that pass), and kept until the next write. The file holds 4 bytes per parameter per fitting
-sample: fit over thousands of samples, not millions (``PSGRAD_MAX_FACTORS_BYTES`` bounds it).
+A first-pass batch's factors are the workers' ``kfac_inputs`` output and its ``grads``; a
+second-pass batch's, its ``grads`` rotated into the bases of the first pass's sums. A
+first-pass batch changes the bases, so it drops the eigenvalues fitted in the old ones: fit
+them after the factors. Each batch is added under the store's lock (an ensemble's: every
+checkpoint's), the file written whole (beside it, then renamed over it), so a reader sees
+every batch or none of one. Its size does not grow with the samples fitted: the factors
+(``(in + 1)^2 + out^2`` values per layer) and two values per parameter, at most
+(``PSGRAD_MAX_FACTORS_BYTES`` bounds it). The bases (eigendecompositions) are made once per
+first-pass state, the curvature once per write, and kept until the next.
 
 A query's gradient is preconditioned in full parameter space, per layer. A store of full
 gradients scores it against its rows exactly; a store of sketches projects it with the
@@ -27,9 +35,11 @@ the exact score (``E[<R x, R g>] = <x, g>``; docs/attribution.md gives its LDS b
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,22 +50,28 @@ from safetensors.numpy import save as st_save
 from psgrad._errors import Conflict, InvalidInput, TooLarge
 from service import curvature
 from service.config import raise_setting
-from service.curvature import Covariances, Curvature, Kind, Linear
+from service.curvature import Basis, Covariances, Curvature, Kind, Linear
+from service.registry import LoadedModel
 from service.stores.files import StoreFiles
 from service.stores.spec import StoreSpec
 from service.strategies.projection import Projection
 
 FILE = "factors.safetensors"
+FIRST = ("inputs", "grads", "tokens")  # the first pass's factors, per layer
+ENTRY_BYTES = 256  # a tensor's entry in the file's header, at most (its name, shape, offsets)
 
 
 @dataclass(frozen=True)
 class Fitted:
-    """What a store's factors file says of itself (its safetensors header): the samples
-    fitted, how many batches wrote it, the layers covered."""
+    """What a store's factors file says of itself (its safetensors header): the samples of
+    each pass, how many batches wrote it and at which write the first pass last did (the
+    bases' version), the layers covered."""
 
     samples: int
     writes: int
     layers: list[str]
+    eigenvalues: int = 0
+    basis: int = 0
 
 
 def fitted(files: StoreFiles, key: str) -> Fitted | None:
@@ -72,15 +88,30 @@ def _described(header: bytes) -> Fitted:
     entries = json.loads(header)
     meta = entries.get("__metadata__", {})
     return Fitted(int(meta["samples"]), int(meta["writes"]),
-                  sorted(k.removeprefix("inputs/") for k in entries if k.startswith("inputs/")))
+                  sorted(k.removeprefix("inputs/") for k in entries if k.startswith("inputs/")),
+                  int(meta.get("eigenvalues", 0)), int(meta.get("basis", -1)))
 
 
 def _tensors(files: StoreFiles, key: str, store_id: str) -> tuple[Fitted, dict[str, np.ndarray]]:
-    """The whole file: what it says of itself and its tensors (409 before a fit)."""
+    """The whole file: what it says of itself and its tensors (409 before a fit, and for a
+    file of an earlier psgrad, which kept every fitting sample's gradient instead)."""
     raw = files.read_file(key, FILE)
     if raw is None:
         raise _unfitted(store_id)
-    return _described(raw[8:8 + int.from_bytes(raw[:8], "little")]), st_load(raw)
+    found = _described(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    if found.basis < 0:
+        raise Conflict(f"store '{store_id}''s factors were fitted by an earlier psgrad, whose "
+                       "file this one does not read: make the store again (DELETE, then PUT "
+                       "/stores/{id}), add its samples and fit its factors")
+    return found, st_load(raw)
+
+
+def require(files: StoreFiles, key: str, store_id: str) -> Fitted:
+    """The store's factors as written now; 409 before a fit."""
+    found = fitted(files, key)
+    if found is None:
+        raise _unfitted(store_id)
+    return found
 
 
 def _unfitted(store_id: str) -> Conflict:
@@ -100,100 +131,164 @@ def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any], np.
         max_bytes: int) -> Fitted:
     """Add one batch's factors to each store of ``parts`` (an ensemble's checkpoints: key,
     definition, the workers' answer with ``kfac_inputs``, ``kfac_grads`` and ``kfac_tokens``
-    as means over its samples, and its gradient ``rows``), all of them or none: every store's
+    as means over its samples, and its gradient ``rows``), all of them or none: the first
+    pass (the eigenvalues fitted before are dropped). Answers the first's :class:`Fitted`."""
+    return _written(files, [(key, functools.partial(_merged, files, key, spec, answer, rows))
+                            for key, spec, answer, rows in parts], max_bytes)
+
+
+def add_eigenvalues(files: StoreFiles, parts: list[tuple[str, StoreSpec, np.ndarray]],
+                    store_id: str, max_bytes: int) -> Fitted:
+    """Add one batch's gradient ``rows`` to each store's EK-FAC eigenvalues (``parts``: key,
+    definition, rows), in the bases of its factors as they are now: the second pass, all of
+    them or none (409 for a store without factors). Answers the first's :class:`Fitted`."""
+    return _written(files, [(key, functools.partial(_corrected, files, key, spec, rows,
+                                                    store_id)) for key, spec, rows in parts],
+                    max_bytes)
+
+
+def _written(files: StoreFiles, parts: list[tuple[str, Callable[[], tuple[bytes, Fitted]]]],
+             max_bytes: int) -> Fitted:
+    """Each store's factors file as ``make()`` makes it, all written or none: every store's
     lock held, every new file made and checked (at most ``max_bytes``, else 413) before the
     first is written. Answers the first's :class:`Fitted`."""
     with contextlib.ExitStack() as held:
-        for key, _, _, _ in parts:
+        for key, _ in parts:
             held.enter_context(files.locks.hold(key))
-        made = [_merged(files, key, spec, answer, rows) for key, spec, answer, rows in parts]
-        for (_, spec, _, rows), (raw, done) in zip(parts, made, strict=True):
-            _within(spec, len(raw), done.samples, rows.shape[1], max_bytes)
-        for (key, _, _, _), (raw, _) in zip(parts, made, strict=True):
+        made = [make() for _, make in parts]
+        for raw, _ in made:
+            _within(len(raw), max_bytes)
+        for (key, _), (raw, _) in zip(parts, made, strict=True):
             files.write_file(key, FILE, raw)
     return made[0][1]
 
 
-def check_room(files: StoreFiles, key: str, spec: StoreSpec, samples: int, width: int,
-               max_bytes: int) -> None:
-    """Refuse (413) before any worker runs a batch whose gradients alone, ``samples`` more rows
-    of ``width`` values, would take the store's factors file past ``max_bytes``; :func:`add`
-    checks the whole file again once the factors are made."""
-    old = fitted(files, key)
-    total = samples + (0 if old is None else old.samples)
-    _within(spec, total * width * 4, total, width, max_bytes, "at least ")
+def check_room(model: LoadedModel, params: Sequence[str], max_bytes: int) -> None:
+    """Refuse (413) before any worker runs a fit whose file would be past ``max_bytes``: the
+    :func:`estimate`; :func:`add` checks the whole file again once it is made."""
+    _within(estimate(model, params), max_bytes, "at most ")
 
 
-def _within(spec: StoreSpec, size: int, samples: int, width: int, max_bytes: int,
-            bound: str = "") -> None:
+def estimate(model: LoadedModel, params: Sequence[str]) -> int:
+    """The bytes of a factors file of ``params``, at most: the factors of their linear layers
+    and two values per parameter, 8 bytes each, and :data:`ENTRY_BYTES` of header per tensor
+    (4 per parameter at most: a layer's three factors and its eigenvalues)."""
+    width = sum(model.params[p].numel() for p in params)
+    return 8 * (curvature.factor_numel(model, params) + 2 * width) + ENTRY_BYTES * (
+        1 + 4 * len(params))
+
+
+def _within(size: int, max_bytes: int, bound: str = "") -> None:
     if size > max_bytes:
         raise TooLarge(
-            f"store '{spec.id}''s factors would hold {bound}{size} bytes ({samples} fitting "
-            f"samples' gradients of {width} values, 4 bytes each, and the factors); the limit is "
-            f"{max_bytes}: fit over fewer samples (thousands are enough) or parameters, or "
-            f"{raise_setting('max_factors_bytes', max_bytes)}", limit=max_bytes, size=size)
+            f"the store's factors would hold {bound}{size} bytes (the Kronecker factors of its "
+            f"linear layers, (in + 1)^2 + out^2 values each, and two values per parameter, 8 "
+            f"bytes each); the limit is {max_bytes}: select fewer parameters (the store's "
+            f"'params'), or {raise_setting('max_factors_bytes', max_bytes)}",
+            limit=max_bytes, size=size)
 
 
 def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],
             rows: np.ndarray) -> tuple[bytes, Fitted]:
-    """The store's factors file with one batch added (its bytes), and what it says."""
+    """The store's factors file with one first-pass batch added (its bytes), and what it
+    says: the covariances and the diagonal Fisher's sums grow, the eigenvalues go."""
     n = len(rows)
     sums = {f"{part}/{w}": np.atleast_1d(np.asarray(v, np.float64)) * n
             for part, field in (("inputs", "kfac_inputs"), ("grads", "kfac_grads"),
                                 ("tokens", "kfac_tokens"))
             for w, v in answer[field].items()}
+    layers = _layers(spec, sums, answer["kfac_inputs"])
+    sums.update({f"diagonal/{p}": v.numpy() for p, v in curvature.diagonal_squares(
+        layers, as_grads(spec, rows)).items()})
     old = fitted(files, key)
     tensors: dict[str, np.ndarray]
     if old is None:
-        tensors, samples, writes = {**sums, "rows": rows.astype(np.float32)}, n, 1
+        tensors, samples, writes = sums, n, 1
     else:
         _, kept = _tensors(files, key, spec.id)
-        if sorted(kept.keys() - {"rows"}) != sorted(sums):
+        if sorted(k for k in kept if k.split("/")[0] in FIRST) != sorted(
+                k for k in sums if k.split("/")[0] in FIRST):
             raise Conflict(f"store '{spec.id}''s factors cover the layers "
                            f"{', '.join(old.layers)}; this batch's cover others: fit with "
                            "batches of the same inputs' shapes")
         tensors = {k: kept[k] + v for k, v in sums.items()}
-        tensors["rows"] = np.concatenate([kept["rows"], rows.astype(np.float32)])
         samples, writes = old.samples + n, old.writes + 1
-    raw = st_save(tensors, metadata={"samples": str(samples), "writes": str(writes)})
-    return raw, Fitted(samples, writes, sorted(w.removeprefix("inputs/") for w in sums
-                                               if w.startswith("inputs/")))
+    return _saved(tensors, Fitted(samples, writes, sorted(layers), 0, writes))
+
+
+def _corrected(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray, store_id: str
+               ) -> tuple[bytes, Fitted]:
+    """The store's factors file with one second-pass batch added to its eigenvalues."""
+    old, kept = _tensors(files, key, store_id)
+    layers, found = _bases(files, key, spec, old, kept)
+    squares = curvature.rotated_squares(layers, found, as_grads(spec, rows))
+    for w, v in squares.items():
+        kept[f"eigen/{w}"] = kept.get(f"eigen/{w}", 0) + v.numpy()
+    return _saved(kept, replace(old, writes=old.writes + 1,
+                                eigenvalues=old.eigenvalues + len(rows)))
+
+
+def _saved(tensors: dict[str, np.ndarray], done: Fitted) -> tuple[bytes, Fitted]:
+    return st_save(tensors, metadata={"samples": str(done.samples), "writes": str(done.writes),
+                                      "eigenvalues": str(done.eigenvalues),
+                                      "basis": str(done.basis)}), done
 
 
 def curvature_of(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) -> Curvature:
-    """The store's :class:`~service.curvature.Curvature` as fitted now (409 before a fit)."""
-    found = fitted(files, key)
-    if found is None:
-        raise _unfitted(store_id)
+    """The store's :class:`~service.curvature.Curvature` as fitted now (409 before a fit);
+    without EK-FAC's eigenvalues where the second pass has not run since the first's last
+    batch."""
+    found = require(files, key, store_id)
     epoch = files.manifest(key).epoch
     made: Curvature = files.kept_at("curvature", key, (epoch, found.writes),
-                                    lambda: _curvature(spec, *_tensors(files, key, store_id)))
+                                    lambda: _curvature(files, key, spec, store_id))
     return made
 
 
-def _curvature(spec: StoreSpec, found: Fitted, t: dict[str, np.ndarray]) -> Curvature:
+def _curvature(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) -> Curvature:
     """Kept under the writes count its header read; a write in between only makes the kept
     curvature newer than its key, and the next query reads the next count."""
-    layers = {w: _layer(spec, w, t[f"inputs/{w}"].shape[0], t[f"grads/{w}"].shape[0])
-              for w in found.layers}
-    sums = Covariances({w: torch.from_numpy(t[f"inputs/{w}"]) for w in layers},
-                       {w: torch.from_numpy(t[f"grads/{w}"]) for w in layers},
-                       {w: round(float(t[f"tokens/{w}"].sum())) for w in layers}, found.samples)
-    bases = curvature.bases(sums)
-    grads = as_grads(spec, t["rows"])
-    return curvature.curvature(layers, bases, curvature.corrections_of(layers, bases, grads))
+    found, t = _tensors(files, key, store_id)
+    layers, bases = _bases(files, key, spec, found, t)
+    n, m = max(found.samples, 1), max(found.eigenvalues, 1)
+    corrected = {w: torch.from_numpy(t[f"eigen/{w}"]) / m for w in layers
+                 if found.eigenvalues}
+    diagonal = {k.removeprefix("diagonal/"): torch.from_numpy(v) / n for k, v in t.items()
+                if k.startswith("diagonal/")}
+    return Curvature(layers, bases, corrected, diagonal, found.samples)
 
 
-def _layer(spec: StoreSpec, weight: str, columns: int, rows: int) -> Linear:
-    """The layer of a weight's factors, by their widths: its bias (``...bias``) a column of
-    ones where the inputs' side is one wider than the weight's columns, a row where the
-    output gradients' side is one longer than its rows (a transposed weight), else none."""
-    shape, bias = spec.shapes[weight], curvature.bias_of(weight)
-    if columns == math.prod(shape[1:]) + 1:
-        return Linear(weight, bias)
-    if rows == shape[0] + 1:
-        return Linear(weight, bias, transposed=True)
-    return Linear(weight, None)
+def _bases(files: StoreFiles, key: str, spec: StoreSpec, found: Fitted,
+           t: dict[str, np.ndarray]) -> tuple[dict[str, Linear], dict[str, Basis]]:
+    """The layers of the first pass's sums in ``t`` and their eigenbases, made once per
+    first-pass state (``found.basis``)."""
+    def make() -> tuple[dict[str, Linear], dict[str, Basis]]:
+        layers = _layers(spec, t, found.layers)
+        sums = Covariances({w: torch.from_numpy(t[f"inputs/{w}"]) for w in layers},
+                           {w: torch.from_numpy(t[f"grads/{w}"]) for w in layers},
+                           {w: round(float(t[f"tokens/{w}"].sum())) for w in layers},
+                           found.samples)
+        return layers, curvature.bases(sums)
+
+    epoch = files.manifest(key).epoch
+    made: tuple[dict[str, Linear], dict[str, Basis]] = files.kept_at(
+        "bases", key, (epoch, found.basis), make)
+    return made
+
+
+def _layers(spec: StoreSpec, t: dict[str, np.ndarray], weights: Iterable[str]
+            ) -> dict[str, Linear]:
+    """The layer of each weight's factors in ``t``, by their widths: its bias (``...bias``) a
+    column of ones where the inputs' side is one wider than the weight's columns, a row where
+    the output gradients' side is one longer than its rows (a transposed weight), else none."""
+    out = {}
+    for w in weights:
+        shape, bias = spec.shapes[w], curvature.bias_of(w)
+        columns, rows = t[f"inputs/{w}"].shape[0], t[f"grads/{w}"].shape[0]
+        out[w] = (Linear(w, bias) if columns == math.prod(shape[1:]) + 1
+                  else Linear(w, bias, transposed=True) if rows == shape[0] + 1
+                  else Linear(w, None))
+    return out
 
 
 def as_grads(spec: StoreSpec, rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -212,6 +307,11 @@ def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kin
     """Query rows of full gradients ``[n, P]`` times ``(F + damping I)^-1`` (the curvature's
     default damping where ``damping`` is None), as rows of the store: flattened, or sketched
     with its projection where it keeps sketches; and the damping used."""
+    if kind == "ekfac" and curv.layers and not curv.corrected:
+        raise Conflict(f"store '{spec.id}''s factors have no EK-FAC eigenvalues (or none since "
+                       "their last batch, which changed the bases): fit them with POST "
+                       f"/stores/{spec.id}/factors/eigenvalues (the same samples, as for "
+                       "/factors), or ask for 'kfac'")
     used = curv.default_damping(kind) if damping is None else damping
     if not used > 0:
         raise InvalidInput("'damping' must be > 0 (leave it out for the default, a tenth of "

@@ -111,11 +111,12 @@ def test_stores_factors_and_ekfac_query(url: str, tmp_path: Path) -> None:
     part = json.loads(cli(url, "stores", "factors", "full", "--inputs",
                           str(tmp_path / "x_part.npy"), "--targets", str(tmp_path / "y_part.npy"),
                           "--no-progress"))
-    assert part["factors"]["samples"] == 12
+    assert part["factors"]["samples"] == part["factors"]["eigenvalues"] == 12
     done = json.loads(cli(url, "stores", "factors", "full", "--inputs", str(tmp_path / "x.npy"),
                           "--targets", str(tmp_path / "y.npy"), "--resume", "--batch-size", "8",
                           "--no-progress"))
     assert (done["factors"]["samples"], done["fitted"], done["skipped"]) == (30, 18, 12)
+    assert done["factors"]["eigenvalues"] == 30  # the factors' new bases: all of them again
     got = json.loads(cli(url, "stores", "query", "full", "--inputs", str(tmp_path / "tx.npy"),
                          "--targets", str(tmp_path / "ty.npy"), "-k", "3", "--score", "ekfac",
                          "--damping", "0.05"))

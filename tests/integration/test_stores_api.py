@@ -266,12 +266,12 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
                                                                  **test}),
           409, "conflict", "POST /stores/fk/factors")
     halves = [{k: v[a:a + 20] for k, v in train.items()} for a in (0, 20)]
-    for half in halves:
-        r = await c.post("/stores/fk/factors", headers=ALICE, json=half)
-        assert r.status_code == 200 and r.json()["fitted"] == 20, r.text
-    assert r.json()["factors"] == {"samples": 40, "layers": ["fc1.weight", "fc2.weight"]}
+    error(await c.post("/stores/fk/factors/eigenvalues", headers=ALICE, json=halves[0]),
+          409, "conflict", "POST /stores/fk/factors")
+    await _fit(c, "fk", halves)
     r = await c.get("/stores/fk", headers=ALICE)
-    assert r.json()["factors"]["samples"] == 40
+    assert r.json()["factors"] == {"samples": 40, "eigenvalues": 40,
+                                   "layers": ["fc1.weight", "fc2.weight"]}
 
     model = load_model("att", "mlp", MLP, device=torch.device("cpu"), dtype=torch.float64)
     params = list(model.params)
@@ -305,7 +305,8 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
     error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
                                                                  "damping": 0, **test}),
           422, "invalid_input", "'damping' must be > 0")
-    error(await c.post("/stores/fk/factors", headers=BOB, json=halves[0]), 404, "not_found")
+    for route in ("factors", "factors/eigenvalues"):  # another tenant's store: none of Bob's
+        error(await c.post(f"/stores/fk/{route}", headers=BOB, json=halves[0]), 404, "not_found")
 
     # a store of sketches: the preconditioned query sketched with the store's projection
     r = await c.put("/stores/sk", headers=ALICE, json={"model": "att", "projection_dim": DIM,
@@ -313,10 +314,7 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
     assert r.status_code == 201, r.text
     r = await c.post("/stores/sk/samples", headers=ALICE, json={**train, "ids": list(range(40))})
     assert r.status_code == 200, r.text
-    for half in halves:
-        r = await c.post("/stores/sk/factors", headers=ALICE, json=half)
-        assert r.status_code == 200 and r.json()["fitted"] == 20, r.text
-    assert r.json()["factors"] == {"samples": 40, "layers": ["fc1.weight", "fc2.weight"]}
+    await _fit(c, "sk", halves)
 
     def sketch(g: dict[str, torch.Tensor]) -> np.ndarray:
         out = torch.zeros(len(g[params[0]]), DIM, dtype=torch.float64)
@@ -339,26 +337,59 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
           422, "invalid_input", "send the samples")
 
 
+async def _fit(c: httpx.AsyncClient, store: str, batches: list[dict[str, Any]]) -> None:
+    """Both passes of a store's fit over ``batches``: its factors, then their eigenvalues
+    (``ekfac`` refused in between, naming the second pass; ``kfac`` answered)."""
+    test = {k: v[:1] for k, v in batches[0].items()}
+    for i, part in enumerate(batches):
+        r = await c.post(f"/stores/{store}/factors", headers=ALICE, json=part)
+        assert r.status_code == 200 and r.json()["fitted"] == len(part["inputs"]), r.text
+        assert r.json()["factors"]["eigenvalues"] == 0, r.text
+        if i == 0 and len(batches) > 1:  # dropped by the next batch's new bases
+            r = await c.post(f"/stores/{store}/factors/eigenvalues", headers=ALICE, json=part)
+            assert r.status_code == 200 and r.json()["factors"]["eigenvalues"] == len(
+                part["inputs"]), r.text
+    error(await c.post(f"/stores/{store}/query", headers=ALICE,
+                       json={"k": 1, "score": "ekfac", **test}),
+          409, "conflict", f"POST /stores/{store}/factors/eigenvalues")
+    r = await c.post(f"/stores/{store}/query", headers=ALICE, json={"k": 1, "score": "kfac",
+                                                                     **test})
+    assert r.status_code == 200, r.text
+    for part in batches:
+        r = await c.post(f"/stores/{store}/factors/eigenvalues", headers=ALICE, json=part)
+        assert r.status_code == 200 and r.json()["fitted"] == len(part["inputs"]), r.text
+    assert r.json()["factors"]["samples"] == r.json()["factors"]["eigenvalues"] == sum(
+        len(part["inputs"]) for part in batches)
+
+
 async def test_factors_past_the_size_limit_are_refused_before_the_workers_run(
         tmp_path: Path) -> None:
-    """A batch whose gradients alone would take the factors file past
-    ``PSGRAD_MAX_FACTORS_BYTES`` gets a 413 from the estimate (samples fitted plus sent, times
-    the selected values, 4 bytes each) before any job is queued; the fit so far is kept."""
-    per_sample = 53 * 4  # fc1 and fc2, weights and biases, in float32
-    async with open_client(data_dir=str(tmp_path / "data"), max_factors_bytes=30 * per_sample,
-                           **KEYS) as c:
-        await _register(c)
-        r = await c.put("/stores/fk", headers=ALICE, json={"model": "att"})
-        assert r.status_code == 201, r.text
-        r = await c.post("/stores/fk/factors", headers=ALICE, json=batch(20, 21))
-        assert r.status_code == 200 and r.json()["factors"]["samples"] == 20, r.text
-        samples = _samples_computed((await c.get("/metrics")).text)
-        error(await c.post("/stores/fk/factors", headers=ALICE, json=batch(20, 22)),
-              413, "too_large", f"would hold at least {40 * per_sample} bytes (40 fitting samples'",
-              "PSGRAD_MAX_FACTORS_BYTES")
-        r = await c.get("/stores/fk", headers=ALICE)
-        assert r.json()["factors"]["samples"] == 20
-        assert _samples_computed((await c.get("/metrics")).text) == samples == 20
+    """The factors file does not grow with the samples fitted: a limit under its estimate (the
+    layers' factors and two values per parameter, 8 bytes each, and the header) is a 413 naming
+    ``PSGRAD_MAX_FACTORS_BYTES`` before any job is queued; at the estimate, both passes fit."""
+    model = load_model("att", "mlp", MLP, device=torch.device("cpu"))
+    estimate = factors.estimate(model, list(model.params))
+    assert estimate > 8 * curvature.factor_numel(model, list(model.params))
+    for limit in (estimate - 1, estimate):
+        async with open_client(data_dir=str(tmp_path / f"data-{limit}"),
+                               max_factors_bytes=limit, **KEYS) as c:
+            await _register(c)
+            r = await c.put("/stores/fk", headers=ALICE, json={"model": "att"})
+            assert r.status_code == 201, r.text
+            if limit < estimate:
+                error(await c.post("/stores/fk/factors", headers=ALICE, json=batch(20, 21)),
+                      413, "too_large", f"would hold at most {estimate} bytes",
+                      "PSGRAD_MAX_FACTORS_BYTES")
+                r = await c.get("/stores/fk", headers=ALICE)
+                assert r.json()["factors"] is None
+                assert _samples_computed((await c.get("/metrics")).text) == 0
+            else:
+                r = await c.post("/stores/fk/samples", headers=ALICE,
+                                 json={**batch(20, 21), "ids": list(range(20))})
+                assert r.status_code == 200, r.text
+                await _fit(c, "fk", [batch(20, 21), batch(20, 22)])
+                size = (tmp_path / f"data-{limit}" / "stores").glob("*/factors.safetensors")
+                assert 0 < next(size).stat().st_size <= estimate
 
 
 def _samples_computed(metrics: str) -> float:
@@ -396,8 +427,7 @@ async def test_an_ensembles_checkpoints_each_fit_and_score_their_own_factors(
     train, test = batch(30, 51), batch(2, 52)
     r = await c.post("/stores/ek/samples", headers=ALICE, json={**train, "ids": list(range(30))})
     assert r.status_code == 200, r.text
-    r = await c.post("/stores/ek/factors", headers=ALICE, json=train)
-    assert r.status_code == 200 and r.json()["factors"]["samples"] == 30, r.text
+    await _fit(c, "ek", [train])
     total, dampings = np.zeros((2, 30)), []
     for state in ({k: v.detach() for k, v in base.items()}, shifted):
         model = load_model("att", "mlp", MLP, state, device=torch.device("cpu"),

@@ -186,6 +186,7 @@ def test_kfac_covers_an_exported_graphs_linear_layers(registry: ModelRegistry, n
     answer = dict(zip(("kfac_inputs", "kfac_grads", "kfac_tokens"), means, strict=True))
     rows = torch.cat([loop[k].flatten(1) for k in params], 1).numpy()
     factors.add(store, [("s", spec, answer, rows)], 1 << 30)
+    factors.add_eigenvalues(store, [("s", spec, rows)], "s", 1 << 30)
     kept = factors.curvature_of(store, "s", spec, "s")
     assert kept.layers == curv.layers
     for weight in curv.layers:

@@ -27,7 +27,7 @@ from service.stores import query
 from service.stores.files import MANIFEST, StoreFiles
 from service.stores.locks import RedisLocks, ThreadLocks
 from service.stores.query import Largest, check_score, default_lambda, search
-from service.stores.spec import StoreSpec, checked_ids
+from service.stores.spec import EXACT, StoreSpec, checked_ids
 from tests.support.redis import prefix_on, redis_or_skip
 from tests.support.stores import reference
 
@@ -762,37 +762,109 @@ def test_an_index_without_pieces_encodes_the_stored_rows(
     assert len(logged) == (0 if hnsw else 3), logged
 
 
+def fitting_spec() -> StoreSpec:
+    """A store of full gradients of a linear layer ``fc1`` [2, 3] with its bias (8 values)
+    and one more parameter ``scale`` [2] outside any layer."""
+    return StoreSpec(id="f", model="mlp@abc", loss="cross_entropy",
+                     params=("fc1.weight", "fc1.bias", "scale"), projection_dim=10,
+                     projection_seed=0, projection_kind=EXACT, dtype="float32",
+                     shapes={"fc1.weight": [2, 3], "fc1.bias": [2], "scale": [2]})
+
+
+def fitting_answer(layers: tuple[str, ...] = ("fc1.weight",), seed: int = 0
+                   ) -> dict[str, Any]:
+    """A first-pass answer's factors (means over its samples): ``fc1`` with its bias column."""
+    rng = np.random.default_rng(seed)
+    a, g = rng.standard_normal((4, 4)), rng.standard_normal((2, 2))
+    return {"kfac_inputs": {w: a @ a.T for w in layers},
+            "kfac_grads": {w: g @ g.T for w in layers},
+            "kfac_tokens": {w: np.float64(1.0) for w in layers}}
+
+
 def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_path: Path) -> None:
     """A batch whose layers one checkpoint's factors do not cover is refused there, and the
-    other checkpoint, checked first, keeps its file as it was; so is a batch that takes one
-    checkpoint's file past the size limit (413 naming the setting)."""
+    other checkpoint's file is left as it was; so is a batch past the size limit; the file
+    does not grow with the samples fitted."""
     from service.stores import factors
 
     store = files(tmp_path)
     for key in ("a", "b"):
-        store.create(key, spec())
-    rows = np.ones((2, K), np.float32)
-
-    def answer(*layers: str) -> dict[str, Any]:
-        return {"kfac_inputs": {w: np.eye(3) for w in layers},
-                "kfac_grads": {w: np.eye(2) for w in layers},
-                "kfac_tokens": {w: np.float64(1.0) for w in layers}}
-
-    first = factors.add(store, [("b", spec(), answer("fc1.weight"), rows)], LIMIT)
+        store.create(key, fitting_spec())
+    rows = np.ones((2, 10), np.float32)
+    first = factors.add(store, [("b", fitting_spec(), fitting_answer(), rows)], LIMIT)
     assert (first.samples, first.writes, first.layers) == (2, 1, ["fc1.weight"])
     before = store.read_file("b", factors.FILE)
     assert before is not None
-    with pytest.raises(Conflict, match=r"cover the layers fc1\.weight"):
-        factors.add(store, [("a", spec(), answer("fc1.weight", "fc2.weight"), rows),
-                            ("b", spec(), answer("fc1.weight", "fc2.weight"), rows)], LIMIT)
+    with pytest.raises(Conflict, match=r"cover the layers fc1\.weight"):  # this one: none
+        factors.add(store, [("a", fitting_spec(), fitting_answer(()), rows),
+                            ("b", fitting_spec(), fitting_answer(()), rows)], LIMIT)
     assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
     with pytest.raises(TooLarge, match="PSGRAD_MAX_FACTORS_BYTES") as refused:
-        # a's new file is smaller than b's, which already holds a batch: b's is past the limit
-        factors.add(store, [("a", spec(), answer("fc1.weight"), rows),
-                            ("b", spec(), answer("fc1.weight"), rows)], len(before) + 1)
-    assert refused.value.details["size"] > len(before) + 1
+        factors.add(store, [("a", fitting_spec(), fitting_answer(), rows),
+                            ("b", fitting_spec(), fitting_answer(), rows)], len(before) - 1)
+    assert refused.value.details["size"] == len(before)
     assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
-    both = factors.add(store, [("a", spec(), answer("fc1.weight"), rows),
-                               ("b", spec(), answer("fc1.weight"), rows)], LIMIT)
+    both = factors.add(store, [("a", fitting_spec(), fitting_answer(), rows),
+                               ("b", fitting_spec(), fitting_answer(), rows)], LIMIT)
     assert (both.samples, both.writes) == (2, 1)  # a's own first batch
-    assert factors.fitted(store, "b") == factors.Fitted(4, 2, ["fc1.weight"])
+    assert factors.fitted(store, "b") == factors.Fitted(4, 2, ["fc1.weight"], 0, 2)
+    assert len(store.read_file("b", factors.FILE) or b"") == len(before)
+
+
+def test_eigenvalues_are_second_moments_in_the_bases_of_the_factors_as_they_are(
+        tmp_path: Path) -> None:
+    """The second pass adds each sample's ``(Q_S^T G Q_A)^2`` in the bases of the first pass's
+    sums (EK-FAC's eigenvalues by their definition, against numpy's eigendecomposition), and
+    ``scale`` gets its diagonal Fisher from the first pass; a first-pass batch after it drops
+    them (409 for ``ekfac``, ``kfac`` still answered); a store without factors and a file of an
+    earlier psgrad are 409s."""
+    import torch
+
+    from service import curvature
+    from service.stores import factors
+
+    store, spec_ = files(tmp_path), fitting_spec()
+    store.create("f", spec_)
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal((n, 10)).astype(np.float32) for n in (3, 4)]
+    with pytest.raises(Conflict, match="POST /stores/f/factors"):
+        factors.add_eigenvalues(store, [("f", spec_, rows[0])], "f", LIMIT)
+    answers = [fitting_answer(seed=i) for i in (1, 2)]
+    for answer, part in zip(answers, rows, strict=True):
+        factors.add(store, [("f", spec_, answer, part)], LIMIT)
+    for part in rows:
+        done = factors.add_eigenvalues(store, [("f", spec_, part)], "f", LIMIT)
+    assert (done.samples, done.eigenvalues, done.writes, done.basis) == (7, 7, 4, 2)
+
+    every = np.concatenate(rows).astype(np.float64)
+    inputs = sum(a["kfac_inputs"]["fc1.weight"] * len(r) for a, r in zip(answers, rows,
+                                                                        strict=True))
+    grads = sum(a["kfac_grads"]["fc1.weight"] * len(r) for a, r in zip(answers, rows,
+                                                                      strict=True))
+    q_a = np.linalg.eigh(inputs / 7)[1]
+    q_s = np.linalg.eigh(grads / 7)[1]
+    g = np.concatenate([every[:, :6].reshape(7, 2, 3), every[:, 6:8, None]], axis=2)  # bias last
+    want = (np.einsum("so,nsi,ij->noj", q_s, g, q_a) ** 2).mean(0)
+    curv = factors.curvature_of(store, "f", spec_, "f")
+    np.testing.assert_allclose(curv.corrected["fc1.weight"].numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(curv.diagonal["scale"].numpy(), (every[:, 8:] ** 2).mean(0),
+                               rtol=1e-6)
+    assert set(curv.diagonal) == {"scale"}
+    query = every[:2]
+    for kind in curvature.KINDS:
+        got, used = factors.preconditioned(spec_, curv, query, kind, None)
+        assert used == pytest.approx(curv.default_damping(kind)) and got.shape == (2, 10)
+
+    factors.add(store, [("f", spec_, answers[0], rows[0])], LIMIT)
+    again = factors.curvature_of(store, "f", spec_, "f")
+    assert not again.corrected and factors.fitted(store, "f").eigenvalues == 0  # type: ignore[union-attr]
+    with pytest.raises(Conflict, match="POST /stores/f/factors/eigenvalues"):
+        factors.preconditioned(spec_, again, query, "ekfac", None)
+    assert factors.preconditioned(spec_, again, query, "kfac", None)[0].shape == (2, 10)
+
+    old = {"rows": np.zeros((1, 10), np.float32), "inputs/fc1.weight": np.eye(4)}
+    from safetensors.numpy import save as st_save
+    store.write_file("f", factors.FILE, st_save(old, metadata={"samples": "1", "writes": "1"}))
+    with pytest.raises(Conflict, match="earlier psgrad"):
+        factors.curvature_of(store, "f", spec_, "f")
+    assert torch.is_tensor(again.diagonal["scale"])

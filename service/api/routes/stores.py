@@ -143,6 +143,7 @@ def _doc(spec: StoreSpec, manifest: Manifest, fitted: factors.Fitted | None = No
             "state": "ready" if manifest.count else "empty",
             "indexed": manifest.trained is not None,  # an index written whole before pieces scans
             "factors": None if fitted is None else {"samples": fitted.samples,
+                                                    "eigenvalues": fitted.eigenvalues,
                                                     "layers": fitted.layers}}
 
 
@@ -336,28 +337,52 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
 @router.post("/{store_id}/factors",
              openapi_extra=_body(SampleBatch, "a batch (inputs, targets, ...), as for /samples"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
-             summary="Fit the store's K-FAC and EK-FAC factors over a batch (repeatable)")
+             summary="Fit the store's K-FAC factors over a batch (repeatable)")
 async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
                       scope: ScopeDep) -> dict[str, Any]:
-    """The workers compute the batch's K-FAC factors (``kfac_inputs``) and gradients with the
-    store's model version, loss and parameters; they are added to the store's (each
-    checkpoint's own, for an ensemble), all or nothing. Each batch adds to the fit: send the
-    fitting set in as many batches as suits (the store's own samples, or others). ``GET
-    /stores/{id}`` shows ``factors``: the samples fitted and the layers covered."""
+    """The first pass: the workers compute the batch's K-FAC factors (``kfac_inputs``) and
+    gradients with the store's model version, loss and parameters, and they are added to the
+    store's (each checkpoint's own, for an ensemble), all or nothing. Each batch adds to the
+    fit: send the fitting set in as many batches as suits (the store's own samples, or
+    others); ``kfac`` queries need only this pass, ``ekfac`` the second one after it (``POST
+    /stores/{id}/factors/eigenvalues``: a batch here changes the bases and drops the
+    eigenvalues). ``GET /stores/{id}`` shows ``factors``: each pass's samples and the layers
+    covered."""
+    return await _fitting(store_id, request, state, tenant, scope, second=False)
+
+
+@router.post("/{store_id}/factors/eigenvalues",
+             openapi_extra=_body(SampleBatch, "a batch (inputs, targets, ...), as for /samples"),
+             responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
+             summary="Fit the store's EK-FAC eigenvalues over a batch (after its factors)")
+async def fit_eigenvalues(store_id: StoreId, request: Request, state: StateDep,
+                          tenant: TenantDep, scope: ScopeDep) -> dict[str, Any]:
+    """The second pass: the workers compute the batch's gradients, which are added to EK-FAC's
+    eigenvalues in the bases of the store's factors as they are now (each checkpoint's own),
+    all or nothing; 409 before any factors. Send the same fitting samples as to ``/factors``,
+    in as many batches as suits."""
+    return await _fitting(store_id, request, state, tenant, scope, second=True)
+
+
+async def _fitting(store_id: str, request: Request, state: AppState, tenant: Tenant,
+                   scope: Scope, *, second: bool) -> dict[str, Any]:
+    """One batch of a fit's first or ``second`` pass, for every checkpoint of the store."""
     fields = await decode_request(request, state.settings, one_job=False, need_model=False)
-    key, what = _key(scope, store_id), f"POST /stores/{store_id}/factors"
+    key = _key(scope, store_id)
+    what = f"POST /stores/{store_id}/factors{'/eigenvalues' if second else ''}"
+    files, max_bytes = state.storage.gradients, state.settings.max_factors_bytes
 
     def check() -> tuple[StoreSpec, list[dict[str, Any]]]:
         spec = _spec(state, key, store_id)
         spec.check_version()
         factors.check_fits(spec, store_id)
-        jobs = [{**job, "outputs": ["grads", "kfac_inputs"]}
+        if second:
+            for member_key, _ in spec.members(key):
+                factors.require(files, member_key, store_id)
+        jobs = [{**job, "outputs": ["grads"] if second else ["grads", "kfac_inputs"]}
                 for job in rows_requests(spec, key, fields, what, full=True)]
         parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
-        width = sum(parsed.model.params[p].numel() for p in spec.params)
-        for member_key, member in spec.members(key):
-            factors.check_room(state.storage.gradients, member_key, member, parsed.batch.size,
-                               width, state.settings.max_factors_bytes)
+        factors.check_room(parsed.model, spec.params, max_bytes)
         return spec, jobs
 
     await conform(SampleBatch, fields, check)
@@ -368,10 +393,11 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
         _same_model(member, answer)
 
     def keep() -> dict[str, Any]:
-        done = factors.add(state.storage.gradients, [
-            (member_key, member, answer, set_rows(member, answer, full=True))
-            for (member_key, member), answer in zip(members, answers, strict=True)],
-            state.settings.max_factors_bytes)
+        parts = [(member_key, member, answer, set_rows(member, answer, full=True))
+                 for (member_key, member), answer in zip(members, answers, strict=True)]
+        done = (factors.add_eigenvalues(files, [(k, m, rows) for k, m, _, rows in parts],
+                                        store_id, max_bytes) if second
+                else factors.add(files, parts, max_bytes))
         return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
 
