@@ -447,8 +447,13 @@ def rotated_squares(layers: dict[str, Linear], found: dict[str, Basis], grads: T
 def diagonal_squares(layers: dict[str, Linear], grads: Tensors) -> dict[str, torch.Tensor]:
     """Per parameter outside ``layers``, ``sum_i g_i^2`` over per-sample gradients: its
     diagonal Fisher, times ``n`` (no basis: the first pass can sum it)."""
-    covered = {p for layer in layers.values() for p in (layer.weight, layer.bias) if p}
-    return {k: v.to(WIDE).square().sum(0) for k, v in grads.items() if k not in covered}
+    inside = covered(layers)
+    return {k: v.to(WIDE).square().sum(0) for k, v in grads.items() if k not in inside}
+
+
+def covered(layers: dict[str, Linear]) -> set[str]:
+    """The parameters ``layers`` precondition: their weights and selected biases."""
+    return {p for layer in layers.values() for p in (layer.weight, layer.bias) if p}
 
 
 def fit(model: LoadedModel, loss: str, gamma: float, params: Sequence[str],

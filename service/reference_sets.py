@@ -9,6 +9,7 @@ small gradient store (:mod:`service.stores.sets`), which every process of a depl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -79,18 +80,23 @@ def split(fields: dict[str, Any], limit: int) -> list[dict[str, Any]]:
 
 
 def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The answers of :func:`split`'s jobs as one (same model version: checked)."""
+    """The answers of :func:`split`'s jobs as one (same model version: checked): rows
+    concatenated, K-FAC's factors and the gradients' mean and variance merged as moments."""
     first = parts[0]
     if len({str(p["model"]) for p in parts}) != 1:
         raise Conflict("the model changed version while the set was computed; send it again")
     out = {**first, "batch_size": sum(int(p["batch_size"]) for p in parts)}
     counts = [int(p["batch_size"]) for p in parts]
+    def each(name: str) -> list[Mapping[str, np.ndarray]]:
+        return [{k: np.asarray(v) for k, v in p[name].items()} for p in parts]
+
     for name in answer_fields(["kfac_inputs"]) if "kfac_inputs" in first else ():
-        out[name] = merge_moments(counts, [{k: np.asarray(v) for k, v in p[name].items()}
-                                           for p in parts])[0]  # means: n-weighted
+        out[name] = merge_moments(counts, each(name))[0]  # means: n-weighted
+    if "variance" in first:  # with its mean: Chan's formula
+        out["mean"], out["variance"] = merge_moments(counts, each("mean"), each("variance"))
     if "projection" in first:
         out["projection"] = np.concatenate([np.asarray(p["projection"]) for p in parts])
-    else:
+    elif "grads" in first:
         out["grads"] = {k: np.concatenate([np.asarray(p["grads"][k]) for p in parts])
                         for k in first["grads"]}
     return out

@@ -58,6 +58,9 @@ from service.strategies.projection import Projection
 
 FILE = "factors.safetensors"
 FIRST = ("inputs", "grads", "tokens")  # the first pass's factors, per layer
+# what the workers answer for it: the factors, and the gradients' mean and variance, whence
+# the diagonal Fisher of every other parameter (no per-sample gradients)
+FIRST_OUTPUTS = ("kfac_inputs", "mean", "variance")
 ENTRY_BYTES = 256  # a tensor's entry in the file's header, at most (its name, shape, offsets)
 
 
@@ -127,14 +130,14 @@ def check_fits(spec: StoreSpec, store_id: str) -> None:
                        "DELETE) and add its samples")
 
 
-def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any], np.ndarray]],
+def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any]]],
         max_bytes: int) -> Fitted:
     """Add one batch's factors to each store of ``parts`` (an ensemble's checkpoints: key,
-    definition, the workers' answer with ``kfac_inputs``, ``kfac_grads`` and ``kfac_tokens``
-    as means over its samples, and its gradient ``rows``), all of them or none: the first
-    pass (the eigenvalues fitted before are dropped). Answers the first's :class:`Fitted`."""
-    return _written(files, [(key, functools.partial(_merged, files, key, spec, answer, rows))
-                            for key, spec, answer, rows in parts], max_bytes)
+    definition, and the workers' answer of :data:`FIRST_OUTPUTS`), all of them or none: the
+    first pass (the eigenvalues fitted before are dropped). Answers the first's
+    :class:`Fitted`."""
+    return _written(files, [(key, functools.partial(_merged, files, key, spec, answer))
+                            for key, spec, answer in parts], max_bytes)
 
 
 def add_eigenvalues(files: StoreFiles, parts: list[tuple[str, StoreSpec, np.ndarray]],
@@ -188,18 +191,21 @@ def _within(size: int, max_bytes: int, bound: str = "") -> None:
             limit=max_bytes, size=size)
 
 
-def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],
-            rows: np.ndarray) -> tuple[bytes, Fitted]:
+def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any]
+            ) -> tuple[bytes, Fitted]:
     """The store's factors file with one first-pass batch added (its bytes), and what it
-    says: the covariances and the diagonal Fisher's sums grow, the eigenvalues go."""
-    n = len(rows)
+    says: the covariances and the diagonal Fisher's sums grow (``sum_i g_i^2 = n (variance +
+    mean^2)``, elementwise), the eigenvalues go."""
+    n = int(answer["batch_size"])
     sums = {f"{part}/{w}": np.atleast_1d(np.asarray(v, np.float64)) * n
             for part, field in (("inputs", "kfac_inputs"), ("grads", "kfac_grads"),
                                 ("tokens", "kfac_tokens"))
             for w, v in answer[field].items()}
     layers = _layers(spec, sums, answer["kfac_inputs"])
-    sums.update({f"diagonal/{p}": v.numpy() for p, v in curvature.diagonal_squares(
-        layers, as_grads(spec, rows)).items()})
+    inside = curvature.covered(layers)
+    sums.update({f"diagonal/{p}": n * (np.asarray(answer["variance"][p], np.float64)
+                                       + np.asarray(answer["mean"][p], np.float64) ** 2)
+                 for p in spec.params if p not in inside})
     old = fitted(files, key)
     tensors: dict[str, np.ndarray]
     if old is None:

@@ -183,14 +183,19 @@ def test_kfac_covers_an_exported_graphs_linear_layers(registry: ModelRegistry, n
                      shapes={k: list(v.shape) for k, v in model.params.items()})
     store.create("s", spec)
     means = curvature.factor_means(model, loss, 1.0, params, parsed.batch.samples())
-    answer = dict(zip(("kfac_inputs", "kfac_grads", "kfac_tokens"), means, strict=True))
+    answer = {**dict(zip(("kfac_inputs", "kfac_grads", "kfac_tokens"), means, strict=True)),
+              "batch_size": len(next(iter(loop.values()))),
+              "mean": {k: v.mean(0).numpy() for k, v in loop.items()},
+              "variance": {k: v.var(0, correction=0).numpy() for k, v in loop.items()}}
     rows = torch.cat([loop[k].flatten(1) for k in params], 1).numpy()
-    factors.add(store, [("s", spec, answer, rows)], 1 << 30)
+    factors.add(store, [("s", spec, answer)], 1 << 30)
     factors.add_eigenvalues(store, [("s", spec, rows)], "s", 1 << 30)
     kept = factors.curvature_of(store, "s", spec, "s")
     assert kept.layers == curv.layers
     for weight in curv.layers:
         assert_close(kept.corrected[weight], curv.corrected[weight], weight)
+    for name, diagonal in curv.diagonal.items():
+        assert_close(kept.diagonal[name], diagonal, name)
 
 
 class FlattensTheBatch(nn.Module):

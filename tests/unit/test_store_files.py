@@ -771,14 +771,19 @@ def fitting_spec() -> StoreSpec:
                      shapes={"fc1.weight": [2, 3], "fc1.bias": [2], "scale": [2]})
 
 
-def fitting_answer(layers: tuple[str, ...] = ("fc1.weight",), seed: int = 0
+def fitting_answer(rows: np.ndarray, layers: tuple[str, ...] = ("fc1.weight",), seed: int = 0
                    ) -> dict[str, Any]:
-    """A first-pass answer's factors (means over its samples): ``fc1`` with its bias column."""
+    """A first-pass answer for gradient ``rows`` ``[n, 10]``: the factors (means over its
+    samples; ``fc1`` with its bias column), and the gradients' mean and variance."""
     rng = np.random.default_rng(seed)
     a, g = rng.standard_normal((4, 4)), rng.standard_normal((2, 2))
-    return {"kfac_inputs": {w: a @ a.T for w in layers},
+    split = dict(zip(fitting_spec().params, np.split(rows.astype(np.float64), [6, 8], axis=1),
+                     strict=True))
+    return {"batch_size": len(rows), "kfac_inputs": {w: a @ a.T for w in layers},
             "kfac_grads": {w: g @ g.T for w in layers},
-            "kfac_tokens": {w: np.float64(1.0) for w in layers}}
+            "kfac_tokens": {w: np.float64(1.0) for w in layers},
+            "mean": {k: v.mean(0) for k, v in split.items()},
+            "variance": {k: v.var(0) for k, v in split.items()}}
 
 
 def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_path: Path) -> None:
@@ -791,21 +796,21 @@ def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_pat
     for key in ("a", "b"):
         store.create(key, fitting_spec())
     rows = np.ones((2, 10), np.float32)
-    first = factors.add(store, [("b", fitting_spec(), fitting_answer(), rows)], LIMIT)
+    first = factors.add(store, [("b", fitting_spec(), fitting_answer(rows))], LIMIT)
     assert (first.samples, first.writes, first.layers) == (2, 1, ["fc1.weight"])
     before = store.read_file("b", factors.FILE)
     assert before is not None
     with pytest.raises(Conflict, match=r"cover the layers fc1\.weight"):  # this one: none
-        factors.add(store, [("a", fitting_spec(), fitting_answer(()), rows),
-                            ("b", fitting_spec(), fitting_answer(()), rows)], LIMIT)
+        factors.add(store, [("a", fitting_spec(), fitting_answer(rows, ())),
+                            ("b", fitting_spec(), fitting_answer(rows, ()))], LIMIT)
     assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
     with pytest.raises(TooLarge, match="PSGRAD_MAX_FACTORS_BYTES") as refused:
-        factors.add(store, [("a", fitting_spec(), fitting_answer(), rows),
-                            ("b", fitting_spec(), fitting_answer(), rows)], len(before) - 1)
+        factors.add(store, [("a", fitting_spec(), fitting_answer(rows)),
+                            ("b", fitting_spec(), fitting_answer(rows))], len(before) - 1)
     assert refused.value.details["size"] == len(before)
     assert factors.fitted(store, "a") is None and store.read_file("b", factors.FILE) == before
-    both = factors.add(store, [("a", fitting_spec(), fitting_answer(), rows),
-                               ("b", fitting_spec(), fitting_answer(), rows)], LIMIT)
+    both = factors.add(store, [("a", fitting_spec(), fitting_answer(rows)),
+                               ("b", fitting_spec(), fitting_answer(rows))], LIMIT)
     assert (both.samples, both.writes) == (2, 1)  # a's own first batch
     assert factors.fitted(store, "b") == factors.Fitted(4, 2, ["fc1.weight"], 0, 2)
     assert len(store.read_file("b", factors.FILE) or b"") == len(before)
@@ -815,7 +820,8 @@ def test_eigenvalues_are_second_moments_in_the_bases_of_the_factors_as_they_are(
         tmp_path: Path) -> None:
     """The second pass adds each sample's ``(Q_S^T G Q_A)^2`` in the bases of the first pass's
     sums (EK-FAC's eigenvalues by their definition, against numpy's eigendecomposition), and
-    ``scale`` gets its diagonal Fisher from the first pass; a first-pass batch after it drops
+    ``scale`` gets its diagonal Fisher from the first pass's means and variances (``E[g^2]``
+    of every sample of both batches); a first-pass batch after it drops
     them (409 for ``ekfac``, ``kfac`` still answered); a store without factors and a file of an
     earlier psgrad are 409s."""
     import torch
@@ -829,9 +835,9 @@ def test_eigenvalues_are_second_moments_in_the_bases_of_the_factors_as_they_are(
     rows = [rng.standard_normal((n, 10)).astype(np.float32) for n in (3, 4)]
     with pytest.raises(Conflict, match="POST /stores/f/factors"):
         factors.add_eigenvalues(store, [("f", spec_, rows[0])], "f", LIMIT)
-    answers = [fitting_answer(seed=i) for i in (1, 2)]
-    for answer, part in zip(answers, rows, strict=True):
-        factors.add(store, [("f", spec_, answer, part)], LIMIT)
+    answers = [fitting_answer(part, seed=i) for i, part in enumerate(rows, 1)]
+    for answer in answers:
+        factors.add(store, [("f", spec_, answer)], LIMIT)
     for part in rows:
         done = factors.add_eigenvalues(store, [("f", spec_, part)], "f", LIMIT)
     assert (done.samples, done.eigenvalues, done.writes, done.basis) == (7, 7, 4, 2)
@@ -855,7 +861,7 @@ def test_eigenvalues_are_second_moments_in_the_bases_of_the_factors_as_they_are(
         got, used = factors.preconditioned(spec_, curv, query, kind, None)
         assert used == pytest.approx(curv.default_damping(kind)) and got.shape == (2, 10)
 
-    factors.add(store, [("f", spec_, answers[0], rows[0])], LIMIT)
+    factors.add(store, [("f", spec_, answers[0])], LIMIT)
     again = factors.curvature_of(store, "f", spec_, "f")
     assert not again.corrected and factors.fitted(store, "f").eigenvalues == 0  # type: ignore[union-attr]
     with pytest.raises(Conflict, match="POST /stores/f/factors/eigenvalues"):

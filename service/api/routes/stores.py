@@ -340,8 +340,9 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
              summary="Fit the store's K-FAC factors over a batch (repeatable)")
 async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
                       scope: ScopeDep) -> dict[str, Any]:
-    """The first pass: the workers compute the batch's K-FAC factors (``kfac_inputs``) and
-    gradients with the store's model version, loss and parameters, and they are added to the
+    """The first pass: the workers compute the batch's K-FAC factors (``kfac_inputs``) and its
+    gradients' ``mean`` and ``variance`` (no per-sample gradients: an answer's size does not
+    grow with the batch) with the store's model version, loss and parameters; they are added to the
     store's (each checkpoint's own, for an ensemble), all or nothing. Each batch adds to the
     fit: send the fitting set in as many batches as suits (the store's own samples, or
     others); ``kfac`` queries need only this pass, ``ekfac`` the second one after it (``POST
@@ -379,7 +380,7 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
         if second:
             for member_key, _ in spec.members(key):
                 factors.require(files, member_key, store_id)
-        jobs = [{**job, "outputs": ["grads"] if second else ["grads", "kfac_inputs"]}
+        jobs = [{**job, "outputs": ["grads"] if second else list(factors.FIRST_OUTPUTS)}
                 for job in rows_requests(spec, key, fields, what, full=True)]
         parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         factors.check_room(parsed.model, spec.params, max_bytes)
@@ -393,11 +394,11 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
         _same_model(member, answer)
 
     def keep() -> dict[str, Any]:
-        parts = [(member_key, member, answer, set_rows(member, answer, full=True))
+        parts = [(member_key, member, answer)
                  for (member_key, member), answer in zip(members, answers, strict=True)]
-        done = (factors.add_eigenvalues(files, [(k, m, rows) for k, m, _, rows in parts],
-                                        store_id, max_bytes) if second
-                else factors.add(files, parts, max_bytes))
+        done = (factors.add_eigenvalues(files, [(k, m, set_rows(m, answer, full=True))
+                                                for k, m, answer in parts], store_id, max_bytes)
+                if second else factors.add(files, parts, max_bytes))
         return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
 
