@@ -333,9 +333,9 @@ class StoreFiles:
             return None, []
         name = old.trained
         if name is not None:
-            empty = self.kept_at("trained", key, (f"{old.epoch}/{name}", 0),
-                                 functools.partial(self._trained, key, name))
-            return (name, None), _pieces(empty, staged.shards, staged.rows, old.count)
+            empty, merge = self.kept_at("trained", key, (f"{old.epoch}/{name}", 0),
+                                        functools.partial(self._mergeable, key, name))
+            return (name, None), _pieces(empty, merge, staged.shards, staged.rows, old.count)
         if old.count + len(staged.rows) < index_file.rows_to_train(spec.index,
                                                                    spec.projection_dim):
             return None, []  # too few rows yet: the stored ones are not read to learn it
@@ -345,7 +345,13 @@ class StoreFiles:
             return None, []
         name = f"trained-{old.seq + 1}.faiss"
         return (name, index_file.to_bytes(empty)), _pieces(
-            empty, old.shards + staged.shards, every, 0)
+            empty, index_file.mergeable(empty), old.shards + staged.shards, every, 0)
+
+    def _mergeable(self, key: str, name: str) -> tuple[Any, bool]:
+        """The store's trained index, and whether FAISS merges indexes of its kind (asked
+        once: it clones the index twice)."""
+        empty = self._trained(key, name)
+        return empty, index_file.mergeable(empty)
 
     def _trained(self, key: str, name: str) -> Any:
         raw = self._read(self.path(key, name))
@@ -615,11 +621,11 @@ def views(raw: bytes | memoryview | mmap.mmap, where: Layout) -> dict[str, np.nd
             for name, (dtype, shape, offset) in where.items()}
 
 
-def _pieces(empty: Any, shards: Sequence[Shard], rows: np.ndarray, first: int
+def _pieces(empty: Any, merge: bool, shards: Sequence[Shard], rows: np.ndarray, first: int
             ) -> list[tuple[str, bytes]]:
     """The index pieces of ``shards``, which hold ``rows`` from global row ``first`` on: none
-    for an index FAISS does not merge (its live index adds the shards' rows)."""
-    if not index_file.mergeable(empty):
+    for an index FAISS does not ``merge`` (its live index adds the shards' rows)."""
+    if not merge:
         return []
     out, at = [], 0
     for shard in shards:
