@@ -117,6 +117,21 @@ def require(files: StoreFiles, key: str, store_id: str) -> Fitted:
     return found
 
 
+def check_scores(files: StoreFiles, key: str, store_id: str, kind: Kind) -> None:
+    """Before any worker computes a query's gradients: the store has the passes ``kind``
+    needs (409 naming the route of the one missing)."""
+    found = require(files, key, store_id)
+    if kind == "ekfac" and found.layers and not found.eigenvalues:
+        raise _no_eigenvalues(store_id)
+
+
+def _no_eigenvalues(store_id: str) -> Conflict:
+    return Conflict(f"store '{store_id}''s factors have no EK-FAC eigenvalues (or none since "
+                    "their last batch, which changed the bases): fit them with POST "
+                    f"/stores/{store_id}/factors/eigenvalues (the same samples, as for "
+                    "/factors), or ask for 'kfac'")
+
+
 def _unfitted(store_id: str) -> Conflict:
     return Conflict(f"store '{store_id}' has no factors: fit them with POST "
                     f"/stores/{store_id}/factors (a batch, as for /samples) first")
@@ -314,10 +329,7 @@ def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kin
     default damping where ``damping`` is None), as rows of the store: flattened, or sketched
     with its projection where it keeps sketches; and the damping used."""
     if kind == "ekfac" and curv.layers and not curv.corrected:
-        raise Conflict(f"store '{spec.id}''s factors have no EK-FAC eigenvalues (or none since "
-                       "their last batch, which changed the bases): fit them with POST "
-                       f"/stores/{spec.id}/factors/eigenvalues (the same samples, as for "
-                       "/factors), or ask for 'kfac'")
+        raise _no_eigenvalues(spec.id)  # a factors batch since the query's check
     used = curv.default_damping(kind) if damping is None else damping
     if not used > 0:
         raise InvalidInput("'damping' must be > 0 (leave it out for the default, a tenth of "

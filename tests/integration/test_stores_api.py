@@ -339,7 +339,8 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
 
 async def _fit(c: httpx.AsyncClient, store: str, batches: list[dict[str, Any]]) -> None:
     """Both passes of a store's fit over ``batches``: its factors, then their eigenvalues
-    (``ekfac`` refused in between, naming the second pass; ``kfac`` answered)."""
+    (``ekfac`` refused in between, naming the second pass, before any worker computes the
+    query's gradients; ``kfac`` answered)."""
     test = {k: v[:1] for k, v in batches[0].items()}
     for i, part in enumerate(batches):
         r = await c.post(f"/stores/{store}/factors", headers=ALICE, json=part)
@@ -349,9 +350,12 @@ async def _fit(c: httpx.AsyncClient, store: str, batches: list[dict[str, Any]]) 
             r = await c.post(f"/stores/{store}/factors/eigenvalues", headers=ALICE, json=part)
             assert r.status_code == 200 and r.json()["factors"]["eigenvalues"] == len(
                 part["inputs"]), r.text
+    before = (await c.get("/metrics")).text
     error(await c.post(f"/stores/{store}/query", headers=ALICE,
                        json={"k": 1, "score": "ekfac", **test}),
           409, "conflict", f"POST /stores/{store}/factors/eigenvalues")
+    if "psgrad_samples_total " in before:  # the api's own workers: refused before they ran
+        assert _samples_computed((await c.get("/metrics")).text) == _samples_computed(before)
     r = await c.post(f"/stores/{store}/query", headers=ALICE, json={"k": 1, "score": "kfac",
                                                                      **test})
     assert r.status_code == 200, r.text

@@ -487,6 +487,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
         spec.check_version()
         if score in FACTOR_SCORES:
             factors.check_fits(spec, store_id)
+            for member_key, _ in spec.members(key):
+                factors.check_scores(state.storage.gradients, member_key, store_id, score)
         rest = check_batch(spec, fields, "this query")
         check_k(_shown(state, key, spec), k, store_id)
         batch = any(rest.get(f) is not None for f in SAMPLE_FIELDS)
