@@ -62,6 +62,7 @@ FIRST = ("inputs", "grads", "tokens")  # the first pass's factors, per layer
 # the diagonal Fisher of every other parameter (no per-sample gradients)
 FIRST_OUTPUTS = ("kfac_inputs", "mean", "variance")
 ENTRY_BYTES = 256  # a tensor's entry in the file's header, at most (its name, shape, offsets)
+CHUNK_BYTES = 256 << 20  # a query's gradients preconditioned at once, in float64
 
 
 @dataclass(frozen=True)
@@ -327,18 +328,26 @@ def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kin
                    damping: float | None) -> tuple[np.ndarray, float]:
     """Query rows of full gradients ``[n, P]`` times ``(F + damping I)^-1`` (the curvature's
     default damping where ``damping`` is None), as rows of the store: flattened, or sketched
-    with its projection where it keeps sketches; and the damping used."""
+    with its projection where it keeps sketches; and the damping used. A few rows at a time,
+    :data:`CHUNK_BYTES` of them in float64, so that a large model's queries take no more."""
     if kind == "ekfac" and curv.layers and not curv.corrected:
         raise _no_eigenvalues(spec.id)  # a factors batch since the query's check
     used = curv.default_damping(kind) if damping is None else damping
     if not used > 0:
         raise InvalidInput("'damping' must be > 0 (leave it out for the default, a tenth of "
                            "the Fisher's mean eigenvalue)")
-    pre = curv.precondition(as_grads(spec, rows), used, kind)
-    if not spec.exact:
-        out = torch.zeros(len(rows), spec.projection_dim, dtype=torch.float64)
-        Projection(spec.projection_dim, spec.projection_seed, spec.projection_kind
-                   ).project_many({p: pre[p] for p in spec.params}, out)
-        return out.numpy(), used
-    return np.concatenate([pre[p].reshape(len(rows), -1).numpy() for p in spec.params],
-                          axis=1), used
+    sketch = None if spec.exact else Projection(spec.projection_dim, spec.projection_seed,
+                                                spec.projection_kind)
+    step = max(1, CHUNK_BYTES // (8 * max(rows.shape[1], 1)))
+    parts = []
+    for a in range(0, len(rows), step):
+        pre = curv.precondition(as_grads(spec, rows[a:a + step]), used, kind)
+        n = len(rows[a:a + step])
+        if sketch is None:
+            parts.append(np.concatenate([pre[p].reshape(n, -1).numpy() for p in spec.params],
+                                        axis=1))
+        else:
+            out = torch.zeros(n, spec.projection_dim, dtype=torch.float64)
+            sketch.project_many({p: pre[p] for p in spec.params}, out)
+            parts.append(out.numpy())
+    return np.concatenate(parts) if parts else np.zeros((0, spec.projection_dim)), used

@@ -705,6 +705,28 @@ def test_an_index_of_many_lists_finds_them_through_a_graph(
     assert isinstance(faiss.downcast_index(quantizer), faiss.IndexHNSWFlat)
 
 
+def test_a_querys_gradients_are_preconditioned_a_few_rows_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However few rows a chunk of ``CHUNK_BYTES`` holds, a query's preconditioned rows,
+    flattened for a store of full gradients or sketched for a store of sketches, are those of
+    all its rows at once."""
+    from service.stores import factors
+
+    store, exact = files(tmp_path), fitting_spec()
+    store.create("f", exact)
+    rows = np.random.default_rng(6).standard_normal((7, 10)).astype(np.float32)
+    factors.add(store, [("f", exact, fitting_answer(rows))], LIMIT)
+    factors.add_eigenvalues(store, [("f", exact, rows)], "f", LIMIT)
+    curv = factors.curvature_of(store, "f", exact, "f")
+    for kept in (exact, replace(exact, projection_dim=4, projection_kind="kronecker")):
+        whole, used = factors.preconditioned(kept, curv, rows, "ekfac", None)
+        with monkeypatch.context() as small:
+            small.setattr(factors, "CHUNK_BYTES", 3 * 10 * 8)  # 3 rows of 10 float64 values
+            parts, again = factors.preconditioned(kept, curv, rows, "ekfac", None)
+        assert whole.shape == (7, kept.projection_dim) and again == used
+        np.testing.assert_allclose(parts, whole, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("budget", [1, 1 << 30])
 def test_indexes_past_the_memory_budget_go_least_recently_queried_first(
         tmp_path: Path, budget: int, caplog: pytest.LogCaptureFixture) -> None:
