@@ -39,7 +39,6 @@ TRAIN_ROWS = 65536  # rows an index is trained on, at most (evenly drawn): FAISS
 # subsamples to 256 per centroid anyway, and training runs inside a commit (a minute at 65536
 # rows of IVF256,PQ32 on two cores)
 GRAPH_LISTS = 1024  # an IVF index with this many lists searches them through a graph
-GRAPH_LINKS = 2 * 32 * 4  # bytes of a centroid's links in that graph (its level 0: 2 M ints)
 INDEXED = ("dot", "trak")  # the scores an inner-product index over the raw rows serves
 log = logging.getLogger(__name__)
 
@@ -149,10 +148,12 @@ class Live:
         self.merge = mergeable(empty)
         self.shards, self.rows = 0, 0
         self.lock = threading.Lock()
+        self._empty_bytes = len(to_bytes(empty))  # its flat quantizer too, kept beside a graph
         self._quantizers = _graph_quantizer(empty)
+        if self._quantizers is not None:
+            graph = self._quantizers[1]
+            self._empty_bytes += int(graph.ntotal) * row_bytes(graph)
         self._lists = _ivf(empty)  # the IVF index inside, whose lists pieces merge into
-        self._empty_bytes = len(to_bytes(empty)) + (
-            0 if self._quantizers is None else self._lists.nlist * (empty.d * 4 + GRAPH_LINKS))
         self._row_bytes = row_bytes(empty)
 
     @property
@@ -237,7 +238,7 @@ def _graph_quantizer(index: Any) -> tuple[Any, Any] | None:
                                                                  faiss.IndexFlatL2)):
         return None
     flat = ivf.quantizer
-    graph = faiss.IndexHNSWFlat(ivf.d, GRAPH_LINKS // 8, ivf.metric_type)
+    graph = faiss.IndexHNSWFlat(ivf.d, 32, ivf.metric_type)
     graph.hnsw.efSearch = 64
     graph.add(flat.reconstruct_n(0, ivf.nlist))
     if ivf.own_fields:  # the flat one is freed with this pair, the graph never by the index
