@@ -431,9 +431,11 @@ def corrections(model: LoadedModel, loss: str, gamma: float, layers: dict[str, L
 def corrections_of(layers: dict[str, Linear], found: dict[str, Basis], grads: Tensors
                    ) -> Corrections:
     """The second pass's sums over per-sample gradients ``{param: [n, *shape]}`` already
-    computed: :func:`rotated_squares` and :func:`diagonal_squares`."""
-    return Corrections(rotated_squares(layers, found, grads), diagonal_squares(layers, grads),
-                       len(next(iter(grads.values()))))
+    computed: :func:`rotated_squares`, and every other parameter's ``sum_i g_i^2``."""
+    inside = covered(layers)
+    return Corrections(rotated_squares(layers, found, grads),
+                       {k: v.to(WIDE).square().sum(0) for k, v in grads.items()
+                        if k not in inside}, len(next(iter(grads.values()))))
 
 
 def rotated_squares(layers: dict[str, Linear], found: dict[str, Basis], grads: Tensors
@@ -442,13 +444,6 @@ def rotated_squares(layers: dict[str, Linear], found: dict[str, Basis], grads: T
     *shape]}``: EK-FAC's eigenvalues, times ``n``, in the bases ``found``."""
     return {k: found[k].rotate(joined(grads, layer).to(WIDE)).square().sum(0)
             for k, layer in layers.items()}
-
-
-def diagonal_squares(layers: dict[str, Linear], grads: Tensors) -> dict[str, torch.Tensor]:
-    """Per parameter outside ``layers``, ``sum_i g_i^2`` over per-sample gradients: its
-    diagonal Fisher, times ``n`` (no basis: the first pass can sum it)."""
-    inside = covered(layers)
-    return {k: v.to(WIDE).square().sum(0) for k, v in grads.items() if k not in inside}
 
 
 def covered(layers: dict[str, Linear]) -> set[str]:

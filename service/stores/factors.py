@@ -15,7 +15,8 @@ preconditioning of a query (:mod:`service.curvature` holds the math)::
                                        samples), ``writes`` (batches added) and ``basis`` (the
                                        writes when the first pass last added one)
 
-A first-pass batch's factors are the workers' ``kfac_inputs`` output and its ``grads``; a
+A first-pass batch's factors are the workers' ``kfac_inputs`` output, with the gradients'
+``mean`` and ``variance`` for the diagonal (``sum_i g_i^2 = n (variance + mean^2)``); a
 second-pass batch's, its ``grads`` rotated into the bases of the first pass's sums. A
 first-pass batch changes the bases, so it drops the eigenvalues fitted in the old ones: fit
 them after the factors. Each batch is added under the store's lock (an ensemble's: every
@@ -274,7 +275,7 @@ def _curvature(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) -> C
     layers, bases = _bases(files, key, spec, found, t)
     n, m = max(found.samples, 1), max(found.eigenvalues, 1)
     corrected = {w: torch.from_numpy(t[f"eigen/{w}"]) / m for w in layers
-                 if found.eigenvalues}
+                 } if found.eigenvalues else {}
     diagonal = {k.removeprefix("diagonal/"): torch.from_numpy(v) / n for k, v in t.items()
                 if k.startswith("diagonal/")}
     return Curvature(layers, bases, corrected, diagonal, found.samples)
@@ -341,8 +342,8 @@ def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kin
     step = max(1, CHUNK_BYTES // (8 * max(rows.shape[1], 1)))
     parts = []
     for a in range(0, len(rows), step):
-        pre = curv.precondition(as_grads(spec, rows[a:a + step]), used, kind)
-        n = len(rows[a:a + step])
+        chunk = rows[a:a + step]
+        pre, n = curv.precondition(as_grads(spec, chunk), used, kind), len(chunk)
         if sketch is None:
             parts.append(np.concatenate([pre[p].reshape(n, -1).numpy() for p in spec.params],
                                         axis=1))
