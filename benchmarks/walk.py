@@ -88,34 +88,16 @@ def redis_worker(url: str) -> Iterator[dict[str, Any]]:
     them in a thread of this process until the block ends."""
     import redis
 
-    from service.broker.redis.worker import RedisJobSource, consumer_name
+    from service.broker.redis.worker import consumer_name
     from service.config import Settings
-    from service.registry import make_registry
-    from service.storage import open_storage
-    from service.worker.events import Events
-    from service.worker.loop import Worker
-    from tests.support.redis import prefix_on
+    from tests.support.redis import prefix_on, worker_loop
 
     client = redis.Redis.from_url(url)
     with prefix_on(client) as prefix:
         fields = {"redis_url": url, "redis_prefix": prefix, "device": "cpu",
                   "batch_max_delay_ms": 1.0, "heartbeat_s": 5.0}
-        settings = Settings(**fields)
-        storage = open_storage(settings)
-        source = RedisJobSource(settings, name=consumer_name("cpu"))
-        work = Worker(source, make_registry(settings, storage.models), settings, Events(),
-                      name=source.name, storage=storage)
-        stop = threading.Event()
-        loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop")
-        source.start()
-        loop.start()
-        try:
+        with worker_loop(Settings(**fields), consumer_name("cpu")):
             yield fields
-        finally:
-            stop.set()
-            loop.join()
-            source.close()
-            storage.close()
     client.close()
 
 

@@ -3,7 +3,6 @@ through the api and a worker, a restart, and a redelivered job that never counts
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
 from service.storage import open_storage
 from service.worker.loop import Worker
-from tests.support.redis import OwnRedis, quick_settings, result_of
+from tests.support.redis import OwnRedis, quick_settings, result_of, worker_loop
 
 settings = pytest.fixture(quick_settings)
 
@@ -86,12 +85,7 @@ async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
 
 async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> None:
     app = create_app(settings)
-    source = RedisJobSource(settings, name="w-api")
-    stop = threading.Event()
-    work = Worker(source, ModelRegistry(), settings, storage=open_storage(settings))
-    thread = threading.Thread(target=work.run, args=(stop,))
-    thread.start()
-    try:
+    with worker_loop(settings, "w-api"):
         async with app.router.lifespan_context(app), httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
             body = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0,
@@ -111,10 +105,6 @@ async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> No
             view = (await c.get(f"/dp-runs/{run['id']}")).json()
             assert view["steps"] == run["max_steps"] and view["steps_left"] == 0
             assert (await c.post("/per-sample-grads", json=step)).status_code == 409
-    finally:
-        stop.set()
-        thread.join(30)
-        source.close()
 
 
 async def test_a_dp_step_during_a_redis_outage_is_a_503(tmp_path: Path) -> None:

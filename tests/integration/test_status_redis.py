@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,15 @@ import pytest
 import redis
 
 from service import redis_keys
-from service.broker.redis.worker import RedisJobSource
 from service.redis_keys import text
-from service.registry import ModelRegistry, make_registry
+from service.registry import make_registry
 from service.storage import open_storage
 from service.worker.events import Events
-from service.worker.loop import Worker
 from service.worker.recorder import WorkerStatus
 from tests.support.api import open_client
 from tests.support.client import free_port
 from tests.support.cluster import cluster, settings_for
-from tests.support.redis import SHARED_URL, fresh_prefix
+from tests.support.redis import SHARED_URL, fresh_prefix, worker_loop
 from tests.support.status import (
     buckets,
     hold_compute,
@@ -118,33 +115,24 @@ async def test_the_batch_in_hand_travels_with_the_heartbeat(
     """A Redis worker loop in a thread here (its engine call held): the api shows its batch."""
     started, release = hold_compute(monkeypatch)
     async with cluster(tmp_path, SHARED_URL, prefix, n_workers=0, heartbeat_s=0.1) as c:
-        source = RedisJobSource(c.settings, name="held")
-        status = WorkerStatus(source.name, "cpu")
-        source.status = status.snapshot_json
-        work = Worker(source, ModelRegistry(), c.settings, Events(status.on_event),
-                      name=source.name, storage=open_storage(c.settings))
-        stop = threading.Event()
-        loop = threading.Thread(target=work.run, args=(stop,), kwargs={"block_s": 0.1})
-        source.start()
-        loop.start()
-        try:
-            answer = asyncio.create_task(c.client.post("/per-sample-grads",
-                                                       json=norms_request(4)))
-            assert await asyncio.to_thread(started.wait, 60)
-            view = await view_when(c.client, lambda v: v["workers"] and v["workers"][0]["batch"],
-                                   "the batch in hand")
-            [w] = view["workers"]
-            assert w["id"] == "held" and w["alive"] and w["jobs_done"] == 0
-            assert w["batch"]["samples"] == 4 and w["batch"]["model"].startswith("mlp@")
-            release.set()
-            assert (await answer).status_code == 200
-            await view_when(c.client, lambda v: v["workers"][0]["batch"] is None
-                            and v["workers"][0]["jobs_done"] == 1, "the batch done")
-        finally:
-            release.set()
-            stop.set()
-            loop.join(30)
-            source.close()
+        status = WorkerStatus("held", "cpu")
+        with worker_loop(c.settings, "held", Events(status.on_event), status, block_s=0.1):
+            try:
+                answer = asyncio.create_task(c.client.post("/per-sample-grads",
+                                                           json=norms_request(4)))
+                assert await asyncio.to_thread(started.wait, 60)
+                view = await view_when(c.client,
+                                       lambda v: v["workers"] and v["workers"][0]["batch"],
+                                       "the batch in hand")
+                [w] = view["workers"]
+                assert w["id"] == "held" and w["alive"] and w["jobs_done"] == 0
+                assert w["batch"]["samples"] == 4 and w["batch"]["model"].startswith("mlp@")
+                release.set()
+                assert (await answer).status_code == 200
+                await view_when(c.client, lambda v: v["workers"][0]["batch"] is None
+                                and v["workers"][0]["jobs_done"] == 1, "the batch done")
+            finally:
+                release.set()
 
 
 async def test_unreadable_statuses_are_shown_never_a_500(tmp_path: Path, prefix: str) -> None:

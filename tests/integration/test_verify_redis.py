@@ -6,9 +6,7 @@ Redis: a fault must live in the process that computes) failing its job as
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,18 +18,14 @@ import pytest
 from psgrad._wire import RESPONSE_KEY, SAFETENSORS, fields_from_safetensors
 from service.api.app import create_app
 from service.broker.redis.api import RedisBroker
-from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
-from service.registry import make_registry
-from service.storage import open_storage
 from service.verify import choose
 from service.worker.events import Events
-from service.worker.loop import Worker
 from service.worker.series import WorkerMetrics
 from tests.support import faults
 from tests.support.api import safetensors_body
 from tests.support.cluster import cluster, job_done, settings_for
-from tests.support.redis import SHARED_URL, metric, prefix_on, redis_or_skip
+from tests.support.redis import SHARED_URL, metric, prefix_on, redis_or_skip, worker_loop
 
 
 @pytest.fixture
@@ -57,26 +51,12 @@ async def in_process_worker(settings: Settings) -> AsyncIterator[tuple[httpx.Asy
                                                                         WorkerMetrics]]:
     """The api on a RedisBroker, and one worker loop in a thread of this process."""
     app = create_app(settings, RedisBroker(settings))
-    storage = open_storage(settings)
-    registry = make_registry(settings, storage.models)
-    source = RedisJobSource(settings, name="verify-test")
     metrics = WorkerMetrics()
-    stop = threading.Event()
-    loop = threading.Thread(target=Worker(source, registry, settings, Events(metrics.on_event),
-                                          storage=storage).run,
-                            args=(stop,), kwargs={"block_s": 0.1}, daemon=True)
-    source.start()
-    loop.start()
-    try:
+    with worker_loop(settings, "verify-test", Events(metrics.on_event), block_s=0.1):
         async with app.router.lifespan_context(app), httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://psgrad.test",
                 timeout=60) as client:
             yield client, metrics
-    finally:
-        stop.set()
-        await asyncio.to_thread(loop.join, 30)
-        source.close()
-        registry.store.close()
 
 
 async def test_a_wrong_answer_fails_its_job_through_redis(prefix: str,

@@ -1,5 +1,6 @@
 """For the Redis tests: a unique key prefix per test (its keys deleted after), private Redis
-servers, ``psgrad worker`` processes, waiting, and Prometheus samples."""
+servers, ``psgrad worker`` processes or a worker loop in a thread, waiting, and Prometheus
+samples."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +22,11 @@ import redis
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
+from service.registry import make_registry
+from service.storage import open_storage
+from service.worker.events import Events
+from service.worker.loop import Worker
+from service.worker.recorder import WorkerStatus
 from tests.support.client import free_port
 
 SHARED_URL = os.environ.get("PSGRAD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -57,6 +64,33 @@ async def queue(settings: Settings) -> AsyncIterator[tuple[RedisBroker, RedisJob
     finally:
         source.close()
         await broker.close()
+
+
+@contextlib.contextmanager
+def worker_loop(settings: Settings, name: str, events: Events | None = None,
+                status: WorkerStatus | None = None, block_s: float | None = None
+                ) -> Iterator[RedisJobSource]:
+    """One worker loop on a Redis job source named ``name``, in a thread of this process, wired
+    as ``psgrad worker`` wires it (its own storage and registry, the source's heartbeat
+    publishing ``status``), until the block ends; ``block_s`` as ``Worker.run`` takes it."""
+    storage = open_storage(settings)
+    source = RedisJobSource(settings, name=name)
+    if status is not None:
+        source.status = status.snapshot_json
+    work = Worker(source, make_registry(settings, storage.models), settings, events or Events(),
+                  name=name, storage=storage)
+    stop = threading.Event()
+    loop = threading.Thread(target=work.run, args=(stop,), name="psgrad-worker-loop",
+                            kwargs={} if block_s is None else {"block_s": block_s}, daemon=True)
+    source.start()
+    loop.start()
+    try:
+        yield source
+    finally:
+        stop.set()
+        loop.join(30)
+        source.close()
+        storage.close()
 
 
 def fresh_prefix() -> Iterator[str]:
