@@ -22,7 +22,8 @@ service's modules: exact, and at each k of ``--dims`` either as the stores do (`
 preconditioned``: the preconditioned test gradient against the training gradients' sketches;
 the same figures as the stores', a check of the served path) or with both sides whitened by
 ``(F + damping I)^-1/2`` before sketching (``both sides whitened``: rows sketched after the
-fit; the stores do not serve this).
+fit; the stores do not serve this); and exact with Kronfluence's damping rule, a tenth of each
+layer's own mean eigenvalue (``damping per layer``; the service takes one for all of ``F``).
 A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
 printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
@@ -55,6 +56,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
@@ -173,9 +175,10 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
                      ty: np.ndarray, dims: list[int], baselines: bool = False
                      ) -> dict[str, np.ndarray]:
     """``kfac`` and ``ekfac``: each test gradient preconditioned by the Fisher fitted over the
-    training samples (at its default damping), against the training gradients; exact and
-    sketched at each k of ``dims`` (the stores' projection, seed 0). ``baselines`` adds exact
-    ``dot`` and ``trak`` (the stores' default lambda) from the same gradients."""
+    training samples (at its default damping, and exact at Kronfluence's damping per layer),
+    against the training gradients; exact and sketched at each k of ``dims`` (the stores'
+    projection, seed 0). ``baselines`` adds exact ``dot`` and ``trak`` (the stores' default
+    lambda) from the same gradients."""
     params = list(model.params)
 
     def fields(a: np.ndarray, b: np.ndarray) -> dict[str, torch.Tensor]:
@@ -190,8 +193,8 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
                                        fields(a, b)))
         return {k: torch.stack([r.grads[k] for r in rows]) for k in params}
 
-    def flat(g: dict[str, torch.Tensor]) -> np.ndarray:
-        return torch.cat([v.reshape(len(v), -1) for v in g.values()], 1).numpy()
+    def flat(g: dict[str, torch.Tensor]) -> np.ndarray:  # in the model's order, whatever g's
+        return torch.cat([g[k].reshape(len(g[k]), -1) for k in params], 1).numpy()
 
     g_train, g_test = grads(x, y), grads(tx, ty)
     out = {}
@@ -203,6 +206,8 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
         damping = fitted.default_damping(kind)
         pre = fitted.precondition(g_test, damping, kind)
         out[f"exact {kind}"] = flat(pre) @ flat(g_train).T
+        out[f"exact {kind}, damping per layer"] = flat(per_layer(fitted, g_test, kind)) @ flat(
+            g_train).T
         half_test, half_train = (fitted.precondition(g, damping, kind, power=0.5)
                                  for g in (g_test, g_train))
         for dim in dims:
@@ -214,6 +219,18 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
             out[f"k={dim} {kind}, query preconditioned"] = sketch(pre) @ sketch(g_train).T
             out[f"k={dim} {kind}, both sides whitened"] = (sketch(half_test)
                                                           @ sketch(half_train).T)
+    return out
+
+
+def per_layer(fitted: curvature.Curvature, g: dict[str, torch.Tensor], kind: curvature.Kind
+              ) -> dict[str, torch.Tensor]:
+    """``g`` preconditioned as Kronfluence does: each layer (and each other parameter) damped by
+    a tenth of its own mean eigenvalue, where psgrad takes one damping from all of ``F``."""
+    parts = [replace(fitted, layers={k: v}, diagonal={}) for k, v in fitted.layers.items()]
+    parts += [replace(fitted, layers={}, diagonal={k: v}) for k, v in fitted.diagonal.items()]
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part.precondition(g, part.default_damping(kind), kind))
     return out
 
 
