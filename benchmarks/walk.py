@@ -9,7 +9,8 @@ thread (``sys.setprofile``), the engine's computation (``engine.compute`` and ev
 it) as one stop. Per thread (the api's event loop, the worker's), the rooms in the order they
 are entered (a stop each time the room changes) and the returns: stops at a room this thread
 had already left. A return is a hop back up or across the layers: the fewer, the fewer rooms a
-reader holds to follow a request. Counts, not times: the same on every run of one commit.
+reader holds to follow a request. Counts, not times: the same on every run of one commit,
+except in Redis mode, where the api's moves with how often its wait for the answer resumes.
 
 With ``--redis``, in Redis mode instead: the api on a Redis broker (under a fresh key prefix,
 deleted after) and one worker loop on a Redis job source in this process, as ``psgrad worker``
