@@ -20,6 +20,8 @@ def to_wire(value: Any, answer_dtype: str = "float32") -> Any:
         tensor = value.detach().to("cpu")
         half = HALF.get(answer_dtype)
         if half is None or not tensor.is_floating_point():
+            if tensor.dtype == torch.bfloat16:  # a bfloat16 model's: numpy has none, so widened
+                tensor = tensor.float()  # exactly
             return tensor.numpy()
         tensor = tensor.to(half)  # round to nearest even, as torch casts
         if half is torch.bfloat16:  # numpy has no bfloat16: its bits, named

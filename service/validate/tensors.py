@@ -94,12 +94,31 @@ def sample_inputs(value: Any, model: LoadedModel, name: str,
         return _to_tensor(arr, torch.int64, name)
     if arr.dtype.kind not in "iuf":
         raise DtypeMismatch(f"'{name}' has dtype {arr.dtype}; '{model.id}' takes {spec.dtype}")
+    if arr.dtype.kind == "f" and model.dtype == torch.bfloat16:
+        return _bfloat16_values(arr, model, name)
     if arr.dtype.kind == "f" and arr.dtype.itemsize > torch.finfo(model.dtype).bits // 8:
         raise DtypeMismatch(
             f"'{name}' has dtype {arr.dtype}; '{model.id}' computes in "
-            f"{str(model.dtype).removeprefix('torch.')}: send that dtype",
+            f"{str(model.dtype).removeprefix('torch.')}: send that dtype (in JSON, as "
+            "{dtype, shape, data}: nested lists are read as float32)",
         )
     return _to_tensor(arr, model.dtype, name)
+
+
+def _bfloat16_values(arr: np.ndarray, model: LoadedModel, name: str) -> torch.Tensor:
+    """A bfloat16 model's floating input: numpy and JSON have no bfloat16, so its values travel
+    in another float (float32 holds every one; the client sends a bfloat16 tensor so, as
+    answers come back), taken where each is a bfloat16 value and refused where one would
+    round."""
+    t = _to_tensor(arr, torch.bfloat16, name)
+    if not torch.equal(t.double(), torch.from_numpy(np.asarray(arr, dtype=np.float64))):
+        raise DtypeMismatch(
+            f"'{name}' holds {arr.dtype} values that bfloat16 cannot hold exactly; "
+            f"'{model.id}' computes in bfloat16: round them first (torch: "
+            "x.to(torch.bfloat16)) and send them as float32, which holds every bfloat16 value "
+            "(the client does both for a bfloat16 tensor or a float64 array)",
+        )
+    return t
 
 
 def batch_inputs(raw: Any, model: LoadedModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

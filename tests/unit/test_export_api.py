@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from functools import cache
@@ -166,3 +167,34 @@ async def test_an_api_with_admins_keeps_a_checking_child_started_ahead() -> None
                         headers={"content-type": PT2, "authorization": "Bearer admin"})
         assert r.status_code == 400 and second[1].proc.poll() is not None
     assert SPARES._spare is None and second[1].proc.poll() is not None
+
+
+async def test_a_bfloat16_program_takes_bfloat16_values_sent_as_float32() -> None:
+    """numpy and JSON have no bfloat16: a bfloat16 model's inputs travel as float32 holding
+    bfloat16 values (taken exactly; a value that would round is a 422 saying how to round it),
+    and its answers come back widened to float32. Each equals the per-sample loop in float64
+    on the same weights, to bfloat16's precision."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(),
+                                 torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    x = torch.randn(4, 6).to(torch.bfloat16)
+    y = torch.tensor([0, 2, 1, 2])
+    archive = io.BytesIO()
+    torch.export.save(torch.export.export(module, (x[:1],)), archive)
+    async with open_client() as c:
+        r = await c.put("/models/half", content=archive.getvalue(), headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        body = {"model": "half", "targets": y.tolist(), "outputs": ["norms", "grads"]}
+        r = await c.post("/per-sample-grads", json={**body, "inputs": x.float().tolist()})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        rounding = x.float() + 1e-3  # most of these are no bfloat16 value
+        r = await c.post("/per-sample-grads", json={**body, "inputs": rounding.tolist()})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "dtype_mismatch"
+        assert "x.to(torch.bfloat16)" in r.json()["error"]["message"]
+    want = per_sample_loop(module.double(), {"inputs": x.double(), "targets": y},
+                           "cross_entropy")
+    np.testing.assert_allclose(got["norms"], want.norms.numpy(), rtol=2e-2)
+    for k, g in want.grads.items():
+        np.testing.assert_allclose(np.asarray(got["grads"][k]), g.numpy(), rtol=3e-2,
+                                   atol=3e-2 * float(g.abs().max()), err_msg=k)

@@ -197,6 +197,27 @@ def test_inputs_of_the_wrong_dtype(registry: ModelRegistry) -> None:
     assert parsed.batch.inputs.dtype == torch.int64
 
 
+def test_a_bfloat16_model_takes_the_floats_that_are_bfloat16_values() -> None:
+    """numpy has no bfloat16: its values come as float32 (or float64), taken exactly; one that
+    would round is refused, saying how to round it. A float16 model's refusal says how JSON
+    sends float16."""
+    half = ModelRegistry(CPU)
+    half.remember(load_model("mlp", "mlp", device=CPU, dtype=torch.bfloat16), ("mlp", None))
+    body = mlp_body()
+    exact = torch.from_numpy(body["inputs"]).to(torch.bfloat16)
+    for carrier in (np.float32, np.float64):
+        parsed = parse(half, {**body, "inputs": exact.double().numpy().astype(carrier)})
+        assert parsed.batch.inputs.dtype == torch.bfloat16
+        assert torch.equal(parsed.batch.inputs, exact)
+    refused(half, body, DtypeMismatch, "float32 values that bfloat16 cannot hold exactly",
+            "x.to(torch.bfloat16)")
+    fp16 = ModelRegistry(CPU)
+    fp16.remember(load_model("mlp", "mlp", device=CPU, dtype=torch.float16), ("mlp", None))
+    refused(fp16, body, DtypeMismatch, "float16: send that dtype", "{dtype, shape, data}")
+    assert parse(fp16, {**body, "inputs": body["inputs"].astype(np.float16)}).batch.inputs.dtype \
+        == torch.float16
+
+
 def test_integer_inputs_of_a_float_model_are_converted(registry: ModelRegistry) -> None:
     parsed = parse(registry, {**TD0, "inputs": np.array([[2, 1, -2], [0, 1, 0]], np.int64)})
     assert parsed.batch.inputs.dtype == torch.float32
