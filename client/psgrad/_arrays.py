@@ -55,13 +55,27 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     return arr
 
 
-def float_dtype(info: ModelInfo) -> np.dtype | None:
+BFLOAT16 = "bfloat16"  # numpy has no such dtype: its values travel as float32
+
+
+def float_dtype(info: ModelInfo) -> np.dtype | str | None:
     """The dtype the model of ``info`` computes in (its first parameter's, as the server takes
-    it), or None where numpy has no such dtype (bfloat16) or the document names none."""
+    it): a numpy dtype, :data:`BFLOAT16`, or None where the document names no float."""
     for spec in info.parameters.values():
         name = str(spec.get("dtype", "")) if isinstance(spec, Mapping) else ""
+        if name == BFLOAT16:
+            return BFLOAT16
         return np.dtype(name) if name in ("float16", "float32", "float64") else None
     return None
+
+
+def bfloat16_values(arr: np.ndarray) -> np.ndarray:
+    """``arr`` rounded to the nearest bfloat16 values (ties to even, as torch rounds), held in
+    float32, which holds every one of them exactly: what a bfloat16 model takes."""
+    wide = np.ascontiguousarray(arr, dtype=np.float32)
+    bits = wide.view(np.uint32).astype(np.uint64)
+    kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(wide), wide, kept)
 
 
 def _arrays(fields: Fields) -> Iterator[tuple[str, str | None, np.ndarray]]:
@@ -78,20 +92,19 @@ def needs_model_dtype(fields: Fields) -> bool:
     return any(a.dtype.kind == "f" and a.dtype != _SENT_AS_IS for _, _, a in _arrays(fields))
 
 
-def cast_floats(fields: Fields, dtype: np.dtype | None) -> Fields:
-    """``fields`` with every floating array cast to ``dtype``; integer and boolean arrays (class
-    targets, token ids, dones) as they are. The server refuses a floating array wider than its
-    model computes in, and converts a narrower one itself."""
+def cast_floats(fields: Fields, dtype: np.dtype | str | None) -> Fields:
+    """``fields`` with every floating array cast to ``dtype`` (to :func:`bfloat16_values` for a
+    bfloat16 model); integer and boolean arrays (class targets, token ids, dones) as they are.
+    The server refuses a floating array wider than its model computes in, and converts a
+    narrower one itself."""
     if dtype is None:
         return fields
     out = dict(fields)
     for key, param, arr in _arrays(fields):
         if arr.dtype.kind != "f" or arr.dtype == dtype:
             continue
-        if param is None:
-            out[key] = arr.astype(dtype)
-        else:
-            out[key] = {**out[key], param: arr.astype(dtype)}
+        cast = bfloat16_values(arr) if dtype == BFLOAT16 else arr.astype(dtype)
+        out[key] = cast if param is None else {**out[key], param: cast}
     return out
 
 

@@ -168,7 +168,7 @@ class BaseClient:
         self._headers = {"User-Agent": USER_AGENT, **(headers or {})}
         if self.api_key:
             self._headers["Authorization"] = f"Bearer {self.api_key}"
-        self._dtypes: dict[str, np.dtype | None] = {}  # model -> the dtype it computes in
+        self._dtypes: dict[str, np.dtype | str | None] = {}  # model -> the dtype it computes in
         self._memory = AnswerMemory()  # large answers' buffers, lent again once dropped
         self._version_read = False  # the server's version seen (and warned about if older)
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import psgrad
+from psgrad._arrays import bfloat16_values
 from psgrad._wire import REQUEST_KEY, RESPONSE_KEY, fields_from_safetensors, fields_to_safetensors
 from service.api import create_app
 from tests.support.api import settings
@@ -129,7 +130,7 @@ def test_float32_and_integer_requests_ask_nothing() -> None:
     assert _asked(seen) == [] and len(seen) == 2
 
 
-def test_a_float64_or_float16_model_gets_its_own_dtype() -> None:
+def test_a_float64_float16_or_bfloat16_model_gets_its_own_dtype() -> None:
     transport, seen = recorder({"f64": "float64", "f16": "float16", "bf16": "bfloat16"})
     x64 = np.full((1, 3), 1 / 3)
     with psgrad.Client("http://fake", transport=transport) as client:
@@ -138,8 +139,21 @@ def test_a_float64_or_float16_model_gets_its_own_dtype() -> None:
         client.per_sample_grads("f16", x64, outputs=["norms"])
         assert _sent(seen)["inputs"].dtype == np.float16
         client.per_sample_grads("bf16", x64, outputs=["norms"])  # numpy has no bfloat16:
-        assert _sent(seen)["inputs"].dtype == np.float64  # sent as is, the server says what to do
+        sent = _sent(seen)["inputs"]  # its values, rounded to nearest even, held in float32
+        assert sent.dtype == np.float32 and (sent == np.float32(0.333984375)).all()
     assert _asked(seen) == ["/models/f64", "/models/f16", "/models/bf16"]
+
+
+def test_bfloat16_values_round_as_torch_rounds() -> None:
+    """Ties to even, overflow to infinity, NaN kept, subnormals: as ``x.to(torch.bfloat16)``."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-40, 39, 4096),
+                        np.float32(1 + 2**-8) * np.array([1, -1, 3]),  # exact ties
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, 1e-42, 1 / 3]])
+    got = bfloat16_values(x)
+    want = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).float().numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want, equal_nan=True)
 
 
 async def test_the_async_client_casts_the_same_way() -> None:
