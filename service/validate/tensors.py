@@ -111,7 +111,7 @@ def _bfloat16_values(arr: np.ndarray, model: LoadedModel, name: str) -> torch.Te
     answers come back), taken where each is a bfloat16 value and refused where one would
     round."""
     t = _to_tensor(arr, torch.bfloat16, name)
-    if not torch.equal(t.double(), torch.from_numpy(np.asarray(arr, dtype=np.float64))):
+    if not np.array_equal(t.float().numpy(), arr):  # exact: numpy widens the narrower side
         raise DtypeMismatch(
             f"'{name}' holds {arr.dtype} values that bfloat16 cannot hold exactly; "
             f"'{model.id}' computes in bfloat16: round them first (torch: "
