@@ -156,7 +156,9 @@ class Projection:
 
     def project_into(self, name: str, grads: torch.Tensor, out: torch.Tensor) -> None:
         """Adds the sketches of materialised per-sample gradients ``[n, *shape]`` to ``out``
-        ``[n, k]`` (contiguous)."""
+        ``[n, k]`` (contiguous), in ``out``'s dtype (a model of mixed dtypes has parameters in
+        others)."""
+        grads = grads.to(out.dtype)
         n, shape = grads.shape[0], grads.shape[1:]
         kind = kind_of(shape, self.kind)
         if kind == TENSORSKETCH:
@@ -191,6 +193,7 @@ class Projection:
             run.clear()
 
         for name, g in grads.items():
+            g = g.to(out.dtype)
             numel = math.prod(g.shape[1:])
             if kind_of(g.shape[1:], self.kind) != DENSE or numel > cap:
                 self.project_into(name, g, out)

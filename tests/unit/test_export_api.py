@@ -14,6 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.export.child import SPARES
+from service.strategies.projection import Projection
 from tests.support.api import TD0, open_client
 from tests.support.export import CASES, TOL, deep, exported, program, with_program
 from tests.support.reference import Loop, per_sample_loop
@@ -198,3 +199,38 @@ async def test_a_bfloat16_program_takes_bfloat16_values_sent_as_float32() -> Non
     for k, g in want.grads.items():
         np.testing.assert_allclose(np.asarray(got["grads"][k]), g.numpy(), rtol=3e-2,
                                    atol=3e-2 * float(g.abs().max()), err_msg=k)
+
+
+class _Mixed(torch.nn.Module):
+    """A float32 layer feeding a bfloat16 one, as a partly cast model is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).to(torch.bfloat16)).float()
+
+
+async def test_a_program_of_mixed_dtypes_sketches_every_parameter() -> None:
+    """Its sketch is formed in the model's dtype (its first parameter's, float32) from every
+    parameter's gradient, the bfloat16 ones widened: the per-sample loop's gradients sketched
+    alike, to bfloat16's precision. (A bfloat16 gradient into a float32 sketch was a 500.)"""
+    torch.manual_seed(0)
+    module = _Mixed()
+    x, y = torch.randn(5, 8), torch.tensor([0, 3, 1, 2, 3])
+    archive = io.BytesIO()
+    torch.export.save(torch.export.export(module, (x[:1],)), archive)
+    async with open_client() as c:
+        r = await c.put("/models/mixed", content=archive.getvalue(), headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        r = await c.post("/per-sample-grads", json={
+            "model": "mixed", "inputs": x.tolist(), "targets": y.tolist(),
+            "outputs": ["projection"], "projection_dim": 16, "projection_seed": 3})
+        assert r.status_code == 200, r.text
+        got = np.asarray(r.json()["projection"])
+    loop = per_sample_loop(module, {"inputs": x, "targets": y}, "cross_entropy")
+    want = torch.zeros(5, 16)
+    Projection(16, 3).project_many({k: g.float() for k, g in loop.grads.items()}, want)
+    np.testing.assert_allclose(got, want.numpy(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
