@@ -301,7 +301,7 @@ class Materialised(Source):
                         c = clip[lo + x : lo + y].to(g.dtype)
                         clipped[k][s] = clipped[k][s].to(g) + torch.tensordot(c, g[x:y], dims=1)
                     if means is not None:
-                        cos[k].append(g[x:y].reshape(y - x, -1) @ means[s][k].reshape(-1))
+                        cos[k].append(g[x:y].reshape(y - x, -1) @ means[s][k].reshape(-1).to(g))
         return {
             k: Pass2(
                 clipped=tuple(clipped[k]) if clipped is not None else None,

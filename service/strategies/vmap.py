@@ -136,7 +136,7 @@ class _Accumulator:
                                        opts.norm_offset)
         if need.dot:
             for k, g in grads.items():
-                self.dot[k].append(_rows(g) @ self.call.reference[k].flatten())
+                self.dot[k].append(_rows(g) @ self.call.reference[k].flatten().to(g))
         if need.proj:
             projection = self.call.opts.projection
             assert projection is not None, "validation asks for a projection with 'proj'"
@@ -155,7 +155,7 @@ class _Accumulator:
                 self._merge_stats(s, part)
             if factors is not None:
                 for k, g in part.items():
-                    term = torch.tensordot(factors[lo:hi], g, dims=1)
+                    term = torch.tensordot(factors[lo:hi].to(g.dtype), g, dims=1)
                     self.clipped[s][k] = self.clipped[s][k] + term if k in self.clipped[s] else term
 
     def _merge_stats(self, s: int, part: Tensors) -> None:

@@ -9,6 +9,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -17,7 +18,7 @@ from service.export.child import SPARES
 from service.strategies.projection import Projection
 from tests.support.api import TD0, open_client
 from tests.support.export import CASES, TOL, deep, exported, program, with_program
-from tests.support.reference import Loop, per_sample_loop
+from tests.support.reference import Loop, per_sample_loop, summarize
 
 PT2 = "application/x-torch-export"
 
@@ -213,24 +214,36 @@ class _Mixed(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)).to(torch.bfloat16)).float()
 
 
-async def test_a_program_of_mixed_dtypes_sketches_every_parameter() -> None:
-    """Its sketch is formed in the model's dtype (its first parameter's, float32) from every
-    parameter's gradient, the bfloat16 ones widened: the per-sample loop's gradients sketched
-    alike, to bfloat16's precision. (A bfloat16 gradient into a float32 sketch was a 500.)"""
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_program_of_mixed_dtypes_answers_the_loops_statistics(fast: bool) -> None:
+    """Statistics of a model whose parameters differ in dtype, on either path, each equal to
+    the per-sample loop's to bfloat16's precision: the sketch formed in the model's dtype (its
+    first parameter's, float32), the clipped sum, dot and cosine in each parameter's. (Each was
+    a 500 where a bfloat16 gradient met a float32 sketch, reference, mean or clip factor.)"""
     torch.manual_seed(0)
     module = _Mixed()
     x, y = torch.randn(5, 8), torch.tensor([0, 3, 1, 2, 3])
+    reference = {k: torch.randn(v.shape) for k, v in module.named_parameters()}
     archive = io.BytesIO()
     torch.export.save(torch.export.export(module, (x[:1],)), archive)
-    async with open_client() as c:
+    outputs = ["norms", "mean", "variance", "clipped_mean", "dot", "cosine_mean", "projection"]
+    async with open_client(fast_stats=fast) as c:
         r = await c.put("/models/mixed", content=archive.getvalue(), headers={"content-type": PT2})
         assert r.status_code == 200, r.text
         r = await c.post("/per-sample-grads", json={
-            "model": "mixed", "inputs": x.tolist(), "targets": y.tolist(),
-            "outputs": ["projection"], "projection_dim": 16, "projection_seed": 3})
+            "model": "mixed", "inputs": x.tolist(), "targets": y.tolist(), "clip_norm": 1.0,
+            "reference": {k: v.tolist() for k, v in reference.items()}, "outputs": outputs,
+            "projection_dim": 16, "projection_seed": 3})
         assert r.status_code == 200, r.text
-        got = np.asarray(r.json()["projection"])
+        got = r.json()
     loop = per_sample_loop(module, {"inputs": x, "targets": y}, "cross_entropy")
-    want = torch.zeros(5, 16)
-    Projection(16, 3).project_many({k: g.float() for k, g in loop.grads.items()}, want)
-    np.testing.assert_allclose(got, want.numpy(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    sketch = torch.zeros(5, 16)
+    Projection(16, 3).project_many({k: g.float() for k, g in loop.grads.items()}, sketch)
+    [want] = summarize(loop, [5], clip_norm=1.0, reference=reference)
+    want["projection"] = sketch
+    for name in outputs:
+        pairs = ([(f"{name} {k}", got[name][k], v) for k, v in want[name].items()]
+                 if isinstance(want[name], dict) else [(name, got[name], want[name])])
+        for what, answer, expected in pairs:
+            np.testing.assert_allclose(answer, expected.numpy(), rtol=2e-2,
+                                       atol=2e-2 * float(expected.abs().max()), err_msg=what)
