@@ -35,7 +35,7 @@ __all__ = ["MAX_SHAPES", "Shape", "ask", "example_fields", "parse_shapes", "prog
 MAX_SHAPES = 16
 OUTPUTS = ["norms"]  # any statistic makes the same plan; norms answer smallest
 Shape = tuple[int, int | None]  # batch size, sequence length (None: the samples' one shape)
-_FLOATS = {torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.float16}
+_FLOATS = {torch.float64: np.float64, torch.float16: np.float16}
 
 
 def parse_shapes(text: str) -> list[Shape]:
@@ -78,8 +78,12 @@ def example_fields(model: LoadedModel, shape: Shape) -> dict[str, Any]:
                 raise InvalidInput(f"'{model.id}' takes lengths {low} to {high}, not {length}")
             size[dim] = size[dim] if length is None else length
         x = example(size, getattr(torch, spec.dtype), spec.high, batch, gen)
-        arrays[spec.name] = (x.numpy() if not x.is_floating_point()
-                             else x.numpy().astype(_FLOATS.get(model.dtype, np.float32)))
+        if not x.is_floating_point():
+            arrays[spec.name] = x.numpy()
+        elif model.dtype == torch.bfloat16:  # numpy has none: its values, held in float32
+            arrays[spec.name] = x.to(model.dtype).float().numpy()
+        else:
+            arrays[spec.name] = x.float().numpy().astype(_FLOATS.get(model.dtype, np.float32))
     out = model.output_shape
     if loss.tokens:
         targets = torch.randint(0, out[-1], (batch, length or out[0]), generator=gen).numpy()

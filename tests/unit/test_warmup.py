@@ -8,6 +8,7 @@ loop.
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,23 @@ async def test_a_registration_warms_the_model_up(tmp_path: Path, fresh: None) ->
     opts = Options(loss="cross_entropy", outputs=("norms",), params=tuple(model.params))
     want = reference(model, Batch(inputs=x, targets=y), opts, [8])[0]["norms"]
     assert_close(torch.tensor(r.json()["norms"]), want)
+
+
+async def test_a_bfloat16_program_warms_up(tmp_path: Path, fresh: None) -> None:
+    """Its random samples are bfloat16 values held in float32, as a client sends them (numpy
+    has no bfloat16: asking for the warm-up was a 500)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                 torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    archive = io.BytesIO()
+    torch.export.save(torch.export.export(module, (torch.randn(1, 4).to(torch.bfloat16),)),
+                      archive)
+    async with open_client(**dirs(tmp_path)) as client:
+        put = await client.put("/models/half?warmup=4", content=archive.getvalue(),
+                               headers={**ADMIN, "content-type": "application/x-torch-export"})
+        assert put.status_code == 200, put.text
+        doc = await finished(client, "half")
+        assert doc["warmup"]["status"] == "succeeded" and doc["warmup"]["done"] == 1, doc
 
 
 @pytest.mark.parametrize("asked", ["4x", "0", "x8", "4;8", ",".join(map(str, range(1, 19)))])
