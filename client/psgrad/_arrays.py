@@ -15,6 +15,7 @@ import numpy as np
 from psgrad._errors import BadRequest
 from psgrad._merge import Fields
 from psgrad._types import ModelInfo
+from psgrad._wire import widened_load
 
 __all__ = [
     "cast_floats",
@@ -128,18 +129,32 @@ def to_torch(value: Any) -> Any:
     return value
 
 
-def weights_from_bytes(body: bytes) -> dict[str, np.ndarray]:
-    """A safetensors weights file as {name: array} (never a pickle)."""
-    from safetensors.numpy import load
-
+def weights_from_bytes(body: bytes, as_torch: bool = False) -> dict[str, Any]:
+    """A safetensors weights file as {name: array}, or {name: tensor} with ``as_torch`` (never
+    a pickle). numpy has no bfloat16: as arrays, bfloat16 weights are widened to float32
+    (exactly); as tensors they stay bfloat16."""
     try:
-        return dict(load(body))
+        if as_torch:
+            from safetensors.torch import load as load_tensors
+
+            return dict(load_tensors(body))
+        return widened_load(body)
     except Exception as exc:  # SafetensorError and friends: the answer is corrupt
         raise BadRequest(f"the weights are not a valid safetensors file: {exc}") from exc
 
 
 def state_dict_bytes(state_dict: Mapping[str, Any]) -> bytes:
-    """A state dict (numpy arrays or torch tensors) as a safetensors file."""
+    """A state dict (numpy arrays or torch tensors) as a safetensors file; a bfloat16 tensor
+    stays bfloat16 (safetensors' own BF16, which numpy cannot hold)."""
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
+    if torch is not None and any(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16
+                                 for v in state_dict.values()):
+        from safetensors.torch import save as save_tensors
+
+        return bytes(save_tensors({
+            str(k): (v.detach().cpu() if isinstance(v, torch.Tensor)
+                     else torch.from_numpy(np.array(to_numpy(v, f"state_dict.{k}")))).contiguous()
+            for k, v in state_dict.items()}))
     from safetensors.numpy import save
 
     arrays = {

@@ -14,7 +14,7 @@ from urllib.parse import quote, urlencode
 
 import httpx
 
-from psgrad._arrays import param_arrays, state_dict_bytes, to_torch, weights_from_bytes
+from psgrad._arrays import param_arrays, state_dict_bytes, weights_from_bytes
 from psgrad._base import BaseClient, Call
 from psgrad._errors import BadRequest
 from psgrad._types import ModelInfo
@@ -144,8 +144,7 @@ class _Registry:
     @staticmethod
     def _download(model_id: str, as_torch: bool) -> Call[dict[str, Any]]:
         def read(response: httpx.Response) -> dict[str, Any]:
-            weights = weights_from_bytes(response.content)
-            return to_torch(weights) if as_torch else weights
+            return weights_from_bytes(response.content, as_torch)
 
         return Call("GET", model_path(model_id, "/weights"), read, headers={"Accept": SAFETENSORS})
 

@@ -186,6 +186,31 @@ def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
     return (bits.view("<u2").astype("<u4") << 16).view(np.float32)
 
 
+def _bfloat16_as_bits(body: bytes) -> tuple[bytes, list[str]] | None:
+    """``body`` with its bfloat16 tensors named as the 16-bit integers they are stored as (a
+    dtype numpy has), and their names; None where it has none."""
+    size = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8:8 + size])
+    names = [k for k, v in header.items() if k != "__metadata__" and v.get("dtype") == "BF16"]
+    if not names:
+        return None
+    for name in names:
+        header[name]["dtype"] = "U16"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + body[8 + size:], names
+
+
+def widened_load(body: bytes) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as numpy arrays, bfloat16 ones widened to float32 (the same
+    numbers: numpy has no bfloat16)."""
+    bf16 = _bfloat16_as_bits(body)
+    arrays = dict(st_load(body if bf16 is None else bf16[0]))
+    for name in bf16[1] if bf16 is not None else ():
+        arrays[name] = widen_bfloat16(arrays[name])
+    return arrays
+
+
 def widen_answers(value: Any) -> Any:
     """``value`` with every :data:`BFLOAT16` array widened to float32 (for JSON and numpy)."""
     if isinstance(value, np.ndarray) and value.dtype == BFLOAT16:
@@ -256,8 +281,9 @@ def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX
         )
     try:
         header = json.loads(body[8 : 8 + header_len])
-        tensors = st_load(body)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        tensors = widened_load(body)
+    except (SafetensorError, ValueError, UnicodeDecodeError, KeyError, TypeError,
+            AttributeError) as exc:
         raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
     return fields_from_tensors(tensors, header.get("__metadata__") or {}, meta_key)
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from psgrad._arrays import state_dict_bytes, weights_from_bytes
 from service.export.child import SPARES
 from service.strategies.projection import Projection
 from tests.support.api import TD0, open_client
@@ -194,6 +195,24 @@ async def test_a_bfloat16_program_takes_bfloat16_values_sent_as_float32() -> Non
         r = await c.post("/per-sample-grads", json={**body, "inputs": rounding.tolist()})
         assert r.status_code == 422 and r.json()["error"]["code"] == "dtype_mismatch"
         assert "x.to(torch.bfloat16)" in r.json()["error"]["message"]
+        # safetensors has BF16: a body may carry it (read as the same numbers in float32)
+        sent = st_save({"inputs": x, "targets": y},
+                       metadata={"request": json.dumps({"model": "half", "outputs": ["norms"]})})
+        r = await c.post("/per-sample-grads", content=sent,
+                         headers={"content-type": "application/x-safetensors"})
+        assert r.status_code == 200 and r.json()["norms"] == got["norms"], r.text
+        # its weights travel as BF16 both ways: as numpy arrays widened, as tensors kept
+        stored = (await c.get("/models/half/weights")).content
+        assert {k: v.dtype for k, v in weights_from_bytes(stored, as_torch=True).items()} == {
+            k: torch.bfloat16 for k in module.state_dict()}
+        for k, v in weights_from_bytes(stored).items():
+            np.testing.assert_array_equal(v, module.state_dict()[k].float().numpy())
+        moved = {k: v + 0.5 for k, v in module.state_dict().items()}
+        r = await c.put("/models/half/weights", content=state_dict_bytes(moved),
+                        headers={"content-type": "application/x-safetensors"})
+        assert r.status_code == 200, r.text
+        new = weights_from_bytes((await c.get("/models/half/weights")).content, as_torch=True)
+        assert all(torch.equal(new[k], v) for k, v in moved.items())
     want = per_sample_loop(module.double(), {"inputs": x.double(), "targets": y},
                            "cross_entropy")
     np.testing.assert_allclose(got["norms"], want.norms.numpy(), rtol=2e-2)
