@@ -317,7 +317,8 @@ class Options(TypedDict, total=False):
         pattern=ID_PATTERN)]
     answer_dtype: Annotated[str | None, spec(
         "choice",
-        "the answer's floating tensors: float32 (default), or float16 / bfloat16 for half the "
+        "the answer's floating tensors: float32 (default: a float64 or float16 model answers "
+        "in its own dtype, a bfloat16 model in float32), or float16 / bfloat16 for half the "
         "bytes (relative rounding error at most 2^-11 / 2^-8; float16 overflows past 65504 and "
         "loses precision below 6.1e-5)",
         default=ANSWER_DTYPES[0], choices=ANSWER_DTYPES)]
