@@ -38,7 +38,7 @@ from psgrad._errors import (
     UnknownModel,
     UnsupportedMediaType,
 )
-from psgrad._wire import array_from_json, fields_from_safetensors
+from psgrad._wire import array_from_json, check_header_size
 from service.config import Settings, naming_setting, raise_setting
 from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
@@ -220,7 +220,7 @@ def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
             "client sends: save the weights with safetensors (safetensors.torch.save_file("
             "model.state_dict(), path)) and send that file",
         )
-    fields_from_safetensors(body, "psgrad")  # its header held to the wire's limits first
+    check_header_size(body)  # held to the wire's limits before safetensors parses it
     try:
         state = st_load(body)  # in the file's dtypes: bfloat16 too, which numpy has not
     except (SafetensorError, ValueError) as exc:

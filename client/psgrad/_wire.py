@@ -271,6 +271,19 @@ def _split_fields(fields: Mapping[str, Any], meta_key: str
 def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX_HEADER_BYTES
                             ) -> dict[str, Any]:
     """Inverse of :func:`fields_to_safetensors`; the header is size-checked before parsing."""
+    check_header_size(body, max_header)
+    try:
+        header = json.loads(body[8 : 8 + struct.unpack("<Q", body[:8])[0]])
+        tensors = widened_load(body)
+    except (SafetensorError, ValueError, UnicodeDecodeError, KeyError, TypeError,
+            AttributeError) as exc:
+        raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
+    return fields_from_tensors(tensors, header.get("__metadata__") or {}, meta_key)
+
+
+def check_header_size(body: bytes, max_header: int = MAX_HEADER_BYTES) -> None:
+    """A 400 where a safetensors body's header length is missing, past ``max_header`` or
+    past the body."""
     if len(body) < 8:
         raise BadRequest("the safetensors body is shorter than its 8-byte header length")
     (header_len,) = struct.unpack("<Q", body[:8])
@@ -279,13 +292,6 @@ def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX
             f"the safetensors header claims {header_len} bytes; the body has {len(body) - 8} "
             f"and the limit is {max_header}: the file is corrupt or truncated"
         )
-    try:
-        header = json.loads(body[8 : 8 + header_len])
-        tensors = widened_load(body)
-    except (SafetensorError, ValueError, UnicodeDecodeError, KeyError, TypeError,
-            AttributeError) as exc:
-        raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
-    return fields_from_tensors(tensors, header.get("__metadata__") or {}, meta_key)
 
 
 def fields_from_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, Any],
