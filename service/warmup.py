@@ -80,10 +80,10 @@ def example_fields(model: LoadedModel, shape: Shape) -> dict[str, Any]:
         x = example(size, getattr(torch, spec.dtype), spec.high, batch, gen)
         if not x.is_floating_point():
             arrays[spec.name] = x.numpy()
-        elif model.dtype == torch.bfloat16:  # numpy has none: its values, held in float32
-            arrays[spec.name] = x.to(model.dtype).float().numpy()
+        elif torch.bfloat16 in (model.dtype, x.dtype):  # numpy has none: its values in float32
+            arrays[spec.name] = x.to(torch.bfloat16).float().numpy()
         else:
-            arrays[spec.name] = x.float().numpy().astype(_FLOATS.get(model.dtype, np.float32))
+            arrays[spec.name] = x.numpy().astype(_FLOATS.get(model.dtype, np.float32))
     out = model.output_shape
     if loss.tokens:
         targets = torch.randint(0, out[-1], (batch, length or out[0]), generator=gen).numpy()
