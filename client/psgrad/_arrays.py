@@ -56,16 +56,16 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     return arr
 
 
-BFLOAT16 = "bfloat16"  # numpy has no such dtype: its values travel as float32
+BFLOAT16_MODEL = "bfloat16"  # numpy has no such dtype: its values travel as float32
 
 
 def float_dtype(info: ModelInfo) -> np.dtype | str | None:
     """The dtype the model of ``info`` computes in (its first parameter's, as the server takes
-    it): a numpy dtype, :data:`BFLOAT16`, or None where the document names no float."""
+    it): a numpy dtype, :data:`BFLOAT16_MODEL`, or None where the document names no float."""
     for spec in info.parameters.values():
         name = str(spec.get("dtype", "")) if isinstance(spec, Mapping) else ""
-        if name == BFLOAT16:
-            return BFLOAT16
+        if name == BFLOAT16_MODEL:
+            return BFLOAT16_MODEL
         return np.dtype(name) if name in ("float16", "float32", "float64") else None
     return None
 
@@ -104,7 +104,7 @@ def cast_floats(fields: Fields, dtype: np.dtype | str | None) -> Fields:
     for key, param, arr in _arrays(fields):
         if arr.dtype.kind != "f" or arr.dtype == dtype:
             continue
-        cast = bfloat16_values(arr) if dtype == BFLOAT16 else arr.astype(dtype)
+        cast = bfloat16_values(arr) if dtype == BFLOAT16_MODEL else arr.astype(dtype)
         out[key] = cast if param is None else {**out[key], param: cast}
     return out
 
