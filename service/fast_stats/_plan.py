@@ -187,23 +187,57 @@ def _finish(probe: Setup, modules: Mapping[str, Sequence[str]]) -> Plan:
     return replace(plan, signature=tuple(u.signature for u in run.uses))
 
 
-def _short_run(probe: Setup, plan: Plan) -> tuple[Setup, Run]:
-    """The probe cut short (:func:`_cut`) and its run (forward and backward), where the model
-    runs the same sequence of ops there; else the probe as it is and its run. The check's cost
-    follows the sample's size (GPT-2 small at 64 positions: 17 s; at 8: a few; ResNet-18 at
-    224x224: 3 steady calls), and what it checks, how each op's parameters are captured, does
-    not."""
-    short = _cut(probe)
-    if short is not None:
-        try:
-            run = forward_backward(short, plan)
-        except Exception:  # the model takes only its size (an MLP's features, a fixed export)
-            run = None
-        if run is not None:
-            same = signature_digest(tuple(u.signature for u in run.uses))
-            if same is not None and same == signature_digest(plan.signature):
-                return short, run
+def _check_run(probe: Setup, plan: Plan) -> tuple[Setup, Run]:
+    """The setup the check runs on, and its run (forward and backward): the probe in float32
+    where some of its parameters are narrower (:func:`_widened`), cut short (:func:`_cut`),
+    each where the model runs the same sequence of ops there; else the probe as it is.
+
+    Cut short: the check's cost follows the sample's size (GPT-2 small at 64 positions: 17 s;
+    at 8: a few; ResNet-18 at 224x224: 3 steady calls), and what it checks, how each op's
+    parameters are captured, does not. In float32: the check's bounds are float32's rounding,
+    which a plan right in bfloat16 misses by far (a small bfloat16 network's written gradient
+    was 7.5% off its first pass's), and how each op's parameters are captured does not change
+    with the dtype. A model whose graph casts to a narrow dtype itself (a mixed-dtype export)
+    does not run in float32 and is checked as it is."""
+    wide = _widened(probe)
+    tries = [_cut(wide), wide] if wide is not probe else []
+    for setup in (*tries, _cut(probe)):
+        run = _same_run(setup, plan)
+        if setup is not None and run is not None:
+            return setup, run
     return probe, forward_backward(probe, plan)
+
+
+def _same_run(setup: Setup | None, plan: Plan) -> Run | None:
+    """``setup``'s run where it reads the parameters in the plan's sequence of ops, else None."""
+    if setup is None:
+        return None
+    try:
+        run = forward_backward(setup, plan)
+    except Exception:  # the model takes only its size (an MLP's features, a fixed export)
+        return None
+    same = signature_digest(tuple(u.signature for u in run.uses))
+    return run if same is not None and same == signature_digest(plan.signature) else None
+
+
+def _widened(probe: Setup) -> Setup:
+    """The probe with its bfloat16 and float16 tensors (parameters, buffers, samples) in
+    float32; the probe itself where it has none."""
+    narrow = (torch.bfloat16, torch.float16)
+    model = probe.model
+    if not any(v.dtype in narrow for v in probe.params.values()):
+        return probe
+    wide: dict[int, torch.Tensor] = {}  # a tensor the call and the model share, widened once
+
+    def widened(tensors: Tensors) -> Tensors:
+        for v in tensors.values():
+            if v.dtype in narrow and id(v) not in wide:
+                wide[id(v)] = v.float()
+        return {k: wide.get(id(v), v) for k, v in tensors.items()}
+
+    return replace(probe, params=widened(probe.params), samples=widened(probe.samples),
+                   model=replace(model, params=widened(model.params),
+                                 buffers=widened(model.buffers)))
 
 
 def _check(probe: Setup, plan: Plan, shared: SharedPlans | None = None) -> list[str]:
@@ -259,12 +293,12 @@ def _checked(probe: Setup, plan: Plan) -> list[str]:
     ``sum_i c_i loss_i`` with random weights ``c`` find the parameter, by each parameter's dots,
     weighted alike, against its dot with ``r``. So a plan that holds costs one captured pass of
     the probe (forward, backward, the sources' first pass), one forward-mode pass and one
-    sample's written gradients, at :data:`SHORT` positions where the model's ops allow
-    (:func:`_short_run`; GPT-2 small's check with two plain backwards and an element-wise
+    sample's written gradients, at :data:`SHORT` positions and in float32 where the model's
+    ops allow (:func:`_check_run`; GPT-2 small's check with two plain backwards and an element-wise
     comparison cost 2 steady calls; a ``vmap`` per sample and group took its first call
     33-126 s).
     """
-    probe, run = _short_run(probe, plan)
+    probe, run = _check_run(probe, plan)
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
     gen = torch.Generator().manual_seed(0)

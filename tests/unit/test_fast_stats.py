@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import weakref
@@ -50,6 +51,7 @@ from tests.support.reference import (
     assert_output,
     attribution,
     loop_of,
+    per_sample_loop,
     reference,
 )
 
@@ -72,7 +74,8 @@ def custom(
     """A LoadedModel around any module (tied weights and custom forwards are not in the zoo)."""
     module.eval().requires_grad_(False)
     spec = TensorSpec(shape, dtype, high or None)
-    x = torch.randint(0, high, (2, *shape)) if high else torch.randn(2, *shape)
+    x = torch.randint(0, high, (2, *shape)) if high else torch.randn(2, *shape).to(
+        getattr(torch, dtype))
     return LoadedModel(
         id=key,
         version="0",
@@ -1070,6 +1073,23 @@ def _zero_answer(self: OuterSource, rows: int | None = None) -> dict[str, torch.
     return {self.names[0]: torch.zeros((n, *self.shapes[self.names[0]]))}
 
 
+def _mixed(pass1: Any) -> Any:
+    """A planted wrong first pass: right for the first sample, the first parameter's dots
+    doubled for the others (what a capture mixing samples would do)."""
+
+    def mixed(self: OuterSource, need: Any, keep: bool = True) -> dict[str, Any]:
+        out = pass1(self, need, keep)
+        name = self.names[0]
+        got = out[name]
+        if got.dot is not None and got.dot.shape[0] > 1:
+            dot = got.dot.clone()
+            dot[1:] *= 2
+            out[name] = replace(got, dot=dot)
+        return out
+
+    return mixed
+
+
 class _Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -1104,25 +1124,69 @@ def test_the_probe_checks_every_sample_not_only_the_first(
     """A family whose statistics are right for a batch's first sample and wrong for the others
     (what a capture mixing samples would do) loses the parameter to the whole-model replay:
     the check's batch of one cannot see it, its weighted dots over the probe do."""
-    pass1 = OuterSource.pass1
-
-    def mixed(self: OuterSource, need: Any, keep: bool = True) -> dict[str, Any]:
-        out = pass1(self, need, keep)
-        name = self.names[0]
-        got = out[name]
-        if got.dot is not None and got.dot.shape[0] > 1:
-            dot = got.dot.clone()
-            dot[1:] *= 2
-            out[name] = replace(got, dot=dot)
-        return out
-
-    monkeypatch.setattr(OuterSource, "pass1", mixed)
+    monkeypatch.setattr(OuterSource, "pass1", _mixed(OuterSource.pass1))
     torch.manual_seed(0)
     model = custom(_Broken(), (4,), key="broken-mixed")
     try:
         meta = check(model, make_batch(model, 4), outputs=("norms",))
     finally:
         PLANS.drop(lambda key: key[0] != model.structure)
+    assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}
+
+
+def _narrow(dtype: torch.dtype, module: nn.Module, shape: tuple[int, ...], outputs: tuple[str, ...]
+            ) -> dict[str, Any]:
+    """The fast path's answers for ``module`` in ``dtype`` on 8 samples, each checked against
+    the per-sample loop in float64 on the same weights to the dtype's precision."""
+    module = module.to(dtype)
+    model = custom(module, shape, dtype=str(dtype).removeprefix("torch."),
+                   key=f"narrow-{type(module).__name__}-{dtype}")
+    batch = make_batch(model, 8, reference=False)
+    batch.inputs = batch.inputs.to(dtype)
+    opts = Options(loss="cross_entropy", outputs=outputs, params=tuple(model.params))
+    try:
+        got = engine.compute(model, batch, opts, [8])[0]
+    finally:
+        PLANS.drop(lambda key: key[0] != model.structure)
+    loop = per_sample_loop(copy.deepcopy(module).double(),
+                           {"inputs": batch.inputs.double(), "targets": batch.targets},
+                           "cross_entropy")
+    if "norms" in outputs:
+        torch.testing.assert_close(got["norms"].double(), loop.norms, rtol=3e-2, atol=0)
+    for k, g in got.get("grads", {}).items():
+        want = loop.grads[k]
+        torch.testing.assert_close(g.double(), want, rtol=3e-2,
+                                   atol=3e-2 * float(want.abs().max()), msg=k)
+    meta: dict[str, Any] = got["meta"]
+    return meta
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_narrow_models_plan_is_checked_in_float32_and_keeps_every_layer(
+    dtype: torch.dtype,
+) -> None:
+    """A bfloat16 or float16 model's plan is checked on the probe in float32, to float32's
+    bounds: every layer stays captured op by op (checked in the model's own dtype, most of a
+    bfloat16 network's layers went to the whole-model replay, its rounding past those bounds),
+    and the answers are the float64 loop's to the dtype's precision."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    module = nn.Sequential(*layers, nn.LayerNorm(64), nn.Linear(64, 4))
+    meta = _narrow(dtype, module, (16,), ("norms", "grads"))
+    assert set(meta["method"].values()) == {"linear", "direct"}, meta["method"]
+
+
+def test_a_narrow_models_check_still_finds_samples_mixed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checked in float32, a bfloat16 model's plan whose statistics mix samples (as in
+    :func:`test_the_probe_checks_every_sample_not_only_the_first`) still loses the parameter
+    to the whole-model replay, and the answers stay the loop's."""
+    monkeypatch.setattr(OuterSource, "pass1", _mixed(OuterSource.pass1))
+    torch.manual_seed(0)
+    meta = _narrow(torch.bfloat16, _Broken(), (4,), ("norms",))
     assert meta["method"] == {"lin.weight": "vmap", "lin.bias": "linear"}
 
 
