@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.func import functional_call, jvp
+from torch.overrides import TorchFunctionMode
 
 from service.config import get_settings
 from service.fast_stats._budget import Budget
@@ -187,27 +188,6 @@ def _finish(probe: Setup, modules: Mapping[str, Sequence[str]]) -> Plan:
     return replace(plan, signature=tuple(u.signature for u in run.uses))
 
 
-def _check_run(probe: Setup, plan: Plan) -> tuple[Setup, Run]:
-    """The setup the check runs on, and its run (forward and backward): the probe in float32
-    where some of its parameters are narrower (:func:`_widened`), cut short (:func:`_cut`),
-    each where the model runs the same sequence of ops there; else the probe as it is.
-
-    Cut short: the check's cost follows the sample's size (GPT-2 small at 64 positions: 17 s;
-    at 8: a few; ResNet-18 at 224x224: 3 steady calls), and what it checks, how each op's
-    parameters are captured, does not. In float32: the check's bounds are float32's rounding,
-    which a plan right in bfloat16 misses by far (a small bfloat16 network's written gradient
-    was 7.5% off its first pass's), and how each op's parameters are captured does not change
-    with the dtype. A model whose graph casts to a narrow dtype itself (a mixed-dtype export)
-    does not run in float32 and is checked as it is."""
-    wide = _widened(probe)
-    tries = [_cut(wide), wide] if wide is not probe else []
-    for setup in (*tries, _cut(probe)):
-        run = _same_run(setup, plan)
-        if setup is not None and run is not None:
-            return setup, run
-    return probe, forward_backward(probe, plan)
-
-
 def _same_run(setup: Setup | None, plan: Plan) -> Run | None:
     """``setup``'s run where it reads the parameters in the plan's sequence of ops, else None."""
     if setup is None:
@@ -220,24 +200,40 @@ def _same_run(setup: Setup | None, plan: Plan) -> Run | None:
     return run if same is not None and same == signature_digest(plan.signature) else None
 
 
+NARROW = (torch.bfloat16, torch.float16)
+
+
 def _widened(probe: Setup) -> Setup:
     """The probe with its bfloat16 and float16 tensors (parameters, buffers, samples) in
     float32; the probe itself where it has none."""
-    narrow = (torch.bfloat16, torch.float16)
     model = probe.model
-    if not any(v.dtype in narrow for v in probe.params.values()):
+    if not any(v.dtype in NARROW for v in probe.params.values()):
         return probe
     wide: dict[int, torch.Tensor] = {}  # a tensor the call and the model share, widened once
 
     def widened(tensors: Tensors) -> Tensors:
         for v in tensors.values():
-            if v.dtype in narrow and id(v) not in wide:
+            if v.dtype in NARROW and id(v) not in wide:
                 wide[id(v)] = v.float()
         return {k: wide.get(id(v), v) for k, v in tensors.items()}
 
     return replace(probe, params=widened(probe.params), samples=widened(probe.samples),
                    model=replace(model, params=widened(model.params),
                                  buffers=widened(model.buffers)))
+
+
+class InFloat32(TorchFunctionMode):
+    """Every torch call asking for bfloat16 or float16 (a cast such as ``x.to(torch.bfloat16)``
+    or ``x.half()``, a factory's ``dtype``) gets float32 instead: with its tensors widened
+    (:func:`_widened`), a model whose graph casts to a narrow dtype itself runs in float32."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        if func in (torch.Tensor.bfloat16, torch.Tensor.half):
+            func = torch.Tensor.float
+        wide = [torch.float32 if isinstance(a, torch.dtype) and a in NARROW else a
+                for a in (*args, *(kwargs or {}).values())]
+        return func(*wide[:len(args)], **dict(zip(kwargs or {}, wide[len(args):], strict=True)))
 
 
 def _check(probe: Setup, plan: Plan, shared: SharedPlans | None = None) -> list[str]:
@@ -273,7 +269,34 @@ def _cut(probe: Setup) -> Setup | None:
 
 
 def _checked(probe: Setup, plan: Plan) -> list[str]:
-    """:func:`_check`'s work.
+    """:func:`_check`'s work: :func:`_verdict` on the probe in float32 where some of its
+    parameters are narrower (:func:`_widened`, under :class:`InFloat32`), cut short
+    (:func:`_cut`), each where the model reads its parameters in the plan's sequence of ops
+    there; else on the probe as it is.
+
+    Cut short: the check's cost follows the sample's size (GPT-2 small at 64 positions: 17 s;
+    at 8: a few; ResNet-18 at 224x224: 3 steady calls), and what it checks, how each op's
+    parameters are captured, does not. In float32: the check's bounds are float32's rounding,
+    which a plan right in bfloat16 misses by far (a small bfloat16 network's written gradient
+    was 7.5% off its first pass's; a float32 layer before a bfloat16 one failed too), and how
+    each op's parameters are captured does not change with the dtype."""
+    wide = _widened(probe)
+    if wide is not probe:
+        with InFloat32():
+            for setup in (_cut(wide), wide):
+                run = _same_run(setup, plan)
+                if setup is not None and run is not None:
+                    return _verdict(setup, run, plan)
+    short = _cut(probe)
+    run = _same_run(short, plan)
+    if short is not None and run is not None:
+        return _verdict(short, run, plan)
+    return _verdict(probe, forward_backward(probe, plan), plan)
+
+
+def _verdict(probe: Setup, run: Run, plan: Plan) -> list[str]:
+    """The parameters whose statistics or written gradients on ``probe`` (``run`` its captured
+    pass) differ from an independent path's.
 
     With a random direction ``r`` (the dots' reference), two checks, neither a plain backward:
 
@@ -293,12 +316,10 @@ def _checked(probe: Setup, plan: Plan) -> list[str]:
     ``sum_i c_i loss_i`` with random weights ``c`` find the parameter, by each parameter's dots,
     weighted alike, against its dot with ``r``. So a plan that holds costs one captured pass of
     the probe (forward, backward, the sources' first pass), one forward-mode pass and one
-    sample's written gradients, at :data:`SHORT` positions and in float32 where the model's
-    ops allow (:func:`_check_run`; GPT-2 small's check with two plain backwards and an element-wise
-    comparison cost 2 steady calls; a ``vmap`` per sample and group took its first call
-    33-126 s).
+    sample's written gradients (GPT-2 small's check with two plain backwards and an
+    element-wise comparison cost 2 steady calls; a ``vmap`` per sample and group took its
+    first call 33-126 s).
     """
-    probe, run = _check_run(probe, plan)
     model, params = probe.model, probe.params
     selected = list(plan.tracked) + [k for v in plan.modules.values() for k in v]
     gen = torch.Generator().manual_seed(0)
