@@ -13,7 +13,7 @@ import httpx
 
 from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
-from psgrad._errors import TooLarge
+from psgrad._errors import DtypeMismatch, TooLarge
 from psgrad._grads import Build, GradsMethods
 from psgrad._jobs import AsyncJob
 from psgrad._merge import Fields, Plan, PlanResult
@@ -169,9 +169,18 @@ class AsyncClient(
                        chunk_size: int | None) -> GradsResult:
         started = time.perf_counter()
         fields = await self._prepare(build())
-        with self._plan(fields, progress, chunk_size) as plan:
-            out = await self._run_plan(plan)
-        return self._planned(out, chunk_size, as_torch=as_torch, started=started)
+        while True:
+            try:
+                with self._plan(fields, progress, chunk_size) as plan:
+                    out = await self._run_plan(plan)
+                return self._planned(out, chunk_size, as_torch=as_torch, started=started)
+            except DtypeMismatch as exc:
+                model = self._refused_unasked(fields, exc)
+                cast = None if model is None else self._recast(fields,
+                                                               await self.models.get(model))
+                if cast is None:
+                    raise
+                fields = cast
 
     async def _queue(self, build: Build) -> AsyncJob:
         fields = build()

@@ -43,6 +43,7 @@ from psgrad._errors import (
     APIConnectionError,
     APITimeoutError,
     BadRequest,
+    DtypeMismatch,
     Overloaded,
     PsgradError,
     error_from_body,
@@ -285,6 +286,21 @@ class BaseClient:
                 self._dtypes.clear()
             self._dtypes[model] = float_dtype(info)
         return cast_floats(fields, self._dtypes.get(model))
+
+    def _refused_unasked(self, fields: Fields, exc: PsgradError) -> str | None:
+        """The model to ask ``GET /models/{id}`` about after the server refused ``fields`` for
+        a dtype (``exc``) without this client knowing the model's: float32 arrays go as they
+        are, and a float16 or bfloat16 model refuses those it cannot take. The call is then
+        cast (:meth:`_recast`) and sent once more."""
+        model = str(fields["model"])
+        return model if isinstance(exc, DtypeMismatch) and model not in self._dtypes else None
+
+    def _recast(self, fields: Fields, info: ModelInfo) -> Fields | None:
+        """``fields`` cast to the dtype ``info`` tells (as :meth:`_cast`), or None where that
+        changes nothing (a float32 model: the refusal stands)."""
+        cast = self._cast(fields, info)
+        dtype = self._dtypes.get(str(fields["model"]))
+        return cast if dtype is not None and str(dtype) != "float32" else None
 
     @contextlib.contextmanager
     def _plan(

@@ -12,7 +12,7 @@ import httpx
 
 from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
-from psgrad._errors import TooLarge
+from psgrad._errors import DtypeMismatch, TooLarge
 from psgrad._grads import Build, GradsMethods
 from psgrad._jobs import Job
 from psgrad._merge import Fields, Plan, PlanResult
@@ -190,9 +190,17 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
                  chunk_size: int | None) -> GradsResult:
         started = time.perf_counter()
         fields = self._prepare(build())
-        with self._plan(fields, progress, chunk_size) as plan:
-            out = self._run_plan(plan)
-        return self._planned(out, chunk_size, as_torch=as_torch, started=started)
+        while True:
+            try:
+                with self._plan(fields, progress, chunk_size) as plan:
+                    out = self._run_plan(plan)
+                return self._planned(out, chunk_size, as_torch=as_torch, started=started)
+            except DtypeMismatch as exc:
+                model = self._refused_unasked(fields, exc)
+                cast = None if model is None else self._recast(fields, self.models.get(model))
+                if cast is None:
+                    raise
+                fields = cast
 
     def _queue(self, build: Build) -> Job:
         fields = build()

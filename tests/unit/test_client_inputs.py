@@ -30,9 +30,10 @@ SAFETENSORS = "application/x-safetensors"
 def recorder(dtypes: dict[str, str] | None = None
              ) -> tuple[httpx.MockTransport, list[httpx.Request]]:
     """A transport that records each request and answers as the server would, briefly; the
-    model ``m`` computes in float32, others in ``dtypes[model]``."""
+    model ``m`` computes in float32, others in ``dtypes[model]`` (a float16 or bfloat16 model
+    refuses a float32 array it cannot hold, as the server does; ``refuses`` every dtype)."""
     seen: list[httpx.Request] = []
-    dtypes = {"m": "float32", **(dtypes or {})}
+    dtypes = {"m": "float32", "refuses": "float32", **(dtypes or {})}
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
@@ -45,12 +46,32 @@ def recorder(dtypes: dict[str, str] | None = None
                 "w": {"shape": [3], "dtype": dtypes[model]}}})
         if path == "/jobs":
             return httpx.Response(202, json={"job_id": "j1", "status": "queued"})
+        binary = request.headers.get("content-type") == SAFETENSORS
+        sent = fields_from_safetensors(request.content, REQUEST_KEY) if binary else {}
+        if _refuses(sent, dtypes.get(str(sent.get("model")), "")):
+            return httpx.Response(422, json={"error": {
+                "code": "dtype_mismatch", "message": "round them first", "details": {}}})
         body = fields_to_safetensors(
             {"model": "m@1", "batch_size": 1, "norms": np.ones(1, np.float32)}, RESPONSE_KEY
         )
         return httpx.Response(200, content=body, headers={"content-type": SAFETENSORS})
 
     return httpx.MockTransport(handler), seen
+
+
+def _refuses(fields: dict[str, Any], dtype: str) -> bool:
+    """Whether a model computing in ``dtype`` refuses ``fields``, as the server does: a float32
+    array holding values a float16 or bfloat16 model cannot hold (the model ``refuses``: any)."""
+    if fields.get("model") == "refuses":
+        return True
+    if dtype not in ("float16", "bfloat16"):
+        return False
+
+    def held(a: np.ndarray) -> np.ndarray:
+        return bfloat16_values(a) if dtype == "bfloat16" else a.astype(np.float16)
+
+    return any(a.dtype == np.float32 and not np.array_equal(a, held(a))
+               for a in fields.values() if isinstance(a, np.ndarray))
 
 
 # ------------------------------------------------------------------ the URL
@@ -142,6 +163,37 @@ def test_a_float64_float16_or_bfloat16_model_gets_its_own_dtype() -> None:
         sent = _sent(seen)["inputs"]  # its values, rounded to nearest even, held in float32
         assert sent.dtype == np.float32 and (sent == np.float32(0.333984375)).all()
     assert _asked(seen) == ["/models/f64", "/models/f16", "/models/bf16"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_float32_arrays_a_narrow_model_refuses_are_cast_and_sent_again(
+    asynchronous: bool,
+) -> None:
+    """float32 goes as it is, no question asked; a float16 or bfloat16 model refuses values
+    it cannot hold, and the client then asks the model's dtype (once), casts and sends the call
+    again. The next call is cast before it goes; a float32 model's refusal stands."""
+    transport, seen = recorder({"f16": "float16", "bf16": "bfloat16"})
+    x = np.full((1, 3), 1 / 3, np.float32)
+    with psgrad.Client("http://fake", transport=transport) as sync:
+        aclient = psgrad.AsyncClient("http://fake", transport=transport)
+        for model, want in (("f16", np.float16(1 / 3)), ("bf16", np.float32(0.333984375))):
+            for _ in range(2):
+                if asynchronous:
+                    await aclient.per_sample_grads(model, x, outputs=["norms"])
+                else:
+                    sync.per_sample_grads(model, x, outputs=["norms"])
+                assert (_sent(seen)["inputs"] == want).all()
+        # per model: refused, asked, sent again; the next call cast at once
+        assert sum(r.method == "POST" for r in seen) == 6
+        assert _asked(seen) == ["/models/f16", "/models/bf16"]
+        seen.clear()
+        with pytest.raises(psgrad.DtypeMismatch):
+            if asynchronous:
+                await aclient.per_sample_grads("refuses", x, outputs=["norms"])
+            else:
+                sync.per_sample_grads("refuses", x, outputs=["norms"])
+        assert [r.method for r in seen] == ["POST", "GET"]  # float32: nothing to cast
+        await aclient.close()
 
 
 def test_bfloat16_values_round_as_torch_rounds() -> None:
@@ -245,6 +297,30 @@ def test_float64_through_the_binary_path_equals_float32(transport: httpx.BaseTra
                                     outputs=["norms"]).norms,
             rtol=1e-6,
         )
+
+
+def test_float32_arrays_reach_a_narrow_program_cast(transport: httpx.BaseTransport) -> None:
+    """numpy's float32 arrays to a float16 and a bfloat16 exported program, through the real
+    app: answered, and as the same arrays cast by hand are."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+    y = np.array([0, 2, 1, 2])
+    with psgrad.Client("http://app", transport=transport) as client:
+        for dtype in (torch.float16, torch.bfloat16):
+            torch.manual_seed(0)
+            module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                         torch.nn.Linear(8, 3)).to(dtype)
+            model = f"narrow-{str(dtype).removeprefix('torch.')}"
+            example = torch.from_numpy(x[:1]).to(dtype)
+            client.models.register_exported(model, torch.export.export(module, (example,)))
+            got = client.per_sample_grads(model, x, y, outputs=["norms", "grads"])
+            by_hand = psgrad.Client("http://app", transport=transport)  # knows no dtype yet
+            with by_hand:
+                want = by_hand.per_sample_grads(model, torch.from_numpy(x).to(dtype), y,
+                                                outputs=["norms", "grads"])
+            np.testing.assert_array_equal(got.norms, want.norms)
+            for k, g in want.grads.items():
+                np.testing.assert_array_equal(got.grads[k], g)
 
 
 async def test_float64_through_the_async_client_equals_float32() -> None:
