@@ -39,6 +39,9 @@ every batch size and sequence length. ``--device cuda`` runs every method on the
 ``--autocast bfloat16`` runs every method's forward and backward under ``torch.autocast`` in
 bfloat16 (psgrad by the request's ``autocast`` field), the plain step too, and notes how far
 psgrad's norms are from its float32 norms; ``--autocast off,bfloat16`` times each case both ways.
+``--dtype bfloat16`` makes the models themselves bfloat16 (parameters, buffers and ResNet-18's
+images, exported and registered so, the requests' floats sent as float32 holding bfloat16
+values), every method with them.
 
 Peak memory on the CPU: the resident-set high-water mark of one call after a warm one, minus the
 resident set before it (glibc's mmap threshold is lowered at start so freed blocks leave the
@@ -148,17 +151,17 @@ class Case:
                     self.targets.to(device), self.loss, mask)
 
 
-def make_case(name: str, batch: int, seq: int) -> Case:
-    """The model with seeded random weights and a seeded batch."""
+def make_case(name: str, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> Case:
+    """The model with seeded random weights and a seeded batch, in ``dtype``."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     if name == "resnet18":
-        x = torch.randn(batch, 3, 224, 224, generator=gen)
-        return Case(name, ResNet18().eval(), {"x": x},
+        x = torch.randn(batch, 3, 224, 224, generator=gen).to(dtype)
+        return Case(name, ResNet18().eval().to(dtype), {"x": x},
                     torch.randint(0, 1000, (batch,), generator=gen), "cross_entropy")
     if name not in ("gpt2", "bert"):
         raise SystemExit(f"unknown model {name!r}; known: gpt2, bert, resnet18")
-    module = hf(name, **({"num_labels": 2} if name == "bert" else {}))
+    module = hf(name, **({"num_labels": 2} if name == "bert" else {})).to(dtype)
     config: Any = module.get_submodule("model").config
     vocab = int(config.vocab_size)
     ids, mask = padded_tokens(batch, seq, vocab, gen)
@@ -189,7 +192,7 @@ def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "o
             ) -> ParsedRequest:
     fields: dict[str, Any] = {
         "model": case.name, "outputs": [output], "targets": case.targets.cpu().numpy(),
-        "inputs": {k: v.cpu().numpy() for k, v in case.inputs.items()}, "clip_norm": CLIP,
+        "inputs": {k: _array(v) for k, v in case.inputs.items()}, "clip_norm": CLIP,
         "autocast": autocast}
     if case.mask is not None:
         fields["mask"] = case.mask.cpu().numpy()
@@ -201,9 +204,14 @@ def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "o
         model = registry.get(case.name)
         gen = torch.Generator().manual_seed(2)
         fields["reference"] = {
-            k: torch.randn((REFERENCES, *v.shape), generator=gen).numpy()
+            k: _array(torch.randn((REFERENCES, *v.shape), generator=gen).to(v.dtype))
             for k, v in model.params.items()}
     return parse_request(fields, registry)
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A request's array: a bfloat16 tensor as float32 holding its values (numpy has none)."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy()
 
 
 def psgrad(registry: ModelRegistry, case: Case, output: str, autocast: str = "off",
@@ -345,7 +353,7 @@ def _short(exc: BaseException) -> str:
 
 def _norms(answer: Any) -> np.ndarray | None:
     value = answer.get("norms") if isinstance(answer, dict) else None
-    return None if value is None else np.asarray(torch.as_tensor(value).detach().cpu())
+    return None if value is None else _array(torch.as_tensor(value).detach())
 
 
 def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: list[str],
@@ -430,12 +438,13 @@ def run_model(name: str, args: argparse.Namespace) -> list[str]:
     batches = [int(b) for b in args.batch.split(",")] if args.batch else [BATCH[name]]
     seqs = [0] if name == "resnet18" else [int(t) for t in args.seq.split(",")]
     start = time.perf_counter()
-    registry, model = register(make_case(name, 1, seqs[0] or 2), device)
+    dtype = getattr(torch, args.dtype)
+    registry, model = register(make_case(name, 1, seqs[0] or 2, dtype), device)
     print(f"{name}: exported and registered in {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
     for batch in batches:
         for seq in seqs:
-            case = make_case(name, batch, seq).to(device)
+            case = make_case(name, batch, seq, dtype).to(device)
             for autocast in args.autocast.split(","):
                 new = run_case(case, registry, model, seq, autocast, args)
                 print("\n".join(new), flush=True)
@@ -461,6 +470,7 @@ def run_case(case: Case, registry: ModelRegistry, model: LoadedModel, seq: int, 
     measure = cuda_peak if cuda else steady_peak
     peaks = {key: measure(fn) for key, fn in fns.items()} if args.memory else {}
     length = str(seq) if seq else ""
+    name += " bfloat16" if model.dtype == torch.bfloat16 else ""
     name += " bf16 autocast" if autocast != "off" else ""
     rows = []
     for key in fns:
@@ -510,6 +520,8 @@ def main() -> None:
     parser.add_argument("--autocast", default="off",
                         help="off, bfloat16 or both (off,bfloat16): bfloat16 runs every "
                              "method's forward and backward under autocast")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the models' own dtype (bfloat16: parameters, buffers, images)")
     parser.add_argument("--max-gib", type=float, default=3.0,
                         help="skip peers whose per-sample gradients would take more than this")
     args = parser.parse_args()
