@@ -87,10 +87,11 @@ def _arrays(fields: Fields) -> Iterator[tuple[str, str | None, np.ndarray]]:
             yield from ((key, p, a) for p, a in value.items() if isinstance(a, np.ndarray))
 
 
-def needs_model_dtype(fields: Fields) -> bool:
-    """Whether a floating array of the request is in a dtype other than float32, so that the
-    model's own dtype must be known before it is sent."""
-    return any(a.dtype.kind == "f" and a.dtype != _SENT_AS_IS for _, _, a in _arrays(fields))
+def needs_model_dtype(fields: Fields, *, float32: bool = False) -> bool:
+    """Whether a floating array of the request is in a dtype other than float32 (any floating
+    array, with ``float32``), so that the model's own dtype must be known before it is sent."""
+    return any(a.dtype.kind == "f" and (float32 or a.dtype != _SENT_AS_IS)
+               for _, _, a in _arrays(fields))
 
 
 def cast_floats(fields: Fields, dtype: np.dtype | str | None) -> Fields:

@@ -140,9 +140,10 @@ class AsyncClient(
         )
         return call.read(response)
 
-    async def _prepare(self, fields: Fields) -> Fields:
-        """``fields`` with its floating arrays in the model's dtype (asked for once a model)."""
-        model = self._dtype_unknown(fields)
+    async def _prepare(self, fields: Fields, *, float32: bool = False) -> Fields:
+        """``fields`` with its floating arrays in the model's dtype (asked for once a model;
+        ``float32``: as :meth:`_dtype_unknown`)."""
+        model = self._dtype_unknown(fields, float32=float32)
         return self._cast(fields, None if model is None else await self.models.get(model))
 
     async def _post_fields(self, path: str, fields: Fields) -> httpx.Response:

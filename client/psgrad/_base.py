@@ -272,11 +272,15 @@ class BaseClient:
 
     _grads_fields = staticmethod(grads_fields)  # the checked request: psgrad._request
 
-    def _dtype_unknown(self, fields: Fields) -> str | None:
+    def _dtype_unknown(self, fields: Fields, *, float32: bool = False) -> str | None:
         """The model to ask ``GET /models/{id}`` about before ``fields`` can be cast, if any:
-        only a floating array other than float32 needs its dtype, and only once per model."""
+        only a floating array other than float32 needs its dtype (any floating array, with
+        ``float32``: a store's batches, where a float16 or bfloat16 model would refuse each
+        batch of float32 and one question costs nothing beside them), and only once per
+        model."""
         model = str(fields["model"])
-        return None if model in self._dtypes or not needs_model_dtype(fields) else model
+        return None if model in self._dtypes or not needs_model_dtype(
+            fields, float32=float32) else model
 
     def _cast(self, fields: Fields, info: ModelInfo | None) -> Fields:
         """``fields`` with floating arrays in the model's dtype, once ``info`` told it."""

@@ -161,9 +161,10 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
         )
         return call.read(response)
 
-    def _prepare(self, fields: Fields) -> Fields:
-        """``fields`` with its floating arrays in the model's dtype (asked for once a model)."""
-        model = self._dtype_unknown(fields)
+    def _prepare(self, fields: Fields, *, float32: bool = False) -> Fields:
+        """``fields`` with its floating arrays in the model's dtype (asked for once a model;
+        ``float32``: as :meth:`_dtype_unknown`)."""
+        model = self._dtype_unknown(fields, float32=float32)
         return self._cast(fields, None if model is None else self.models.get(model))
 
     def _post_fields(self, path: str, fields: Fields) -> httpx.Response:

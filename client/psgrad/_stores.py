@@ -290,7 +290,7 @@ class Store(_Handle):
             kind, value = next(plan)
             while True:
                 done = (self._client._call(value) if kind == "call"
-                        else self._client._prepare(value))
+                        else self._client._prepare(value, float32=True))
                 kind, value = plan.send(done)
         except StopIteration as stop:
             return stop.value
@@ -403,7 +403,7 @@ class AsyncStore(_Handle):
             kind, value = next(plan)
             while True:
                 done = (await self._client._call(value) if kind == "call"
-                        else await self._client._prepare(value))
+                        else await self._client._prepare(value, float32=True))
                 kind, value = plan.send(done)
         except StopIteration as stop:
             return stop.value

@@ -301,7 +301,8 @@ def test_float64_through_the_binary_path_equals_float32(transport: httpx.BaseTra
 
 def test_float32_arrays_reach_a_narrow_program_cast(transport: httpx.BaseTransport) -> None:
     """numpy's float32 arrays to a float16 and a bfloat16 exported program, through the real
-    app: answered, and as the same arrays cast by hand are."""
+    app: answered, and as the same arrays cast by hand are; added to a store of the model and
+    queried."""
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
     y = np.array([0, 2, 1, 2])
@@ -321,6 +322,11 @@ def test_float32_arrays_reach_a_narrow_program_cast(transport: httpx.BaseTranspo
             np.testing.assert_array_equal(got.norms, want.norms)
             for k, g in want.grads.items():
                 np.testing.assert_array_equal(got.grads[k], g)
+            # a store's batches are cast before they go (each was refused), its query too
+            with psgrad.Client("http://app", transport=transport) as fresh:
+                store = fresh.stores.create(f"s-{model}", model, projection_dim=8)
+                assert store.add(x, y, ids=list(range(4)), batch_size=2)["added"] == 4
+                assert store.query(x[:1], y[:1], k=2).ids.shape == (1, 2)
 
 
 async def test_float64_through_the_async_client_equals_float32() -> None:
