@@ -231,9 +231,11 @@ class InFloat32(TorchFunctionMode):
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         if func in (torch.Tensor.bfloat16, torch.Tensor.half):
             func = torch.Tensor.float
-        wide = [torch.float32 if isinstance(a, torch.dtype) and a in NARROW else a
-                for a in (*args, *(kwargs or {}).values())]
-        return func(*wide[:len(args)], **dict(zip(kwargs or {}, wide[len(args):], strict=True)))
+        return func(*map(_wide, args), **{k: _wide(v) for k, v in (kwargs or {}).items()})
+
+
+def _wide(arg: Any) -> Any:
+    return torch.float32 if isinstance(arg, torch.dtype) and arg in NARROW else arg
 
 
 def _check(probe: Setup, plan: Plan, shared: SharedPlans | None = None) -> list[str]:
