@@ -186,25 +186,27 @@ def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
     return (bits.view("<u2").astype("<u4") << 16).view(np.float32)
 
 
-def _bfloat16_as_bits(body: bytes) -> tuple[bytes, list[str]] | None:
-    """``body`` with its bfloat16 tensors named as the 16-bit integers they are stored as (a
-    dtype numpy has), and their names; None where it has none."""
-    size = int.from_bytes(body[:8], "little")
-    header = json.loads(body[8:8 + size])
+def _header(body: bytes) -> dict[str, Any]:
+    """A safetensors file's JSON header."""
+    return dict(json.loads(body[8:8 + int.from_bytes(body[:8], "little")]))
+
+
+def _bfloat16_as_bits(body: bytes, header: Mapping[str, Any]) -> tuple[bytes, list[str]] | None:
+    """``body`` (whose header is ``header``) with its bfloat16 tensors named as the 16-bit
+    integers they are stored as (a dtype numpy has), and their names; None where it has none."""
     names = [k for k, v in header.items() if k != "__metadata__" and v.get("dtype") == "BF16"]
     if not names:
         return None
-    for name in names:
-        header[name]["dtype"] = "U16"
-    raw = json.dumps(header).encode()
+    raw = json.dumps({**header, **{k: {**header[k], "dtype": "U16"} for k in names}}).encode()
     raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw + body[8 + size:], names
+    data = body[8 + int.from_bytes(body[:8], "little"):]
+    return len(raw).to_bytes(8, "little") + raw + data, names
 
 
-def widened_load(body: bytes) -> dict[str, np.ndarray]:
+def widened_load(body: bytes, header: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
     """A safetensors file's tensors as numpy arrays, bfloat16 ones widened to float32 (the same
-    numbers: numpy has no bfloat16)."""
-    bf16 = _bfloat16_as_bits(body)
+    numbers: numpy has no bfloat16); ``header``: its header, where the caller parsed it."""
+    bf16 = _bfloat16_as_bits(body, _header(body) if header is None else header)
     arrays = dict(st_load(body if bf16 is None else bf16[0]))
     for name in bf16[1] if bf16 is not None else ():
         arrays[name] = widen_bfloat16(arrays[name])
@@ -273,8 +275,8 @@ def fields_from_safetensors(body: bytes, meta_key: str, *, max_header: int = MAX
     """Inverse of :func:`fields_to_safetensors`; the header is size-checked before parsing."""
     check_header_size(body, max_header)
     try:
-        header = json.loads(body[8 : 8 + struct.unpack("<Q", body[:8])[0]])
-        tensors = widened_load(body)
+        header = _header(body)
+        tensors = widened_load(body, header)
     except (SafetensorError, ValueError, UnicodeDecodeError, KeyError, TypeError,
             AttributeError) as exc:
         raise BadRequest(f"the body is not a valid safetensors file: {exc}") from exc
