@@ -83,6 +83,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from psgrad._arrays import to_numpy  # a bfloat16 tensor as float32 holding its values
 from service import engine
 from service.config import Settings
 from service.registration import register_exported
@@ -192,7 +193,7 @@ def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "o
             ) -> ParsedRequest:
     fields: dict[str, Any] = {
         "model": case.name, "outputs": [output], "targets": case.targets.cpu().numpy(),
-        "inputs": {k: _array(v) for k, v in case.inputs.items()}, "clip_norm": CLIP,
+        "inputs": {k: to_numpy(v, k) for k, v in case.inputs.items()}, "clip_norm": CLIP,
         "autocast": autocast}
     if case.mask is not None:
         fields["mask"] = case.mask.cpu().numpy()
@@ -204,14 +205,9 @@ def request(registry: ModelRegistry, case: Case, output: str, autocast: str = "o
         model = registry.get(case.name)
         gen = torch.Generator().manual_seed(2)
         fields["reference"] = {
-            k: _array(torch.randn((REFERENCES, *v.shape), generator=gen).to(v.dtype))
+            k: to_numpy(torch.randn((REFERENCES, *v.shape), generator=gen).to(v.dtype), k)
             for k, v in model.params.items()}
     return parse_request(fields, registry)
-
-
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A request's array: a bfloat16 tensor as float32 holding its values (numpy has none)."""
-    return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy()
 
 
 def psgrad(registry: ModelRegistry, case: Case, output: str, autocast: str = "off",
@@ -353,7 +349,7 @@ def _short(exc: BaseException) -> str:
 
 def _norms(answer: Any) -> np.ndarray | None:
     value = answer.get("norms") if isinstance(answer, dict) else None
-    return None if value is None else _array(torch.as_tensor(value).detach())
+    return None if value is None else to_numpy(torch.as_tensor(value), "norms")
 
 
 def methods(case: Case, registry: ModelRegistry, model: LoadedModel, outputs: list[str],
