@@ -9,8 +9,10 @@ thread (``sys.setprofile``), the engine's computation (``engine.compute`` and ev
 it) as one stop. Per thread (the api's event loop, the worker's), the rooms in the order they
 are entered (a stop each time the room changes) and the returns: stops at a room this thread
 had already left. A return is a hop back up or across the layers: the fewer, the fewer rooms a
-reader holds to follow a request. Counts, not times: the same on every run of one commit,
-except in Redis mode, where the api's moves with how often its wait for the answer resumes.
+reader holds to follow a request. A coroutine or generator resumed after an ``await`` or a
+``yield`` is not entered again: a reader follows the awaiting call once, where the event loop
+resumes it (and every frame it awaits through, the middleware first) as often as a wait
+happens to end. Counts, not times: the same on every run of one commit, in either mode.
 
 With ``--redis``, in Redis mode instead: the api on a Redis broker (under a fresh key prefix,
 deleted after) and one worker loop on a Redis job source in this process, as ``psgrad worker``
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dis
 import sys
 import threading
 from collections.abc import Iterator
@@ -36,6 +39,7 @@ if str(ROOT) not in sys.path:
 SERVICE = f"{ROOT}/service/"
 KEEPING = {"psgrad-keeper"}  # threads that keep time, not a request's path
 ENGINE = f"{ROOT}/service/engine.py"
+RESUME = dis.opmap["RESUME"]
 
 
 def room_of(path: str) -> str | None:
@@ -45,6 +49,12 @@ def room_of(path: str) -> str | None:
     if "/psgrad/" in path and "/client/" in path:
         return "psgrad"
     return None
+
+
+def resumed(frame: FrameType) -> bool:
+    """Whether a call event resumes a suspended generator or coroutine rather than enters it."""
+    code, at = frame.f_code.co_code, frame.f_lasti
+    return at >= 0 and code[at] == RESUME and code[at + 1] != 0
 
 
 class Walk:
@@ -61,7 +71,7 @@ class Walk:
         depth = getattr(self._engine, "depth", 0)
         if event == "return" and computing and depth:
             self._engine.depth = depth - 1
-        if event != "call" or not self.on:
+        if event != "call" or not self.on or resumed(frame):
             return
         if computing:
             self._engine.depth = depth + 1
