@@ -2,6 +2,7 @@
 
     python benchmarks/pieces.py [--batch 32] [--seq 64] [--heights 64:4,128:8] [--rounds 3]
                                 [--shapes 768x768,768x3072,3072x768] [--loops fused,eager]
+                                [--dtype float32]
 
 A linear layer's ``variance``, ``dots`` (M=2) and the norms-and-dots-with-the-sum of
 ``cosine_mean`` over T positions build every sample's ``G_i^T A_i`` a piece at a time
@@ -15,6 +16,8 @@ divided by the weight-gradient GEMM's (one ``G^T A`` over every row: what a plai
 these layers' weights). One torch thread, this process's CPU time, the best of ``--rounds``.
 A height is ``rows:MiB``. ``--loops``: the passes over each piece by the CPU's fused loops
 (``service/fast_stats/_kernels.py``), by torch's eager operations, or both side by side.
+``--dtype bfloat16`` (or float16): the inputs, output gradients and pieces in that dtype, which
+the loops take a slab at a time in float32.
 """
 
 from __future__ import annotations
@@ -68,17 +71,20 @@ def main() -> None:
                         help="layers as d x p (inputs x outputs), comma-separated")
     parser.add_argument("--loops", default="fused,eager",
                         help="the passes over a piece: fused (numba's loops), eager, or both")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     b, t = args.batch, args.seq
-    layers = [layer(torch.randn(b, t, d), torch.randn(b, t, p)) for d, p in shapes]
-    refs = [torch.randn(2, p, d) for d, p in shapes]
+    layers = [layer(torch.randn(b, t, d).to(dtype), torch.randn(b, t, p).to(dtype))
+              for d, p in shapes]
+    refs = [torch.randn(2, p, d).to(dtype) for d, p in shapes]
     flops = sum(2 * b * t * d * p for d, p in shapes)
     gemm = cpu(lambda: [x.g.reshape(-1, x.p).t() @ x.a.reshape(-1, x.d) for x in layers],
                args.rounds)
-    print(f"torch {torch.__version__}, 1 thread, B={b} T={t}, layers "
+    print(f"torch {torch.__version__}, 1 thread, {args.dtype}, B={b} T={t}, layers "
           f"{', '.join(f'{d}->{p}' for d, p in shapes)}; weight-gradient GEMM "
           f"{flops / gemm / 1e9:.0f} GFLOP/s ({gemm * 1e3:.0f} ms)")
     print("| rows | MiB | loops | build GFLOP/s | variance x GEMM | dots x GEMM | cosine x GEMM |")
