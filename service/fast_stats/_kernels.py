@@ -7,13 +7,18 @@ piece's columns small enough to stay in the L1 cache reads each element twice fr
 writes none: about four times faster (``benchmarks/pieces.py --loops fused,eager``). A batch
 norm's per-sample sums and dots over positions likewise take one read. Numba compiles each loop
 once per process (about a second per dtype): a worker does it for float32 as it starts
-(:func:`warm_up`), other dtypes at their first use. On an accelerator (whose eager
+(:func:`warm_up`), other dtypes at their first use. numba has no bfloat16 or float16: their
+pieces go through the float32 loops a slab of columns at a time (:func:`_slabs`, copied to
+float32, :data:`SLAB_BYTES` each), the results rounded back to the piece's dtype; torch's eager
+operations on them ran 1.7 to 2.6 times as long as that (``benchmarks/pieces.py --dtype
+bfloat16``), and rounded every deviation to the narrow dtype. On an accelerator (whose eager
 kernels are bandwidth-bound and fast), and for any other dtype or layout, the eager operations
 run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numba
@@ -23,6 +28,9 @@ import torch.nn.functional as F
 
 from service.fast_stats._tuning import TUNING
 from service.strategies.base import squared_norms
+
+NARROW = (torch.bfloat16, torch.float16)  # taken by the float32 loops a slab at a time
+SLAB_BYTES = 4 << 20  # the float32 copy of one slab of a narrow piece's columns, every sample's
 
 
 def squared_deviations(rows: torch.Tensor, mean: torch.Tensor, *, in_place: bool = False
@@ -51,9 +59,16 @@ def merged_into(rows: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, seen: 
     """``rows``' moments merged into the running ``mean`` and ``m2`` of ``seen`` earlier samples
     (none: written) in one loop, where the fused loops run; False where they do not (the caller
     takes the eager operations)."""
-    if not _fused(rows, mean, m2):
+    fused = _fused(rows, mean, m2)
+    if fused is None:
         return False
-    _moments(_flat(rows, len(rows)), _flat(mean), _flat(m2), _step(rows), seen)
+    if not fused:
+        _moments(_flat(rows, len(rows)), _flat(mean), _flat(m2), _step(rows), seen)
+        return True
+    for (x, mu, q), write in _slabs(rows, mean, m2):
+        _moments(x, mu[0], q[0], _step(x), seen)
+        write(mean, mu)
+        write(m2, q)
     return True
 
 
@@ -61,10 +76,18 @@ def norms_and_mean_dots(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """Each sample's squared norm and dot product with the samples' mean, ``[n, 2]``, for
     ``rows`` ``[n, *shape]``; the mean is written into ``mean`` (``shape``)."""
     n = rows.shape[0]
-    if _fused(rows, mean):
+    fused = _fused(rows, mean)
+    if fused is False:
         out = rows.new_empty((n, 2))
         _norms_and_dots(_flat(rows, n), _flat(mean), out.numpy(), _step(rows))
         return out
+    if fused:
+        total, part = np.zeros((n, 2), np.float32), np.empty((n, 2), np.float32)
+        for (x, at), write in _slabs(rows, mean):
+            _norms_and_dots(x, at[0], part, _step(x))
+            total += part
+            write(mean, at)
+        return torch.from_numpy(total).to(rows.dtype)
     flat = rows.reshape(n, -1)
     mu = torch.mean(rows, 0, out=mean).reshape(-1)
     return torch.stack((squared_norms(flat), flat @ mu), 1)
@@ -75,8 +98,16 @@ def sums_and_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.
     each row's dot product with ``b``'s row answered ``[R]`` (fused: written into ``out[:, 1]``
     in the same read of ``a``; eager: one batched matmul, one kernel on an accelerator, which
     ran 1.5 to 3.5 times slower than a product and a sum on a Xeon's CPU)."""
-    if _fused(a, b, out):
+    fused = _fused(a, b, out)
+    if fused is False:
         _sums_and_dots(_flat(a, len(a)), _flat(b, len(b)), out.numpy())
+        return out[:, 1]
+    if fused:
+        total, part = np.zeros((len(a), 2), np.float32), np.empty((len(a), 2), np.float32)
+        for (x, y), _ in _slabs(a, b):
+            _sums_and_dots(x, y, part)
+            total += part
+        out.copy_(torch.from_numpy(total))
         return out[:, 1]
     torch.sum(a, 1, out=out[:, 0])
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
@@ -94,11 +125,37 @@ def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         sums_and_dots(rows, rows, torch.zeros(2, 2, dtype=dtype))
 
 
-def _fused(*tensors: torch.Tensor) -> bool:
+def _fused(*tensors: torch.Tensor) -> bool | None:
+    """How the loops take ``tensors``: False as they are (float32, float64), True a slab at a
+    time in float32 (:data:`NARROW`), None not at all (the eager operations): off, another
+    device, dtype or layout, or mixed dtypes."""
     dtype = tensors[0].dtype
-    return TUNING.fused and dtype in (torch.float32, torch.float64) and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel() > 0
-        for t in tensors)
+    if not TUNING.fused or not all(
+            t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel() > 0
+            for t in tensors):
+        return None
+    return True if dtype in NARROW else False if dtype in (torch.float32, torch.float64) else None
+
+
+WriteBack = Callable[[torch.Tensor, np.ndarray], None]
+
+
+def _slabs(rows: torch.Tensor, *more: torch.Tensor
+           ) -> Iterator[tuple[list[np.ndarray], WriteBack]]:
+    """The same columns of ``rows`` ``[n, *shape]`` and of each of ``more`` (``shape``, or
+    ``[n, *shape]``), :data:`SLAB_BYTES` of ``rows``' at a time, as float32 arrays ``[n, k]``
+    and ``[1, k]`` (copies); with each slab, how to write a float32 array of its columns back
+    into a tensor of ``more`` (rounded to its dtype)."""
+    n = len(rows)
+    views = [t.detach().view(len(t) if t.dim() == rows.dim() else 1, -1) for t in (rows, *more)]
+    width = max(256, SLAB_BYTES // (4 * n))
+    for start in range(0, views[0].shape[1], width):
+        cols = slice(start, start + width)
+
+        def write(t: torch.Tensor, got: np.ndarray, cols: slice = cols) -> None:
+            t.view(1, -1)[:, cols] = torch.from_numpy(got)
+
+        yield [v[:, cols].float().numpy() for v in views], write
 
 
 def _flat(t: torch.Tensor, rows: int | None = None) -> np.ndarray:
@@ -107,9 +164,10 @@ def _flat(t: torch.Tensor, rows: int | None = None) -> np.ndarray:
     return t.detach().view(-1 if rows is None else (rows, -1)).numpy()
 
 
-def _step(rows: torch.Tensor) -> int:
+def _step(rows: torch.Tensor | np.ndarray) -> int:
     """Columns per block: every sample's share of ``TUNING.block_bytes``, at least 256."""
-    return max(256, TUNING.block_bytes // (rows.shape[0] * rows.element_size()))
+    size = rows.element_size() if isinstance(rows, torch.Tensor) else rows.itemsize
+    return max(256, TUNING.block_bytes // (rows.shape[0] * size))
 
 
 @numba.njit(nogil=True, boundscheck=False)

@@ -1,5 +1,6 @@
 """The CPU's fused loops over a piece of per-sample gradients against torch's eager operations
-and float64: each sample's mean, squared deviations, squared norms and dots with the mean."""
+and float64: each sample's mean, squared deviations, squared norms and dots with the mean, in
+float32 and float64, and bfloat16 and float16 a slab at a time in float32."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from service.fast_stats import TUNING
+from service.fast_stats import TUNING, _kernels
 from service.fast_stats._kernels import (
     merged_into,
     moments_into,
@@ -69,8 +70,8 @@ def test_norms_and_dots_with_the_mean(
     torch.testing.assert_close(mean.double(), rows.double().mean(0), rtol=tol, atol=tol)
 
 
-def test_other_layouts_and_dtypes_take_the_eager_operations() -> None:
-    """A strided output and half precision still get their answer (the eager operations; with
+def test_other_layouts_take_the_eager_operations() -> None:
+    """A strided output, float32 or bfloat16, still gets its answer (the eager operations; with
     ``in_place`` those write over the rows)."""
     rows = _rows(3, (4, 6), torch.float32, 2.0)
     exact = rows.double()
@@ -81,7 +82,8 @@ def test_other_layouts_and_dtypes_take_the_eager_operations() -> None:
     torch.testing.assert_close(m2.double(), ((exact - exact.mean(0)) ** 2).sum(0),
                                rtol=1e-5, atol=1e-5)
     half = rows.to(torch.bfloat16)
-    mean16, m216 = torch.empty(4, 6, dtype=torch.bfloat16), torch.empty(4, 6, dtype=torch.bfloat16)
+    wide16 = torch.empty(4, 12, dtype=torch.bfloat16)
+    mean16, m216 = wide16[:, ::2], wide16[:, 1::2]
     moments_into(half.clone(), mean16, m216, in_place=True)
     torch.testing.assert_close(mean16.double(), half.double().mean(0), rtol=1e-2, atol=1e-2)
 
@@ -127,6 +129,43 @@ def test_sets_of_samples_merge_into_the_running_moments(
     assert merged_into(rows, acc.mean, acc.m2, 1) == fused  # where the loops run
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "shape"), CASES)
+def test_narrow_pieces_take_the_float32_loops_a_slab_at_a_time(
+    n: int, shape: tuple[int, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 and float16 pieces, several slabs of several blocks each (the last ones short),
+    the mean 300 next to a spread of 1: every result is the float64 one on the same rows,
+    rounded once to the dtype (the eager operations round each deviation, and the mean they
+    are taken from, to the dtype: bfloat16 is 2 apart at 300)."""
+    monkeypatch.setattr(TUNING, "block_bytes", 64)
+    monkeypatch.setattr(_kernels, "SLAB_BYTES", 4 * n * 300)  # 300 columns: at least 256
+    rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    rows = _rows(n, shape, dtype, 300.0)
+    exact = rows.double()
+    mean, m2 = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+    moments_into(rows, mean, m2)
+    assert mean.dtype == m2.dtype == dtype
+    torch.testing.assert_close(mean.double(), exact.mean(0), rtol=rtol, atol=0)
+    want_m2 = ((exact - exact.mean(0)) ** 2).sum(0)
+    torch.testing.assert_close(m2.double(), want_m2, rtol=rtol, atol=1e-6)
+    a, b = _rows(n, shape, dtype, 0.5).reshape(n, -1), _rows(n, shape, dtype, -2.0).reshape(n, -1)
+    wide = a.double()  # sums of squares within float16's range
+    if n > 1:  # two sets merged in the same loop, a slab at a time, the running mean between
+        acc = merge(merge(None, a[: n // 2]), a[n // 2 :])  # them in the dtype
+        torch.testing.assert_close(acc.mean.double(), wide.mean(0), rtol=rtol, atol=rtol)
+        torch.testing.assert_close(acc.m2.double(), ((wide - wide.mean(0)) ** 2).sum(0),
+                                   rtol=2 * rtol, atol=rtol * n)
+    got = norms_and_mean_dots(a.view(rows.shape), torch.full(shape, float("nan"), dtype=dtype))
+    want = torch.stack((wide.square().sum(1), wide @ wide.mean(0)), 1)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-3)
+    out = torch.full((n, 2), float("nan"), dtype=dtype)
+    dots = sums_and_dots(a, b, out)
+    torch.testing.assert_close(out[:, 0].double(), wide.sum(1), rtol=rtol, atol=1e-3)
+    torch.testing.assert_close(dots.double(), (wide * b.double()).sum(1), rtol=rtol, atol=1e-3)
+
+
 WARMED = """
 import torch
 from service.fast_stats import _kernels, warm_kernels
@@ -139,14 +178,21 @@ _kernels.merged_into(rows, mean, m2, 0)
 _kernels.merged_into(rows[:2], mean, m2, 4)
 _kernels.norms_and_mean_dots(rows, mean)
 _kernels.sums_and_dots(rows.reshape(8, -1), rows.reshape(8, -1), torch.empty(8, 2))
+half, mean16, m216 = rows.bfloat16(), mean.bfloat16(), m2.bfloat16()
+_kernels.merged_into(half, mean16, m216, 0)
+_kernels.merged_into(half[:2], mean16, m216, 4)
+_kernels.norms_and_mean_dots(half, mean16)
+_kernels.sums_and_dots(half.reshape(8, -1), half.reshape(8, -1),
+                       torch.empty(8, 2, dtype=torch.bfloat16))
 print(warmed, [len(f.signatures) for f in loops])
 """
 
 
 def test_a_worker_s_warm_up_compiles_the_loops_its_calls_run() -> None:
     """In a fresh process, :func:`warm_kernels` (a worker runs it as it starts) compiles each
-    loop for float32 with the argument types real calls pass: calls of other sizes compile
-    nothing more, so no request pays numba's compile (a second per loop)."""
+    loop for float32 with the argument types real calls pass: calls of other sizes, and of
+    bfloat16 (through the float32 loops), compile nothing more, so no request pays numba's
+    compile (a second per loop)."""
     done = subprocess.run([sys.executable, "-c", WARMED], capture_output=True, text=True,
                           check=True, timeout=120)
     warmed, after = done.stdout.strip().split("] [")
