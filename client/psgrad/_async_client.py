@@ -185,7 +185,7 @@ class AsyncClient(
 
     async def _queue(self, build: Build) -> AsyncJob:
         fields = build()
-        doc = (await self._post_fields("/jobs", await self._prepare(fields))).json()
+        doc = (await self._post_fields("/jobs", await self._prepare(fields, float32=True))).json()
         return AsyncJob(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")),
                         outputs=fields["outputs"])
 

@@ -276,8 +276,9 @@ class BaseClient:
         """The model to ask ``GET /models/{id}`` about before ``fields`` can be cast, if any:
         only a floating array other than float32 needs its dtype (any floating array, with
         ``float32``: a store's batches, where a float16 or bfloat16 model would refuse each
-        batch of float32 and one question costs nothing beside them), and only once per
-        model."""
+        batch of float32 and one question costs nothing beside them, and a queued job, whose
+        refusal would come only with its result, too late to cast and send again), and only
+        once per model."""
         model = str(fields["model"])
         return None if model in self._dtypes or not needs_model_dtype(
             fields, float32=float32) else model

@@ -205,7 +205,7 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
 
     def _queue(self, build: Build) -> Job:
         fields = build()
-        doc = self._post_fields("/jobs", self._prepare(fields)).json()
+        doc = self._post_fields("/jobs", self._prepare(fields, float32=True)).json()
         return Job(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")),
                    outputs=fields["outputs"])
 

@@ -165,6 +165,14 @@ def test_a_float64_float16_or_bfloat16_model_gets_its_own_dtype() -> None:
     assert _asked(seen) == ["/models/f64", "/models/f16", "/models/bf16"]
 
 
+async def _either(asynchronous: bool, sync: psgrad.Client, aclient: psgrad.AsyncClient,
+                  method: str, *args: Any, **options: Any) -> Any:
+    """The same call through the async client or the sync one."""
+    if asynchronous:
+        return await getattr(aclient, method)(*args, **options)
+    return getattr(sync, method)(*args, **options)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 async def test_float32_arrays_a_narrow_model_refuses_are_cast_and_sent_again(
     asynchronous: bool,
@@ -178,21 +186,35 @@ async def test_float32_arrays_a_narrow_model_refuses_are_cast_and_sent_again(
         aclient = psgrad.AsyncClient("http://fake", transport=transport)
         for model, want in (("f16", np.float16(1 / 3)), ("bf16", np.float32(0.333984375))):
             for _ in range(2):
-                if asynchronous:
-                    await aclient.per_sample_grads(model, x, outputs=["norms"])
-                else:
-                    sync.per_sample_grads(model, x, outputs=["norms"])
+                await _either(asynchronous, sync, aclient, "per_sample_grads", model, x,
+                              outputs=["norms"])
                 assert (_sent(seen)["inputs"] == want).all()
         # per model: refused, asked, sent again; the next call cast at once
         assert sum(r.method == "POST" for r in seen) == 6
         assert _asked(seen) == ["/models/f16", "/models/bf16"]
         seen.clear()
         with pytest.raises(psgrad.DtypeMismatch):
-            if asynchronous:
-                await aclient.per_sample_grads("refuses", x, outputs=["norms"])
-            else:
-                sync.per_sample_grads("refuses", x, outputs=["norms"])
+            await _either(asynchronous, sync, aclient, "per_sample_grads", "refuses", x,
+                          outputs=["norms"])
         assert [r.method for r in seen] == ["POST", "GET"]  # float32: nothing to cast
+        await aclient.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_a_queued_jobs_float32_arrays_take_the_models_dtype_first(asynchronous: bool) -> None:
+    """A queued job's refusal would come only with its result, too late to cast and send it
+    again: ``submit`` asks a model's dtype before its first job with floating arrays (once a
+    model, float32 ones too) and casts them; a float32 model's go as they are."""
+    transport, seen = recorder({"bf16": "bfloat16"})
+    x = np.full((1, 3), 1 / 3, np.float32)
+    with psgrad.Client("http://fake", transport=transport) as sync:
+        aclient = psgrad.AsyncClient("http://fake", transport=transport)
+        for model, want in (("bf16", np.float32(0.333984375)), ("m", np.float32(1 / 3))):
+            for _ in range(2):
+                await _either(asynchronous, sync, aclient, "submit", model, x, outputs=["norms"])
+                assert (_sent(seen)["inputs"] == want).all()
+        assert [r.method for r in seen] == ["GET", "POST", "POST"] * 2
+        assert _asked(seen) == ["/models/bf16", "/models/m"]
         await aclient.close()
 
 
@@ -322,6 +344,9 @@ def test_float32_arrays_reach_a_narrow_program_cast(transport: httpx.BaseTranspo
             np.testing.assert_array_equal(got.norms, want.norms)
             for k, g in want.grads.items():
                 np.testing.assert_array_equal(got.grads[k], g)
+            with psgrad.Client("http://app", transport=transport) as fresh:  # a queued job
+                job = fresh.submit(model, x, y, outputs=["norms", "grads"])  # is cast first
+                np.testing.assert_array_equal(job.result(timeout=60).norms, want.norms)
             # a store's batches are cast before they go (each was refused), its query too
             with psgrad.Client("http://app", transport=transport) as fresh:
                 store = fresh.stores.create(f"s-{model}", model, projection_dim=8)
