@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from service.fast_stats._tuning import TUNING
 from service.strategies.base import squared_norms
 
-NARROW = (torch.bfloat16, torch.float16)  # taken by the float32 loops a slab at a time
+NARROW = (torch.bfloat16, torch.float16)  # float dtypes the loops (and the plan check) widen
 SLAB_BYTES = 4 << 20  # the float32 copy of one slab of a narrow piece's columns, every sample's
 
 

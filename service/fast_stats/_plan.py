@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
+from service.fast_stats._kernels import NARROW
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
 from service.fast_stats._run import (
     Plan,
@@ -198,9 +199,6 @@ def _same_run(setup: Setup | None, plan: Plan) -> Run | None:
         return None
     same = signature_digest(tuple(u.signature for u in run.uses))
     return run if same is not None and same == signature_digest(plan.signature) else None
-
-
-NARROW = (torch.bfloat16, torch.float16)
 
 
 def _widened(probe: Setup) -> Setup:
