@@ -7,13 +7,26 @@ test runs share one Redis without seeing each other.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 
 def text(value: Any) -> str:
     """A reply's bytes (or a view of them) as text, whether or not the client decodes
     responses; anything else as ``str`` has it."""
     return bytes(value).decode() if isinstance(value, (bytes, memoryview)) else str(value)
+
+
+def texts(values: Iterable[Any]) -> list[str]:
+    """Each of a reply's values as :func:`text`."""
+    return [text(v) for v in values]
+
+
+def text_hash(raw: Mapping[Any, Any] | list[Any]) -> dict[str, str]:
+    """A hash as text: ``HGETALL``'s reply, a mapping or (from a script) a flat list of fields
+    and values."""
+    pairs = raw.items() if isinstance(raw, Mapping) else zip(raw[::2], raw[1::2], strict=True)
+    return {text(k): text(v) for k, v in pairs}
 
 
 # --- the registered-model store (service/model_store.py); no TTL: models live until deleted ---
@@ -114,6 +127,27 @@ def fair_vtime(prefix: str) -> str:
     return f"{prefix}:fair:vtime"
 
 
+class QueueKeys(NamedTuple):
+    """The queue's keys shared by every job, named once per process (:func:`queue_keys`); each
+    is spelled by the function of its name above (``*_base``: a tenant's key with an empty name,
+    for the scripts that append it)."""
+
+    stream: str
+    tickets: str
+    fair_active: str
+    fair_passes: str
+    fair_weights: str
+    fair_vtime: str
+    tenant_queue_base: str
+    tenant_jobs_base: str
+
+
+def queue_keys(prefix: str) -> QueueKeys:
+    return QueueKeys(job_stream(prefix), job_tickets(prefix), fair_active(prefix),
+                     fair_passes(prefix), fair_weights(prefix), fair_vtime(prefix),
+                     tenant_queue(prefix, ""), tenant_jobs(prefix, ""))
+
+
 def job_state(prefix: str, job_id: str) -> str:
     """Hash: status, enqueued_at, deadline, attempts, started_at, finished_at, error, last_error,
     answer (the attempt whose answer is whole)."""
@@ -158,6 +192,29 @@ ANSWER_INLINE_BYTES = 64 << 10  # answers up to this size go whole with the job'
 def job_notify(prefix: str, job_id: str) -> str:
     """List the api blocks on (BLPOP) until a worker or a cancel pushes the job's end."""
     return f"{prefix}:job:{job_id}:notify"
+
+
+class JobKeys(NamedTuple):
+    """One job's keys, named together once per job (:func:`job_keys`); each is spelled by the
+    function of its name above."""
+
+    id: str
+    state: str
+    payload: str
+    answer: str
+    notify: str
+
+
+def job_keys(prefix: str, job_id: str) -> JobKeys:
+    return JobKeys(job_id, job_state(prefix, job_id), job_payload(prefix, job_id),
+                   job_answer(prefix, job_id), job_notify(prefix, job_id))
+
+
+def job_bulk_keys(prefix: str, job_id: str, max_attempts: int) -> list[str]:
+    """A job's keys in the answers' Redis: its payload and every pieces stream its deliveries
+    may have written (one per attempt)."""
+    return [job_payload(prefix, job_id),
+            *(job_pieces(prefix, job_id, attempt) for attempt in range(1, max_attempts + 1))]
 
 
 def job_ttl_s(deadline_in_s: float, result_ttl_s: int) -> int:

@@ -36,7 +36,7 @@ from service.broker.redis.reader import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
-from service.redis_keys import text
+from service.redis_keys import text, text_hash, texts
 from service.tenants import DEFAULT_TENANT, Quotas
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class RedisBroker:
             raise InternalError("RedisBroker needs PSGRAD_REDIS_URL")
         self.settings = settings
         self.prefix = settings.redis_prefix
+        self.queue = redis_keys.queue_keys(self.prefix)
         # Pools open connections as concurrent requests need them and keep them: room for
         # every request the queue admits at once (redis-py's default cap, 100, answered the
         # 101st of a burst with a 503); a waiting request holds one BLPOP connection, queued
@@ -163,7 +164,7 @@ class RedisBroker:
             return
         # The consumer group exists before any worker does (workers create it too): its lag,
         # the jobs queued, is what an autoscaler reads to start the first worker.
-        stream = redis_keys.job_stream(self.prefix)
+        stream = self.queue.stream
         try:
             await self._call(lambda: self.r.xgroup_create(stream, redis_keys.STREAM_GROUP, id="0",
                                                           mkstream=True))
@@ -187,9 +188,11 @@ class RedisBroker:
         lim = limits(quotas, self.settings)
         if lim.queued_samples is not None and n > lim.queued_samples:
             raise too_large_for_quota(job.tenant, n, lim.queued_samples)
+        p, t, q = self.prefix, job.tenant, self.queue
+        keys = redis_keys.job_keys(p, job.id)
+        tenant = [redis_keys.tenant_queue(p, t), redis_keys.tenant_jobs(p, t),
+                  redis_keys.tenant_rate(p, t)]
         ttl = redis_keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
-        p, t = self.prefix, job.tenant
-        payload_key = redis_keys.job_payload(p, job.id)
         apart = self.pieces_bulk is not self.bulk
         # a stalled Redis (a paused host, a full network buffer) answers 503 in seconds, not
         # after the bulk clients' transfer timeout that a payload of hundreds of MB may need
@@ -197,25 +200,22 @@ class RedisBroker:
                      self.settings.redis_timeout_s + len(payload) / MIN_TRANSFER_BYTES_PER_S)
         if apart:  # first: a worker reads the payload once it finds the job in the stream
             await self._call(lambda: asyncio.wait_for(
-                self.pieces_bulk.set(payload_key, payload, ex=ttl), within))
+                self.pieces_bulk.set(keys.payload, payload, ex=ttl), within))
         refused = ""
         try:
             reply = await self._call(lambda: asyncio.wait_for(self._submit(
-                keys=[redis_keys.job_stream(p), redis_keys.job_state(p, job.id), payload_key,
-                      redis_keys.tenant_queue(p, t), redis_keys.fair_active(p),
-                      redis_keys.fair_passes(p), redis_keys.fair_weights(p),
-                      redis_keys.fair_vtime(p), redis_keys.tenant_jobs(p, t),
-                      redis_keys.tenant_rate(p, t)],
+                keys=[q.stream, keys.state, keys.payload, tenant[0], q.fair_active,
+                      q.fair_passes, q.fair_weights, q.fair_vtime, *tenant[1:]],
                 args=[self.settings.max_queue_depth, ttl, b"" if apart else payload, job.id, n,
                       repr(job.enqueued_at), repr(job.deadline), t, repr(lim.weight),
                       lim.concurrent_jobs or 0, lim.queued_samples or 0,
                       lim.requests_per_s or 0, repr(lim.burst)],
             ), within))
-            refused, *detail = [text(v) for v in reply]
+            refused, *detail = texts(reply)
         finally:
             if apart and refused != "ok":  # no job names it (else it expires with its TTL)
                 with contextlib.suppress(PsgradError):
-                    await self._delete([], [payload_key])
+                    await self._delete([], [keys.payload])
         if refused == "ok":
             return
         if refused == "depth":
@@ -230,65 +230,59 @@ class RedisBroker:
         just now, so its end cannot have been announced long enough ago for the announcement
         to have expired: block at once, without reading the state first (one round trip less).
         """
+        keys = redis_keys.job_keys(self.prefix, job_id)
         if not fresh or timeout <= 0:
-            state = await self.state(job_id)
+            state = await self._state(keys)
             if state.status.done or state.answer is not None or timeout <= 0:
                 return state
-        notify = redis_keys.job_notify(self.prefix, job_id)
         popped = await self._call(lambda: asyncio.wait_for(
-            self.blocking.blpop([notify], timeout=max(timeout, 0.01)), timeout + 5.0))
+            self.blocking.blpop([keys.notify], timeout=max(timeout, 0.01)), timeout + 5.0))
         # hand the token on (any other waiter of this job wakes too) with the state's read; a
         # fresh job's only waiter is the one that submitted it
-        return await self.state(job_id, hand_on=popped is not None and not fresh)
+        return await self._state(keys, hand_on=popped is not None and not fresh)
 
-    async def state(self, job_id: str, *, hand_on: bool = False) -> JobState:
-        p = self.prefix
+    async def state(self, job_id: str) -> JobState:
+        return await self._state(redis_keys.job_keys(self.prefix, job_id))
 
+    async def _state(self, keys: redis_keys.JobKeys, *, hand_on: bool = False) -> JobState:
         async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 if hand_on:
-                    pipe.rpush(redis_keys.job_notify(p, job_id), b"done")
-                    pipe.expire(redis_keys.job_notify(p, job_id), redis_keys.NOTIFY_TTL_S)
-                pipe.hgetall(redis_keys.job_state(p, job_id))
-                pipe.xrange(redis_keys.job_answer(p, job_id), count=1)  # its header, if any
+                    pipe.rpush(keys.notify, b"done")
+                    pipe.expire(keys.notify, redis_keys.NOTIFY_TTL_S)
+                pipe.hgetall(keys.state)
+                pipe.xrange(keys.answer, count=1)  # its header, if any
                 return cast("list[Any]", await pipe.execute())
 
         *_, raw, first = await self._call(read)
         if not raw:
-            raise UnknownJob(f"unknown job '{job_id}' (never submitted, or its result expired "
-                             f"after {self.settings.result_ttl_s} s)", id=job_id)
-        h = {text(k): text(v) for k, v in raw.items()}
-        return decode_state(job_id, h, RedisAnswer.found(self.blocking, self.pieces_blocking, p,
-                                                         job_id, h, first))
+            raise UnknownJob(f"unknown job '{keys.id}' (never submitted, or its result expired "
+                             f"after {self.settings.result_ttl_s} s)", id=keys.id)
+        h = text_hash(raw)
+        return decode_state(keys.id, h, RedisAnswer.found(self.blocking, self.pieces_blocking,
+                                                          self.prefix, keys, h, first))
 
     async def cancel(self, job_id: str) -> JobState:
-        p = self.prefix
+        keys = redis_keys.job_keys(self.prefix, job_id)
+        bulk = redis_keys.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
         found = await self._call(lambda: self._cancel(
-            keys=[redis_keys.job_state(p, job_id), redis_keys.job_notify(p, job_id),
-                  redis_keys.job_payload(p, job_id), redis_keys.job_answer(p, job_id)],
+            keys=[keys.state, keys.notify, keys.payload, keys.answer],
             args=[repr(time.time()), self.settings.result_ttl_s, redis_keys.NOTIFY_TTL_S,
-                  redis_keys.tenant_jobs(p, ""), job_id],
+                  self.queue.tenant_jobs_base, job_id],
         ))
         if not found:
             raise UnknownJob(f"unknown job '{job_id}'", id=job_id)
         if text(found) in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
-            await self._delete([], self._bulk_keys(job_id))  # later pieces re-create nothing
-        return await self.state(job_id)
+            await self._delete([], bulk)  # later pieces re-create nothing
+        return await self._state(keys)
 
     async def forget(self, job_id: str) -> None:
-        p = self.prefix
+        keys = redis_keys.job_keys(self.prefix, job_id)
+        bulk = redis_keys.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
         try:
-            await self._delete([redis_keys.job_state(p, job_id), redis_keys.job_answer(p, job_id),
-                                redis_keys.job_notify(p, job_id)], self._bulk_keys(job_id))
+            await self._delete([keys.state, keys.answer, keys.notify], bulk)
         except Overloaded as exc:  # the keys expire by themselves
             log.warning("could not drop job %s now: %s", job_id, exc.message)
-
-    def _bulk_keys(self, job_id: str) -> list[str]:
-        """The job's keys in the answers' Redis: its payload and every pieces stream its
-        deliveries may have written (one per attempt)."""
-        return [redis_keys.job_payload(self.prefix, job_id),
-                *(redis_keys.job_pieces(self.prefix, job_id, attempt)
-                  for attempt in range(1, self.settings.max_attempts + 1))]
 
     async def _delete(self, queue_keys: list[str], piece_keys: list[str]) -> None:
         """Delete keys of the queue's Redis and of the answers' (one command where they are
@@ -301,7 +295,7 @@ class RedisBroker:
         await self._call(lambda: self.pieces.delete(*piece_keys))
 
     async def queue_depth(self) -> int:
-        return int(await self._call(lambda: self.r.xlen(redis_keys.job_stream(self.prefix))))
+        return int(await self._call(lambda: self.r.xlen(self.queue.stream)))
 
     async def ready(self, *, need_worker: bool = True) -> bool:
         try:

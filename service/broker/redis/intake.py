@@ -15,7 +15,7 @@ from service import redis_keys
 from service.broker.redis.lua import PICK_LUA
 from service.config import Settings
 from service.jobs import batch_until
-from service.redis_keys import text
+from service.redis_keys import text, text_hash, texts
 
 Entry = tuple[str, str, int]  # ticket (stream entry id), job id, samples
 GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers
@@ -35,20 +35,19 @@ class StreamIntake:
     refreshed by the heartbeat, never claimed back by this worker) until :meth:`release`.
     """
 
-    def __init__(self, r: redis.Redis, settings: Settings, stream: str, name: str) -> None:
-        self.r, self.settings, self.stream, self.name = r, settings, stream, name
+    def __init__(self, r: redis.Redis, settings: Settings, queue: redis_keys.QueueKeys,
+                 name: str) -> None:
+        self.r, self.settings, self.stream, self.name = r, settings, queue.stream, name
         self._held: set[str] = set()  # entry ids this worker holds (buffered or in a batch)
         self._buffer: list[Entry] = []  # read but over the batch limits: next take starts here
         self._lock = threading.Lock()  # the heartbeat's thread reads the held ids
         self._group_ready = False
         self._autoclaim_at = 0.0
         self._pick = r.register_script(PICK_LUA)
-        p = settings.redis_prefix
-        self._pick_keys = [stream, redis_keys.fair_active(p), redis_keys.fair_passes(p),
-                           redis_keys.fair_weights(p), redis_keys.fair_vtime(p),
-                           redis_keys.job_tickets(p)]
-        self._queue_base = redis_keys.tenant_queue(p, "")
-        self._tickets = redis_keys.job_tickets(p)
+        self._pick_keys = [queue.stream, queue.fair_active, queue.fair_passes, queue.fair_weights,
+                           queue.fair_vtime, queue.tickets]
+        self._queue_base = queue.tenant_queue_base
+        self._tickets = queue.tickets
 
     def held(self) -> list[str]:
         with self._lock:
@@ -125,7 +124,7 @@ class StreamIntake:
             self._group_ready = False  # Redis lost its data (restart without persistence)
             self._ensure_group()
             return [], False, "0-0"
-        last, full, *taken = (text(v) for v in reply)
+        last, full, *taken = texts(reply)
         return [_bound(eid, element) for eid, element in zip(taken[::2], taken[1::2],
                                                              strict=True)], full == "1", last
 
@@ -144,7 +143,7 @@ class StreamIntake:
         reply: Any = self.r.xautoclaim(self.stream, redis_keys.STREAM_GROUP, self.name,
                                        int(vis * 1000), "0-0", count=count)
         held = set(self.held())
-        found = [(text(eid), {text(k): text(v) for k, v in f.items()})
+        found = [(text(eid), text_hash(f))
                  for eid, f in reply[1] if f and text(eid) not in held]
         if not found:
             return []

@@ -20,7 +20,7 @@ from psgrad._memory import unreferenced
 from service import redis_keys
 from service.broker.redis.common import LINE_READ, answer_size, command_parts
 from service.jobs import AnswerLost, JobStatus
-from service.redis_keys import text
+from service.redis_keys import text, text_hash, texts
 
 __all__ = ["RedisAnswer"]
 
@@ -41,7 +41,7 @@ class RedisAnswer:
     r: aioredis.Redis  # the queue's Redis, a client without a socket timeout: XREAD blocks
     pr: aioredis.Redis  # the answers' Redis (may be ``r``), the same kind of client
     prefix: str
-    job_id: str
+    keys: redis_keys.JobKeys
     attempt: str
     head_id: bytes
     head: bytes
@@ -51,7 +51,7 @@ class RedisAnswer:
         self.size = answer_size(self.head)
 
     @classmethod
-    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, prefix: str, job_id: str,
+    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, prefix: str, keys: redis_keys.JobKeys,
               state: Mapping[str, str], first: list[Any]) -> RedisAnswer | None:
         """The answer a state hash and the answer stream's first entry show, if it is readable:
         the named whole one of a succeeded job, or the one a running job is writing now."""
@@ -59,14 +59,14 @@ class RedisAnswer:
             return None
         entry_id, fields = first[0]
         f = {text(k): v for k, v in fields.items()}
-        attempt = text(f.get("a", b""))
+        attempt, kind = texts([f.get("a", b""), f.get("k", b"")])
         status = state.get("status")
         whole = status == JobStatus.SUCCEEDED.value and state.get("answer") == attempt
         writing = status == JobStatus.RUNNING.value and state.get("attempts") == attempt
-        if text(f.get("k", b"")) != "head" or not (whole or writing):
+        if kind != "head" or not (whole or writing):
             return None
         head = bytes(f["d"])
-        return cls(r, pr, prefix, job_id, attempt, entry_id, head,
+        return cls(r, pr, prefix, keys, attempt, entry_id, head,
                    complete=whole and len(head) >= answer_size(head))
 
     async def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
@@ -83,7 +83,7 @@ class RedisAnswer:
         held: bytes | memoryview = b""  # sent once the next piece (or the end mark) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.pr)
                if self.size >= RAW_MIN_BYTES else None)
-        key = redis_keys.job_pieces(self.prefix, self.job_id, self.attempt)
+        key = redis_keys.job_pieces(self.prefix, self.keys.id, self.attempt)
         async with contextlib.aclosing(self._batches(raw, key, consume)) as batches:
             async for batch in batches:
                 for piece in batch:
@@ -94,7 +94,7 @@ class RedisAnswer:
                 if left <= 0:
                     break
         if left < 0:  # more bytes than the header promised: never served as this answer
-            raise AnswerLost(self.job_id)
+            raise AnswerLost(self.keys.id)
         await self._ended()
         yield held
 
@@ -114,7 +114,7 @@ class RedisAnswer:
                 entries = reply[0][1] if reply else []
                 if not entries:
                     if ended:  # the job ended with pieces missing: expired, or Redis lost them
-                        raise AnswerLost(self.job_id)
+                        raise AnswerLost(self.keys.id)
                     ended = await self._check()
                     pending = asyncio.ensure_future(self._xread(raw, key, last))
                     continue
@@ -140,7 +140,7 @@ class RedisAnswer:
 
     async def _ended(self) -> None:
         """Every byte is in: wait for the end mark that names this attempt's answer whole."""
-        key = redis_keys.job_answer(self.prefix, self.job_id)
+        key = self.keys.answer
         while True:
             reply: Any = await self.r.xread({key: self.head_id}, count=1, block=POLL_MS)
             if not reply:
@@ -148,23 +148,23 @@ class RedisAnswer:
                     return
                 continue
             _, fields = reply[0][1][0]
-            f = {text(k): text(v) for k, v in fields.items()}
+            f = text_hash(fields)
             if f.get("a") != self.attempt or f.get("k") != "end":  # another attempt's header
-                raise AnswerLost(self.job_id)
+                raise AnswerLost(self.keys.id)
             return
 
     async def _check(self) -> bool:
         """No news for a while: go on waiting only while this attempt may still finish.
         True when it has finished (its answer named whole), False while it still runs."""
         status, attempts, answer = await self.r.hmget(
-            redis_keys.job_state(self.prefix, self.job_id), ["status", "attempts", "answer"])
+            self.keys.state, ["status", "attempts", "answer"])
         status, attempts, answer = (None if v is None else text(v)
                                     for v in (status, attempts, answer))
         if status == JobStatus.RUNNING.value and attempts == self.attempt:
             return False
         if status == JobStatus.SUCCEEDED.value and answer == self.attempt:
             return True
-        raise AnswerLost(self.job_id)
+        raise AnswerLost(self.keys.id)
 
 
 def _pairs(fields: Any) -> dict[bytes, Any]:

@@ -35,7 +35,7 @@ from service.broker.redis.writer import AnswerWriter
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus
-from service.redis_keys import text
+from service.redis_keys import text, text_hash
 from service.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ class RedisJobSource:
         self.settings = settings
         self.prefix = settings.redis_prefix
         self.name = name or consumer_name(settings.device)
-        self.stream = redis_keys.job_stream(self.prefix)
+        self.queue = redis_keys.queue_keys(self.prefix)
+        self.stream = self.queue.stream
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
@@ -87,8 +88,9 @@ class RedisJobSource:
         self.max_value_bytes: int | None = None
         self.piece_bytes = min(redis_keys.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
         self._retry = self.r.register_script(RETRY_LUA)
-        self.intake = StreamIntake(self.r, settings, self.stream, self.name)
+        self.intake = StreamIntake(self.r, settings, self.queue, self.name)
         self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
+        self._keys: dict[str, redis_keys.JobKeys] = {}  # job id -> its keys, while held here
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -184,7 +186,7 @@ class RedisJobSource:
     def waiting_tenants(self) -> set[str]:
         """The tenants whose queues hold jobs (the fair scheduler's active set); none while
         Redis does not answer."""
-        found = self._call(lambda: self.r.zrange(redis_keys.fair_active(self.prefix), 0, -1))
+        found = self._call(lambda: self.r.zrange(self.queue.fair_active, 0, -1))
         return {text(t) for t in found or ()}
 
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
@@ -205,8 +207,7 @@ class RedisJobSource:
         now = repr(time.time())
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, START_LUA, [redis_keys.job_state(self.prefix, job.id)],
-                      [now, self.name])
+            script_in(pipe, START_LUA, [self._keys_of(job.id).state], [now, self.name])
         statuses = self._call(pipe.execute)
         if statuses is None:
             return list(jobs)
@@ -262,7 +263,7 @@ class RedisJobSource:
     def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, PLANNING_LUA, [redis_keys.job_state(self.prefix, job.id)],
+            script_in(pipe, PLANNING_LUA, [self._keys_of(job.id).state],
                       ["" if since is None else repr(since), repr(spent_s)])
         self._call(pipe.execute)  # unanswered: the wait counts the planning, as before
 
@@ -272,12 +273,11 @@ class RedisJobSource:
                     attempt: int | None = None) -> dict[str, list[Any]]:
         """The retry script's keys and arguments: the job goes first in its tenant's queue.
         ``attempt``: the delivery's, so that a stale one changes nothing (None: not counted)."""
-        p = self.prefix
-        return {"keys": [redis_keys.job_state(p, job_id), self.stream, redis_keys.job_tickets(p),
-                         redis_keys.fair_active(p), redis_keys.fair_passes(p),
-                         redis_keys.fair_vtime(p)],
+        q = self.queue
+        return {"keys": [self._keys_of(job_id).state, q.stream, q.tickets, q.fair_active,
+                         q.fair_passes, q.fair_vtime],
                 "args": [redis_keys.STREAM_GROUP, entry_id, error, job_id,
-                         redis_keys.tenant_queue(p, ""), DEFAULT_TENANT,
+                         q.tenant_queue_base, DEFAULT_TENANT,
                          "" if attempt is None else attempt]}
 
     @staticmethod
@@ -289,12 +289,12 @@ class RedisJobSource:
 
     def _load(self, entries: list[Entry]) -> list[Job]:
         """Count the attempt, read state and payload; end poison, expired and canceled jobs."""
-        p = self.prefix
-        payload_keys = [redis_keys.job_payload(p, job_id) for _, job_id, _ in entries]
+        keys = [redis_keys.job_keys(self.prefix, job_id) for _, job_id, _ in entries]
+        payload_keys = [k.payload for k in keys]
         pipe = self.r.pipeline(transaction=False)
         pipe.time()  # deadlines are read against Redis's clock, never this host's
-        for _, job_id, _ in entries:
-            script_in(pipe, ATTEMPT_LUA, [redis_keys.job_state(p, job_id)], [])  # with the state
+        for k in keys:
+            script_in(pipe, ATTEMPT_LUA, [k.state], [])  # with the state
         if self.pr is self.r:
             pipe.mget(payload_keys)
             (seconds, micros), *counted, payloads = pipe.execute()
@@ -303,10 +303,11 @@ class RedisJobSource:
             payloads = self.pr.mget(payload_keys)
         jobs: list[Job] = []
         now, read_at = int(seconds) + int(micros) / 1e6, time.monotonic()
-        for entry, (attempts, raw), payload in zip(entries, counted, payloads, strict=True):
+        for entry, k, (attempts, raw), payload in zip(entries, keys, counted, payloads,
+                                                      strict=True):
             job_id = entry[1]
-            state = {text(raw[j]): text(raw[j + 1]) for j in range(0, len(raw), 2)}
-            self._entries[job_id] = entry
+            state = text_hash(raw)
+            self._entries[job_id], self._keys[job_id] = entry, k
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
                 self._end_entry(job_id, JobStatus.CANCELED, "")  # ended already: ack only
@@ -362,22 +363,21 @@ class RedisJobSource:
         """The end script of each (job id, status, error, attempt, inline answer), pipelined:
         one round trip, retried as a whole through a short Redis blip (each end is idempotent).
         """
-        p = self.prefix
         now = repr(time.time())
+        q = self.queue
+        keys = {job_id: self._keys_of(job_id) for job_id, *_ in ends}
 
         stored: list[Any] = []
 
         def store() -> Any:  # a fresh pipeline each try: one that ran is empty
             pipe = self.r.pipeline(transaction=False)
             for job_id, status, error, attempt, answer in ends:
-                entry = self._entries.get(job_id)
+                entry, k = self._entries.get(job_id), keys[job_id]
                 script_in(pipe, FINISH_LUA,
-                          [redis_keys.job_state(p, job_id), redis_keys.job_answer(p, job_id),
-                           redis_keys.job_notify(p, job_id), self.stream,
-                           redis_keys.job_payload(p, job_id), redis_keys.job_tickets(p)],
+                          [k.state, k.answer, k.notify, q.stream, k.payload, q.tickets],
                           [redis_keys.STREAM_GROUP, entry[0] if entry else "", status.value,
                            attempt, error, now, self.settings.result_ttl_s,
-                           redis_keys.NOTIFY_TTL_S, answer, job_id, redis_keys.tenant_jobs(p, "")])
+                           redis_keys.NOTIFY_TTL_S, answer, job_id, q.tenant_jobs_base])
             stored[:] = pipe.execute()
 
         ok = self._persist(store)
@@ -390,8 +390,7 @@ class RedisJobSource:
                 log.warning("jobs %s: taken over by a later delivery or ended meanwhile; this "
                             "delivery's end is dropped", ", ".join(stale))
             # payloads in the answers' Redis: the end script dropped only the queue's copy
-            ended = [redis_keys.job_payload(p, end[0])
-                     for end, done in zip(ends, stored, strict=True) if done]
+            ended = [keys[end[0]].payload for end, done in zip(ends, stored, strict=True) if done]
             if ended and self.pr is not self.r:
                 self._call(self.pr.delete, *ended)  # else they expire with their TTL
         return ok
@@ -409,7 +408,12 @@ class RedisJobSource:
                 return False
             time.sleep(0.2)
 
+    def _keys_of(self, job_id: str) -> redis_keys.JobKeys:
+        """A held job's keys, named when it was taken (any other's, named now)."""
+        return self._keys.get(job_id) or redis_keys.job_keys(self.prefix, job_id)
+
     def _forget(self, job_id: str) -> None:
+        self._keys.pop(job_id, None)
         entry = self._entries.pop(job_id, None)
         if entry is not None:
             self.intake.release([entry[0]])

@@ -46,8 +46,7 @@ class AnswerWriter:
                  piece_bytes: int = redis_keys.ANSWER_PIECE_BYTES) -> None:
         self.r = r
         self.pr = pr
-        self.prefix = prefix
-        self.job_id = job_id
+        self.keys = redis_keys.job_keys(prefix, job_id)
         self.key = redis_keys.job_pieces(prefix, job_id, attempt)
         self.attempt = str(attempt)
         self.ttl_s = ttl_s  # while the job may still run
@@ -104,11 +103,9 @@ class AnswerWriter:
     def begin(self, head: bytes) -> bool:
         """Drop what an earlier attempt left, write the header (a few hundred bytes of names
         and shapes) and wake the api, if the job still runs as this attempt."""
-        state = redis_keys.job_state(self.prefix, self.job_id)
-        return bool(self.r.eval(BEGIN_LUA, 3, state,
-                                redis_keys.job_answer(self.prefix, self.job_id),
-                                redis_keys.job_notify(self.prefix, self.job_id), self.attempt,
-                                head, self.ttl_s))
+        k = self.keys
+        return bool(self.r.eval(BEGIN_LUA, 3, k.state, k.answer, k.notify, self.attempt, head,
+                                self.ttl_s))
 
     def add(self, piece: bytes | memoryview) -> None:
         """One piece by one command (what :meth:`write_parts` sends for each)."""
