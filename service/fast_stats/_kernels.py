@@ -65,7 +65,7 @@ def merged_into(rows: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, seen: 
     if not fused:
         _moments(_flat(rows, len(rows)), _flat(mean), _flat(m2), _step(rows), seen)
         return True
-    for (x, mu, q), write in _slabs(rows, mean, m2):
+    for (x, mu, q), write in _slabs(rows, mean, m2, read=seen > 0):
         _moments(x, mu[0], q[0], _step(x), seen)
         write(mean, mu)
         write(m2, q)
@@ -83,7 +83,7 @@ def norms_and_mean_dots(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return out
     if fused:
         total, part = np.zeros((n, 2), np.float32), np.empty((n, 2), np.float32)
-        for (x, at), write in _slabs(rows, mean):
+        for (x, at), write in _slabs(rows, mean, read=False):
             _norms_and_dots(x, at[0], part, _step(x))
             total += part
             write(mean, at)
@@ -140,12 +140,14 @@ def _fused(*tensors: torch.Tensor) -> bool | None:
 WriteBack = Callable[[torch.Tensor, np.ndarray], None]
 
 
-def _slabs(rows: torch.Tensor, *more: torch.Tensor
+def _slabs(rows: torch.Tensor, *more: torch.Tensor, read: bool = True
            ) -> Iterator[tuple[list[np.ndarray], WriteBack]]:
     """The same columns of ``rows`` ``[n, *shape]`` and of each of ``more`` (``shape``, or
     ``[n, *shape]``), :data:`SLAB_BYTES` of ``rows``' at a time, as float32 arrays ``[n, k]``
-    and ``[1, k]`` (copies); with each slab, how to write a float32 array of its columns back
-    into a tensor of ``more`` (rounded to its dtype)."""
+    and ``[1, k]`` (copies; ``more``'s left unset unless ``read``: outputs the loop only
+    writes, whose copy took a sixth of a bfloat16 piece's moments); with each slab, how to
+    write a float32 array of its columns back into a tensor of ``more`` (rounded to its
+    dtype)."""
     n = len(rows)
     views = [t.detach().view(len(t) if t.dim() == rows.dim() else 1, -1) for t in (rows, *more)]
     width = max(256, SLAB_BYTES // (4 * n))
@@ -155,7 +157,10 @@ def _slabs(rows: torch.Tensor, *more: torch.Tensor
         def write(t: torch.Tensor, got: np.ndarray, cols: slice = cols) -> None:
             t.view(1, -1)[:, cols] = torch.from_numpy(got)
 
-        yield [v[:, cols].float().numpy() for v in views], write
+        first = views[0][:, cols].float().numpy()
+        yield [first, *(v[:, cols].float().numpy() if read
+                        else np.empty((len(v), first.shape[1]), np.float32)
+                        for v in views[1:])], write
 
 
 def _flat(t: torch.Tensor, rows: int | None = None) -> np.ndarray:
