@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from service.config import get_settings
 from service.fast_stats._budget import Budget
 from service.fast_stats._build import build_sources
-from service.fast_stats._kernels import NARROW
+from service.fast_stats._kernels import NARROW, sums_and_dots
 from service.fast_stats._records import Pass1, Pass1Need, Unsupported
 from service.fast_stats._run import (
     Plan,
@@ -453,15 +453,18 @@ def _weighted_gradient(probe: Setup, selected: Sequence[str], weights: torch.Ten
 
 def _dots(rows: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Each row's dot with ``reference``, summed by blocks as the sources sum theirs (one BLAS
-    dot over GPT-2's 38.6 M-element embedding erred by 1.2e-3, past the tolerance)."""
+    dot over GPT-2's 38.6 M-element embedding erred by 1.2e-3, past the tolerance), each
+    block's in one read of both (:func:`~._kernels.sums_and_dots`: on the CPU 0.7 ms per 2.4 M
+    elements, where an ``einsum`` of the blocks took 4.8 ms)."""
     flat = reference.reshape(-1)
     n = flat.numel()
     body = n - n % NORM_BLOCK
     out = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     if body:
-        blocks = torch.einsum("pbk,bk->pb", rows[:, :body].reshape(rows.shape[0], -1, NORM_BLOCK),
-                              flat[:body].reshape(-1, NORM_BLOCK))
-        out += blocks.double().sum(1)
+        blocks = flat[:body].reshape(-1, NORM_BLOCK)
+        part = rows.new_empty((len(blocks), 2))
+        for i, row in enumerate(rows):
+            out[i] += sums_and_dots(row[:body].reshape(-1, NORM_BLOCK), blocks, part).double().sum()
     if body < n:
         out += (rows[:, body:] * flat[body:]).double().sum(1)
     return out.to(rows.dtype)
