@@ -6,14 +6,15 @@ Xeon, as long again as the batched matmul that built the piece. One loop over bl
 piece's columns small enough to stay in the L1 cache reads each element twice from there and
 writes none: about four times faster (``benchmarks/pieces.py --loops fused,eager``). A batch
 norm's per-sample sums and dots over positions likewise take one read. Numba compiles each loop
-once per process (about a second per dtype): a worker does it for float32 as it starts
-(:func:`warm_up`), other dtypes at their first use. numba has no bfloat16 or float16: their
-pieces go through the float32 loops a slab of columns at a time (:func:`_slabs`, copied to
-float32, :data:`SLAB_BYTES` each), the results rounded back to the piece's dtype; torch's eager
-operations on them ran 1.7 to 2.6 times as long as that (``benchmarks/pieces.py --dtype
-bfloat16``), and rounded every deviation to the narrow dtype. On an accelerator (whose eager
-kernels are bandwidth-bound and fast), and for any other dtype or layout, the eager operations
-run.
+once per process (about a second per dtype): a worker does it for float32 and bfloat16 as it
+starts (:func:`warm_up`), other dtypes at their first use. numba has no bfloat16 or float16:
+their pieces go through the float32 loops a slab of columns at a time (:func:`_slabs`, copied
+to float32, :data:`SLAB_BYTES` each), the results rounded back to the piece's dtype, except
+that the moments' and the norms-and-dots' loops take a bfloat16 piece's bits as they are and
+widen each block in cache (:func:`_block`); torch's eager operations on them ran 1.7 to 2.6
+times as long as the slabs (``benchmarks/pieces.py --dtype bfloat16``), and rounded every
+deviation to the narrow dtype. On an accelerator (whose eager kernels are bandwidth-bound and
+fast), and for any other dtype or layout, the eager operations run.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def merged_into(rows: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, seen: 
     if not fused:
         _moments(_flat(rows, len(rows)), _flat(mean), _flat(m2), _step(rows), seen)
         return True
-    for (x, mu, q), write in _slabs(rows, mean, m2, read=seen > 0):
+    for (x, mu, q), write in _slabs(rows, mean, m2, read=seen > 0, bits=True):
         _moments(x, mu[0], q[0], _step(x), seen)
         write(mean, mu)
         write(m2, q)
@@ -83,7 +84,7 @@ def norms_and_mean_dots(rows: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return out
     if fused:
         total, part = np.zeros((n, 2), np.float32), np.empty((n, 2), np.float32)
-        for (x, at), write in _slabs(rows, mean, read=False):
+        for (x, at), write in _slabs(rows, mean, read=False, bits=True):
             _norms_and_dots(x, at[0], part, _step(x))
             total += part
             write(mean, at)
@@ -113,10 +114,11 @@ def sums_and_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
     """Compile every loop for ``dtypes`` now, as the calls compile them (the same argument
     types), so that a worker's first request does not: ResNet-18's first check spent 1.0 s of
-    its 1.6 s compiling the batch norm's loop. Workers call this when they start."""
+    its 1.6 s compiling the batch norm's loop. Workers call this when they start (1.5 s for
+    float32 alone, 2.8 s with bfloat16's bits, on a 2-core Xeon)."""
     for dtype in dtypes:
         rows, mean, m2 = torch.ones(2, 3, dtype=dtype), torch.zeros(3, dtype=dtype), \
             torch.zeros(3, dtype=dtype)
@@ -140,24 +142,28 @@ def _fused(*tensors: torch.Tensor) -> bool | None:
 WriteBack = Callable[[torch.Tensor, np.ndarray], None]
 
 
-def _slabs(rows: torch.Tensor, *more: torch.Tensor, read: bool = True
+def _slabs(rows: torch.Tensor, *more: torch.Tensor, read: bool = True, bits: bool = False
            ) -> Iterator[tuple[list[np.ndarray], WriteBack]]:
     """The same columns of ``rows`` ``[n, *shape]`` and of each of ``more`` (``shape``, or
     ``[n, *shape]``), :data:`SLAB_BYTES` of ``rows``' at a time, as float32 arrays ``[n, k]``
     and ``[1, k]`` (copies; ``more``'s left unset unless ``read``: outputs the loop only
     writes, whose copy took a sixth of a bfloat16 piece's moments); with each slab, how to
     write a float32 array of its columns back into a tensor of ``more`` (rounded to its
-    dtype)."""
+    dtype). With ``bits``, bfloat16 ``rows`` come whole as their bits (uint16, no copy: one
+    slab), for a loop that widens each block in cache (:func:`_block`; the copy to float32 took
+    as long as the loop, and a slab's columns, strided, ran the widening unvectorised)."""
     n = len(rows)
     views = [t.detach().view(len(t) if t.dim() == rows.dim() else 1, -1) for t in (rows, *more)]
-    width = max(256, SLAB_BYTES // (4 * n))
+    bits = bits and rows.dtype == torch.bfloat16
+    width = views[0].shape[1] if bits else max(256, SLAB_BYTES // (4 * n))
     for start in range(0, views[0].shape[1], width):
         cols = slice(start, start + width)
 
         def write(t: torch.Tensor, got: np.ndarray, cols: slice = cols) -> None:
             t.view(1, -1)[:, cols] = torch.from_numpy(got)
 
-        first = views[0][:, cols].float().numpy()
+        first = (views[0].view(torch.int16).numpy().view(np.uint16) if bits
+                 else views[0][:, cols].float().numpy())
         yield [first, *(v[:, cols].float().numpy() if read
                         else np.empty((len(v), first.shape[1]), np.float32)
                         for v in views[1:])], write
@@ -170,9 +176,10 @@ def _flat(t: torch.Tensor, rows: int | None = None) -> np.ndarray:
 
 
 def _step(rows: torch.Tensor | np.ndarray) -> int:
-    """Columns per block: every sample's share of ``TUNING.block_bytes``, at least 256."""
+    """Columns per block: every sample's share of ``TUNING.block_bytes`` (as float32 at least:
+    bfloat16's bits are widened a block at a time), at least 256."""
     size = rows.element_size() if isinstance(rows, torch.Tensor) else rows.itemsize
-    return max(256, TUNING.block_bytes // (rows.shape[0] * size))
+    return max(256, TUNING.block_bytes // (rows.shape[0] * max(4, size)))
 
 
 @numba.njit(nogil=True, boundscheck=False)
@@ -183,12 +190,42 @@ def _scalar(x: Any, value: float) -> Any:  # pragma: no cover - compiled
     return out[0]
 
 
+def _block(x: Any, j0: int, k: int, scratch: Any) -> Any:  # pragma: no cover - compiled
+    """Where columns [j0, j0 + k) of ``x`` ``[n, m]`` are to be read, as (array, first
+    column): ``x`` itself, or for bfloat16's bits (uint16) their float32 values written into
+    ``scratch`` ``[n, >= k]`` from column 0 (a block stays in the L1 cache: 0.05 ms per million
+    elements, where torch's copy to float32 in memory took 0.23). Rows are read as
+    ``array[b, c0 : c0 + k]``, contiguous where the array is (a 2-D view of the block was not,
+    and its loops ran 3.5 times slower)."""
+    raise NotImplementedError("compiled through its overload")
+
+
+@numba.extending.overload(_block, jit_options={"nogil": True})
+def _block_typed(x, j0, k, scratch):  # pragma: no cover
+    # (numba matches an overload's argument names to its implementation's: no annotations)
+    if x.dtype != numba.types.uint16:
+        def as_is(x, j0, k, scratch):
+            return x, j0
+
+        return as_is
+
+    def widened(x, j0, k, scratch):
+        out = scratch.view(np.uint32)
+        for b in range(x.shape[0]):
+            src, dst = x[b, j0 : j0 + k], out[b]
+            for j in range(k):
+                dst[j] = np.uint32(src[j]) << np.uint32(16)  # bfloat16: float32's top half
+        return scratch, 0
+
+    return widened
+
+
 @numba.njit(nogil=True, boundscheck=False)
 def _block_mean(x: Any, mu: Any, j0: int, k: int, inv: Any
                 ) -> None:  # pragma: no cover - compiled
     """``mu`` (``k`` long) := the mean over the samples of ``x``'s columns [j0, j0 + k): the sum
-    times ``inv`` = 1/n in ``x``'s dtype (a division took a third longer; exact for n a power of
-    two)."""
+    times ``inv`` = 1/n in ``mu``'s dtype (a division took a third longer; exact for n a power
+    of two)."""
     row = x[0, j0 : j0 + k]
     for j in range(k):
         mu[j] = row[j]
@@ -206,16 +243,18 @@ def _moments(x: Any, mean: Any, m2: Any, step: int, seen: int
     """``mean`` and ``m2`` := ``x``'s; with ``seen``, ``x``'s merged into those of ``seen``
     earlier samples (Chan's update, each block's own moments first: nothing cancels)."""
     n, m = x.shape
-    own_mean, own_m2 = np.empty(step, x.dtype), np.empty(step, x.dtype)
-    grow, cross, inv = n / (seen + n), seen * n / (seen + n), _scalar(x, 1.0 / n)
+    own_mean, own_m2 = np.empty(step, mean.dtype), np.empty(step, mean.dtype)
+    scratch = np.empty((n, step), mean.dtype)
+    grow, cross, inv = n / (seen + n), seen * n / (seen + n), _scalar(mean, 1.0 / n)
     for j0 in range(0, m, step):
         k = min(step, m - j0)
         at, sq = mean[j0 : j0 + k], m2[j0 : j0 + k]
         mu, q = (at, sq) if seen == 0 else (own_mean[:k], own_m2[:k])
-        _block_mean(x, mu, j0, k, inv)
+        rows, c0 = _block(x, j0, k, scratch)
+        _block_mean(rows, mu, c0, k, inv)
         q[:] = 0
         for b in range(n):
-            row = x[b, j0 : j0 + k]
+            row = rows[b, c0 : c0 + k]
             for j in range(k):
                 d = row[j] - mu[j]
                 q[j] += d * d
@@ -230,14 +269,16 @@ def _moments(x: Any, mean: Any, m2: Any, step: int, seen: int
 @numba.njit(nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
 def _norms_and_dots(x: Any, mean: Any, out: Any, step: int) -> None:  # pragma: no cover
     n, m = x.shape
-    zero, inv = _scalar(x, 0.0), _scalar(x, 1.0 / n)  # sums in the rows' dtype, as torch keeps
-    out[:] = zero
+    zero, inv = _scalar(mean, 0.0), _scalar(mean, 1.0 / n)  # sums in the mean's dtype (the
+    out[:] = zero  # rows', or float32 for bfloat16's bits), as torch keeps
+    scratch = np.empty((n, step), mean.dtype)
     for j0 in range(0, m, step):
         k = min(step, m - j0)
         mu = mean[j0 : j0 + k]
-        _block_mean(x, mu, j0, k, inv)
+        rows, c0 = _block(x, j0, k, scratch)
+        _block_mean(rows, mu, c0, k, inv)
         for b in range(n):
-            row = x[b, j0 : j0 + k]
+            row = rows[b, c0 : c0 + k]
             sq, dot = zero, zero
             for j in range(k):
                 sq += row[j] * row[j]

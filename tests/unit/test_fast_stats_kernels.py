@@ -131,13 +131,14 @@ def test_sets_of_samples_merge_into_the_running_moments(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "shape"), CASES)
-def test_narrow_pieces_take_the_float32_loops_a_slab_at_a_time(
+def test_narrow_pieces_take_the_float32_loops(
     n: int, shape: tuple[int, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 and float16 pieces, several slabs of several blocks each (the last ones short),
-    the mean 300 next to a spread of 1: every result is the float64 one on the same rows,
-    rounded once to the dtype (the eager operations round each deviation, and the mean they
-    are taken from, to the dtype: bfloat16 is 2 apart at 300)."""
+    """bfloat16 and float16 pieces, several blocks (the last ones short) widened in the loops
+    (bfloat16's bits) or in several slabs (float16, and bfloat16's sums and dots), the mean 300
+    next to a spread of 1: every result is the float64 one on the same rows, rounded once to
+    the dtype (the eager operations round each deviation, and the mean they are taken from, to
+    the dtype: bfloat16 is 2 apart at 300)."""
     monkeypatch.setattr(TUNING, "block_bytes", 64)
     monkeypatch.setattr(_kernels, "SLAB_BYTES", 4 * n * 300)  # 300 columns: at least 256
     rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
@@ -190,10 +191,10 @@ print(warmed, [len(f.signatures) for f in loops])
 
 def test_a_worker_s_warm_up_compiles_the_loops_its_calls_run() -> None:
     """In a fresh process, :func:`warm_kernels` (a worker runs it as it starts) compiles each
-    loop for float32 with the argument types real calls pass: calls of other sizes, and of
-    bfloat16 (through the float32 loops), compile nothing more, so no request pays numba's
-    compile (a second per loop)."""
+    loop for float32, and the moments' and norms-and-dots' loops for bfloat16's bits too, with
+    the argument types real calls pass: calls of other sizes, of float32 and of bfloat16,
+    compile nothing more, so no request pays numba's compile (a second per loop)."""
     done = subprocess.run([sys.executable, "-c", WARMED], capture_output=True, text=True,
                           check=True, timeout=120)
     warmed, after = done.stdout.strip().split("] [")
-    assert warmed == "[1, 1, 1" and after == "1, 1, 1]", done.stdout
+    assert warmed == "[2, 2, 1" and after == "2, 2, 1]", done.stdout
