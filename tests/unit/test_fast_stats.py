@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import subprocess
+import sys
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -1284,6 +1286,29 @@ def test_the_probe_finds_a_small_parameter_wrong_on_every_path(
     finally:
         PLANS.drop(lambda key: key[0] != model.structure)
     assert meta["method"] == {"lin.weight": "linear", "lin.bias": "vmap"}
+
+
+LONG_BFLOAT16_DOTS = """
+import torch
+from service.strategies.base import dots_with
+torch.set_num_threads(1)
+gen = torch.Generator().manual_seed(0)
+rows = torch.randn(4, 393216, generator=gen).bfloat16()
+refs = torch.randn(2, 393216, generator=gen).bfloat16()
+want = rows.double() @ refs.double().t()
+scale = float(want.abs().max())
+torch.testing.assert_close(dots_with(rows, refs).double(), want, rtol=1e-2, atol=1e-2 * scale)
+"""
+
+
+def test_long_bfloat16_dots_keep_the_thin_side_on_the_left() -> None:
+    """``dots_with`` of 4 bfloat16 rows of 393,216 elements with 2 references answers (in a
+    child process). torch 2.13's oneDNN on a Xeon with AMX kills the process with SIGFPE for
+    the other orientation, ``rows @ refs^T`` (at 393,216 elements and at least 2 references;
+    327,680 passed): a worker, not one request, would die."""
+    done = subprocess.run([sys.executable, "-c", LONG_BFLOAT16_DOTS], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("width", [1, 7, NORM_BLOCK, 3 * NORM_BLOCK, (1 << 22) + 123])
