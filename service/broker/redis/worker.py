@@ -90,7 +90,6 @@ class RedisJobSource:
         self._retry = self.r.register_script(RETRY_LUA)
         self.intake = StreamIntake(self.r, settings, self.queue, self.name)
         self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
-        self._keys: dict[str, redis_keys.JobKeys] = {}  # job id -> its keys, while held here
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -207,7 +206,8 @@ class RedisJobSource:
         now = repr(time.time())
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, START_LUA, [self._keys_of(job.id).state], [now, self.name])
+            script_in(pipe, START_LUA, [redis_keys.job_state(self.prefix, job.id)],
+                      [now, self.name])
         statuses = self._call(pipe.execute)
         if statuses is None:
             return list(jobs)
@@ -263,7 +263,7 @@ class RedisJobSource:
     def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, PLANNING_LUA, [self._keys_of(job.id).state],
+            script_in(pipe, PLANNING_LUA, [redis_keys.job_state(self.prefix, job.id)],
                       ["" if since is None else repr(since), repr(spent_s)])
         self._call(pipe.execute)  # unanswered: the wait counts the planning, as before
 
@@ -274,8 +274,8 @@ class RedisJobSource:
         """The retry script's keys and arguments: the job goes first in its tenant's queue.
         ``attempt``: the delivery's, so that a stale one changes nothing (None: not counted)."""
         q = self.queue
-        return {"keys": [self._keys_of(job_id).state, q.stream, q.tickets, q.fair_active,
-                         q.fair_passes, q.fair_vtime],
+        return {"keys": [redis_keys.job_state(self.prefix, job_id), q.stream, q.tickets,
+                         q.fair_active, q.fair_passes, q.fair_vtime],
                 "args": [redis_keys.STREAM_GROUP, entry_id, error, job_id,
                          q.tenant_queue_base, DEFAULT_TENANT,
                          "" if attempt is None else attempt]}
@@ -303,11 +303,10 @@ class RedisJobSource:
             payloads = self.pr.mget(payload_keys)
         jobs: list[Job] = []
         now, read_at = int(seconds) + int(micros) / 1e6, time.monotonic()
-        for entry, k, (attempts, raw), payload in zip(entries, keys, counted, payloads,
-                                                      strict=True):
+        for entry, (attempts, raw), payload in zip(entries, counted, payloads, strict=True):
             job_id = entry[1]
             state = text_hash(raw)
-            self._entries[job_id], self._keys[job_id] = entry, k
+            self._entries[job_id] = entry
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
                 self._end_entry(job_id, JobStatus.CANCELED, "")  # ended already: ack only
@@ -365,7 +364,7 @@ class RedisJobSource:
         """
         now = repr(time.time())
         q = self.queue
-        keys = {job_id: self._keys_of(job_id) for job_id, *_ in ends}
+        keys = {job_id: redis_keys.job_keys(self.prefix, job_id) for job_id, *_ in ends}
 
         stored: list[Any] = []
 
@@ -408,12 +407,7 @@ class RedisJobSource:
                 return False
             time.sleep(0.2)
 
-    def _keys_of(self, job_id: str) -> redis_keys.JobKeys:
-        """A held job's keys, named when it was taken (any other's, named now)."""
-        return self._keys.get(job_id) or redis_keys.job_keys(self.prefix, job_id)
-
     def _forget(self, job_id: str) -> None:
-        self._keys.pop(job_id, None)
         entry = self._entries.pop(job_id, None)
         if entry is not None:
             self.intake.release([entry[0]])
