@@ -190,8 +190,9 @@ class RedisBroker:
             raise too_large_for_quota(job.tenant, n, lim.queued_samples)
         p, t, q = self.prefix, job.tenant, self.queue
         keys = redis_keys.job_keys(p, job.id)
-        tenant = [redis_keys.tenant_queue(p, t), redis_keys.tenant_jobs(p, t),
-                  redis_keys.tenant_rate(p, t)]
+        tenant_queue, tenant_jobs, tenant_rate = (redis_keys.tenant_queue(p, t),
+                                                  redis_keys.tenant_jobs(p, t),
+                                                  redis_keys.tenant_rate(p, t))
         ttl = redis_keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
         apart = self.pieces_bulk is not self.bulk
         # a stalled Redis (a paused host, a full network buffer) answers 503 in seconds, not
@@ -204,8 +205,8 @@ class RedisBroker:
         refused = ""
         try:
             reply = await self._call(lambda: asyncio.wait_for(self._submit(
-                keys=[q.stream, keys.state, keys.payload, tenant[0], q.fair_active,
-                      q.fair_passes, q.fair_weights, q.fair_vtime, *tenant[1:]],
+                keys=[q.stream, keys.state, keys.payload, tenant_queue, q.fair_active,
+                      q.fair_passes, q.fair_weights, q.fair_vtime, tenant_jobs, tenant_rate],
                 args=[self.settings.max_queue_depth, ttl, b"" if apart else payload, job.id, n,
                       repr(job.enqueued_at), repr(job.deadline), t, repr(lim.weight),
                       lim.concurrent_jobs or 0, lim.queued_samples or 0,
