@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import realsize  # first: it sets the allocator before torch loads (a re-exec)
+import realsize  # first: it turns on transparent huge pages before torch loads
 import torch
 from torch.profiler import ProfilerActivity, profile
 

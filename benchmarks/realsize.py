@@ -44,7 +44,7 @@ images, exported and registered so, the requests' floats sent as float32 holding
 values), every method with them.
 
 Peak memory on the CPU: the resident-set high-water mark of one call after a warm one, minus the
-resident set before it (glibc's mmap threshold is lowered at start so freed blocks leave the
+resident set before it (glibc's mmap threshold is lowered as it starts, so freed blocks leave the
 resident set), for every method in this process. That threshold makes every block over 64 KiB
 fresh memory, page faults and all, for the timed calls too; ``--default-malloc`` times under glibc's
 own settings instead (the server's), and measures no memory (freed blocks stay resident).
@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
+import platform
 import statistics
 import sys
 import time
@@ -72,11 +74,6 @@ from typing import Any
 
 if "THP_MEM_ALLOC_ENABLE" not in os.environ:  # before torch allocates anything
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
-# glibc reads its settings at start: re-exec once (--default-malloc: keep glibc's own)
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "--default-malloc" not in sys.argv:
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -488,6 +485,19 @@ def run_case(case: Case, registry: ModelRegistry, model: LoadedModel, seq: int, 
     return rows
 
 
+LOWERED = 65536  # bytes: glibc's mmap threshold, so that freed blocks leave the resident set
+M_MMAP_THRESHOLD = -3
+
+
+def set_allocator(args: argparse.Namespace) -> None:
+    """glibc's mmap threshold lowered to :data:`LOWERED` (peak memory can be read), unless
+    ``--default-malloc`` keeps glibc's own settings."""
+    if not args.default_malloc and platform.libc_ver()[0] == "glibc":
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        mallopt(M_MMAP_THRESHOLD, LOWERED)  # mallopt's parameter (glibc's malloc.h)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,bert,resnet18")
@@ -524,6 +534,7 @@ def main() -> None:
     args.peers = [name for name in args.peers.split(",") if name]
     if not set(args.peers) <= set(PEERS):
         raise SystemExit(f"--peers takes {', '.join(PEERS)}")
+    set_allocator(args)  # before the models are made
     args.memory = args.memory and (args.device == "cuda" or not args.default_malloc)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -534,11 +545,11 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     set_tf32(False)  # float32 on CUDA, as psgrad's workers run (CPUs ignore it)
-    malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
+    malloc = "glibc's default" if args.default_malloc else f"{LOWERED}"
     on = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"torch {torch.__version__} on {on}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, "
-          f"MALLOC_MMAP_THRESHOLD_={malloc}, {args.clock} clock, autocast {args.autocast}, "
+          f"mmap threshold {malloc}, {args.clock} clock, autocast {args.autocast}, "
           f"medians of "
           f"{args.rounds} interleaved rounds; x plain = median per-round ratio to one plain "
           "forward+backward; peak = extra "
