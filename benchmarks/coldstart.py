@@ -53,6 +53,11 @@ def child(args: argparse.Namespace) -> None:
     if args.steps == "plain":
         plain(args)
         return
+    from service.allocator import keep_freed_memory
+    from service.config import Settings
+
+    if Settings().keep_freed_memory:  # as a worker process does first (PSGRAD_KEEP_FREED_MEMORY)
+        keep_freed_memory()
     import torch
 
     if args.threads:
@@ -61,7 +66,6 @@ def child(args: argparse.Namespace) -> None:
     import realsize as rs
 
     from service import engine
-    from service.config import Settings
     from service.export.child import SPARES
     from service.fast_stats import warm_kernels
     from service.registration import register_exported

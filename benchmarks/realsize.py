@@ -47,7 +47,9 @@ Peak memory on the CPU: the resident-set high-water mark of one call after a war
 resident set before it (glibc's mmap threshold is lowered as it starts, so freed blocks leave the
 resident set), for every method in this process. That threshold makes every block over 64 KiB
 fresh memory, page faults and all, for the timed calls too; ``--default-malloc`` times under glibc's
-own settings instead (the server's), and measures no memory (freed blocks stay resident).
+own settings instead, and ``--kept-malloc`` with freed memory kept in the process, as psgrad's
+server processes run (``PSGRAD_KEEP_FREED_MEMORY``); neither measures memory (freed blocks stay
+resident).
 Peers that would hold every per-sample gradient past ``--max-gib`` are skipped and say so. Our
 machine's two cores are shared with other work: ratios are the figures to read, and they move by
 about 0.1 between runs.
@@ -82,6 +84,7 @@ from torch.func import functional_call, grad, vmap
 
 from psgrad._arrays import to_numpy  # a bfloat16 tensor as float32 holding its values
 from service import engine
+from service.allocator import M_MMAP_THRESHOLD, keep_freed_memory
 from service.config import Settings
 from service.registration import register_exported
 from service.registry import LoadedModel, ModelRegistry, set_tf32
@@ -486,16 +489,18 @@ def run_case(case: Case, registry: ModelRegistry, model: LoadedModel, seq: int, 
 
 
 LOWERED = 65536  # bytes: glibc's mmap threshold, so that freed blocks leave the resident set
-M_MMAP_THRESHOLD = -3
 
 
 def set_allocator(args: argparse.Namespace) -> None:
-    """glibc's mmap threshold lowered to :data:`LOWERED` (peak memory can be read), unless
-    ``--default-malloc`` keeps glibc's own settings."""
-    if not args.default_malloc and platform.libc_ver()[0] == "glibc":
+    """glibc's mmap threshold lowered to :data:`LOWERED` (peak memory can be read), freed
+    memory kept as psgrad's server processes keep it (``--kept-malloc``), or glibc's own
+    settings (``--default-malloc``)."""
+    if args.kept_malloc:
+        keep_freed_memory()
+    elif not args.default_malloc and platform.libc_ver()[0] == "glibc":
         mallopt = ctypes.CDLL(None).mallopt
         mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-        mallopt(M_MMAP_THRESHOLD, LOWERED)  # mallopt's parameter (glibc's malloc.h)
+        mallopt(M_MMAP_THRESHOLD, LOWERED)
 
 
 def main() -> None:
@@ -515,8 +520,11 @@ def main() -> None:
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the peak-memory calls (two more calls per method)")
     parser.add_argument("--default-malloc", action="store_true",
-                        help="time under glibc's default allocator, as the server runs, not "
-                             "with the lowered mmap threshold (no peak memory)")
+                        help="time under glibc's default allocator, not with the lowered mmap "
+                             "threshold (no peak memory)")
+    parser.add_argument("--kept-malloc", action="store_true",
+                        help="time with freed memory kept, as psgrad's server processes run "
+                             "(PSGRAD_KEEP_FREED_MEMORY; no peak memory)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (default: torch's; 1 on a busy shared machine)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -535,7 +543,8 @@ def main() -> None:
     if not set(args.peers) <= set(PEERS):
         raise SystemExit(f"--peers takes {', '.join(PEERS)}")
     set_allocator(args)  # before the models are made
-    args.memory = args.memory and (args.device == "cuda" or not args.default_malloc)
+    args.memory = args.memory and (args.device == "cuda"
+                                   or not (args.default_malloc or args.kept_malloc))
     if args.threads:
         torch.set_num_threads(args.threads)
     if not all(2 <= int(t) <= MAX_LENGTH for t in args.seq.split(",")):
@@ -545,7 +554,8 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     set_tf32(False)  # float32 on CUDA, as psgrad's workers run (CPUs ignore it)
-    malloc = "glibc's default" if args.default_malloc else f"{LOWERED}"
+    malloc = ("kept (PSGRAD_KEEP_FREED_MEMORY)" if args.kept_malloc
+              else "glibc's default" if args.default_malloc else f"{LOWERED}")
     on = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"torch {torch.__version__} on {on}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}, "

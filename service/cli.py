@@ -52,6 +52,7 @@ def serve(
     """
     import uvicorn
 
+    from service.allocator import keep_freed_memory
     from service.api import create_app
     from service.config import get_settings
 
@@ -84,6 +85,8 @@ def serve(
     log.info("psgrad api on http://%s:%d (%s)", host, port, mode)
     from service.keyring import KeysError
 
+    if settings.keep_freed_memory:
+        keep_freed_memory()  # the process's: before a thread allocates
     try:
         app = create_app(settings)
     except KeysError as exc:

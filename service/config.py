@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     export_timeout_s: float = 120.0  # wall-clock seconds of that process
     # workers on CUDA: replay a captured graph of each class of calls seen before (graphs.py)
     cuda_graphs: bool = False
+    # server processes keep the memory torch frees (glibc's malloc), reused by the next call
+    # rather than faulted in afresh; their resident memory then stays at their largest peak
+    keep_freed_memory: bool = True
     # an api with admins starts that process ahead, so a registration finds torch imported
     export_spare: bool = True
     # CPU seconds of one DP run's privacy accounting (a child process, killed past them)
@@ -191,6 +194,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "export_timeout_s": frozenset({API}),
     "export_spare": frozenset({API}),
     "cuda_graphs": frozenset({WORKER}),
+    "keep_freed_memory": BOTH,  # each process's own allocator
     "dp_accounting_cpu_s": BOTH,  # runs made and described (api); each step's epsilon (worker)
 }
 
