@@ -84,7 +84,7 @@ from torch.func import functional_call, grad, vmap
 
 from psgrad._arrays import to_numpy  # a bfloat16 tensor as float32 holding its values
 from service import engine
-from service.allocator import M_MMAP_THRESHOLD, keep_freed_memory
+from service.allocator import keep_freed_memory
 from service.config import Settings
 from service.registration import register_exported
 from service.registry import LoadedModel, ModelRegistry, set_tf32
@@ -489,6 +489,7 @@ def run_case(case: Case, registry: ModelRegistry, model: LoadedModel, seq: int, 
 
 
 LOWERED = 65536  # bytes: glibc's mmap threshold, so that freed blocks leave the resident set
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
 
 
 def set_allocator(args: argparse.Namespace) -> None:
@@ -496,7 +497,7 @@ def set_allocator(args: argparse.Namespace) -> None:
     memory kept as psgrad's server processes keep it (``--kept-malloc``), or glibc's own
     settings (``--default-malloc``)."""
     if args.kept_malloc:
-        keep_freed_memory()
+        keep_freed_memory()  # a restart in place, with glibc's tunables
     elif not args.default_malloc and platform.libc_ver()[0] == "glibc":
         mallopt = ctypes.CDLL(None).mallopt
         mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

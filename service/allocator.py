@@ -5,40 +5,42 @@ torch's CPU tensors come from the C library's ``malloc``. glibc's own settings h
 block back to the kernel when it is past the mmap threshold (128 KiB, raised as blocks are freed
 up to 32 MiB) or sits at the top of the heap, and a thread's arena holds at most 64 MiB, so
 the blocks of a model's size (a per-sample gradient, the plan check's direction) are mapped
-afresh on every call and each page faults in zeroed. On a 2-core CPU machine that was a sixth of
-BERT-base's steady ``norms`` call and half of its plan check (docs/operations.md, "Memory").
-Kept, every block comes from one heap shared by the process's threads (so a worker thread reuses
-what the main thread freed as the model loaded) and is reused as it is: the process's resident
+afresh on every call and each page faults in zeroed. On a 2-core CPU machine that was half of
+BERT-base's plan check in a new worker (docs/operations.md, "Memory a process keeps"). Kept,
+every block comes from one heap shared by the process's threads (so a worker thread reuses what
+the main thread freed as the model loaded) and is reused as it is: the process's resident
 memory stays at its largest peak instead of falling back between calls.
 
-Only glibc has these settings (``mallopt``); elsewhere nothing changes. They are the process's,
-and the arenas' limit holds only for threads started after it: ``psgrad serve`` and ``psgrad
-worker`` apply them as they start, before any thread.
+glibc reads these settings (its tunables) once, as a process starts, and the arenas' limit holds
+only for threads that have not allocated yet (numpy's and torch's imports start some), so
+:func:`keep_freed_memory` restarts the process in place with them: ``psgrad serve`` and
+``psgrad worker`` call it first. Only glibc has them; elsewhere nothing changes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
+import os
 import platform
+import sys
 
-log = logging.getLogger("psgrad.allocator")
-
-# mallopt's parameters (glibc's malloc.h)
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
-KEPT = 2**31 - 1  # bytes: the largest a C int holds; a block past it is mapped as before
+KEPT = 2**31 - 1  # bytes: a block past it is mapped and handed back as before
+TUNABLES = ("glibc.malloc.arena_max=1", f"glibc.malloc.mmap_threshold={KEPT}",
+            f"glibc.malloc.trim_threshold={KEPT}")
 
 
-def keep_freed_memory() -> bool:
-    """Tell glibc to keep freed blocks in the process (False: not glibc, or it refused)."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    kept = all([mallopt(M_ARENA_MAX, 1), mallopt(M_MMAP_THRESHOLD, KEPT),
-                mallopt(M_TRIM_THRESHOLD, KEPT)])
-    if not kept:
-        log.warning("glibc refused to keep freed memory (mallopt): calls fault fresh memory in")
-    return kept
+def kept() -> bool:
+    """Whether this process started with glibc told to keep freed memory."""
+    return set(TUNABLES) <= set(os.environ.get("GLIBC_TUNABLES", "").split(":"))
+
+
+def keep_freed_memory() -> None:
+    """Restart this process (``exec``: the same pid and command line) with glibc told to keep
+    freed memory, unless it already runs so or its C library is not glibc. Call it before the
+    process starts any work: nothing of this run survives but its environment."""
+    if kept() or platform.libc_ver()[0] != "glibc":
+        return
+    given = os.environ.get("GLIBC_TUNABLES", "")
+    os.environ["GLIBC_TUNABLES"] = ":".join([*filter(None, given.split(":")), *TUNABLES])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

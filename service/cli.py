@@ -52,7 +52,6 @@ def serve(
     """
     import uvicorn
 
-    from service.allocator import keep_freed_memory
     from service.api import create_app
     from service.config import get_settings
 
@@ -85,8 +84,6 @@ def serve(
     log.info("psgrad api on http://%s:%d (%s)", host, port, mode)
     from service.keyring import KeysError
 
-    if settings.keep_freed_memory:
-        keep_freed_memory()  # the process's: before a thread allocates
     try:
         app = create_app(settings)
     except KeysError as exc:
@@ -131,8 +128,14 @@ def add_commands(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``serve`` or ``worker``, parsed by :func:`add_commands`."""
-    # transparent huge pages for torch's CPU tensors: read once, before torch allocates
+    # transparent huge pages for torch's CPU tensors, and glibc's allocator keeping what torch
+    # frees (a restart in place): each read once, before torch allocates
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    from service.allocator import keep_freed_memory
+    from service.config import get_settings
+
+    if get_settings().keep_freed_memory:
+        keep_freed_memory()
     if args.command == "worker":
         return worker(args.device)
     return serve(args.host, args.port, insecure_no_auth=args.insecure_no_auth,

@@ -20,7 +20,6 @@ from types import FrameType
 
 from prometheus_client import start_http_server
 
-from service.allocator import keep_freed_memory
 from service.broker.redis.worker import RedisJobSource, consumer_name
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, get_settings
@@ -44,8 +43,6 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     if not settings.redis_url:
         log.error("psgrad worker needs PSGRAD_REDIS_URL (the api and the workers share a Redis)")
         return EXIT_CONFIG
-    if settings.keep_freed_memory:
-        keep_freed_memory()  # the process's: before its threads allocate
     metrics = WorkerMetrics()
     if settings.worker_metrics_port:
         try:

@@ -167,7 +167,7 @@ def worker_process(settings_env: dict[str, str], device: str = "cpu",
     """``psgrad worker`` as a real process (through the module, so no PATH lookup)."""
     env = {**os.environ, **settings_env, "THP_MEM_ALLOC_ENABLE": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "service.worker_process", "--device", device],
+        [sys.executable, "-m", "service.cli", "worker", "--device", device],
         env=env, cwd=ROOT, **popen)
 
 

@@ -2,10 +2,11 @@
 service/allocator.py): a block one thread freed is what another thread's next tensor of that
 size gets, with no page faulted in afresh; switched off, glibc maps it anew.
 
-Each case is a fresh process (the allocator's settings are the process's): ``psgrad serve``,
-embedded, up to where uvicorn would serve, or ``psgrad worker`` (real Redis, its own prefix) up
-to its loop's thread. There one thread touches and frees 64 MiB, then a new thread allocates and
-touches 64 MiB, and the resident set's growth is read.
+Each case is a fresh process (glibc reads its settings as a process starts, and ``psgrad``
+restarts itself in place with them): ``psgrad serve``, embedded, up to where uvicorn would serve,
+or ``psgrad worker`` (real Redis, its own prefix) up to its loop's thread. There one thread
+touches and frees 64 MiB, then a new thread allocates and touches 64 MiB, and the resident set's
+growth is read.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ CHILD = f"""
 import sys, threading
 import torch
 import uvicorn
-from service.cli import serve
+from service.allocator import kept
+from service.cli import main
 from service.worker.loop import Worker
-from service.worker_process import worker
 
 def resident():
     with open("/proc/self/statm") as f:
@@ -46,10 +47,10 @@ def measure(*_):
     thread = threading.Thread(target=loop)
     thread.start()
     thread.join()
-    print("grown", grown[0] >> 20, flush=True)
+    print("kept", kept(), "grown", grown[0] >> 20, flush=True)
 
 uvicorn.Server.run = Worker.run = measure
-assert (serve() if sys.argv[1] == "serve" else worker("cpu")) == 0
+assert main(["serve"] if sys.argv[1] == "serve" else ["worker", "--device", "cpu"]) == 0
 """
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
@@ -57,6 +58,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
 
 
 def grown_mib(command: str, keep: bool, tmp_path: Path) -> int:
+    """How far the resident set grew as the second thread touched its block."""
     env = {**os.environ, "PSGRAD_KEEP_FREED_MEMORY": str(keep).lower(),
            "PSGRAD_MODEL_DIR": str(tmp_path / "models"), "PSGRAD_DATA_DIR": str(tmp_path / "data")}
     env.pop("PSGRAD_REDIS_URL", None)
@@ -67,6 +69,7 @@ def grown_mib(command: str, keep: bool, tmp_path: Path) -> int:
         done = subprocess.run([sys.executable, "-c", CHILD, command], capture_output=True,
                               text=True, cwd=ROOT, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"kept {keep} " in done.stdout  # restarted with glibc's tunables, or not
     return int(done.stdout.split("grown")[-1])
 
 
