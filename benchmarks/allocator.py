@@ -61,10 +61,7 @@ def child(args: argparse.Namespace) -> None:
     from service.registry import ModelRegistry
     from service.strategies import per_sample
 
-    settings = Settings(redis_url=None, data_dir=args.data_dir, model_dir=None, device="cpu",
-                        max_parameters=1 << 30, max_model_activations=1 << 34,
-                        max_weight_bytes=4 << 30, export_memory_mb=1 << 15, export_cpu_s=1200,
-                        export_timeout_s=1800)
+    settings = rs.raised(redis_url=None, data_dir=args.data_dir, device="cpu")
     rows: list[dict[str, Any]] = []
 
     def work() -> None:

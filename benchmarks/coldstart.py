@@ -73,11 +73,8 @@ def child(args: argparse.Namespace) -> None:
     from service.storage import make_plan_store
     from service.strategies import per_sample
 
-    settings = Settings(redis_url=args.redis or None, redis_prefix=args.prefix,
-                        data_dir=args.data_dir, compile_secret=args.secret, model_dir=None,
-                        device="cpu", max_parameters=1 << 30, max_model_activations=1 << 34,
-                        max_weight_bytes=4 << 30, export_memory_mb=1 << 15, export_cpu_s=1200,
-                        export_timeout_s=1800)
+    settings = rs.raised(redis_url=args.redis or None, redis_prefix=args.prefix,
+                         data_dir=args.data_dir, compile_secret=args.secret, device="cpu")
     plans = make_plan_store(settings)
     if "register" in args.steps:  # as an api with admins does from its start: the spare
         SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)  # starts meanwhile

@@ -173,6 +173,15 @@ def make_case(name: str, batch: int, seq: int, dtype: torch.dtype = torch.float3
                 "cross_entropy")
 
 
+def raised(**given: Any) -> Settings:
+    """Settings with the limits raised to fit the models (the benchmarks measure compute, not
+    limits), no model folder, and ``given``."""
+    return Settings(**{"model_dir": None, "max_parameters": 1 << 30,
+                       "max_model_activations": 1 << 34, "max_weight_bytes": 4 << 30,
+                       "export_memory_mb": 1 << 15, "export_cpu_s": 1200,
+                       "export_timeout_s": 1800, **given})
+
+
 def register(case: Case, device: torch.device | None = None
              ) -> tuple[ModelRegistry, LoadedModel]:
     """Exported at a batch of one (sequence length dynamic) and registered by psgrad's loader
@@ -180,10 +189,7 @@ def register(case: Case, device: torch.device | None = None
     data = export(case.module, tuple(v[:1] for v in case.inputs.values()), MAX_LENGTH)
     device = device or torch.device("cpu")
     registry = ModelRegistry(device)
-    settings = Settings(  # limits raised to fit the model: this measures compute, not limits
-        redis_url=None, model_dir=None, device=device.type, max_parameters=1 << 30,
-        max_model_activations=1 << 34, max_weight_bytes=4 << 30, export_memory_mb=1 << 15,
-        export_cpu_s=1200, export_timeout_s=1800)
+    settings = raised(redis_url=None, device=device.type)
     model = register_exported(registry, case.name, data, settings, default_loss=case.loss,
                               losses=[])
     return registry, model
