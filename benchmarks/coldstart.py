@@ -95,6 +95,7 @@ def child(args: argparse.Namespace) -> None:
     model = register_exported(registry, case.name, data, settings, default_loss=case.loss,
                               losses=[])
     out["register_s"] = time.perf_counter() - start
+    del data, case  # a worker keeps the model it loaded, not its bytes or another copy
     steps = [(args.batch, args.seq)]
     if "new" in args.steps:
         steps += [(args.batch * 2, args.seq), (args.batch, args.seq * 2)]
@@ -102,6 +103,7 @@ def child(args: argparse.Namespace) -> None:
         shaped = rs.make_case(args.model, batch, seq)
         parsed = rs.request(registry, shaped, "norms")
         call = rs.on_device(parsed.batch, model.device)
+        del shaped  # its module: only the batch is the request's
 
         def run(parsed: Any = parsed, call: Any = call) -> None:
             engine.compute(parsed.model, call, parsed.opts, plans=plans)
