@@ -43,11 +43,9 @@ def resident() -> float:
 
 def child(args: argparse.Namespace) -> None:
     """One fresh process: every call's seconds and memory, printed as one JSON line."""
-    from service.allocator import keep_freed_memory
-    from service.config import Settings
+    from service.allocator import configure
 
-    if Settings().keep_freed_memory:  # as a worker process does first
-        keep_freed_memory()
+    configure()  # as a worker process does first (PSGRAD_KEEP_FREED_MEMORY)
     import torch
 
     if args.threads:

@@ -53,11 +53,9 @@ def child(args: argparse.Namespace) -> None:
     if args.steps == "plain":
         plain(args)
         return
-    from service.allocator import keep_freed_memory
-    from service.config import Settings
+    from service.allocator import configure
 
-    if Settings().keep_freed_memory:  # as a worker process does first (PSGRAD_KEEP_FREED_MEMORY)
-        keep_freed_memory()
+    configure()  # as a worker process does first (PSGRAD_KEEP_FREED_MEMORY)
     import torch
 
     if args.threads:

@@ -13,8 +13,9 @@ memory stays at its largest peak instead of falling back between calls.
 
 glibc reads these settings (its tunables) once, as a process starts, and the arenas' limit holds
 only for threads that have not allocated yet (numpy's and torch's imports start some), so
-:func:`keep_freed_memory` restarts the process in place with them: ``psgrad serve`` and
-``psgrad worker`` call it first. Only glibc has them; elsewhere nothing changes.
+:func:`keep_freed_memory` restarts the process in place with them. Only glibc has them;
+elsewhere nothing changes. ``psgrad serve`` and ``psgrad worker`` call :func:`configure` first,
+and the benchmarks' processes that time a server's work call it too.
 """
 
 from __future__ import annotations
@@ -44,3 +45,14 @@ def keep_freed_memory() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def configure() -> None:
+    """A server process's allocator, set before torch allocates: transparent huge pages for
+    torch's CPU tensors (``THP_MEM_ALLOC_ENABLE``, unless the environment says otherwise), and
+    freed memory kept where ``PSGRAD_KEEP_FREED_MEMORY`` says so (the default)."""
+    from service.config import get_settings
+
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if get_settings().keep_freed_memory:
+        keep_freed_memory()

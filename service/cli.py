@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -128,14 +127,9 @@ def add_commands(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``serve`` or ``worker``, parsed by :func:`add_commands`."""
-    # transparent huge pages for torch's CPU tensors, and glibc's allocator keeping what torch
-    # frees (a restart in place): each read once, before torch allocates
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from service.allocator import keep_freed_memory
-    from service.config import get_settings
+    from service.allocator import configure
 
-    if get_settings().keep_freed_memory:
-        keep_freed_memory()
+    configure()  # huge pages, freed memory kept (a restart in place): before torch allocates
     if args.command == "worker":
         return worker(args.device)
     return serve(args.host, args.port, insecure_no_auth=args.insecure_no_auth,
