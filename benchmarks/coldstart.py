@@ -93,7 +93,7 @@ def child(args: argparse.Namespace) -> None:
     model = register_exported(registry, case.name, data, settings, default_loss=case.loss,
                               losses=[])
     out["register_s"] = time.perf_counter() - start
-    del data, case  # a worker keeps the model it loaded, not its bytes or another copy
+    del data, case  # a server holds neither the .pt2 it registered nor another copy of the model
     steps = [(args.batch, args.seq)]
     if "new" in args.steps:
         steps += [(args.batch * 2, args.seq), (args.batch, args.seq * 2)]
