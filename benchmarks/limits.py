@@ -12,7 +12,9 @@ prints:
 - the registration's wall time and status under the defaults;
 - the server's peak resident memory (``VmHWM``, reset before each request through
   ``/proc/PID/clear_refs``) during the first ``norms`` request at B x T, and the largest peak
-  of the ``--requests`` after it (the steady peak), and their ratio (goal: at most 1.5);
+  of the ``--requests`` after it (the steady peak), and their ratio (goal: at most 1.5; the
+  server keeps the memory it frees, ``PSGRAD_KEEP_FREED_MEMORY``, so the later peaks are the
+  resident set the first request left, and the ratio is 1);
 - the peak resident memory of a fresh process that builds the same model and runs one plain
   forward and backward of the same batch (``--plain``), and the steady peak's ratio to it
   (goal: at most 2);
