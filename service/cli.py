@@ -22,6 +22,7 @@ log = logging.getLogger("psgrad.serve")
 
 EXIT_OK = 0
 EXIT_REFUSED = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def is_loopback(host: str) -> bool:
@@ -54,9 +55,7 @@ def serve(
     from service.api import create_app
     from service.config import get_settings
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     settings = settings or get_settings()
     host = settings.listen_host if host is None else host
     port = settings.listen_port if port is None else port
@@ -95,9 +94,10 @@ def serve(
 
 def worker(device: str = "auto") -> int:
     """``psgrad worker``: one Redis worker process (:mod:`service.worker_process`)."""
-    from service.worker_process import main
+    from service.worker_process import worker as run_worker
 
-    return main(["--device", device])
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    return run_worker(device)
 
 
 def add_commands(sub: Any) -> None:

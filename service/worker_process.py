@@ -10,12 +10,9 @@ method (CUDA cannot be forked).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
-import sys
 import threading
-from collections.abc import Sequence
 from types import FrameType
 
 from prometheus_client import start_http_server
@@ -93,17 +90,3 @@ def worker(device: str = "auto", settings: Settings | None = None) -> int:
     storage.close()
     log.info("worker %s stopped (exit %d)", source.name, code)
     return code
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="psgrad worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="auto",
-                        help="cuda:0, cuda, cpu or auto (CUDA when available); one per process")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return worker(args.device)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
