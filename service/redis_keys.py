@@ -198,15 +198,20 @@ class JobKeys(NamedTuple):
     """One job's keys, named together once per job (:func:`job_keys`); each is spelled by the
     function of its name above."""
 
+    prefix: str
     id: str
     state: str
     payload: str
     answer: str
     notify: str
 
+    def pieces(self, attempt: int | str) -> str:
+        """The pieces stream of one attempt's answer (:func:`job_pieces`)."""
+        return job_pieces(self.prefix, self.id, attempt)
+
 
 def job_keys(prefix: str, job_id: str) -> JobKeys:
-    return JobKeys(job_id, job_state(prefix, job_id), job_payload(prefix, job_id),
+    return JobKeys(prefix, job_id, job_state(prefix, job_id), job_payload(prefix, job_id),
                    job_answer(prefix, job_id), job_notify(prefix, job_id))
 
 

@@ -108,7 +108,7 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         await broker.submit(j)
         taken = source.take(1, 10, 0.0, 1.0)
         source.started(taken)
-        writer = AnswerWriter(source.r, source.pr, settings.redis_prefix, j.id,
+        writer = AnswerWriter(source.r, source.pr, redis_keys.job_keys(settings.redis_prefix, j.id),
                               taken[0].attempts, ttl_s=30, piece_bytes=64 << 10)
         from psgrad._wire import safetensors_parts
 
@@ -218,6 +218,7 @@ async def test_the_api_is_ready_only_with_its_answers_redis(
 HALF_WRITER = """
 import os, signal, sys, numpy as np
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
+from service import redis_keys
 from service.broker.redis.common import pieces
 from service.broker.redis.worker import RedisJobSource
 from service.broker.redis.writer import AnswerWriter
@@ -230,8 +231,8 @@ while not taken:
 source.started(taken)
 result = {"grads": {"w": np.ones(1_000_000, np.float32)}}
 head, *data = safetensors_parts(result, RESPONSE_KEY)
-writer = AnswerWriter(source.r, source.pr, source.prefix, taken[0].id, taken[0].attempts,
-                      ttl_s=60)
+writer = AnswerWriter(source.r, source.pr, redis_keys.job_keys(source.prefix, taken[0].id),
+                      taken[0].attempts, ttl_s=60)
 cut = list(pieces(data, 64 << 10))
 writer.open(cut[0])
 writer.begin(bytes(head))
@@ -398,7 +399,7 @@ def test_a_refused_piece_raises_and_leaves_no_unread_replies(
     """An error reply mid-answer (here the stream's key holds a string) is raised, and the
     connection with the later pieces' replies unread is dropped, not lent to the next command."""
     source = RedisJobSource(settings, name="w")
-    writer = AnswerWriter(source.r, source.pr, source.prefix, "j", 1, ttl_s=30,
+    writer = AnswerWriter(source.r, source.pr, redis_keys.job_keys(source.prefix, "j"), 1, ttl_s=30,
                           piece_bytes=64 << 10)
     writer.open = lambda first: pieces_r.set(writer.key, b"not a stream")  # type: ignore
     writer.begin = lambda head: True  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ import redis
 from psgrad._errors import Overloaded, UnknownJob
 from service import redis_keys
 from service.broker.redis.api import RedisBroker
-from service.broker.redis.worker import RedisJobSource
+from service.broker.redis.worker import RedisJobSource, Taken
 from service.config import Settings
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
@@ -107,7 +107,8 @@ async def test_submit_take_succeed_wait(settings: Settings) -> None:
             assert result_read["losses"].tolist() == [1.5]
             assert result_read["timing"] == {"compute_ms": 1.0}
         # a redelivered copy cannot answer again, differently
-        source._entries[taken[0].id] = ("0-1", taken[0].id, 1)
+        source._taken[taken[0].id] = Taken("0-1", redis_keys.job_keys(settings.redis_prefix,
+                                                                      taken[0].id))
         source.succeed(taken[0], {"losses": np.array([9.0], dtype=np.float32)})
         again = await result_of(await broker.state(jobs[0].id))
         assert again is not None and again["losses"].tolist() == [1.5]

@@ -261,7 +261,7 @@ class RedisBroker:
                              f"after {self.settings.result_ttl_s} s)", id=keys.id)
         h = text_hash(raw)
         return decode_state(keys.id, h, RedisAnswer.found(self.blocking, self.pieces_blocking,
-                                                          self.prefix, keys, h, first))
+                                                          keys, h, first))
 
     async def cancel(self, job_id: str) -> JobState:
         keys = redis_keys.job_keys(self.prefix, job_id)

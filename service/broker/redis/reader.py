@@ -40,7 +40,6 @@ class RedisAnswer:
 
     r: aioredis.Redis  # the queue's Redis, a client without a socket timeout: XREAD blocks
     pr: aioredis.Redis  # the answers' Redis (may be ``r``), the same kind of client
-    prefix: str
     keys: redis_keys.JobKeys
     attempt: str
     head_id: bytes
@@ -51,7 +50,7 @@ class RedisAnswer:
         self.size = answer_size(self.head)
 
     @classmethod
-    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, prefix: str, keys: redis_keys.JobKeys,
+    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, keys: redis_keys.JobKeys,
               state: Mapping[str, str], first: list[Any]) -> RedisAnswer | None:
         """The answer a state hash and the answer stream's first entry show, if it is readable:
         the named whole one of a succeeded job, or the one a running job is writing now."""
@@ -66,7 +65,7 @@ class RedisAnswer:
         if kind != "head" or not (whole or writing):
             return None
         head = bytes(f["d"])
-        return cls(r, pr, prefix, keys, attempt, entry_id, head,
+        return cls(r, pr, keys, attempt, entry_id, head,
                    complete=whole and len(head) >= answer_size(head))
 
     async def pieces(self, *, consume: bool = False) -> AsyncIterator[bytes | memoryview]:
@@ -83,7 +82,7 @@ class RedisAnswer:
         held: bytes | memoryview = b""  # sent once the next piece (or the end mark) is seen
         raw = (await asyncio.to_thread(RawStreamReader.open, self.pr)
                if self.size >= RAW_MIN_BYTES else None)
-        key = redis_keys.job_pieces(self.prefix, self.keys.id, self.attempt)
+        key = self.keys.pieces(self.attempt)
         async with contextlib.aclosing(self._batches(raw, key, consume)) as batches:
             async for batch in batches:
                 for piece in batch:

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.exceptions import RedisError
@@ -47,6 +47,14 @@ def script_in(pipe: Any, lua: str, keys_: list[str], args: list[Any]) -> None:
     own, one round trip more each time; the text of these scripts is a few hundred bytes.
     """
     pipe.eval(lua, len(keys_), *keys_, *args)
+
+
+class Taken(NamedTuple):
+    """A job held by this worker: its stream entry's id (the ticket its end acknowledges) and
+    its keys, named once when it is taken."""
+
+    ticket: str
+    keys: redis_keys.JobKeys
 
 
 def _completed(fn: Any, /, **kwargs: Any) -> bool:
@@ -89,7 +97,7 @@ class RedisJobSource:
         self.piece_bytes = min(redis_keys.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
         self._retry = self.r.register_script(RETRY_LUA)
         self.intake = StreamIntake(self.r, settings, self.queue, self.name)
-        self._entries: dict[str, Entry] = {}  # job id -> its stream entry, while held here
+        self._taken: dict[str, Taken] = {}  # job id -> its ticket and keys, while held here
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -122,7 +130,7 @@ class RedisJobSource:
         """Hand back jobs read but not started (on shutdown): queued again at once, not after
         the visibility timeout. Their delivery was not counted as an attempt."""
         for entry_id, job_id, _ in self.intake.take_buffered():
-            self._call(self._retry, **self._retry_args(job_id, entry_id, ""))
+            self._call(self._retry, **self._retry_args(self._keys(job_id), entry_id, ""))
             self.intake.release([entry_id])
 
     def unreachable_for(self) -> float:
@@ -206,8 +214,7 @@ class RedisJobSource:
         now = repr(time.time())
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, START_LUA, [redis_keys.job_state(self.prefix, job.id)],
-                      [now, self.name])
+            script_in(pipe, START_LUA, [self._keys(job.id).state], [now, self.name])
         statuses = self._call(pipe.execute)
         if statuses is None:
             return list(jobs)
@@ -231,7 +238,7 @@ class RedisJobSource:
                 ends.append((job, b"".join([head, *data])))
                 continue
             ttl = redis_keys.job_ttl_s(-job.overdue_s(), self.settings.result_ttl_s)
-            writer = AnswerWriter(self.r, self.pr, self.prefix, job.id, job.attempts, ttl_s=ttl,
+            writer = AnswerWriter(self.r, self.pr, self._keys(job.id), job.attempts, ttl_s=ttl,
                                   result_ttl_s=self.settings.result_ttl_s,
                                   piece_bytes=self.piece_bytes)
             if self._call(writer.write_parts, head, data) is None:
@@ -248,9 +255,9 @@ class RedisJobSource:
 
     def fail(self, job: Job, error: dict[str, Any], *, retry: bool) -> None:
         body = json.dumps(error)
-        entry = self._entries.get(job.id)
-        if retry and job.attempts < self.settings.max_attempts and entry is not None:
-            ok = self._persist(self._retry, **self._retry_args(job.id, entry[0], body,
+        taken = self._taken.get(job.id)
+        if retry and job.attempts < self.settings.max_attempts and taken is not None:
+            ok = self._persist(self._retry, **self._retry_args(taken.keys, taken.ticket, body,
                                                                job.attempts))
             if ok:
                 self._forget(job.id)
@@ -263,20 +270,25 @@ class RedisJobSource:
     def planning(self, jobs: Sequence[Job], since: float | None, spent_s: float = 0.0) -> None:
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            script_in(pipe, PLANNING_LUA, [redis_keys.job_state(self.prefix, job.id)],
+            script_in(pipe, PLANNING_LUA, [self._keys(job.id).state],
                       ["" if since is None else repr(since), repr(spent_s)])
         self._call(pipe.execute)  # unanswered: the wait counts the planning, as before
 
     # --- internals -------------------------------------------------------------------------
 
-    def _retry_args(self, job_id: str, entry_id: str, error: str,
+    def _keys(self, job_id: str) -> redis_keys.JobKeys:
+        """A job's keys: those named when it was taken, while it is held here."""
+        taken = self._taken.get(job_id)
+        return taken.keys if taken is not None else redis_keys.job_keys(self.prefix, job_id)
+
+    def _retry_args(self, keys: redis_keys.JobKeys, entry_id: str, error: str,
                     attempt: int | None = None) -> dict[str, list[Any]]:
         """The retry script's keys and arguments: the job goes first in its tenant's queue.
         ``attempt``: the delivery's, so that a stale one changes nothing (None: not counted)."""
         q = self.queue
-        return {"keys": [redis_keys.job_state(self.prefix, job_id), q.stream, q.tickets,
+        return {"keys": [keys.state, q.stream, q.tickets,
                          q.fair_active, q.fair_passes, q.fair_vtime],
-                "args": [redis_keys.STREAM_GROUP, entry_id, error, job_id,
+                "args": [redis_keys.STREAM_GROUP, entry_id, error, keys.id,
                          q.tenant_queue_base, DEFAULT_TENANT,
                          "" if attempt is None else attempt]}
 
@@ -303,10 +315,11 @@ class RedisJobSource:
             payloads = self.pr.mget(payload_keys)
         jobs: list[Job] = []
         now, read_at = int(seconds) + int(micros) / 1e6, time.monotonic()
-        for entry, (attempts, raw), payload in zip(entries, counted, payloads, strict=True):
+        for entry, k, (attempts, raw), payload in zip(entries, keys, counted, payloads,
+                                                      strict=True):
             job_id = entry[1]
             state = text_hash(raw)
-            self._entries[job_id] = entry
+            self._taken[job_id] = Taken(entry[0], k)
             status = state.get("status")
             if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
                 self._end_entry(job_id, JobStatus.CANCELED, "")  # ended already: ack only
@@ -364,17 +377,17 @@ class RedisJobSource:
         """
         now = repr(time.time())
         q = self.queue
-        keys = {job_id: redis_keys.job_keys(self.prefix, job_id) for job_id, *_ in ends}
+        keys = {job_id: self._keys(job_id) for job_id, *_ in ends}
 
         stored: list[Any] = []
 
         def store() -> Any:  # a fresh pipeline each try: one that ran is empty
             pipe = self.r.pipeline(transaction=False)
             for job_id, status, error, attempt, answer in ends:
-                entry, k = self._entries.get(job_id), keys[job_id]
+                taken, k = self._taken.get(job_id), keys[job_id]
                 script_in(pipe, FINISH_LUA,
                           [k.state, k.answer, k.notify, q.stream, k.payload, q.tickets],
-                          [redis_keys.STREAM_GROUP, entry[0] if entry else "", status.value,
+                          [redis_keys.STREAM_GROUP, taken.ticket if taken else "", status.value,
                            attempt, error, now, self.settings.result_ttl_s,
                            redis_keys.NOTIFY_TTL_S, answer, job_id, q.tenant_jobs_base])
             stored[:] = pipe.execute()
@@ -408,6 +421,6 @@ class RedisJobSource:
             time.sleep(0.2)
 
     def _forget(self, job_id: str) -> None:
-        entry = self._entries.pop(job_id, None)
-        if entry is not None:
-            self.intake.release([entry[0]])
+        taken = self._taken.pop(job_id, None)
+        if taken is not None:
+            self.intake.release([taken.ticket])

@@ -41,13 +41,13 @@ class AnswerWriter:
     """Writes one attempt's answer (worker side, synchronous): its header and end mark to the
     queue's Redis ``r``, its bytes to the answers' Redis ``pr`` (the same one by default)."""
 
-    def __init__(self, r: redis.Redis, pr: redis.Redis, prefix: str, job_id: str, attempt: int,
+    def __init__(self, r: redis.Redis, pr: redis.Redis, keys: redis_keys.JobKeys, attempt: int,
                  *, ttl_s: int, result_ttl_s: int | None = None,
                  piece_bytes: int = redis_keys.ANSWER_PIECE_BYTES) -> None:
         self.r = r
         self.pr = pr
-        self.keys = redis_keys.job_keys(prefix, job_id)
-        self.key = redis_keys.job_pieces(prefix, job_id, attempt)
+        self.keys = keys
+        self.key = keys.pieces(attempt)
         self.attempt = str(attempt)
         self.ttl_s = ttl_s  # while the job may still run
         self.result_ttl_s = result_ttl_s or ttl_s  # once written: as the job's end sets its keys
