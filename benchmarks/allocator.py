@@ -4,7 +4,7 @@ For each model, a sequence of calls of several outputs and shapes (each twice: a
 first call, then the same again) runs in a fresh process per setting of
 ``PSGRAD_KEEP_FREED_MEMORY``, applied as a worker process applies it as it starts, the calls in
 a thread as a worker's loop runs them. It prints, side by side, each call's seconds, the
-resident memory after it and the process's peak, then the totals (``service/allocator.py``;
+resident memory after it and the process's peak, then the totals (``service/process_env.py``;
 docs/operations.md, "Memory a process keeps").
 
     python benchmarks/allocator.py --models bert --threads 1
@@ -43,7 +43,7 @@ def resident() -> float:
 
 def child(args: argparse.Namespace) -> None:
     """One fresh process: every call's seconds and memory, printed as one JSON line."""
-    from service.allocator import configure
+    from service.process_env import configure
 
     configure()  # as a worker process does first (PSGRAD_KEEP_FREED_MEMORY)
     import torch

@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> None:
     if args.steps == "plain":
         plain(args)
         return
-    from service.allocator import configure
+    from service.process_env import configure
 
     configure()  # as a worker process does first (PSGRAD_KEEP_FREED_MEMORY)
     import torch

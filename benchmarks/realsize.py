@@ -84,8 +84,8 @@ from torch.func import functional_call, grad, vmap
 
 from psgrad._arrays import to_numpy  # a bfloat16 tensor as float32 holding its values
 from service import engine
-from service.allocator import keep_freed_memory
 from service.config import Settings
+from service.process_env import keep_freed_memory
 from service.registration import register_exported
 from service.registry import LoadedModel, ModelRegistry, set_tf32
 from service.strategies.base import Batch

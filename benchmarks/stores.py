@@ -33,7 +33,8 @@ app in process: for each k of ``--trak-dims`` a store of the zoo ``mlp`` holding
 and 100 test samples sent as inputs, score ``dot`` and ``trak`` (default lambda) in
 interleaved rounds, asking for the top 10 and for every sample (as benchmarks/lds.py does).
 Prints the first ``trak`` query after the commit (it factors), the medians of the later ones
-and of ``dot``, and their ratio (goal: 1.2 or less).
+and of ``dot``, and their ratio (goal: 1.2 or less). The process runs as ``psgrad serve`` does
+(:func:`service.process_env.configure`: idle BLAS threads asleep, freed memory kept).
 
 **The index** (``--index``, alone): as a user fills and queries a large store, through the
 embedded app in process: two float16 stores of ``--dim`` (``mlp``; the model is not involved),
@@ -75,6 +76,7 @@ import numpy as np
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service.api import create_app
 from service.config import Settings
+from service.process_env import configure
 from service.stores.files import StoreFiles
 from service.stores.index import PROBES
 from service.stores.locks import ThreadLocks
@@ -421,6 +423,7 @@ def main() -> None:
                                 else [None], args.data))
         return
     if args.trak_cost:
+        configure()  # as psgrad serve runs (idle BLAS threads asleep): may restart in place
         asyncio.run(bench_trak(args.rounds, [int(d) for d in args.trak_dims.split(",")]))
         return
     if not args.skip_append:

@@ -127,9 +127,9 @@ def add_commands(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``serve`` or ``worker``, parsed by :func:`add_commands`."""
-    from service.allocator import configure
+    from service.process_env import configure
 
-    configure()  # huge pages, freed memory kept (a restart in place): before torch allocates
+    configure()  # huge pages, idle BLAS threads asleep, freed memory kept: before any work
     if args.command == "worker":
         return worker(args.device)
     return serve(args.host, args.port, insecure_no_auth=args.insecure_no_auth,

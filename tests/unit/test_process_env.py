@@ -1,13 +1,16 @@
-"""Server processes keep the memory torch frees (``PSGRAD_KEEP_FREED_MEMORY``,
-service/allocator.py): a block one thread freed is what another thread's next tensor of that
-size gets, with no page faulted in afresh; switched off, glibc maps it anew.
+"""Server processes start with what their native libraries read as they load
+(service/process_env.py): they keep the memory torch frees (``PSGRAD_KEEP_FREED_MEMORY``), so a
+block one thread freed is what another thread's next tensor of that size gets, with no page
+faulted in afresh (switched off, glibc maps it anew); and numpy's OpenBLAS loads with its idle
+threads told to sleep at once, either way.
 
 Each case is a fresh process (glibc reads its settings as a process starts, and ``psgrad``
 restarts itself in place with them): ``psgrad serve``, embedded, up to where uvicorn would serve,
 or ``psgrad worker`` (real Redis, its own prefix) up to its loop's thread. There one thread
 touches and frees 96 MiB, then a new thread allocates and touches 64 MiB, and the resident set's
 growth is read (96, not 64: a small allocation of another thread, such as the worker's heartbeat,
-may take a piece of the freed block first, as one did on CI).
+may take a piece of the freed block first, as one did on CI). The environment the process
+started with (``/proc/self/environ``: what numpy's OpenBLAS read as it loaded) is read too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ CHILD = f"""
 import sys, threading
 import torch
 import uvicorn
-from service.allocator import kept
+from service.process_env import kept
 from service.cli import main
 from service.worker.loop import Worker
 
@@ -49,6 +52,9 @@ def measure(*_):
     thread = threading.Thread(target=loop)
     thread.start()
     thread.join()
+    with open("/proc/self/environ", "rb") as f:
+        started = f.read().split(b"\\0")
+    print("blas", b"OPENBLAS_THREAD_TIMEOUT=4" in started, flush=True)
     print("kept", kept(), "grown", grown[0] >> 20, flush=True)
 
 uvicorn.Server.run = Worker.run = measure
@@ -64,6 +70,7 @@ def grown_mib(command: str, keep: bool, tmp_path: Path) -> int:
     env = {**os.environ, "PSGRAD_KEEP_FREED_MEMORY": str(keep).lower(),
            "PSGRAD_MODEL_DIR": str(tmp_path / "models"), "PSGRAD_DATA_DIR": str(tmp_path / "data")}
     env.pop("PSGRAD_REDIS_URL", None)
+    env.pop("OPENBLAS_THREAD_TIMEOUT", None)
     on_redis = prefix_on(redis_or_skip()) if command == "worker" else contextlib.nullcontext("")
     with on_redis as prefix:
         if prefix:
@@ -72,6 +79,7 @@ def grown_mib(command: str, keep: bool, tmp_path: Path) -> int:
                               text=True, cwd=ROOT, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"kept {keep} " in done.stdout  # restarted with glibc's tunables, or not
+    assert "blas True" in done.stdout  # numpy's OpenBLAS loaded with its idle threads asleep
     return int(done.stdout.split("grown")[-1])
 
 
