@@ -182,31 +182,30 @@ def trak_solver(files: StoreFiles, key: str, manifest: Manifest, gram: np.ndarra
 def trak_by_rows(files: StoreFiles, key: str, manifest: Manifest, q: np.ndarray,
                  lam: float) -> np.ndarray:
     """``trak``'s scores ``[queries, N]`` of a store of ``N <= k`` rows, by the push-through
-    identity ``q (Phi^T Phi + lam I)^-1 Phi^T = (q Phi^T) (Phi Phi^T + lam I)^-1``: the queries'
-    dot products (in float64) and a solve with the rows' ``N x N`` kernel, factored once per
-    committed state and ``lam``, so that a query costs about a ``dot`` query (``N^2`` per query
-    against ``k^2``). ``lam = 0`` is refused where ``N < k``, as ``Phi^T Phi`` is then
-    singular."""
+    identity ``q (Phi^T Phi + lam I)^-1 Phi^T = q Phi^T (Phi Phi^T + lam I)^-1``: the ``k x N``
+    weights ``W = Phi^T (Phi Phi^T + lam I)^-1`` (in float64; the rows' ``N x N`` kernel
+    factored, then solved for ``Phi``) are made once per committed state and ``lam``, so that a
+    query is one product ``q W``, as a ``dot`` query is ``q Phi^T``. ``lam = 0`` is refused where
+    ``N < k``, as ``Phi^T Phi`` is then singular."""
     if lam == 0 and manifest.count < q.shape[1]:
         raise _singular(lam)
 
-    def kernel() -> tuple[np.ndarray, bool]:
+    def weights() -> np.ndarray:
         phi = np.concatenate([rows.astype(np.float64) for _, rows, _ in
                               files.rows(key, manifest)])
-        return _factor(phi @ phi.T + lam * np.eye(len(phi)), lam)
+        factor = _factor(phi @ phi.T + lam * np.eye(len(phi)), lam)
+        solved: np.ndarray = cho_solve(factor, phi, check_finite=False)
+        return solved.T
 
-    factor = _held(files, key, manifest, "rows", lam, kernel)
-    dots = np.concatenate([q @ rows.astype(np.float64).T
-                           for _, rows, _ in files.rows(key, manifest)], axis=1)
-    solved: np.ndarray = cho_solve(factor, dots.T, check_finite=False).T
-    return solved
+    scores: np.ndarray = q @ _held(files, key, manifest, "rows", lam, weights)
+    return scores
 
 
 def _held(files: StoreFiles, key: str, manifest: Manifest, kind: str, lam: float,
           make: Callable[[], Any]) -> Any:
     """``make()``, the ``kind`` of factor for this committed state and ``lam``, made once and
     kept until the next commit; one factor per store (a few stores), in one memo slot for
-    both kinds, so that a store grown past k drops its rows' factor."""
+    both kinds, so that a store grown past k drops its rows' weights."""
     held: dict[tuple[str, float], Any] = files.kept("trak", key, manifest, dict)
     found = held.get((kind, lam))
     if found is None:
@@ -315,7 +314,7 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
         width = q.shape[1]
         largest = largest_row(files, key, manifest)
         lam = default_lambda(width, largest) if lam is None else lam
-        if manifest.count <= width:  # no more rows than k: solve with their kernel
+        if manifest.count <= width:  # no more rows than k: score by their weights
             best.add(trak_by_rows(files, key, manifest, q, lam), 0)
             return Found(manifest, *best.result(), lam=lam)
         q, own = trak_solver(files, key, manifest, gram_of(files, key, manifest, width),
