@@ -18,7 +18,7 @@ only for threads that have not allocated yet (numpy's and torch's imports start 
 each call an OpenBLAS thread spins for about 2^28 cycles (a tenth of a second) before it sleeps,
 holding a core that torch's threads or the other library's need next: on a 2-core host a store
 query (torch makes the query's sketches, numpy scores the rows, scipy solves ``trak``'s system)
-took 1.2-1.6 times as long (docs/operations.md, "Idle BLAS threads").
+took 1.1-2 times as long (docs/operations.md, "Idle BLAS threads").
 ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles, OpenBLAS's least) puts them to sleep at once; each
 library reads it as it loads.
 
