@@ -5,7 +5,8 @@ against the fixed layout of a torch.export archive (one program named ``model``)
 (``data/aotinductor/``, ``extra/``, opaque or custom objects, pickled payloads, a second
 program) is refused by name before a byte of it is read. The pickled sample inputs that
 torch always writes are accepted as a name and never opened. JSON entries are parsed with
-:func:`json.loads` only, under a size cap.
+:func:`json.loads` only, under a size cap. A payload is read once, into memory of its own that
+its tensors then view (copying GPT-2 small's 500 MB twice cost 0.3 s and 500 MB more).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import json
 import re
 import zipfile
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
+
+import torch
 
 from psgrad._errors import InvalidArchive, RefusedProgram, TooLarge
 from service.config import raise_setting
@@ -65,8 +68,8 @@ class Archive:
     program: dict[str, Any]
     weights_config: dict[str, Any]
     constants_config: dict[str, Any]
-    weights: dict[str, bytes]  # "weight_3" -> raw little-endian bytes
-    constants: dict[str, bytes]  # "tensor_0" -> raw little-endian bytes
+    weights: dict[str, torch.Tensor]  # "weight_3" -> raw little-endian bytes (uint8)
+    constants: dict[str, torch.Tensor]  # "tensor_0" -> raw little-endian bytes (uint8)
 
 
 def read_archive(data: bytes | IO[bytes], limits: ArchiveLimits) -> Archive:
@@ -86,7 +89,7 @@ def read_archive(data: bytes | IO[bytes], limits: ArchiveLimits) -> Archive:
         blobs = {rel: _read(zf, info, limits) for rel, info in entries.items()
                  if rel not in IGNORED}
     for rel, want in FIXED.items():
-        if blobs.get(rel, b"").strip() != want:
+        if _bytes(blobs.get(rel)).strip() != want:
             raise InvalidArchive(f"entry '{rel}' must hold {want.decode()!r}: this is not a "
                                  "torch.export archive psgrad reads", entry=rel)
     docs = {rel: _json(rel, blobs.get(rel)) for rel in JSON_ENTRIES}
@@ -149,8 +152,11 @@ def _classify(infos: list[zipfile.ZipInfo], limits: ArchiveLimits) -> dict[str, 
     return entries
 
 
-def _read(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: ArchiveLimits) -> bytes:
-    """Read at most the declared size (plus one byte to catch a lying header)."""
+CHUNK = 1 << 20  # what zipfile reads (and checks the CRC of) at a time
+
+
+def _read(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: ArchiveLimits) -> torch.Tensor:
+    """The declared size, read in place (and one byte more, to catch a lying header)."""
     rel = info.filename.partition("/")[2]
     cap = limits.max_json_bytes if rel in JSON_ENTRIES else limits.max_unpacked_bytes
     if info.file_size > cap:
@@ -158,21 +164,30 @@ def _read(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: ArchiveLimits) -> 
             raise_setting("max_weight_bytes", limits.max_unpacked_bytes - SLACK)
         raise TooLarge(f"entry '{info.filename[:120]}' is {info.file_size} bytes; the limit is "
                        f"{cap} ({how})", entry=info.filename[:120], limit=cap)
+    blob = torch.empty(info.file_size, dtype=torch.uint8)  # not zeroed: each byte is read in
+    view, got = blob.numpy().data, 0
     try:
         with zf.open(info) as f:
-            blob = f.read(info.file_size + 1)
+            read = cast(zipfile.ZipExtFile, f).readinto
+            while got < len(blob) and (n := read(view[got:got + CHUNK])):
+                got += n
+            extra = f.read(1)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, RuntimeError) as exc:
         raise InvalidArchive(f"entry '{info.filename[:120]}' cannot be read ({exc})"[:300],
                              entry=info.filename[:120]) from None
-    if len(blob) != info.file_size:
+    if got != info.file_size or extra:
         raise InvalidArchive(f"entry '{info.filename[:120]}' is not the size its header says",
                              entry=info.filename[:120])
     return blob
 
 
-def _json(rel: str, blob: bytes | None) -> dict[str, Any]:
+def _bytes(blob: torch.Tensor | None) -> bytes:
+    return b"" if blob is None else blob.numpy().tobytes()
+
+
+def _json(rel: str, blob: torch.Tensor | None) -> dict[str, Any]:
     try:
-        doc = json.loads(blob or b"")
+        doc = json.loads(_bytes(blob))
     except (ValueError, RecursionError) as exc:
         raise InvalidArchive(f"entry '{rel}' is not valid JSON ({exc})"[:300], entry=rel) from None
     if not isinstance(doc, dict):

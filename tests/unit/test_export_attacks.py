@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import random
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,26 @@ def test_truncated_archives_are_invalid() -> None:
     for cut in (0, 10, len(data) // 3, len(data) // 2, len(data) - 30):
         _refused(data[:cut])  # a cut may expose the zip torch.save nests inside: refused too
     _refused(b"\x80\x04not a zip at all", InvalidArchive)
+
+
+def _central_record(data: bytes, name: str) -> int:
+    """Where the central directory's record of entry ``name`` (below the root) starts."""
+    at = data.index(b"PK\x01\x02")
+    while not data[at + 46:].startswith(b"archive/" + name.encode()):
+        at = data.index(b"PK\x01\x02", at + 4)
+    return at
+
+
+def test_a_payload_unlike_its_header_is_invalid() -> None:
+    data = bytearray(cnn())
+    weight = entries(bytes(data))["data/weights/weight_0"]
+    at = data.index(weight)
+    data[at + 3] ^= 0xFF  # its checksum no longer holds
+    assert "cannot be read" in _refused(bytes(data), InvalidArchive).message
+    data[at + 3] ^= 0xFF
+    record = _central_record(bytes(data), "data/weights/weight_0")
+    data[record + 24:record + 28] = struct.pack("<I", len(weight) + 4)  # says it is longer
+    assert "the size its header says" in _refused(bytes(data), InvalidArchive).message
 
 
 def test_oversized_entries_and_archives_are_too_large() -> None:
