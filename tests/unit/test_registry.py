@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 import torch
 
@@ -9,7 +12,7 @@ from models import ZOO, get_family
 from models.mlp import mlp_layers
 from psgrad._errors import InvalidModelSpec, UnknownModel
 from service import registration
-from service.registry import ModelRegistry
+from service.registry import ModelRegistry, weights_digest
 from tests.support.layers import LIMITS, MLP
 
 CPU = torch.device("cpu")
@@ -55,3 +58,18 @@ def test_forget_drops_every_cached_version_of_one_id_only() -> None:
     again = registry.get("one")
     assert again is not one and again.version == one.version
     assert registry.get("other") is other
+
+
+def test_a_version_is_the_digest_of_the_config_and_every_weight_byte() -> None:
+    """Stored versions are named by it: any other bytes hashed would orphan every stored one."""
+    state = {"w": torch.arange(12.0).reshape(3, 4).t(), "step": torch.tensor(3),
+             "half": torch.linspace(-1, 1, 5).bfloat16(), "none": torch.zeros(0, 2),
+             "mask": torch.tensor([True, False])}
+    h = hashlib.sha256(json.dumps(["mlp", {"k": 1}], sort_keys=True).encode())
+    for name in sorted(state):
+        t = state[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
+    assert weights_digest("mlp", {"k": 1}, state) == h.hexdigest()[:16]
+    state["w"][0, 0] += 1
+    assert weights_digest("mlp", {"k": 1}, state) != h.hexdigest()[:16]
