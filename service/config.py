@@ -105,7 +105,8 @@ class Settings(BaseSettings):
     # server processes keep the memory torch frees (glibc's malloc), reused by the next call
     # rather than faulted in afresh; their resident memory then stays at their largest peak
     keep_freed_memory: bool = True
-    # an api with admins starts that process ahead, so a registration finds torch imported
+    # an api that may register models starts that process ahead, so that a registration
+    # finds torch imported
     export_spare: bool = True
     # CPU seconds of one DP run's privacy accounting (a child process, killed past them)
     dp_accounting_cpu_s: Annotated[int, Field(ge=1)] = 5
@@ -114,6 +115,12 @@ class Settings(BaseSettings):
     def keys_configured(self) -> bool:
         """Any key is configured (else the server is open: loopback dev mode)."""
         return bool(self.api_key_set or self.admin_key_set or self.keys_file)
+
+    @property
+    def may_register(self) -> bool:
+        """Whether a registration can come: admin keys (or a keys file, which may hold some),
+        or no keys at all (the open dev mode, where anyone on the loopback registers)."""
+        return bool(self.admin_key_set or self.keys_file or not self.keys_configured)
 
     @property
     def api_key_set(self) -> frozenset[str]:

@@ -64,7 +64,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         install_sighup()  # SIGHUP: re-read PSGRAD_KEYS_FILE
-        if settings.export_spare and (settings.admin_keys or settings.keys_file):
+        if settings.export_spare and settings.may_register:
             SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)  # registration's
         await broker.start()
         if workers is not None:

@@ -172,6 +172,18 @@ async def test_an_api_with_admins_keeps_a_checking_child_started_ahead() -> None
     assert SPARES._spare is None and second[1].proc.poll() is not None
 
 
+@pytest.mark.parametrize(("keys", "ahead"), [
+    ({}, True),  # open, the loopback dev mode: anyone there registers
+    ({"api_keys": "user"}, False),  # keys and no admin: no registration can come
+])
+async def test_a_checking_child_is_started_ahead_where_a_registration_can_come(
+        keys: dict[str, str], ahead: bool) -> None:
+    async with open_client(export_spare=True, **keys):
+        spare = SPARES._spare
+        assert (spare is not None and spare[1].proc.poll() is None) is ahead
+    assert SPARES._spare is None
+
+
 async def test_a_bfloat16_program_takes_bfloat16_values_sent_as_float32() -> None:
     """numpy and JSON have no bfloat16: a bfloat16 model's inputs travel as float32 holding
     bfloat16 values (taken exactly; a value that would round is a 422 saying how to round it),
