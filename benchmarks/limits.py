@@ -9,7 +9,9 @@ with random weights (no download), exported as docs/models.md shows (``input_ids
 ``psgrad serve`` process started here with the default settings (embedded workers, CPU). It
 prints:
 
-- the registration's wall time and status under the defaults;
+- the registration's wall time and status under the defaults, ``--settle`` seconds after the
+  server answers (10: as a server started a while before, whose checking child has imported
+  torch; 0 registers at once);
 - the server's peak resident memory (``VmHWM``, reset before each request through
   ``/proc/PID/clear_refs``) during the first ``norms`` request at B x T, and the largest peak
   of the ``--requests`` after it (the steady peak), and their ratio (goal: at most 1.5; the
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--settle", type=float, default=10.0)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain:
@@ -162,6 +165,7 @@ def main() -> None:
                                                                     "PYTHONPATH": str(ROOT)})
         plain_peak = int(done.stdout.split()[-1])
         proc = serve(args.port)
+        time.sleep(args.settle)
         url = f"http://127.0.0.1:{args.port}"
         try:
             with httpx.Client(base_url=url, timeout=1200) as c, \
