@@ -20,7 +20,8 @@ Each shard's rows are widened to float32 and multiplied by the queries (one GEMM
 query scaled by a power of two to entries below 1 first, and its scores scaled back in float64,
 so that no lambda underflows the query to zeros); the
 best ``k`` of each query are kept as the shards go by, so memory holds one shard, its ``[queries,
-shard rows]`` scores and the running best, never the store. Ties go to the earlier row.
+shard rows]`` scores and the running best, never the store (save ``trak``'s weights, kept up to
+:data:`TRAK_WEIGHTS_BYTES` per store: :func:`trak_by_rows`). Ties go to the earlier row.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ Score = Literal["dot", "cosine", "trak", "self_influence", "kfac", "ekfac"]
 SCORES: tuple[str, ...] = get_args(Score)
 LAMBDA_RULE = "trace(Phi^T Phi) / k, no row counting for more than all the others"
 BLOCK_ROWS = 16384  # rows widened to float32 at once: 64 MiB at k = 1024
+# trak's weights of a store of more rows than k are kept up to this size (32768 rows at k =
+# 1024, 8192 at k = 4096); past it a query solves with the k x k factor, 2k / N of its scan
+# (a store of at most k rows keeps weights of at most that factor's size: 512 MiB at 8192)
+TRAK_WEIGHTS_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -179,23 +184,37 @@ def trak_solver(files: StoreFiles, key: str, manifest: Manifest, gram: np.ndarra
     return solver
 
 
+def weighed(count: int, k: int, largest: Largest, indexed: bool) -> bool:
+    """Whether ``trak`` scores a store of ``count`` rows of ``k`` values by its rows' weights
+    (:func:`trak_by_rows`): always where ``count <= k``; past k while the weights take at most
+    :data:`TRAK_WEIGHTS_BYTES`, no row dominates (its score is then computed apart, on the
+    solved query) and the query does not go through an index (which searches solved queries)."""
+    return count <= k or (8 * count * k <= TRAK_WEIGHTS_BYTES and not largest.dominates
+                          and not indexed)
+
+
 def trak_by_rows(files: StoreFiles, key: str, manifest: Manifest, q: np.ndarray,
                  lam: float) -> np.ndarray:
-    """``trak``'s scores ``[queries, N]`` of a store of ``N <= k`` rows, by the push-through
-    identity ``q (Phi^T Phi + lam I)^-1 Phi^T = q Phi^T (Phi Phi^T + lam I)^-1``: the ``k x N``
-    weights ``W = Phi^T (Phi Phi^T + lam I)^-1`` (in float64; the rows' ``N x N`` kernel
-    factored, then solved for ``Phi``) are made once per committed state and ``lam``, so that a
-    query is one product ``q W``, as a ``dot`` query is ``q Phi^T``. ``lam = 0`` is refused where
-    ``N < k``, as ``Phi^T Phi`` is then singular."""
-    if lam == 0 and manifest.count < q.shape[1]:
+    """``trak``'s scores ``[queries, N]`` of a store of ``N`` rows by their ``k x N`` weights
+    ``W = (Phi^T Phi + lam I)^-1 Phi^T``, made once per committed state and ``lam`` (in float64),
+    so that a query is one product ``q W``, as a ``dot`` query is ``q Phi^T``: TRAK's features,
+    with no solve per query. Where ``N <= k`` they are made by the push-through identity ``W =
+    Phi^T (Phi Phi^T + lam I)^-1`` (the rows' ``N x N`` kernel factored, then solved for
+    ``Phi``), else by factoring ``Phi^T Phi + lam I`` and solving for ``Phi^T``. ``lam = 0`` is
+    refused where ``N < k``, as ``Phi^T Phi`` is then singular."""
+    count, width = manifest.count, q.shape[1]
+    if lam == 0 and count < width:
         raise _singular(lam)
 
     def weights() -> np.ndarray:
         phi = np.concatenate([rows.astype(np.float64) for _, rows, _ in
                               files.rows(key, manifest)])
-        factor = _factor(phi @ phi.T + lam * np.eye(len(phi)), lam)
-        solved: np.ndarray = cho_solve(factor, phi, check_finite=False)
-        return solved.T
+        if count <= width:
+            kernel = _factor(phi @ phi.T + lam * np.eye(count), lam)
+            return np.asarray(cho_solve(kernel, phi, check_finite=False).T)
+        gram = gram_of(files, key, manifest, width) + lam * np.eye(width)
+        return np.asarray(cho_solve(_factor(gram, lam), phi.T, overwrite_b=True,
+                                    check_finite=False))
 
     scores: np.ndarray = q @ _held(files, key, manifest, "rows", lam, weights)
     return scores
@@ -314,7 +333,8 @@ def _search(files: StoreFiles, key: str, manifest: Manifest, sketches: np.ndarra
         width = q.shape[1]
         largest = largest_row(files, key, manifest)
         lam = default_lambda(width, largest) if lam is None else lam
-        if manifest.count <= width:  # no more rows than k: score by their weights
+        indexed = approximate and manifest.trained is not None
+        if weighed(manifest.count, width, largest, indexed):  # score by the rows' weights
             best.add(trak_by_rows(files, key, manifest, q, lam), 0)
             return Found(manifest, *best.result(), lam=lam)
         q, own = trak_solver(files, key, manifest, gram_of(files, key, manifest, width),

@@ -303,13 +303,19 @@ def test_issue_53_a_dense_dominating_row_keeps_trak_exact(tmp_path: Path) -> Non
     np.testing.assert_allclose(found.scores, scores, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("sizes", [(5, 11, 1, 23, 9), (5, 6)], ids=["k-space", "row-space"])
+@pytest.mark.parametrize(("sizes", "weights_bytes"),
+                         [((5, 11, 1, 23, 9), 0), ((5, 11, 1, 23, 9), 1 << 20), ((5, 6), 0)],
+                         ids=["k-space", "k-space-weights", "row-space"])
 def test_trak_factors_once_per_committed_state_and_lambda(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...],
+        weights_bytes: int) -> None:
     """Issue 51, item 2: Phi^T Phi + lambda I is factored once per committed state and lambda,
     not once per query; a commit or another lambda factors again, and every answer equals the
-    reference. A store of no more rows than k (11 here, k = 16) solves with its rows' kernel
-    instead (its lambda = 0 refused: Phi^T Phi is singular), until an append passes k."""
+    reference: queries solved with the factor, or scored by the rows' weights made with it
+    (while they fit ``TRAK_WEIGHTS_BYTES``). A store of no more rows than k (11 here, k = 16)
+    solves with its rows' kernel instead (its lambda = 0 refused: Phi^T Phi is singular),
+    until an append passes k."""
+    monkeypatch.setattr(query, "TRAK_WEIGHTS_BYTES", weights_bytes)
     store, phi, _ = filled(tmp_path, sizes=sizes)
     factored: list[float] = []
     real = query._factor
@@ -482,8 +488,11 @@ def test_issue_53_finding_12_shards_are_on_disk_before_their_manifest(
     assert MANIFEST in renamed
 
 
-def test_a_query_holds_one_shard_at_a_time(tmp_path: Path) -> None:
+def test_a_query_holds_one_shard_at_a_time(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past trak's weights' bytes (here one shard's), a trak query streams the shards."""
     dim, rows, shards = 256, 1024, 24  # 1 MiB of float32 a shard, 24 MiB in all
+    monkeypatch.setattr(query, "TRAK_WEIGHTS_BYTES", rows * dim * 4)
     store = StoreFiles(str(tmp_path / "data"), ThreadLocks(), shard_bytes=rows * dim * 4)
     big = spec(dim=dim)
     store.create("s", big)
