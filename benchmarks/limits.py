@@ -11,7 +11,8 @@ prints:
 
 - the registration's wall time and status under the defaults, ``--settle`` seconds after the
   server answers (10: as a server started a while before, whose checking child has imported
-  torch; 0 registers at once);
+  torch; 0 registers at once), and the server's peak resident memory during it (the checking
+  child's is its own);
 - the server's peak resident memory (``VmHWM``, reset before each request through
   ``/proc/PID/clear_refs``) during the first ``norms`` request at B x T, and the largest peak
   of the ``--requests`` after it (the steady peak), and their ratio (goal: at most 1.5; the
@@ -171,11 +172,13 @@ def main() -> None:
             with httpx.Client(base_url=url, timeout=1200) as c, \
                     psgrad.Client(url, timeout=1200) as client:
                 idle = peak(proc.pid)
+                reset_peak(proc.pid)
                 start = time.perf_counter()
                 info = client.models.register_exported(args.model, data, default_loss=loss)
                 took = time.perf_counter() - start
                 print(f"registration under the defaults (psgrad.Client): {info.ref} in "
-                      f"{took:.1f} s (server idle peak {idle / gib:.2f} GiB)")
+                      f"{took:.1f} s, server peak {peak(proc.pid) / gib:.2f} GiB (idle "
+                      f"{idle / gib:.2f} GiB)")
                 body = {"model": args.model, **batch(args.model, args.batch, args.length)}
                 peaks, times = [], []
                 for _ in range(1 + args.requests):
