@@ -40,6 +40,7 @@ from psgrad._errors import (
 )
 from psgrad._wire import array_from_json, check_header_size
 from service.config import Settings, naming_setting, raise_setting
+from service.export.child import Child
 from service.export.family import ARCHITECTURE as EXPORTED
 from service.export.register import check_program
 from service.losses import LOSSES
@@ -136,12 +137,14 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
 
 
 @_loader
-def register_exported(registry: ModelRegistry, model_id: str, data: bytes, settings: Settings,
-                      *, default_loss: str, losses: list[str], description: str = ""
-                      ) -> LoadedModel:
-    """``PUT /models/{id}`` with a ``.pt2`` body: checked in a child process, then stored."""
+def register_exported(registry: ModelRegistry, model_id: str, archive: bytes | Child,
+                      settings: Settings, *, default_loss: str, losses: list[str],
+                      description: str = "") -> LoadedModel:
+    """``PUT /models/{id}`` with a ``.pt2`` body (its bytes, or a child of
+    :func:`~service.export.register.checking_child` holding it): checked in a child process,
+    then stored."""
     check_id(model_id)
-    config, state, encoded = check_program(data, settings, default_loss=default_loss,
+    config, state, encoded = check_program(archive, settings, default_loss=default_loss,
                                            losses=losses, description=description)
     return _add(registry, model_id, EXPORTED, config, state, encoded)
 

@@ -56,18 +56,27 @@ async def read_body(request: Request, limit: int,
     ``setting``: the setting behind ``limit`` and its value, when it is not
     ``max_body_bytes`` itself (a model archive's limit follows from its weights' limit).
     """
+    return b"".join([chunk async for chunk in body_chunks(request, limit, setting)])
+
+
+def body_chunks(request: Request, limit: int, setting: tuple[str, int] | None = None
+                ) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive: refused with 413 at once where its declared length
+    passes ``limit``, else as soon as the chunks do (``setting``: :func:`read_body`'s)."""
     field, value = setting or ("max_body_bytes", limit)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit, field, value)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit, field, value, at_least=True)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, field, value, at_least=True)
+            yield chunk
+
+    return chunks()
 
 
 def _too_large(size: int, limit: int, field: str, value: int, *,

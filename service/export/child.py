@@ -5,7 +5,9 @@ it does so in this process, under ``RLIMIT_AS`` and ``RLIMIT_CPU``, and the api 
 the answer: one JSON line (the checked program, or the error body) and, on success, the
 safetensors file of its tensors, written to a temporary file the api opened for it. The
 archive is read from a file too, one in memory where Linux has them (``memfd_create``): 500 MB
-through pipes took GPT-2's registration seconds, and written to a file on disk, 1 s.
+through pipes took GPT-2's registration seconds, and written to a file on disk, 1 s. The api
+writes a request's body into it as the body arrives (``checking_child`` in
+:mod:`service.export.register`), so the archive is never also joined in the api's memory.
 :func:`run_child` is the api's side.
 
 A child takes one archive and exits. It imports torch and the checks before it reads its
@@ -48,7 +50,15 @@ class Child:
     archive: IO[bytes]
     tensors: IO[bytes]
 
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
     def end(self) -> None:
+        if self.archive.closed:  # ended already
+            return
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
@@ -63,9 +73,9 @@ class Spares:
         self._lock = threading.Lock()
         self._spare: tuple[tuple[int, int], Child] | None = None
 
-    def take(self, memory_mb: int, cpu_s: int) -> Child:
+    def take(self, memory_mb: int, cpu_s: int, *, refill: bool = True) -> Child:
         """A started child with these limits (the spare, else a new one); the next spare
-        starts now."""
+        starts now, unless not to ``refill`` (the caller calls :meth:`keep` itself)."""
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None and spare[0] == (memory_mb, cpu_s) and spare[1].proc.poll() is None:
@@ -74,7 +84,8 @@ class Spares:
             if spare is not None:
                 spare[1].end()
             child = _start(memory_mb, cpu_s)
-        self.keep(memory_mb, cpu_s)
+        if refill:
+            self.keep(memory_mb, cpu_s)
         return child
 
     def keep(self, memory_mb: int, cpu_s: int) -> None:
@@ -113,23 +124,31 @@ def _in_memory(name: str) -> IO[bytes]:
     return tempfile.TemporaryFile()
 
 
-def run_child(data: bytes, limits: dict[str, Any], *, memory_mb: int, cpu_s: int,
+def run_child(archive: bytes | Child, limits: dict[str, Any], *, memory_mb: int, cpu_s: int,
               timeout_s: float) -> tuple[dict[str, Any], bytes]:
-    """Check ``data`` in a fresh interpreter; the answer document and the tensors' bytes."""
-    if not data.startswith(b"PK\x03\x04"):  # not a zip: no process needed to say so
+    """Check an archive in a fresh interpreter: its bytes, or a child taken from
+    :data:`SPARES` with these limits, holding it in its archive file (ended here either way);
+    the answer document and the tensors' bytes."""
+    if isinstance(archive, Child):
+        with archive:
+            archive.archive.flush()
+            _check_zip(os.pread(archive.archive.fileno(), 4, 0))
+            return _answer(archive, limits, memory_mb, cpu_s, timeout_s)
+    _check_zip(archive)  # no process needed to say so
+    with SPARES.take(memory_mb, cpu_s) as child:
+        child.archive.write(archive)
+        child.archive.flush()
+        return _answer(child, limits, memory_mb, cpu_s, timeout_s)
+
+
+def _check_zip(head: bytes) -> None:
+    if not head.startswith(b"PK\x03\x04"):
         raise InvalidArchive("the body is not a zip archive: send the file torch.export.save "
                              "wrote")
-    child = SPARES.take(memory_mb, cpu_s)
-    try:
-        return _answer(child, data, limits, memory_mb, cpu_s, timeout_s)
-    finally:
-        child.end()
 
 
-def _answer(child: Child, data: bytes, limits: dict[str, Any], memory_mb: int, cpu_s: int,
+def _answer(child: Child, limits: dict[str, Any], memory_mb: int, cpu_s: int,
             timeout_s: float) -> tuple[dict[str, Any], bytes]:
-    child.archive.write(data)
-    child.archive.flush()
     try:  # the limits, on one line, say go
         head, _ = child.proc.communicate(json.dumps(limits).encode() + b"\n", timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -15,7 +15,7 @@ import io
 import json
 import math
 import zipfile
-from typing import Any
+from typing import IO, Any
 
 from service.export.archive import WEIGHTS_CONFIG, ArchiveLimits
 from service.export.module import ExportLimits, check_size
@@ -23,10 +23,11 @@ from service.export.module import ExportLimits, check_size
 MAX_CONFIG_BYTES = 8 << 20  # a weights config larger than this is left to the child
 
 
-def precheck(data: bytes, limits: ExportLimits) -> None:
-    """Raise ``TooLarge`` when the archive's directory or weights config shows it is."""
+def precheck(data: bytes | IO[bytes], limits: ExportLimits) -> None:
+    """Raise ``TooLarge`` when the archive's directory or weights config shows it is (its
+    bytes, or a file holding them, which is left open)."""
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
+        zf = zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data)
         infos = zf.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError):
         return  # the child says what is wrong with it

@@ -15,7 +15,7 @@ from safetensors.torch import load as st_load
 from psgrad._errors import InvalidModelSpec
 from service.config import Settings
 from service.export.archive import SLACK, ArchiveLimits
-from service.export.child import limits_dict, run_child
+from service.export.child import SPARES, Child, limits_dict, run_child
 from service.export.module import ExportLimits
 from service.export.precheck import precheck
 from service.losses import LOSSES
@@ -30,19 +30,33 @@ def export_limits(settings: Settings) -> ExportLimits:
     )
 
 
-def check_program(data: bytes, settings: Settings, *, default_loss: str,
+def checking_child(settings: Settings) -> Child:
+    """A started checking child (the spare where one waits) for an archive the caller writes
+    into its ``archive`` file as it arrives, then hands to :func:`check_program`; the caller
+    ends it (``with``) where it never gets there. The next spare starts once the archive is
+    in, in :func:`check_program` (an upload refused mid-way leaves none: the next
+    registration starts its child itself), not beside the upload, which its import of torch
+    slowed."""
+    return SPARES.take(settings.export_memory_mb, settings.export_cpu_s, refill=False)
+
+
+def check_program(archive: bytes | Child, settings: Settings, *, default_loss: str,
                   losses: list[str], description: str = ""
                   ) -> tuple[dict[str, Any], Any, bytes]:
-    """The ``exported`` config and the state of a client's archive, checked in a child, and
-    that state's safetensors file as the child wrote it (parsed into the state here)."""
+    """The ``exported`` config and the state of a client's archive (its bytes, or a child of
+    :func:`checking_child` holding it), checked in a child, and that state's
+    safetensors file as the child wrote it (parsed into the state here)."""
+    if isinstance(archive, Child):  # the archive is in: the next spare starts
+        SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)
     losses = list(dict.fromkeys([default_loss, *losses]))
     for name in losses:
         LOSSES[name]
     if len(description) > 2000:
         raise InvalidModelSpec("the description is limited to 2000 characters")
     limits = export_limits(settings)
-    precheck(data, limits)  # what is too large is refused before a child process starts
-    answer, blob = run_child(data, limits_dict(limits),
+    # what is too large is refused before a child process does any work
+    precheck(archive.archive if isinstance(archive, Child) else archive, limits)
+    answer, blob = run_child(archive, limits_dict(limits),
                              memory_mb=settings.export_memory_mb, cpu_s=settings.export_cpu_s,
                              timeout_s=settings.export_timeout_s)
     state = st_load(blob)

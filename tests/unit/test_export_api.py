@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
 
@@ -170,6 +171,32 @@ async def test_an_api_with_admins_keeps_a_checking_child_started_ahead() -> None
                         headers={"content-type": PT2, "authorization": "Bearer admin"})
         assert r.status_code == 400 and second[1].proc.poll() is not None
     assert SPARES._spare is None and second[1].proc.poll() is not None
+
+
+async def test_an_archive_goes_into_its_checking_child_as_it_arrives() -> None:
+    """A ``.pt2`` sent in pieces with no length declared is written into the checking child's
+    file as it arrives, and registers; one that passes the limit mid-way is a 413 naming the
+    setting, with the child that was taking it ended and nothing registered."""
+    data = exported("cnn")[1]
+
+    async def pieces(body: bytes, size: int) -> AsyncIterator[bytes]:
+        for start in range(0, len(body), size):
+            yield body[start:start + size]
+
+    async with open_client(export_spare=True, max_weight_bytes=1 << 20) as c:
+        r = await c.put("/models/cnn-pieces", content=pieces(data, 4096),
+                        headers={"content-type": PT2})
+        assert r.status_code == 200, r.text
+        assert r.json()["parameters"] == (await c.get("/models/cnn-pieces")).json()["parameters"]
+        taking = SPARES._spare
+        assert taking is not None and taking[1].proc.poll() is None
+        big = b"PK\x03\x04" + bytes(65 << 20)  # past the limit: max_weight_bytes + 64 MiB
+        r = await c.put("/models/too-big", content=pieces(big, 1 << 20),
+                        headers={"content-type": PT2})
+        assert r.status_code == 413, r.text
+        assert "PSGRAD_MAX_WEIGHT_BYTES" in r.json()["error"]["message"]
+        assert taking[1].proc.poll() is not None and taking[1].archive.closed
+        assert (await c.get("/models/too-big")).status_code == 404
 
 
 @pytest.mark.parametrize(("keys", "ahead"), [

@@ -11,9 +11,10 @@ from starlette.concurrency import run_in_threadpool
 from psgrad._errors import BadRequest, PsgradError, UnsupportedMediaType
 from psgrad._wire import JSON, SAFETENSORS
 from service import warmup
-from service.api.body import media_type, read_body
+from service.api.body import body_chunks, media_type, read_body
 from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep, StateDep, TenantDep
 from service.api.schemas import MODEL_ID, MODEL_REF, ModelDeleted, ModelDoc, ModelList, errors
+from service.export.register import checking_child
 from service.registration import (
     EXPORT_MEDIA_TYPE,
     Limits,
@@ -175,17 +176,21 @@ async def _register(model_id: str, request: Request, registry: ModelRegistry,
                     ) -> dict[str, Any]:
     kind = media_type(request.headers.get("content-type"))
     if kind == EXPORT_MEDIA_TYPE:
-        data = await read_body(request, settings.max_weight_bytes + (64 << 20),
-                               ("max_weight_bytes", settings.max_weight_bytes))
+        chunks = body_chunks(request, settings.max_weight_bytes + (64 << 20),
+                             ("max_weight_bytes", settings.max_weight_bytes))
         names = [n.strip() for n in losses.split(",") if n.strip()]
+        # the archive goes straight into the checking child's file as it arrives
+        with await run_in_threadpool(checking_child, settings) as child:
+            async for chunk in chunks:
+                child.archive.write(chunk)
 
-        def run_exported() -> dict[str, Any]:
-            model = register_exported(registry, model_id, data, settings,
-                                      default_loss=default_loss, losses=names,
-                                      description=description)
-            return _registered(registry, model)
+            def run_exported() -> dict[str, Any]:
+                model = register_exported(registry, model_id, child, settings,
+                                          default_loss=default_loss, losses=names,
+                                          description=description)
+                return _registered(registry, model)
 
-        return await run_in_threadpool(run_exported)
+            return await run_in_threadpool(run_exported)
     if kind != JSON:
         raise UnsupportedMediaType(
             f"send the spec as {JSON} or a torch.export program as {EXPORT_MEDIA_TYPE}; "
