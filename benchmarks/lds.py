@@ -446,7 +446,7 @@ def main() -> None:
                     help="--overlap-only: sketch seeds 0 to N-1 (default 5)")
     args = ap.parse_args()
     x, y, tx, ty = data(args.train, args.test, args.seed)
-    dims = [int(d) for d in args.dims.split(",")]
+    dims = [int(d) for d in args.dims.split(",") if d]
     t = time.perf_counter()
     net = train(x, y, args.epochs, args.seed)
     if args.overlap_only:
