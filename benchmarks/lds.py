@@ -26,7 +26,9 @@ fit; the stores do not serve this); and exact with Kronfluence's damping rule, a
 layer's own mean eigenvalue (``damping per layer``; the service takes one for all of ``F``).
 A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
-printed: the top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
+printed: each LDS less exact ``trak``'s, with the standard error of that difference over the
+test samples (paired: both scored on the same test samples and retrained models), and the
+top-1% overlap of each score matrix with exact TracIn's (per test sample, averaged).
 
 ``--dattri K`` adds dattri's TracIn and TRAK (dense projections at K) and EK-FAC on the same
 model, subsets and margins (dattri is not a dependency: ``pip install --no-deps --target
@@ -107,11 +109,20 @@ def margins(net: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return (right - torch.log1p(-right.exp().clamp(max=1 - 1e-7))).numpy()
 
 
-def lds(scores: np.ndarray, masks: np.ndarray, actual: np.ndarray) -> float:
-    """scores [test, train], masks [models, train], actual [models, test]."""
+def correlations(scores: np.ndarray, masks: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """Each test sample's Spearman correlation of predicted and actual margins (``[test]``;
+    their mean is the LDS): scores [test, train], masks [models, train], actual [models,
+    test]."""
     predicted = masks.astype(np.float64) @ scores.T  # [models, test]
-    rho = [spearmanr(predicted[:, j], actual[:, j]).statistic for j in range(scores.shape[0])]
-    return float(np.nanmean(rho))
+    return np.array([spearmanr(predicted[:, j], actual[:, j]).statistic
+                     for j in range(scores.shape[0])])
+
+
+def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """The LDS of ``a`` less that of ``b`` (per-test correlations of the same test samples),
+    and the standard error of that difference over the test samples."""
+    d = (a - b)[~np.isnan(a - b)]
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
 
 
 def top_overlap(a: np.ndarray, b: np.ndarray, frac: float = 0.01) -> float:
@@ -482,11 +493,19 @@ def retrained(train: Callable[[np.ndarray, np.ndarray, int, int], torch.nn.Modul
 
 
 def print_table(found: dict[str, np.ndarray], masks: np.ndarray, actual: np.ndarray) -> None:
-    """Each score's LDS and its top-1% overlap with exact TracIn's, as a Markdown table."""
+    """Each score's LDS, its difference from exact ``trak``'s with the standard error of that
+    difference over the test samples (paired: the same test samples and retrained models, so
+    a difference within about two of them is not one these test samples tell apart), and its
+    top-1% overlap with exact TracIn's, as a Markdown table."""
     exact = found["exact dot"]
-    print("\n| scores | LDS | top-1% overlap with exact TracIn |\n|---|---|---|")
+    base = correlations(found["exact trak"], masks, actual)
+    print("\n| scores | LDS | LDS - exact trak (s.e.) | top-1% overlap with exact TracIn |"
+          "\n|---|---|---|---|")
     for name, s in found.items():
-        print(f"| {name} | {lds(s, masks, actual):.3f} | {top_overlap(s, exact):.2f} |")
+        rho = correlations(s, masks, actual)
+        diff, se = paired(rho, base)
+        print(f"| {name} | {np.nanmean(rho):.3f} | {diff:+.3f} ({se:.3f}) | "
+              f"{top_overlap(s, exact):.2f} |")
 
 
 if __name__ == "__main__":
