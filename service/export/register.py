@@ -33,11 +33,15 @@ def export_limits(settings: Settings) -> ExportLimits:
 def checking_child(settings: Settings) -> Child:
     """A started checking child (the spare where one waits) for an archive the caller writes
     into its ``archive`` file as it arrives, then hands to :func:`check_program`; the caller
-    ends it (``with``) where it never gets there. The next spare starts once the archive is
-    in, in :func:`check_program` (an upload refused mid-way leaves none: the next
-    registration starts its child itself), not beside the upload, which its import of torch
-    slowed."""
+    ends it (``with``) where it never gets there, and calls :func:`next_spare` once the
+    upload is over, whole or not: a spare started beside the upload, importing torch,
+    slowed it."""
     return SPARES.take(settings.export_memory_mb, settings.export_cpu_s, refill=False)
+
+
+def next_spare(settings: Settings) -> None:
+    """Start the checking child the next registration takes, unless one waits."""
+    SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)
 
 
 def check_program(archive: bytes | Child, settings: Settings, *, default_loss: str,
@@ -46,8 +50,6 @@ def check_program(archive: bytes | Child, settings: Settings, *, default_loss: s
     """The ``exported`` config and the state of a client's archive (its bytes, or a child of
     :func:`checking_child` holding it), checked in a child, and that state's
     safetensors file as the child wrote it (parsed into the state here)."""
-    if isinstance(archive, Child):  # the archive is in: the next spare starts
-        SPARES.keep(settings.export_memory_mb, settings.export_cpu_s)
     losses = list(dict.fromkeys([default_loss, *losses]))
     for name in losses:
         LOSSES[name]

@@ -176,7 +176,8 @@ async def test_an_api_with_admins_keeps_a_checking_child_started_ahead() -> None
 async def test_an_archive_goes_into_its_checking_child_as_it_arrives() -> None:
     """A ``.pt2`` sent in pieces with no length declared is written into the checking child's
     file as it arrives, and registers; one that passes the limit mid-way is a 413 naming the
-    setting, with the child that was taking it ended and nothing registered."""
+    setting, with the child that was taking it ended, nothing registered, and the next spare
+    started."""
     data = exported("cnn")[1]
 
     async def pieces(body: bytes, size: int) -> AsyncIterator[bytes]:
@@ -196,6 +197,8 @@ async def test_an_archive_goes_into_its_checking_child_as_it_arrives() -> None:
         assert r.status_code == 413, r.text
         assert "PSGRAD_MAX_WEIGHT_BYTES" in r.json()["error"]["message"]
         assert taking[1].proc.poll() is not None and taking[1].archive.closed
+        after = SPARES._spare  # the next registration's child, started all the same
+        assert after is not None and after[1] is not taking[1] and after[1].proc.poll() is None
         assert (await c.get("/models/too-big")).status_code == 404
 
 

@@ -14,7 +14,7 @@ from service import warmup
 from service.api.body import body_chunks, media_type, read_body
 from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep, StateDep, TenantDep
 from service.api.schemas import MODEL_ID, MODEL_REF, ModelDeleted, ModelDoc, ModelList, errors
-from service.export.register import checking_child
+from service.export.register import checking_child, next_spare
 from service.registration import (
     EXPORT_MEDIA_TYPE,
     Limits,
@@ -183,8 +183,11 @@ async def _register(model_id: str, request: Request, registry: ModelRegistry,
         # the loop: the spare at once, else a process started in about 1 ms; taken in a
         # thread, a cancelled request could leave it started and never ended)
         with checking_child(settings) as child:
-            async for chunk in chunks:
-                child.archive.write(chunk)
+            try:
+                async for chunk in chunks:
+                    child.archive.write(chunk)
+            finally:
+                next_spare(settings)  # the upload is over, whole or refused
 
             def run_exported() -> dict[str, Any]:
                 model = register_exported(registry, model_id, child, settings,
