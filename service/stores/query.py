@@ -224,7 +224,8 @@ def _held(files: StoreFiles, key: str, manifest: Manifest, kind: str, lam: float
           make: Callable[[], Any]) -> Any:
     """``make()``, the ``kind`` of factor for this committed state and ``lam``, made once and
     kept until the next commit; one factor per store (a few stores), in one memo slot for
-    both kinds, so that a store grown past k drops its rows' weights."""
+    both kinds, so that a store grown past what its weights may take (:func:`weighed`) drops
+    them."""
     held: dict[tuple[str, float], Any] = files.kept("trak", key, manifest, dict)
     found = held.get((kind, lam))
     if found is None:
