@@ -22,7 +22,12 @@ prints:
   forward and backward of the same batch (``--plain``), and the steady peak's ratio to it
   (goal: at most 2);
 - the time a server started with ``PSGRAD_MAX_PARAMETERS=50000000`` takes to refuse the same
-  archive with 413, and the message (goal: under 2 s).
+  archive with 413, and the message (goal: under 2 s);
+- after a restart (a server on a ``PSGRAD_MODEL_DIR`` and ``PSGRAD_DATA_DIR`` registers the
+  model and answers once; a new one on them answers), the first request's time and the
+  server's peak: the stored version's load, as a new worker's, and the stored plan; sent as
+  soon as the server answers (its workers' start warm-ups still running), then in another
+  restart ``--settle`` seconds after.
 
 GPT-2 small takes several GiB: run it alone on a shared machine. Needs ``transformers``.
 """
@@ -209,6 +214,39 @@ def main() -> None:
         finally:
             stop(proc)
         print(f"PSGRAD_MAX_PARAMETERS=50000000: {took:.2f} s (goal < 2 s): {refusal}")
+        restarted(args.model, data, loss, body, args.port, Path(tmp), args.settle)
+
+
+def restarted(name: str, data: bytes, loss: str, body: dict[str, Any], port: int,
+              folder: Path, settle: float) -> None:
+    """A restart's first request: a server on ``folder``'s model and data directories
+    registers the model and answers once (its plan stored); a new server on them loads the
+    stored version (as a new worker does) and answers, once sent as soon as it answers and
+    once ``settle`` seconds after; prints each answer's time and the server's peak."""
+    gib, url = 1 << 30, f"http://127.0.0.1:{port}"
+    env = {"PSGRAD_MODEL_DIR": str(folder / "models"), "PSGRAD_DATA_DIR": str(folder / "data")}
+    proc = serve(port, **env)
+    try:
+        with psgrad.Client(url, timeout=1200) as client:
+            client.models.register_exported(name, data, default_loss=loss)
+        assert httpx.post(f"{url}/per-sample-grads", json=body, timeout=1200).status_code == 200
+    finally:
+        stop(proc)
+    for wait in (0.0, settle):
+        proc = serve(port, **env)
+        try:
+            time.sleep(wait)
+            idle = peak(proc.pid)
+            reset_peak(proc.pid)
+            start = time.perf_counter()
+            r = httpx.post(f"{url}/per-sample-grads", json=body, timeout=1200)
+            took = time.perf_counter() - start
+            assert r.status_code == 200, r.text
+            print(f"after a restart, {wait:g} s after it answers: first request (the stored "
+                  f"version loaded, its plan stored) in {took:.1f} s, server peak "
+                  f"{peak(proc.pid) / gib:.2f} GiB (idle {idle / gib:.2f} GiB)")
+        finally:
+            stop(proc)
 
 
 if __name__ == "__main__":
