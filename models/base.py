@@ -69,6 +69,13 @@ class ModelFamily:
     def build(self, config: dict[str, Any]) -> nn.Module:
         raise NotImplementedError
 
+    def build_empty(self, config: dict[str, Any]) -> nn.Module | None:
+        """The module on the meta device, for a family whose every tensor a stored state
+        names, each under a name of its own (no tied weights): loading then moves each tensor
+        in, never allocating the weights twice. None (the default): build with initial
+        weights and copy the state over them."""
+        return None
+
     def input_spec(self, config: dict[str, Any]) -> TensorSpec:
         raise NotImplementedError
 

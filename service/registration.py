@@ -313,7 +313,8 @@ def _add(registry: ModelRegistry, model_id: str, architecture: str, config: dict
     """Build, check and store a version; ``encoded``: ``state``'s safetensors file, stored as
     it is (an exported program's, whose module is built in the dtypes of that state and takes
     every name of it: encoding the module's state again took GPT-2's registration 1.3 s)."""
-    model = load_model(model_id, architecture, config, state, device=registry.device)
+    model = load_model(model_id, architecture, config, state, device=registry.device,
+                       consume=True)  # every caller's state is parsed for this version alone
     weights = encoded if encoded is not None else encode_weights({**model.params,
                                                                   **model.buffers})
     record = ModelRecord(model_id, model.version, architecture, model.config, weights,

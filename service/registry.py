@@ -121,9 +121,15 @@ def weights_digest(architecture: str, config: dict[str, Any],
     return h.hexdigest()[:16]
 
 
-def build_module(architecture: str, config: dict[str, Any]) -> nn.Module:
-    """Build with seeded initial weights so that every host builds the same zoo model."""
+def build_module(architecture: str, config: dict[str, Any], *, empty: bool = False
+                 ) -> nn.Module:
+    """Build with seeded initial weights so that every host builds the same zoo model;
+    ``empty``: for a state to load, on the meta device where the family can
+    (:meth:`~models.base.ModelFamily.build_empty`)."""
     family = get_family(architecture)
+    module = family.build_empty(config) if empty else None
+    if module is not None:
+        return module
     # The global RNG is shared by threads: two workers building at once drew each other's
     # numbers (other weights, another version for the same zoo id). One build at a time.
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
@@ -133,16 +139,17 @@ def build_module(architecture: str, config: dict[str, Any]) -> nn.Module:
 
 def load_model(model_id: str, architecture: str, config: dict[str, Any] | None = None,
                state: dict[str, torch.Tensor] | None = None, *,
-               device: torch.device | None = None, dtype: torch.dtype | None = None
-               ) -> LoadedModel:
-    """Build, load ``state`` (names and shapes checked), check, and move to ``device``."""
+               device: torch.device | None = None, dtype: torch.dtype | None = None,
+               consume: bool = False) -> LoadedModel:
+    """Build, load ``state`` (names and shapes checked; ``consume``: a state parsed for this
+    load alone, emptied as :func:`load_state` moves it in), check, and move to ``device``."""
     family = get_family(architecture)
     config = family.config(config)
-    module = build_module(architecture, config)
+    module = build_module(architecture, config, empty=state is not None)
     if dtype is not None:
         module = module.to(dtype)
     if state is not None:
-        load_state(module, state)
+        load_state(module, state, consume=consume)
     module.eval().requires_grad_(False)
     device = device or resolve_device()
     module.to(device)
@@ -170,8 +177,13 @@ def load_model(model_id: str, architecture: str, config: dict[str, Any] | None =
     )
 
 
-def load_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``module``; every name and shape must match, non-finite refused."""
+def load_state(module: nn.Module, state: dict[str, torch.Tensor], *,
+               consume: bool = False) -> None:
+    """Load ``state`` into ``module``: every name and shape must match, checked before any
+    tensor moves. A tensor of the module on the meta device (:func:`build_module`'s
+    ``empty``) becomes a copy in its dtype, any other is copied over. ``consume`` drops each
+    from ``state`` once in, so that a model loading from bytes holds its weights twice at
+    most (the bytes and the module's), not three times with the parsed tensors."""
     own = dict(module.named_parameters()) | dict(module.named_buffers())
     unknown = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state))
@@ -180,14 +192,25 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
             f"weights do not match the architecture: unknown {unknown or 'none'}, "
             f"missing {missing or 'none'}", unknown=unknown, missing=missing,
         )
+    for name, value in state.items():
+        if tuple(value.shape) != tuple(own[name].shape):
+            raise ShapeMismatch(
+                f"weight '{name}' has shape {list(value.shape)}; the model needs "
+                f"{list(own[name].shape)}", parameter=name,
+            )
     with torch.no_grad():
-        for name, value in state.items():
-            if tuple(value.shape) != tuple(own[name].shape):
-                raise ShapeMismatch(
-                    f"weight '{name}' has shape {list(value.shape)}; the model needs "
-                    f"{list(own[name].shape)}", parameter=name,
-                )
-            own[name].copy_(value)
+        for name in list(state):
+            value, target = state.pop(name) if consume else state[name], own[name]
+            if not target.is_meta:
+                target.copy_(value)
+                continue
+            moved = value.to(dtype=target.dtype, copy=True)
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner)
+            if isinstance(target, nn.Parameter):
+                holder._parameters[leaf] = nn.Parameter(moved, requires_grad=False)
+            else:
+                holder._buffers[leaf] = moved
 
 
 _COUPLING_FIX = ("per-sample gradients need layers that treat samples independently: use "
@@ -339,10 +362,12 @@ class ModelRegistry:
         record = self.store.get(model_id, version)
         if record is None:
             raise UnknownModel(f"'{model_id}@{version}' was deleted", id=model_id)
+        architecture, config, stored = record.architecture, record.config, record.version
         state = st_load(record.weights)  # our own stored safetensors: never a pickle
-        model = load_model(model_id, record.architecture, record.config, state,
-                           device=self.device)
-        if model.version != record.version:
+        del record  # its bytes, before the module takes the weights a second time
+        model = load_model(model_id, architecture, config, state, device=self.device,
+                           consume=True)
+        if model.version != stored:
             raise InternalError(f"'{model_id}@{version}' rebuilt as version {model.version}: "
                                 "the stored record is inconsistent")
         return model

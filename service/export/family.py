@@ -40,6 +40,9 @@ class ExportedFamily(ModelFamily):
     def build(self, config: dict[str, Any]) -> nn.Module:
         return self.build_on(config, None)  # the program was bounded at registration
 
+    def build_empty(self, config: dict[str, Any]) -> nn.Module:
+        return self.build_on(config, torch.device("meta"))  # its state names every tensor
+
     def config(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The stored config; ``batch_check`` (why a program runs one sample at a time) is kept
         only where registration wrote it, so versions stored before it existed keep their
