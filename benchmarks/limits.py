@@ -27,7 +27,8 @@ prints:
   model and answers once; a new one on them answers), the first request's time and the
   server's peak: the stored version's load, as a new worker's, and the stored plan; sent as
   soon as the server answers (its workers' start warm-ups still running), then in another
-  restart ``--settle`` seconds after.
+  restart once ``/readyz`` says ready (as a load balancer sends it), and how long after the
+  server answered that was.
 
 GPT-2 small takes several GiB: run it alone on a shared machine. Needs ``transformers``.
 """
@@ -214,15 +215,15 @@ def main() -> None:
         finally:
             stop(proc)
         print(f"PSGRAD_MAX_PARAMETERS=50000000: {took:.2f} s (goal < 2 s): {refusal}")
-        restarted(args.model, data, loss, body, args.port, Path(tmp), args.settle)
+        restarted(args.model, data, loss, body, args.port, Path(tmp))
 
 
 def restarted(name: str, data: bytes, loss: str, body: dict[str, Any], port: int,
-              folder: Path, settle: float) -> None:
+              folder: Path) -> None:
     """A restart's first request: a server on ``folder``'s model and data directories
     registers the model and answers once (its plan stored); a new server on them loads the
     stored version (as a new worker does) and answers, once sent as soon as it answers and
-    once ``settle`` seconds after; prints each answer's time and the server's peak."""
+    once when ``/readyz`` says ready; prints each answer's time and the server's peak."""
     gib, url = 1 << 30, f"http://127.0.0.1:{port}"
     env = {"PSGRAD_MODEL_DIR": str(folder / "models"), "PSGRAD_DATA_DIR": str(folder / "data")}
     proc = serve(port, **env)
@@ -232,19 +233,23 @@ def restarted(name: str, data: bytes, loss: str, body: dict[str, Any], port: int
         assert httpx.post(f"{url}/per-sample-grads", json=body, timeout=1200).status_code == 200
     finally:
         stop(proc)
-    for wait in (0.0, settle):
+    for when in ("as soon as it answers", "once /readyz says ready"):
         proc = serve(port, **env)
         try:
-            time.sleep(wait)
+            answered = time.perf_counter()
+            while when.endswith("ready") and httpx.get(f"{url}/readyz").status_code != 200:
+                time.sleep(0.05)
+            if when.endswith("ready"):
+                when += f" ({time.perf_counter() - answered:.1f} s after it answers)"
             idle = peak(proc.pid)
             reset_peak(proc.pid)
             start = time.perf_counter()
             r = httpx.post(f"{url}/per-sample-grads", json=body, timeout=1200)
             took = time.perf_counter() - start
             assert r.status_code == 200, r.text
-            print(f"after a restart, {wait:g} s after it answers: first request (the stored "
-                  f"version loaded, its plan stored) in {took:.1f} s, server peak "
-                  f"{peak(proc.pid) / gib:.2f} GiB (idle {idle / gib:.2f} GiB)")
+            print(f"after a restart, sent {when}: first request (the stored version loaded, "
+                  f"its plan stored) in {took:.1f} s, server peak {peak(proc.pid) / gib:.2f} GiB "
+                  f"(idle {idle / gib:.2f} GiB)")
         finally:
             stop(proc)
 

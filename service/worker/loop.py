@@ -98,25 +98,26 @@ class Worker:
         self.storage = storage  # the process's stores: DP runs, gradient stores
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
-        self.warmed = threading.Event()  # set once :meth:`warm` ended (or was not asked for)
+        self.warmed = threading.Event()  # set once :meth:`run`'s warm-ups ended: ready for jobs
         self._to_warm: list[tuple[str, warmup.Shape]] = []
         self._nested = 0  # jobs run between two chunks of another's (:meth:`_interleave`)
 
     def plan_warmup(self, warm: bool = True) -> None:
-        """What :meth:`run` warms first (``warm``: the registered warm-ups); with nothing to
-        warm the worker is ready at once. Called before the loop's thread starts, so that a
-        readiness probe right after never sees a worker that has nothing to do as not ready."""
+        """What :meth:`run` warms besides the process's own start-up (``warm``: the registered
+        warm-ups). Called before the loop's thread starts: not ready until :meth:`run` is
+        through them."""
+        self.warmed.clear()
         try:
             self._to_warm = warmup.wanted(self.registry.store) if warm else []
         except Exception:
             log.exception("listing the models to warm up failed; serving without")
             self._to_warm = []
-        if not self._to_warm:
-            self.warmed.set()
 
     def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
-        """Take and process batches until ``stop`` is set; first what :meth:`plan_warmup`
-        planned (:meth:`warm`)."""
+        """Take and process batches until ``stop`` is set. First the warm-ups, and only then
+        :attr:`warmed` (which readiness reads): torch.func's set-up and the CPU's compiled
+        loops, which every process pays once (3-5 s), then what :meth:`plan_warmup` planned
+        (:meth:`warm`). Ready means that a job sent now starts now."""
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
@@ -125,8 +126,7 @@ class Worker:
         set_tf32(self.settings.allow_tf32)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
         warm_kernels()  # the CPU's compiled loops (numba), likewise
-        if not self.warmed.is_set():
-            self.warm(stop, self._to_warm)
+        self.warm(stop, self._to_warm)
         self.warmed.set()
         while not stop.is_set():
             try:

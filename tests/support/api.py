@@ -155,3 +155,12 @@ async def finished_job(c: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
             return body
         await asyncio.sleep(0.02)
     raise AssertionError(f"job {job_id} did not finish")
+
+
+async def until_ready(c: httpx.AsyncClient, within_s: float = 60.0) -> httpx.Response:
+    """``GET /readyz`` once it answers 200, or its last answer after ``within_s``: the workers'
+    start-up warm-ups (seconds in a fresh process) end before a server is ready."""
+    end = time.monotonic() + within_s
+    while (r := await c.get("/readyz")).status_code != 200 and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return r

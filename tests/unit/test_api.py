@@ -21,6 +21,7 @@ from tests.support.api import (
     in_process,
     open_client,
     post_st,
+    until_ready,
 )
 
 rng = np.random.default_rng(0)
@@ -36,7 +37,7 @@ VALUE_MLP = {
 async def test_health_and_readiness() -> None:
     async with open_client() as c:
         assert (await c.get("/healthz")).json() == {"status": "ok", "version": psgrad.__version__}
-        r = await c.get("/readyz")
+        r = await until_ready(c)
         assert r.status_code == 200 and r.json()["ready"] is True
     async with open_client(workers=0) as c:  # a queue that nobody serves is not ready
         r = await c.get("/readyz")

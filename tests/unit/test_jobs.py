@@ -21,7 +21,7 @@ from service.storage import open_storage
 from service.worker.events import Events
 from service.worker.loop import Worker
 from service.worker.series import WorkerMetrics
-from tests.support.api import TD0, settings
+from tests.support.api import TD0, settings, until_ready
 
 
 def _workers() -> list[threading.Thread]:
@@ -38,7 +38,7 @@ async def test_lifespan_starts_and_stops_the_worker_pool() -> None:
         before = await client.get("/readyz")
         assert before.status_code == 503 and before.json()["ready"] is False
         async with app.router.lifespan_context(app):
-            during = await client.get("/readyz")
+            during = await until_ready(client)
             assert during.status_code == 200 and during.json()["ready"] is True
             ours = [t for t in _workers() if t not in others]
             assert len(ours) == 2 and state.workers.alive()

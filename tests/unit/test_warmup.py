@@ -1,5 +1,6 @@
 """Warm-ups (service/warmup.py): a registration asks for shapes, a worker computes them as jobs
-and shares the plans; a server starting up warms the same shapes before ``/readyz`` says ready.
+and shares the plans; a server starting up warms the same shapes, and whatever a process pays
+once, before ``/readyz`` says ready.
 
 Probes are counted (``SharedPlans.stats``), never timed; every answer is held to the per-sample
 loop.
@@ -21,7 +22,8 @@ import torch
 import psgrad
 from service.engine import Batch, Options
 from service.fast_stats import _plan
-from tests.support.api import app_of, open_client
+from service.worker import loop
+from tests.support.api import app_of, open_client, until_ready
 from tests.support.reference import assert_close, reference
 
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -133,15 +135,37 @@ async def test_readyz_waits_for_the_start_up_warm_up(
                 assert r.status_code == 503 and r.json()["ready"] is False
                 await asyncio.sleep(0.05)
             gate.set()
-            for _ in range(600):
-                if (await client.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
-            assert (await client.get("/readyz")).status_code == 200
+            assert (await until_ready(client)).status_code == 200
             stats = app_of(client).state.psgrad.storage.plans.stats
             assert (stats.probes, stats.loaded) == (0, 1)
     finally:
         gate.set()
+
+
+async def test_readyz_waits_for_what_a_process_pays_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no model asking for a warm-up, a worker is still not ready before its process's
+    start-up warm-ups (the CPU's compiled loops, held open here by an event): ready means that
+    a job sent now starts now."""
+    gate, made = threading.Event(), loop.warm_kernels
+
+    def held() -> None:
+        assert gate.wait(60), "the test never let the warm-up end"
+        made()
+
+    monkeypatch.setattr(loop, "warm_kernels", held)
+    async with open_client() as client:
+        try:  # let the warm-up end before the workers are joined, whatever fails
+            for _ in range(10):
+                r = await client.get("/readyz")
+                assert r.status_code == 503 and r.json()["ready"] is False
+                await asyncio.sleep(0.05)
+        finally:
+            gate.set()
+        assert (await until_ready(client)).status_code == 200
+        r = await client.post("/per-sample-grads", json={
+            "model": "mlp", "inputs": [[0.1] * 784], "targets": [1], "outputs": ["norms"]})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("models", ["files", "memory"])
