@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 import torch
@@ -106,7 +107,8 @@ def test_corrupt_foreign_and_tampered_entries_in_redis_change_no_answer(prefix: 
 
 async def test_a_registration_warm_up_through_real_workers(prefix: str, tmp_path: Path) -> None:
     """Redis mode: a worker process computes the registration's warm-up; a worker started after
-    it warms the same shape from the shared plan before its heartbeat (so /readyz) appears."""
+    it warms the same shape from the shared plan before its heartbeat (so /readyz) appears, and
+    before its own port's /readyz answers 200."""
     spec = {"architecture": "sequential", "input": {"shape": [4]},
             "layers": [{"type": "Linear", "args": [4, 8]}, {"type": "Tanh"},
                        {"type": "Linear", "args": [8, 3]}]}
@@ -121,6 +123,18 @@ async def test_a_registration_warm_up_through_real_workers(prefix: str, tmp_path
         assert doc["warmup"]["status"] == "succeeded", (doc["warmup"], c.dump())
         assert all(s["job"] for s in doc["warmup"]["shapes"])
         c.start_worker()
-        await c.live(2)  # its heartbeat: written once both shapes were warmed, not before
-        log = (tmp_path / "worker-1.log").read_text()
+        ready, port = None, f"http://127.0.0.1:{c.metrics_ports[1]}/readyz"
+        async with httpx.AsyncClient(timeout=5) as http:
+            for _ in range(1200):
+                try:
+                    ready = await http.get(port)
+                except httpx.TransportError:  # not listening yet
+                    ready = None
+                if ready is not None and ready.status_code == 200:
+                    log = (tmp_path / "worker-1.log").read_text()  # as it was at the first 200
+                    break
+                assert ready is None or ready.json() == {"ready": False}, ready.text
+                await asyncio.sleep(0.05)
+        assert ready is not None and ready.json() == {"ready": True}, c.dump()
         assert log.count("warmed up tiny@") == 2, log
+        await c.live(2)  # its heartbeat: written once both shapes were warmed, not before

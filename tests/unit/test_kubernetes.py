@@ -291,6 +291,8 @@ def test_workers_get_a_gpu_each_metrics_and_time_to_drain(
         metrics = int(given["PSGRAD_WORKER_METRICS_PORT"] or 0)
         assert service_ports(objects, "psgrad-worker-metrics", worker) == {metrics: metrics}
         assert c["livenessProbe"]["httpGet"]["path"] == "/metrics"
+        # ready once warm (service/worker_process.py's port): a rollout waits for warm workers
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
         # SIGTERM: the batch in hand is finished and acknowledged, jobs read but not started
         # are handed back (service/worker_process.py); as long as compose allows, and longer
         # than the visibility timeout after which a cut-off job is claimed anyway
