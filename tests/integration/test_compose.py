@@ -341,7 +341,7 @@ def test_cpu_override_runs_cpu_workers_and_no_gpu(
     for name, service in cpu_workers.items():
         assert service["command"] == ["worker", "--device", "cpu"], name
         for key in ("environment", "restart", "stop_grace_period", "depends_on", "image",
-                    "build"):
+                    "build", "healthcheck"):
             assert service[key] == gpu_worker[key], (name, key)
     # The GPU workers are still defined, in a profile that is off unless asked for.
     for name in workers(gpu_config):
@@ -712,6 +712,17 @@ def test_compose_processes_serve_a_request_on_loopback(
                  for name in cpu_workers]
         assert all("psgrad_compute_seconds_bucket" in page for page in pages)
         assert sum(metric(page, 'psgrad_jobs_total{status="succeeded"}') for page in pages) == 2
+
+        # each worker's healthcheck, run as its container runs it: passes on the port of a
+        # worker that answered jobs (its /readyz), fails where no worker listens
+        def healthcheck(name: str, port: int) -> int:
+            kind, python, *args = services[name]["healthcheck"]["test"]
+            assert (kind, python) == ("CMD", "python3"), services[name]["healthcheck"]
+            return subprocess.run([sys.executable, *args], capture_output=True, timeout=30,
+                                  env={**os.environ, "PSGRAD_WORKER_METRICS_PORT": str(port)},
+                                  ).returncode
+        assert all(healthcheck(name, metrics_ports[name]) == 0 for name in cpu_workers)
+        assert healthcheck(cpu_workers[0], free_port()) != 0
 
         # An upgrade as docs/operations.md does it: the workers get SIGTERM and drain (exit 0);
         # a job queued meanwhile waits in Redis, through an api restart, for the new worker.
