@@ -128,18 +128,17 @@ async def test_readyz_waits_for_the_start_up_warm_up(
         return made(*args)
 
     monkeypatch.setattr(_plan, "_plan", held)
-    try:
-        async with open_client(**dirs(tmp_path)) as client:
+    async with open_client(**dirs(tmp_path)) as client:
+        try:  # let the warm-up end before the workers are joined, whatever fails
             for _ in range(10):
                 r = await client.get("/readyz")
                 assert r.status_code == 503 and r.json()["ready"] is False
                 await asyncio.sleep(0.05)
+        finally:
             gate.set()
-            assert (await until_ready(client)).status_code == 200
-            stats = app_of(client).state.psgrad.storage.plans.stats
-            assert (stats.probes, stats.loaded) == (0, 1)
-    finally:
-        gate.set()
+        assert (await until_ready(client)).status_code == 200
+        stats = app_of(client).state.psgrad.storage.plans.stats
+        assert (stats.probes, stats.loaded) == (0, 1)
 
 
 async def test_readyz_waits_for_what_a_process_pays_once(
