@@ -88,6 +88,24 @@ class AsyncClient(
     ) -> None:
         await self.close()
 
+    async def wait_ready(self, within: float = 120.0, *, need_worker: bool = True) -> None:
+        """Wait until the server says it is ready (``GET /readyz`` answers 200): its broker
+        answers and a worker is warm, so that a request sent now starts now. For a script that
+        starts a server, or a client that comes up beside one. ``need_worker=False``: ready once
+        jobs can be queued (where workers scale from zero). A server that cannot be reached yet
+        is waited for too; after ``within`` seconds, :class:`APITimeoutError` says what it last
+        heard."""
+        end = time.monotonic() + within
+        while True:
+            response, failed = None, None
+            try:
+                response = await self._http.get("/readyz", **self._ready_ask(need_worker, end))
+            except httpx.TransportError as exc:
+                failed = exc
+            if response is not None and response.is_success:
+                return
+            await asyncio.sleep(self._not_ready(end, within, response, failed))
+
     # -- transport -----------------------------------------------------------------------------
 
     async def _send(

@@ -34,6 +34,8 @@ from psgrad._constants import (
     INITIAL_RETRY_DELAY,
     MAX_RETRY_AFTER,
     MAX_RETRY_DELAY,
+    READY_ASK_S,
+    READY_POLL_S,
     REQUEST_ID_HEADER,
     RETRY_STATUSES,
     USER_AGENT,
@@ -267,6 +269,31 @@ class BaseClient:
             f"could not reach psgrad at {self.base_url} ({exc!r}) after {attempt + 1} "
             f"attempt(s): is the server running? (set base_url= or {ENV_URL})"
         ) from exc
+
+    # -- readiness -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _ready_ask(need_worker: bool, end: float) -> dict[str, Any]:
+        """The options of one ``GET /readyz`` of ``wait_ready``, which ends at ``end``
+        (``time.monotonic``)."""
+        return {"params": {} if need_worker else {"need_worker": "false"},
+                "timeout": min(READY_ASK_S, max(0.1, end - time.monotonic()))}
+
+    def _not_ready(self, end: float, within: float, response: httpx.Response | None,
+                   exc: httpx.TransportError | None) -> float:
+        """The wait before asking ``/readyz`` again; raise at ``end`` (saying what was last
+        heard) or on an answer other than "not ready" (503; an unreachable server is
+        waited for: it may be starting)."""
+        left = end - time.monotonic()
+        if response is not None and response.status_code != 503:
+            raise self._error(response)
+        if left <= 0:
+            last = (f"it answered {response.status_code} {response.text[:200]}"
+                    if response is not None else f"it could not be reached ({exc!r})")
+            raise APITimeoutError(
+                f"{self.base_url} was not ready within {within:g} s ({last}): a server starting "
+                "warms its workers first, then says ready; wait longer (`within`) or read its log")
+        return min(left, _retry_after(response) or READY_POLL_S)
 
     # -- gradients -----------------------------------------------------------------------------
 

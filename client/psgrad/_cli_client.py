@@ -1,4 +1,4 @@
-"""The client subcommands of ``psgrad``: ``models ...`` and ``grads``.
+"""The client subcommands of ``psgrad``: ``models ...``, ``grads`` and ``ready``.
 
 ``psgrad._cli`` builds the parser (the server adds ``serve`` and ``worker``) and calls
 :func:`add_commands`; each command here is a thin layer over :class:`psgrad.Client`, so it needs
@@ -32,7 +32,8 @@ _GRADS_OUTPUTS = [o for o in OUTPUT_NAMES if o not in ("td_errors", "updates")]
 
 
 def add_commands(sub: Any) -> None:
-    """Add ``models`` and ``grads`` to the ``psgrad`` subcommand parsers."""
+    """Add ``models``, ``grads``, ``ready`` and the stores', reference sets' and DP runs'
+    commands to the ``psgrad`` subcommand parsers."""
     conn = connection_options()
     models = sub.add_parser("models", help="list, show, register, upload, download or delete "
                             "models", description="Manage the server's model registry.")
@@ -103,6 +104,18 @@ def add_commands(sub: Any) -> None:
                      help="draw a progress bar on stderr (default: when stderr is a terminal)")
     bar.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_grads)
+
+    p = sub.add_parser(
+        "ready", parents=[conn], help="wait until the server is ready",
+        description="Wait until the server says it is ready (GET /readyz): its workers are "
+                    "warm, so that a request sent now starts now. Prints 'ready' and exits 0; "
+                    "exits 1 after --within seconds.")
+    p.add_argument("--within", type=float, default=120.0,
+                   help="seconds to wait at most (default: 120)")
+    p.add_argument("--no-worker", action="store_true",
+                   help="ready once jobs can be queued, before any worker (workers that scale "
+                        "from zero)")
+    p.set_defaults(func=cmd_ready)
     add_reference_set_commands(sub, conn)
     add_store_commands(sub, conn)
     add_dp_commands(sub, conn)
@@ -118,6 +131,13 @@ def _json_arg(text: str) -> Any:
 
 def _describe(info: ModelInfo) -> str:
     return json.dumps(info.raw or info.__dict__, indent=2, default=str)
+
+
+def cmd_ready(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.wait_ready(args.within, need_worker=not args.no_worker)
+    print("ready")
+    return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:

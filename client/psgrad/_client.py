@@ -111,6 +111,24 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
     ) -> None:
         self.close()
 
+    def wait_ready(self, within: float = 120.0, *, need_worker: bool = True) -> None:
+        """Wait until the server says it is ready (``GET /readyz`` answers 200): its broker
+        answers and a worker is warm, so that a request sent now starts now. For a script that
+        starts a server, or a client that comes up beside one. ``need_worker=False``: ready once
+        jobs can be queued (where workers scale from zero). A server that cannot be reached yet
+        is waited for too; after ``within`` seconds, :class:`APITimeoutError` says what it last
+        heard."""
+        end = time.monotonic() + within
+        while True:
+            response, failed = None, None
+            try:
+                response = self._http.get("/readyz", **self._ready_ask(need_worker, end))
+            except httpx.TransportError as exc:
+                failed = exc
+            if response is not None and response.is_success:
+                return
+            time.sleep(self._not_ready(end, within, response, failed))
+
     # -- transport -----------------------------------------------------------------------------
 
     def _send(

@@ -12,6 +12,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
 DEFAULT_MAX_RETRIES = 2
 INITIAL_RETRY_DELAY = 0.5  # seconds, doubled each retry, with jitter
+READY_POLL_S = 0.5  # how often wait_ready asks /readyz where the server names no Retry-After
+READY_ASK_S = 5.0  # the longest one /readyz may take to answer before it is asked again
 MAX_RETRY_DELAY = 8.0
 MAX_RETRY_AFTER = 60.0  # a Retry-After above this is not waited for: the error is raised
 RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
