@@ -5,8 +5,11 @@ float32 and float64, and bfloat16 and float16 a slab at a time in float32."""
 from __future__ import annotations
 
 import itertools
+import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +201,65 @@ def test_a_worker_s_warm_up_compiles_the_loops_its_calls_run() -> None:
                           check=True, timeout=120)
     warmed, after = done.stdout.strip().split("] [")
     assert warmed == "[2, 2, 1" and after == "2, 2, 1]", done.stdout
+
+
+KEPT = """
+import torch
+from service.fast_stats import _kernels, warm_kernels
+warm_kernels()
+rows = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+got = _kernels.norms_and_mean_dots(rows, torch.empty(50))
+loops = (_kernels._moments, _kernels._norms_and_dots, _kernels._sums_and_dots)
+print(_kernels.CACHE, sum(sum(f.stats.cache_hits.values()) for f in loops),
+      sum(sum(f.stats.cache_misses.values()) for f in loops), got.double().tolist())
+"""
+
+
+def _kept(cache_home: Path) -> tuple[str, int, int, str]:
+    """A fresh process's cache folder, its loops' cache hits and misses as it warms up, and
+    one result of theirs."""
+    done = subprocess.run([sys.executable, "-c", KEPT], capture_output=True, text=True,
+                          check=True, timeout=120,
+                          env={**os.environ, "XDG_CACHE_HOME": str(cache_home)})
+    folder, hits, misses, result = done.stdout.strip().split(" ", 3)
+    return folder, int(hits), int(misses), result
+
+
+def test_compiled_loops_are_kept_for_the_next_process(tmp_path: Path) -> None:
+    """The first process compiles the loops and keeps them in an owner-only folder of the
+    user's cache; the next one reads every loop back from there, compiles none, and computes
+    the same bits."""
+    folder, hits, misses, first = _kept(tmp_path)
+    assert folder == str(tmp_path / "psgrad" / "loops")
+    assert (hits, misses) == (0, 5)  # moments and norms-and-dots twice (bfloat16), sums once
+    assert stat.S_IMODE((tmp_path / "psgrad" / "loops").stat().st_mode) == 0o700
+    assert list((tmp_path / "psgrad" / "loops").rglob("*.nbi"))
+    assert _kept(tmp_path) == (folder, 5, 0, first)
+
+
+def test_a_folder_others_may_write_is_never_read(tmp_path: Path) -> None:
+    """numba reads its cache with pickle: a folder that another user may write (group
+    writable here) is not used, nor one that cannot be made; the loops are compiled in the
+    process instead, and answer the same."""
+    shared = tmp_path / "shared"
+    (shared / "psgrad" / "loops").mkdir(parents=True)
+    (shared / "psgrad" / "loops").chmod(0o770)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the folder would go")
+    _, _, _, want = _kept(tmp_path / "own")
+    for home in (shared, blocked):
+        assert _kept(home) == ("None", 0, 5, want)  # compiled here, none read
+    assert not list(shared.rglob("*.nb*"))
+
+
+def test_a_torn_kept_loop_is_compiled_again(tmp_path: Path) -> None:
+    """A kept entry that does not load (truncated files, an index written over) is a miss, not
+    a failure: the loops compile, answer the same, and are kept afresh for the next process."""
+    folder, _, _, want = _kept(tmp_path)
+    kept = tmp_path / "psgrad" / "loops"
+    for path in kept.rglob("*.nbc"):
+        path.write_bytes(path.read_bytes()[:100])
+    for path in kept.rglob("*_moments*.nbi"):
+        path.write_text("not an index")
+    assert _kept(tmp_path) == (folder, 0, 5, want)
+    assert _kept(tmp_path) == (folder, 5, 0, want)
