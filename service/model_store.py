@@ -74,12 +74,19 @@ class ModelStore:
         """Add a version, or make an existing one (same digest) the newest again."""
         raise NotImplementedError
 
-    def get(self, model_id: str, version: str) -> ModelRecord | None:
+    def get(self, model_id: str, version: str, *, weights: bool = True) -> ModelRecord | None:
+        """A version; ``weights=False``: without its weights where they would be read (the
+        record's ``weights`` empty), for what needs only its spec."""
         raise NotImplementedError
+
+    def weights_file(self, model_id: str, version: str) -> Path | None:
+        """The version's weights as a safetensors file on this host, where the store keeps them
+        so (a loader maps it in place of reading it whole); None: they are ``get``'s bytes."""
+        return None
 
     def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
         """The stored ``GET /models/{id}`` document of a version, without its weights."""
-        record = self.get(model_id, version)
+        record = self.get(model_id, version, weights=False)
         return record.doc if record is not None else None
 
     def versions(self, model_id: str) -> list[str]:
@@ -124,8 +131,8 @@ class MemoryModelStore(ModelStore):
             versions.pop(record.version, None)
             versions[record.version] = record
 
-    def get(self, model_id: str, version: str) -> ModelRecord | None:
-        with self._lock:
+    def get(self, model_id: str, version: str, *, weights: bool = True) -> ModelRecord | None:
+        with self._lock:  # the weights are in memory: kept either way
             versions = self._models.get(model_id)
             return versions.get(version) if versions is not None else None
 
@@ -233,20 +240,17 @@ class FileModelStore(ModelStore):
     def has(self, model_id: str, version: str) -> bool:
         return self._file(model_id, version, ".json").is_file()
 
-    def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
+    def get(self, model_id: str, version: str, *, weights: bool = True) -> ModelRecord | None:
         try:
             spec = self._file(model_id, version, ".json").read_bytes()
+            data = self._file(model_id, version, ".safetensors").read_bytes() if weights else b""
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return ModelRecord.from_spec(spec, b"").doc
+        return ModelRecord.from_spec(spec, data)
 
-    def get(self, model_id: str, version: str) -> ModelRecord | None:
-        try:
-            spec = self._file(model_id, version, ".json").read_bytes()
-            weights = self._file(model_id, version, ".safetensors").read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return ModelRecord.from_spec(spec, weights)
+    def weights_file(self, model_id: str, version: str) -> Path | None:
+        path = self._file(model_id, version, ".safetensors")
+        return path if path.is_file() else None
 
     def versions(self, model_id: str) -> list[str]:
         return [v for _, v in self._specs(model_id)]
@@ -302,16 +306,13 @@ class RedisModelStore(ModelStore):
         pipe.sadd(redis_keys.model_ids(self.prefix), record.id)
         pipe.execute()
 
-    def get(self, model_id: str, version: str) -> ModelRecord | None:
-        spec, weights = self.r.hmget(redis_keys.model_version(self.prefix, model_id, version),
-                                     ["spec", "weights"])
-        if spec is None or weights is None:
+    def get(self, model_id: str, version: str, *, weights: bool = True) -> ModelRecord | None:
+        key = redis_keys.model_version(self.prefix, model_id, version)
+        spec, data = self.r.hmget(key, ["spec", "weights"]) if weights else (
+            self.r.hget(key, "spec"), b"")
+        if spec is None or data is None:
             return None
-        return ModelRecord.from_spec(spec, bytes(weights))
-
-    def doc(self, model_id: str, version: str) -> dict[str, Any] | None:
-        spec = self.r.hget(redis_keys.model_version(self.prefix, model_id, version), "spec")
-        return ModelRecord.from_spec(spec, b"").doc if spec is not None else None
+        return ModelRecord.from_spec(spec, bytes(data))
 
     def versions(self, model_id: str) -> list[str]:
         found = self.r.zrange(redis_keys.model_versions(self.prefix, model_id), 0, -1)

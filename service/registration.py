@@ -156,7 +156,7 @@ def replace_weights(registry: ModelRegistry, model_id: str, body: bytes,
     store = registry.store
     check_id(model_id)
     version = store.latest(model_id)
-    record = store.get(model_id, version) if version else None
+    record = store.get(model_id, version, weights=False) if version else None
     if record is None:
         raise UnknownModel(f"no registered model '{model_id}': register it first with "
                            f"PUT /models/{model_id}")

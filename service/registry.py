@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from torch import nn
 
 from models import ZOO, TensorSpec, get_family
@@ -359,11 +360,16 @@ class ModelRegistry:
         return model
 
     def _load_registered(self, model_id: str, version: str) -> LoadedModel:
-        record = self.store.get(model_id, version)
+        file = self.store.weights_file(model_id, version)
+        record = self.store.get(model_id, version, weights=file is None)
+        deleted = UnknownModel(f"'{model_id}@{version}' was deleted", id=model_id)
         if record is None:
-            raise UnknownModel(f"'{model_id}@{version}' was deleted", id=model_id)
+            raise deleted
         architecture, config, stored = record.architecture, record.config, record.version
-        state = st_load(record.weights)  # our own stored safetensors: never a pickle
+        try:  # our own stored safetensors, never a pickle; a file mapped, not read whole
+            state = st_load(record.weights) if file is None else st_load_file(file)
+        except FileNotFoundError:
+            raise deleted from None
         del record  # its bytes, before the module takes the weights a second time
         model = load_model(model_id, architecture, config, state, device=self.device,
                            consume=True)

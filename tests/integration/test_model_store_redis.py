@@ -38,6 +38,8 @@ def test_versions_order_and_delete(prefix: str) -> None:
     store.put(b)
     assert store.versions("m") == [a.version, b.version]
     assert store.latest("m") == b.version and store.get("m", a.version) == a
+    assert store.get("m", a.version, weights=False) == ModelRecord(
+        "m", a.version, "sequential", {"k": 1}, b"", 1.0)  # the spec alone
     store.put(a)  # the same version again becomes the newest
     assert store.latest("m") == a.version
     assert store.delete("m", a.version) == [a.version]
