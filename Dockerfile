@@ -40,6 +40,11 @@ RUN python3 -m pip install --no-deps ./client . && python3 -m pip check \
 # A numeric user, so that runtimes can check it is not root without reading /etc/passwd.
 USER 10001:10001
 
+# The CPU's compiled loops (numba), compiled here into the psgrad user's cache
+# (~/.cache/psgrad/loops): a container on a host with the build's CPU reads them as it starts
+# instead of compiling them; on another CPU each container compiles once (docs/operations.md).
+RUN python3 -c "from service.fast_stats import warm_kernels; warm_kernels()"
+
 EXPOSE 8000
 # Checks the api; worker services in docker-compose.yml replace it with their own check.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \

@@ -127,8 +127,22 @@ def stack() -> Iterator[Stack]:
         made.run("down", "-v", "--remove-orphans", "--timeout", "30")
 
 
+LOOPS = """
+from service.fast_stats import _kernels, warm_kernels
+warm_kernels()
+loops = (_kernels._moments, _kernels._norms_and_dots, _kernels._sums_and_dots)
+print(*(sum(sum(getattr(f.stats, k).values()) for f in loops)
+        for k in ("cache_hits", "cache_misses")))
+"""
+
+
 def test_compose_up_serves_the_loop_and_keeps_a_store(stack: Stack) -> None:
     wait_for("every healthcheck green", lambda: all_up(stack), stack)
+    # The image carries the CPU's compiled loops (this host's CPU built it): a new container
+    # reads all five back and compiles none.
+    kept = docker("run", "--rm", "--network", "none", "--entrypoint", "python3", IMAGE, "-c",
+                  LOOPS)
+    assert kept.split() == ["5", "0"], kept
     published = stack.check("port", "api", "8000").strip()
     assert published == stack.url.removeprefix("http://"), published  # loopback only
 
