@@ -115,9 +115,10 @@ class Worker:
 
     def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
         """Take and process batches until ``stop`` is set. First the warm-ups, and only then
-        :attr:`warmed` (which readiness reads): torch.func's set-up and the CPU's compiled
-        loops, which every process pays once (3-5 s), then what :meth:`plan_warmup` planned
-        (:meth:`warm`). Ready means that a job sent now starts now."""
+        :attr:`warmed` (which readiness reads): torch.func's set-up and, on the CPU, its
+        compiled loops, which every process pays once (0.3 s read back from the host's cache,
+        3-5 s compiled), then what :meth:`plan_warmup` planned (:meth:`warm`). Ready means that
+        a job sent now starts now."""
         delay_s = max(0.0, self.settings.batch_max_delay_ms) / 1000.0
         max_samples = max(1, self.settings.batch_max_samples)
         max_jobs = max_samples if delay_s > 0 else 1
@@ -125,7 +126,8 @@ class Worker:
             torch.set_num_threads(self.settings.torch_threads)
         set_tf32(self.settings.allow_tf32)
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
-        warm_kernels()  # the CPU's compiled loops (numba), likewise
+        if self.registry.device.type == "cpu":  # an accelerator's tensors never take them
+            warm_kernels()  # the CPU's compiled loops (numba), likewise
         self.warm(stop, self._to_warm)
         self.warmed.set()
         while not stop.is_set():

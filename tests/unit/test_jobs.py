@@ -18,6 +18,7 @@ from service.broker.embedded import EmbeddedBroker
 from service.jobs import Job, JobStatus, new_job_id
 from service.registry import ModelRegistry
 from service.storage import open_storage
+from service.worker import loop
 from service.worker.events import Events
 from service.worker.loop import Worker
 from service.worker.series import WorkerMetrics
@@ -92,6 +93,23 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
     assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
     assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "failed"}) is None
     assert state.status is JobStatus.CANCELED and state.error is None and state.result is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_only_a_cpu_worker_warms_the_cpu_s_compiled_loops(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numba loops run on CPU tensors alone: a worker on an accelerator does not compile
+    (or read back) them as it starts. Its registry only names the device here: run returns
+    before it loads anything."""
+    warmed: list[bool] = []
+    monkeypatch.setattr(loop, "warm_kernels", lambda: warmed.append(True))
+    stop = threading.Event()
+    stop.set()  # run warms up, then returns before taking anything
+    s = settings(workers=0)
+    work = Worker(EmbeddedBroker(s), ModelRegistry(torch.device(device)), s,
+                  storage=open_storage(s))
+    work.run(stop)
+    assert warmed == ([True] if device == "cpu" else []) and work.warmed.is_set()
 
 
 @pytest.mark.parametrize("allowed", [False, True])

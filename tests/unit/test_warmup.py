@@ -144,15 +144,15 @@ async def test_readyz_waits_for_the_start_up_warm_up(
 async def test_readyz_waits_for_what_a_process_pays_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With no model asking for a warm-up, a worker is still not ready before its process's
-    start-up warm-ups (the CPU's compiled loops, held open here by an event): ready means that
-    a job sent now starts now."""
-    gate, made = threading.Event(), loop.warm_kernels
+    start-up warm-ups (torch.func's set-up, on every device, held open here by an event):
+    ready means that a job sent now starts now."""
+    gate, made = threading.Event(), loop.per_sample.warm_up
 
     def held() -> None:
         assert gate.wait(60), "the test never let the warm-up end"
         made()
 
-    monkeypatch.setattr(loop, "warm_kernels", held)
+    monkeypatch.setattr(loop.per_sample, "warm_up", held)
     async with open_client() as client:
         try:  # let the warm-up end before the workers are joined, whatever fails
             for _ in range(10):
