@@ -6,7 +6,7 @@ Xeon, as long again as the batched matmul that built the piece. One loop over bl
 piece's columns small enough to stay in the L1 cache reads each element twice from there and
 writes none: about four times faster (``benchmarks/pieces.py --loops fused,eager``). A batch
 norm's per-sample sums and dots over positions likewise take one read. Numba compiles each loop
-for each dtype it meets (about a second per dtype): a worker does it for float32 and bfloat16
+for each dtype it meets (about a second per dtype): a CPU worker does it for float32 and bfloat16
 as it starts (:func:`warm_up`), other dtypes at their first use, and keeps the machine code in
 :data:`CACHE` for the next process on this host, which reads it back in a tenth of the time
 (:func:`cache_folder`). numba has no bfloat16 or float16:
@@ -191,7 +191,7 @@ def sums_and_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.
 def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
     """Compile every loop for ``dtypes`` now, as the calls compile them (the same argument
     types), so that a worker's first request does not: ResNet-18's first check spent 1.0 s of
-    its 1.6 s compiling the batch norm's loop. Workers call this when they start (1.5 s for
+    its 1.6 s compiling the batch norm's loop. CPU workers call this when they start (1.5 s for
     float32 alone, 2.8 s with bfloat16's bits, on a 2-core Xeon; 0.3 s where an earlier
     process of the host kept them in :data:`CACHE`)."""
     for dtype in dtypes:
