@@ -31,7 +31,6 @@ from psgrad._contract import ID_PATTERN, REF_PATTERN, VERSION_PATTERN
 from service import redis_keys
 from service.config import Settings
 from service.disk import unwritable
-from service.redis_keys import text
 
 ID_RE = re.compile(ID_PATTERN)  # the request contract's (psgrad._contract)
 VERSION_RE = re.compile(VERSION_PATTERN)
@@ -316,15 +315,15 @@ class RedisModelStore(ModelStore):
 
     def versions(self, model_id: str) -> list[str]:
         found = self.r.zrange(redis_keys.model_versions(self.prefix, model_id), 0, -1)
-        return [text(v) for v in found]
+        return [v.decode() for v in found]
 
     def latest(self, model_id: str) -> str | None:
         found = self.r.zrange(redis_keys.model_versions(self.prefix, model_id), -1, -1)
-        return text(found[0]) if found else None
+        return found[0].decode() if found else None
 
     def ids(self) -> list[str]:
         found = self.r.smembers(redis_keys.model_ids(self.prefix))
-        return sorted(text(v) for v in found)
+        return sorted(v.decode() for v in found)
 
     def delete(self, model_id: str, version: str | None = None) -> list[str]:
         versions_key = redis_keys.model_versions(self.prefix, model_id)
@@ -332,7 +331,7 @@ class RedisModelStore(ModelStore):
 
         def remove(pipe: Any) -> None:
             gone.clear()
-            present = [text(v) for v in pipe.zrange(versions_key, 0, -1)]
+            present = [v.decode() for v in pipe.zrange(versions_key, 0, -1)]
             targets = present if version is None else [v for v in present if v == version]
             pipe.multi()
             for v in targets:

@@ -33,7 +33,6 @@ from service import redis_keys
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.disk import unwritable
-from service.redis_keys import text
 from service.tenants import DEFAULT_TENANT
 
 RUN_ID_RE = re.compile(RUN_ID_PATTERN)  # the request contract's (psgrad._contract)
@@ -303,7 +302,7 @@ class RedisRunStore(RunStore):
             found = self.r.config_get("append*")
         except RedisError:  # CONFIG disabled (a managed Redis): unknown
             return {}
-        return {text(k): text(v) for k, v in found.items()}
+        return dict(found)  # redis-py reads CONFIG GET's reply as text
 
     def _probe(self) -> str:
         config = self._config()
@@ -346,7 +345,7 @@ class RedisRunStore(RunStore):
 
     def ids(self) -> list[str]:
         found = self.r.smembers(redis_keys.dp_run_ids(self.prefix))
-        return sorted(text(v) for v in found)
+        return sorted(v.decode() for v in found)
 
     def delete(self, run_id: str) -> bool:
         pipe = self.r.pipeline(transaction=True)

@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from psgrad._errors import RateLimited, TooLarge
-from service import redis_keys
 from service.broker.embedded import EmbeddedBroker
+from service.broker.redis import keyspace
 from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
 from service.jobs import Job, JobStatus, new_job_id
@@ -96,18 +96,18 @@ async def test_a_job_stored_before_tenants_is_the_default_tenants(shared: redis.
                                                                                        source):
             old = job("acme")
             await api.submit(old)
-            shared.hdel(redis_keys.job_state(prefix, old.id), "tenant")  # as an older api wrote it
+            shared.hdel(keyspace.job_state(prefix, old.id), "tenant")  # as an older api wrote it
             assert (await api.state(old.id)).tenant == DEFAULT_TENANT
             (got,) = await asyncio.to_thread(take, source)
             assert got.id == old.id and got.tenant == DEFAULT_TENANT
             # an entry an older api queued (the job itself in the stream) is taken as it is
             older = job()
             await api.submit(older)
-            (ticket,) = shared.xrevrange(redis_keys.job_stream(prefix), count=1)
-            shared.xdel(redis_keys.job_stream(prefix), ticket[0])
-            shared.delete(redis_keys.tenant_queue(prefix, DEFAULT_TENANT),
-                          redis_keys.fair_active(prefix))
-            shared.xadd(redis_keys.job_stream(prefix), {"id": older.id, "n": "2"})
+            (ticket,) = shared.xrevrange(keyspace.job_stream(prefix), count=1)
+            shared.xdel(keyspace.job_stream(prefix), ticket[0])
+            shared.delete(keyspace.tenant_queue(prefix, DEFAULT_TENANT),
+                          keyspace.fair_active(prefix))
+            shared.xadd(keyspace.job_stream(prefix), {"id": older.id, "n": "2"})
             (got,) = await asyncio.to_thread(take, source)
             assert got.id == older.id
 
@@ -189,10 +189,10 @@ async def test_a_dead_worker_loses_no_tenants_job(shared: redis.Redis) -> None:
                 assert (await api.state(j.id)).status is JobStatus.SUCCEEDED
             assert await api.queue_depth() == 0
             for t in ("a", "b"):
-                assert shared.zcard(redis_keys.tenant_jobs(prefix, t)) == 0
-            assert shared.hlen(redis_keys.job_tickets(prefix)) == 0
+                assert shared.zcard(keyspace.tenant_jobs(prefix, t)) == 0
+            assert shared.hlen(keyspace.job_tickets(prefix)) == 0
             info = {g["name"].decode(): g for g in
-                    shared.xinfo_groups(redis_keys.job_stream(prefix))}[redis_keys.STREAM_GROUP]
+                    shared.xinfo_groups(keyspace.job_stream(prefix))}[keyspace.STREAM_GROUP]
             assert info["pending"] == 0 and info["lag"] == 0
 
 
@@ -203,7 +203,7 @@ async def test_tickets_and_queues_mend_after_a_loss(shared: redis.Redis) -> None
         async with redis_queue(Settings(redis_url=SHARED_URL, redis_prefix=prefix)) as (api,
                                                                                        source):
             await api.start()
-            stream = redis_keys.job_stream(prefix)
+            stream = keyspace.job_stream(prefix)
             lost = job("a")
             await api.submit(lost)
             shared.xtrim(stream, maxlen=0)  # its ticket is gone
@@ -212,8 +212,8 @@ async def test_tickets_and_queues_mend_after_a_loss(shared: redis.Redis) -> None
             shared.xadd(stream, {"t": "a"})  # a ticket no job stands behind
             assert await asyncio.to_thread(take, source) == []
             groups = {g["name"].decode(): g for g in shared.xinfo_groups(stream)}
-            assert groups[redis_keys.STREAM_GROUP]["lag"] == 0
-            assert groups[redis_keys.STREAM_GROUP]["pending"] == 1  # the job taken, not the stray
+            assert groups[keyspace.STREAM_GROUP]["lag"] == 0
+            assert groups[keyspace.STREAM_GROUP]["pending"] == 1  # the job taken, not the stray
 
 
 async def test_the_group_lag_counts_the_jobs_queued(shared: redis.Redis) -> None:
@@ -226,8 +226,8 @@ async def test_the_group_lag_counts_the_jobs_queued(shared: redis.Redis) -> None
                 await api.submit(job(t, n=2))
 
             def group() -> dict[str, Any]:
-                groups = shared.xinfo_groups(redis_keys.job_stream(prefix))
-                return {g["name"].decode(): g for g in groups}[redis_keys.STREAM_GROUP]
+                groups = shared.xinfo_groups(keyspace.job_stream(prefix))
+                return {g["name"].decode(): g for g in groups}[keyspace.STREAM_GROUP]
 
             assert group()["lag"] == 5 and group()["pending"] == 0
             await asyncio.to_thread(take, source, 4)  # two jobs

@@ -34,11 +34,11 @@ import numpy as np
 import pytest
 import redis
 
-from service import redis_keys
 from service.api.body import decode_json_body
+from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
+from service.broker.redis.common import text
 from service.config import Settings
-from service.redis_keys import text
 from service.registry import ModelRegistry
 from service.validate import parse_request
 from tests.support.cluster import PSGRAD, env_of, mixed_request, settings_for
@@ -108,14 +108,14 @@ class MultiHost:
         with redis.Redis(host=self.redis_host.addr, port=REDIS_PORT, socket_timeout=5) as r:
             pipe = r.pipeline(transaction=False)
             for job_id in ids:
-                pipe.hgetall(redis_keys.job_state(self.settings.redis_prefix, job_id))
+                pipe.hgetall(keyspace.job_state(self.settings.redis_prefix, job_id))
             return [{text(k): text(v) for k, v in raw.items()} for raw in pipe.execute()]
 
     def queue_left(self) -> tuple[int, int]:
         """(entries in the job stream, deliveries pending in its group)."""
-        stream = redis_keys.job_stream(self.settings.redis_prefix)
+        stream = keyspace.job_stream(self.settings.redis_prefix)
         with redis.Redis(host=self.redis_host.addr, port=REDIS_PORT, socket_timeout=5) as r:
-            return int(r.xlen(stream)), int(r.xpending(stream, redis_keys.STREAM_GROUP)["pending"])
+            return int(r.xlen(stream)), int(r.xpending(stream, keyspace.STREAM_GROUP)["pending"])
 
     def dump(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-2500:]

@@ -19,8 +19,7 @@ import redis
 from psgrad._answer_reader import AnswerReader
 from psgrad._errors import Overloaded
 from psgrad._wire import RESPONSE_KEY
-from service import redis_keys
-from service.broker.redis import reader
+from service.broker.redis import keyspace, reader
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.common import command_parts, pieces
 from service.broker.redis.worker import RedisJobSource
@@ -108,7 +107,7 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         await broker.submit(j)
         taken = source.take(1, 10, 0.0, 1.0)
         source.started(taken)
-        writer = AnswerWriter(source.r, source.pr, redis_keys.job_keys(settings.redis_prefix, j.id),
+        writer = AnswerWriter(source.r, source.pr, keyspace.job_keys(settings.redis_prefix, j.id),
                               taken[0].attempts, ttl_s=30, piece_bytes=64 << 10)
         from psgrad._wire import safetensors_parts
 
@@ -126,7 +125,7 @@ async def test_a_canceled_answer_is_dropped_and_its_reader_stops(
         await asyncio.sleep(0.2)
         assert not reading.done()
         assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
-        key = redis_keys.job_answer(settings.redis_prefix, j.id)
+        key = keyspace.job_answer(settings.redis_prefix, j.id)
         assert not shared.exists(key) and not pieces_r.exists(writer.key)
         with pytest.raises(AnswerLost):
             await asyncio.wait_for(reading, 10)
@@ -144,15 +143,15 @@ async def test_answers_expire_and_are_deleted_with_the_job(
     short = settings.model_copy(update={"result_ttl_s": 2})
     async with queue(short) as (broker, source):
         jobs = await answered(broker, source, 2)
-        head, data = (redis_keys.job_answer(short.redis_prefix, jobs[0].id),
-                      redis_keys.job_pieces(short.redis_prefix, jobs[0].id, 1))
+        head, data = (keyspace.job_answer(short.redis_prefix, jobs[0].id),
+                      keyspace.job_pieces(short.redis_prefix, jobs[0].id, 1))
         assert 0 < shared.ttl(head) <= 2 and 0 < pieces_r.ttl(data) <= 2
         read = await read_answer((await broker.state(jobs[0].id)).answer)  # type: ignore[arg-type]
         np.testing.assert_array_equal(read["grads"]["w"], RESULT["grads"]["w"])
-        assert pieces_r.exists(redis_keys.job_pieces(short.redis_prefix, jobs[1].id, 1))
+        assert pieces_r.exists(keyspace.job_pieces(short.redis_prefix, jobs[1].id, 1))
         await broker.forget(jobs[1].id)
-        assert not shared.exists(redis_keys.job_answer(short.redis_prefix, jobs[1].id))
-        assert not pieces_r.exists(redis_keys.job_pieces(short.redis_prefix, jobs[1].id, 1))
+        assert not shared.exists(keyspace.job_answer(short.redis_prefix, jobs[1].id))
+        assert not pieces_r.exists(keyspace.job_pieces(short.redis_prefix, jobs[1].id, 1))
         await asyncio.sleep(2.5)
         assert not shared.exists(head) and not pieces_r.exists(data)
 
@@ -164,7 +163,7 @@ async def test_a_consumed_answer_leaves_redis_as_it_is_read(
     async with queue(settings) as (broker, source):
         source.piece_bytes = 64 << 10  # 19 pieces of grads, 1 of norms
         jobs = await answered(broker, source, 2)
-        kept, consumed = (redis_keys.job_pieces(settings.redis_prefix, j.id, 1) for j in jobs)
+        kept, consumed = (keyspace.job_pieces(settings.redis_prefix, j.id, 1) for j in jobs)
         assert pieces_r.xlen(kept) == pieces_r.xlen(consumed) == 20
         for j, consume in ((jobs[0], False), (jobs[1], True)):
             answer = (await broker.state(j.id)).answer
@@ -183,7 +182,7 @@ async def test_an_answer_whose_pieces_are_gone_is_lost_not_awaited(
     its reader raises within a poll or two instead of waiting for bytes that cannot come."""
     async with queue(settings) as (broker, source):
         (j,) = await answered(broker, source, 1)
-        pieces_r.delete(redis_keys.job_pieces(settings.redis_prefix, j.id, 1))
+        pieces_r.delete(keyspace.job_pieces(settings.redis_prefix, j.id, 1))
         state = await broker.state(j.id)
         assert state.status is JobStatus.SUCCEEDED and state.answer is not None
         started = time.monotonic()
@@ -218,7 +217,7 @@ async def test_the_api_is_ready_only_with_its_answers_redis(
 HALF_WRITER = """
 import os, signal, sys, numpy as np
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
-from service import redis_keys
+from service.broker.redis import keyspace
 from service.broker.redis.common import pieces
 from service.broker.redis.worker import RedisJobSource
 from service.broker.redis.writer import AnswerWriter
@@ -231,7 +230,7 @@ while not taken:
 source.started(taken)
 result = {"grads": {"w": np.ones(1_000_000, np.float32)}}
 head, *data = safetensors_parts(result, RESPONSE_KEY)
-writer = AnswerWriter(source.r, source.pr, redis_keys.job_keys(source.prefix, taken[0].id),
+writer = AnswerWriter(source.r, source.pr, keyspace.job_keys(source.prefix, taken[0].id),
                       taken[0].attempts, ttl_s=60)
 cut = list(pieces(data, 64 << 10))
 writer.open(cut[0])
@@ -319,26 +318,26 @@ async def test_a_small_answer_goes_whole_with_the_jobs_end_and_only_from_its_own
         small = {"model": "x", "norms": np.arange(4, dtype=np.float32)}
         source.succeed_all([(taken[small_job.id], small), (taken[big_job.id], RESULT)])
 
-        entries = shared.xrange(redis_keys.job_answer(settings.redis_prefix, small_job.id))
+        entries = shared.xrange(keyspace.job_answer(settings.redis_prefix, small_job.id))
         assert [e[1][b"k"] for e in entries] == [b"head", b"end"]
         state = await broker.state(small_job.id)
         assert state.status is JobStatus.SUCCEEDED and state.answer is not None
-        assert state.answer.size == len(entries[0][1][b"d"]) <= redis_keys.ANSWER_INLINE_BYTES
+        assert state.answer.size == len(entries[0][1][b"d"]) <= keyspace.ANSWER_INLINE_BYTES
         assert getattr(state.answer, "complete", False)  # nothing more to read
         read = await read_answer(state.answer)
         np.testing.assert_array_equal(read["norms"], small["norms"])
         big = await read_answer((await broker.state(big_job.id)).answer)  # type: ignore[arg-type]
         np.testing.assert_array_equal(big["grads"]["w"], RESULT["grads"]["w"])
-        big_entries = shared.xrange(redis_keys.job_answer(settings.redis_prefix, big_job.id))
+        big_entries = shared.xrange(keyspace.job_answer(settings.redis_prefix, big_job.id))
         assert [e[1][b"k"] for e in big_entries] == [b"head", b"end"]  # the bytes: in pieces
-        assert pieces_r.xlen(redis_keys.job_pieces(settings.redis_prefix, big_job.id, 1)) > 1
-        assert not pieces_r.exists(redis_keys.job_pieces(settings.redis_prefix, small_job.id, 1))
+        assert pieces_r.xlen(keyspace.job_pieces(settings.redis_prefix, big_job.id, 1)) > 1
+        assert not pieces_r.exists(keyspace.job_pieces(settings.redis_prefix, small_job.id, 1))
 
         # another delivery took the stale one's job over: its small answer is not stored
-        shared.hincrby(redis_keys.job_state(settings.redis_prefix, stale_job.id), "attempts", 1)
+        shared.hincrby(keyspace.job_state(settings.redis_prefix, stale_job.id), "attempts", 1)
         source.succeed(taken[stale_job.id], small)
         assert (await broker.state(stale_job.id)).status is JobStatus.RUNNING
-        assert not shared.exists(redis_keys.job_answer(settings.redis_prefix, stale_job.id))
+        assert not shared.exists(keyspace.job_answer(settings.redis_prefix, stale_job.id))
 
 
 
@@ -356,14 +355,14 @@ async def test_payloads_live_beside_the_answers_and_go_when_their_job_ends(
         for j in jobs:
             await broker.submit(j)
         for j in jobs:
-            assert pieces_r.exists(redis_keys.job_payload(p, j.id))
-            assert bool(shared.exists(redis_keys.job_payload(p, j.id))) is (answers_url is None)
+            assert pieces_r.exists(keyspace.job_payload(p, j.id))
+            assert bool(shared.exists(keyspace.job_payload(p, j.id))) is (answers_url is None)
         refused = job()
         with pytest.raises(Overloaded):
             await broker.submit(refused)
-        assert not pieces_r.exists(redis_keys.job_payload(p, refused.id))
+        assert not pieces_r.exists(keyspace.job_payload(p, refused.id))
 
-        pieces_r.delete(redis_keys.job_payload(p, lost.id))
+        pieces_r.delete(keyspace.job_payload(p, lost.id))
         taken = {t.id: t for t in source.take(4, 10, 0.0, 1.0)}
         assert set(taken) == {done.id, canceled.id, retried.id}
         gone = await broker.state(lost.id)
@@ -371,19 +370,19 @@ async def test_payloads_live_beside_the_answers_and_go_when_their_job_ends(
         assert "send it again" in gone.error["error"]["message"]
         source.started(list(taken.values()))
         source.succeed(taken[done.id], RESULT)
-        assert not pieces_r.exists(redis_keys.job_payload(p, done.id))
+        assert not pieces_r.exists(keyspace.job_payload(p, done.id))
         await broker.cancel(canceled.id)
-        assert not pieces_r.exists(redis_keys.job_payload(p, canceled.id))
+        assert not pieces_r.exists(keyspace.job_payload(p, canceled.id))
         source.fail(taken[retried.id], {"error": {"code": "internal_error", "message": "x"}},
                     retry=True)
-        assert pieces_r.exists(redis_keys.job_payload(p, retried.id))
+        assert pieces_r.exists(keyspace.job_payload(p, retried.id))
         [again] = source.take(1, 10, 0.0, 1.0)
         assert again.id == retried.id and again.attempts == 2
         np.testing.assert_array_equal(again.fields["inputs"], retried.fields["inputs"])
         source.started([again])
         source.succeed(again, RESULT)
-        assert not pieces_r.exists(redis_keys.job_payload(p, retried.id))
-        assert not shared.exists(redis_keys.job_payload(p, retried.id))
+        assert not pieces_r.exists(keyspace.job_payload(p, retried.id))
+        assert not shared.exists(keyspace.job_payload(p, retried.id))
 
 
 def test_pieces_are_sent_as_views_of_the_answer() -> None:
@@ -399,7 +398,7 @@ def test_a_refused_piece_raises_and_leaves_no_unread_replies(
     """An error reply mid-answer (here the stream's key holds a string) is raised, and the
     connection with the later pieces' replies unread is dropped, not lent to the next command."""
     source = RedisJobSource(settings, name="w")
-    writer = AnswerWriter(source.r, source.pr, redis_keys.job_keys(source.prefix, "j"), 1, ttl_s=30,
+    writer = AnswerWriter(source.r, source.pr, keyspace.job_keys(source.prefix, "j"), 1, ttl_s=30,
                           piece_bytes=64 << 10)
     writer.open = lambda first: pieces_r.set(writer.key, b"not a stream")  # type: ignore
     writer.begin = lambda head: True  # type: ignore[method-assign]

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from psgrad._errors import Overloaded, UnknownJob
-from service import redis_keys
+from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource, Taken
 from service.config import Settings
@@ -107,7 +107,7 @@ async def test_submit_take_succeed_wait(settings: Settings) -> None:
             assert result_read["losses"].tolist() == [1.5]
             assert result_read["timing"] == {"compute_ms": 1.0}
         # a redelivered copy cannot answer again, differently
-        source._taken[taken[0].id] = Taken("0-1", redis_keys.job_keys(settings.redis_prefix,
+        source._taken[taken[0].id] = Taken("0-1", keyspace.job_keys(settings.redis_prefix,
                                                                       taken[0].id))
         source.succeed(taken[0], {"losses": np.array([9.0], dtype=np.float32)})
         again = await result_of(await broker.state(jobs[0].id))
@@ -121,9 +121,9 @@ async def test_submit_take_succeed_wait(settings: Settings) -> None:
         source.succeed(taken[2], {"losses": np.zeros(3, dtype=np.float32)})
         # acknowledged and deleted: nothing pending, the stream is empty
         assert await broker.queue_depth() == 0
-        assert source.r.xpending(source.stream, redis_keys.STREAM_GROUP)["pending"] == 0
+        assert source.r.xpending(source.stream, keyspace.STREAM_GROUP)["pending"] == 0
         # payloads are dropped once a job ends
-        assert source.r.exists(redis_keys.job_payload(settings.redis_prefix, jobs[0].id)) == 0
+        assert source.r.exists(keyspace.job_payload(settings.redis_prefix, jobs[0].id)) == 0
     finally:
         source.close()
         await broker.close()
@@ -194,20 +194,20 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
     entry (not pending, never redelivered) and stores nothing over ``canceled``."""
     broker = RedisBroker(settings)
     source = RedisJobSource(settings, name="w")
-    stream = redis_keys.job_stream(settings.redis_prefix)
+    stream = keyspace.job_stream(settings.redis_prefix)
     try:
         j = job()
         await broker.submit(j)
         taken = take_all(source)
         assert [t.id for t in taken] == [j.id]
-        assert shared.xpending(stream, redis_keys.STREAM_GROUP)["pending"] == 1
+        assert shared.xpending(stream, keyspace.STREAM_GROUP)["pending"] == 1
         assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
         metrics = WorkerMetrics()
         work = Worker(source, ModelRegistry(), settings, Events(metrics.on_event),
                       storage=open_storage(settings))
         await asyncio.to_thread(work.process, taken)
         assert metrics.registry.get_sample_value("psgrad_jobs_total", {"status": "canceled"}) == 1
-        assert shared.xpending(stream, redis_keys.STREAM_GROUP)["pending"] == 0
+        assert shared.xpending(stream, keyspace.STREAM_GROUP)["pending"] == 0
         assert shared.xlen(stream) == 0
         state = await broker.state(j.id)
         assert state.status is JobStatus.CANCELED and state.error is None
@@ -367,7 +367,7 @@ async def test_a_result_over_the_value_limit_travels_in_pieces(tmp_path: Path) -
         read = await result_of(state)
         assert read is not None
         np.testing.assert_array_equal(read["grads"], grads)
-        entries = redis.Redis.from_url(url).xrange(redis_keys.job_pieces("bulk", big.id, 1))
+        entries = redis.Redis.from_url(url).xrange(keyspace.job_pieces("bulk", big.id, 1))
         assert len(entries) >= 7 and all(len(f[b"d"]) <= 1 << 19 for _, f in entries)
         done = await result_of(await broker.wait(fits.id, 5))
         assert done is not None
@@ -428,7 +428,7 @@ async def test_planning_time_is_recorded_and_keeps_the_state(
         taken = await asyncio.to_thread(take_all, source, 1)
         assert [t.id for t in taken] == [running.id]
         source.started(taken)
-        state_key = redis_keys.job_state(settings.redis_prefix, running.id)
+        state_key = keyspace.job_state(settings.redis_prefix, running.id)
         ttl = shared.ttl(state_key)
         source.planning([taken[0], queued], time.time() - 2.0)
         assert 2.0 <= (await broker.state(running.id)).planning_s < 10.0

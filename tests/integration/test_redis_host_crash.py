@@ -35,6 +35,7 @@ import pytest
 import redis
 
 from service import redis_keys
+from service.broker.redis import keyspace
 from service.config import Settings
 from service.dp import runs
 from service.dp.runs import DPRun, RedisRunStore
@@ -172,11 +173,11 @@ async def test_a_redis_host_crash_inside_the_fsync_window(
     # the host crashes after the last acknowledgment
     at_end = acknowledged if fsync == "always" else released[0] if ledger_safe else synced
     r = crash_at(server, kept, at_end)
-    states = {name: r.hget(redis_keys.job_state(PREFIX, j.id), "status")
+    states = {name: r.hget(keyspace.job_state(PREFIX, j.id), "status")
               for name, j in (("step", step), ("accepted", accepted))}
     if fsync == "always":  # nothing acknowledged is lost
         assert states == {"step": "succeeded", "accepted": "queued"}
-        assert r.xlen(redis_keys.job_stream(PREFIX)) == 1  # the accepted job's ticket
+        assert r.xlen(keyspace.job_stream(PREFIX)) == 1  # the accepted job's ticket
         assert int(r.hget(redis_keys.dp_run(PREFIX, run.id), "steps") or 0) == 1
     else:  # everysec: the last second's jobs are gone (GET /jobs/{id} answers 404)
         assert states["accepted"] is None

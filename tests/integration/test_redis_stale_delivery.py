@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from service import redis_keys
+from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
@@ -50,9 +50,9 @@ async def started_on(broker: RedisBroker, source: RedisJobSource) -> Job:
 
 
 def queue(settings: Settings) -> dict[str, Any]:
-    stream = redis_keys.job_stream(settings.redis_prefix)
+    stream = keyspace.job_stream(settings.redis_prefix)
     with redis.Redis.from_url(settings.redis_url or "") as r:
-        pending = r.xpending_range(stream, redis_keys.STREAM_GROUP, "-", "+", 10)
+        pending = r.xpending_range(stream, keyspace.STREAM_GROUP, "-", "+", 10)
         return {"entries": int(r.xlen(stream)),
                 "pending": sorted((p["consumer"].decode(), p["message_id"].decode())
                                   for p in pending)}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from service import redis_keys
+from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource
 from service.config import Settings
@@ -57,7 +57,7 @@ def job() -> Job:
 async def test_the_lag_the_scaler_reads_is_the_jobs_waiting_for_a_worker(
         settings: Settings) -> None:
     r = redis.Redis.from_url(SHARED_URL)
-    stream, group = redis_keys.job_stream(settings.redis_prefix), redis_keys.STREAM_GROUP
+    stream, group = keyspace.job_stream(settings.redis_prefix), keyspace.STREAM_GROUP
     broker = RedisBroker(settings)
     try:
         assert keda_lag(r, stream, group) == 0  # nothing ever queued

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import redis
 
-from service import redis_keys
-from service.redis_keys import text
+from service.broker.redis import keyspace
+from service.broker.redis.common import text
 from service.registry import make_registry
 from service.storage import open_storage
 from service.worker.events import Events
@@ -57,7 +57,7 @@ async def test_status_aggregates_every_workers_heartbeat(tmp_path: Path, prefix:
     docs = [norms_request(n, seed=n) for n in (3, 5, 2, 7)]
     async with cluster(tmp_path, SHARED_URL, prefix, n_workers=2) as c:
         with redis.Redis.from_url(SHARED_URL) as r:
-            names = {text(n) for n in r.smembers(redis_keys.worker_names(prefix))}
+            names = {text(n) for n in r.smembers(keyspace.worker_names(prefix))}
         # (a heartbeat of 0.3 s may lapse for a moment while a loaded machine imports torch)
         view = await view_when(c.client, lambda v: len(v["workers"]) == 2 and all(
             w["alive"] and w["pid"] for w in v["workers"]), "two live workers")
@@ -141,10 +141,10 @@ async def test_unreadable_statuses_are_shown_never_a_500(tmp_path: Path, prefix:
         with redis.Redis.from_url(SHARED_URL) as r:
             for name, value in (("odd", json.dumps({"jobs_done": "many", "batch": 3})),
                                 ("garbled", "{not json"), ("listed", json.dumps([1, 2]))):
-                r.sadd(redis_keys.worker_names(prefix), name)
-                r.set(redis_keys.worker_heartbeat(prefix, name), "1", ex=60)
-                r.set(redis_keys.worker_status(prefix, name), value, ex=60)
-            r.sadd(redis_keys.worker_names(prefix), "gone")  # neither heartbeat nor status: pruned
+                r.sadd(keyspace.worker_names(prefix), name)
+                r.set(keyspace.worker_heartbeat(prefix, name), "1", ex=60)
+                r.set(keyspace.worker_status(prefix, name), value, ex=60)
+            r.sadd(keyspace.worker_names(prefix), "gone")  # neither heartbeat nor status: pruned
         r2 = await c.client.get("/status.json")
         assert r2.status_code == 200, r2.text
         rows = by_id(r2.json())
@@ -152,7 +152,7 @@ async def test_unreadable_statuses_are_shown_never_a_500(tmp_path: Path, prefix:
         assert all(w["alive"] and w["jobs_done"] == 0 and w["batch"] is None
                    for w in rows.values())
         with redis.Redis.from_url(SHARED_URL) as r:
-            assert {text(n) for n in r.smembers(redis_keys.worker_names(prefix))} == set(rows)
+            assert {text(n) for n in r.smembers(keyspace.worker_names(prefix))} == set(rows)
 
 
 async def test_redis_down_the_api_still_shows_its_own_view() -> None:

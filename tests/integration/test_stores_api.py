@@ -22,9 +22,10 @@ import torch
 
 from psgrad._errors import Conflict
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
-from service import curvature, redis_keys
+from service import curvature
 from service.api.routes.stores import _same_model
-from service.redis_keys import text
+from service.broker.redis import keyspace
+from service.broker.redis.common import text
 from service.registry import load_model
 from service.stores import factors
 from service.stores.files import StoreFiles
@@ -797,7 +798,7 @@ async def _running_job(cluster_: Any, timeout: float = 120) -> str:
     until = time.monotonic() + timeout
     with redis.Redis.from_url(s.redis_url) as r:
         while time.monotonic() < until:
-            for key in r.scan_iter(match=redis_keys.job_state(s.redis_prefix, "*"), count=1000,
+            for key in r.scan_iter(match=keyspace.job_state(s.redis_prefix, "*"), count=1000,
                                    _type="hash"):  # job states, not their payloads
                 if text(r.hget(key, "status") or b"") == "running":
                     return text(key).rpartition(":")[2]

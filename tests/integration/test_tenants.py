@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from service import redis_keys
+from service.broker.redis import keyspace
 from service.dp import runs
 from service.dp.runs import DPRun
 from service.tenants import DEFAULT_TENANT
@@ -316,7 +317,7 @@ async def test_redis_data_made_before_tenants_is_the_default_tenants(tmp_path: P
             await check_pre_tenant(c, run.id)
             r = await c.post("/jobs", json=TD0, headers=ALICE)
             job = r.json()["job_id"]
-            shared.hdel(redis_keys.job_state(prefix, job), "tenant")  # a job queued before tenants
+            shared.hdel(keyspace.job_state(prefix, job), "tenant")  # a job queued before tenants
             error(await c.get(f"/jobs/{job}", headers=ALICE), 404, "unknown_job")
             assert (await finished(c, job, DEFAULT))["status"] == "succeeded"
             assert (await c.get(f"/jobs/{job}", headers=OPS)).status_code == 200

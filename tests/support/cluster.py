@@ -20,12 +20,13 @@ import httpx
 import numpy as np
 import redis
 
-from service import engine, redis_keys
+from service import engine
 from service.api.app import create_app
 from service.api.body import decode_json_body
+from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
+from service.broker.redis.common import text
 from service.config import Settings
-from service.redis_keys import text
 from service.validate import parse_request
 from tests.support.client import free_port
 from tests.support.redis import (
@@ -101,12 +102,12 @@ class Cluster:
 
     def job_hash(self, job_id: str) -> dict[str, str]:
         with redis.Redis.from_url(self.settings.redis_url or "") as r:
-            raw = r.hgetall(redis_keys.job_state(self.settings.redis_prefix, job_id))
+            raw = r.hgetall(keyspace.job_state(self.settings.redis_prefix, job_id))
             return {text(k): text(v) for k, v in raw.items()}
 
     def xlen(self) -> int:
         with redis.Redis.from_url(self.settings.redis_url or "") as r:
-            return int(r.xlen(redis_keys.job_stream(self.settings.redis_prefix)))
+            return int(r.xlen(keyspace.job_stream(self.settings.redis_prefix)))
 
 
 @contextlib.asynccontextmanager

@@ -5,8 +5,8 @@ same as ``kubectl kustomize`` where kubectl is installed), validate against the 
 schemas (``kubernetes-validate``, strict: unknown fields refused) and the KEDA objects against
 KEDA's CRD schemas kept in deploy/kubernetes/schemas/. Then the wiring: each process gets
 exactly the settings it reads (service/config.py READ_BY), ports and probes are the app's, the
-scaler reads the stream and group of service/redis_keys.py, Redis runs as docker-compose.yml
-runs it.
+scaler reads the stream and group of service/broker/redis/keyspace.py, Redis runs as
+docker-compose.yml runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service import redis_keys
+from service.broker.redis import keyspace
 from service.config import API, BOTH, READ_BY, WORKER, Settings, read_by
 from tests.support.api import open_client
 from tests.support.kustomize import containers, pod_spec, read_env, render, unhashed
@@ -320,8 +320,8 @@ def test_the_scaler_reads_the_job_streams_lag(base: list[dict[str, Any]]) -> Non
     assert trigger["type"] == "redis-streams"
     meta = trigger["metadata"]
     prefix = read_env(BASE / "settings" / "shared.env")["PSGRAD_REDIS_PREFIX"]
-    assert meta["stream"] == redis_keys.job_stream(prefix)
-    assert meta["consumerGroup"] == redis_keys.STREAM_GROUP
+    assert meta["stream"] == keyspace.job_stream(prefix)
+    assert meta["consumerGroup"] == keyspace.STREAM_GROUP
     assert int(meta["lagCount"]) >= 1 and int(meta["activationLagCount"]) == 0
     assert "pendingEntriesCount" not in meta and "streamLength" not in meta
     # the queue's Redis, by the name KEDA's operator resolves from its own namespace

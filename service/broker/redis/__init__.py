@@ -1,6 +1,6 @@
 """The Redis broker: a stream with a consumer group for jobs, keys with TTLs for everything else.
 
-Life of a job (key names in :mod:`service.redis_keys`)::
+Life of a job (key names in :mod:`service.broker.redis.keyspace`)::
 
     api  submit   the tenant's quotas checked, SET payload (safetensors) + HSET state {queued,
                   deadline, tenant, ...} + RPUSH tenant queue + XADD a ticket to the stream (one
@@ -29,6 +29,7 @@ The two sides, each in modules of its own (the worker side imports nothing of th
 - worker (synchronous, in worker processes): :mod:`~service.broker.redis.worker`
   (:class:`RedisJobSource`), :mod:`~service.broker.redis.intake` (taking jobs and the batching
   window) and :mod:`~service.broker.redis.writer` (an answer written in pieces);
-- both: :mod:`~service.broker.redis.lua` (every script, with its keys) and
-  :mod:`~service.broker.redis.common` (replies, limits, failures, framing).
+- both: :mod:`~service.broker.redis.keyspace` (every key of the queue, its jobs and its
+  workers), :mod:`~service.broker.redis.lua` (every script, with the keys it takes) and
+  :mod:`~service.broker.redis.common` (replies read as text, limits, failures, framing).
 """

@@ -28,15 +28,22 @@ from redis.exceptions import (
 
 from psgrad._errors import InternalError, Overloaded, PsgradError, TooLarge, UnknownJob
 from psgrad._wire import fields_to_safetensors
-from service import redis_keys
 from service.broker.quotas import limits, refusal, too_large_for_quota
-from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable, value_limit
+from service.broker.redis import keyspace
+from service.broker.redis.common import (
+    DEFAULT_MAX_VALUE_BYTES,
+    RETRY_AFTER_DOWN_S,
+    redis_unavailable,
+    text,
+    text_hash,
+    texts,
+    value_limit,
+)
 from service.broker.redis.lua import CANCEL_LUA, SUBMIT_LUA
 from service.broker.redis.reader import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Answer, Job, JobState, JobStatus
-from service.redis_keys import text, text_hash, texts
 from service.tenants import DEFAULT_TENANT, Quotas
 
 log = logging.getLogger(__name__)
@@ -102,7 +109,7 @@ class RedisBroker:
             raise InternalError("RedisBroker needs PSGRAD_REDIS_URL")
         self.settings = settings
         self.prefix = settings.redis_prefix
-        self.queue = redis_keys.queue_keys(self.prefix)
+        self.queue = keyspace.queue_keys(self.prefix)
         # Pools open connections as concurrent requests need them and keep them: room for
         # every request the queue admits at once (redis-py's default cap, 100, answered the
         # 101st of a burst with a 503); a waiting request holds one BLPOP connection, queued
@@ -112,7 +119,7 @@ class RedisBroker:
         self.r = aioredis.Redis.from_url(settings.redis_url, **kwargs)
         self.bulk = aioredis.Redis.from_url(
             settings.redis_url, **connection_kwargs(settings, bulk=True), max_connections=room)
-        self.max_value_bytes = redis_keys.DEFAULT_MAX_VALUE_BYTES
+        self.max_value_bytes = DEFAULT_MAX_VALUE_BYTES
         # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
             settings.redis_url, **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
@@ -166,7 +173,7 @@ class RedisBroker:
         # the jobs queued, is what an autoscaler reads to start the first worker.
         stream = self.queue.stream
         try:
-            await self._call(lambda: self.r.xgroup_create(stream, redis_keys.STREAM_GROUP, id="0",
+            await self._call(lambda: self.r.xgroup_create(stream, keyspace.STREAM_GROUP, id="0",
                                                           mkstream=True))
         except (InternalError, Overloaded) as exc:
             if "BUSYGROUP" not in exc.message:
@@ -189,11 +196,11 @@ class RedisBroker:
         if lim.queued_samples is not None and n > lim.queued_samples:
             raise too_large_for_quota(job.tenant, n, lim.queued_samples)
         p, t, q = self.prefix, job.tenant, self.queue
-        keys = redis_keys.job_keys(p, job.id)
-        tenant_queue, tenant_jobs, tenant_rate = (redis_keys.tenant_queue(p, t),
-                                                  redis_keys.tenant_jobs(p, t),
-                                                  redis_keys.tenant_rate(p, t))
-        ttl = redis_keys.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
+        keys = keyspace.job_keys(p, job.id)
+        tenant_queue, tenant_jobs, tenant_rate = (keyspace.tenant_queue(p, t),
+                                                  keyspace.tenant_jobs(p, t),
+                                                  keyspace.tenant_rate(p, t))
+        ttl = keyspace.job_ttl_s(job.deadline - time.time(), self.settings.result_ttl_s)
         apart = self.pieces_bulk is not self.bulk
         # a stalled Redis (a paused host, a full network buffer) answers 503 in seconds, not
         # after the bulk clients' transfer timeout that a payload of hundreds of MB may need
@@ -231,7 +238,7 @@ class RedisBroker:
         just now, so its end cannot have been announced long enough ago for the announcement
         to have expired: block at once, without reading the state first (one round trip less).
         """
-        keys = redis_keys.job_keys(self.prefix, job_id)
+        keys = keyspace.job_keys(self.prefix, job_id)
         if not fresh or timeout <= 0:
             state = await self._state(keys)
             if state.status.done or state.answer is not None or timeout <= 0:
@@ -243,14 +250,14 @@ class RedisBroker:
         return await self._state(keys, hand_on=popped is not None and not fresh)
 
     async def state(self, job_id: str) -> JobState:
-        return await self._state(redis_keys.job_keys(self.prefix, job_id))
+        return await self._state(keyspace.job_keys(self.prefix, job_id))
 
-    async def _state(self, keys: redis_keys.JobKeys, *, hand_on: bool = False) -> JobState:
+    async def _state(self, keys: keyspace.JobKeys, *, hand_on: bool = False) -> JobState:
         async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 if hand_on:
                     pipe.rpush(keys.notify, b"done")
-                    pipe.expire(keys.notify, redis_keys.NOTIFY_TTL_S)
+                    pipe.expire(keys.notify, keyspace.NOTIFY_TTL_S)
                 pipe.hgetall(keys.state)
                 pipe.xrange(keys.answer, count=1)  # its header, if any
                 return cast("list[Any]", await pipe.execute())
@@ -264,11 +271,11 @@ class RedisBroker:
                                                           keys, h, first))
 
     async def cancel(self, job_id: str) -> JobState:
-        keys = redis_keys.job_keys(self.prefix, job_id)
-        bulk = redis_keys.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
+        keys = keyspace.job_keys(self.prefix, job_id)
+        bulk = keyspace.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
         found = await self._call(lambda: self._cancel(
             keys=[keys.state, keys.notify, keys.payload, keys.answer],
-            args=[repr(time.time()), self.settings.result_ttl_s, redis_keys.NOTIFY_TTL_S,
+            args=[repr(time.time()), self.settings.result_ttl_s, keyspace.NOTIFY_TTL_S,
                   self.queue.tenant_jobs_base, job_id],
         ))
         if not found:
@@ -278,8 +285,8 @@ class RedisBroker:
         return await self._state(keys)
 
     async def forget(self, job_id: str) -> None:
-        keys = redis_keys.job_keys(self.prefix, job_id)
-        bulk = redis_keys.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
+        keys = keyspace.job_keys(self.prefix, job_id)
+        bulk = keyspace.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
         try:
             await self._delete([keys.state, keys.answer, keys.notify], bulk)
         except Overloaded as exc:  # the keys expire by themselves
@@ -314,7 +321,7 @@ class RedisBroker:
 
     async def worker_snapshots(self) -> list[dict[str, Any]]:
         """Every worker's last published status (:mod:`service.worker.recorder`), with ``alive``: a
-        dead worker's stays until its status key expires (``redis_keys.WORKER_STATUS_TTL_S``)."""
+        dead worker's stays until its status key expires (``keyspace.WORKER_STATUS_TTL_S``)."""
         return await self._workers(with_status=True)
 
     async def _workers(self, *, with_status: bool) -> list[dict[str, Any]]:
@@ -322,18 +329,18 @@ class RedisBroker:
         names whose heartbeat and status both expired are pruned from the set."""
         p = self.prefix
         names = sorted(text(n) for n in
-                       await self._call(lambda: self.r.smembers(redis_keys.worker_names(p))))
+                       await self._call(lambda: self.r.smembers(keyspace.worker_names(p))))
         if not names:
             return []
 
         async def read() -> list[Any]:
             async with self.r.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.exists(redis_keys.worker_heartbeat(p, name))
+                    pipe.exists(keyspace.worker_heartbeat(p, name))
                     if with_status:
-                        pipe.get(redis_keys.worker_status(p, name))
+                        pipe.get(keyspace.worker_status(p, name))
                     else:
-                        pipe.exists(redis_keys.worker_status(p, name))
+                        pipe.exists(keyspace.worker_status(p, name))
                 return cast("list[Any]", await pipe.execute())
 
         replies = await self._call(read)
@@ -345,7 +352,7 @@ class RedisBroker:
             doc = _status_doc(status) if with_status else {}
             found.append({**doc, "id": name, "alive": bool(alive)})
         if dead:
-            await self._call(lambda: self.r.srem(redis_keys.worker_names(p), *dead))
+            await self._call(lambda: self.r.srem(keyspace.worker_names(p), *dead))
         return found
 
     @staticmethod

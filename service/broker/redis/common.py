@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service import redis_keys
-
-__all__ = ["LINE_READ", "RETRY_AFTER_DOWN_S", "answer_size", "command_parts", "pieces",
-           "redis_unavailable", "value_limit"]
+__all__ = ["DEFAULT_MAX_VALUE_BYTES", "LINE_READ", "RETRY_AFTER_DOWN_S", "answer_size",
+           "command_parts", "pieces", "redis_unavailable", "text", "text_hash", "texts",
+           "value_limit"]
 
 RETRY_AFTER_DOWN_S = 2.0  # Retry-After while Redis is unreachable
 _UNAVAILABLE_REPLIES = ("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN", "NOGROUP")
+DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len unless configured
+# (requests are one value and stay under it; answers travel in pieces and have no such cap)
 LINE_READ = 4096  # bytes per read of reply lines (what follows them is the next piece's start)
 
 
@@ -35,7 +36,25 @@ def value_limit(config: Mapping[Any, Any] | None) -> int:
     connection on a longer one. Where CONFIG is disabled (managed Redis): the default."""
     for value in (config or {}).values():
         return int(value)
-    return redis_keys.DEFAULT_MAX_VALUE_BYTES
+    return DEFAULT_MAX_VALUE_BYTES
+
+
+def text(value: Any) -> str:
+    """A reply's bytes (or a view of them) as text, whether or not the client decodes
+    responses; anything else as ``str`` has it."""
+    return bytes(value).decode() if isinstance(value, (bytes, memoryview)) else str(value)
+
+
+def texts(values: Iterable[Any]) -> list[str]:
+    """Each of a reply's values as :func:`text`."""
+    return [text(v) for v in values]
+
+
+def text_hash(raw: Mapping[Any, Any] | list[Any]) -> dict[str, str]:
+    """A hash as text: ``HGETALL``'s reply, a mapping or (from a script) a flat list of fields
+    and values."""
+    pairs = raw.items() if isinstance(raw, Mapping) else zip(raw[::2], raw[1::2], strict=True)
+    return {text(k): text(v) for k, v in pairs}
 
 
 def command_parts(*args: bytes | memoryview) -> list[bytes | memoryview]:

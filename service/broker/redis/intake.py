@@ -11,11 +11,11 @@ from typing import Any
 import redis
 from redis.exceptions import ResponseError
 
-from service import redis_keys
+from service.broker.redis import keyspace
+from service.broker.redis.common import text, text_hash, texts
 from service.broker.redis.lua import PICK_LUA
 from service.config import Settings
 from service.jobs import batch_until
-from service.redis_keys import text, text_hash, texts
 
 Entry = tuple[str, str, int]  # ticket (stream entry id), job id, samples
 GATHER_POLL_S = 0.001  # how often a batch being gathered looks for newcomers
@@ -35,7 +35,7 @@ class StreamIntake:
     refreshed by the heartbeat, never claimed back by this worker) until :meth:`release`.
     """
 
-    def __init__(self, r: redis.Redis, settings: Settings, queue: redis_keys.QueueKeys,
+    def __init__(self, r: redis.Redis, settings: Settings, queue: keyspace.QueueKeys,
                  name: str) -> None:
         self.r, self.settings, self.stream, self.name = r, settings, queue.stream, name
         self._held: set[str] = set()  # entry ids this worker holds (buffered or in a batch)
@@ -105,7 +105,7 @@ class StreamIntake:
         if self._group_ready:
             return
         try:  # from id 0: jobs queued before any worker existed are read too
-            self.r.xgroup_create(self.stream, redis_keys.STREAM_GROUP, id="0", mkstream=True)
+            self.r.xgroup_create(self.stream, keyspace.STREAM_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -116,7 +116,7 @@ class StreamIntake:
         its size), each with its ticket; whether the next did not fit; the stream's last id."""
         try:
             reply: Any = self._pick(keys=self._pick_keys,
-                                    args=[redis_keys.STREAM_GROUP, self.name, self._queue_base,
+                                    args=[keyspace.STREAM_GROUP, self.name, self._queue_base,
                                           max_jobs, room, int(first)])
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -140,7 +140,7 @@ class StreamIntake:
         if now < self._autoclaim_at:
             return []
         self._autoclaim_at = now + max(0.05, min(1.0, vis / 2))
-        reply: Any = self.r.xautoclaim(self.stream, redis_keys.STREAM_GROUP, self.name,
+        reply: Any = self.r.xautoclaim(self.stream, keyspace.STREAM_GROUP, self.name,
                                        int(vis * 1000), "0-0", count=count)
         held = set(self.held())
         found = [(text(eid), text_hash(f))
@@ -157,7 +157,7 @@ class StreamIntake:
             else:  # a ticket no job was taken with (cannot happen: taken in one script)
                 stale.append(eid)
         if stale:
-            self.r.xack(self.stream, redis_keys.STREAM_GROUP, *stale)
+            self.r.xack(self.stream, keyspace.STREAM_GROUP, *stale)
             self.r.xdel(self.stream, *stale)
         return entries
 

@@ -3,10 +3,10 @@
 Each script changes a job's state and what goes with it in one step: the api side's
 (:data:`SUBMIT_LUA`, :data:`CANCEL_LUA`) and the worker side's (:data:`PICK_LUA`,
 :data:`RETRY_LUA`, :data:`START_LUA`, :data:`PLANNING_LUA`, :data:`ATTEMPT_LUA`,
-:data:`BEGIN_LUA`, :data:`FINISH_LUA`). Key names are :mod:`service.redis_keys`'s. Only small values
-pass through them (ids, statuses, errors, numbers, and an answer of at most
-:data:`service.redis_keys.ANSWER_INLINE_BYTES`, written whole by the end script in the same round
-trip); larger answers travel as stream pieces (:mod:`service.broker.redis.writer`).
+:data:`BEGIN_LUA`, :data:`FINISH_LUA`). Key names are :mod:`service.broker.redis.keyspace`'s.
+Only small values pass through them (ids, statuses, errors, numbers, and an answer of at most
+:data:`~service.broker.redis.keyspace.ANSWER_INLINE_BYTES`, written whole by the end script in
+the same round trip); larger answers travel as stream pieces (:mod:`service.broker.redis.writer`).
 
 Fair scheduling across tenants: the rule is :mod:`service.broker.fair_queue`'s (start-time fair
 queueing in samples, weighted by ``Quotas.weight``), kept in Redis so that every worker process

@@ -17,10 +17,16 @@ import redis
 import redis.asyncio as aioredis
 
 from psgrad._memory import unreferenced
-from service import redis_keys
-from service.broker.redis.common import LINE_READ, answer_size, command_parts
+from service.broker.redis import keyspace
+from service.broker.redis.common import (
+    LINE_READ,
+    answer_size,
+    command_parts,
+    text,
+    text_hash,
+    texts,
+)
 from service.jobs import AnswerLost, JobStatus
-from service.redis_keys import text, text_hash, texts
 
 __all__ = ["RedisAnswer"]
 
@@ -40,7 +46,7 @@ class RedisAnswer:
 
     r: aioredis.Redis  # the queue's Redis, a client without a socket timeout: XREAD blocks
     pr: aioredis.Redis  # the answers' Redis (may be ``r``), the same kind of client
-    keys: redis_keys.JobKeys
+    keys: keyspace.JobKeys
     attempt: str
     head_id: bytes
     head: bytes
@@ -50,7 +56,7 @@ class RedisAnswer:
         self.size = answer_size(self.head)
 
     @classmethod
-    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, keys: redis_keys.JobKeys,
+    def found(cls, r: aioredis.Redis, pr: aioredis.Redis, keys: keyspace.JobKeys,
               state: Mapping[str, str], first: list[Any]) -> RedisAnswer | None:
         """The answer a state hash and the answer stream's first entry show, if it is readable:
         the named whole one of a succeeded job, or the one a running job is writing now."""

@@ -27,15 +27,20 @@ from redis.exceptions import RedisError
 
 from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, parts_size, safetensors_parts
-from service import redis_keys
-from service.broker.redis.common import redis_unavailable, value_limit
+from service.broker.redis import keyspace
+from service.broker.redis.common import (
+    DEFAULT_MAX_VALUE_BYTES,
+    redis_unavailable,
+    text,
+    text_hash,
+    value_limit,
+)
 from service.broker.redis.intake import Entry, StreamIntake
 from service.broker.redis.lua import ATTEMPT_LUA, FINISH_LUA, PLANNING_LUA, RETRY_LUA, START_LUA
 from service.broker.redis.writer import AnswerWriter
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.jobs import Job, JobStatus
-from service.redis_keys import text, text_hash
 from service.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
@@ -54,7 +59,7 @@ class Taken(NamedTuple):
     its keys, named once when it is taken."""
 
     ticket: str
-    keys: redis_keys.JobKeys
+    keys: keyspace.JobKeys
 
 
 def _completed(fn: Any, /, **kwargs: Any) -> bool:
@@ -82,7 +87,7 @@ class RedisJobSource:
         self.settings = settings
         self.prefix = settings.redis_prefix
         self.name = name or consumer_name(settings.device)
-        self.queue = redis_keys.queue_keys(self.prefix)
+        self.queue = keyspace.queue_keys(self.prefix)
         self.stream = self.queue.stream
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
@@ -94,7 +99,7 @@ class RedisJobSource:
                    if settings.answer_redis_url else self.r)
         # answers travel in pieces (no cap of one value); each piece fits in one value
         self.max_value_bytes: int | None = None
-        self.piece_bytes = min(redis_keys.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
+        self.piece_bytes = min(keyspace.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
         self._retry = self.r.register_script(RETRY_LUA)
         self.intake = StreamIntake(self.r, settings, self.queue, self.name)
         self._taken: dict[str, Taken] = {}  # job id -> its ticket and keys, while held here
@@ -118,9 +123,9 @@ class RedisJobSource:
             self._keeper.join(timeout=5)
         if deregister:
             try:
-                self.r.delete(redis_keys.worker_heartbeat(self.prefix, self.name),
-                              redis_keys.worker_status(self.prefix, self.name))
-                self.r.srem(redis_keys.worker_names(self.prefix), self.name)
+                self.r.delete(keyspace.worker_heartbeat(self.prefix, self.name),
+                              keyspace.worker_status(self.prefix, self.name))
+                self.r.srem(keyspace.worker_names(self.prefix), self.name)
             except RedisError:
                 pass
         self.r.close()
@@ -141,18 +146,18 @@ class RedisJobSource:
     def beat(self) -> None:
         """Write the heartbeat that ``/readyz`` reads (and the status ``/status`` reads), and
         refresh the claim on held jobs."""
-        ttl = redis_keys.heartbeat_ttl_s(self.settings.heartbeat_s)
+        ttl = keyspace.heartbeat_ttl_s(self.settings.heartbeat_s)
         held: list[Any] = self.intake.held()
         pipe = self.r.pipeline(transaction=False)
         if self.ready():
-            pipe.set(redis_keys.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
-        pipe.sadd(redis_keys.worker_names(self.prefix), self.name)
+            pipe.set(keyspace.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
+        pipe.sadd(keyspace.worker_names(self.prefix), self.name)
         status = self._status()
         if status is not None:
-            pipe.set(redis_keys.worker_status(self.prefix, self.name), status,
-                     ex=redis_keys.WORKER_STATUS_TTL_S)
+            pipe.set(keyspace.worker_status(self.prefix, self.name), status,
+                     ex=keyspace.WORKER_STATUS_TTL_S)
         if held:
-            pipe.xclaim(self.stream, redis_keys.STREAM_GROUP, self.name, 0, held, justid=True)
+            pipe.xclaim(self.stream, keyspace.STREAM_GROUP, self.name, 0, held, justid=True)
         pipe.execute()
 
     def _status(self) -> str | None:
@@ -234,10 +239,10 @@ class RedisJobSource:
         ends: list[tuple[Job, bytes]] = []
         for job, result in done:
             head, *data = safetensors_parts(result, RESPONSE_KEY)
-            if parts_size([head, *data]) <= redis_keys.ANSWER_INLINE_BYTES:
+            if parts_size([head, *data]) <= keyspace.ANSWER_INLINE_BYTES:
                 ends.append((job, b"".join([head, *data])))
                 continue
-            ttl = redis_keys.job_ttl_s(-job.overdue_s(), self.settings.result_ttl_s)
+            ttl = keyspace.job_ttl_s(-job.overdue_s(), self.settings.result_ttl_s)
             writer = AnswerWriter(self.r, self.pr, self._keys(job.id), job.attempts, ttl_s=ttl,
                                   result_ttl_s=self.settings.result_ttl_s,
                                   piece_bytes=self.piece_bytes)
@@ -276,19 +281,19 @@ class RedisJobSource:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _keys(self, job_id: str) -> redis_keys.JobKeys:
+    def _keys(self, job_id: str) -> keyspace.JobKeys:
         """A job's keys: those named when it was taken, while it is held here."""
         taken = self._taken.get(job_id)
-        return taken.keys if taken is not None else redis_keys.job_keys(self.prefix, job_id)
+        return taken.keys if taken is not None else keyspace.job_keys(self.prefix, job_id)
 
-    def _retry_args(self, keys: redis_keys.JobKeys, entry_id: str, error: str,
+    def _retry_args(self, keys: keyspace.JobKeys, entry_id: str, error: str,
                     attempt: int | None = None) -> dict[str, list[Any]]:
         """The retry script's keys and arguments: the job goes first in its tenant's queue.
         ``attempt``: the delivery's, so that a stale one changes nothing (None: not counted)."""
         q = self.queue
         return {"keys": [keys.state, q.stream, q.tickets,
                          q.fair_active, q.fair_passes, q.fair_vtime],
-                "args": [redis_keys.STREAM_GROUP, entry_id, error, keys.id,
+                "args": [keyspace.STREAM_GROUP, entry_id, error, keys.id,
                          q.tenant_queue_base, DEFAULT_TENANT,
                          "" if attempt is None else attempt]}
 
@@ -297,11 +302,11 @@ class RedisJobSource:
         try:
             return value_limit(r.config_get("proto-max-bulk-len"))
         except RedisError:  # CONFIG disabled, or Redis not up yet: the default
-            return redis_keys.DEFAULT_MAX_VALUE_BYTES
+            return DEFAULT_MAX_VALUE_BYTES
 
     def _load(self, entries: list[Entry]) -> list[Job]:
         """Count the attempt, read state and payload; end poison, expired and canceled jobs."""
-        keys = [redis_keys.job_keys(self.prefix, job_id) for _, job_id, _ in entries]
+        keys = [keyspace.job_keys(self.prefix, job_id) for _, job_id, _ in entries]
         payload_keys = [k.payload for k in keys]
         pipe = self.r.pipeline(transaction=False)
         pipe.time()  # deadlines are read against Redis's clock, never this host's
@@ -387,9 +392,9 @@ class RedisJobSource:
                 taken, k = self._taken.get(job_id), keys[job_id]
                 script_in(pipe, FINISH_LUA,
                           [k.state, k.answer, k.notify, q.stream, k.payload, q.tickets],
-                          [redis_keys.STREAM_GROUP, taken.ticket if taken else "", status.value,
+                          [keyspace.STREAM_GROUP, taken.ticket if taken else "", status.value,
                            attempt, error, now, self.settings.result_ttl_s,
-                           redis_keys.NOTIFY_TTL_S, answer, job_id, q.tenant_jobs_base])
+                           keyspace.NOTIFY_TTL_S, answer, job_id, q.tenant_jobs_base])
             stored[:] = pipe.execute()
 
         ok = self._persist(store)

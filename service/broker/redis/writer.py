@@ -4,10 +4,10 @@ the api (:mod:`service.broker.redis.reader`).
 One value in Redis holds at most ``proto-max-bulk-len`` (512 MiB by default), and a result passed
 whole through a Lua script is copied several times and waits until it is complete. Here the
 worker writes the answer's safetensors file in two streams: its header (every size is known up
-front) to the job's answer stream (:func:`redis_keys.job_answer`), with a push to the job's
+front) to the job's answer stream (:func:`keyspace.job_answer`), with a push to the job's
 notify list that wakes the api at once; the tensors' bytes, in pieces of at most
-:data:`redis_keys.ANSWER_PIECE_BYTES`, to the attempt's pieces stream
-(:func:`redis_keys.job_pieces`), each a plain ``XADD`` of a view of the arrays (never a Lua
+:data:`keyspace.ANSWER_PIECE_BYTES`, to the attempt's pieces stream
+(:func:`keyspace.job_pieces`), each a plain ``XADD`` of a view of the arrays (never a Lua
 argument, never a copy of the whole answer).
 The pieces stream may live in another Redis (``PSGRAD_ANSWER_REDIS_URL``): one without
 persistence, so that an append-only file kept for the queue's sake does not receive every byte of
@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from psgrad._wire import RESPONSE_KEY, safetensors_parts
-from service import redis_keys
+from service.broker.redis import keyspace
 from service.broker.redis.common import command_parts, pieces
 from service.broker.redis.lua import BEGIN_LUA
 
@@ -41,9 +41,9 @@ class AnswerWriter:
     """Writes one attempt's answer (worker side, synchronous): its header and end mark to the
     queue's Redis ``r``, its bytes to the answers' Redis ``pr`` (the same one by default)."""
 
-    def __init__(self, r: redis.Redis, pr: redis.Redis, keys: redis_keys.JobKeys, attempt: int,
+    def __init__(self, r: redis.Redis, pr: redis.Redis, keys: keyspace.JobKeys, attempt: int,
                  *, ttl_s: int, result_ttl_s: int | None = None,
-                 piece_bytes: int = redis_keys.ANSWER_PIECE_BYTES) -> None:
+                 piece_bytes: int = keyspace.ANSWER_PIECE_BYTES) -> None:
         self.r = r
         self.pr = pr
         self.keys = keys
