@@ -23,7 +23,10 @@ preconditioned``: the preconditioned test gradient against the training gradient
 the same figures as the stores', a check of the served path) or with both sides whitened by
 ``(F + damping I)^-1/2`` before sketching (``both sides whitened``: rows sketched after the
 fit; the stores do not serve this); and exact with Kronfluence's damping rule, a tenth of each
-layer's own mean eigenvalue (``damping per layer``; the service takes one for all of ``F``).
+layer's own mean eigenvalue (``damping per layer``; the service takes one for all of ``F``),
+and exact on the true Fisher (``true Fisher``: fitted at labels drawn from the model's
+predictions, four per training sample, as Kronfluence samples them; the service fits the
+empirical Fisher, at the samples' own labels).
 A subset's predicted margin is the sum of its samples' scores; LDS is the mean over test
 samples of the Spearman correlation of predicted and actual margins across the subsets. Also
 printed: each LDS less exact ``trak``'s, with the standard error of that difference over the
@@ -80,6 +83,7 @@ from service.stores.query import Largest, default_lambda
 from service.strategies.projection import Projection
 
 SIZES = [64, 64, 10]
+TRUE_FISHER_DRAWS = 4  # labels drawn from the model per training sample for the true Fisher
 
 
 def data(n_train: int, n_test: int, seed: int) -> tuple[np.ndarray, ...]:
@@ -188,8 +192,10 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
     """``kfac`` and ``ekfac``: each test gradient preconditioned by the Fisher fitted over the
     training samples (at its default damping, and exact at Kronfluence's damping per layer),
     against the training gradients; exact and sketched at each k of ``dims`` (the stores'
-    projection, seed 0). ``baselines`` adds exact ``dot`` and ``trak`` (the stores' default
-    lambda) from the same gradients."""
+    projection, seed 0); and exact, fitted on the true Fisher instead of the empirical one
+    (:data:`TRUE_FISHER_DRAWS` labels per training sample drawn from the model's predictions,
+    as Kronfluence samples them; the service fits at the samples' own labels). ``baselines``
+    adds exact ``dot`` and ``trak`` (the stores' default lambda) from the same gradients."""
     params = list(model.params)
 
     def fields(a: np.ndarray, b: np.ndarray) -> dict[str, torch.Tensor]:
@@ -198,6 +204,12 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
                 "targets": torch.from_numpy(b).long()}
 
     fitted = curvature.fit(model, "cross_entropy", 1.0, params, [fields(x, y)])
+    with torch.no_grad():
+        probs = torch.softmax(model.module(fields(x, y)["inputs"]).double(), 1)
+    drawn = torch.multinomial(probs, TRUE_FISHER_DRAWS, replacement=True,
+                              generator=torch.Generator().manual_seed(0))
+    true_fisher = curvature.fit(model, "cross_entropy", 1.0, params, [fields(
+        np.concatenate([x] * TRUE_FISHER_DRAWS), drawn.T.reshape(-1).numpy())])
 
     def grads(a: np.ndarray, b: np.ndarray) -> dict[str, torch.Tensor]:
         rows = list(curvature.captured(model, "cross_entropy", 1.0, fitted.layers, params,
@@ -219,6 +231,8 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
         out[f"exact {kind}"] = flat(pre) @ flat(g_train).T
         out[f"exact {kind}, damping per layer"] = flat(per_layer(fitted, g_test, kind)) @ flat(
             g_train).T
+        out[f"exact {kind}, true Fisher"] = flat(true_fisher.precondition(
+            g_test, true_fisher.default_damping(kind), kind)) @ flat(g_train).T
         half_test, half_train = (fitted.precondition(g, damping, kind, power=0.5)
                                  for g in (g_test, g_train))
         for dim in dims:

@@ -13,7 +13,8 @@ hold it). It is trained on ``--train`` windows and again on ``--models`` random 
 (full-batch Adam, ``--epochs`` steps, seeded); each retrained model's margins on ``--test``
 held-out windows are the truth, as in ``benchmarks/lds.py``, whose LDS, overlap and scores this
 script reuses: exact ``dot`` and ``trak`` (the stores' default lambda), K-FAC and EK-FAC exact
-and sketched at each k of ``--dims`` (the embedding gets its diagonal Fisher), and with
+and sketched at each k of ``--dims`` (the embedding gets its diagonal Fisher), exact on the
+true Fisher (labels drawn from the model, as ``benchmarks/lds.py`` says), and with
 ``--kronfluence`` Kronfluence's EK-FAC and K-FAC on the same model. ``--exported`` adds exact
 K-FAC and EK-FAC of the same trained model exported (``torch.export``) and registered as a
 program, whose layers the curvature finds in its graph (``aten.linear``) instead of its modules.
