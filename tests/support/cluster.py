@@ -25,7 +25,7 @@ from service.api.app import create_app
 from service.api.body import decode_json_body
 from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
-from service.broker.redis.common import text
+from service.broker.redis.common import text_hash
 from service.config import Settings
 from service.validate import parse_request
 from tests.support.client import free_port
@@ -103,7 +103,7 @@ class Cluster:
     def job_hash(self, job_id: str) -> dict[str, str]:
         with redis.Redis.from_url(self.settings.redis_url or "") as r:
             raw = r.hgetall(keyspace.job_state(self.settings.redis_prefix, job_id))
-            return {text(k): text(v) for k, v in raw.items()}
+            return text_hash(raw)
 
     def xlen(self) -> int:
         with redis.Redis.from_url(self.settings.redis_url or "") as r:
