@@ -203,9 +203,10 @@ def curvature_scores(model: LoadedModel, x: np.ndarray, y: np.ndarray, tx: np.nd
         return {"inputs": inputs.double() if inputs.is_floating_point() else inputs,
                 "targets": torch.from_numpy(b).long()}
 
-    fitted = curvature.fit(model, "cross_entropy", 1.0, params, [fields(x, y)])
+    train = fields(x, y)
+    fitted = curvature.fit(model, "cross_entropy", 1.0, params, [train])
     with torch.no_grad():
-        probs = torch.softmax(model.module(fields(x, y)["inputs"]).double(), 1)
+        probs = torch.softmax(model.module(train["inputs"]).double(), 1)
     drawn = torch.multinomial(probs, TRUE_FISHER_DRAWS, replacement=True,
                               generator=torch.Generator().manual_seed(0))
     true_fisher = curvature.fit(model, "cross_entropy", 1.0, params, [fields(
