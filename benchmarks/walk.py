@@ -6,17 +6,19 @@ A room is a top-level entry of ``service/`` (a module or a package: ``api``, ``v
 ``fast_stats``, ...) or the client package ``psgrad``. One ``POST /per-sample-grads`` to the zoo's
 ``mlp`` (B=2) is traced in embedded mode after a warm-up request, every Python call on every
 thread (``sys.setprofile``), the engine's computation (``engine.compute`` and everything under
-it) as one stop. Per thread (the api's event loop, the worker's), the rooms in the order they
+it) as one stop, a list, set or dict comprehension as its function's own code (Python 3.12
+inlines them). Per thread (the api's event loop, the worker's), the rooms in the order they
 are entered (a stop each time the room changes) and the returns: stops at a room this thread
 had already left. A return is a hop back up or across the layers: the fewer, the fewer rooms a
 reader holds to follow a request. A coroutine or generator resumed after an ``await`` or a
 ``yield`` is not entered again: a reader follows the awaiting call once, where the event loop
 resumes it (and every frame it awaits through, the middleware first) as often as a wait
-happens to end. Counts, not times: the same on every run of one commit, in either mode.
+happens to end. Counts, not times: the same on every run of one commit in embedded mode.
 
 With ``--redis``, in Redis mode instead: the api on a Redis broker (under a fresh key prefix,
 deleted after) and one worker loop on a Redis job source in this process, as ``psgrad worker``
-runs it; the threads that only keep time (the source's heartbeat) are left out.
+runs it; the threads that only keep time (the source's heartbeat) are left out. The api relays
+the answer as its pieces arrive, so its count there moves with how many reads that takes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ SERVICE = f"{ROOT}/service/"
 KEEPING = {"psgrad-keeper"}  # threads that keep time, not a request's path
 ENGINE = f"{ROOT}/service/engine.py"
 RESUME = dis.opmap["RESUME"]
+# list, set and dict comprehensions: their function's own code, inlined from Python 3.12 on
+# (PEP 709); 3.11 runs each as a call of its own, which a reader does not follow
+INLINE = {"<listcomp>", "<setcomp>", "<dictcomp>"}
 
 
 def room_of(path: str) -> str | None:
@@ -71,7 +76,7 @@ class Walk:
         depth = getattr(self._engine, "depth", 0)
         if event == "return" and computing and depth:
             self._engine.depth = depth - 1
-        if event != "call" or not self.on or resumed(frame):
+        if event != "call" or not self.on or resumed(frame) or code.co_name in INLINE:
             return
         if computing:
             self._engine.depth = depth + 1
