@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -225,19 +226,29 @@ def _kept(cache_home: Path) -> tuple[str, int, int, str]:
     return folder, int(hits), int(misses), result
 
 
-def test_compiled_loops_are_kept_for_the_next_process(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[str, int, int, str]]:
+    """A cache home that one fresh process filled, and what that process said (the tests that
+    change a home change a copy)."""
+    home = tmp_path_factory.mktemp("first")
+    return home, _kept(home)
+
+
+def test_compiled_loops_are_kept_for_the_next_process(
+        first: tuple[Path, tuple[str, int, int, str]]) -> None:
     """The first process compiles the loops and keeps them in an owner-only folder of the
     user's cache; the next one reads every loop back from there, compiles none, and computes
     the same bits."""
-    folder, hits, misses, first = _kept(tmp_path)
-    assert folder == str(tmp_path / "psgrad" / "loops")
+    home, (folder, hits, misses, result) = first
+    assert folder == str(home / "psgrad" / "loops")
     assert (hits, misses) == (0, 5)  # moments and norms-and-dots twice (bfloat16), sums once
-    assert stat.S_IMODE((tmp_path / "psgrad" / "loops").stat().st_mode) == 0o700
-    assert list((tmp_path / "psgrad" / "loops").rglob("*.nbi"))
-    assert _kept(tmp_path) == (folder, 5, 0, first)
+    assert stat.S_IMODE((home / "psgrad" / "loops").stat().st_mode) == 0o700
+    assert list((home / "psgrad" / "loops").rglob("*.nbi"))
+    assert _kept(home) == (folder, 5, 0, result)
 
 
-def test_a_folder_others_may_write_is_never_read(tmp_path: Path) -> None:
+def test_a_folder_others_may_write_is_never_read(
+        tmp_path: Path, first: tuple[Path, tuple[str, int, int, str]]) -> None:
     """numba reads its cache with pickle: a folder that another user may write (group
     writable here) is not used, nor one that cannot be made; the loops are compiled in the
     process instead, and answer the same."""
@@ -246,17 +257,19 @@ def test_a_folder_others_may_write_is_never_read(tmp_path: Path) -> None:
     (shared / "psgrad" / "loops").chmod(0o770)
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the folder would go")
-    _, _, _, want = _kept(tmp_path / "own")
+    want = first[1][3]
     for home in (shared, blocked):
         assert _kept(home) == ("None", 0, 5, want)  # compiled here, none read
     assert not list(shared.rglob("*.nb*"))
 
 
-def test_a_torn_kept_loop_is_compiled_again(tmp_path: Path) -> None:
+def test_a_torn_kept_loop_is_compiled_again(
+        tmp_path: Path, first: tuple[Path, tuple[str, int, int, str]]) -> None:
     """A kept entry that does not load (truncated files, an index written over) is a miss, not
     a failure: the loops compile, answer the same, and are kept afresh for the next process."""
-    folder, _, _, want = _kept(tmp_path)
+    shutil.copytree(first[0], tmp_path, dirs_exist_ok=True)  # the kept loops, the home's own
     kept = tmp_path / "psgrad" / "loops"
+    folder, want = str(kept), first[1][3]
     for path in kept.rglob("*.nbc"):
         path.write_bytes(path.read_bytes()[:100])
     for path in kept.rglob("*_moments*.nbi"):
