@@ -216,7 +216,10 @@ print(_kernels.CACHE, sum(sum(f.stats.cache_hits.values()) for f in loops),
 """
 
 
-def _kept(cache_home: Path) -> tuple[str, int, int, str]:
+Said = tuple[str, int, int, str]  # a process's cache folder, hits, misses and result
+
+
+def _kept(cache_home: Path) -> Said:
     """A fresh process's cache folder, its loops' cache hits and misses as it warms up, and
     one result of theirs."""
     done = subprocess.run([sys.executable, "-c", KEPT], capture_output=True, text=True,
@@ -227,15 +230,14 @@ def _kept(cache_home: Path) -> tuple[str, int, int, str]:
 
 
 @pytest.fixture(scope="module")
-def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[str, int, int, str]]:
+def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Said]:
     """A cache home that one fresh process filled, and what that process said (the tests that
     change a home change a copy)."""
     home = tmp_path_factory.mktemp("first")
     return home, _kept(home)
 
 
-def test_compiled_loops_are_kept_for_the_next_process(
-        first: tuple[Path, tuple[str, int, int, str]]) -> None:
+def test_compiled_loops_are_kept_for_the_next_process(first: tuple[Path, Said]) -> None:
     """The first process compiles the loops and keeps them in an owner-only folder of the
     user's cache; the next one reads every loop back from there, compiles none, and computes
     the same bits."""
@@ -248,7 +250,7 @@ def test_compiled_loops_are_kept_for_the_next_process(
 
 
 def test_a_folder_others_may_write_is_never_read(
-        tmp_path: Path, first: tuple[Path, tuple[str, int, int, str]]) -> None:
+        tmp_path: Path, first: tuple[Path, Said]) -> None:
     """numba reads its cache with pickle: a folder that another user may write (group
     writable here) is not used, nor one that cannot be made; the loops are compiled in the
     process instead, and answer the same."""
@@ -257,19 +259,20 @@ def test_a_folder_others_may_write_is_never_read(
     (shared / "psgrad" / "loops").chmod(0o770)
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the folder would go")
-    want = first[1][3]
+    _, (_, _, _, want) = first
     for home in (shared, blocked):
         assert _kept(home) == ("None", 0, 5, want)  # compiled here, none read
     assert not list(shared.rglob("*.nb*"))
 
 
 def test_a_torn_kept_loop_is_compiled_again(
-        tmp_path: Path, first: tuple[Path, tuple[str, int, int, str]]) -> None:
+        tmp_path: Path, first: tuple[Path, Said]) -> None:
     """A kept entry that does not load (truncated files, an index written over) is a miss, not
     a failure: the loops compile, answer the same, and are kept afresh for the next process."""
-    shutil.copytree(first[0], tmp_path, dirs_exist_ok=True)  # the kept loops, the home's own
+    home, (_, _, _, want) = first
+    shutil.copytree(home, tmp_path, dirs_exist_ok=True)  # the kept loops, the home's own
     kept = tmp_path / "psgrad" / "loops"
-    folder, want = str(kept), first[1][3]
+    folder = str(kept)
     for path in kept.rglob("*.nbc"):
         path.write_bytes(path.read_bytes()[:100])
     for path in kept.rglob("*_moments*.nbi"):
