@@ -8,6 +8,7 @@ the unit modules that export real models, start every benchmark script or fuzz t
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # no registration child started ahead by every app a test makes (tests/unit/test_export_api.py
@@ -35,3 +36,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(getattr(pytest.mark, tier))
         if "unit" not in parts or item.path.name in SLOW_UNITS:
             item.add_marker(pytest.mark.slow)
+        _name_the_operation(item)
+    twice = sorted(nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1)
+    if twice:  # pytest-xdist (.ci/run) keys tests by node id: it would run one and drop the rest
+        raise pytest.UsageError(f"{len(twice)} node ids name more than one test: {twice[:3]}")
+
+
+def _name_the_operation(item: pytest.Item) -> None:
+    """Schemathesis (4.32) makes one test per API operation without a callspec, and pytest 9
+    builds a node id from the callspec alone: all of tests/unit/test_api_schemathesis.py's tests
+    would share one id. Each gets its operation's label in brackets, as its name has."""
+    label = getattr(item, "operation_label", None)
+    if label is not None and label not in item.nodeid:
+        item._id = item.parent.id.child(item.originalname).with_params(label)  # type: ignore[attr-defined,union-attr]
