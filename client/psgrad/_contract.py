@@ -80,22 +80,18 @@ class Field:
     blank: bool = False  # '' means the default too
 
     def integer(self, value: Any) -> int | None:
-        """``value`` as an integer in this field's range, None when unset; else 400 (numpy
-        integers count, and whole numbers such as ``3.0`` as JSON Schema's integers do;
-        booleans do not)."""
+        """``value`` as an integer in this field's range, None when unset; else 400 for what is
+        no integer, 422 for one outside the range (numpy integers count, and whole numbers such
+        as ``3.0`` as JSON Schema's integers do; booleans do not)."""
         if value is None:
             return None
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
             value = int(value)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}; got "
-                             f"{_sent(value)}")
-        value = int(value)
-        if (self.ge is not None and value < self.ge) or (self.lt is not None and value >= self.lt) \
-                or (self.le is not None and value > self.le):
-            raise BadRequest(f"'{self.name}' must be an integer in {self.bounds()}; got "
-                             f"{_sent(value)}")
-        return value
+        wrong = BadRequest if isinstance(value, bool) or not isinstance(
+            value, numbers.Integral) else InvalidInput if not self._within(int(value)) else None
+        if wrong is not None:
+            raise wrong(f"'{self.name}' must be an integer {self.bounds()}; got {_sent(value)}")
+        return int(value)
 
     def check(self, value: Any) -> Any:
         """``value`` as sent, held to this field's kind and range (tensors are the server's to
@@ -140,10 +136,11 @@ class Field:
                     or (self.le is not None and not number <= self.le))
 
     def bounds(self) -> str:
-        """The range as the messages tell it: ``[0, 2**63)``, ``[1, 8192]``, ``> 0``."""
+        """The range as the messages tell it: ``in [0, 2**63)``, ``in [1, 8192]``, ``> 0``,
+        ``>= 1``."""
         if self.gt is not None:
             return f"> {self.gt:g}"
-        lo = "" if self.ge is None else f"[{self.ge:g}, "
+        lo = "" if self.ge is None else f"in [{self.ge:g}, "
         if self.lt is not None:
             return f"{lo}{'2**63' if self.lt == MAX_SEED else f'{self.lt:g}'})"
         return f"{lo}{self.le:g}]" if self.le is not None else f">= {self.ge:g}"
@@ -388,8 +385,10 @@ def field(name: str) -> Field:
 def model_of(body: Mapping[str, Any]) -> str:
     """A body's ``model``, which every body that names one must name: else 400."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise BadRequest(f"'model' is required: {FIELDS['model'].doc}")
+    if not isinstance(model, str):
+        raise BadRequest(f"'model' must be {FIELDS['model'].doc} (a string); got {_sent(model)}")
     return model
 
 

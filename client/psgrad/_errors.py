@@ -8,9 +8,10 @@ catches ``psgrad.UnknownModel`` whether it was raised on this machine or on the 
     PsgradError                      every error of psgrad; .code, .status, .message, .details
     ├── APIConnectionError           the server could not be reached (client side only)
     │   └── APITimeoutError          no answer within the timeout
-    ├── BadRequest (400)             malformed body, bad base64, wrong content type, ...
+    ├── BadRequest (400)             malformed body, a field of the wrong type, bad base64, ...
     │   ├── InvalidArchive (400)     a .pt2 archive that is not a well-formed torch.export file
-    │   └── InvalidInput (422)       the request parses but cannot be computed; subclasses:
+    │   └── InvalidInput (422)       a value out of its range or choices, or the request
+    │       cannot be computed; subclasses:
     │       UnknownLoss, UnknownOutput, UnknownParameter, ShapeMismatch, DtypeMismatch,
     │       NonFinite, EmptyBatch, TargetOutOfRange, LossNotSupported, BatchCoupling,
     │       InvalidModelSpec, RefusedProgram (an exported program psgrad will not run)

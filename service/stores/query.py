@@ -33,14 +33,26 @@ from typing import Any, Literal, get_args
 import numpy as np
 from scipy.linalg import cho_factor, cho_solve
 
+from psgrad._contract import Field
 from psgrad._errors import Conflict, InvalidInput
 from service.stores.files import Manifest, StoreFiles, widened
-from service.stores.index import INDEXED
+from service.stores.index import INDEXED, PROBES
 from service.stores.spec import MAX_EXACT_WIDTH
 
 Score = Literal["dot", "cosine", "trak", "self_influence", "kfac", "ekfac"]
 SCORES: tuple[str, ...] = get_args(Score)
 LAMBDA_RULE = "trace(Phi^T Phi) / k, no row counting for more than all the others"
+# A query's numbers, declared once, as the request contract declares its fields: the door's
+# schema is made of them (``QueryBody``), and the route holds a query to them (400 for the
+# wrong type, 422 for a number out of range).
+QUERY_NUMBERS = {f.name: f for f in (
+    Field("k", "int", "the best k training samples of each query", default=10, ge=1),
+    Field("lambda", "float", f"trak only; default: {LAMBDA_RULE} together", ge=0.0),
+    Field("damping", "float", "kfac and ekfac only; default: a tenth of the fitted Fisher's "
+          "mean eigenvalue", gt=0.0),
+    Field("probes", "int", "an IVF index's lists searched per query (FAISS's nprobe; default "
+          f"{PROBES}): more for recall, fewer for speed", ge=1),
+)}
 BLOCK_ROWS = 16384  # rows widened to float32 at once: 64 MiB at k = 1024
 # trak's weights of a store of more rows than k are kept up to this size (32768 rows at k =
 # 1024, 8192 at k = 4096); past it a query solves with the k x k factor, 2k / N of its scan

@@ -10,7 +10,6 @@ parameters, ``projection_dim``, ``projection_seed``, ``projection_kind`` and the
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, get_args
@@ -18,7 +17,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from psgrad._contract import MAX_PROJECTION_DIM
-from psgrad._errors import BadRequest, Conflict, InvalidInput
+from psgrad._errors import Conflict, InvalidInput
 from service.strategies.projection import VERSIONS
 from service.tenants import DEFAULT_TENANT
 
@@ -159,24 +158,3 @@ def checked_ids(raw: Any, count: int) -> tuple[list[int | str], str]:
                            f"{twice[0]!r}): each sample needs its own id",
                            duplicates=sorted(set(twice), key=str)[:20])
     return ids, kinds[0] or "int" if kinds else "int"
-
-
-def integral(value: Any) -> Any:
-    """A JSON number that is a whole number (``3.0``) as an int; anything else as it is."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-        return int(value)
-    return value
-
-
-def positive_int(value: Any, name: str) -> int:
-    value = integral(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequest(f"'{name}' must be a positive integer")
-    return value
-
-
-def finite_float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-            value) or value < 0:
-        raise BadRequest(f"'{name}' must be a finite number >= 0")
-    return float(value)

@@ -277,7 +277,7 @@ def test_verify_through_jobs_and_td0(client: psgrad.Client) -> None:
     assert result.meta["verify"]["samples"] == [0, 1, 2, 3, 4]
     td = client.td0("linear-value", x[:, :3], y, x[:, 3:6], verify=2, verify_seed=0)
     assert td.meta["verify"]["samples"] == choose(5, 2, 0)
-    with pytest.raises(psgrad.BadRequest, match=r"'verify' must be an integer in \[0, 64\]"):
+    with pytest.raises(psgrad.InvalidInput, match=r"'verify' must be an integer in \[0, 64\]"):
         client.per_sample_grads(MODEL, x, y, loss="mse", verify=65)
 
 

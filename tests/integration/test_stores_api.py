@@ -302,7 +302,7 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
           422, "invalid_input", "'damping'")
     error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
                                                                  "damping": -1.0, **test}),
-          400, "bad_request", "'damping'")
+          422, "invalid_input", "'damping' must be > 0; got -1.0")
     error(await c.post("/stores/fk/query", headers=ALICE, json={"k": 3, "score": "ekfac",
                                                                  "damping": 0, **test}),
           422, "invalid_input", "'damping' must be > 0")
@@ -543,10 +543,10 @@ async def test_a_store_with_an_index_answers_through_it_and_says_so(
                                    atol=1e-5 * np.abs(want_scores).max())
     error(await c.post("/stores/ix/query", headers=ALICE, json={"k": 1, **test, "exact": "yes"}),
           422, "invalid_input", "exact")
-    for probes in (0, "many"):
+    for probes, status, code in ((0, 422, "invalid_input"), ("many", 400, "bad_request")):
         error(await c.post("/stores/ix/query", headers=ALICE,
-                           json={"k": 1, **test, "probes": probes}), 400, "bad_request",
-              "'probes' must be a positive integer")
+                           json={"k": 1, **test, "probes": probes}), status, code,
+              f"'probes' must be an integer >= 1; got {probes!r}")
 
 
 def full_scores(phi: np.ndarray, q: np.ndarray | None, score: str) -> np.ndarray:
@@ -656,7 +656,8 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await put({**good, "params": ["no.such"]}), 422, "unknown_parameter")
     error(await put({**good, "projection_kind": "no-such-kind"}), 422, "invalid_input",
           "projection_kind")
-    error(await put({**good, "projection_dim": 0}), 400, "bad_request", "projection_dim")
+    error(await put({**good, "projection_dim": 0}), 422, "invalid_input",
+          "'projection_dim' must be an integer in [1, 8192]; got 0")
     error(await put(good, "Bad!"), 400, "bad_request", "a store id", "'Bad!'")
     assert (await put(good)).status_code == 201
     error(await put({**good, "projection_dim": 32}), 409, "conflict", "DELETE")
@@ -696,12 +697,17 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
         return await post("/stores/s/query", headers=ALICE, json={"k": 1, **body})
 
     error(await query({"k": 4, **batch(1, 1)}), 422, "invalid_input", "k=4", "3 samples")
-    error(await query({"k": 0, **batch(1, 1)}), 400, "bad_request", "'k'")
+    error(await query({"k": 0, **batch(1, 1)}), 422, "invalid_input",
+          "'k' must be an integer >= 1; got 0")
+    error(await query({"k": "3", **batch(1, 1)}), 400, "bad_request", "'k' must be an integer")
     error(await query({"score": "influence", **batch(1, 1)}), 422, "invalid_input",
           "trak", "self_influence")
     error(await query({"score": "dot", "lambda": 1.0, **batch(1, 1)}), 422, "invalid_input",
           "'lambda'")
-    error(await query({"score": "trak", "lambda": -1.0, **batch(1, 1)}), 400, "bad_request")
+    error(await query({"score": "trak", "lambda": -1.0, **batch(1, 1)}), 422, "invalid_input",
+          "'lambda' must be >= 0; got -1.0")
+    error(await query({"score": "trak", "lambda": "1", **batch(1, 1)}), 400, "bad_request",
+          "'lambda' must be a finite number")
     error(await query({"score": "self_influence", **batch(1, 1)}), 422, "invalid_input",
           "no samples")
     error(await query({"score": "dot"}), 422, "invalid_input", "test samples")

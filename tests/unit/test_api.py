@@ -220,7 +220,8 @@ async def test_jobs_refuses_what_the_schema_forbids_before_queueing() -> None:
     async with open_client(workers=0) as c:
         for bad, status, code in (
             ({"model": ""}, 400, "bad_request"),
-            ({"seed": -1}, 400, "bad_request"),
+            ({"seed": -1}, 422, "invalid_input"),
+            ({"seed": "1"}, 400, "bad_request"),
             ({"clip_norm": 0}, 422, "invalid_input"),
             ({"outputs": ["nope"]}, 422, "unknown_output"),
             ({"gamma": "0.5"}, 400, "bad_request"),

@@ -414,13 +414,16 @@ def test_options_that_do_not_fit(registry: ModelRegistry) -> None:
         "reference",
         "fc3.bias",
     )
-    refused(registry, mlp_body(seed=-1), BadRequest, "seed")
+    refused(registry, mlp_body(seed=-1), InvalidInput, "'seed' must be an integer in [0, 2**63)",
+            "got -1")  # out of its range, as noise_multiplier=-1 above
     refused(registry, mlp_body(seed=1.5), BadRequest, "seed")
     refused(registry, {**TD0, "gamma": "0.9"}, BadRequest, "gamma")
     refused(registry, mlp_body(params=[]), BadRequest, "params")
     refused(registry, mlp_body(outputs=[1]), BadRequest, "outputs")
     refused(registry, mlp_body(inputz=[1]), BadRequest, "inputz")
-    refused(registry, {k: v for k, v in mlp_body().items() if k != "model"}, BadRequest, "model")
+    refused(registry, {k: v for k, v in mlp_body().items() if k != "model"}, BadRequest,
+            "'model' is required")
+    refused(registry, mlp_body(model=5), BadRequest, "'model' must be a model id", "got 5")
 
 
 

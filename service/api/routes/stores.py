@@ -29,23 +29,15 @@ from service.api.body import conform, decode_request, loads, read_body
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.routes.reference_sets import split_answer
-from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_fields, errors
+from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_field, contract_fields, errors
 from service.curvature import KINDS as FACTOR_SCORES
 from service.reference_sets import checked_id
 from service.stores import factors
 from service.stores.files import Manifest, commit_all, refuse_duplicates
-from service.stores.index import PROBES
-from service.stores.query import Score, check_k, check_score, search_all
+from service.stores.query import QUERY_NUMBERS, Score, check_k, check_score, search_all
 from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
-from service.stores.spec import (
-    Dtype,
-    StoreSpec,
-    checked_ids,
-    finite_float,
-    id_kind,
-    positive_int,
-)
+from service.stores.spec import Dtype, StoreSpec, checked_ids, id_kind
 from service.tenants import Tenant, owned_key
 from service.validate import parse_request
 
@@ -100,23 +92,16 @@ RowsBody = create_model(
                         "gradients")),
     ids=(list[int | str], Field(min_length=1, description="one per row, new to the store")),
 )
+_QUERY_NUMBERS: dict[str, Any] = {n: contract_field(f) for n, f in QUERY_NUMBERS.items()}
 QueryBody = create_model(
     "QueryBody",
     __base__=SampleBatch,
-    k=(int, Field(10, ge=1, description="the best k training samples of each query")),
     score=(Score, "dot"),
-    lambda_=(float | None, Field(None, alias="lambda", ge=0, description="trak only; "
-                                 "default: trace(Phi^T Phi) / k, no row counting for more "
-                                 "than all the others together")),
     sketches=(Tensor | None, Field(None, description="[queries, k] instead of a batch (a "
                                    "store of full gradients: the flattened gradients)")),
     exact=(bool | None, Field(None, description="true: score every row; default: through the "
                               "store's index where it has one (dot, trak)")),
-    damping=(float | None, Field(None, gt=0, description="kfac and ekfac only; default: a "
-                                 "tenth of the fitted Fisher's mean eigenvalue")),
-    probes=(int | None, Field(None, ge=1, description="an IVF index's lists searched per "
-                              f"query (FAISS's nprobe; default {PROBES}): more for recall, "
-                              "fewer for speed")),
+    **_QUERY_NUMBERS,
 )
 
 
@@ -457,32 +442,23 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
                                   need_model=False)
     key = _key(scope, store_id)
     sent = dict(fields)
-    k = fields.pop("k", 10)
+    k, lam, damping, probes = (QUERY_NUMBERS[n].check(fields.pop(n, None)) for n in QUERY_NUMBERS)
+    k = QUERY_NUMBERS["k"].default if k is None else k
+    lam, damping = (None if v is None else float(v) for v in (lam, damping))  # as echoed
     score = fields.pop("score", "dot")
-    lam = fields.pop("lambda", None)
     given = fields.pop("sketches", None)
     exact = fields.pop("exact", None)
-    damping = fields.pop("damping", None)
-    probes = fields.pop("probes", None)
 
     def check() -> tuple[StoreSpec, list[dict[str, Any]], list[np.ndarray | None]]:
-        nonlocal k, score, lam, damping, probes
-        k, score = positive_int(k, "k"), check_score(score)
-        probes = None if probes is None else positive_int(probes, "probes")
+        nonlocal score
+        score = check_score(score)
         if exact is not None and not isinstance(exact, bool):
             raise InvalidInput("'exact' is true (score every row) or false (the store's index, "
                                "where it has one)")
-        if lam is not None:
-            if score != "trak":
-                raise InvalidInput("'lambda' is read by score 'trak' only")
-            lam = finite_float(lam, "lambda")
-        if damping is not None:
-            if score not in FACTOR_SCORES:
-                raise InvalidInput("'damping' is read by scores 'kfac' and 'ekfac' only")
-            damping = finite_float(damping, "damping")
-            if damping == 0:
-                raise InvalidInput("'damping' must be > 0: (F + damping I) is singular where F "
-                                   "is; leave it out for the default")
+        if lam is not None and score != "trak":
+            raise InvalidInput("'lambda' is read by score 'trak' only")
+        if damping is not None and score not in FACTOR_SCORES:
+            raise InvalidInput("'damping' is read by scores 'kfac' and 'ekfac' only")
         spec = _spec(state, key, store_id)
         spec.check_version()
         if score in FACTOR_SCORES:
