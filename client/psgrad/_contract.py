@@ -90,26 +90,25 @@ class Field:
         wrong = BadRequest if isinstance(value, bool) or not isinstance(
             value, numbers.Integral) else InvalidInput if not self._within(int(value)) else None
         if wrong is not None:
-            raise wrong(f"'{self.name}' must be an integer {self.bounds()}; got {_sent(value)}")
+            raise wrong(f"'{self.name}' must be an integer {self.bounds()}; got {shown(value)}")
         return int(value)
 
     def check(self, value: Any) -> Any:
         """``value`` as sent, held to this field's kind and range (tensors are the server's to
-        read): the server's typed error for the wrong type (400), for a number out of range or
-        a string not among ``choices`` (422). A closed range [ge, le] is a range: NaN and the
-        infinities are outside it (422); an open one takes only finite numbers (400)."""
+        read): the server's typed error for the wrong type (400), for a number out of range
+        (NaN and the infinities are out of every range) or a string not among ``choices``
+        (422)."""
         kind, name = self.kind, self.name
         if value is None:  # unset (whether a body must set it is the body's to say)
             return value
         if kind == "int":
             return self.integer(value)
         if kind == "float":
-            closed = self.ge is not None and self.le is not None
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
-                    not closed and not math.isfinite(value)):
-                raise BadRequest(f"'{name}' must be a finite number; got {_sent(value)}")
-            if not self._within(float(value)):
-                raise InvalidInput(f"'{name}' must be {self.bounds()}; got {_sent(value)}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise BadRequest(f"'{name}' must be a finite number; got {shown(value)}")
+            if not math.isfinite(value) or not self._within(float(value)):
+                what = "" if math.isfinite(value) else "a finite number "
+                raise InvalidInput(f"'{name}' must be {what}{self.bounds()}; got {shown(value)}")
             return value
         if kind == "names":
             one = isinstance(value, str) and self.choices is not None  # an output, alone
@@ -118,15 +117,15 @@ class Field:
                             or (not value and self.choices is None)):
                 what = ("one name or a list of names" if self.choices else
                         "a non-empty list of names")
-                raise BadRequest(f"'{name}' must be {what}; got {_sent(value)}")
+                raise BadRequest(f"'{name}' must be {what}; got {shown(value)}")
             return value
         if kind in ("choice", "ref"):
             if not isinstance(value, str):
-                raise BadRequest(f"'{name}' must be a string; got {_sent(value)}")
+                raise BadRequest(f"'{name}' must be a string; got {shown(value)}")
             if self.choices is not None and value not in self.choices and not (
                     self.blank and not value):
                 raise InvalidInput(f"'{name}' must be one of {', '.join(self.choices)}; got "
-                                   f"{_sent(value)}", accepted=list(self.choices))
+                                   f"{shown(value)}", accepted=list(self.choices))
         return value
 
     def _within(self, number: float) -> bool:
@@ -146,7 +145,7 @@ class Field:
         return f"{lo}{self.le:g}]" if self.le is not None else f">= {self.ge:g}"
 
 
-def _sent(value: Any) -> str:
+def shown(value: Any) -> str:
     """What was sent, for a message: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:77]}..."
@@ -388,7 +387,7 @@ def model_of(body: Mapping[str, Any]) -> str:
     if model is None or model == "":
         raise BadRequest(f"'model' is required: {FIELDS['model'].doc}")
     if not isinstance(model, str):
-        raise BadRequest(f"'model' must be {FIELDS['model'].doc} (a string); got {_sent(model)}")
+        raise BadRequest(f"'model' must be {FIELDS['model'].doc} (a string); got {shown(model)}")
     return model
 
 

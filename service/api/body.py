@@ -34,6 +34,7 @@ from psgrad._wire import (
     safetensors_parts,
     widen_answers,
 )
+from service.api.errors import schema_refusal
 from service.api.status_data import note_model
 from service.config import Settings, naming_setting, raise_setting
 from service.losses import LOSSES
@@ -186,13 +187,7 @@ async def conform(schema: type[BaseModel], fields: Mapping[str, Any],
     except ValidationError as exc:
         if specific is not None:
             await run_in_threadpool(specific)
-        raise invalid(exc) from None
-
-
-def invalid(exc: ValidationError, what: str = "the request") -> InvalidInput:
-    """A body its schema refused, as a 422 naming (the first five of) the fields and why."""
-    problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
-    return InvalidInput(f"{what} is invalid: {'; '.join(problems)}")
+        raise schema_refusal(exc.errors(), schema.model_fields) from None
 
 
 def _as_sent(value: Any) -> Any:

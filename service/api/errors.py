@@ -12,18 +12,21 @@ import logging
 import math
 import re
 import uuid
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from psgrad._errors import Overloaded, PsgradError, Unauthorized
+from psgrad._contract import shown
+from psgrad._errors import BadRequest, InvalidInput, Overloaded, PsgradError, Unauthorized
 from psgrad._version import VERSION_HEADER, __version__
 from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable
 
@@ -70,9 +73,52 @@ async def _psgrad(request: Request, exc: Exception) -> JSONResponse:
     return _shaped(request, error_response(exc))
 
 
+# A schema's refusals that mean the body cannot be read as sent (400), not a value out of its
+# range or choices (422): the request contract's rule (psgrad._contract.Field.check)
+_UNREADABLE = frozenset({"missing", "extra_forbidden", "json_invalid", "int_from_float"})
+
+
+def schema_refusal(errors: Sequence[Any], known: Collection[str] = (),
+                   what: str = "the request") -> BadRequest:
+    """A body its schema refused (pydantic's ``errors``, their ``loc`` within the body), in the
+    contract's words and status: 400 when a field is missing, unknown or of the wrong type or
+    the body is no JSON object, else 422 (a value out of its range or choices). Names the
+    first five fields, each with what was sent; ``known``: the body's fields, for a typo."""
+    problems, unreadable = [], False
+    for e in errors:
+        kind, loc = str(e.get("type", "")), [str(x) for x in e.get("loc", ())]
+        name = ".".join(loc)
+        said = str(e.get("msg", "")).removeprefix("Input ")
+        unreadable |= kind in _UNREADABLE or kind.endswith(("_type", "_parsing")) or not loc
+        if kind == "json_invalid":
+            problems.append(f"the body is not valid JSON: {e.get('ctx', {}).get('error', said)}")
+        elif not loc:
+            problems.append("the body must be a JSON object")
+        elif kind == "missing":
+            problems.append(f"'{name}' is required")
+        elif kind == "extra_forbidden":
+            problems.append(f"'{name}' is not a field of this body" + (
+                f" (it takes {', '.join(sorted(known))})" if known else ""))
+        else:
+            problems.append(f"'{name}' {said}; got {shown(e.get('input'))}")
+    error = BadRequest if unreadable else InvalidInput
+    return error(f"{what} is invalid: {'; '.join(problems[:5])}", errors=[
+        {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in errors])
+
+
 async def _validation(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's refusal of a route's parameters: a body's in :func:`schema_refusal`'s words
+    and status, a query's or path's (a typo such as ``?tennant=``) as a 422 naming it."""
     assert isinstance(exc, RequestValidationError)
-    problems = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
+    errors = list(exc.errors())
+    if errors and all(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors):
+        field = getattr(request.scope.get("route"), "body_field", None)
+        schema = getattr(getattr(field, "field_info", None), "annotation", None)
+        known = list(schema.model_fields) if isinstance(schema, type) and issubclass(
+            schema, BaseModel) else []
+        inside = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
+        return _shaped(request, error_response(schema_refusal(inside, known)))
+    problems = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in errors]
     text = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems[:5])
     return _shaped(request, JSONResponse(
         body("invalid_input", f"the request is invalid: {text}", errors=problems), status_code=422

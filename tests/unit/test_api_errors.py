@@ -250,7 +250,9 @@ async def test_gamma_outside_0_1_is_422_in_both_wire_forms() -> None:
 @pytest.mark.parametrize("extra, status, code, word", [
     ({"outputs": ["clipped_mean"]}, 422, "invalid_input", "'clip_norm'"),
     ({"outputs": ["norms"], "clip_norm": 0}, 422, "invalid_input", "'clip_norm' must be > 0"),
-    ({"noise_multiplier": float("inf")}, 400, "bad_request", "'noise_multiplier'"),
+    ({"noise_multiplier": float("inf")}, 422, "invalid_input",
+     "'noise_multiplier' must be a finite number >= 0; got inf"),
+    ({"noise_multiplier": "1"}, 400, "bad_request", "'noise_multiplier' must be a finite number"),
     ({"seed": 1.5}, 400, "bad_request", "'seed' must be an integer"),
     ({"outputs": ["norms", "nrms"]}, 422, "unknown_output", "nrms"),
     ({"outputs": [3]}, 400, "bad_request", "'outputs'"),
@@ -450,3 +452,35 @@ async def test_every_answer_carries_a_request_id_and_the_version() -> None:
         for odd in ("two words", "x" * 129, "<script>"):  # not echoed: a fresh id instead
             r = await c.get("/healthz", headers={"X-Request-ID": odd})
             assert r.headers["x-request-id"] != odd and len(r.headers["x-request-id"]) == 32
+
+
+DP_RUN = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0, "expected_batch_size": 8,
+          "dataset_size": 200, "delta": 1e-5, "max_epsilon": 0.45}
+
+
+@pytest.mark.parametrize("content, status, code, words", [
+    (b"{nope", 400, "bad_request", ["the body is not valid JSON"]),
+    (b"[1, 2]", 400, "bad_request", ["the body must be a JSON object"]),
+    ({k: v for k, v in DP_RUN.items() if k != "delta"}, 400, "bad_request",
+     ["'delta' is required"]),
+    ({**DP_RUN, "epsilon": 1.0}, 400, "bad_request",
+     ["'epsilon' is not a field of this body", "clip_norm, dataset_size, delta"]),
+    ({**DP_RUN, "clip_norm": "abc"}, 400, "bad_request", ["'clip_norm' should be a valid number",
+                                                          "got 'abc'"]),
+    ({**DP_RUN, "steps": 1.5}, 400, "bad_request", ["'steps'", "got 1.5"]),
+    ({**DP_RUN, "delta": 2.0}, 422, "invalid_input", ["'delta' should be less than 1", "got 2.0"]),
+    ({**DP_RUN, "accountant": "gdp"}, 422, "invalid_input", ["'accountant'", "got 'gdp'"]),
+    ({**DP_RUN, "delta": 2.0, "epsilon": 1.0}, 400, "bad_request", ["'delta'", "'epsilon'"]),
+])
+async def test_a_body_fastapi_parses_is_refused_by_the_contracts_rule(
+        content: bytes | dict[str, Any], status: int, code: str, words: list[str]) -> None:
+    """``POST /dp-runs``'s body is parsed by FastAPI, yet refused as the gradients request is:
+    400 for a body that cannot be read, a field missing, unknown or of the wrong type; 422 for
+    a value out of its range or choices (a body with both: 400); each field named, with what
+    was sent."""
+    raw = content if isinstance(content, bytes) else json.dumps(content).encode()
+    async with open_client() as c:
+        err = _error(await c.post("/dp-runs", content=raw, headers=JSON_CT), status, code)
+        assert (await c.get("/dp-runs")).json()["runs"] == []
+    for word in words:
+        assert word in err["message"], err

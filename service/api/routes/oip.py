@@ -32,9 +32,10 @@ from psgrad import __version__
 from psgrad._contract import OUTPUTS, answer_fields
 from psgrad._errors import BadRequest, InvalidInput, TooLarge
 from psgrad._wire import widen_answers
-from service.api.body import invalid, loads
+from service.api.body import loads
 from service.api.deps import StateDep, TenantDep
 from service.api.docs import schema_ref
+from service.api.errors import schema_refusal
 from service.api.routes.grads import answer_of, submit_fields
 from service.api.schemas import ERRORS
 from service.config import raise_setting
@@ -261,7 +262,8 @@ def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byte
     try:  # what is read below has the shapes and types InferRequest states
         InferRequest.model_validate(doc)
     except ValidationError as exc:
-        raise invalid(exc, "the inference request") from None
+        raise schema_refusal(exc.errors(), InferRequest.model_fields, "the inference request"
+                             ) from None
     return doc, binary
 
 
