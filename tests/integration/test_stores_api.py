@@ -128,6 +128,8 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
     error(await c.post("/stores/train/lookup", headers=ALICE, json={"ids": [[1]]}), 422,
           "invalid_input")
     error(await c.post("/stores/train/lookup", headers=BOB, json={"ids": [1]}), 404, "not_found")
+    error(await c.post("/stores/train/lookup", headers=ALICE, json={"ids": "ex-17"}), 400,
+          "bad_request", "the body is {\"ids\": [...]}", "got {'ids': 'ex-17'}")
 
     # the rows are /per-sample-grads' projection of the same samples, in the order added
     train = {k: [v for p in parts for v in p[k]] for k in ("inputs", "targets")}

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.concurrency import run_in_threadpool
 
-from psgrad._contract import SAMPLE_FIELDS
-from psgrad._errors import Conflict, InvalidInput, NotFound
+from psgrad._contract import SAMPLE_FIELDS, shown
+from psgrad._errors import BadRequest, Conflict, InvalidInput, NotFound
 from psgrad._wire import JSON, SAFETENSORS, array_from_json
 from service.api.body import conform, decode_request, loads, read_body
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
@@ -396,9 +396,11 @@ class LookupBody(BaseModel):
 
 
 def _lookup_ids(body: Any) -> list[int | str]:
-    """The sample ids a lookup body asks for; else 400 naming the first that is not one."""
+    """The sample ids a lookup body asks for; else 400 for a body of another shape, 422 naming
+    the first entry that is no sample id."""
     if not isinstance(body, dict) or set(body) != {"ids"} or not isinstance(body["ids"], list):
-        raise InvalidInput("the body is {\"ids\": [...]}: the sample ids to look for")
+        raise BadRequest(f"the body is {{\"ids\": [...]}}, the sample ids to look for; got "
+                         f"{shown(body)}")
     wanted: list[int | str] = body["ids"]
     bad = [i for i, v in enumerate(wanted) if id_kind(v) is None]
     if bad:
