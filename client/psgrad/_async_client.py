@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, upload
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, repeatable, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from psgrad._errors import DtypeMismatch, TooLarge
 from psgrad._grads import Build, GradsMethods
@@ -116,17 +116,20 @@ class AsyncClient(
         content: bytes | None = None,
         json: Any = None,
         headers: Mapping[str, str] | None = None,
+        repeat: bool | None = None,
     ) -> httpx.Response:
-        """One HTTP exchange with retries; a non-2xx answer raises its typed error."""
+        """One HTTP exchange with retries; a non-2xx answer raises its typed error. ``repeat``:
+        whether it may be sent again when its answer was lost (default: :func:`repeatable`)."""
+        repeat = repeatable(method, path) if repeat is None else repeat
         for attempt in itertools.count():
             try:
                 response = await self._exchange(method, path, content, json, headers)
             except httpx.TransportError as exc:
-                delay = self._after_failure(attempt, exc=exc)
+                delay = self._after_failure(attempt, exc=exc, repeat=repeat)
             else:
                 if response.is_success:
                     return response
-                delay = self._after_failure(attempt, response=response)
+                delay = self._after_failure(attempt, response=response, repeat=repeat)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -166,7 +169,8 @@ class AsyncClient(
 
     async def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
         body, headers = self._encode(fields)
-        return await self._send("POST", path, content=body, headers=headers)
+        return await self._send("POST", path, content=body, headers=headers,
+                                repeat=repeatable("POST", path, fields))
 
     async def _run_plan(self, plan: Plan) -> PlanResult:
         """Drive a chunking plan: send each request it yields, feed back answers or a 413."""

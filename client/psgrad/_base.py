@@ -34,8 +34,10 @@ from psgrad._constants import (
     INITIAL_RETRY_DELAY,
     MAX_RETRY_AFTER,
     MAX_RETRY_DELAY,
+    NOT_SENT,
     READY_ASK_S,
     READY_POLL_S,
+    REFUSED_STATUSES,
     REQUEST_ID_HEADER,
     RETRY_STATUSES,
     USER_AGENT,
@@ -229,17 +231,24 @@ class BaseClient:
 
     # -- retries -------------------------------------------------------------------------------
 
-    def _retry_delay(self, attempt: int, response: httpx.Response | None) -> float | None:
+    def _retry_delay(self, attempt: int, response: httpx.Response | None,
+                     exc: httpx.TransportError | None = None, repeat: bool = True
+                     ) -> float | None:
         """Seconds to wait before retry ``attempt`` (0-based), or None to give up.
 
-        Only connection errors (``response`` None), 408, 429 and 5xx are retried. A
-        ``Retry-After`` is honoured as it is; without one the delay is exponential with jitter.
+        Only connection errors (``response`` None), 408, 429 and 5xx are retried; a request
+        that must not ``repeat`` (:func:`repeatable`) only where it surely was not applied: no
+        connection made, or a 408, 429 or 503 (refused before any work). A ``Retry-After``
+        is honoured as it is; without one the delay is exponential with jitter.
         """
         if attempt >= self.max_retries:
             return None
         if response is not None and not (
             response.status_code in RETRY_STATUSES or response.status_code >= 500
         ):
+            return None
+        if not repeat and not (isinstance(exc, NOT_SENT) or (
+                response is not None and response.status_code in REFUSED_STATUSES)):
             return None
         after = _retry_after(response)
         if after is not None:
@@ -253,13 +262,21 @@ class BaseClient:
         *,
         response: httpx.Response | None = None,
         exc: httpx.TransportError | None = None,
+        repeat: bool = True,
     ) -> float:
         """The delay before the next try, or raise the typed error when there is none."""
-        delay = self._retry_delay(attempt, response)
+        delay = self._retry_delay(attempt, response, exc, repeat)
         if delay is not None:
             return delay  # the body was read already: the connection is free
         if response is not None:
             raise self._error(response)
+        if not repeat and not isinstance(exc, NOT_SENT):
+            raise (APITimeoutError if isinstance(exc, httpx.TimeoutException)
+                   else APIConnectionError)(
+                f"the answer from {self.base_url} was lost ({exc!r}), and the request was not "
+                "sent again: the server may have applied it, and a second would add to it "
+                "(a job, a DP step, a store's samples, rows or factors). Look at what the "
+                "server holds before sending it again") from exc
         if isinstance(exc, httpx.TimeoutException):
             raise APITimeoutError(
                 f"no answer from {self.base_url} within the timeout ({exc!r}) after "
@@ -395,3 +412,16 @@ def decode_json_result(doc: Any) -> Fields:
         else:
             fields[name] = array_from_json(value, name=name, max_elements=_MAX_DECODE_ELEMENTS)
     return fields
+
+
+def repeatable(method: str, path: str, fields: Mapping[str, Any] | None = None) -> bool:
+    """Whether a request may be sent again when its answer was lost (a dropped connection, a
+    timeout, a 5xx): one that reads or replaces (GET, PUT, DELETE), or a POST that only
+    computes: gradients without a DP run, a store's query or lookup. Never one that adds: a
+    job, a DP run or step, a store's samples, rows or factors (a factors batch sent twice is
+    fitted twice)."""
+    if method != "POST":
+        return True
+    if path == "/per-sample-grads":
+        return not (fields or {}).get("dp_run")
+    return path.startswith("/stores/") and path.endswith(("/query", "/lookup"))

@@ -17,6 +17,11 @@ READY_ASK_S = 5.0  # the longest one /readyz may take to answer before it is ask
 MAX_RETRY_DELAY = 8.0
 MAX_RETRY_AFTER = 60.0  # a Retry-After above this is not waited for: the error is raised
 RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
+# What says a request was not applied, so that one that must not repeat may be sent again: no
+# connection was made, or the server refused it before any work (timed out reading it, a
+# quota, a full queue or a broker down)
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+REFUSED_STATUSES = frozenset({408, 429, 503})
 
 # Job polling: start fast (small jobs finish in milliseconds), back off to a calm rate.
 JOB_POLL_INITIAL = 0.05

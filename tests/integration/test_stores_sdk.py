@@ -5,6 +5,7 @@ equal a numpy reference over the ``projection`` output of the same samples."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 
 import psgrad
 from service.api import create_app
-from tests.support.api import settings
+from service.stores import factors
+from tests.support.api import serving, settings
 from tests.support.client import running_app
 from tests.support.stores import reference
 
@@ -224,3 +226,28 @@ def test_factors_fitted_in_batches_resumed_and_queried(transport: httpx.BaseTran
             assert a.damping == pytest.approx(b.damping, rel=1e-4) and a.damping > 0
         fixed = client.stores.get("parts").query(x[:3], y[:3], k=2, score="ekfac", damping=0.5)
         assert fixed.damping == 0.5
+
+
+def test_a_factors_batch_whose_answer_is_lost_is_not_sent_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A factors batch adds to the store's factors, so the SDK never sends one again after
+    its answer was lost (here a read timeout while the server is slow to write the factors):
+    the error says so, and the server fits the samples once, not once per try."""
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((10, 6)).astype(np.float32), rng.integers(0, 3, 10)
+    real_add = factors.add
+
+    def slow_add(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)  # a busy disk: past the client's timeout
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(factors, "add", slow_add)
+    app = create_app(settings(data_dir=str(tmp_path / "data")))
+    with serving(app) as url, psgrad.Client(url) as client:
+        client.models.register("small", architecture="mlp", config={"sizes": [6, 5, 3]})
+        client.stores.create("s", "small").add(x, y, ids=list(range(10)))
+        with psgrad.Client(url, timeout=httpx.Timeout(0.5, connect=5.0), max_retries=2) as hasty, \
+                pytest.raises(psgrad.APITimeoutError, match="not sent again"):
+            hasty.stores.get("s").fit_factors(x, y, eigenvalues=False)
+        time.sleep(5)  # the one batch sent is written; two more tries would be too by now
+        assert client.stores.get("s").info["factors"]["samples"] == 10

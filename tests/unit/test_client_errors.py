@@ -14,6 +14,7 @@ import pytest
 
 import psgrad
 from psgrad import _errors
+from psgrad._base import repeatable
 from psgrad._wire import RESPONSE_KEY, fields_to_safetensors
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -152,6 +153,70 @@ def test_connection_errors_are_retried_then_raised(sleeps: list[float]) -> None:
     handler, _ = scripted(httpx.ReadTimeout("slow"))
     with client_for(handler, max_retries=0) as client, pytest.raises(psgrad.APITimeoutError):
         call(client)
+
+
+def queued(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(202, json={"job_id": "j1", "status": "queued"})
+
+
+def submit(client: psgrad.Client) -> psgrad.Job:
+    """``POST /jobs`` alone (integer inputs: no model's dtype to ask first)."""
+    return client.submit("m", np.ones((1, 2), np.int64), outputs=["norms"])
+
+
+LOST = [httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("dropped"),
+        httpx.WriteError("broken pipe"), error(500, "internal_error"), error(502, "x"),
+        error(504, "deadline_exceeded")]
+
+
+@pytest.mark.parametrize("lost", LOST, ids=lambda a: type(a).__name__ if isinstance(
+    a, Exception) else str(a.status_code))
+def test_a_request_that_adds_is_not_sent_again_when_its_answer_is_lost(
+        lost: httpx.Response | Exception, sleeps: list[float]) -> None:
+    """A job (like a DP step, a store's samples, rows or factors) would be added twice: after
+    a lost answer the client raises, saying why, where a computation alone is sent again."""
+    handler, seen = scripted(lost, queued(httpx.Request("POST", "http://fake/jobs")))
+    with client_for(handler, max_retries=2) as client, pytest.raises(psgrad.PsgradError) as info:
+        submit(client)
+    assert len(seen) == 1 and sleeps == []
+    assert isinstance(lost, httpx.Response) or "not sent again" in info.value.message
+    handler, seen = scripted(lost)
+    with client_for(handler, max_retries=2) as client:
+        assert call(client).norms.tolist() == [1.0]
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize("refused", [httpx.ConnectError("refused"), httpx.ConnectTimeout("slow"),
+                                     error(408, "x"), error(429, "rate_limited"),
+                                     error(503, "overloaded")],
+                         ids=lambda a: type(a).__name__ if isinstance(a, Exception)
+                         else str(a.status_code))
+def test_a_request_that_adds_is_sent_again_where_it_surely_was_not_applied(
+        refused: httpx.Response | Exception, sleeps: list[float]) -> None:
+    handler, seen = scripted(refused, queued(httpx.Request("POST", "http://fake/jobs")))
+    with client_for(handler, max_retries=2) as client:
+        assert submit(client).id == "j1"
+    assert len(seen) == 2 and len(sleeps) == 1
+
+
+async def test_the_async_client_does_not_send_again_what_adds() -> None:
+    handler, seen = scripted(httpx.ReadTimeout("slow"))
+    async with psgrad.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(handler),
+                                  max_retries=2) as client:
+        with pytest.raises(psgrad.APITimeoutError, match="not sent again"):
+            await client.submit("m", np.ones((1, 2), np.int64), outputs=["norms"])
+    assert len(seen) == 1
+
+
+def test_which_requests_may_be_sent_again() -> None:
+    may = [("GET", "/jobs/j1", None), ("PUT", "/stores/s", None), ("DELETE", "/models/m", None),
+           ("POST", "/per-sample-grads", {"outputs": ["norms"]}),
+           ("POST", "/stores/s/query", None), ("POST", "/stores/s/lookup", None)]
+    never = [("POST", "/per-sample-grads", {"dp_run": "dp-1"}), ("POST", "/jobs", None),
+             ("POST", "/dp-runs", None), ("POST", "/stores/s/samples", None),
+             ("POST", "/stores/s/rows", None), ("POST", "/stores/s/factors", None),
+             ("POST", "/stores/s/factors/eigenvalues", None)]
+    assert all(repeatable(*r) for r in may) and not any(repeatable(*r) for r in never)
 
 
 async def test_the_async_client_retries_and_maps_errors_the_same_way(
