@@ -16,8 +16,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from psgrad._contract import MAX_PROJECTION_DIM
-from psgrad._errors import Conflict, InvalidInput
+from psgrad._contract import MAX_PROJECTION_DIM, shown
+from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.strategies.projection import VERSIONS
 from service.tenants import DEFAULT_TENANT
 
@@ -136,8 +136,9 @@ def checked_ids(raw: Any, count: int) -> tuple[list[int | str], str]:
                                f"{raw.dtype} and shape {list(raw.shape)}")
         raw = [int(v) for v in raw]
     if not isinstance(raw, list):
-        raise InvalidInput("'ids' is required: one id per sample (integers, or strings of 1 to "
-                           f"{MAX_ID_CHARS} printable characters), the names queries answer with")
+        what = "is required" if raw is None else f"must be a list (got {shown(raw)})"
+        raise BadRequest(f"'ids' {what}: one id per sample (integers, or strings of 1 to "
+                         f"{MAX_ID_CHARS} printable characters), the names queries answer with")
     if len(raw) != count:
         raise InvalidInput(f"'ids' has {len(raw)} entries; the batch has {count} samples: send "
                            "one id per sample", ids=len(raw), samples=count)

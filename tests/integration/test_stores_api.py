@@ -671,8 +671,10 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
     error(await post("/stores/nope/samples", headers=ALICE, json=samples(2)), 404, "not_found")
     error(await post("/stores/s/query", headers=ALICE, json={"k": 1, **batch(1, 1)}), 409,
           "conflict", "empty")
-    error(await post("/stores/s/samples", headers=ALICE, json=batch(2, 5)), 422,
-          "invalid_input", "'ids' is required")
+    error(await post("/stores/s/samples", headers=ALICE, json=batch(2, 5)), 400,
+          "bad_request", "'ids' is required")
+    error(await post("/stores/s/samples", headers=ALICE, json={**batch(2, 5), "ids": 7}), 400,
+          "bad_request", "'ids' must be a list (got 7)")
     error(await post("/stores/s/samples", headers=ALICE, json={**batch(2, 5), "ids": [1]}),
           422, "invalid_input", "1 entries")
     error(await post("/stores/s/samples", headers=ALICE, json=samples(2, model="att@0123")),

@@ -297,7 +297,7 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
             raise InvalidInput(f"{what} takes 'rows' and 'ids' only: {', '.join(batch)} make "
                                f"a batch, whose rows POST /stores/{store_id}/samples computes")
         if raw_rows is None:
-            raise InvalidInput(f"{what} needs 'rows' [n, {spec.projection_dim}] and 'ids'")
+            raise BadRequest(f"{what} needs 'rows' [n, {spec.projection_dim}] and 'ids'")
         if isinstance(raw_rows, np.ndarray) and raw_rows.dtype != np.dtype(spec.dtype):
             raise InvalidInput(f"'rows' is {raw_rows.dtype}; store '{store_id}' keeps "
                                f"{spec.dtype}: send {spec.dtype} rows", dtype=str(raw_rows.dtype),
