@@ -67,6 +67,7 @@ from psgrad._wire import (
     fields_from_safetensors,
     fields_to_json,
     fields_to_safetensors,
+    media_type,
 )
 
 __all__ = ["BaseClient", "Call", "ProgressArg", "decode_json_result"]
@@ -196,7 +197,7 @@ class BaseClient:
         streamed = response.extensions.pop(ANSWER, None)  # the response may outlive it
         if streamed is not None:
             return dict(streamed)
-        ctype = response.headers.get("content-type", "").split(";")[0].strip()
+        ctype = media_type(response.headers.get("content-type"))
         if ctype == SAFETENSORS:
             return fields_from_safetensors(response.content, RESPONSE_KEY)
         return decode_json_result(response.json())
@@ -211,7 +212,7 @@ class BaseClient:
         """A reader for a safetensors answer (read as it arrives, into arrays allocated once,
         in memory of answers the caller dropped where there is some), or None: the body is read
         whole (JSON, errors, model weights)."""
-        ctype = response.headers.get("content-type", "").split(";")[0].strip()
+        ctype = media_type(response.headers.get("content-type"))
         if response.is_success and ctype == SAFETENSORS and path.startswith(ANSWER_PATHS):
             return AnswerReader(RESPONSE_KEY, self._memory.allocator())
         return None

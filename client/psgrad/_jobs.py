@@ -26,7 +26,7 @@ from psgrad._errors import (
 )
 from psgrad._merge import Fields
 from psgrad._types import GradsResult, JobStatus
-from psgrad._wire import JSON, RESPONSE_KEY, SAFETENSORS, fields_from_safetensors
+from psgrad._wire import JSON, RESPONSE_KEY, SAFETENSORS, fields_from_safetensors, media_type
 
 if TYPE_CHECKING:
     from psgrad._async_client import AsyncClient
@@ -44,7 +44,7 @@ def job_state(response: httpx.Response) -> JobState:
     finished job asked for with ``Accept: application/x-safetensors`` is the result itself, as a
     safetensors answer, with the status in the ``X-Psgrad-Job-Status`` header.
     """
-    ctype = response.headers.get("content-type", "").split(";")[0].strip()
+    ctype = media_type(response.headers.get("content-type"))
     result: Fields | None = None
     doc: dict[str, Any]
     if ctype == SAFETENSORS:

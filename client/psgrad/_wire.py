@@ -40,6 +40,11 @@ SAFETENSORS = "application/x-safetensors"
 JSON = "application/json"
 
 
+def media_type(value: str | None) -> str:
+    """A ``Content-Type`` (or one entry of an ``Accept``) without its parameters, lower case."""
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
 def array_from_json(value: Any, *, name: str, max_elements: int) -> np.ndarray:
     """Decode one JSON tensor (nested lists or the base64 form), refusing anything malformed."""
     if isinstance(value, dict):

@@ -30,6 +30,7 @@ from psgrad._wire import (
     SAFETENSORS,
     array_from_json,
     fields_from_safetensors,
+    media_type,
     parts_size,
     safetensors_parts,
     widen_answers,
@@ -44,10 +45,6 @@ from service.validate import asked_outputs
 STREAM_CHUNK = 1 << 20  # bytes per write of a streamed safetensors answer
 JSON_CHUNK = 1 << 20  # array bytes per piece of a streamed JSON answer
 INLINE_BYTES = 64 * 1024  # smaller bodies decode on the loop (a thread hop costs more)
-
-
-def media_type(value: str | None) -> str:
-    return (value or "").split(";", 1)[0].strip().lower()
 
 
 async def read_body(request: Request, limit: int,

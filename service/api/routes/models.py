@@ -9,9 +9,9 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import BadRequest, PsgradError, UnsupportedMediaType
-from psgrad._wire import JSON, SAFETENSORS
+from psgrad._wire import JSON, SAFETENSORS, media_type
 from service import warmup
-from service.api.body import body_chunks, media_type, read_body
+from service.api.body import body_chunks, read_body
 from service.api.deps import AdminKey, ApiKey, RegistryDep, SettingsDep, StateDep, TenantDep
 from service.api.schemas import MODEL_ID, MODEL_REF, ModelDeleted, ModelDoc, ModelList, errors
 from service.export.register import checking_child, next_spare
