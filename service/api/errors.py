@@ -26,8 +26,16 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from psgrad._contract import shown
-from psgrad._errors import BadRequest, InvalidInput, Overloaded, PsgradError, Unauthorized
+from psgrad._errors import (
+    BadRequest,
+    InvalidInput,
+    Overloaded,
+    PsgradError,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from psgrad._version import VERSION_HEADER, __version__
+from psgrad._wire import JSON, media_type
 from service.broker.redis.common import RETRY_AFTER_DOWN_S, redis_unavailable
 
 log = logging.getLogger("psgrad.api")
@@ -112,6 +120,11 @@ async def _validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
     if errors and all(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors):
+        ctype = media_type(request.headers.get("content-type"))
+        if ctype != JSON and not ctype.endswith("+json"):  # all FastAPI reads as JSON
+            return _shaped(request, error_response(UnsupportedMediaType(
+                f"unsupported Content-Type {ctype or '(none)'!r}: send {JSON}",
+                content_type=ctype, accepted=[JSON])))
         field = getattr(request.scope.get("route"), "body_field", None)
         schema = getattr(getattr(field, "field_info", None), "annotation", None)
         known = list(schema.model_fields) if isinstance(schema, type) and issubclass(

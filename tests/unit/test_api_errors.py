@@ -458,6 +458,18 @@ DP_RUN = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0, "expected_b
           "dataset_size": 200, "delta": 1e-5, "max_epsilon": 0.45}
 
 
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-safetensors"])
+async def test_a_body_fastapi_parses_in_another_media_type_is_415(ctype: str | None) -> None:
+    async with open_client() as c:
+        err = _error(await c.post("/dp-runs", content=json.dumps(DP_RUN).encode(),
+                                  headers={"content-type": ctype} if ctype else {}),
+                     415, "unsupported_media_type")
+        assert (await c.post("/dp-runs", content=json.dumps(DP_RUN).encode(), headers={
+            "content-type": "application/json; charset=utf-8"})).status_code == 201
+    assert err["message"] == (f"unsupported Content-Type {ctype or '(none)'!r}: send "
+                              "application/json")
+
+
 @pytest.mark.parametrize("content, status, code, words", [
     (b"{nope", 400, "bad_request", ["the body is not valid JSON"]),
     (b"[1, 2]", 400, "bad_request", ["the body must be a JSON object"]),

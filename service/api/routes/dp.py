@@ -112,8 +112,8 @@ def _checked(run_id: str) -> str:
     return run_id
 
 
-@router.post("", status_code=201, response_model=DPRunView, responses=errors(400, 401, 404, 422),
-             summary="Start a DP-SGD run")
+@router.post("", status_code=201, response_model=DPRunView,
+             responses=errors(400, 401, 404, 415, 422), summary="Start a DP-SGD run")
 async def create_run(body: DPRunCreate, settings: SettingsDep, registry: RegistryDep,
                      store: RunsDep, tenant: TenantDep) -> dict[str, Any]:
     """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two.
