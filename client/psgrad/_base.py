@@ -277,7 +277,7 @@ class BaseClient:
                 f"the answer from {self.base_url} was lost ({exc!r}), and the request was not "
                 "sent again: the server may have applied it, and a second would add to it "
                 "(a job, a DP step, a store's samples, rows or factors). Look at what the "
-                "server holds before sending it again") from exc
+                "server holds before sending it again", maybe_applied=True) from exc
         if isinstance(exc, httpx.TimeoutException):
             raise APITimeoutError(
                 f"no answer from {self.base_url} within the timeout ({exc!r}) after "

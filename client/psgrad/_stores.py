@@ -12,6 +12,7 @@ it and ``AsyncStore`` awaits it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ import numpy as np
 
 from psgrad._arrays import to_numpy
 from psgrad._base import Call, json_doc, resource_path
-from psgrad._errors import BadRequest, InvalidInput
+from psgrad._errors import APIConnectionError, BadRequest, Conflict, InvalidInput, PsgradError
 from psgrad._progress import Progress
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 
@@ -195,14 +196,14 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
         names = _ids(names, len(names))
         present = (yield "call", _Calls.lookup(store.id, names))["present"]
         keep = [not p for p in present]
-        if rows and any(keep):
-            pick = np.flatnonzero(keep)
-            fields = {"rows": np.ascontiguousarray(x[pick], dtype=store.info["dtype"]),
-                      "ids": [names[i] for i in pick]}
-            store.info = yield "call", _Calls.rows(store.id, fields)
-        elif any(keep):
+        new = [n for n, k in zip(names, keep, strict=True) if k]
+        if rows and new:
+            fields = {"rows": np.ascontiguousarray(x[np.flatnonzero(keep)],
+                                                   dtype=store.info["dtype"]), "ids": new}
+            store.info = yield from _committed(store, _Calls.rows(store.id, fields), new)
+        elif new:
             fields = yield "prepare", _sample_fields(store.info["model"], x, y, names, keep)
-            store.info = yield "call", _Calls.add(store.id, fields)
+            store.info = yield from _committed(store, _Calls.add(store.id, fields), new)
         done += len(names)
         skipped += len(names) - sum(keep)
         if bar is not None:
@@ -213,6 +214,31 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
         bar.close()
     store.info = yield "call", _Calls.get(store.id)
     return {**store.info, "added": done - skipped, "skipped": skipped}
+
+
+def _committed(store: _Handle, call: Call[dict[str, Any]], ids: list[Any]
+               ) -> Generator[Step, Any, dict[str, Any]]:
+    """A batch of new ``ids`` (samples or rows) committed, as steps: sent again after a lost
+    answer, up to the client's ``max_retries`` times, since the server commits a batch under
+    its ids once at most (a batch whose ids it holds is refused whole, 409, even one still in
+    flight when it was sent again). Whether a lost or refused batch was committed is the
+    store's to say: it holds all of ``ids`` (committed) or none (send it again). Answers the
+    store's description."""
+    for attempt in itertools.count():
+        try:
+            doc: dict[str, Any] = yield "call", call
+            return doc
+        except (APIConnectionError, Conflict) as exc:
+            lost = isinstance(exc, APIConnectionError) and bool(exc.details.get("maybe_applied"))
+            if not (lost or (isinstance(exc, Conflict) and attempt > 0)):  # a 409 on a resend:
+                raise  # ... perhaps the lost batch, committed meanwhile
+            present = (yield "call", _Calls.lookup(store.id, ids))["present"]
+            if all(present):
+                doc = yield "call", _Calls.get(store.id)
+                return doc
+            if any(present) or not lost or attempt >= store._client.max_retries:
+                raise
+    raise AssertionError("unreachable")
 
 
 PASSES = ("factors", "eigenvalues")  # a fit's passes, each counted in the store's ``factors``
@@ -289,9 +315,13 @@ class Store(_Handle):
         try:
             kind, value = next(plan)
             while True:
-                done = (self._client._call(value) if kind == "call"
-                        else self._client._prepare(value, float32=True))
-                kind, value = plan.send(done)
+                try:
+                    done = (self._client._call(value) if kind == "call"
+                            else self._client._prepare(value, float32=True))
+                except PsgradError as exc:  # the plan's to handle (a lost answer) or raise
+                    kind, value = plan.throw(exc)
+                else:
+                    kind, value = plan.send(done)
         except StopIteration as stop:
             return stop.value
 
@@ -402,9 +432,13 @@ class AsyncStore(_Handle):
         try:
             kind, value = next(plan)
             while True:
-                done = (await self._client._call(value) if kind == "call"
-                        else await self._client._prepare(value, float32=True))
-                kind, value = plan.send(done)
+                try:
+                    done = (await self._client._call(value) if kind == "call"
+                            else await self._client._prepare(value, float32=True))
+                except PsgradError as exc:  # the plan's to handle (a lost answer) or raise
+                    kind, value = plan.throw(exc)
+                else:
+                    kind, value = plan.send(done)
         except StopIteration as stop:
             return stop.value
 

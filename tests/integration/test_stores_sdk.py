@@ -17,6 +17,7 @@ import torch
 
 import psgrad
 from service.api import create_app
+from service.api.routes import stores as stores_route
 from service.stores import factors
 from tests.support.api import serving, settings
 from tests.support.client import running_app
@@ -251,3 +252,31 @@ def test_a_factors_batch_whose_answer_is_lost_is_not_sent_again(
             hasty.stores.get("s").fit_factors(x, y, eigenvalues=False)
         time.sleep(5)  # the one batch sent is written; two more tries would be too by now
         assert client.stores.get("s").info["factors"]["samples"] == 10
+
+
+def test_a_batch_of_samples_whose_answer_is_lost_is_committed_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of samples is committed under its ids once at most, so ``add`` sends it again
+    after a lost answer (here read timeouts while the server is slow to commit) and reads the
+    store to know which try took: the store holds every sample once, and ``add`` says so."""
+    real_commit = stores_route.commit_all
+    commits: list[int] = []
+
+    def slow_commit(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)  # a busy disk: past the client's timeout
+        try:
+            return real_commit(*args, **kwargs)
+        finally:
+            commits.append(1)
+
+    monkeypatch.setattr(stores_route, "commit_all", slow_commit)
+    x, y = data(6, 5)
+    app = create_app(settings(data_dir=str(tmp_path / "data")))
+    with serving(app) as url, psgrad.Client(url) as client:
+        client.stores.create("s", "mlp", projection_dim=DIM)
+        with psgrad.Client(url, timeout=httpx.Timeout(0.5, connect=5.0), max_retries=3) as hasty:
+            info = hasty.stores.get("s").add(x, y, ids=list(range(6)))
+        assert (info["samples"], info["added"], info["skipped"]) == (6, 6, 0)
+        time.sleep(3)  # every try sent has reached its commit (or its refusal) by now
+        store = client.stores.get("s")
+        assert store.info["samples"] == 6 and len(commits) >= 2  # sent again, committed once

@@ -276,3 +276,34 @@ def test_import_psgrad_pulls_in_no_torch_fastapi_or_redis() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("held_after", [[True, True], [True, False]])
+def test_a_store_batch_sent_again_is_taken_as_committed_only_when_the_store_holds_it(
+        held_after: list[bool], sleeps: list[float]) -> None:
+    """``add`` after a lost answer: the store holds none of the batch, so it is sent again;
+    that try is refused 409 (the lost one was committed meanwhile), and the store now holds
+    every id: the batch is in, once. Had the store held some of the ids only, another writer
+    was at work and the error stands."""
+    doc = {"id": "s", "model": "m@1", "samples": 0, "dtype": "float32"}
+    looks = iter([[False, False], [False, False], held_after])
+    posts: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/lookup"):
+            return httpx.Response(200, json={"present": next(looks), "samples": 0})
+        if request.url.path.endswith("/samples"):
+            posts.append(1)
+            if len(posts) == 1:
+                raise httpx.ReadTimeout("slow")
+            return error(409, "conflict")
+        return httpx.Response(200, json={**doc, "samples": 2})
+
+    with client_for(handler, max_retries=2) as client:
+        store = client.stores.get("s")
+        if all(held_after):
+            assert store.add(np.ones((2, 3), np.int64), [0, 1], ids=[7, 8])["samples"] == 2
+        else:
+            with pytest.raises(psgrad.Conflict):
+                store.add(np.ones((2, 3), np.int64), [0, 1], ids=[7, 8])
+    assert len(posts) == 2
