@@ -26,7 +26,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal, TypedDict, get_type_hints
+from typing import Annotated, Any, Literal, TypedDict, cast, get_type_hints
 
 from psgrad._errors import BadRequest, InvalidInput
 
@@ -106,8 +106,12 @@ class Field:
         if kind == "float":
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise BadRequest(f"'{name}' must be a finite number; got {shown(value)}")
-            if not math.isfinite(value) or not self._within(float(value)):
-                what = "" if math.isfinite(value) else "a finite number "
+            try:
+                number = float(value)
+            except OverflowError:  # only an integer past float's range, as JSON may write one
+                number = math.inf if cast(int, value) > 0 else -math.inf
+            if not math.isfinite(number) or not self._within(number):
+                what = "" if math.isfinite(number) else "a finite number "
                 raise InvalidInput(f"'{name}' must be {what}{self.bounds()}; got {shown(value)}")
             return value
         if kind == "names":

@@ -253,6 +253,7 @@ async def test_gamma_outside_0_1_is_422_in_both_wire_forms() -> None:
     ({"noise_multiplier": float("inf")}, 422, "invalid_input",
      "'noise_multiplier' must be a finite number >= 0; got inf"),
     ({"noise_multiplier": "1"}, 400, "bad_request", "'noise_multiplier' must be a finite number"),
+    ({"gamma": 10**400}, 422, "invalid_input", "'gamma' must be a finite number in [0, 1]"),
     ({"seed": 1.5}, 400, "bad_request", "'seed' must be an integer"),
     ({"outputs": ["norms", "nrms"]}, 422, "unknown_output", "nrms"),
     ({"outputs": [3]}, 400, "bad_request", "'outputs'"),

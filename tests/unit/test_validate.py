@@ -414,6 +414,9 @@ def test_options_that_do_not_fit(registry: ModelRegistry) -> None:
         "reference",
         "fc3.bias",
     )
+    for huge in (10**400, -(10**400)):  # past float's range: refused, never a crash
+        refused(registry, mlp_body(outputs=["clipped_mean"], clip_norm=1, noise_multiplier=huge),
+                InvalidInput, "'noise_multiplier' must be a finite number >= 0")
     refused(registry, mlp_body(seed=-1), InvalidInput, "'seed' must be an integer in [0, 2**63)",
             "got -1")  # out of its range, as noise_multiplier=-1 above
     refused(registry, mlp_body(seed=1.5), BadRequest, "seed")
@@ -427,8 +430,8 @@ def test_options_that_do_not_fit(registry: ModelRegistry) -> None:
 
 
 
-@pytest.mark.parametrize("gamma", [-3, 7.5, 1e30, 10**30, -1e-9, 1.000001, float("nan"),
-                                   float("inf"), float("-inf")])
+@pytest.mark.parametrize("gamma", [-3, 7.5, 1e30, 10**30, 10**400, -(10**400), -1e-9, 1.000001,
+                                   float("nan"), float("inf"), float("-inf")])
 def test_gamma_outside_0_1_is_refused(registry: ModelRegistry, gamma: float) -> None:
     refused(registry, {**TD0, "gamma": gamma}, InvalidInput, "'gamma'", "[0, 1]")
 
