@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from psgrad._contract import FIELDS, KNOWN, TENSOR_DICT_FIELDS, TENSOR_FIELDS, model_of
-from psgrad._errors import BadRequest, InvalidInput, TooLarge, UnsupportedMediaType
+from psgrad._errors import BadRequest, InvalidInput, TooLarge
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
@@ -35,7 +35,7 @@ from psgrad._wire import (
     safetensors_parts,
     widen_answers,
 )
-from service.api.errors import schema_refusal
+from service.api.errors import schema_refusal, unsupported_type
 from service.api.status_data import note_model
 from service.config import Settings, naming_setting, raise_setting
 from service.losses import LOSSES
@@ -98,11 +98,7 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     ``need_model=False``: the route knows the model (a store's)."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in (JSON, SAFETENSORS):
-        raise UnsupportedMediaType(
-            f"unsupported Content-Type {ctype or '(none)'!r}: send {JSON} or {SAFETENSORS}",
-            content_type=ctype,
-            accepted=[JSON, SAFETENSORS],
-        )
+        raise unsupported_type(ctype, [JSON, SAFETENSORS])
     body = await read_body(request, settings.max_body_bytes)
     decode = _decode_safetensors if ctype == SAFETENSORS else _decode_json
     if len(body) > INLINE_BYTES:

@@ -114,6 +114,13 @@ def schema_refusal(errors: Sequence[Any], known: Collection[str] = (),
         {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in errors])
 
 
+def unsupported_type(ctype: str, accepted: list[str]) -> UnsupportedMediaType:
+    """The 415 of a body in a media type (``ctype``, without parameters) the route does not
+    read, naming the ones it does."""
+    return UnsupportedMediaType(f"unsupported Content-Type {ctype or '(none)'!r}: send "
+                                f"{' or '.join(accepted)}", content_type=ctype, accepted=accepted)
+
+
 async def _validation(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's refusal of a route's parameters: a body's in :func:`schema_refusal`'s words
     and status, a query's or path's (a typo such as ``?tennant=``) as a 422 naming it."""
@@ -122,9 +129,7 @@ async def _validation(request: Request, exc: Exception) -> JSONResponse:
     if errors and all(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors):
         ctype = media_type(request.headers.get("content-type"))
         if ctype != JSON and not ctype.endswith("+json"):  # all FastAPI reads as JSON
-            return _shaped(request, error_response(UnsupportedMediaType(
-                f"unsupported Content-Type {ctype or '(none)'!r}: send {JSON}",
-                content_type=ctype, accepted=[JSON])))
+            return _shaped(request, error_response(unsupported_type(ctype, [JSON])))
         field = getattr(request.scope.get("route"), "body_field", None)
         schema = getattr(getattr(field, "field_info", None), "annotation", None)
         known = list(schema.model_fields) if isinstance(schema, type) and issubclass(
