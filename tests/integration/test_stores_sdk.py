@@ -229,6 +229,23 @@ def test_factors_fitted_in_batches_resumed_and_queried(transport: httpx.BaseTran
         assert fixed.damping == 0.5
 
 
+def slowed(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """``owner.name`` made 1 s slower (a busy disk: past the tests' client timeout of 0.5 s);
+    the list it answers counts its calls, each appended once the call has ended."""
+    real = getattr(owner, name)
+    calls: list[int] = []
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            calls.append(1)
+
+    monkeypatch.setattr(owner, name, slow)
+    return calls
+
+
 def test_a_factors_batch_whose_answer_is_lost_is_not_sent_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A factors batch adds to the store's factors, so the SDK never sends one again after
@@ -236,13 +253,7 @@ def test_a_factors_batch_whose_answer_is_lost_is_not_sent_again(
     the error says so, and the server fits the samples once, not once per try."""
     rng = np.random.default_rng(4)
     x, y = rng.standard_normal((10, 6)).astype(np.float32), rng.integers(0, 3, 10)
-    real_add = factors.add
-
-    def slow_add(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(1.0)  # a busy disk: past the client's timeout
-        return real_add(*args, **kwargs)
-
-    monkeypatch.setattr(factors, "add", slow_add)
+    slowed(monkeypatch, factors, "add")
     app = create_app(settings(data_dir=str(tmp_path / "data")))
     with serving(app) as url, psgrad.Client(url) as client:
         client.models.register("small", architecture="mlp", config={"sizes": [6, 5, 3]})
@@ -259,17 +270,7 @@ def test_a_batch_of_samples_whose_answer_is_lost_is_committed_once(
     """A batch of samples is committed under its ids once at most, so ``add`` sends it again
     after a lost answer (here read timeouts while the server is slow to commit) and reads the
     store to know which try took: the store holds every sample once, and ``add`` says so."""
-    real_commit = stores_route.commit_all
-    commits: list[int] = []
-
-    def slow_commit(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(1.0)  # a busy disk: past the client's timeout
-        try:
-            return real_commit(*args, **kwargs)
-        finally:
-            commits.append(1)
-
-    monkeypatch.setattr(stores_route, "commit_all", slow_commit)
+    commits = slowed(monkeypatch, stores_route, "commit_all")
     x, y = data(6, 5)
     app = create_app(settings(data_dir=str(tmp_path / "data")))
     with serving(app) as url, psgrad.Client(url) as client:
