@@ -23,7 +23,11 @@ from service.registry import LoadedModel
 from service.strategies.base import Options
 from service.tenants import owned_key
 
-_READ = ("reference", "reference_sketches", "reference_set", "outputs")
+# A body that brings a batch to a set or a store: the batch, and how its rows are made (which a
+# store fixes when it is made)
+BATCH_FIELDS = (*SAMPLE_FIELDS, "model", "verify", "verify_seed")
+FIXED_FIELDS = ("loss", "params", "projection_dim", "projection_seed", "projection_kind")
+SET_FIELDS = frozenset((*BATCH_FIELDS, *FIXED_FIELDS))
 
 
 def checked_id(given: str, what: str = "reference set") -> str:
@@ -44,12 +48,16 @@ def scope_reference(fields: dict[str, Any], tenant: str) -> None:
 
 
 def set_request(set_id: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """The job's fields: the body's batch and options, asking for sketches or gradients
-    (checked next by the request validation, before the size of the set)."""
+    """The job's fields: the body's batch and how its rows are made, asking for sketches or
+    gradients (checked next by the request validation, before the size of the set); any other
+    field of a gradients request (an output, ``weights``, ``clip_norm``, ...) is refused, as an
+    append to a store refuses it, since the set would not say it was made so."""
     checked_id(set_id)
-    extra = sorted(k for k in _READ if fields.get(k) is not None)
+    extra = sorted(k for k, v in fields.items() if k not in SET_FIELDS and v is not None)
     if extra:
-        raise InvalidInput(f"a reference set is made from a batch; leave out: {', '.join(extra)}")
+        raise InvalidInput(f"a reference set is made from a batch ({', '.join(BATCH_FIELDS)}) "
+                           f"and how its rows are made ({', '.join(FIXED_FIELDS)}); leave out: "
+                           f"{', '.join(extra)}", fields=extra)
     dim = fields.get("projection_dim")
     return {**fields, "outputs": ["projection"] if dim is not None else ["grads"]}
 

@@ -90,11 +90,11 @@ def _too_large(size: int, limit: int, field: str, value: int, *,
 
 
 async def decode_request(request: Request, settings: Settings, *, one_job: bool = True,
-                         extra: frozenset[str] = frozenset(), need_model: bool = True
+                         takes: frozenset[str] = KNOWN, need_model: bool = True
                          ) -> dict[str, Any]:
     """The request fields (JSON values and numpy arrays) from a JSON or safetensors body;
     ``one_job=False`` for a body the route splits into jobs itself (no batch-size limit);
-    ``extra``: the route's own fields besides a gradients request's (decoded as JSON values);
+    ``takes``: the fields the route reads (:func:`precheck`; default: a gradients request's);
     ``need_model=False``: the route knows the model (a store's)."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in (JSON, SAFETENSORS):
@@ -106,7 +106,7 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     else:
         fields = decode(body, settings)
     note_model(request.scope, fields.get("model"))  # the status page counts by model
-    precheck(fields, extra, need_model)
+    precheck(fields, takes, need_model)
     inputs = fields.get("inputs")
     if isinstance(inputs, dict):  # named inputs: the first one's batch
         inputs = next(iter(inputs.values()), None)
@@ -122,18 +122,25 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     return fields
 
 
-def precheck(fields: dict[str, Any], extra: frozenset[str] = frozenset(),
-              need_model: bool = True) -> None:
-    """What can be refused without the model, refused before queueing (the rest: the worker)."""
-    known = KNOWN | extra
-    unknown = sorted(set(fields) - known)
+def precheck(fields: dict[str, Any], takes: frozenset[str] = KNOWN,
+             need_model: bool = True) -> None:
+    """What can be refused without the model, refused before queueing (the rest: the worker):
+    a field that is neither a gradients request's nor among those the route ``takes`` is a 400
+    listing what the route takes (a gradients request's field that the route does not read:
+    the route's own 422 says to leave it out)."""
+    unknown = sorted(set(fields) - KNOWN - takes)
     if unknown:
         raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+            f"unknown fields: {', '.join(unknown)}; known: {', '.join(sorted(takes))}",
             unknown=unknown,
         )
     if need_model:
         model_of(fields)
+
+
+def fields_of(schema: type[BaseModel]) -> frozenset[str]:
+    """The fields a body of ``schema`` may send, by the names sent (an alias: ``lambda``)."""
+    return frozenset(f.alias or name for name, f in schema.model_fields.items())
 
 
 def held_to_contract(fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
+from psgrad._wire import JSON, SAFETENSORS
+
 log = logging.getLogger("psgrad.api")
 ASSETS = "/docs-assets"
 
@@ -46,6 +48,17 @@ def schema_ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 _EXTRA: dict[str, type[BaseModel]] = {}
+
+
+def request_body(model: type[BaseModel], description: str, binary: bool = True
+                 ) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its body itself: JSON of ``model``, and with
+    ``binary`` the same fields as a safetensors file (its tensors as tensors, the rest as JSON
+    in the metadata key 'request')."""
+    content: dict[str, Any] = {JSON: {"schema": schema_ref(model)}}
+    if binary:
+        content[SAFETENSORS] = {"schema": {"type": "string", "format": "binary"}}
+    return {"requestBody": {"required": True, "description": description, "content": content}}
 
 
 # The headers of every answer (errors.CatchAllMiddleware sets them), stated on every response.

@@ -24,6 +24,7 @@ from psgrad._contract import (
 from psgrad._contract import TENSOR_DOC as TENSOR_DOC  # the stores read it here
 from psgrad._contract import Field as ContractField
 from service.losses import LOSSES
+from service.reference_sets import BATCH_FIELDS, FIXED_FIELDS
 
 DTYPE = Literal["float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"]
 
@@ -99,6 +100,30 @@ GradsRequest = create_model(  # the body of POST /per-sample-grads and POST /job
     Every field is declared in ``psgrad._contract``.
     """,
     **REQUEST_FIELDS,
+)
+
+
+class StoreRequest(BaseModel):
+    """A body addressed to a store: the store fixes its model, which may be sent."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, pattern=MODEL_REF, description="the store's model, if sent")
+
+
+SampleBatch = create_model(  # the batch's fields: the request contract's
+    "SampleBatch",
+    __base__=StoreRequest,
+    __doc__="""Test or training samples; the store fixes the model version, loss, parameters
+    and projection (sending them is allowed only with the store's own values); verify and
+    verify_seed as in a gradients request.""",
+    **contract_fields(*(f for f in BATCH_FIELDS if f != "model"), *FIXED_FIELDS),
+)
+ReferenceSetBody = create_model(
+    "ReferenceSetBody",
+    __base__=SampleBatch,
+    __doc__="""A batch and how its rows are made: the sketches (``projection_dim``) or full
+    gradients a reference set keeps. The safetensors form as for ``GradsRequest``.""",
+    **contract_fields("model", "inputs", required=("model", "inputs")),
 )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from psgrad._contract import SAMPLE_FIELDS, model_of
 from psgrad._errors import BadRequest, Conflict, InvalidInput
-from service.reference_sets import checked_id
+from service.reference_sets import BATCH_FIELDS, FIXED_FIELDS, checked_id
 from service.registry import ModelRegistry
 from service.stores.index import check_factory
 from service.stores.spec import EXACT, MAX_CHECKPOINTS, MAX_EXACT_WIDTH, StoreSpec, check_dtype
@@ -24,8 +24,6 @@ from service.validate.attribution import projection_of
 
 SPEC_FIELDS = ("model", "loss", "params", "projection_dim", "projection_seed",
                "projection_kind", "dtype", "index", "checkpoints")
-BATCH_FIELDS = (*SAMPLE_FIELDS, "model", "verify", "verify_seed")
-FIXED_FIELDS = ("loss", "params", "projection_dim", "projection_seed", "projection_kind")
 
 
 def make_spec(store_id: str, body: Any, registry: ModelRegistry, tenant: str) -> StoreSpec:

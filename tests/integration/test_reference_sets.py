@@ -109,9 +109,20 @@ async def test_reference_sets_embedded_with_limits(tmp_path: Path) -> None:
         assert r.status_code == 413 and "projection_dim" in r.json()["error"]["message"], r.text
         r = await client.put("/reference-sets/Bad!", json={"model": "att", **batch(2, 3)})
         assert r.status_code == 400, r.text
-        r = await client.put("/reference-sets/x", json={"model": "att", **batch(2, 3),
-                                                        "outputs": ["grads"]})
-        assert r.status_code == 422 and "outputs" in r.text
+        # what a set does not read is refused, never ignored: rows made at other 'weights'
+        # would be kept as the registered version's
+        for name, value in (("outputs", ["grads"]), ("weights", {"fc3.bias": [5.0] * 10}),
+                            ("clip_norm", 1.0), ("dp_run", "r")):
+            r = await client.put("/reference-sets/x", json={"model": "att", **batch(2, 3),
+                                                            name: value})
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["details"]["fields"] == [name]
+            assert f"leave out: {name}" in r.json()["error"]["message"]
+        r = await client.put("/reference-sets/x", json={"model": "att", **batch(2, 3), "nope": 1})
+        assert r.status_code == 400, r.text
+        known = r.json()["error"]["message"].partition("known: ")[2].split(", ")
+        assert "projection_dim" in known and "clip_norm" not in known, known
+        assert (await client.get("/reference-sets/x")).status_code == 404  # nothing kept
 
 
 async def test_reference_sets_kept_in_files(tmp_path: Path) -> None:

@@ -689,6 +689,12 @@ async def test_bad_input_is_a_clear_4xx(service: tuple[httpx.AsyncClient, Path])
           "conflict", "loss")
     error(await post("/stores/s/samples", headers=ALICE, json=samples(2, outputs=["grads"])),
           422, "invalid_input", "outputs")
+    for route, known in (("samples", "ids"), ("query", "score"), ("factors", "inputs")):
+        body = samples(2) if route == "samples" else batch(2, 5)
+        r = await post(f"/stores/s/{route}", headers=ALICE, json={**body, "nope": 1})
+        error(r, 400, "bad_request", "unknown fields: nope")  # and it lists what the route takes
+        taken = r.json()["error"]["message"].partition("known: ")[2].split(", ")
+        assert known in taken and "clip_norm" not in taken, (route, taken)
     assert (await post("/stores/s/samples", headers=ALICE, json=samples(3))).status_code == 200
     r = await post("/stores/s/samples", headers=ALICE, json={**batch(3, 6), "ids": [7, 2, 1]})
     error(r, 409, "conflict", "nothing of this batch was added")

@@ -13,11 +13,11 @@ from fastapi import APIRouter, Request, Response
 from starlette.background import BackgroundTask
 
 from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
-from psgrad._wire import JSON, SAFETENSORS
+from psgrad._wire import SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import conform, decode_request, encode_result
 from service.api.deps import StateDep, TenantDep
-from service.api.docs import schema_ref
+from service.api.docs import request_body
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
 from service.jobs import Job, JobState, JobStatus, new_job_id, read_answer
@@ -27,17 +27,9 @@ from service.validate import parse_request
 
 router = APIRouter(tags=["per-sample gradients"])
 
-REQUEST_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "description": "JSON, or a safetensors file with the tensor fields as tensors and the "
-        "other fields as JSON in the metadata key 'request'",
-        "content": {
-            JSON: {"schema": schema_ref(GradsRequest)},
-            SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
-        },
-    }
-}
+REQUEST_BODY = request_body(GradsRequest, "JSON, or a safetensors file with the tensor fields "
+                            "as tensors and the other fields as JSON in the metadata key "
+                            "'request'")
 RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "model": GradsResponse,

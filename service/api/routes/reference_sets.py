@@ -18,10 +18,11 @@ from fastapi import APIRouter, Path, Request
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import NotFound
-from service.api.body import conform, decode_request
+from service.api.body import conform, decode_request, fields_of
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
-from service.api.routes.grads import REQUEST_BODY, answer_of
-from service.api.schemas import MODEL_ID, GradsRequest, ReferenceSetDoc, errors
+from service.api.docs import request_body
+from service.api.routes.grads import answer_of
+from service.api.schemas import MODEL_ID, ReferenceSetBody, ReferenceSetDoc, errors
 from service.jobs import Job, new_job_id
 from service.reference_sets import check_size, checked_id, joined, set_request, split
 from service.stores.sets import keep_set, set_doc, set_rows, set_spec
@@ -60,18 +61,20 @@ async def split_answer(state: AppState, tenant: Tenant, fields: dict[str, Any]) 
 @router.put(
     "/{set_id}",
     response_model=ReferenceSetDoc,
-    openapi_extra=REQUEST_BODY,
+    openapi_extra=request_body(ReferenceSetBody, "a batch and how its rows are made: JSON, or "
+                               "a safetensors file as for POST /per-sample-grads"),
     responses=errors(400, 401, 403, 404, 413, 415, 422, 503, 504, 507),
     summary="Compute and keep a batch's sketches (projection_dim) or gradients",
 )
 async def put_reference_set(
     set_id: SetId, request: Request, state: StateDep, tenant: TenantDep, scope: ScopeDep
 ) -> dict[str, Any]:
-    """The body is a gradients request (model, inputs, targets, loss, params, projection_dim,
-    projection_seed) without outputs; an existing set of this id is replaced (a gradient store
-    larger than a set may be is not: 409). A batch larger than ``PSGRAD_MAX_BATCH_SIZE`` runs
-    as several jobs."""
-    fields = await decode_request(request, state.settings, one_job=False)
+    """The body is a batch (model, inputs, targets, ...) and how its rows are made (loss,
+    params, projection_dim, projection_seed, projection_kind); an existing set of this id is
+    replaced (a gradient store larger than a set may be is not: 409). A batch larger than
+    ``PSGRAD_MAX_BATCH_SIZE`` runs as several jobs."""
+    fields = await decode_request(request, state.settings, one_job=False,
+                                  takes=fields_of(ReferenceSetBody))
     registry, limit = state.registry, state.settings.max_reference_set_bytes
 
     def check() -> dict[str, Any]:
@@ -80,7 +83,7 @@ async def put_reference_set(
         check_size(parsed.model, parsed.opts, parsed.batch.size, limit)
         return asked
 
-    await conform(GradsRequest, fields, check)  # check: its own error for nearly all
+    await conform(ReferenceSetBody, fields, check)  # check: its own error for nearly all
     fields = await run_in_threadpool(check)
     result = await split_answer(state, tenant, fields)
 

@@ -24,18 +24,27 @@ from starlette.concurrency import run_in_threadpool
 
 from psgrad._contract import SAMPLE_FIELDS, shown
 from psgrad._errors import BadRequest, Conflict, InvalidInput, NotFound
-from psgrad._wire import JSON, SAFETENSORS, array_from_json
-from service.api.body import conform, decode_request, loads, read_body
+from psgrad._wire import array_from_json
+from service.api.body import conform, decode_request, fields_of, loads, read_body
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
-from service.api.docs import schema_ref
+from service.api.docs import request_body
 from service.api.routes.reference_sets import split_answer
-from service.api.schemas import MODEL_ID, MODEL_REF, Tensor, contract_field, contract_fields, errors
+from service.api.schemas import (
+    MODEL_ID,
+    MODEL_REF,
+    SampleBatch,
+    StoreRequest,
+    Tensor,
+    contract_field,
+    contract_fields,
+    errors,
+)
 from service.curvature import KINDS as FACTOR_SCORES
 from service.reference_sets import checked_id
 from service.stores import factors
 from service.stores.files import Manifest, commit_all, refuse_duplicates
 from service.stores.query import QUERY_NUMBERS, Score, check_k, check_score, search_all
-from service.stores.requests import FIXED_FIELDS, check_batch, make_spec, rows_requests
+from service.stores.requests import check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
 from service.stores.spec import Dtype, StoreSpec, checked_ids, id_kind
 from service.tenants import Tenant, owned_key
@@ -43,9 +52,6 @@ from service.validate import parse_request
 
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
-SAMPLES_EXTRA = frozenset({"ids"})
-QUERY_EXTRA = frozenset({"k", "score", "lambda", "damping", "sketches", "exact", "probes"})
-ROWS_EXTRA = frozenset({"rows", "ids"})
 
 
 StoreBody = create_model(  # loss, params and the projection: the request contract's fields
@@ -64,19 +70,6 @@ StoreBody = create_model(  # loss, params and the projection: the request contra
 )
 
 
-class _Batch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(None, pattern=MODEL_REF, description="the store's model, if sent")
-
-
-SampleBatch = create_model(  # the batch's fields: the request contract's
-    "SampleBatch",
-    __base__=_Batch,
-    __doc__="""Test or training samples; the store fixes the model version, loss, parameters
-    and projection (sending them is allowed only with the store's own values); verify and
-    verify_seed as in a gradients request.""",
-    **contract_fields(*SAMPLE_FIELDS, *FIXED_FIELDS, "verify", "verify_seed"),
-)
 SamplesBody = create_model(
     "SamplesBody",
     __base__=SampleBatch,
@@ -86,7 +79,7 @@ SamplesBody = create_model(
 )
 RowsBody = create_model(
     "RowsBody",
-    __base__=_Batch,
+    __base__=StoreRequest,
     rows=(Tensor, Field(description="[n, projection_dim] in the store's dtype: sketches made "
                         "with the store's definition, or a store of full gradients' flattened "
                         "gradients")),
@@ -103,13 +96,6 @@ QueryBody = create_model(
                               "store's index where it has one (dot, trak)")),
     **_QUERY_NUMBERS,
 )
-
-
-def _body(model: type[BaseModel], description: str) -> dict[str, Any]:
-    content: dict[str, Any] = {JSON: {"schema": schema_ref(model)}}
-    if model is not StoreBody:
-        content[SAFETENSORS] = {"schema": {"type": "string", "format": "binary"}}
-    return {"requestBody": {"required": True, "description": description, "content": content}}
 
 
 def _key(scope: Scope, store_id: str) -> str:
@@ -182,7 +168,8 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
     return {"stores": await run_in_threadpool(read)}
 
 
-@router.put("/{store_id}", openapi_extra=_body(StoreBody, "the store's definition"),
+@router.put("/{store_id}",
+            openapi_extra=request_body(StoreBody, "the store's definition", binary=False),
             responses=errors(400, 401, 403, 404, 409, 422, 507),
             summary="Define a gradient store (201; the same definition again: 200)")
 async def put_store(store_id: StoreId, request: Request, state: StateDep,
@@ -224,8 +211,8 @@ async def delete_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> d
 
 
 @router.post("/{store_id}/samples",
-             openapi_extra=_body(SamplesBody, "a batch (inputs, targets, ...) and 'ids', one "
-                                 "per sample: integers or short strings"),
+             openapi_extra=request_body(SamplesBody, "a batch (inputs, targets, ...) and 'ids', "
+                                        "one per sample: integers or short strings"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="Add a batch's rows under the caller's ids (all or nothing)")
 async def add_samples(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
@@ -234,8 +221,8 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
     parameters and projection, then committed whole: an id already in the store refuses the
     whole batch (409, listing them), so a retry of a batch that was added is refused, never
     doubled."""
-    fields = await decode_request(request, state.settings, one_job=False, extra=SAMPLES_EXTRA,
-                                  need_model=False)
+    fields = await decode_request(request, state.settings, one_job=False,
+                                  takes=fields_of(SamplesBody), need_model=False)
     key, raw_ids = _key(scope, store_id), fields.pop("ids", None)
 
     def check() -> tuple[StoreSpec, list[dict[str, Any]], list[int | str], str]:
@@ -268,7 +255,8 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
 
 
 @router.post("/{store_id}/rows",
-             openapi_extra=_body(RowsBody, "'rows' [n, projection_dim] and 'ids', one per row"),
+             openapi_extra=request_body(RowsBody, "'rows' [n, projection_dim] and 'ids', one "
+                                        "per row"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 507),
              summary="Import rows made elsewhere under the caller's ids (all or nothing)")
 async def import_rows(store_id: StoreId, request: Request, state: StateDep,
@@ -278,7 +266,7 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
     store fills at disk speed. The whole batch is refused, nothing written, for a shape other
     than ``[n, projection_dim]``, a value that is not finite, a tensor of another dtype than
     the store's (safetensors), an id repeated or already held (409)."""
-    fields = await decode_request(request, state.settings, one_job=False, extra=ROWS_EXTRA,
+    fields = await decode_request(request, state.settings, one_job=False, takes=fields_of(RowsBody),
                                   need_model=False)
     key, what = _key(scope, store_id), f"POST /stores/{store_id}/rows"
     raw_rows, raw_ids = fields.pop("rows", None), fields.pop("ids", None)
@@ -320,7 +308,8 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
 
 
 @router.post("/{store_id}/factors",
-             openapi_extra=_body(SampleBatch, "a batch (inputs, targets, ...), as for /samples"),
+             openapi_extra=request_body(SampleBatch, "a batch (inputs, targets, ...), as for "
+                                        "/samples"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="Fit the store's K-FAC factors over a batch (repeatable)")
 async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
@@ -338,7 +327,8 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
 
 
 @router.post("/{store_id}/factors/eigenvalues",
-             openapi_extra=_body(SampleBatch, "a batch (inputs, targets, ...), as for /samples"),
+             openapi_extra=request_body(SampleBatch, "a batch (inputs, targets, ...), as for "
+                                        "/samples"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="Fit the store's EK-FAC eigenvalues over a batch (after its factors)")
 async def fit_eigenvalues(store_id: StoreId, request: Request, state: StateDep,
@@ -353,7 +343,8 @@ async def fit_eigenvalues(store_id: StoreId, request: Request, state: StateDep,
 async def _fitting(store_id: str, request: Request, state: AppState, tenant: Tenant,
                    scope: Scope, *, second: bool) -> dict[str, Any]:
     """One batch of a fit's first or ``second`` pass, for every checkpoint of the store."""
-    fields = await decode_request(request, state.settings, one_job=False, need_model=False)
+    fields = await decode_request(request, state.settings, one_job=False,
+                                  takes=fields_of(SampleBatch), need_model=False)
     key = _key(scope, store_id)
     what = f"POST /stores/{store_id}/factors{'/eigenvalues' if second else ''}"
     files, max_bytes = state.storage.gradients, state.settings.max_factors_bytes
@@ -409,7 +400,8 @@ def _lookup_ids(body: Any) -> list[int | str]:
     return wanted
 
 
-@router.post("/{store_id}/lookup", openapi_extra=_body(LookupBody, "sample ids"),
+@router.post("/{store_id}/lookup",
+             openapi_extra=request_body(LookupBody, "sample ids", binary=False),
              responses=errors(400, 401, 403, 404, 413, 422),
              summary="Which of these sample ids the store holds (to resume an upload)")
 async def lookup(store_id: StoreId, request: Request, state: StateDep,
@@ -431,7 +423,7 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
 
 
 @router.post("/{store_id}/query",
-             openapi_extra=_body(QueryBody, "k, score, lambda, and either a batch (inputs, "
+             openapi_extra=request_body(QueryBody, "k, score, lambda, and either a batch (inputs, "
                                  "targets, ...) or its 'sketches' [queries, k]; no samples "
                                  "for score self_influence"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
@@ -440,8 +432,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
                       scope: ScopeDep) -> dict[str, Any]:
     """Answers ``ids`` and ``scores``, each ``[queries, k]`` (``[1, k]`` for
     ``self_influence``), best first, over the samples committed when the query starts."""
-    fields = await decode_request(request, state.settings, one_job=False, extra=QUERY_EXTRA,
-                                  need_model=False)
+    fields = await decode_request(request, state.settings, one_job=False,
+                                  takes=fields_of(QueryBody), need_model=False)
     key = _key(scope, store_id)
     sent = dict(fields)
     k, lam, damping, probes = (QUERY_NUMBERS[n].check(fields.pop(n, None)) for n in QUERY_NUMBERS)
