@@ -122,11 +122,14 @@ def unsupported_type(ctype: str, accepted: list[str]) -> UnsupportedMediaType:
 
 
 async def _validation(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's refusal of a route's parameters: a body's in :func:`schema_refusal`'s words
-    and status, a query's or path's (a typo such as ``?tennant=``) as a 422 naming it."""
+    """FastAPI's refusal of a route's parameters in :func:`schema_refusal`'s words and status,
+    a body's, a query's or a path's alike (an unknown query parameter such as ``?tennant=`` is
+    refused before: :mod:`service.api.deps`)."""
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    if errors and all(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors):
+    places = {tuple(e.get("loc", ()))[:1] for e in errors}
+    known: list[str] = []
+    if places == {("body",)}:
         ctype = media_type(request.headers.get("content-type"))
         if ctype != JSON and not ctype.endswith("+json"):  # all FastAPI reads as JSON
             return _shaped(request, error_response(unsupported_type(ctype, [JSON])))
@@ -134,13 +137,10 @@ async def _validation(request: Request, exc: Exception) -> JSONResponse:
         schema = getattr(getattr(field, "field_info", None), "annotation", None)
         known = list(schema.model_fields) if isinstance(schema, type) and issubclass(
             schema, BaseModel) else []
-        inside = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
-        return _shaped(request, error_response(schema_refusal(inside, known)))
-    problems = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in errors]
-    text = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems[:5])
-    return _shaped(request, JSONResponse(
-        body("invalid_input", f"the request is invalid: {text}", errors=problems), status_code=422
-    ))
+    place = places.pop() if len(places) == 1 else ()
+    what = {("query",): "the query", ("path",): "the path"}.get(place, "the request")
+    inside = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in errors]
+    return _shaped(request, error_response(schema_refusal(inside, known, what)))
 
 
 async def _http(request: Request, exc: Exception) -> JSONResponse:

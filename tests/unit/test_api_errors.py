@@ -203,6 +203,14 @@ async def test_an_unknown_query_parameter_is_refused_naming_it_and_the_known_one
         assert (await c.get("/readyz", params={"need_worker": "false"})).status_code == 200
         # the status page's script reads ?key= from the address bar: the route declares it
         assert (await c.get("/status", params={"key": "k"})).status_code == 200
+        # a declared parameter's refusal follows the body's rule, in the same words: a value of
+        # the wrong type is 400, one out of its range 422, each naming the parameter
+        err = _error(await c.get("/readyz", params={"need_worker": "maybe"}), 400, "bad_request")
+        assert err["message"].startswith("the query is invalid: 'need_worker' ") \
+            and "got 'maybe'" in err["message"], err
+        err = _error(await c.put("/models/m", params={"warmup": "4" * 401}, content=b"x"), 422,
+                     "invalid_input")
+        assert err["message"].startswith("the query is invalid: 'warmup' "), err
         doc = (await c.get("/openapi.json")).json()
         for path, item in doc["paths"].items():  # the rule is stated on every operation
             for method, operation in item.items():

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from psgrad import __version__
 from service.api.deps import StateDep
-from service.api.schemas import Health, Ready
+from service.api.schemas import Health, Ready, errors
 
 router = APIRouter(tags=["operations"])
 log = logging.getLogger("psgrad.api")
@@ -26,7 +26,7 @@ async def healthz() -> dict[str, str]:
     "/readyz",
     response_model=Ready,
     summary="Broker reachable and a worker alive",
-    responses={503: {"model": Ready, "description": "not ready"}},
+    responses={503: {"model": Ready, "description": "not ready"}, **errors(400)},
 )
 async def readyz(state: StateDep, need_worker: bool = True) -> JSONResponse:
     """``need_worker=false``: ready once jobs can be queued, with no worker alive yet, as where
