@@ -13,6 +13,7 @@ it and ``AsyncStore`` awaits it.
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -241,6 +242,25 @@ def _committed(store: _Handle, call: Call[dict[str, Any]], ids: list[Any]
     raise AssertionError("unreachable")
 
 
+def _fitted(store: _Handle, call: Call[dict[str, Any]]) -> Generator[Step, Any, dict[str, Any]]:
+    """A factors batch (``call``, sent with a ``batch_id`` of its own) counted once, as steps:
+    sent again after a lost answer, up to the client's ``max_retries`` times, since the server
+    refuses a batch id its pass counted (409 with ``details.counted``), which on a resend
+    means the lost try was counted. Answers the store's description."""
+    for attempt in itertools.count():
+        try:
+            doc: dict[str, Any] = yield "call", call
+            return doc
+        except (APIConnectionError, Conflict) as exc:
+            if isinstance(exc, Conflict) and attempt > 0 and exc.details.get("counted"):
+                doc = yield "call", _Calls.get(store.id)
+                return doc
+            lost = isinstance(exc, APIConnectionError) and bool(exc.details.get("maybe_applied"))
+            if not lost or attempt >= store._client.max_retries:
+                raise
+    raise AssertionError("unreachable")
+
+
 PASSES = ("factors", "eigenvalues")  # a fit's passes, each counted in the store's ``factors``
 
 
@@ -268,8 +288,9 @@ def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
             fields: dict[str, Any] = {"model": store.info["model"], "inputs": x[a:a + batch_size]}
             if y is not None:
                 fields["targets"] = y[a:a + batch_size]
-            fields = yield "prepare", fields
-            store.info = yield "call", _Calls.factors(store.id, fields, name == "eigenvalues")
+            fields = {**(yield "prepare", fields), "batch_id": uuid.uuid4().hex}
+            store.info = yield from _fitted(store, _Calls.factors(store.id, fields,
+                                                                  name == "eigenvalues"))
             if bar is not None:
                 bar(at * len(x) + min(a + batch_size, len(x)), len(passes) * len(x))
     if bar is not None:

@@ -12,8 +12,10 @@ preconditioning of a query (:mod:`service.curvature` holds the math)::
                                        ``eigen/<w>``: sum_i (Q_S^T G_i Q_A)^2 in the bases of
                                        the first pass's sums as they were (all float64);
                                        metadata ``samples``, ``eigenvalues`` (each pass's
-                                       samples), ``writes`` (batches added) and ``basis`` (the
-                                       writes when the first pass last added one)
+                                       samples), ``writes`` (batches added), ``basis`` (the
+                                       writes when the first pass last added one), and
+                                       ``batches``, ``eigen_batches`` (JSON lists: the ids of
+                                       each pass's last :data:`RECENT` batches)
 
 A first-pass batch's factors are the workers' ``kfac_inputs`` output, with the gradients'
 ``mean`` and ``variance`` for the diagonal (``sum_i g_i^2 = n (variance + mean^2)``); a
@@ -21,9 +23,11 @@ second-pass batch's, its ``grads`` rotated into the bases of the first pass's su
 first-pass batch changes the bases, so it drops the eigenvalues fitted in the old ones: fit
 them after the factors. Each batch is added under the store's lock (an ensemble's: every
 checkpoint's), the file written whole (beside it, then renamed over it), so a reader sees
-every batch or none of one. Its size does not grow with the samples fitted: the factors
-(``(in + 1)^2 + out^2`` values per layer) and two values per parameter, at most
-(``PSGRAD_MAX_FACTORS_BYTES`` bounds it). The bases (eigendecompositions) are made once per
+every batch or none of one. A batch sent with a ``batch_id`` that its pass has counted
+(among its last :data:`RECENT`) is refused whole (409, ``details.counted``), so a client that
+lost an answer sends the batch again safely. Its size does not grow with the samples
+fitted: the factors (``(in + 1)^2 + out^2`` values per layer) and two values per parameter, at
+most (``PSGRAD_MAX_FACTORS_BYTES`` bounds it). The bases (eigendecompositions) are made once per
 first-pass state, the curvature once per write, and kept until the next.
 
 A query's gradient is preconditioned in full parameter space, per layer. A store of full
@@ -48,13 +52,14 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from psgrad._errors import Conflict, InvalidInput, TooLarge
+from psgrad._contract import shown
+from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
 from service import curvature
 from service.config import raise_setting
 from service.curvature import Basis, Covariances, Curvature, Kind, Linear
 from service.registry import LoadedModel
 from service.stores.files import StoreFiles
-from service.stores.spec import StoreSpec
+from service.stores.spec import MAX_ID_CHARS, StoreSpec, id_kind
 from service.strategies.projection import Projection
 
 FILE = "factors.safetensors"
@@ -64,19 +69,22 @@ FIRST = ("inputs", "grads", "tokens")  # the first pass's factors, per layer
 FIRST_OUTPUTS = ("kfac_inputs", "mean", "variance")
 ENTRY_BYTES = 256  # a tensor's entry in the file's header, at most (its name, shape, offsets)
 CHUNK_BYTES = 256 << 20  # a query's gradients preconditioned at once, in float64
+RECENT = 1024  # the batch ids a pass remembers: a lost batch is sent again soon after
 
 
 @dataclass(frozen=True)
 class Fitted:
     """What a store's factors file says of itself (its safetensors header): the samples of
     each pass, how many batches wrote it and at which write the first pass last did (the
-    bases' version), the layers covered."""
+    bases' version), the layers covered, and each pass's last :data:`RECENT` batch ids."""
 
     samples: int
     writes: int
     layers: list[str]
     eigenvalues: int = 0
     basis: int = 0
+    batches: tuple[str, ...] = ()
+    eigen_batches: tuple[str, ...] = ()
 
 
 def fitted(files: StoreFiles, key: str) -> Fitted | None:
@@ -94,7 +102,40 @@ def _described(header: bytes) -> Fitted:
     meta = entries.get("__metadata__", {})
     return Fitted(int(meta["samples"]), int(meta["writes"]),
                   sorted(k.removeprefix("inputs/") for k in entries if k.startswith("inputs/")),
-                  int(meta.get("eigenvalues", 0)), int(meta.get("basis", -1)))
+                  int(meta.get("eigenvalues", 0)), int(meta.get("basis", -1)),
+                  tuple(json.loads(meta.get("batches", "[]"))),
+                  tuple(json.loads(meta.get("eigen_batches", "[]"))))
+
+
+def check_batch_id(files: StoreFiles, key: str, store_id: str, batch_id: Any, second: bool
+                   ) -> str | None:
+    """A batch's ``batch_id`` (None: not sent), refused before any worker runs where it is not
+    an id (a string of 1 to ``MAX_ID_CHARS`` printable characters) or where the pass (the
+    ``second``'s eigenvalues, else the factors) counted it."""
+    if batch_id is None:
+        return None
+    if id_kind(batch_id) != "str":
+        error = InvalidInput if isinstance(batch_id, str) else BadRequest
+        raise error(f"'batch_id' must be a string of 1 to {MAX_ID_CHARS} printable characters "
+                    f"(the client's name for this batch); got {shown(batch_id)}")
+    found = fitted(files, key)
+    if found is not None:
+        _counted(store_id, batch_id, found.eigen_batches if second else found.batches,
+                 "eigenvalues" if second else "factors")
+    return str(batch_id)
+
+
+def _counted(store_id: str, batch_id: str | None, held: tuple[str, ...], route: str
+             ) -> tuple[str, ...]:
+    """The pass's batch ids with ``batch_id`` added (the last :data:`RECENT`); 409 where the
+    pass counted it already."""
+    if batch_id is None:
+        return held
+    if batch_id in held:
+        raise Conflict(f"store '{store_id}''s {route} counted batch {batch_id!r} already (its "
+                       "answer was lost?): nothing was added again; send other samples under "
+                       "a new 'batch_id'", batch_id=batch_id, counted=True)
+    return (*held, batch_id)[-RECENT:]
 
 
 def _tensors(files: StoreFiles, key: str, store_id: str) -> tuple[Fitted, dict[str, np.ndarray]]:
@@ -148,23 +189,25 @@ def check_fits(spec: StoreSpec, store_id: str) -> None:
 
 
 def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any]]],
-        max_bytes: int) -> Fitted:
+        max_bytes: int, batch_id: str | None = None) -> Fitted:
     """Add one batch's factors to each store of ``parts`` (an ensemble's checkpoints: key,
     definition, and the workers' answer of :data:`FIRST_OUTPUTS`), all of them or none: the
-    first pass (the eigenvalues fitted before are dropped). Answers the first's
-    :class:`Fitted`."""
-    return _written(files, [(key, functools.partial(_merged, files, key, spec, answer))
+    first pass (the eigenvalues fitted before are dropped); none for a ``batch_id`` it
+    counted. Answers the first's :class:`Fitted`."""
+    return _written(files, [(key, functools.partial(_merged, files, key, spec, answer,
+                                                    batch_id))
                             for key, spec, answer in parts], max_bytes)
 
 
 def add_eigenvalues(files: StoreFiles, parts: list[tuple[str, StoreSpec, np.ndarray]],
-                    store_id: str, max_bytes: int) -> Fitted:
+                    store_id: str, max_bytes: int, batch_id: str | None = None) -> Fitted:
     """Add one batch's gradient ``rows`` to each store's EK-FAC eigenvalues (``parts``: key,
     definition, rows), in the bases of its factors as they are now: the second pass, all of
-    them or none (409 for a store without factors). Answers the first's :class:`Fitted`."""
+    them or none (409 for a store without factors, or a ``batch_id`` it counted). Answers the
+    first's :class:`Fitted`."""
     return _written(files, [(key, functools.partial(_corrected, files, key, spec, rows,
-                                                    store_id)) for key, spec, rows in parts],
-                    max_bytes)
+                                                    store_id, batch_id))
+                            for key, spec, rows in parts], max_bytes)
 
 
 def _written(files: StoreFiles, parts: list[tuple[str, Callable[[], tuple[bytes, Fitted]]]],
@@ -192,10 +235,11 @@ def check_room(model: LoadedModel, params: Sequence[str], max_bytes: int) -> Non
 def estimate(model: LoadedModel, params: Sequence[str]) -> int:
     """The bytes of a factors file of ``params``, at most: the factors of their linear layers
     and two values per parameter, 8 bytes each, and :data:`ENTRY_BYTES` of header per tensor
-    (4 per parameter at most: a layer's three factors and its eigenvalues)."""
+    (4 per parameter at most: a layer's three factors and its eigenvalues), and each pass's
+    batch ids."""
     width = sum(model.params[p].numel() for p in params)
     return 8 * (curvature.factor_numel(model, params) + 2 * width) + ENTRY_BYTES * (
-        1 + 4 * len(params))
+        1 + 4 * len(params)) + 2 * RECENT * (4 * MAX_ID_CHARS + 4)  # batch ids, JSON-escaped
 
 
 def _within(size: int, max_bytes: int, bound: str = "") -> None:
@@ -208,8 +252,8 @@ def _within(size: int, max_bytes: int, bound: str = "") -> None:
             limit=max_bytes, size=size)
 
 
-def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any]
-            ) -> tuple[bytes, Fitted]:
+def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any],
+            batch_id: str | None) -> tuple[bytes, Fitted]:
     """The store's factors file with one first-pass batch added (its bytes), and what it
     says: the covariances and the diagonal Fisher's sums grow (``sum_i g_i^2 = n (variance +
     mean^2)``, elementwise), the eigenvalues go."""
@@ -224,6 +268,7 @@ def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any]
                                        + np.asarray(answer["mean"][p], np.float64) ** 2)
                  for p in spec.params if p not in inside})
     old = fitted(files, key)
+    batches = _counted(spec.id, batch_id, () if old is None else old.batches, "factors")
     tensors: dict[str, np.ndarray]
     if old is None:
         tensors, samples, writes = sums, n, 1
@@ -236,25 +281,28 @@ def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any]
                            "batches of the same inputs' shapes")
         tensors = {k: kept[k] + v for k, v in sums.items()}
         samples, writes = old.samples + n, old.writes + 1
-    return _saved(tensors, Fitted(samples, writes, sorted(layers), 0, writes))
+    return _saved(tensors, Fitted(samples, writes, sorted(layers), 0, writes, batches))
 
 
-def _corrected(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray, store_id: str
-               ) -> tuple[bytes, Fitted]:
+def _corrected(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray, store_id: str,
+               batch_id: str | None) -> tuple[bytes, Fitted]:
     """The store's factors file with one second-pass batch added to its eigenvalues."""
     old, kept = _tensors(files, key, store_id)
+    batches = _counted(store_id, batch_id, old.eigen_batches, "eigenvalues")
     layers, found = _bases(files, key, spec, old, kept)
     squares = curvature.rotated_squares(layers, found, as_grads(spec, rows))
     for w, v in squares.items():
         kept[f"eigen/{w}"] = kept.get(f"eigen/{w}", 0) + v.numpy()
     return _saved(kept, replace(old, writes=old.writes + 1,
-                                eigenvalues=old.eigenvalues + len(rows)))
+                                eigenvalues=old.eigenvalues + len(rows), eigen_batches=batches))
 
 
 def _saved(tensors: dict[str, np.ndarray], done: Fitted) -> tuple[bytes, Fitted]:
     return st_save(tensors, metadata={"samples": str(done.samples), "writes": str(done.writes),
                                       "eigenvalues": str(done.eigenvalues),
-                                      "basis": str(done.basis)}), done
+                                      "basis": str(done.basis),
+                                      "batches": json.dumps(done.batches),
+                                      "eigen_batches": json.dumps(done.eigen_batches)}), done
 
 
 def curvature_of(files: StoreFiles, key: str, spec: StoreSpec, store_id: str) -> Curvature:

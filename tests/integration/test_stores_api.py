@@ -399,6 +399,41 @@ async def test_factors_past_the_size_limit_are_refused_before_the_workers_run(
                 assert 0 < next(size).stat().st_size <= estimate
 
 
+async def test_a_fit_batch_is_counted_once_per_pass_under_its_id(
+        service: tuple[httpx.AsyncClient, Path]) -> None:
+    """A batch sent again under a ``batch_id`` its pass counted (its answer lost, say) is a 409
+    with ``details.counted`` and adds nothing; each pass counts its own ids, and a first-pass
+    batch, which drops the eigenvalues, drops their ids with them."""
+    c, _ = service
+    assert (await c.put("/stores/f", headers=ALICE, json={"model": "att"})).status_code == 201
+
+    async def fit(route: str, seed: int, batch_id: Any) -> httpx.Response:
+        return await c.post(f"/stores/f/{route}", headers=ALICE,
+                            json={**batch(4, seed), "batch_id": batch_id})
+
+    async def counts() -> tuple[int, int]:
+        got = (await c.get("/stores/f", headers=ALICE)).json()["factors"]
+        return got["samples"], got["eigenvalues"]
+
+    assert (await fit("factors", 1, "b1")).status_code == 200
+    for route in ("factors", "factors/eigenvalues"):
+        r = await fit(route, 2, "b1" if route == "factors" else "e1")
+        if route == "factors":  # a resend of b1 (other samples, to see that none are added)
+            error(r, 409, "conflict", "counted batch 'b1' already")
+            assert r.json()["error"]["details"] == {"batch_id": "b1", "counted": True}
+        else:
+            assert r.status_code == 200, r.text
+    assert await counts() == (4, 4)
+    error(await fit("factors/eigenvalues", 2, "e1"), 409, "conflict", "'e1'")
+    assert await counts() == (4, 4)
+    assert (await fit("factors", 3, "b2")).status_code == 200  # the eigenvalues go, e1 with them
+    assert (await fit("factors/eigenvalues", 3, "e1")).status_code == 200
+    assert await counts() == (8, 4)
+    error(await fit("factors", 3, 7), 400, "bad_request", "'batch_id' must be a string")
+    error(await fit("factors", 3, "x" * 129), 422, "invalid_input", "'batch_id'")
+    assert await counts() == (8, 4)
+
+
 def _samples_computed(metrics: str) -> float:
     """The workers' ``psgrad_samples_total`` in a ``/metrics`` page."""
     line = next(x for x in metrics.splitlines() if x.startswith("psgrad_samples_total "))

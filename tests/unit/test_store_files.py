@@ -817,7 +817,8 @@ def fitting_answer(rows: np.ndarray, layers: tuple[str, ...] = ("fc1.weight",), 
             "variance": {k: v.var(0) for k, v in split.items()}}
 
 
-def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_path: Path) -> None:
+def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch whose layers one checkpoint's factors do not cover is refused there, and the
     other checkpoint's file is left as it was; so is a batch past the size limit; the file
     does not grow with the samples fitted."""
@@ -845,6 +846,21 @@ def test_factors_of_an_ensemble_are_added_to_every_checkpoint_or_to_none(tmp_pat
     assert (both.samples, both.writes) == (2, 1)  # a's own first batch
     assert factors.fitted(store, "b") == factors.Fitted(4, 2, ["fc1.weight"], 0, 2)
     assert len(store.read_file("b", factors.FILE) or b"") == len(before)
+    # a batch id counted is refused for every checkpoint, nothing written; a pass remembers
+    # its last RECENT ids
+    monkeypatch.setattr(factors, "RECENT", 2)
+    again = [(k, fitting_spec(), fitting_answer(rows)) for k in "ab"]
+    for batch_id in ("x1", "x2"):
+        factors.add(store, again, LIMIT, batch_id)
+    held = [store.read_file(k, factors.FILE) for k in "ab"]
+    with pytest.raises(Conflict, match="counted batch 'x1' already") as counted:
+        factors.add(store, again, LIMIT, "x1")
+    assert counted.value.details == {"batch_id": "x1", "counted": True}
+    assert [store.read_file(k, factors.FILE) for k in "ab"] == held
+    factors.add(store, again, LIMIT, "x3")
+    assert factors.fitted(store, "b").batches == ("x2", "x3")  # type: ignore[union-attr]
+    factors.add(store, again, LIMIT, "x1")  # forgotten: counted as a new batch
+    assert factors.fitted(store, "a").samples == 10  # type: ignore[union-attr]
 
 
 def test_eigenvalues_are_second_moments_in_the_bases_of_the_factors_as_they_are(

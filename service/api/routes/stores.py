@@ -46,7 +46,7 @@ from service.stores.files import Manifest, commit_all, refuse_duplicates
 from service.stores.query import QUERY_NUMBERS, Score, check_k, check_score, search_all
 from service.stores.requests import check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
-from service.stores.spec import Dtype, StoreSpec, checked_ids, id_kind
+from service.stores.spec import MAX_ID_CHARS, Dtype, StoreSpec, checked_ids, id_kind
 from service.tenants import Tenant, owned_key
 from service.validate import parse_request
 
@@ -70,6 +70,15 @@ StoreBody = create_model(  # loss, params and the projection: the request contra
 )
 
 
+FitBody = create_model(
+    "FitBody",
+    __base__=SampleBatch,
+    batch_id=(str | None, Field(None, min_length=1, max_length=MAX_ID_CHARS,
+                                description="the client's name for this batch (printable "
+                                "characters): a pass refuses a batch id it counted (409, "
+                                "details.counted), so a batch whose answer was lost is sent "
+                                "again safely")),
+)
 SamplesBody = create_model(
     "SamplesBody",
     __base__=SampleBatch,
@@ -308,8 +317,8 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
 
 
 @router.post("/{store_id}/factors",
-             openapi_extra=request_body(SampleBatch, "a batch (inputs, targets, ...), as for "
-                                        "/samples"),
+             openapi_extra=request_body(FitBody, "a batch (inputs, targets, ...), as for "
+                                        "/samples, and optionally its 'batch_id'"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="Fit the store's K-FAC factors over a batch (repeatable)")
 async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
@@ -322,13 +331,14 @@ async def fit_factors(store_id: StoreId, request: Request, state: StateDep, tena
     others); ``kfac`` queries need only this pass, ``ekfac`` the second one after it (``POST
     /stores/{id}/factors/eigenvalues``: a batch here changes the bases and drops the
     eigenvalues). ``GET /stores/{id}`` shows ``factors``: each pass's samples and the layers
-    covered."""
+    covered. A ``batch_id`` the pass counted (among its last 1024) is refused whole (409 with
+    ``details.counted``): a batch whose answer was lost is sent again under its id safely."""
     return await _fitting(store_id, request, state, tenant, scope, second=False)
 
 
 @router.post("/{store_id}/factors/eigenvalues",
-             openapi_extra=request_body(SampleBatch, "a batch (inputs, targets, ...), as for "
-                                        "/samples"),
+             openapi_extra=request_body(FitBody, "a batch (inputs, targets, ...), as for "
+                                        "/samples, and optionally its 'batch_id'"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="Fit the store's EK-FAC eigenvalues over a batch (after its factors)")
 async def fit_eigenvalues(store_id: StoreId, request: Request, state: StateDep,
@@ -344,15 +354,17 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
                    scope: Scope, *, second: bool) -> dict[str, Any]:
     """One batch of a fit's first or ``second`` pass, for every checkpoint of the store."""
     fields = await decode_request(request, state.settings, one_job=False,
-                                  takes=fields_of(SampleBatch), need_model=False)
-    key = _key(scope, store_id)
+                                  takes=fields_of(FitBody), need_model=False)
+    key, batch_id = _key(scope, store_id), fields.pop("batch_id", None)
     what = f"POST /stores/{store_id}/factors{'/eigenvalues' if second else ''}"
     files, max_bytes = state.storage.gradients, state.settings.max_factors_bytes
 
-    def check() -> tuple[StoreSpec, list[dict[str, Any]]]:
+    def check() -> tuple[StoreSpec, list[dict[str, Any]], str | None]:
         spec = _spec(state, key, store_id)
         spec.check_version()
         factors.check_fits(spec, store_id)
+        checked = factors.check_batch_id(files, spec.members(key)[0][0], store_id, batch_id,
+                                         second)
         if second:
             for member_key, _ in spec.members(key):
                 factors.require(files, member_key, store_id)
@@ -360,10 +372,10 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
                 for job in rows_requests(spec, key, fields, what, full=True)]
         parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         factors.check_room(parsed.model, spec.params, max_bytes)
-        return spec, jobs
+        return spec, jobs, checked
 
-    await conform(SampleBatch, fields, check)
-    spec, jobs = await run_in_threadpool(check)
+    await conform(FitBody, {**fields, "batch_id": batch_id}, check)
+    spec, jobs, batch_id = await run_in_threadpool(check)
     members = spec.members(key)
     answers = await asyncio.gather(*(split_answer(state, tenant, job) for job in jobs))
     for (_, member), answer in zip(members, answers, strict=True):
@@ -373,8 +385,9 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
         parts = [(member_key, member, answer)
                  for (member_key, member), answer in zip(members, answers, strict=True)]
         done = (factors.add_eigenvalues(files, [(k, m, set_rows(m, answer, full=True))
-                                                for k, m, answer in parts], store_id, max_bytes)
-                if second else factors.add(files, parts, max_bytes))
+                                                for k, m, answer in parts], store_id, max_bytes,
+                                               batch_id)
+                if second else factors.add(files, parts, max_bytes, batch_id))
         return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
 
