@@ -15,6 +15,8 @@ JSON error body of a :class:`psgrad.PsgradError`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -22,8 +24,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
+import numpy as np
+
 from psgrad._answer_reader import AnswerReader
-from psgrad._errors import Overloaded, TooLarge
+from psgrad._errors import InvalidInput, Overloaded, TooLarge
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 from psgrad._wire import RESPONSE_KEY
 from service.tenants import DEFAULT_TENANT, Quotas
@@ -48,6 +52,44 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+def keyed_job_id(tenant: str, key: str) -> str:
+    """The id of ``tenant``'s job sent with the ``Idempotency-Key`` ``key``: every try of that
+    request names the same job (and no other tenant's), shaped as :func:`new_job_id`'s."""
+    return hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
+
+
+def request_digest(fields: dict[str, Any]) -> str:
+    """A digest of a decoded request: a keyed job's, which a try of the same key must match.
+    Every field by name, a tensor by its dtype, shape and bytes, any other value as canonical
+    JSON (not the safetensors form, whose metadata comes out in any order)."""
+    digest = hashlib.sha256()
+
+    def add(value: Any) -> None:
+        if isinstance(value, np.ndarray):
+            digest.update(f"{value.dtype.str}{list(value.shape)}".encode())
+            digest.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        elif isinstance(value, dict):
+            for name in sorted(value):
+                digest.update(json.dumps(str(name)).encode())
+                add(value[name])
+            digest.update(b"}")
+        else:
+            digest.update(json.dumps(value, sort_keys=True).encode())
+
+    add(fields)
+    return digest.hexdigest()
+
+
+def replayed(job: Job, digest: str | None) -> bool:
+    """A keyed ``job`` whose id the broker holds already, with that job's ``digest``: False, the
+    same request sent again (a try whose answer was lost); else a 422, since the key was sent
+    with another request."""
+    if digest != job.digest:
+        raise InvalidInput(f"this Idempotency-Key was sent before with another request (job "
+                           f"'{job.id}'): send a new key with each new request", job_id=job.id)
+    return False
+
+
 @dataclass
 class Job:
     """One request in the queue."""
@@ -62,6 +104,8 @@ class Job:
     # (embedded: at submit; Redis: against Redis's TIME): a step of this host's wall clock
     # never expires a job, nor keeps an expired one alive (docs/operations.md)
     expires: float | None = field(default=None, compare=False)
+    # a keyed job's request digest (request_digest): its key's other tries must match it
+    digest: str | None = None
 
     def overdue_s(self) -> float:
         """Seconds past the deadline (negative: time left): on the monotonic clock where a
@@ -126,6 +170,7 @@ class JobState:
     answer: Answer | None = None
     tenant: str = DEFAULT_TENANT
     planning_s: float = 0.0  # the worker's planning for this job so far: not counted as waiting
+    digest: str | None = None  # a keyed job's (Job.digest)
 
 
 class Broker(Protocol):
@@ -135,10 +180,12 @@ class Broker(Protocol):
 
     async def close(self) -> None: ...
 
-    async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
-        """Enqueue in its tenant's queue; raises :class:`psgrad.Overloaded` when the queue is
-        full or unreachable, :class:`psgrad.RateLimited` past one of the tenant's ``quotas``
-        (:mod:`service.broker.quotas`; None: the server's defaults and weight 1)."""
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> bool:
+        """Enqueue in its tenant's queue (True); raises :class:`psgrad.Overloaded` when the
+        queue is full or unreachable, :class:`psgrad.RateLimited` past one of the tenant's
+        ``quotas`` (:mod:`service.broker.quotas`; None: the server's defaults and weight 1). A
+        keyed job (``digest`` set) whose id is held already is not queued again: False where
+        it is the same request (:func:`replayed`), else a 422."""
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         """Block until the job is done or ``timeout`` passes (then returns its current state);

@@ -168,9 +168,9 @@ class AsyncClient(
         return self._cast(fields, None if model is None else await self.models.get(model))
 
     async def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
-        body, headers = self._encode(fields)
+        body, headers = self._encode(fields, path)
         return await self._send("POST", path, content=body, headers=headers,
-                                repeat=repeatable("POST", path, fields))
+                                repeat=repeatable("POST", path, fields, headers))
 
     async def _run_plan(self, plan: Plan) -> PlanResult:
         """Drive a chunking plan: send each request it yields, feed back answers or a 413."""

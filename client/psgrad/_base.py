@@ -15,6 +15,7 @@ import json
 import os
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -31,6 +32,7 @@ from psgrad._constants import (
     DEFAULT_TIMEOUT,
     ENV_API_KEY,
     ENV_URL,
+    IDEMPOTENCY_KEY,
     INITIAL_RETRY_DELAY,
     MAX_RETRY_AFTER,
     MAX_RETRY_DELAY,
@@ -183,13 +185,19 @@ class BaseClient:
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def _encode(self, fields: Fields) -> tuple[bytes, dict[str, str]]:
-        """The body and headers of a gradients or job request, binary unless ``binary=False``."""
+    def _encode(self, fields: Fields, path: str) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of a gradients or job request to ``path``, binary unless
+        ``binary=False``; a job's with an ``Idempotency-Key`` of its own, so that every try of
+        it names one job."""
         if self.binary:
             body = fields_to_safetensors(fields, REQUEST_KEY)
-            return body, {"Content-Type": SAFETENSORS, "Accept": SAFETENSORS}
-        body = json.dumps(fields_to_json(fields, binary=True)).encode()
-        return body, {"Content-Type": JSON, "Accept": JSON}
+            headers = {"Content-Type": SAFETENSORS, "Accept": SAFETENSORS}
+        else:
+            body = json.dumps(fields_to_json(fields, binary=True)).encode()
+            headers = {"Content-Type": JSON, "Accept": JSON}
+        if path == "/jobs":
+            headers[IDEMPOTENCY_KEY] = uuid.uuid4().hex
+        return body, headers
 
     @staticmethod
     def _decode(response: httpx.Response) -> Fields:
@@ -276,7 +284,7 @@ class BaseClient:
                    else APIConnectionError)(
                 f"the answer from {self.base_url} was lost ({exc!r}), and the request was not "
                 "sent again: the server may have applied it, and a second would add to it "
-                "(a job, a DP step, a store's samples, rows or factors). Look at what the "
+                "(a DP run or step, a store's samples, rows or factors). Look at what the "
                 "server holds before sending it again", maybe_applied=True) from exc
         if isinstance(exc, httpx.TimeoutException):
             raise APITimeoutError(
@@ -415,13 +423,15 @@ def decode_json_result(doc: Any) -> Fields:
     return fields
 
 
-def repeatable(method: str, path: str, fields: Mapping[str, Any] | None = None) -> bool:
+def repeatable(method: str, path: str, fields: Mapping[str, Any] | None = None,
+               headers: Mapping[str, str] | None = None) -> bool:
     """Whether a request may be sent again when its answer was lost (a dropped connection, a
-    timeout, a 5xx): one that reads or replaces (GET, PUT, DELETE), or a POST that only
-    computes: gradients without a DP run, a store's query or lookup. Never one that adds: a
-    job, a DP run or step, a store's samples, rows or factors (a factors batch sent twice is
-    fitted twice)."""
-    if method != "POST":
+    timeout, a 5xx): one that reads or replaces (GET, PUT, DELETE), a POST that only computes
+    (gradients without a DP run, a store's query or lookup), or one with an
+    ``Idempotency-Key`` (a job: the server queues its first try alone). Never another that
+    adds: a DP run or step, a store's samples, rows or factors (a factors batch sent twice
+    without its ``batch_id`` is fitted twice)."""
+    if method != "POST" or IDEMPOTENCY_KEY in (headers or {}):
         return True
     if path == "/per-sample-grads":
         return not (fields or {}).get("dp_run")

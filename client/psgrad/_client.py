@@ -189,9 +189,9 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
         return self._cast(fields, None if model is None else self.models.get(model))
 
     def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
-        body, headers = self._encode(fields)
+        body, headers = self._encode(fields, path)
         return self._send("POST", path, content=body, headers=headers,
-                          repeat=repeatable("POST", path, fields))
+                          repeat=repeatable("POST", path, fields, headers))
 
     def _run_plan(self, plan: Plan) -> PlanResult:
         """Drive a chunking plan: send each request it yields, feed back answers or a 413."""

@@ -141,6 +141,7 @@ class GradsMethods(Generic[R, J]):
 
         The options are those of :meth:`per_sample_grads`. A job is one request: it is not
         split, so a batch above the server's limit raises ``TooLarge``; the server's own noise
-        is used for ``clipped_mean``.
+        is used for ``clipped_mean``. It goes under an ``Idempotency-Key`` of its own, so it is
+        sent again after a lost answer and queued once.
         """
         return self._queue(functools.partial(grads_fields, model, inputs, targets, **options))

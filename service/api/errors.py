@@ -138,7 +138,8 @@ async def _validation(request: Request, exc: Exception) -> JSONResponse:
         known = list(schema.model_fields) if isinstance(schema, type) and issubclass(
             schema, BaseModel) else []
     place = places.pop() if len(places) == 1 else ()
-    what = {("query",): "the query", ("path",): "the path"}.get(place, "the request")
+    what = {("query",): "the query", ("path",): "the path", ("header",): "the headers"}.get(
+        place, "the request")
     inside = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in errors]
     return _shaped(request, error_response(schema_refusal(inside, known, what)))
 

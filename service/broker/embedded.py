@@ -26,7 +26,7 @@ from psgrad._errors import Overloaded, UnknownJob
 from service.broker.fair_queue import FairQueue
 from service.broker.quotas import TenantUsage, limits
 from service.config import Settings
-from service.jobs import Job, JobState, JobStatus, batch_until
+from service.jobs import Job, JobState, JobStatus, batch_until, replayed
 from service.tenants import Quotas
 
 __all__ = ["EmbeddedBroker"]
@@ -65,11 +65,14 @@ class EmbeddedBroker:
                 self._finish_locked(job.id, JobStatus.CANCELED, error=None)
             self._queue.clear()
 
-    async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> bool:
         limit = self.settings.max_queue_depth
         lim = limits(quotas, self.settings)
         with self._cond:
             self._purge_locked()
+            held = self._states.get(job.id) if job.digest is not None else None
+            if held is not None:
+                return replayed(job, held.digest)
             depth = len(self._queue)
             if depth >= limit:
                 raise Overloaded(
@@ -80,13 +83,14 @@ class EmbeddedBroker:
             self._usage.admit(job.tenant, job.size, lim)
             self._held[job.id] = (job.tenant, job.size)
             self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at,
-                                            tenant=job.tenant)
+                                            tenant=job.tenant, digest=job.digest)
             self._waiters[job.id] = asyncio.Event()
             # the deadline on this process's monotonic clock: a step of the wall clock while
             # the job queues neither expires it nor keeps it alive
             job.expires = time.monotonic() + (job.deadline - time.time())
             self._queue.push(job, lim.weight)
             self._cond.notify()
+        return True
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         state = await self.state(job_id)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 import redis
 
 from psgrad._answer_reader import AnswerReader
-from psgrad._errors import Overloaded
+from psgrad._errors import InvalidInput, Overloaded
 from psgrad._wire import RESPONSE_KEY
 from service.broker.redis import keyspace, reader
 from service.broker.redis.api import RedisBroker
@@ -383,6 +384,31 @@ async def test_payloads_live_beside_the_answers_and_go_when_their_job_ends(
         source.succeed(again, RESULT)
         assert not pieces_r.exists(keyspace.job_payload(p, retried.id))
         assert not shared.exists(keyspace.job_payload(p, retried.id))
+
+
+async def test_a_keyed_job_is_queued_once_and_its_payload_left_as_it_is(
+        settings: Settings, pieces_r: redis.Redis) -> None:
+    """A keyed job (an ``Idempotency-Key``'s) submitted again is not queued again: the same
+    request answers False, another one a 422; its payload stays for the job that holds it, and
+    is not written again for a job that has ended."""
+    p = settings.redis_prefix
+    async with queue(settings) as (broker, source):
+        first = replace(job(), digest="d1")
+        payload = keyspace.job_payload(p, first.id)
+        assert await broker.submit(first)
+        again = replace(job(), id=first.id, digest="d1")
+        assert not await broker.submit(again)
+        with pytest.raises(InvalidInput, match="Idempotency-Key"):
+            await broker.submit(replace(again, digest="d2"))
+        assert pieces_r.exists(payload)
+        taken = source.take(4, 10, 0.0, 1.0)
+        assert [t.id for t in taken] == [first.id]
+        source.started(taken)
+        source.succeed(taken[0], RESULT)
+        assert not await broker.submit(again)
+        assert not pieces_r.exists(payload)
+        assert source.take(4, 10, 0.0, 0.2) == []  # nothing queued again
+        assert (await broker.state(first.id)).status is JobStatus.SUCCEEDED
 
 
 def test_pieces_are_sent_as_views_of_the_answer() -> None:

@@ -164,6 +164,12 @@ def submit(client: psgrad.Client) -> psgrad.Job:
     return client.submit("m", np.ones((1, 2), np.int64), outputs=["norms"])
 
 
+def dp_step(client: psgrad.Client) -> psgrad.GradsResult:
+    """A DP run's step: ``POST /per-sample-grads`` with ``dp_run``, which counts once sent."""
+    return client.per_sample_grads("m", np.ones((1, 2), np.int64), outputs=["clipped_mean"],
+                                   dp_run="dp-1")
+
+
 LOST = [httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("dropped"),
         httpx.WriteError("broken pipe"), error(500, "internal_error"), error(502, "x"),
         error(504, "deadline_exceeded")]
@@ -173,17 +179,25 @@ LOST = [httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("dropped"),
     a, Exception) else str(a.status_code))
 def test_a_request_that_adds_is_not_sent_again_when_its_answer_is_lost(
         lost: httpx.Response | Exception, sleeps: list[float]) -> None:
-    """A job (like a DP step, a store's samples, rows or factors) would be added twice: after
-    a lost answer the client raises, saying why, where a computation alone is sent again."""
-    handler, seen = scripted(lost, queued(httpx.Request("POST", "http://fake/jobs")))
+    """A DP step (like a store's samples, rows or factors sent by hand) would count twice:
+    after a lost answer the client raises, saying why, where a computation alone is sent
+    again, and a job under the same Idempotency-Key, which the server queues once."""
+    handler, seen = scripted(lost)
     with client_for(handler, max_retries=2) as client, pytest.raises(psgrad.PsgradError) as info:
-        submit(client)
+        dp_step(client)
     assert len(seen) == 1 and sleeps == []
     assert isinstance(lost, httpx.Response) or "not sent again" in info.value.message
     handler, seen = scripted(lost)
     with client_for(handler, max_retries=2) as client:
         assert call(client).norms.tolist() == [1.0]
     assert len(seen) == 2
+    handler, seen = scripted(lost, *[queued(httpx.Request("POST", "http://fake/jobs"))] * 2)
+    with client_for(handler, max_retries=2) as client:
+        assert submit(client).id == "j1"
+        keys = [r.headers["Idempotency-Key"] for r in seen]
+        assert len(keys) == 2 and keys[0] == keys[1] and len(keys[0]) == 32
+        submit(client)  # a new request: a new key
+        assert seen[-1].headers["Idempotency-Key"] != keys[0]
 
 
 @pytest.mark.parametrize("refused", [httpx.ConnectError("refused"), httpx.ConnectTimeout("slow"),
@@ -204,14 +218,22 @@ async def test_the_async_client_does_not_send_again_what_adds() -> None:
     async with psgrad.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(handler),
                                   max_retries=2) as client:
         with pytest.raises(psgrad.APITimeoutError, match="not sent again"):
-            await client.submit("m", np.ones((1, 2), np.int64), outputs=["norms"])
-    assert len(seen) == 1
+            await client.per_sample_grads("m", np.ones((1, 2), np.int64),
+                                          outputs=["clipped_mean"], dp_run="dp-1")
+        assert len(seen) == 1
+        handler, seen = scripted(httpx.ReadTimeout("slow"),
+                                 queued(httpx.Request("POST", "http://fake/jobs")))
+        client._http._transport = httpx.MockTransport(handler)
+        job = await client.submit("m", np.ones((1, 2), np.int64), outputs=["norms"])
+        assert job.id == "j1" and len({r.headers["Idempotency-Key"] for r in seen}) == 1
+    assert len(seen) == 2
 
 
 def test_which_requests_may_be_sent_again() -> None:
     may = [("GET", "/jobs/j1", None), ("PUT", "/stores/s", None), ("DELETE", "/models/m", None),
            ("POST", "/per-sample-grads", {"outputs": ["norms"]}),
            ("POST", "/stores/s/query", None), ("POST", "/stores/s/lookup", None)]
+    may.append(("POST", "/jobs", None, {"Idempotency-Key": "k1"}))  # queued once, whatever
     never = [("POST", "/per-sample-grads", {"dp_run": "dp-1"}), ("POST", "/jobs", None),
              ("POST", "/dp-runs", None), ("POST", "/stores/s/samples", None),
              ("POST", "/stores/s/rows", None), ("POST", "/stores/s/factors", None),

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
 from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
 from psgrad._wire import SAFETENSORS
@@ -20,7 +21,15 @@ from service.api.deps import StateDep, TenantDep
 from service.api.docs import request_body
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
-from service.jobs import Job, JobState, JobStatus, new_job_id, read_answer
+from service.jobs import (
+    Job,
+    JobState,
+    JobStatus,
+    keyed_job_id,
+    new_job_id,
+    read_answer,
+    request_digest,
+)
 from service.reference_sets import scope_reference
 from service.tenants import Tenant, owned_name
 from service.validate import parse_request
@@ -46,11 +55,13 @@ async def new_job(
     state: StateDep,
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
+    key: str | None = None,
 ) -> Job:
     """Decode the body, hold it to :class:`GradsRequest`, ``check`` it, enqueue it as
-    ``tenant``'s; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``."""
+    ``tenant``'s; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``. With an ``Idempotency-Key``
+    (``key``), every try of the request names one job, queued once."""
     fields = await decode_request(request, state.settings)
-    return await submit_fields(fields, state, tenant, check)
+    return await submit_fields(fields, state, tenant, check, key)
 
 
 async def submit_fields(
@@ -58,9 +69,11 @@ async def submit_fields(
     state: StateDep,
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
+    key: str | None = None,
 ) -> Job:
     """A decoded body held to :class:`GradsRequest`, ``check``-ed and enqueued as
-    ``tenant``'s (every route that takes a gradients request, whatever its wire form)."""
+    ``tenant``'s (every route that takes a gradients request, whatever its wire form); a
+    ``key``'s job (:func:`service.jobs.keyed_job_id`) is queued by its first try alone."""
     scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     named = fields.get("reference_set")  # ... checked: the schema reads the name as sent
     sent = fields if not isinstance(named, str) else {**fields, "reference_set": owned_name(named)}
@@ -71,8 +84,9 @@ async def submit_fields(
     await dp_precheck(fields, state.storage.runs, tenant.name)
     if check is not None:
         await check(fields, state)
-    job = Job(new_job_id(), fields, deadline=time.time() + state.settings.request_timeout_s,
-              tenant=tenant.name)
+    job = Job(new_job_id() if key is None else keyed_job_id(tenant.name, key), fields,
+              deadline=time.time() + state.settings.request_timeout_s, tenant=tenant.name,
+              digest=None if key is None else await run_in_threadpool(request_digest, fields))
     # Yield once before the broker call: requests that arrive together then decode in one turn
     # of the event loop and only afterwards arm their Redis timeouts, which a whole burst's
     # decoding in between would otherwise eat (connects timed out under 100 requests at once).

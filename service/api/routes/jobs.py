@@ -16,7 +16,7 @@ import re
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Header, Path, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -37,6 +37,10 @@ router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
 # Documented, not checked by FastAPI: an id off the pattern is a job that does not exist (404).
 JobId = Annotated[str, Path(json_schema_extra={"pattern": JOB_ID})]
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$",
+    description="your name for this request (a UUID, say: printable ASCII, up to 128 "
+    "characters): sent again with the same body, it answers the same job, queued once")]
 
 
 @router.post(
@@ -47,15 +51,19 @@ JobId = Annotated[str, Path(json_schema_extra={"pattern": JOB_ID})]
     responses=errors(400, 401, 404, 409, 413, 415, 422, 503),
     summary="Queue a computation",
 )
-async def create_job(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
+async def create_job(request: Request, state: StateDep, tenant: TenantDep,
+                     key: IdempotencyKey = None) -> JSONResponse:
     """Queue the same body as ``POST /per-sample-grads``; poll ``GET /jobs/{job_id}``.
 
     What the schema forbids, and a model or version that does not exist, is refused at once
-    (4xx); what needs the model (shapes, names) fails the job.
+    (4xx); what needs the model (shapes, names) fails the job. With an ``Idempotency-Key``,
+    the request sent again (its answer lost) names the same job, queued once, while that job
+    is kept (its result ``PSGRAD_RESULT_TTL_S``); the key sent with another body is a 422.
     """
-    job = await new_job(request, state, tenant, check=_exists)
+    job = await new_job(request, state, tenant, check=_exists, key=key)
+    status = JobStatus.QUEUED if key is None else (await state.broker.state(job.id)).status
     return JSONResponse(
-        {"job_id": job.id, "status": JobStatus.QUEUED.value},
+        {"job_id": job.id, "status": status.value},
         status_code=202,
         headers={"Location": f"/jobs/{job.id}"},
     )

@@ -43,7 +43,7 @@ from service.broker.redis.lua import CANCEL_LUA, SUBMIT_LUA
 from service.broker.redis.reader import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
-from service.jobs import Answer, Job, JobState, JobStatus
+from service.jobs import Answer, Job, JobState, JobStatus, replayed
 from service.tenants import DEFAULT_TENANT, Quotas
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class RedisBroker:
         for client in self._clients():
             await client.aclose()
 
-    async def submit(self, job: Job, quotas: Quotas | None = None) -> None:
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> bool:
         payload, n = encode_payload(job)
         if len(payload) > self.max_value_bytes:
             raise TooLarge(
@@ -206,6 +206,10 @@ class RedisBroker:
         # after the bulk clients' transfer timeout that a payload of hundreds of MB may need
         within = min(self.settings.redis_transfer_timeout_s,
                      self.settings.redis_timeout_s + len(payload) / MIN_TRANSFER_BYTES_PER_S)
+        if apart and job.digest is not None:  # a keyed job held: its payload is in place
+            held = await self._call(lambda: self.r.hget(keys.state, "digest"))
+            if held is not None:
+                return replayed(job, text(held))
         if apart:  # first: a worker reads the payload once it finds the job in the stream
             await self._call(lambda: asyncio.wait_for(
                 self.pieces_bulk.set(keys.payload, payload, ex=ttl), within))
@@ -217,15 +221,17 @@ class RedisBroker:
                 args=[self.settings.max_queue_depth, ttl, b"" if apart else payload, job.id, n,
                       repr(job.enqueued_at), repr(job.deadline), t, repr(lim.weight),
                       lim.concurrent_jobs or 0, lim.queued_samples or 0,
-                      lim.requests_per_s or 0, repr(lim.burst)],
+                      lim.requests_per_s or 0, repr(lim.burst), job.digest or ""],
             ), within))
             refused, *detail = texts(reply)
         finally:
-            if apart and refused != "ok":  # no job names it (else it expires with its TTL)
+            if apart and refused not in ("ok", "held"):  # no job names it (else it expires)
                 with contextlib.suppress(PsgradError):
                     await self._delete([], [keys.payload])
         if refused == "ok":
-            return
+            return True
+        if refused == "held":
+            return replayed(job, detail[0])
         if refused == "depth":
             raise Overloaded(
                 f"the job queue is full ({self.settings.max_queue_depth} jobs); retry shortly",

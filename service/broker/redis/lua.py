@@ -59,11 +59,15 @@ end
 # KEYS: stream, state, payload, tenant queue, active, passes, weights, vtime, tenant jobs, rate.
 # ARGV: max depth, ttl, payload ('': stored in the answers' Redis), id, n, enqueued_at, deadline,
 # tenant, weight, concurrent jobs quota, queued samples quota, requests/s quota (each 0: none),
-# bucket size.
-# Returns {'ok'}, {'depth'}, or the quota refused with what the tenant holds ({'concurrent_jobs',
-# jobs}, {'queued_samples', samples}) or how long until a token ({'requests_per_s', seconds}).
-# The token is spent last: a refused request costs none.
+# bucket size, digest ('': none; a keyed job's request digest).
+# Returns {'ok'}, {'depth'}, {'held', digest} (a keyed job whose state exists: nothing queued),
+# or the quota refused with what the tenant holds ({'concurrent_jobs', jobs}, {'queued_samples',
+# samples}) or how long until a token ({'requests_per_s', seconds}). The token is spent last:
+# a refused request costs none.
 SUBMIT_LUA = _ENQUEUE + """
+if ARGV[14] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then
+  return {'held', redis.call('HGET', KEYS[2], 'digest') or ''}
+end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return {'depth'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -92,6 +96,7 @@ end
 if ARGV[3] ~= '' then redis.call('SET', KEYS[3], ARGV[3], 'EX', ttl) end
 redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[6], 'deadline', ARGV[7],
            'attempts', '0', 'n', ARGV[5], 'tenant', ARGV[8])
+if ARGV[14] ~= '' then redis.call('HSET', KEYS[2], 'digest', ARGV[14]) end
 redis.call('EXPIRE', KEYS[2], ttl)
 local element = ARGV[5] .. ' ' .. ARGV[4]
 redis.call('ZADD', KEYS[9], now + ttl, element)
