@@ -449,7 +449,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
                                   takes=fields_of(QueryBody), need_model=False)
     key = _key(scope, store_id)
     sent = dict(fields)
-    k, lam, damping, probes = (QUERY_NUMBERS[n].check(fields.pop(n, None)) for n in QUERY_NUMBERS)
+    sent_numbers = {n: spec.check(fields.pop(n, None)) for n, spec in QUERY_NUMBERS.items()}
+    k, lam, damping, probes = (sent_numbers[n] for n in ("k", "lambda", "damping", "probes"))
     k = QUERY_NUMBERS["k"].default if k is None else k
     lam, damping = (None if v is None else float(v) for v in (lam, damping))  # as echoed
     score = fields.pop("score", "dot")
