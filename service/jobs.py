@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from psgrad._answer_reader import AnswerReader
-from psgrad._errors import InvalidInput, Overloaded, TooLarge
+from psgrad._errors import Overloaded, TooLarge
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 from psgrad._wire import RESPONSE_KEY
-from service.tenants import DEFAULT_TENANT, Quotas
+from service.tenants import DEFAULT_TENANT, Quotas, key_reused, keyed_id
 
 __all__ = [
     "SMALLER_ANSWER",
@@ -53,9 +53,9 @@ def new_job_id() -> str:
 
 
 def keyed_job_id(tenant: str, key: str) -> str:
-    """The id of ``tenant``'s job sent with the ``Idempotency-Key`` ``key``: every try of that
-    request names the same job (and no other tenant's), shaped as :func:`new_job_id`'s."""
-    return hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
+    """The id of ``tenant``'s job sent with the ``Idempotency-Key`` ``key``
+    (:func:`service.tenants.keyed_id`), shaped as :func:`new_job_id`'s."""
+    return keyed_id(tenant, key, 32)
 
 
 def request_digest(fields: dict[str, Any]) -> str:
@@ -85,8 +85,7 @@ def replayed(job: Job, digest: str | None) -> bool:
     same request sent again (a try whose answer was lost); else a 422, since the key was sent
     with another request."""
     if digest != job.digest:
-        raise InvalidInput(f"this Idempotency-Key was sent before with another request (job "
-                           f"'{job.id}'): send a new key with each new request", job_id=job.id)
+        raise key_reused("job", job.id)
     return False
 
 

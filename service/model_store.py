@@ -166,15 +166,26 @@ class MemoryModelStore(ModelStore):
                 self._warmups[(model_id, version)] = record
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write beside ``path``, flush to disk, then rename: readers see all or nothing."""
+def _write_atomic(path: Path, data: bytes, exclusive: bool = False) -> bool:
+    """Write beside ``path``, flush to disk, then rename: readers see all or nothing.
+    ``exclusive``: only where no ``path`` exists (linked in, not renamed over it; False where
+    one did, written by this process or another)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return True
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

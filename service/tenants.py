@@ -8,10 +8,14 @@ enforcing quotas the broker's.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_TENANT", "TENANT_NAME", "Quotas", "Tenant", "owned_key", "owned_name"]
+from psgrad._errors import InvalidInput
+
+__all__ = ["DEFAULT_TENANT", "TENANT_NAME", "Quotas", "Tenant", "key_reused", "keyed_id",
+           "owned_key", "owned_name"]
 
 DEFAULT_TENANT = "default"  # the one tenant of a server without keys, and of data made before
 # a tenant's name: it is part of Redis keys and file names, so never ':', '/' or '~'
@@ -28,6 +32,19 @@ def owned_key(tenant: str, name: str) -> str:
 def owned_name(key: str) -> str:
     """The name a tenant gave what is kept under ``key``."""
     return key.rpartition("~")[2]
+
+
+def keyed_id(tenant: str, key: str, hex_digits: int) -> str:
+    """The id of what ``tenant`` made under the ``Idempotency-Key`` ``key`` (a job, a DP run):
+    every try of that request names the same one, and no other tenant's."""
+    return hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:hex_digits]
+
+
+def key_reused(what: str, made: str) -> InvalidInput:
+    """The 422 of an ``Idempotency-Key`` sent again with another request: its first try made
+    the ``what`` (a job, a run) of id ``made``."""
+    return InvalidInput(f"this Idempotency-Key was sent before with another request ({what} "
+                        f"'{made}'): send a new key with each new request", **{what: made})
 
 
 @dataclass(frozen=True)

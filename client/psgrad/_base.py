@@ -284,7 +284,7 @@ class BaseClient:
                    else APIConnectionError)(
                 f"the answer from {self.base_url} was lost ({exc!r}), and the request was not "
                 "sent again: the server may have applied it, and a second would add to it "
-                "(a DP run or step, a store's samples, rows or factors). Look at what the "
+                "(a DP step, a store's samples, rows or factors). Look at what the "
                 "server holds before sending it again", maybe_applied=True) from exc
         if isinstance(exc, httpx.TimeoutException):
             raise APITimeoutError(
@@ -428,9 +428,9 @@ def repeatable(method: str, path: str, fields: Mapping[str, Any] | None = None,
     """Whether a request may be sent again when its answer was lost (a dropped connection, a
     timeout, a 5xx): one that reads or replaces (GET, PUT, DELETE), a POST that only computes
     (gradients without a DP run, a store's query or lookup), or one with an
-    ``Idempotency-Key`` (a job: the server queues its first try alone). Never another that
-    adds: a DP run or step, a store's samples, rows or factors (a factors batch sent twice
-    without its ``batch_id`` is fitted twice)."""
+    ``Idempotency-Key`` (a job, a DP run: the server makes what its first try made alone).
+    Never another that adds: a DP step, a store's samples, rows or factors (a factors batch
+    sent twice without its ``batch_id`` is fitted twice)."""
     if method != "POST" or IDEMPOTENCY_KEY in (headers or {}):
         return True
     if path == "/per-sample-grads":

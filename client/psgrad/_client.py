@@ -143,7 +143,7 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
     ) -> httpx.Response:
         """One HTTP exchange with retries; a non-2xx answer raises its typed error. ``repeat``:
         whether it may be sent again when its answer was lost (default: :func:`repeatable`)."""
-        repeat = repeatable(method, path) if repeat is None else repeat
+        repeat = repeatable(method, path, headers=headers) if repeat is None else repeat
         for attempt in itertools.count():
             try:
                 response = self._exchange(method, path, content, json, headers)

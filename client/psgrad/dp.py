@@ -22,6 +22,7 @@ imports torch only when it is used.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from psgrad._client import Client
+from psgrad._constants import IDEMPOTENCY_KEY
 from psgrad._types import GradsResult
 
 __all__ = ["DPOptimizer", "Run", "Step", "create_run", "get_run", "poisson_batches"]
@@ -114,14 +116,16 @@ def create_run(client: Client, model: str, *, clip_norm: float, delta: float,
                steps: int | None = None, epochs: float | None = None, accountant: str = "rdp",
                clip_form: str = "exact") -> Run:
     """``POST /dp-runs``: give ``noise_multiplier`` or ``target_epsilon`` (with ``steps`` or
-    ``epochs``), and two of ``sample_rate``, ``expected_batch_size``, ``dataset_size``."""
+    ``epochs``), and two of ``sample_rate``, ``expected_batch_size``, ``dataset_size``. It goes
+    under an ``Idempotency-Key`` of its own, so it is sent again after a lost answer and makes
+    one run."""
     body = {"model": model, "clip_norm": clip_norm, "delta": delta,
             "noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon,
             "sample_rate": sample_rate, "expected_batch_size": expected_batch_size,
             "dataset_size": dataset_size, "max_epsilon": max_epsilon, "steps": steps,
             "epochs": epochs, "accountant": accountant, "clip_form": clip_form}
-    doc = client._send("POST", "/dp-runs",
-                       json={k: v for k, v in body.items() if v is not None}).json()
+    doc = client._send("POST", "/dp-runs", json={k: v for k, v in body.items() if v is not None},
+                       headers={IDEMPOTENCY_KEY: uuid.uuid4().hex}).json()
     return Run(client, doc)
 
 

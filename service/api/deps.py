@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Header, Query, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -135,6 +135,14 @@ TenantParam = Annotated[
         "tenant's; without it an admin lists every tenant's)",
     ),
 ]
+
+# What a client names one request by (POST /jobs, POST /dp-runs): every try of it under the key
+# makes one thing (service.tenants.keyed_id)
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$",
+    description="your name for this request (a UUID, say: printable ASCII, up to 128 "
+    "characters): sent again with the same body, it answers what its first try made, made "
+    "once; with another body, 422")]
 
 
 @dataclass(frozen=True)

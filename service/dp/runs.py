@@ -33,7 +33,7 @@ from service import redis_keys
 from service.config import Settings
 from service.connections import connection_kwargs
 from service.disk import unwritable
-from service.tenants import DEFAULT_TENANT
+from service.tenants import DEFAULT_TENANT, keyed_id
 
 RUN_ID_RE = re.compile(RUN_ID_PATTERN)  # the request contract's (psgrad._contract)
 CLIP_FORMS = {"exact": 0.0, "opacus": 1e-6}  # the norm offset of each clip-factor form
@@ -56,6 +56,12 @@ return {1, redis.call('HINCRBY', KEYS[1], 'steps', 1)}
 
 def new_run_id() -> str:
     return f"dp-{secrets.token_hex(12)}"
+
+
+def keyed_run_id(tenant: str, key: str) -> str:
+    """The id of ``tenant``'s run made under the ``Idempotency-Key`` ``key``
+    (:func:`service.tenants.keyed_id`), shaped as :func:`new_run_id`'s."""
+    return f"dp-{keyed_id(tenant, key, 24)}"
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,9 @@ def unknown(run_id: str) -> UnknownDPRun:
 class RunStore:
     """The interface of every store; all methods are safe to call from threads."""
 
-    def create(self, run: DPRun) -> None:
+    def create(self, run: DPRun) -> DPRun:
+        """Keep ``run`` under its id, unless a run holds that id already (one made under the
+        same ``Idempotency-Key``: :func:`keyed_run_id`), and answer the run kept."""
         raise NotImplementedError
 
     def get(self, run_id: str) -> tuple[DPRun, int] | None:
@@ -158,10 +166,15 @@ class MemoryRunStore(RunStore):
         self._jobs: dict[str, list[str]] = {}  # counted job ids in order: len() is the steps
         self._seen: dict[str, set[str]] = {}
 
-    def create(self, run: DPRun) -> None:
+    def create(self, run: DPRun) -> DPRun:
         with self._lock:
+            self._load(run.id)
+            held = self._runs.get(run.id)
+            if held is not None:
+                return held
             self._runs[run.id] = run
             self._jobs[run.id], self._seen[run.id] = [], set()
+            return run
 
     def get(self, run_id: str) -> tuple[DPRun, int] | None:
         with self._lock:
@@ -214,14 +227,17 @@ class FileRunStore(MemoryRunStore):
     def _folder(self, run_id: str) -> Path:
         return self.root / (run_id if RUN_ID_RE.fullmatch(run_id) else "_")
 
-    def create(self, run: DPRun) -> None:
+    def create(self, run: DPRun) -> DPRun:
         from service.model_store import _write_atomic
 
         folder = self._folder(run.id)
         folder.mkdir(exist_ok=True)
         (folder / "steps.log").touch()
-        _write_atomic(folder / "run.json", run.to_json().encode())
-        super().create(run)
+        with self._lock:  # a run of this id kept before (by this process or another) stays
+            if not _write_atomic(folder / "run.json", run.to_json().encode(), exclusive=True):
+                self._load(run.id)
+                return self._runs[run.id]
+        return super().create(run)
 
     def ids(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if (p / "run.json").is_file())
@@ -332,12 +348,14 @@ class RedisRunStore(RunStore):
                 f"{LEDGER_FSYNC_TIMEOUT_MS} ms, so their answers were not released; retry "
                 "(these steps stay counted against the budget)", retry_after=1)
 
-    def create(self, run: DPRun) -> None:
+    def create(self, run: DPRun) -> DPRun:
+        key = redis_keys.dp_run(self.prefix, run.id)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(redis_keys.dp_run(self.prefix, run.id),
-                  mapping={"spec": run.to_json(), "steps": 0})
+        pipe.hsetnx(key, "spec", run.to_json())  # a run of this id kept before stays
+        pipe.hsetnx(key, "steps", 0)
         pipe.sadd(redis_keys.dp_run_ids(self.prefix), run.id)
-        pipe.execute()
+        pipe.hget(key, "spec")
+        return DPRun.from_json(pipe.execute()[-1])
 
     def get(self, run_id: str) -> tuple[DPRun, int] | None:
         spec, steps = self.r.hmget(redis_keys.dp_run(self.prefix, run_id), ["spec", "steps"])

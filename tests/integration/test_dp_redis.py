@@ -3,6 +3,7 @@ through the api and a worker, a restart, and a redelivered job that never counts
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ def test_redis_counter_counts_a_job_once_and_survives_a_restart(settings: Settin
     store.close()
     again = RedisRunStore(redis.Redis.from_url(settings.redis_url or ""), settings.redis_prefix)
     assert again.get(run.id) == (run, 2) and again.ids() == [run.id]
+    # made again under its id (the same Idempotency-Key): the first run stays, steps and all
+    assert again.create(dataclasses.replace(run, clip_norm=2.0)) == run
+    assert again.get(run.id) == (run, 2)
     with pytest.raises(PrivacyBudgetExhausted):
         again.count(run.id, "d")
     assert again.delete(run.id) and again.get(run.id) is None

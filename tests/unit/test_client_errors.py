@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import psgrad
-from psgrad import _errors
+from psgrad import _errors, dp
 from psgrad._base import repeatable
 from psgrad._wire import RESPONSE_KEY, fields_to_safetensors
 
@@ -211,6 +211,19 @@ def test_a_request_that_adds_is_sent_again_where_it_surely_was_not_applied(
     with client_for(handler, max_retries=2) as client:
         assert submit(client).id == "j1"
     assert len(seen) == 2 and len(sleeps) == 1
+
+
+def test_a_dp_run_whose_answer_is_lost_is_sent_again_under_its_key(sleeps: list[float]) -> None:
+    made = httpx.Response(201, json={"id": "dp-1", "model": "m"})
+    handler, seen = scripted(httpx.ReadTimeout("slow"), made, made)
+    with client_for(handler, max_retries=2) as client:
+        assert dp.create_run(client, "m", clip_norm=1.0, delta=1e-5, noise_multiplier=1.0,
+                             sample_rate=0.1, expected_batch_size=8).id == "dp-1"
+        keys = [r.headers["Idempotency-Key"] for r in seen]
+        assert len(keys) == 2 and keys[0] == keys[1]
+        dp.create_run(client, "m", clip_norm=1.0, delta=1e-5, noise_multiplier=1.0,
+                      sample_rate=0.1, expected_batch_size=8)
+        assert seen[-1].headers["Idempotency-Key"] != keys[0]  # a new run: a new key
 
 
 async def test_the_async_client_does_not_send_again_what_adds() -> None:

@@ -53,6 +53,42 @@ def test_a_job_counts_once_and_the_budget_stops_the_run(kind: str, tmp_path: Pat
         assert again.delete(run.id) and again.get(run.id) is None
 
 
+@pytest.mark.parametrize("kind", ["memory", "files"])
+def test_a_run_made_again_under_its_id_keeps_the_first(kind: str, tmp_path: Path) -> None:
+    """``create`` of an id held (a run made under the same Idempotency-Key) keeps the run and
+    its steps, and answers it; the files store also across processes (a new store)."""
+    store: RunStore = MemoryRunStore() if kind == "memory" else FileRunStore(tmp_path)
+    run = record(max_steps=5)
+    assert store.create(run) == run
+    store.count(run.id, "job-a")
+    other = dataclasses.replace(run, clip_norm=2.0)
+    assert store.create(other) == run and store.get(run.id) == (run, 1)
+    if kind == "files":
+        assert FileRunStore(tmp_path).create(other) == run
+        assert FileRunStore(tmp_path).get(run.id) == (run, 1)
+
+
+async def test_a_run_under_an_idempotency_key_is_made_once() -> None:
+    async with open_client(api_keys="alice:alice-key,bob:bob-key") as c:
+        def sent(tenant: str, key: str | None = None) -> dict[str, str]:
+            return {"authorization": f"Bearer {tenant}-key",
+                    **({"Idempotency-Key": key} if key else {})}
+
+        first = await c.post("/dp-runs", json=_run_body(), headers=sent("alice", "r1"))
+        again = await c.post("/dp-runs", json=_run_body(), headers=sent("alice", "r1"))
+        assert first.status_code == again.status_code == 201, again.text
+        assert again.json() == first.json()
+        other = await c.post("/dp-runs", json=_run_body(clip_norm=2.0),
+                             headers=sent("alice", "r1"))
+        assert other.status_code == 422 and "Idempotency-Key" in other.text, other.text
+        bob = await c.post("/dp-runs", json=_run_body(), headers=sent("bob", "r1"))
+        plain = await c.post("/dp-runs", json=_run_body(), headers=sent("alice"))
+        ids = {r.json()["id"] for r in (first, bob, plain)}
+        assert len(ids) == 3  # another tenant's key, or none: a run each
+        listed = (await c.get("/dp-runs", headers=sent("alice"))).json()["runs"]
+        assert sorted(r["id"] for r in listed) == sorted(ids - {bob.json()["id"]})
+
+
 def test_the_worker_hook_counts_a_job_id_once() -> None:
     s = MemoryRunStore()
     run = record(max_steps=5)

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from service.api.deps import (
     AdminDep,
     ApiKey,
+    IdempotencyKey,
     RegistryDep,
     RunsDep,
     Scope,
@@ -30,8 +31,9 @@ from service.api.deps import (
     TenantParam,
 )
 from service.api.schemas import errors
-from service.dp.runs import RUN_ID_RE, unknown
+from service.dp.runs import RUN_ID_RE, keyed_run_id, unknown
 from service.dp.steps import describe, make_run
+from service.tenants import key_reused
 
 router = APIRouter(prefix="/dp-runs", tags=["DP-SGD runs"], dependencies=[ApiKey])
 
@@ -115,9 +117,12 @@ def _checked(run_id: str) -> str:
 @router.post("", status_code=201, response_model=DPRunView,
              responses=errors(400, 401, 404, 415, 422), summary="Start a DP-SGD run")
 async def create_run(body: DPRunCreate, settings: SettingsDep, registry: RegistryDep,
-                     store: RunsDep, tenant: TenantDep) -> dict[str, Any]:
+                     store: RunsDep, tenant: TenantDep,
+                     key: IdempotencyKey = None) -> dict[str, Any]:
     """Fix the run's mechanism and budget; solving for target_epsilon takes a second or two.
-    The run is the caller's tenant's.
+    The run is the caller's tenant's. With an ``Idempotency-Key``, the request sent again (its
+    answer lost) answers the run its first try made, with the steps it has taken; the key
+    sent with another body is a 422.
 
     422 for a number that is not finite, a run that could never take a step (its first step
     alone passes max_epsilon), prv below its smallest noise multiplier, more planned steps than
@@ -125,9 +130,14 @@ async def create_run(body: DPRunCreate, settings: SettingsDep, registry: Registr
     spec = body.model_dump()
     await run_in_threadpool(registry.describe, body.model)  # 404 for an unknown model
     made = await run_in_threadpool(make_run, spec, settings.dp_accounting_cpu_s)
-    run = replace(made, tenant=tenant.name)
-    await run_in_threadpool(store.create, run)
-    return await run_in_threadpool(describe, run, 0, settings.dp_accounting_cpu_s)
+    run = replace(made, tenant=tenant.name,
+                  id=made.id if key is None else keyed_run_id(tenant.name, key))
+    kept = await run_in_threadpool(store.create, run)
+    if replace(kept, created=run.created) != run:
+        raise key_reused("run", kept.id)
+    found = await run_in_threadpool(store.get, kept.id)
+    steps = 0 if found is None else found[1]
+    return await run_in_threadpool(describe, kept, steps, settings.dp_accounting_cpu_s)
 
 
 @router.get("", response_model=DPRunList, responses=errors(400, 401, 403),

@@ -16,7 +16,7 @@ import re
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Request, Response
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -24,7 +24,7 @@ from psgrad._errors import UnknownJob
 from psgrad._wire import SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import encode_result, json_response, wants_safetensors
-from service.api.deps import ApiKey, StateDep, TenantDep
+from service.api.deps import ApiKey, IdempotencyKey, StateDep, TenantDep
 from service.api.routes.grads import REQUEST_BODY, new_job
 from service.api.schemas import JobCreated, JobDeleted, JobView, errors
 from service.jobs import JobState, JobStatus, read_answer
@@ -37,10 +37,6 @@ router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[ApiKey])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
 # Documented, not checked by FastAPI: an id off the pattern is a job that does not exist (404).
 JobId = Annotated[str, Path(json_schema_extra={"pattern": JOB_ID})]
-IdempotencyKey = Annotated[str | None, Header(
-    alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$",
-    description="your name for this request (a UUID, say: printable ASCII, up to 128 "
-    "characters): sent again with the same body, it answers the same job, queued once")]
 
 
 @router.post(
