@@ -127,6 +127,30 @@ def id_kind(value: Any) -> str | None:
     return None
 
 
+def sample_ids(raw: list[Any]) -> tuple[list[int | str], list[str]]:
+    """The sample ids of ``raw`` and each one's :func:`id_kind`; the first entry that is no
+    sample id refused by the request contract's rule: 400 for one of another type (``true``,
+    ``null``, ``1.5``, a list), 422 for an integer past 64 bits or written as ``2.0`` (an
+    integer to JSON Schema) or a string empty, too long or not printable."""
+    kinds = [id_kind(v) for v in raw]
+    bad = [i for i, k in enumerate(kinds) if k is None]
+    if not bad:
+        return [int(v) if k == "int" else str(v) for v, k in zip(raw, kinds, strict=True)], [
+            str(k) for k in kinds]
+    typed = [i for i in bad if isinstance(raw[i], bool) or not (
+        isinstance(raw[i], (int, np.integer, str)) or _whole(raw[i]))]
+    first = (typed or bad)[0]
+    raise (BadRequest if typed else InvalidInput)(
+        f"'ids' entry {first} ({shown(raw[first])}) is not a sample id: send 64-bit integers "
+        f"or strings of 1 to {MAX_ID_CHARS} printable characters", positions=(typed or bad)[:20])
+
+
+def _whole(value: Any) -> bool:
+    """A float that JSON Schema takes for an integer: ``2.0``, or an integer past 64 bits as
+    orjson reads it (the nearest float)."""
+    return isinstance(value, float) and value.is_integer()
+
+
 def checked_ids(raw: Any, count: int) -> tuple[list[int | str], str]:
     """The batch's sample ids (one per sample, unique, all integers or all short strings) and
     their kind; a JSON list or, in a safetensors body, an integer tensor."""
@@ -142,16 +166,9 @@ def checked_ids(raw: Any, count: int) -> tuple[list[int | str], str]:
     if len(raw) != count:
         raise InvalidInput(f"'ids' has {len(raw)} entries; the batch has {count} samples: send "
                            "one id per sample", ids=len(raw), samples=count)
-    kinds = [id_kind(v) for v in raw]
-    bad = [i for i, k in enumerate(kinds) if k is None]
-    if bad:
-        raise InvalidInput(f"'ids' entry {bad[0]} ({raw[bad[0]]!r}) is not a sample id: send "
-                           f"64-bit integers or strings of 1 to {MAX_ID_CHARS} printable "
-                           "characters", positions=bad[:20])
+    ids, kinds = sample_ids(raw)
     if len(set(kinds)) > 1:
         raise InvalidInput("'ids' mixes integers and strings: use one kind per store")
-    ids: list[int | str] = [int(v) if k == "int" else str(v) for v, k in zip(raw, kinds,
-                                                                             strict=True)]
     seen: set[int | str] = set()
     twice = [v for v in ids if v in seen or seen.add(v)]  # type: ignore[func-returns-value]
     if twice:

@@ -46,11 +46,13 @@ from service.stores.files import Manifest, commit_all, refuse_duplicates
 from service.stores.query import QUERY_NUMBERS, Score, check_k, check_score, search_all
 from service.stores.requests import check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
-from service.stores.spec import MAX_ID_CHARS, Dtype, StoreSpec, checked_ids, id_kind
+from service.stores.spec import MAX_ID_CHARS, Dtype, StoreSpec, checked_ids, sample_ids
 from service.tenants import Tenant, owned_key
 from service.validate import parse_request
 
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
+SampleId = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | Annotated[
+    str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
 
 
@@ -83,7 +85,7 @@ SamplesBody = create_model(
     "SamplesBody",
     __base__=SampleBatch,
     **contract_fields("inputs", required=("inputs",)),
-    ids=(list[int | str], Field(min_length=1, description="one per sample: integers or strings "
+    ids=(list[SampleId], Field(min_length=1, description="one per sample: integers or strings "
                                 "of 1 to 128 printable characters, new to the store")),
 )
 RowsBody = create_model(
@@ -92,7 +94,7 @@ RowsBody = create_model(
     rows=(Tensor, Field(description="[n, projection_dim] in the store's dtype: sketches made "
                         "with the store's definition, or a store of full gradients' flattened "
                         "gradients")),
-    ids=(list[int | str], Field(min_length=1, description="one per row, new to the store")),
+    ids=(list[SampleId], Field(min_length=1, description="one per row, new to the store")),
 )
 _QUERY_NUMBERS: dict[str, Any] = {n: contract_field(f) for n, f in QUERY_NUMBERS.items()}
 QueryBody = create_model(
@@ -396,21 +398,16 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
 
 class LookupBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ids: list[int | str] = Field(description="sample ids to look for")
+    ids: list[SampleId] = Field(description="sample ids to look for")
 
 
 def _lookup_ids(body: Any) -> list[int | str]:
-    """The sample ids a lookup body asks for; else 400 for a body of another shape, 422 naming
-    the first entry that is no sample id."""
+    """The sample ids a lookup body asks for; else 400 for a body of another shape, and the
+    first entry that is no sample id refused (:func:`service.stores.spec.sample_ids`)."""
     if not isinstance(body, dict) or set(body) != {"ids"} or not isinstance(body["ids"], list):
         raise BadRequest(f"the body is {{\"ids\": [...]}}, the sample ids to look for; got "
                          f"{shown(body)}")
-    wanted: list[int | str] = body["ids"]
-    bad = [i for i, v in enumerate(wanted) if id_kind(v) is None]
-    if bad:
-        raise InvalidInput(f"'ids' entry {bad[0]} ({wanted[bad[0]]!r}) is not a sample id: "
-                           "integers or strings of 1 to 128 printable characters")
-    return wanted
+    return sample_ids(body["ids"])[0]
 
 
 @router.post("/{store_id}/lookup",
