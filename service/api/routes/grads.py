@@ -56,10 +56,11 @@ async def new_job(
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
     key: str | None = None,
-) -> Job:
+) -> tuple[Job, bool]:
     """Decode the body, hold it to :class:`GradsRequest`, ``check`` it, enqueue it as
     ``tenant``'s; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``. With an ``Idempotency-Key``
-    (``key``), every try of the request names one job, queued once."""
+    (``key``), every try of the request names one job, queued once. Answers the job and
+    whether this try queued it (:func:`submit_fields`)."""
     fields = await decode_request(request, state.settings)
     return await submit_fields(fields, state, tenant, check, key)
 
@@ -70,10 +71,11 @@ async def submit_fields(
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
     key: str | None = None,
-) -> Job:
+) -> tuple[Job, bool]:
     """A decoded body held to :class:`GradsRequest`, ``check``-ed and enqueued as
     ``tenant``'s (every route that takes a gradients request, whatever its wire form); a
-    ``key``'s job (:func:`service.jobs.keyed_job_id`) is queued by its first try alone."""
+    ``key``'s job (:func:`service.jobs.keyed_job_id`) is queued by its first try alone.
+    Answers the job and whether this try queued it (False: a later try of a keyed job)."""
     scope_reference(fields, tenant.name)  # `reference_set` names a set of the caller's
     named = fields.get("reference_set")  # ... checked: the schema reads the name as sent
     sent = fields if not isinstance(named, str) else {**fields, "reference_set": owned_name(named)}
@@ -91,8 +93,7 @@ async def submit_fields(
     # of the event loop and only afterwards arm their Redis timeouts, which a whole burst's
     # decoding in between would otherwise eat (connects timed out under 100 requests at once).
     await asyncio.sleep(0)
-    await state.broker.submit(job, tenant.quotas)
-    return job
+    return job, await state.broker.submit(job, tenant.quotas)
 
 
 @router.post(
@@ -109,7 +110,7 @@ async def per_sample_grads(request: Request, state: StateDep, tenant: TenantDep)
     its model, loss and options; its answer is exactly its own. Past the deadline
     (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504.
     """
-    job = await new_job(request, state, tenant)
+    job, _ = await new_job(request, state, tenant)
     return await answer_of(state, job, request)
 
 

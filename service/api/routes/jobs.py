@@ -56,8 +56,8 @@ async def create_job(request: Request, state: StateDep, tenant: TenantDep,
     the request sent again (its answer lost) names the same job, queued once, while that job
     is kept (its result ``PSGRAD_RESULT_TTL_S``); the key sent with another body is a 422.
     """
-    job = await new_job(request, state, tenant, check=_exists, key=key)
-    status = JobStatus.QUEUED if key is None else (await state.broker.state(job.id)).status
+    job, queued = await new_job(request, state, tenant, check=_exists, key=key)
+    status = JobStatus.QUEUED if queued else (await state.broker.state(job.id)).status
     return JSONResponse(
         {"job_id": job.id, "status": status.value},
         status_code=202,

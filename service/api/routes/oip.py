@@ -185,7 +185,7 @@ async def _infer(name: str, version: str | None, request: Request, state: StateD
     doc, binary = _split(await request.body(), request.headers.get(HEADER_LENGTH))
     fields, asked = _fields(doc, binary, state.settings.max_elements)
     fields["model"] = _ref(name, version)
-    job = await submit_fields(fields, state, tenant)
+    job, _ = await submit_fields(fields, state, tenant)
     result = await answer_of(state, job)
     return _response(name, doc, result, asked, fields["outputs"])
 
