@@ -168,7 +168,6 @@ class MemoryRunStore(RunStore):
 
     def create(self, run: DPRun) -> DPRun:
         with self._lock:
-            self._load(run.id)
             held = self._runs.get(run.id)
             if held is not None:
                 return held
