@@ -18,7 +18,7 @@ from service.dp.runs import DPRun, FileRunStore, MemoryRunStore, RunStore
 from service.dp.steps import on_result
 from service.registry import ModelRegistry
 from service.validate import parse_request
-from tests.support.api import open_client
+from tests.support.api import finished_job, open_client
 
 Y = [0, 1, 2, 0, 1]
 
@@ -138,12 +138,14 @@ def test_dp_run_clipped_mean_divides_by_the_expected_batch_size() -> None:
         parse_request({**body, "dp_run": "dp-" + "f" * 24}, registry, dp_runs=store)
 
 
-async def _step(c: Any, run_id: str) -> Any:
+async def _step_body(c: Any) -> dict[str, Any]:
     model = (await c.get("/models/mlp")).json()
     x = np.zeros((2, *model["input"]["shape"])).tolist()
-    return await c.post("/per-sample-grads", json={"model": "mlp", "inputs": x, "targets": [0, 1],
-                                                   "outputs": ["clipped_mean"],
-                                                   "dp_run": run_id})
+    return {"model": "mlp", "inputs": x, "targets": [0, 1], "outputs": ["clipped_mean"]}
+
+
+async def _step(c: Any, run_id: str) -> Any:
+    return await c.post("/per-sample-grads", json={**(await _step_body(c)), "dp_run": run_id})
 
 
 async def test_budget_409_in_embedded_mode_and_across_a_restart(tmp_path: Path) -> None:
@@ -169,6 +171,24 @@ async def test_budget_409_in_embedded_mode_and_across_a_restart(tmp_path: Path) 
         assert (await c.delete(f"/dp-runs/{run['id']}")).status_code == 200
         assert (await c.get(f"/dp-runs/{run['id']}")).status_code == 404
         assert (await _step(c, run["id"])).status_code == 404
+
+
+async def test_a_keyed_step_sent_again_after_the_last_answers_its_job() -> None:
+    """A step queued as a job under an ``Idempotency-Key`` takes the run's last step; sent
+    again (its answer lost), it answers that job, not the 409 a new step gets."""
+    async with open_client() as c:
+        run = (await c.post("/dp-runs", json=_run_body())).json()
+        body = {**(await _step_body(c)), "dp_run": run["id"]}
+        for i in range(run["max_steps"]):
+            r = await c.post("/jobs", json=body, headers={"Idempotency-Key": f"step-{i}"})
+            done = await finished_job(c, r.json()["job_id"])
+            assert done["result"]["dp"]["steps"] == i + 1
+        again = await c.post("/jobs", json=body, headers={"Idempotency-Key": f"step-{i}"})
+        assert again.status_code == 202, again.text
+        assert again.json() == {"job_id": r.json()["job_id"], "status": "succeeded"}
+        new = await c.post("/jobs", json=body, headers={"Idempotency-Key": "step-new"})
+        assert new.status_code == 409 and new.json()["error"]["code"] == "privacy_budget_exhausted"
+        assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == run["max_steps"]
 
 
 async def test_creating_a_run_checks_its_fields() -> None:

@@ -13,7 +13,13 @@ from fastapi import APIRouter, Request, Response
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from psgrad._errors import DeadlineExceeded, JobCanceled, error_from_body
+from psgrad._errors import (
+    DeadlineExceeded,
+    JobCanceled,
+    PrivacyBudgetExhausted,
+    UnknownJob,
+    error_from_body,
+)
 from psgrad._wire import SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import conform, decode_request, encode_result
@@ -82,11 +88,15 @@ async def submit_fields(
     await conform(GradsRequest, sent, partial(
         parse_request, fields, state.registry, max_batch_size=state.settings.max_batch_size,
         reference_sets=state.storage.sets))  # its own error for nearly all the schema refuses
-    # 404 now for another tenant's DP run, 409 for one with no step left
-    await dp_precheck(fields, state.storage.runs, tenant.name)
+    job_id = new_job_id() if key is None else keyed_job_id(tenant.name, key)
+    try:  # 404 now for another tenant's DP run, 409 for one with no step left ...
+        await dp_precheck(fields, state.storage.runs, tenant.name)
+    except PrivacyBudgetExhausted:  # ... but not to a try of a keyed step it held: its last
+        if key is None or not await _held(state, job_id):
+            raise
     if check is not None:
         await check(fields, state)
-    job = Job(new_job_id() if key is None else keyed_job_id(tenant.name, key), fields,
+    job = Job(job_id, fields,
               deadline=time.time() + state.settings.request_timeout_s, tenant=tenant.name,
               digest=None if key is None else await run_in_threadpool(request_digest, fields))
     # Yield once before the broker call: requests that arrive together then decode in one turn
@@ -166,6 +176,15 @@ async def _wait(state: StateDep, job: Job) -> JobState:
         if more <= granted:
             return st
         granted = more
+
+
+async def _held(state: StateDep, job_id: str) -> bool:
+    """Whether the broker holds the job ``job_id``."""
+    try:
+        await state.broker.state(job_id)
+    except UnknownJob:
+        return False
+    return True
 
 
 async def _cancel_quietly(state: StateDep, job_id: str) -> None:
