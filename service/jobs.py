@@ -188,7 +188,8 @@ class Broker(Protocol):
 
     async def wait(self, job_id: str, timeout: float, *, fresh: bool = False) -> JobState:
         """Block until the job is done or ``timeout`` passes (then returns its current state);
-        ``fresh``: the caller submitted the job just now (a broker may skip a first look)."""
+        ``fresh``: the caller submitted the job just now and is its only waiter (a broker may
+        skip a first look, and need not wake another waiter)."""
 
     async def state(self, job_id: str) -> JobState:
         """Raises :class:`psgrad.UnknownJob` for an unknown or expired job."""
@@ -197,7 +198,8 @@ class Broker(Protocol):
         """Queued or running jobs become ``canceled`` (a running job's result is dropped)."""
 
     async def forget(self, job_id: str) -> None:
-        """Drop a job's state and result now (the sync route, once it has the answer)."""
+        """Drop a job's state and result now (the sync route, once it has the answer of a
+        job sent without an ``Idempotency-Key``)."""
 
     async def queue_depth(self) -> int: ...
 

@@ -187,15 +187,15 @@ class BaseClient:
 
     def _encode(self, fields: Fields, path: str) -> tuple[bytes, dict[str, str]]:
         """The body and headers of a gradients or job request to ``path``, binary unless
-        ``binary=False``; a job's with an ``Idempotency-Key`` of its own, so that every try of
-        it names one job."""
+        ``binary=False``; a job's, and a DP step's, with an ``Idempotency-Key`` of its own, so
+        that every try of it names one job."""
         if self.binary:
             body = fields_to_safetensors(fields, REQUEST_KEY)
             headers = {"Content-Type": SAFETENSORS, "Accept": SAFETENSORS}
         else:
             body = json.dumps(fields_to_json(fields, binary=True)).encode()
             headers = {"Content-Type": JSON, "Accept": JSON}
-        if path == "/jobs":
+        if path == "/jobs" or fields.get("dp_run") is not None:
             headers[IDEMPOTENCY_KEY] = uuid.uuid4().hex
         return body, headers
 
@@ -284,8 +284,8 @@ class BaseClient:
                    else APIConnectionError)(
                 f"the answer from {self.base_url} was lost ({exc!r}), and the request was not "
                 "sent again: the server may have applied it, and a second would add to it "
-                "(a DP step, a store's samples, rows or factors). Look at what the "
-                "server holds before sending it again", maybe_applied=True) from exc
+                "(a store's samples, rows or factors). Look at what the server holds before "
+                "sending it again", maybe_applied=True) from exc
         if isinstance(exc, httpx.TimeoutException):
             raise APITimeoutError(
                 f"no answer from {self.base_url} within the timeout ({exc!r}) after "
@@ -428,9 +428,9 @@ def repeatable(method: str, path: str, fields: Mapping[str, Any] | None = None,
     """Whether a request may be sent again when its answer was lost (a dropped connection, a
     timeout, a 5xx): one that reads or replaces (GET, PUT, DELETE), a POST that only computes
     (gradients without a DP run, a store's query or lookup), or one with an
-    ``Idempotency-Key`` (a job, a DP run: the server makes what its first try made alone).
-    Never another that adds: a DP step, a store's samples, rows or factors (a factors batch
-    sent twice without its ``batch_id`` is fitted twice)."""
+    ``Idempotency-Key`` (a job, a DP step, a DP run: the server makes what its first try made
+    alone). Never another that adds: a DP step without a key, a store's samples, rows or
+    factors (a factors batch sent twice without its ``batch_id`` is fitted twice)."""
     if method != "POST" or IDEMPOTENCY_KEY in (headers or {}):
         return True
     if path == "/per-sample-grads":

@@ -32,7 +32,8 @@ sliced, and each output is combined as the request contract declares it
   cosine_i = dot_i / (norm_i * |mean|), 0 where a norm is 0, as the server defines it. A batch
   that fits in one request is computed by the server in one pass.
 
-A request with ``dp_run`` is one DP-SGD step: it is sent whole, once, with the server's noise.
+A request with ``dp_run`` is one DP-SGD step: it is sent whole, as one request, with the
+server's noise.
 
 With ``verify`` each request is verified on its own samples; ``meta["verify"]`` of a split batch
 merges their reports (:func:`merge_verify`).

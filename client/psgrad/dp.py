@@ -88,7 +88,9 @@ class Run:
              as_torch: bool = False) -> Step:
         """One step on one batch with the current ``weights``: the run's noisy clipped mean.
 
-        The batch goes in one request (a step is never split: the server counts requests).
+        The batch goes in one request (a step is never split: the server counts requests),
+        under an ``Idempotency-Key`` of its own: sent again after a lost answer, it names the
+        same job, counted once, and answers the same noisy mean.
 
         Raises:
             psgrad.PrivacyBudgetExhausted: the run has no step left; nothing was released.

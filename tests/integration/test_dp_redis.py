@@ -3,8 +3,10 @@ through the api and a worker, a restart, and a redelivered job that never counts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,9 @@ from service.dp.runs import DPRun, RedisRunStore
 from service.jobs import Job, JobStatus
 from service.registry import ModelRegistry
 from service.storage import open_storage
+from service.worker import loop
 from service.worker.loop import Worker
+from tests.support.api import keyed_steps_answer_their_first_try
 from tests.support.redis import OwnRedis, quick_settings, result_of, worker_loop
 
 settings = pytest.fixture(quick_settings)
@@ -87,28 +91,52 @@ async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
         await broker.close()
 
 
-async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> None:
+RUN = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0, "sample_rate": 0.04,
+       "expected_batch_size": 8, "delta": 1e-5, "max_epsilon": 0.45}
+STEP = {"model": "mlp", "inputs": np.zeros((2, 784)).tolist(), "targets": [0, 1],
+        "outputs": ["clipped_mean"]}
+
+
+@contextlib.asynccontextmanager
+async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An api on ``settings``'s Redis, its lifespan run, and its client."""
     app = create_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+        yield c
+
+
+async def test_budget_409_through_the_api_and_a_worker(settings: Settings) -> None:
     with worker_loop(settings, "w-api"):
-        async with app.router.lifespan_context(app), httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            body = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0,
-                    "sample_rate": 0.04, "expected_batch_size": 8, "delta": 1e-5,
-                    "max_epsilon": 0.45}
-            run = (await c.post("/dp-runs", json=body)).json()
-            step = {"model": "mlp", "inputs": np.zeros((2, 784)).tolist(), "targets": [0, 1],
-                    "outputs": ["clipped_mean"], "dp_run": run["id"]}
+        async with api(settings) as c:
+            run = (await c.post("/dp-runs", json=RUN)).json()
+            step = {**STEP, "dp_run": run["id"]}
             for i in range(run["max_steps"]):
                 r = await c.post("/per-sample-grads", json=step)
                 assert r.status_code == 200 and r.json()["dp"]["steps"] == i + 1, r.text
             r = await c.post("/per-sample-grads", json=step)
             assert r.status_code == 409 and r.json()["error"]["code"] == "privacy_budget_exhausted"
-        app = create_app(settings)  # a restarted api reads the same run from Redis
-        async with app.router.lifespan_context(app), httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+        async with api(settings) as c:  # a restarted api reads the same run from Redis
             view = (await c.get(f"/dp-runs/{run['id']}")).json()
             assert view["steps"] == run["max_steps"] and view["steps_left"] == 0
             assert (await c.post("/per-sample-grads", json=step)).status_code == 409
+
+
+async def test_a_keyed_step_sent_again_answers_its_first_try(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the api and a worker on Redis: the tries of a key wait on one job (two at once,
+    the step slowed so that both block on its end, hand that end on to each other) and read its
+    answer, kept, not consumed by the first."""
+    real = loop.count_dp_step
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "count_dp_step", slow)
+    with worker_loop(settings, "w-keyed"):
+        async with api(settings) as c:
+            await keyed_steps_answer_their_first_try(c, RUN, STEP)
 
 
 async def test_a_dp_step_during_a_redis_outage_is_a_503(tmp_path: Path) -> None:

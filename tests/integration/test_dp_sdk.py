@@ -1,11 +1,16 @@
 """psgrad.dp against the real app in-process: a run, its steps, the torch optimizer wrapper,
-the Poisson sampler, and the typed 409 at the budget."""
+the Poisson sampler, and the typed 409 at the budget; over real HTTP, a step whose answer was
+lost, sent again and counted once."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -13,7 +18,8 @@ import torch
 import psgrad
 from psgrad import dp
 from service.api import create_app
-from tests.support.api import settings
+from service.worker import loop as worker_loop
+from tests.support.api import serving, settings
 from tests.support.client import running_app
 
 
@@ -49,6 +55,35 @@ def test_run_steps_until_the_budget(client: psgrad.Client) -> None:
     assert doc["steps"] == taken == doc["max_steps"]
     with pytest.raises(ValueError):
         run.step(x[:0], y[:0], weights=weights)
+
+
+def test_a_step_whose_answer_is_lost_is_sent_again_and_counted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over real HTTP, the worker slowed on the first step past the client's timeout (1 s
+    against 0.5 s): the client sends the step again under its key, the second try waits for
+    the job the first queued, and the run counts one step, computed once. (Before keys the
+    client raised, not sending a step again.)"""
+    real, calls = worker_loop.count_dp_step, []
+
+    def first_slow(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_loop, "count_dp_step", first_slow)
+    app = create_app(settings(data_dir=str(tmp_path / "data")))
+    x, y = np.ones((3, 8), np.float32), np.zeros(3, np.float32)
+    with serving(app) as url, psgrad.Client(url) as client, psgrad.Client(
+            url, timeout=httpx.Timeout(0.5, connect=5.0), max_retries=3) as hasty:
+        run = dp.create_run(client, "value-mlp", clip_norm=1.0, noise_multiplier=1.0,
+                            delta=1e-5, expected_batch_size=4, dataset_size=100,
+                            max_epsilon=10.0)
+        step = dp.get_run(hasty, run.id).step(x, y, loss="mse")
+        assert step.steps == 1 and len(calls) == 1
+        assert run.refresh()["steps"] == 1
+        second = run.step(x, y, loss="mse")
+        assert second.steps == 2 and second.clipped_mean["net.fc1.weight"].shape == (64, 8)
 
 
 def test_torch_optimizer_wrapper_moves_the_weights(client: psgrad.Client) -> None:

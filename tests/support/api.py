@@ -1,6 +1,6 @@
 """For the api tests: an app on the embedded broker with its lifespan run, its httpx client, an
-app served over real HTTP, request bodies in both wire forms, and the engine called directly on
-the same request."""
+app served over real HTTP, request bodies in both wire forms, the engine called directly on
+the same request, and a DP run's keyed steps checked through any api."""
 
 from __future__ import annotations
 
@@ -164,3 +164,35 @@ async def until_ready(c: httpx.AsyncClient, within_s: float = 60.0) -> httpx.Res
     while (r := await c.get("/readyz")).status_code != 200 and time.monotonic() < end:
         await asyncio.sleep(0.05)
     return r
+
+
+async def keyed_steps_answer_their_first_try(c: httpx.AsyncClient, run_body: dict[str, Any],
+                                             step: dict[str, Any]) -> None:
+    """A DP run made from ``run_body``, its steps (``step`` with the run's ``dp_run``) sent
+    under ``Idempotency-Key`` s: each try of a key answers its first try's noisy mean, two
+    tries at once included, counted once; another key is another step, and the key sent with
+    another body a 422."""
+    run = (await c.post("/dp-runs", json=run_body)).json()
+    body = {**step, "dp_run": run["id"]}
+    key = {"Idempotency-Key": "step-1"}
+
+    async def sent(after_s: float) -> httpx.Response:
+        await asyncio.sleep(after_s)
+        return await c.post("/per-sample-grads", json=body, headers=key)
+
+    tries = list(await asyncio.gather(sent(0.0), sent(0.2)))  # the first waiting already
+    tries.append(await c.post("/per-sample-grads", json=body, headers=key))
+    assert [r.status_code for r in tries] == [200] * 3, tries[0].text
+    first = tries[0].json()
+    assert first["dp"]["steps"] == 1 and all(r.json() == first for r in tries)
+    binary = await c.post("/per-sample-grads", json=body, headers={**key, "accept": SAFETENSORS})
+    for name, value in fields_from_safetensors(binary.content, RESPONSE_KEY)["clipped_mean"
+                                                                              ].items():
+        np.testing.assert_array_equal(value, np.asarray(first["clipped_mean"][name], np.float32))
+    other = await c.post("/per-sample-grads", json={**body, "targets": body["targets"][::-1]},
+                         headers=key)
+    assert other.status_code == 422 and "Idempotency-Key" in other.text, other.text
+    second = (await c.post("/per-sample-grads", json=body,
+                           headers={"Idempotency-Key": "step-2"})).json()
+    assert second["dp"]["steps"] == 2 and second["clipped_mean"] != first["clipped_mean"]
+    assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == 2

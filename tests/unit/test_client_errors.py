@@ -170,6 +170,11 @@ def dp_step(client: psgrad.Client) -> psgrad.GradsResult:
                                    dp_run="dp-1")
 
 
+def adds(client: psgrad.Client) -> httpx.Response:
+    """A store's samples sent by hand, with no id of the try to tell a repeat by."""
+    return client._send("POST", "/stores/s/samples", json={"ids": [1]})
+
+
 LOST = [httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("dropped"),
         httpx.WriteError("broken pipe"), error(500, "internal_error"), error(502, "x"),
         error(504, "deadline_exceeded")]
@@ -179,24 +184,31 @@ LOST = [httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("dropped"),
     a, Exception) else str(a.status_code))
 def test_a_request_that_adds_is_not_sent_again_when_its_answer_is_lost(
         lost: httpx.Response | Exception, sleeps: list[float]) -> None:
-    """A DP step (like a store's samples, rows or factors sent by hand) would count twice:
-    after a lost answer the client raises, saying why, where a computation alone is sent
-    again, and a job under the same Idempotency-Key, which the server queues once."""
+    """A store's samples sent by hand would count twice: after a lost answer the client
+    raises, saying why, where a computation alone is sent again, and a job or a DP step under
+    the same Idempotency-Key, which the server queues once."""
     handler, seen = scripted(lost)
     with client_for(handler, max_retries=2) as client, pytest.raises(psgrad.PsgradError) as info:
-        dp_step(client)
+        adds(client)
     assert len(seen) == 1 and sleeps == []
     assert isinstance(lost, httpx.Response) or "not sent again" in info.value.message
     handler, seen = scripted(lost)
     with client_for(handler, max_retries=2) as client:
         assert call(client).norms.tolist() == [1.0]
-    assert len(seen) == 2
+    assert len(seen) == 2 and "Idempotency-Key" not in seen[0].headers
     handler, seen = scripted(lost, *[queued(httpx.Request("POST", "http://fake/jobs"))] * 2)
     with client_for(handler, max_retries=2) as client:
         assert submit(client).id == "j1"
         keys = [r.headers["Idempotency-Key"] for r in seen]
         assert len(keys) == 2 and keys[0] == keys[1] and len(keys[0]) == 32
         submit(client)  # a new request: a new key
+        assert seen[-1].headers["Idempotency-Key"] != keys[0]
+    handler, seen = scripted(lost)
+    with client_for(handler, max_retries=2) as client:
+        assert dp_step(client).norms.tolist() == [1.0]
+        keys = [r.headers["Idempotency-Key"] for r in seen]
+        assert len(keys) == 2 and keys[0] == keys[1] and len(keys[0]) == 32
+        dp_step(client)  # a new step: a new key
         assert seen[-1].headers["Idempotency-Key"] != keys[0]
 
 
@@ -231,9 +243,13 @@ async def test_the_async_client_does_not_send_again_what_adds() -> None:
     async with psgrad.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(handler),
                                   max_retries=2) as client:
         with pytest.raises(psgrad.APITimeoutError, match="not sent again"):
-            await client.per_sample_grads("m", np.ones((1, 2), np.int64),
-                                          outputs=["clipped_mean"], dp_run="dp-1")
+            await client._send("POST", "/stores/s/samples", json={"ids": [1]})
         assert len(seen) == 1
+        handler, seen = scripted(httpx.ReadTimeout("slow"))
+        client._http._transport = httpx.MockTransport(handler)
+        await client.per_sample_grads("m", np.ones((1, 2), np.int64),
+                                      outputs=["clipped_mean"], dp_run="dp-1")
+        assert len(seen) == 2 and len({r.headers["Idempotency-Key"] for r in seen}) == 1
         handler, seen = scripted(httpx.ReadTimeout("slow"),
                                  queued(httpx.Request("POST", "http://fake/jobs")))
         client._http._transport = httpx.MockTransport(handler)
@@ -246,7 +262,8 @@ def test_which_requests_may_be_sent_again() -> None:
     may = [("GET", "/jobs/j1", None), ("PUT", "/stores/s", None), ("DELETE", "/models/m", None),
            ("POST", "/per-sample-grads", {"outputs": ["norms"]}),
            ("POST", "/stores/s/query", None), ("POST", "/stores/s/lookup", None)]
-    may.append(("POST", "/jobs", None, {"Idempotency-Key": "k1"}))  # queued once, whatever
+    for path in ("/jobs", "/per-sample-grads"):  # queued once, whatever
+        may.append(("POST", path, {"dp_run": "dp-1"}, {"Idempotency-Key": "k1"}))
     never = [("POST", "/per-sample-grads", {"dp_run": "dp-1"}), ("POST", "/jobs", None),
              ("POST", "/dp-runs", None), ("POST", "/stores/s/samples", None),
              ("POST", "/stores/s/rows", None), ("POST", "/stores/s/factors", None),

@@ -18,7 +18,7 @@ from service.dp.runs import DPRun, FileRunStore, MemoryRunStore, RunStore
 from service.dp.steps import on_result
 from service.registry import ModelRegistry
 from service.validate import parse_request
-from tests.support.api import finished_job, open_client
+from tests.support.api import finished_job, keyed_steps_answer_their_first_try, open_client
 
 Y = [0, 1, 2, 0, 1]
 
@@ -171,6 +171,13 @@ async def test_budget_409_in_embedded_mode_and_across_a_restart(tmp_path: Path) 
         assert (await c.delete(f"/dp-runs/{run['id']}")).status_code == 200
         assert (await c.get(f"/dp-runs/{run['id']}")).status_code == 404
         assert (await _step(c, run["id"])).status_code == 404
+
+
+async def test_a_keyed_step_sent_again_answers_its_first_try() -> None:
+    """A step under an ``Idempotency-Key`` (its answer lost, say) sent again, at once or after,
+    in JSON or safetensors: the same noisy mean, one step counted."""
+    async with open_client() as c:
+        await keyed_steps_answer_their_first_try(c, _run_body(), await _step_body(c))
 
 
 async def test_a_keyed_step_sent_again_after_the_last_answers_its_job() -> None:

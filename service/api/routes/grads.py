@@ -23,7 +23,7 @@ from psgrad._errors import (
 from psgrad._wire import SAFETENSORS
 from service.api.answers import answer_response
 from service.api.body import conform, decode_request, encode_result
-from service.api.deps import StateDep, TenantDep
+from service.api.deps import IdempotencyKey, StateDep, TenantDep
 from service.api.docs import request_body
 from service.api.schemas import GradsRequest, GradsResponse, errors
 from service.dp.steps import precheck as dp_precheck
@@ -113,29 +113,41 @@ async def submit_fields(
     responses=RESPONSES,
     summary="Per-sample gradients and their statistics",
 )
-async def per_sample_grads(request: Request, state: StateDep, tenant: TenantDep) -> Response:
+async def per_sample_grads(request: Request, state: StateDep, tenant: TenantDep,
+                           key: IdempotencyKey = None) -> Response:
     """Compute the requested outputs for one batch and wait for them.
 
     The job joins the queue and may be computed together with other clients' jobs that share
     its model, loss and options; its answer is exactly its own. Past the deadline
-    (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504.
+    (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504. With an
+    ``Idempotency-Key`` (what a DP step needs, whose answer cannot be computed again), the
+    request sent again waits for the job its first try queued and answers the same, while the
+    job is kept (``PSGRAD_RESULT_TTL_S`` after it ends); the key with another body is a 422.
     """
-    job, _ = await new_job(request, state, tenant)
-    return await answer_of(state, job, request)
+    job, queued = await new_job(request, state, tenant, key=key)
+    # a keyed job's first try is not its only waiter: it hands the job's end on, as others do
+    return await answer_of(state, job, request, kept=key is not None,
+                           fresh=queued and key is None)
 
 
-async def answer_of(state: StateDep, job: Job, request: Request | None = None) -> Any:
-    """Wait for ``job``'s answer; past its deadline cancel it (504). It is forgotten after.
+async def answer_of(state: StateDep, job: Job, request: Request | None = None, *,
+                    kept: bool = False, fresh: bool = True) -> Any:
+    """Wait for ``job``'s answer; past its deadline cancel it (504). It is forgotten after,
+    unless ``kept`` (a keyed job: its other tries read the same answer until it expires, and
+    only its deadline cancels it, not a caller that left). ``fresh``: this call queued it,
+    and nobody else waits for it.
 
     With ``request``: the HTTP answer (an answer in pieces relayed as they land); without: the
     result's fields (an answer in pieces read whole first).
     """
     broker = state.broker
     done = relayed = False
+    expired = False  # the deadline passed: canceled, kept or not
     try:
-        st = await _wait(state, job)
+        st = await _wait(state, job, fresh=fresh)
         done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
+            expired = True
             raise DeadlineExceeded(
                 f"no answer within {state.settings.request_timeout_s:g} s "
                 "(PSGRAD_REQUEST_TIMEOUT_S); the job was canceled: send smaller batches, or use "
@@ -146,26 +158,26 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None) -
             raise error_from_body(st.error, 500)
         if st.answer is not None:
             if request is None:
-                return await read_answer(st.answer, consume=True)
+                return await read_answer(st.answer, consume=not kept)
             relayed = True  # forgotten once relayed, not before
             return await answer_response(
-                request, st.answer, background=BackgroundTask(broker.forget, job.id),
-                consume=True)
+                request, st.answer, consume=not kept,
+                background=None if kept else BackgroundTask(broker.forget, job.id))
         if st.status is JobStatus.CANCELED or st.result is None:
             raise JobCanceled(f"job {job.id} was canceled")
         return st.result if request is None else await encode_result(request, st.result)
     finally:
-        if not done:
+        if not done and (expired or not kept):
             await asyncio.shield(_cancel_quietly(state, job.id))
-        if not relayed:
+        if not relayed and not kept:
             await asyncio.shield(broker.forget(job.id))
 
 
-async def _wait(state: StateDep, job: Job) -> JobState:
+async def _wait(state: StateDep, job: Job, *, fresh: bool) -> JobState:
     """The job's state once done, or once its deadline passed; the time its worker spent
-    planning the model (up to ``PSGRAD_PLANNING_GRACE_S``) moves the deadline on."""
+    planning the model (up to ``PSGRAD_PLANNING_GRACE_S``) moves the deadline on. ``fresh``:
+    the job was queued just now, for this waiter alone (:meth:`service.jobs.Broker.wait`)."""
     granted = 0.0
-    fresh = True
     while True:
         st = await state.broker.wait(job.id, max(0.0, job.deadline + granted - time.time()),
                                      fresh=fresh)
