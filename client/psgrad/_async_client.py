@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from types import TracebackType
@@ -11,12 +10,11 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, repeatable, upload
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, Stepping, Steps, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
-from psgrad._errors import DtypeMismatch, TooLarge
 from psgrad._grads import Build, GradsMethods
 from psgrad._jobs import AsyncJob
-from psgrad._merge import Fields, Plan, PlanResult
+from psgrad._merge import Fields
 from psgrad._models import AsyncModels
 from psgrad._reference_sets import AsyncReferenceSets
 from psgrad._stores import AsyncStores
@@ -38,6 +36,8 @@ class AsyncClient(
     (``httpx.ASGITransport(app)`` in tests) and ``http_client`` an ``httpx.AsyncClient``. Use
     it as an async context manager, or ``await client.close()``.
     """
+
+    models: AsyncModels
 
     def __init__(
         self,
@@ -108,30 +108,17 @@ class AsyncClient(
 
     # -- transport -----------------------------------------------------------------------------
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        content: bytes | None = None,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        repeat: bool | None = None,
-    ) -> httpx.Response:
-        """One HTTP exchange with retries; a non-2xx answer raises its typed error. ``repeat``:
-        whether it may be sent again when its answer was lost (default: :func:`repeatable`)."""
-        repeat = repeatable(method, path, headers=headers) if repeat is None else repeat
-        for attempt in itertools.count():
-            try:
-                response = await self._exchange(method, path, content, json, headers)
-            except httpx.TransportError as exc:
-                delay = self._after_failure(attempt, exc=exc, repeat=repeat)
-            else:
-                if response.is_success:
-                    return response
-                delay = self._after_failure(attempt, response=response, repeat=repeat)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+    async def _drive(self, steps: Steps[T]) -> T:
+        """Run ``steps`` (:data:`psgrad._base.Steps`), awaiting each exchange and sleep."""
+        with Stepping(steps) as run:
+            while (step := run.next()) is not None:
+                kind, value = step
+                try:
+                    run.outcome = await (self._exchange(*value) if kind == "exchange"
+                                         else asyncio.sleep(value))
+                except Exception as exc:  # the steps' to handle or raise, where they stand
+                    run.failed = exc
+        return run.result
 
     async def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
                         headers: Mapping[str, str] | None) -> httpx.Response:
@@ -154,60 +141,28 @@ class AsyncClient(
             await response.aclose()
         return response
 
+    async def _send(self, method: str, path: str, *, content: bytes | None = None,
+                    json: Any = None, headers: Mapping[str, str] | None = None,
+                    repeat: bool | None = None) -> httpx.Response:
+        """One HTTP exchange with retries (:meth:`_sending`)."""
+        return await self._drive(self._sending(method, path, content=content, json=json,
+                                               headers=headers, repeat=repeat))
+
     async def _call(self, call: Call[T]) -> T:
         """Send a described exchange and read its answer."""
-        response = await self._send(
-            call.method, call.path, content=call.content, json=call.json, headers=call.headers
-        )
-        return call.read(response)
-
-    async def _prepare(self, fields: Fields, *, float32: bool = False) -> Fields:
-        """``fields`` with its floating arrays in the model's dtype (asked for once a model;
-        ``float32``: as :meth:`_dtype_unknown`)."""
-        model = self._dtype_unknown(fields, float32=float32)
-        return self._cast(fields, None if model is None else await self.models.get(model))
+        return await self._drive(self._calling(call))
 
     async def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
-        body, headers = self._encode(fields, path)
-        return await self._send("POST", path, content=body, headers=headers,
-                                repeat=repeatable("POST", path, fields, headers))
-
-    async def _run_plan(self, plan: Plan) -> PlanResult:
-        """Drive a chunking plan: send each request it yields, feed back answers or a 413."""
-        try:
-            fields = next(plan)
-            while True:
-                try:
-                    answer = self._decode(await self._post_fields("/per-sample-grads", fields))
-                except TooLarge as exc:
-                    fields = plan.throw(exc)
-                else:
-                    fields = plan.send(answer)
-        except StopIteration as stop:
-            return stop.value
-        finally:
-            plan.close()
+        return await self._drive(self._posting(path, fields))
 
     async def _compute(self, build: Build, *, as_torch: bool, progress: ProgressArg,
                        chunk_size: int | None) -> GradsResult:
-        started = time.perf_counter()
-        fields = await self._prepare(build())
-        while True:
-            try:
-                with self._plan(fields, progress, chunk_size) as plan:
-                    out = await self._run_plan(plan)
-                return self._planned(out, chunk_size, as_torch=as_torch, started=started)
-            except DtypeMismatch as exc:
-                model = self._refused_unasked(fields, exc)
-                cast = None if model is None else self._recast(fields,
-                                                               await self.models.get(model))
-                if cast is None:
-                    raise
-                fields = cast
+        return await self._drive(self._computing(build(), as_torch=as_torch, progress=progress,
+                                                 chunk_size=chunk_size))
 
     async def _queue(self, build: Build) -> AsyncJob:
         fields = build()
-        doc = (await self._post_fields("/jobs", await self._prepare(fields, float32=True))).json()
+        doc = await self._drive(self._queueing(fields))
         return AsyncJob(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")),
                         outputs=fields["outputs"])
 

@@ -1,8 +1,11 @@
-"""What the sync and the async client share: configuration, encoding, errors, retry decisions.
+"""What the sync and the async client share: configuration, encoding, errors, retry decisions,
+and the logic of every exchange, once.
 
-Nothing here does I/O; ``Client`` and ``AsyncClient`` only add the send loop (with ``sleep`` or
-``await asyncio.sleep``), send the exchanges described as :class:`Call` and drive the chunking
-plan of :mod:`psgrad._merge`. The fields of a request are built in :mod:`psgrad._request`, its
+Nothing here does I/O. That logic (the retry loop, the dtype asked for, the chunking plan of
+:mod:`psgrad._merge` sent, a job queued) is written as steps (:data:`Steps`): generators that
+yield what they need done, an exchange or a sleep, and are sent back its outcome. ``Client``
+runs them with blocking I/O and ``AsyncClient`` awaits them (each its ``_drive``), so the two
+differ only there. The fields of a request are built in :mod:`psgrad._request`, its
 arrays in :mod:`psgrad._arrays`; the ``models`` and job handles live in :mod:`psgrad._models`
 and :mod:`psgrad._jobs`.
 """
@@ -11,14 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import itertools
 import json
 import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -52,6 +56,7 @@ from psgrad._errors import (
     DtypeMismatch,
     Overloaded,
     PsgradError,
+    TooLarge,
     error_from_body,
 )
 from psgrad._memory import AnswerMemory
@@ -72,13 +77,50 @@ from psgrad._wire import (
     media_type,
 )
 
-__all__ = ["BaseClient", "Call", "ProgressArg", "decode_json_result"]
+if TYPE_CHECKING:
+    from psgrad._models import _Registry
+
+__all__ = ["BaseClient", "Call", "ProgressArg", "Step", "Stepping", "Steps",
+           "decode_json_result"]
 
 _MAX_DECODE_ELEMENTS = 2**62  # our own server's answers: it enforces its limits itself
 _MAX_DTYPES = 256  # models whose dtype a client remembers
 
 T = TypeVar("T")
 ProgressArg = bool | Callable[[int, int], None]
+# A step a client's logic yields (:class:`BaseClient`'s ``_sending`` and the rest):
+# ``("exchange", (method, path, content, json, headers))``, sent back the ``httpx.Response``,
+# or ``("sleep", seconds)``, sent back None. What doing it raises is thrown in at the yield, so
+# that an error travels up a chain of ``yield from`` as it would up a call stack.
+Step = tuple[str, Any]
+Steps = Generator[Step, Any, T]
+
+
+class Stepping(Generic[T]):
+    """Steps being run by a client's ``_drive``: ``next()`` is the step to do (None once they
+    ended, with ``result``), after the last one's ``outcome`` or what it ``failed`` with."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self.steps = steps
+        self.outcome: Any = None
+        self.failed: Exception | None = None
+        self.result: T
+
+    def __enter__(self) -> Stepping[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.steps.close()  # steps left where a driver stopped (cancelled) run their finally
+
+    def next(self) -> Step | None:
+        try:
+            step = (self.steps.send(self.outcome) if self.failed is None
+                    else self.steps.throw(self.failed))
+        except StopIteration as stop:
+            self.result = stop.value
+            return None
+        self.outcome, self.failed = None, None
+        return step
 
 
 @dataclass(frozen=True)
@@ -150,7 +192,10 @@ ANSWER_PATHS = ("/per-sample-grads", "/jobs/")
 
 
 class BaseClient:
-    """Options common to ``Client`` and ``AsyncClient``; see ``Client`` for their meaning."""
+    """Options common to ``Client`` and ``AsyncClient`` (see ``Client`` for their meaning),
+    and the logic of their exchanges as steps, which each drives with its own I/O."""
+
+    models: _Registry
 
     def __init__(
         self,
@@ -402,6 +447,92 @@ class BaseClient:
             timing=timing,
             meta=dict(fields.get("meta") or {}),
         )
+
+    # -- steps: the logic of every exchange, once; each client drives them with its own I/O ----
+
+    def _sending(self, method: str, path: str, *, content: bytes | None = None,
+                 json: Any = None, headers: Mapping[str, str] | None = None,
+                 repeat: bool | None = None) -> Steps[httpx.Response]:
+        """One HTTP exchange with retries; a non-2xx answer raises its typed error. ``repeat``:
+        whether it may be sent again when its answer was lost (default: :func:`repeatable`)."""
+        repeat = repeatable(method, path, headers=headers) if repeat is None else repeat
+        for attempt in itertools.count():
+            try:
+                response = yield "exchange", (method, path, content, json, headers)
+            except httpx.TransportError as exc:
+                delay = self._after_failure(attempt, exc=exc, repeat=repeat)
+            else:
+                if response.is_success:
+                    return response
+                delay = self._after_failure(attempt, response=response, repeat=repeat)
+            yield "sleep", delay
+        raise AssertionError("unreachable")
+
+    def _calling(self, call: Call[T]) -> Steps[T]:
+        """A described exchange sent, and its answer read."""
+        response = yield from self._sending(call.method, call.path, content=call.content,
+                                            json=call.json, headers=call.headers)
+        return call.read(response)
+
+    def _model_info(self, model: str) -> Steps[ModelInfo]:
+        """``GET /models/{id}``: what ``model`` takes, its dtype included."""
+        info: ModelInfo = yield from self._calling(self.models._get(model))
+        return info
+
+    def _preparing(self, fields: Fields, *, float32: bool = False) -> Steps[Fields]:
+        """``fields`` with its floating arrays in the model's dtype (asked for once a model;
+        ``float32``: as :meth:`_dtype_unknown`)."""
+        model = self._dtype_unknown(fields, float32=float32)
+        info = None if model is None else (yield from self._model_info(model))
+        return self._cast(fields, info)
+
+    def _posting(self, path: str, fields: Fields) -> Steps[httpx.Response]:
+        """A gradients or job request's ``fields`` sent to ``path`` (:meth:`_encode`)."""
+        body, headers = self._encode(fields, path)
+        response = yield from self._sending("POST", path, content=body, headers=headers,
+                                            repeat=repeatable("POST", path, fields, headers))
+        return response
+
+    def _chunked(self, plan: Plan) -> Steps[PlanResult]:
+        """A chunking plan driven: each request it yields sent, its answer or 413 fed back."""
+        with contextlib.closing(plan):
+            try:
+                fields = next(plan)
+                while True:
+                    try:
+                        answer = self._decode((yield from self._posting("/per-sample-grads",
+                                                                        fields)))
+                    except TooLarge as exc:
+                        fields = plan.throw(exc)
+                    else:
+                        fields = plan.send(answer)
+            except StopIteration as stop:
+                return stop.value
+
+    def _computing(self, fields: Fields, *, as_torch: bool, progress: ProgressArg,
+                   chunk_size: int | None) -> Steps[GradsResult]:
+        """A gradients request, chunked as the server's limits need, cast and sent once more
+        where the server refused a dtype this client had not asked about."""
+        started = time.perf_counter()
+        fields = yield from self._preparing(fields)
+        while True:
+            try:
+                with self._plan(fields, progress, chunk_size) as plan:
+                    out = yield from self._chunked(plan)
+                return self._planned(out, chunk_size, as_torch=as_torch, started=started)
+            except DtypeMismatch as exc:
+                model = self._refused_unasked(fields, exc)
+                cast = None if model is None else self._recast(
+                    fields, (yield from self._model_info(model)))
+                if cast is None:
+                    raise
+                fields = cast
+
+    def _queueing(self, fields: Fields) -> Steps[dict[str, Any]]:
+        """A job queued (``POST /jobs``): the server's answer."""
+        prepared = yield from self._preparing(fields, float32=True)
+        doc: dict[str, Any] = (yield from self._posting("/jobs", prepared)).json()
+        return doc
 
 
 def decode_json_result(doc: Any) -> Fields:

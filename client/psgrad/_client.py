@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -10,12 +9,11 @@ from typing import Any, TypeVar
 
 import httpx
 
-from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, repeatable, upload
+from psgrad._base import ANSWER, BaseClient, Call, ProgressArg, Stepping, Steps, upload
 from psgrad._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
-from psgrad._errors import DtypeMismatch, TooLarge
 from psgrad._grads import Build, GradsMethods
 from psgrad._jobs import Job
-from psgrad._merge import Fields, Plan, PlanResult
+from psgrad._merge import Fields
 from psgrad._models import Models
 from psgrad._receive import receive_answer
 from psgrad._reference_sets import ReferenceSets
@@ -61,6 +59,8 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
             in-process, or ``httpx.MockTransport`` in tests.
         http_client: a ready ``httpx.Client`` instead (its base URL and timeout are used).
     """
+
+    models: Models
 
     def __init__(
         self,
@@ -131,30 +131,19 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
 
     # -- transport -----------------------------------------------------------------------------
 
-    def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        content: bytes | None = None,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        repeat: bool | None = None,
-    ) -> httpx.Response:
-        """One HTTP exchange with retries; a non-2xx answer raises its typed error. ``repeat``:
-        whether it may be sent again when its answer was lost (default: :func:`repeatable`)."""
-        repeat = repeatable(method, path, headers=headers) if repeat is None else repeat
-        for attempt in itertools.count():
-            try:
-                response = self._exchange(method, path, content, json, headers)
-            except httpx.TransportError as exc:
-                delay = self._after_failure(attempt, exc=exc, repeat=repeat)
-            else:
-                if response.is_success:
-                    return response
-                delay = self._after_failure(attempt, response=response, repeat=repeat)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
+    def _drive(self, steps: Steps[T]) -> T:
+        """Run ``steps`` (:data:`psgrad._base.Steps`) with blocking I/O."""
+        with Stepping(steps) as run:
+            while (step := run.next()) is not None:
+                kind, value = step
+                try:
+                    if kind == "exchange":
+                        run.outcome = self._exchange(*value)
+                    else:
+                        time.sleep(value)
+                except Exception as exc:  # the steps' to handle or raise, where they stand
+                    run.failed = exc
+        return run.result
 
     def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
                   headers: Mapping[str, str] | None) -> httpx.Response:
@@ -175,59 +164,28 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
             response.close()
         return response
 
+    def _send(self, method: str, path: str, *, content: bytes | None = None, json: Any = None,
+              headers: Mapping[str, str] | None = None, repeat: bool | None = None
+              ) -> httpx.Response:
+        """One HTTP exchange with retries (:meth:`_sending`)."""
+        return self._drive(self._sending(method, path, content=content, json=json,
+                                         headers=headers, repeat=repeat))
+
     def _call(self, call: Call[T]) -> T:
         """Send a described exchange and read its answer."""
-        response = self._send(
-            call.method, call.path, content=call.content, json=call.json, headers=call.headers
-        )
-        return call.read(response)
-
-    def _prepare(self, fields: Fields, *, float32: bool = False) -> Fields:
-        """``fields`` with its floating arrays in the model's dtype (asked for once a model;
-        ``float32``: as :meth:`_dtype_unknown`)."""
-        model = self._dtype_unknown(fields, float32=float32)
-        return self._cast(fields, None if model is None else self.models.get(model))
+        return self._drive(self._calling(call))
 
     def _post_fields(self, path: str, fields: Fields) -> httpx.Response:
-        body, headers = self._encode(fields, path)
-        return self._send("POST", path, content=body, headers=headers,
-                          repeat=repeatable("POST", path, fields, headers))
-
-    def _run_plan(self, plan: Plan) -> PlanResult:
-        """Drive a chunking plan: send each request it yields, feed back answers or a 413."""
-        try:
-            fields = next(plan)
-            while True:
-                try:
-                    answer = self._decode(self._post_fields("/per-sample-grads", fields))
-                except TooLarge as exc:
-                    fields = plan.throw(exc)
-                else:
-                    fields = plan.send(answer)
-        except StopIteration as stop:
-            return stop.value
-        finally:
-            plan.close()
+        return self._drive(self._posting(path, fields))
 
     def _compute(self, build: Build, *, as_torch: bool, progress: ProgressArg,
                  chunk_size: int | None) -> GradsResult:
-        started = time.perf_counter()
-        fields = self._prepare(build())
-        while True:
-            try:
-                with self._plan(fields, progress, chunk_size) as plan:
-                    out = self._run_plan(plan)
-                return self._planned(out, chunk_size, as_torch=as_torch, started=started)
-            except DtypeMismatch as exc:
-                model = self._refused_unasked(fields, exc)
-                cast = None if model is None else self._recast(fields, self.models.get(model))
-                if cast is None:
-                    raise
-                fields = cast
+        return self._drive(self._computing(build(), as_torch=as_torch, progress=progress,
+                                           chunk_size=chunk_size))
 
     def _queue(self, build: Build) -> Job:
         fields = build()
-        doc = self._post_fields("/jobs", self._prepare(fields, float32=True)).json()
+        doc = self._drive(self._queueing(fields))
         return Job(self, str(doc["job_id"]), JobStatus(doc.get("status", "queued")),
                    outputs=fields["outputs"])
 

@@ -2,7 +2,7 @@
 
 The plan is written once, without I/O, as a generator: it yields the fields of each request and
 receives the decoded answer (or, through ``throw``, the error), so the sync and the async client
-drive the same code (``Client._run_plan`` / ``AsyncClient._run_plan``).
+drive the same code (``BaseClient._chunked``, one of the client's steps).
 
 The request's per-sample fields (``inputs``, each named input, ``targets``, ``mask``, ...) are
 sliced, and each output is combined as the request contract declares it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 
 from psgrad._arrays import to_numpy
-from psgrad._base import Call, json_doc, resource_path
-from psgrad._errors import APIConnectionError, BadRequest, Conflict, InvalidInput, PsgradError
+from psgrad._base import Call, Steps, json_doc, resource_path
+from psgrad._errors import APIConnectionError, BadRequest, Conflict, InvalidInput
 from psgrad._progress import Progress
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 
@@ -179,13 +179,9 @@ def _query_fields(model: str, x: Any, y: Any, sketches: Any, k: int, score: str,
     return fields
 
 
-Step = tuple[str, Any]  # ("call", a Call) or ("prepare", fields): what the plan needs done
-Plan = Generator[Step, Any, None]
-
-
 def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int,
             progress: bool | Progress, rows: bool = False
-            ) -> Generator[Step, Any, dict[str, Any]]:
+            ) -> Steps[dict[str, Any]]:
     """``add`` (``add_rows`` where ``rows``: ``inputs`` are the rows), as steps that ``Store``
     runs and ``AsyncStore`` awaits: per batch, which ids the store holds, then the rest of the
     batch (samples in the model's dtype, or rows in the store's), then its commit. Ends with
@@ -195,7 +191,7 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
     done = skipped = 0
     for x, y, names in batches(inputs, targets, ids, batch_size):
         names = _ids(names, len(names))
-        present = (yield "call", _Calls.lookup(store.id, names))["present"]
+        present = (yield from store._client._calling(_Calls.lookup(store.id, names)))["present"]
         keep = [not p for p in present]
         new = [n for n, k in zip(names, keep, strict=True) if k]
         if rows and new:
@@ -203,7 +199,8 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
                                                    dtype=store.info["dtype"]), "ids": new}
             store.info = yield from _committed(store, _Calls.rows(store.id, fields), new)
         elif new:
-            fields = yield "prepare", _sample_fields(store.info["model"], x, y, names, keep)
+            fields = yield from store._client._preparing(
+                _sample_fields(store.info["model"], x, y, names, keep), float32=True)
             store.info = yield from _committed(store, _Calls.add(store.id, fields), new)
         done += len(names)
         skipped += len(names) - sum(keep)
@@ -213,12 +210,12 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
             bar(done, total or done)
     if bar is not None:
         bar.close()
-    store.info = yield "call", _Calls.get(store.id)
+    store.info = yield from store._client._calling(_Calls.get(store.id))
     return {**store.info, "added": done - skipped, "skipped": skipped}
 
 
 def _committed(store: _Handle, call: Call[dict[str, Any]], ids: list[Any]
-               ) -> Generator[Step, Any, dict[str, Any]]:
+               ) -> Steps[dict[str, Any]]:
     """A batch of new ``ids`` (samples or rows) committed, as steps: sent again after a lost
     answer, up to the client's ``max_retries`` times, since the server commits a batch under
     its ids once at most (a batch whose ids it holds is refused whole, 409, even one still in
@@ -227,33 +224,34 @@ def _committed(store: _Handle, call: Call[dict[str, Any]], ids: list[Any]
     store's description."""
     for attempt in itertools.count():
         try:
-            doc: dict[str, Any] = yield "call", call
+            doc: dict[str, Any] = yield from store._client._calling(call)
             return doc
         except (APIConnectionError, Conflict) as exc:
             lost = isinstance(exc, APIConnectionError) and bool(exc.details.get("maybe_applied"))
             if not (lost or (isinstance(exc, Conflict) and attempt > 0)):  # a 409 on a resend:
                 raise  # ... perhaps the lost batch, committed meanwhile
-            present = (yield "call", _Calls.lookup(store.id, ids))["present"]
+            looked = yield from store._client._calling(_Calls.lookup(store.id, ids))
+            present = looked["present"]
             if all(present):
-                doc = yield "call", _Calls.get(store.id)
+                doc = yield from store._client._calling(_Calls.get(store.id))
                 return doc
             if any(present) or not lost or attempt >= store._client.max_retries:
                 raise
     raise AssertionError("unreachable")
 
 
-def _fitted(store: _Handle, call: Call[dict[str, Any]]) -> Generator[Step, Any, dict[str, Any]]:
+def _fitted(store: _Handle, call: Call[dict[str, Any]]) -> Steps[dict[str, Any]]:
     """A factors batch (``call``, sent with a ``batch_id`` of its own) counted once, as steps:
     sent again after a lost answer, up to the client's ``max_retries`` times, since the server
     refuses a batch id its pass counted (409 with ``details.counted``), which on a resend
     means the lost try was counted. Answers the store's description."""
     for attempt in itertools.count():
         try:
-            doc: dict[str, Any] = yield "call", call
+            doc: dict[str, Any] = yield from store._client._calling(call)
             return doc
         except (APIConnectionError, Conflict) as exc:
             if isinstance(exc, Conflict) and attempt > 0 and exc.details.get("counted"):
-                doc = yield "call", _Calls.get(store.id)
+                doc = yield from store._client._calling(_Calls.get(store.id))
                 return doc
             lost = isinstance(exc, APIConnectionError) and bool(exc.details.get("maybe_applied"))
             if not lost or attempt >= store._client.max_retries:
@@ -266,7 +264,7 @@ PASSES = ("factors", "eigenvalues")  # a fit's passes, each counted in the store
 
 def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
              progress: bool | Progress, resume: bool, passes: tuple[str, ...]
-             ) -> Generator[Step, Any, dict[str, Any]]:
+             ) -> Steps[dict[str, Any]]:
     """``fit_factors`` as steps: each of ``passes`` sends the samples in batches of
     ``batch_size``, each added to the store's factors (``factors``) or to their EK-FAC
     eigenvalues (``eigenvalues``); ``resume`` first skips as many leading samples as that pass
@@ -275,7 +273,7 @@ def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
         raise BadRequest("'batch_size' must be a positive integer")
     x = to_numpy(inputs, "inputs")
     y = None if targets is None else to_numpy(targets, "targets")
-    store.info = yield "call", _Calls.get(store.id)
+    store.info = yield from store._client._calling(_Calls.get(store.id))
     bar = Progress(f"factors {store.id}") if progress is True else progress or None
     counts = []
     for at, name in enumerate(passes):
@@ -288,7 +286,8 @@ def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
             fields: dict[str, Any] = {"model": store.info["model"], "inputs": x[a:a + batch_size]}
             if y is not None:
                 fields["targets"] = y[a:a + batch_size]
-            fields = {**(yield "prepare", fields), "batch_id": uuid.uuid4().hex}
+            fields = {**(yield from store._client._preparing(fields, float32=True)),
+                      "batch_id": uuid.uuid4().hex}
             store.info = yield from _fitted(store, _Calls.factors(store.id, fields,
                                                                   name == "eigenvalues"))
             if bar is not None:
@@ -300,12 +299,12 @@ def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
 
 def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, score: str,
               lam: float | None, exact: bool | None, damping: float | None = None,
-              probes: int | None = None) -> Generator[Step, Any, QueryResult]:
+              probes: int | None = None) -> Steps[QueryResult]:
     fields = _query_fields(store.info["model"], inputs, targets, sketches, k, score, lam, exact,
                            damping, probes)
     if "inputs" in fields:
-        fields = yield "prepare", fields
-    result: QueryResult = yield "call", _Calls.query(store.id, fields)
+        fields = yield from store._client._preparing(fields, float32=True)
+    result: QueryResult = yield from store._client._calling(_Calls.query(store.id, fields))
     return result
 
 
@@ -332,19 +331,8 @@ class Store(_Handle):
         self.info = self._client._call(_Calls.get(self.id))
         return self.info
 
-    def _run(self, plan: Generator[Step, Any, Any]) -> Any:
-        try:
-            kind, value = next(plan)
-            while True:
-                try:
-                    done = (self._client._call(value) if kind == "call"
-                            else self._client._prepare(value, float32=True))
-                except PsgradError as exc:  # the plan's to handle (a lost answer) or raise
-                    kind, value = plan.throw(exc)
-                else:
-                    kind, value = plan.send(done)
-        except StopIteration as stop:
-            return stop.value
+    def _run(self, plan: Steps[Any]) -> Any:
+        return self._client._drive(plan)
 
     def add(self, inputs: Any, targets: Any = None, *, ids: Any = None, batch_size: int = 256,
             progress: bool | Progress = False) -> dict[str, Any]:
@@ -449,19 +437,8 @@ class AsyncStore(_Handle):
         self.info = await self._client._call(_Calls.get(self.id))
         return self.info
 
-    async def _run(self, plan: Generator[Step, Any, Any]) -> Any:
-        try:
-            kind, value = next(plan)
-            while True:
-                try:
-                    done = (await self._client._call(value) if kind == "call"
-                            else await self._client._prepare(value, float32=True))
-                except PsgradError as exc:  # the plan's to handle (a lost answer) or raise
-                    kind, value = plan.throw(exc)
-                else:
-                    kind, value = plan.send(done)
-        except StopIteration as stop:
-            return stop.value
+    async def _run(self, plan: Steps[Any]) -> Any:
+        return await self._client._drive(plan)
 
     async def add(self, inputs: Any, targets: Any = None, *, ids: Any = None,
                   batch_size: int = 256, progress: bool | Progress = False) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def test_a_store_filled_resumed_and_queried(transport: httpx.BaseTransport) -> N
         ids = [f"s{i}" for i in range(50)]
 
         sent: list[int] = []
-        real = store._client._call
+        real = store._client._calling
 
         def counting(call: Any) -> Any:
             if call.path.endswith("/samples"):
@@ -60,10 +60,10 @@ def test_a_store_filled_resumed_and_queried(transport: httpx.BaseTransport) -> N
                     raise psgrad.APIConnectionError("the network went away")
             return real(call)
 
-        store._client._call = counting  # type: ignore[method-assign]
+        store._client._calling = counting  # type: ignore[method-assign]
         with pytest.raises(psgrad.APIConnectionError):
             store.add(x, y, ids=ids, batch_size=10)
-        del store._client._call
+        del store._client._calling
         assert client.stores.get("train").info["samples"] == 20  # two batches committed
 
         info = store.add(torch.from_numpy(x), torch.from_numpy(y), ids=ids, batch_size=10,
