@@ -3,7 +3,9 @@ expected-batch-size division, and the worker's counting hook called twice for on
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from service.dp.runs import DPRun, FileRunStore, MemoryRunStore, RunStore
 from service.dp.steps import on_result
 from service.registry import ModelRegistry
 from service.validate import parse_request
+from service.worker import loop as worker_loop
 from tests.support.api import finished_job, keyed_steps_answer_their_first_try, open_client
 
 Y = [0, 1, 2, 0, 1]
@@ -178,6 +181,34 @@ async def test_a_keyed_step_sent_again_answers_its_first_try() -> None:
     in JSON or safetensors: the same noisy mean, one step counted."""
     async with open_client() as c:
         await keyed_steps_answer_their_first_try(c, _run_body(), await _step_body(c))
+
+
+async def test_a_keyed_step_past_its_deadline_says_so_when_sent_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first try's job passes its deadline (504) while the worker counts it; the try sent
+    again under the key reads the canceled job: a 409 that says why, what to do, and where to
+    see whether the step was counted (it was: the next step is the second)."""
+    real = worker_loop.count_dp_step
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_loop, "count_dp_step", slow)
+    async with open_client(request_timeout_s=0.3, planning_grace_s=0) as c:
+        run = (await c.post("/dp-runs", json=_run_body())).json()
+        body, key = {**(await _step_body(c)), "dp_run": run["id"]}, {"Idempotency-Key": "k"}
+        first = await c.post("/per-sample-grads", json=body, headers=key)
+        assert first.status_code == 504, first.text
+        again = await c.post("/per-sample-grads", json=body, headers=key)
+        assert again.status_code == 409, again.text
+        message = again.json()["error"]["message"]
+        assert "PSGRAD_REQUEST_TIMEOUT_S" in message and "new Idempotency-Key" in message
+        assert f"GET /dp-runs/{run['id']}" in message
+        await asyncio.sleep(1.0)  # the worker ends the step it was counting
+        monkeypatch.setattr(worker_loop, "count_dp_step", real)
+        new = await c.post("/per-sample-grads", json=body, headers={"Idempotency-Key": "k2"})
+        assert new.status_code == 200 and new.json()["dp"]["steps"] == 2, new.text
 
 
 async def test_a_keyed_step_sent_again_after_the_last_answers_its_job() -> None:

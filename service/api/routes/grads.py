@@ -164,7 +164,7 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None, *
                 request, st.answer, consume=not kept,
                 background=None if kept else BackgroundTask(broker.forget, job.id))
         if st.status is JobStatus.CANCELED or st.result is None:
-            raise JobCanceled(f"job {job.id} was canceled")
+            raise _canceled(job, state, keyed=kept)
         return st.result if request is None else await encode_result(request, st.result)
     finally:
         if not done and (expired or not kept):
@@ -188,6 +188,20 @@ async def _wait(state: StateDep, job: Job, *, fresh: bool) -> JobState:
         if more <= granted:
             return st
         granted = more
+
+
+def _canceled(job: Job, state: StateDep, *, keyed: bool) -> JobCanceled:
+    """The answer to a try whose job was canceled before it answered: a ``DELETE
+    /jobs/{id}``, a server shutting down, or a ``keyed`` request's earlier try that passed its
+    deadline."""
+    run = job.fields.get("dp_run")
+    return JobCanceled(
+        f"job {job.id} was canceled before it answered (its deadline passed: "
+        f"PSGRAD_REQUEST_TIMEOUT_S {state.settings.request_timeout_s:g} s, or it was deleted, "
+        f"or the server stopped): send the request again"
+        + (" under a new Idempotency-Key" if keyed else "")
+        + ("" if run is None else f"; the DP step may have been counted without an answer "
+           f"(GET /dp-runs/{run} says)"), job_id=job.id)
 
 
 async def _held(state: StateDep, job_id: str) -> bool:
