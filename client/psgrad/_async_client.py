@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -95,16 +94,7 @@ class AsyncClient(
         jobs can be queued (where workers scale from zero). A server that cannot be reached yet
         is waited for too; after ``within`` seconds, :class:`APITimeoutError` says what it last
         heard."""
-        end = time.monotonic() + within
-        while True:
-            response, failed = None, None
-            try:
-                response = await self._http.get("/readyz", **self._ready_ask(need_worker, end))
-            except httpx.TransportError as exc:
-                failed = exc
-            if response is not None and response.is_success:
-                return
-            await asyncio.sleep(self._not_ready(end, within, response, failed))
+        await self._drive(self._waiting_ready(within, need_worker))
 
     # -- transport -----------------------------------------------------------------------------
 
@@ -121,12 +111,15 @@ class AsyncClient(
         return run.result
 
     async def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
-                        headers: Mapping[str, str] | None) -> httpx.Response:
-        """One request; a safetensors answer is read into its arrays as it arrives."""
+                        headers: Mapping[str, str] | None,
+                        timeout: float | None = None) -> httpx.Response:
+        """One request (``timeout``: this one's, else the client's); a safetensors answer is
+        read into its arrays as it arrives."""
         content, headers, pieces = upload(content, headers)
         request = self._http.build_request(
             method, path, json=json, headers=headers,
-            content=content if pieces is None else _pieces(pieces))
+            content=content if pieces is None else _pieces(pieces),
+            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         response = await self._http.send(request, stream=True)
         self._check_version(response)
         try:

@@ -88,10 +88,10 @@ _MAX_DTYPES = 256  # models whose dtype a client remembers
 
 T = TypeVar("T")
 ProgressArg = bool | Callable[[int, int], None]
-# A step a client's logic yields (:class:`BaseClient`'s ``_sending`` and the rest):
-# ``("exchange", (method, path, content, json, headers))``, sent back the ``httpx.Response``,
-# or ``("sleep", seconds)``, sent back None. What doing it raises is thrown in at the yield, so
-# that an error travels up a chain of ``yield from`` as it would up a call stack.
+# A step a client's logic yields (:class:`BaseClient`'s ``_sending`` and the rest): either
+# ``("exchange", (method, path, content, json, headers[, timeout]))``, sent back the
+# ``httpx.Response``, or ``("sleep", seconds)``, sent back None. What doing it raises is thrown
+# in at the yield, so that an error travels up a chain of ``yield from`` as up a call stack.
 Step = tuple[str, Any]
 Steps = Generator[Step, Any, T]
 
@@ -343,12 +343,21 @@ class BaseClient:
 
     # -- readiness -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _ready_ask(need_worker: bool, end: float) -> dict[str, Any]:
-        """The options of one ``GET /readyz`` of ``wait_ready``, which ends at ``end``
-        (``time.monotonic``)."""
-        return {"params": {} if need_worker else {"need_worker": "false"},
-                "timeout": min(READY_ASK_S, max(0.1, end - time.monotonic()))}
+    def _waiting_ready(self, within: float, need_worker: bool) -> Steps[None]:
+        """``wait_ready``: ``GET /readyz`` until it answers 200, each ask bounded by what is
+        left of ``within`` (:meth:`_not_ready` says how long to wait between)."""
+        end = time.monotonic() + within
+        path = "/readyz" if need_worker else "/readyz?need_worker=false"
+        while True:
+            response, failed = None, None
+            ask = min(READY_ASK_S, max(0.1, end - time.monotonic()))
+            try:
+                response = yield "exchange", ("GET", path, None, None, None, ask)
+            except httpx.TransportError as exc:
+                failed = exc
+            if response is not None and response.is_success:
+                return
+            yield "sleep", self._not_ready(end, within, response, failed)
 
     def _not_ready(self, end: float, within: float, response: httpx.Response | None,
                    exc: httpx.TransportError | None) -> float:

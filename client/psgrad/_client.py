@@ -118,16 +118,7 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
         jobs can be queued (where workers scale from zero). A server that cannot be reached yet
         is waited for too; after ``within`` seconds, :class:`APITimeoutError` says what it last
         heard."""
-        end = time.monotonic() + within
-        while True:
-            response, failed = None, None
-            try:
-                response = self._http.get("/readyz", **self._ready_ask(need_worker, end))
-            except httpx.TransportError as exc:
-                failed = exc
-            if response is not None and response.is_success:
-                return
-            time.sleep(self._not_ready(end, within, response, failed))
+        self._drive(self._waiting_ready(within, need_worker))
 
     # -- transport -----------------------------------------------------------------------------
 
@@ -146,11 +137,14 @@ class Client(BaseClient, GradsMethods[GradsResult, Job]):
         return run.result
 
     def _exchange(self, method: str, path: str, content: bytes | None, json: Any,
-                  headers: Mapping[str, str] | None) -> httpx.Response:
-        """One request; a safetensors answer is read into its arrays as it arrives."""
+                  headers: Mapping[str, str] | None, timeout: float | None = None
+                  ) -> httpx.Response:
+        """One request (``timeout``: this one's, else the client's); a safetensors answer is
+        read into its arrays as it arrives."""
         content, headers, pieces = upload(content, headers)
-        request = self._http.build_request(method, path, content=content or pieces, json=json,
-                                           headers=headers)
+        request = self._http.build_request(
+            method, path, content=content or pieces, json=json, headers=headers,
+            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         response = self._http.send(request, stream=True)
         self._check_version(response)
         try:
