@@ -1,19 +1,19 @@
 """Queued requests: the job document, and the handles ``submit`` returns (``Job``, ``AsyncJob``).
 
-A handle describes its exchanges and reads their answers once (:class:`_JobHandle`); the sync and
-async forms only send them and sleep between polls.
+A handle describes its exchanges, reads their answers and polls, once (:class:`_JobHandle`, the
+polling as one of the client's steps, :data:`psgrad._base.Steps`); the sync and async forms only
+hand them to their client.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from psgrad._base import ANSWER, BaseClient, Call, decode_json_result
+from psgrad._base import ANSWER, BaseClient, Call, Steps, decode_json_result
 from psgrad._constants import JOB_POLL_INITIAL, JOB_POLL_MAX, JOB_STATUS_HEADER, REQUEST_ID_HEADER
 from psgrad._errors import _BY_CODE as ERRORS_BY_CODE
 from psgrad._errors import (
@@ -131,16 +131,18 @@ class _JobHandle:
         self.last_status = state[0]
         return state
 
-    def _outcome(self, state: JobState, poll: _Poll, as_torch: bool) -> GradsResult | None:
-        """The result of a finished job, None while it runs; a failed job raises its error."""
-        _, fields, error = state
-        if error is not None:
-            raise error
-        if fields is None:
-            return None
-        return self._client._result(
-            fields, as_torch=as_torch, started=poll.started, order=self._outputs
-        )
+    def _awaiting(self, timeout: float | None, as_torch: bool) -> Steps[GradsResult]:
+        """``result()``: the job polled (:class:`_Poll`) until it finished; its result, or
+        its error raised."""
+        poll = _Poll(self.id, timeout)
+        while True:
+            _, fields, error = yield from self._client._calling(self._fetch())
+            if error is not None:
+                raise error
+            if fields is not None:
+                return self._client._result(fields, as_torch=as_torch, started=poll.started,
+                                            order=self._outputs)
+            yield "sleep", poll.wait(self.last_status)
 
 
 class Job(_JobHandle):
@@ -158,12 +160,7 @@ class Job(_JobHandle):
         Raises:
             APITimeoutError: not finished within ``timeout`` seconds (the job keeps running).
         """
-        poll = _Poll(self.id, timeout)
-        while True:
-            done = self._outcome(self._client._call(self._fetch()), poll, as_torch)
-            if done is not None:
-                return done
-            time.sleep(poll.wait(self.last_status))
+        return self._client._drive(self._awaiting(timeout, as_torch))
 
     def cancel(self) -> JobStatus:
         """Ask the server to cancel the job (``DELETE /jobs/{id}``); returns the new state."""
@@ -181,12 +178,7 @@ class AsyncJob(_JobHandle):
 
     async def result(self, *, timeout: float | None = None, as_torch: bool = False) -> GradsResult:
         """Wait for the job and return its result, or raise its error; see ``Job.result``."""
-        poll = _Poll(self.id, timeout)
-        while True:
-            done = self._outcome(await self._client._call(self._fetch()), poll, as_torch)
-            if done is not None:
-                return done
-            await asyncio.sleep(poll.wait(self.last_status))
+        return await self._client._drive(self._awaiting(timeout, as_torch))
 
     async def cancel(self) -> JobStatus:
         """Ask the server to cancel the job (``DELETE /jobs/{id}``); returns the new state."""
