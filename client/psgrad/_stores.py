@@ -197,11 +197,11 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
         if rows and new:
             fields = {"rows": np.ascontiguousarray(x[np.flatnonzero(keep)],
                                                    dtype=store.info["dtype"]), "ids": new}
-            store.info = yield from _committed(store, _Calls.rows(store.id, fields), new)
+            store.info = yield from _once(store, _Calls.rows(store.id, fields), new)
         elif new:
             fields = yield from store._client._preparing(
                 _sample_fields(store.info["model"], x, y, names, keep), float32=True)
-            store.info = yield from _committed(store, _Calls.add(store.id, fields), new)
+            store.info = yield from _once(store, _Calls.add(store.id, fields), new)
         done += len(names)
         skipped += len(names) - sum(keep)
         if bar is not None:
@@ -214,47 +214,33 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
     return {**store.info, "added": done - skipped, "skipped": skipped}
 
 
-def _committed(store: _Handle, call: Call[dict[str, Any]], ids: list[Any]
-               ) -> Steps[dict[str, Any]]:
-    """A batch of new ``ids`` (samples or rows) committed, as steps: sent again after a lost
-    answer, up to the client's ``max_retries`` times, since the server commits a batch under
-    its ids once at most (a batch whose ids it holds is refused whole, 409, even one still in
-    flight when it was sent again). Whether a lost or refused batch was committed is the
-    store's to say: it holds all of ``ids`` (committed) or none (send it again). Answers the
-    store's description."""
+def _once(store: _Handle, call: Call[dict[str, Any]], ids: list[Any] | None = None
+          ) -> Steps[dict[str, Any]]:
+    """A batch that adds (``call``) taken once, as steps: sent again after a lost answer, up
+    to the client's ``max_retries`` times, since the server takes a batch once at most. After
+    a lost answer, or a 409 on a resend (perhaps the lost try, taken meanwhile), the store says
+    whether an earlier try took: a batch of new ``ids`` (samples or rows, committed whole) took
+    where the store holds all of them, and none of them means send it again; a factors batch
+    (no ``ids``: sent under a ``batch_id`` of its own) took where the 409 says ``counted``.
+    Answers the store's description."""
     for attempt in itertools.count():
         try:
             doc: dict[str, Any] = yield from store._client._calling(call)
             return doc
         except (APIConnectionError, Conflict) as exc:
             lost = isinstance(exc, APIConnectionError) and bool(exc.details.get("maybe_applied"))
-            if not (lost or (isinstance(exc, Conflict) and attempt > 0)):  # a 409 on a resend:
-                raise  # ... perhaps the lost batch, committed meanwhile
-            looked = yield from store._client._calling(_Calls.lookup(store.id, ids))
-            present = looked["present"]
-            if all(present):
-                doc = yield from store._client._calling(_Calls.get(store.id))
-                return doc
-            if any(present) or not lost or attempt >= store._client.max_retries:
+            if not (lost or (isinstance(exc, Conflict) and attempt > 0)):
                 raise
-    raise AssertionError("unreachable")
-
-
-def _fitted(store: _Handle, call: Call[dict[str, Any]]) -> Steps[dict[str, Any]]:
-    """A factors batch (``call``, sent with a ``batch_id`` of its own) counted once, as steps:
-    sent again after a lost answer, up to the client's ``max_retries`` times, since the server
-    refuses a batch id its pass counted (409 with ``details.counted``), which on a resend
-    means the lost try was counted. Answers the store's description."""
-    for attempt in itertools.count():
-        try:
-            doc: dict[str, Any] = yield from store._client._calling(call)
-            return doc
-        except (APIConnectionError, Conflict) as exc:
-            if isinstance(exc, Conflict) and attempt > 0 and exc.details.get("counted"):
+            if ids is None:
+                took: bool | None = bool(exc.details.get("counted"))
+            else:
+                present = (yield from store._client._calling(_Calls.lookup(store.id, ids))
+                           )["present"]
+                took = True if all(present) else None if any(present) else False
+            if took:
                 doc = yield from store._client._calling(_Calls.get(store.id))
                 return doc
-            lost = isinstance(exc, APIConnectionError) and bool(exc.details.get("maybe_applied"))
-            if not lost or attempt >= store._client.max_retries:
+            if took is None or not lost or attempt >= store._client.max_retries:
                 raise
     raise AssertionError("unreachable")
 
@@ -288,8 +274,8 @@ def _fitting(store: _Handle, inputs: Any, targets: Any, batch_size: int,
                 fields["targets"] = y[a:a + batch_size]
             fields = {**(yield from store._client._preparing(fields, float32=True)),
                       "batch_id": uuid.uuid4().hex}
-            store.info = yield from _fitted(store, _Calls.factors(store.id, fields,
-                                                                  name == "eigenvalues"))
+            store.info = yield from _once(store, _Calls.factors(store.id, fields,
+                                                                name == "eigenvalues"))
             if bar is not None:
                 bar(at * len(x) + min(a + batch_size, len(x)), len(passes) * len(x))
     if bar is not None:
