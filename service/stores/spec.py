@@ -32,6 +32,7 @@ MAX_EXACT_WIDTH = MAX_PROJECTION_DIM
 MEMBER = "checkpoint-"  # an ensemble's checkpoint i keeps its rows in the store's folder <this>i
 MAX_CHECKPOINTS = 64
 MAX_ID_CHARS = 128  # a string id: short, one line
+MIN_ID, MAX_ID = -(2**63), 2**63 - 1  # an integer id: a signed 64-bit integer
 ID_KINDS = ("int", "str")
 
 
@@ -121,7 +122,7 @@ def check_dtype(value: Any) -> str:
 def id_kind(value: Any) -> str | None:
     """``int`` or ``str`` for a valid sample id, else None."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return "int" if -(2**63) <= int(value) < 2**63 else None
+        return "int" if MIN_ID <= int(value) <= MAX_ID else None
     if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and value.isprintable():
         return "str"
     return None

@@ -123,11 +123,13 @@ async def test_a_store_holds_the_projection_and_answers_as_numpy(
         assert r.json()["samples"] == at and r.json()["added"] == n
     doc = (await c.get("/stores/train", headers=ALICE)).json()
     assert doc["samples"] == 18 and doc["state"] == "ready" and doc["bytes"] > 18 * DIM * 4
-    r = await c.post("/stores/train/lookup", headers=ALICE, json={"ids": ["ex-17", "ex-18", 3]})
-    assert r.json() == {"present": [True, False, False], "samples": 18}, r.text
+    r = await c.post("/stores/train/lookup", headers=ALICE,
+                     json={"ids": ["ex-17", "ex-18", 3, 2**63 - 1, -(2**63)]})
+    assert r.json() == {"present": [True, False, False, False, False], "samples": 18}, r.text
     # an entry of another type is a 400, one out of an id's range a 422, as for any field
     for entry, status in (([1], 400), (True, 400), (None, 400), (1.5, 400), ("x" * 129, 422),
-                          ("", 422), (2**63, 422), (2.0, 422), (2**70, 422)):
+                          ("", 422), (2**63, 422), (-(2**63) - 1, 422), (2.0, 422),
+                          (2**70, 422)):
         r = await c.post("/stores/train/lookup", headers=ALICE, json={"ids": ["ex-1", entry]})
         error(r, status, "bad_request" if status == 400 else "invalid_input",
               "'ids' entry 1 (")

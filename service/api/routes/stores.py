@@ -46,12 +46,20 @@ from service.stores.files import Manifest, commit_all, refuse_duplicates
 from service.stores.query import QUERY_NUMBERS, Score, check_k, check_score, search_all
 from service.stores.requests import check_batch, make_spec, rows_requests
 from service.stores.sets import set_rows
-from service.stores.spec import MAX_ID_CHARS, Dtype, StoreSpec, checked_ids, sample_ids
+from service.stores.spec import (
+    MAX_ID,
+    MAX_ID_CHARS,
+    MIN_ID,
+    Dtype,
+    StoreSpec,
+    checked_ids,
+    sample_ids,
+)
 from service.tenants import Tenant, owned_key
 from service.validate import parse_request
 
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
-SampleId = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | Annotated[
+SampleId = Annotated[int, Field(ge=MIN_ID, le=MAX_ID)] | Annotated[
     str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 router = APIRouter(prefix="/stores", tags=["data attribution"], dependencies=[ApiKey])
 
