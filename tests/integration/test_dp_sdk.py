@@ -1,6 +1,6 @@
 """psgrad.dp against the real app in-process: a run, its steps, the torch optimizer wrapper,
 the Poisson sampler, and the typed 409 at the budget; over real HTTP, a step whose answer was
-lost, sent again and counted once."""
+lost, sent again and counted once, and a training loop that loses every other answer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 import psgrad
 from psgrad import dp
+from psgrad._wire import RESPONSE_KEY, fields_from_safetensors
 from service.api import create_app
 from service.worker import loop as worker_loop
 from tests.support.api import serving, settings
@@ -84,6 +85,51 @@ def test_a_step_whose_answer_is_lost_is_sent_again_and_counted_once(
         assert run.refresh()["steps"] == 1
         second = run.step(x, y, loss="mse")
         assert second.steps == 2 and second.clipped_mean["net.fc1.weight"].shape == (64, 8)
+
+
+class LosingAnswers(httpx.BaseTransport):
+    """Real HTTP that loses the answer of every other gradients request once the server sent
+    it, as a timeout or a dropped connection does, keeping what was lost."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.sent = 0
+        self.lost: list[bytes] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.url.path == "/per-sample-grads":
+            self.sent += 1
+            if self.sent % 2:
+                self.lost.append(response.read())
+                response.close()
+                raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_training_loop_that_loses_every_other_answer_takes_each_step_once(
+        tmp_path: Path) -> None:
+    """Eight steps, the first try of each answered by the server and lost on the way: each
+    step is sent again under its key and answers the noisy mean its lost try carried, and the
+    run counts eight steps."""
+    app = create_app(settings(data_dir=str(tmp_path / "data")))
+    rng = np.random.default_rng(0)
+    losing = LosingAnswers()
+    with serving(app) as url, psgrad.Client(url, transport=losing) as client:
+        run = dp.create_run(client, "value-mlp", clip_norm=1.0, noise_multiplier=1.0,
+                            delta=1e-5, expected_batch_size=4, dataset_size=100,
+                            max_epsilon=10.0)
+        for i in range(8):
+            x = rng.normal(size=(4, 8)).astype(np.float32)
+            step = run.step(x, rng.normal(size=4).astype(np.float32), loss="mse")
+            lost = fields_from_safetensors(losing.lost[-1], RESPONSE_KEY)
+            assert step.steps == lost["dp"]["steps"] == i + 1
+            for name, value in step.clipped_mean.items():
+                np.testing.assert_array_equal(value, lost["clipped_mean"][name])
+        assert losing.sent == 16 and run.refresh()["steps"] == 8
 
 
 def test_torch_optimizer_wrapper_moves_the_weights(client: psgrad.Client) -> None:
