@@ -496,11 +496,22 @@ class BaseClient:
         return self._cast(fields, info)
 
     def _posting(self, path: str, fields: Fields) -> Steps[httpx.Response]:
-        """A gradients or job request's ``fields`` sent to ``path`` (:meth:`_encode`)."""
+        """A gradients or job request's ``fields`` sent to ``path`` (:meth:`_encode`). A kept
+        answer (a keyed gradients request's: a DP step's) is released once in hand."""
         body, headers = self._encode(fields, path)
         response = yield from self._sending("POST", path, content=body, headers=headers,
                                             repeat=repeatable("POST", path, fields, headers))
+        kept = response.headers.get("content-location", "")
+        if path == "/per-sample-grads" and kept.startswith("/jobs/"):
+            yield from self._releasing(kept)
         return response
+
+    def _releasing(self, kept: str) -> Steps[None]:
+        """``DELETE`` the job a kept answer names (``/jobs/{id}``): the server would hold it,
+        for the tries of its key, until its results expire. At most a wasted call if it
+        fails: the expiry drops it then."""
+        with contextlib.suppress(PsgradError):
+            yield from self._sending("DELETE", kept)
 
     def _chunked(self, plan: Plan) -> Steps[PlanResult]:
         """A chunking plan driven: each request it yields sent, its answer or 413 fed back."""

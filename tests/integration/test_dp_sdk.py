@@ -95,6 +95,7 @@ class LosingAnswers(httpx.BaseTransport):
         self.inner = httpx.HTTPTransport()
         self.sent = 0
         self.lost: list[bytes] = []
+        self.kept: list[str] = []  # where each answer lost was kept
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self.inner.handle_request(request)
@@ -102,6 +103,7 @@ class LosingAnswers(httpx.BaseTransport):
             self.sent += 1
             if self.sent % 2:
                 self.lost.append(response.read())
+                self.kept.append(response.headers["content-location"])
                 response.close()
                 raise httpx.ReadTimeout("the answer was lost", request=request)
         return response
@@ -113,8 +115,8 @@ class LosingAnswers(httpx.BaseTransport):
 def test_a_training_loop_that_loses_every_other_answer_takes_each_step_once(
         tmp_path: Path) -> None:
     """Eight steps, the first try of each answered by the server and lost on the way: each
-    step is sent again under its key and answers the noisy mean its lost try carried, and the
-    run counts eight steps."""
+    step is sent again under its key and answers the noisy mean its lost try carried, the
+    client releases the kept answer once it has it, and the run counts eight steps."""
     app = create_app(settings(data_dir=str(tmp_path / "data")))
     rng = np.random.default_rng(0)
     losing = LosingAnswers()
@@ -129,6 +131,8 @@ def test_a_training_loop_that_loses_every_other_answer_takes_each_step_once(
             assert step.steps == lost["dp"]["steps"] == i + 1
             for name, value in step.clipped_mean.items():
                 np.testing.assert_array_equal(value, lost["clipped_mean"][name])
+            with pytest.raises(psgrad.UnknownJob):  # released by the client once in hand
+                client.job(losing.kept[-1].removeprefix("/jobs/")).status()
         assert losing.sent == 16 and run.refresh()["steps"] == 8
 
 

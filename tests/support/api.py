@@ -170,8 +170,8 @@ async def keyed_steps_answer_their_first_try(c: httpx.AsyncClient, run_body: dic
                                              step: dict[str, Any]) -> None:
     """A DP run made from ``run_body``, its steps (``step`` with the run's ``dp_run``) sent
     under ``Idempotency-Key`` s: each try of a key answers its first try's noisy mean, two
-    tries at once included, counted once; another key is another step, and the key sent with
-    another body a 422."""
+    tries at once included, counted once, kept where ``Content-Location`` says until deleted;
+    another key is another step, and the key sent with another body a 422."""
     run = (await c.post("/dp-runs", json=run_body)).json()
     body = {**step, "dp_run": run["id"]}
     key = {"Idempotency-Key": "step-1"}
@@ -185,6 +185,10 @@ async def keyed_steps_answer_their_first_try(c: httpx.AsyncClient, run_body: dic
     assert [r.status_code for r in tries] == [200] * 3, tries[0].text
     first = tries[0].json()
     assert first["dp"]["steps"] == 1 and all(r.json() == first for r in tries)
+    kept = tries[0].headers["content-location"]  # where the answer is kept: /jobs/{id}
+    assert kept.startswith("/jobs/") and {r.headers["content-location"] for r in tries} == {kept}
+    job = (await c.get(kept)).json()
+    assert job["status"] == "succeeded" and job["result"]["clipped_mean"] == first["clipped_mean"]
     binary = await c.post("/per-sample-grads", json=body, headers={**key, "accept": SAFETENSORS})
     for name, value in fields_from_safetensors(binary.content, RESPONSE_KEY)["clipped_mean"
                                                                               ].items():
@@ -196,3 +200,5 @@ async def keyed_steps_answer_their_first_try(c: httpx.AsyncClient, run_body: dic
                            headers={"Idempotency-Key": "step-2"})).json()
     assert second["dp"]["steps"] == 2 and second["clipped_mean"] != first["clipped_mean"]
     assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == 2
+    assert (await c.delete(kept)).status_code == 200  # released: the key names no job now
+    assert (await c.get(kept)).status_code == 404

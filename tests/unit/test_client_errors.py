@@ -238,6 +238,30 @@ def test_a_dp_run_whose_answer_is_lost_is_sent_again_under_its_key(sleeps: list[
         assert seen[-1].headers["Idempotency-Key"] != keys[0]  # a new run: a new key
 
 
+@pytest.mark.parametrize("release", [httpx.Response(200, json={}), error(404, "unknown_job"),
+                                     httpx.ConnectError("refused")],
+                         ids=["200", "404", "unreachable"])
+def test_a_kept_answer_is_released_once_in_hand(release: httpx.Response | Exception,
+                                                sleeps: list[float]) -> None:
+    """A DP step's answer names the job that keeps it (``Content-Location``): the client
+    deletes it once it has the answer, and a release that fails (the job expired, the server
+    gone) costs the step nothing."""
+    def kept(request: httpx.Request) -> httpx.Response:
+        answer = ok(request)
+        answer.headers["content-location"] = "/jobs/j7"
+        return answer
+
+    handler, seen = scripted(kept(httpx.Request("POST", "http://fake")), *[release] * 3)
+    with client_for(handler, max_retries=2) as client:
+        assert dp_step(client).norms.tolist() == [1.0]
+    assert [(r.method, r.url.path) for r in seen][:2] == [("POST", "/per-sample-grads"),
+                                                           ("DELETE", "/jobs/j7")]
+    handler, seen = scripted()
+    with client_for(handler, max_retries=2) as client:
+        call(client)  # an answer that names no kept job: nothing to release
+    assert [r.method for r in seen] == ["POST"]
+
+
 async def test_the_async_client_does_not_send_again_what_adds() -> None:
     handler, seen = scripted(httpx.ReadTimeout("slow"))
     async with psgrad.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(handler),

@@ -122,7 +122,9 @@ async def per_sample_grads(request: Request, state: StateDep, tenant: TenantDep,
     (``PSGRAD_REQUEST_TIMEOUT_S``) the job is canceled and the answer is 504. With an
     ``Idempotency-Key`` (what a DP step needs, whose answer cannot be computed again), the
     request sent again waits for the job its first try queued and answers the same, while the
-    job is kept (``PSGRAD_RESULT_TTL_S`` after it ends); the key with another body is a 422.
+    job is kept: until ``DELETE /jobs/{id}`` (the answer's ``Content-Location``), which the
+    caller sends once it has the answer, or ``PSGRAD_RESULT_TTL_S`` after it ends. The key with
+    another body is a 422.
     """
     job, queued = await new_job(request, state, tenant, key=key)
     # a keyed job's first try is not its only waiter: it hands the job's end on, as others do
@@ -133,9 +135,9 @@ async def per_sample_grads(request: Request, state: StateDep, tenant: TenantDep,
 async def answer_of(state: StateDep, job: Job, request: Request | None = None, *,
                     kept: bool = False, fresh: bool = True) -> Any:
     """Wait for ``job``'s answer; past its deadline cancel it (504). It is forgotten after,
-    unless ``kept`` (a keyed job: its other tries read the same answer until it expires, and
-    only its deadline cancels it, not a caller that left). ``fresh``: this call queued it,
-    and nobody else waits for it.
+    unless ``kept`` (a keyed job: its other tries read the same answer until it expires or is
+    deleted at the ``Content-Location`` the answer names; only its deadline cancels it, not a
+    caller that left). ``fresh``: this call queued it, and nobody else waits for it.
 
     With ``request``: the HTTP answer (an answer in pieces relayed as they land); without: the
     result's fields (an answer in pieces read whole first).
@@ -156,16 +158,19 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None, *
             )
         if st.status is JobStatus.FAILED:
             raise error_from_body(st.error, 500)
+        # a kept answer names where it is kept, for its caller to DELETE once in hand
+        located = {"Content-Location": f"/jobs/{job.id}"} if kept else None
         if st.answer is not None:
             if request is None:
                 return await read_answer(st.answer, consume=not kept)
             relayed = True  # forgotten once relayed, not before
             return await answer_response(
-                request, st.answer, consume=not kept,
+                request, st.answer, consume=not kept, headers=located,
                 background=None if kept else BackgroundTask(broker.forget, job.id))
         if st.status is JobStatus.CANCELED or st.result is None:
             raise _canceled(job, state, keyed=kept)
-        return st.result if request is None else await encode_result(request, st.result)
+        return st.result if request is None else await encode_result(request, st.result,
+                                                                     headers=located)
     finally:
         if not done and (expired or not kept):
             await asyncio.shield(_cancel_quietly(state, job.id))
