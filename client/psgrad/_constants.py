@@ -22,8 +22,9 @@ RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
 # quota, a full queue or a broker down)
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 REFUSED_STATUSES = frozenset({408, 429, 503})
-# The client's name for every try of one request (POST /jobs, POST /dp-runs): the server makes
-# the job or run once, and answers each try with it
+# The client's name for every try of one request (POST /jobs, a DP step's POST
+# /per-sample-grads, POST /dp-runs): the server makes the job or run once, and answers each try
+# with it
 IDEMPOTENCY_KEY = "Idempotency-Key"
 
 # Job polling: start fast (small jobs finish in milliseconds), back off to a calm rate.

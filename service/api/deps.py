@@ -136,8 +136,8 @@ TenantParam = Annotated[
     ),
 ]
 
-# What a client names one request by (POST /jobs, POST /dp-runs): every try of it under the key
-# makes one thing (service.tenants.keyed_id)
+# What a client names one request by (POST /jobs, POST /per-sample-grads, POST /dp-runs): every
+# try of it under the key makes one thing (service.tenants.keyed_id)
 IdempotencyKey = Annotated[str | None, Header(
     alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$",
     description="your name for this request (a UUID, say: printable ASCII, up to 128 "
