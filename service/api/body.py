@@ -8,6 +8,7 @@ client's ``Accept`` names ``application/x-safetensors``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import AsyncIterator, Callable, Generator, Mapping
@@ -138,6 +139,7 @@ def precheck(fields: dict[str, Any], takes: frozenset[str] = KNOWN,
         model_of(fields)
 
 
+@functools.cache  # a route's body schema: read once, not on every request
 def fields_of(schema: type[BaseModel]) -> frozenset[str]:
     """The fields a body of ``schema`` may send, by the names sent (an alias: ``lambda``)."""
     return frozenset(f.alias or name for name, f in schema.model_fields.items())

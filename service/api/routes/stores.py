@@ -441,9 +441,9 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
 
 
 @router.post("/{store_id}/query",
-             openapi_extra=request_body(QueryBody, "k, score, lambda, and either a batch (inputs, "
-                                 "targets, ...) or its 'sketches' [queries, k]; no samples "
-                                 "for score self_influence"),
+             openapi_extra=request_body(QueryBody, "k, score, lambda, and either a batch "
+                                        "(inputs, targets, ...) or its 'sketches' [queries, "
+                                        "k]; no samples for score self_influence"),
              responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 503, 504, 507),
              summary="The top k training samples of each test sample: ids and scores")
 async def query_store(store_id: StoreId, request: Request, state: StateDep, tenant: TenantDep,
