@@ -91,12 +91,13 @@ def _too_large(size: int, limit: int, field: str, value: int, *,
 
 
 async def decode_request(request: Request, settings: Settings, *, one_job: bool = True,
-                         takes: frozenset[str] = KNOWN, need_model: bool = True
-                         ) -> dict[str, Any]:
+                         takes: frozenset[str] = KNOWN, need_model: bool = True,
+                         tensors: tuple[str, ...] = ()) -> dict[str, Any]:
     """The request fields (JSON values and numpy arrays) from a JSON or safetensors body;
     ``one_job=False`` for a body the route splits into jobs itself (no batch-size limit);
     ``takes``: the fields the route reads (:func:`precheck`; default: a gradients request's);
-    ``need_model=False``: the route knows the model (a store's)."""
+    ``need_model=False``: the route knows the model (a store's); ``tensors``: the route's own
+    fields that a safetensors body may send as tensors, beside a gradients request's."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in (JSON, SAFETENSORS):
         raise unsupported_type(ctype, [JSON, SAFETENSORS])
@@ -106,6 +107,8 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
         fields: dict[str, Any] = await run_in_threadpool(decode, body, settings)
     else:
         fields = decode(body, settings)
+    if ctype == SAFETENSORS:
+        tensors_where_taken(fields, takes | KNOWN, _TENSORS.union(tensors))
     note_model(request.scope, fields.get("model"))  # the status page counts by model
     precheck(fields, takes, need_model)
     inputs = fields.get("inputs")
@@ -249,6 +252,31 @@ def loads(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
+
+
+_TENSORS = frozenset(TENSOR_FIELDS)  # a gradients request's fields sent as one tensor
+_GROUPS = frozenset(("inputs", *TENSOR_DICT_FIELDS))  # ... or as a group: 'name/<key>'
+
+
+def tensors_where_taken(fields: Mapping[str, Any], known: frozenset[str],
+                        tensors: frozenset[str]) -> None:
+    """A 400 for a safetensors body's tensor under a field the route ``known`` takes in
+    another form: a field that is no tensor (``model``, ``seed``: JSON in the metadata), or
+    one tensor sent as a group (``name/<key>``). A field no route knows: :func:`precheck`."""
+    for name, value in fields.items():
+        group = isinstance(value, dict)
+        sent = (any(isinstance(v, np.ndarray) for v in value.values()) if group
+                else isinstance(value, np.ndarray))
+        if not sent or name not in known or name in (_GROUPS if group else tensors):
+            continue
+        tensor = f"{name}/{next(iter(value))}" if group else name
+        if group and name in tensors:
+            raise BadRequest(f"tensor '{tensor}': '{name}' is one tensor, not a group: name it "
+                             f"'{name}'")
+        raise BadRequest(
+            f"tensor '{tensor}': '{name}' is not a tensor: send it as JSON in the metadata key "
+            f"'{REQUEST_KEY}' (as tensors: {', '.join(sorted(tensors))}, and "
+            f"{', '.join(n + '/<key>' for n in sorted(_GROUPS))})")
 
 
 def _decode_safetensors(body: bytes, settings: Settings) -> dict[str, Any]:

@@ -178,6 +178,52 @@ async def test_bad_safetensors_requests(body: bytes) -> None:
     _error(r, 400, "bad_request")
 
 
+def _with_tensors(doc: dict[str, Any], **tensors: np.ndarray) -> bytes:
+    """A safetensors body of ``doc`` (tensors as tensors, the rest in its metadata) with
+    ``tensors`` added as tensors ('a__b' names the tensor 'a/b')."""
+    from safetensors.numpy import load, save
+
+    loaded = load(safetensors_body(doc))
+    fields = _metadata(safetensors_body(doc))
+    loaded.update({k.replace("__", "/"): v for k, v in tensors.items()})
+    return save(loaded, metadata={"request": json.dumps(fields)})
+
+
+def _metadata(body: bytes) -> dict[str, Any]:
+    (size,) = struct.unpack("<Q", body[:8])
+    meta: dict[str, Any] = json.loads(json.loads(body[8:8 + size])["__metadata__"]["request"])
+    return meta
+
+
+@pytest.mark.parametrize("path, doc, tensors, word", [
+    ("/per-sample-grads", {"model": "mlp"}, {"outputs": np.array([1, 2])}, "'outputs' is not"),
+    ("/jobs", {}, {"model": np.array([1, 2])}, "'model' is not a tensor"),
+    ("/per-sample-grads", {}, {"seed": np.array(3)}, "'seed' is not a tensor"),
+    ("/per-sample-grads", {}, {"clip_norm": np.array(1.0, np.float32)}, "'clip_norm' is not"),
+    ("/per-sample-grads", {}, {"targets__x": np.array([1.0])}, "'targets' is one tensor, not"),
+    ("/stores/s/query", {"model": None}, {"score": np.array([1, 2])}, "'score' is not a"),
+    ("/stores/s/rows", {"model": None, "inputs": None, "targets": None, "outputs": None},
+     {"rows__x": np.zeros((2, 8), np.float32), "ids": np.array([1, 2])}, "'rows' is one tensor"),
+])
+async def test_a_tensor_under_a_field_taken_as_json_is_refused_naming_it(
+        path: str, doc: dict[str, Any], tensors: dict[str, np.ndarray], word: str) -> None:
+    """A safetensors body's tensor under a field that is no tensor (it goes as JSON in the
+    metadata) or under a tensor's name as a group is a 400 naming the tensor and the form to
+    send, whatever its shape or dtype (a 0-d tensor for a scalar option is refused alike)."""
+    mlp = {"model": "mlp", "inputs": [[0.1] * 784] * 2, "targets": [1, 2], "outputs": ["norms"]}
+    named = {t.split("__")[0] for t in tensors}
+    sent = {k: v for k, v in {**mlp, **doc}.items() if v is not None and k not in named}
+    async with open_client() as c:
+        r = await c.put("/stores/s", json={"model": "mlp", "projection_dim": 8})
+        assert r.status_code in (200, 201), r.text  # made, or made before alike
+        r = await c.post(path, content=_with_tensors(sent, **tensors),
+                         headers={"content-type": SAFETENSORS})
+        err = _error(r, 400, "bad_request")
+        name = next(iter(tensors)).replace("__", "/")
+        assert f"tensor '{name}'" in err["message"] and word in err["message"], err
+        assert (await c.post("/per-sample-grads", json=mlp)).status_code == 200
+
+
 async def test_wrong_content_type_unknown_route_and_method() -> None:
     async with open_client() as c:
         for ctype in ("text/plain", "application/x-www-form-urlencoded", ""):

@@ -241,7 +241,8 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
     whole batch (409, listing them), so a retry of a batch that was added is refused, never
     doubled."""
     fields = await decode_request(request, state.settings, one_job=False,
-                                  takes=fields_of(SamplesBody), need_model=False)
+                                  takes=fields_of(SamplesBody), need_model=False,
+                                  tensors=("ids",))
     key, raw_ids = _key(scope, store_id), fields.pop("ids", None)
 
     def check() -> tuple[StoreSpec, list[dict[str, Any]], list[int | str], str]:
@@ -286,7 +287,7 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
     than ``[n, projection_dim]``, a value that is not finite, a tensor of another dtype than
     the store's (safetensors), an id repeated or already held (409)."""
     fields = await decode_request(request, state.settings, one_job=False, takes=fields_of(RowsBody),
-                                  need_model=False)
+                                  need_model=False, tensors=("rows", "ids"))
     key, what = _key(scope, store_id), f"POST /stores/{store_id}/rows"
     raw_rows, raw_ids = fields.pop("rows", None), fields.pop("ids", None)
 
@@ -451,7 +452,8 @@ async def query_store(store_id: StoreId, request: Request, state: StateDep, tena
     """Answers ``ids`` and ``scores``, each ``[queries, k]`` (``[1, k]`` for
     ``self_influence``), best first, over the samples committed when the query starts."""
     fields = await decode_request(request, state.settings, one_job=False,
-                                  takes=fields_of(QueryBody), need_model=False)
+                                  takes=fields_of(QueryBody), need_model=False,
+                                  tensors=("sketches",))
     key = _key(scope, store_id)
     sent = dict(fields)
     sent_numbers = {n: spec.check(fields.pop(n, None)) for n, spec in QUERY_NUMBERS.items()}
