@@ -4,6 +4,7 @@ each equal to the per-sample loop; metadata, health, keys and errors in the prot
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,7 +56,11 @@ def loop_summary(clip_norm: float | None = None) -> dict[str, Any]:
 
 def test_health_server_and_model_metadata(url: str) -> None:
     c = client(url)
-    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready(MODEL)
+    assert c.is_server_live()
+    deadline = time.monotonic() + 60  # ready once the workers' warm-up ends
+    while not c.is_server_ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.is_server_ready() and c.is_model_ready(MODEL)
     assert c.get_server_metadata()["extensions"] == ["binary_tensor_data", "parameters"]
     meta = c.get_model_metadata(MODEL)
     assert meta["name"] == MODEL and meta["platform"] == "psgrad"
