@@ -108,7 +108,7 @@ async def decode_request(request: Request, settings: Settings, *, one_job: bool 
     else:
         fields = decode(body, settings)
     if ctype == SAFETENSORS:
-        tensors_where_taken(fields, takes | KNOWN, _TENSORS.union(tensors))
+        tensors_where_taken(fields, takes | KNOWN, TENSORS.union(tensors))
     note_model(request.scope, fields.get("model"))  # the status page counts by model
     precheck(fields, takes, need_model)
     inputs = fields.get("inputs")
@@ -254,7 +254,7 @@ def loads(body: bytes) -> Any:
         raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
 
 
-_TENSORS = frozenset(TENSOR_FIELDS)  # a gradients request's fields sent as one tensor
+TENSORS = frozenset(TENSOR_FIELDS)  # a gradients request's fields sent as one tensor
 _GROUPS = frozenset(("inputs", *TENSOR_DICT_FIELDS))  # ... or as a group: 'name/<key>'
 
 

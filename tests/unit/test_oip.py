@@ -141,6 +141,62 @@ def test_errors_are_in_the_protocols_shape(url: str) -> None:
     assert r.status_code == 400 and set(r.json()) == {"error"}
 
 
+def _tensor(name: str, arr: np.ndarray, datatype: str = "FP32") -> dict[str, Any]:
+    return {"name": name, "shape": list(arr.shape), "datatype": datatype,
+            "data": arr.reshape(-1).tolist()}
+
+
+GOOD = [_tensor("inputs", X), _tensor("targets", Y)]
+HUGE = 1180591620717411303424  # 2**70
+
+
+@pytest.mark.parametrize("doc, status, word", [
+    ({"parameters": {"outputs": 5}}, 400, "parameters.outputs must be a list"),
+    ({"parameters": {"outputs": [["norms"]]}}, 400, "parameters.outputs must be a list"),
+    ({"parameters": {"binary_data_output": "false"}}, 400, "binary_data_output must be true"),
+    ({"outputs": [{"name": "norms", "parameters": {"binary_data": "false"}}]}, 400,
+     "binary_data"),
+    ({"parameters": {"weights": 5},
+      "inputs": [*GOOD, _tensor("weights/fc2.bias", np.ones(1, np.float32))]}, 400,
+     "'weights' is sent twice"),
+    ({"inputs": [*GOOD, _tensor("outputs", np.ones(2, np.float32))]}, 400,
+     "'outputs' is not a tensor"),
+    ({"inputs": [GOOD[0], {"name": "targets", "shape": [6], "datatype": "INT64",
+                           "data": [HUGE, *[1] * 5]}]}, 422, "INT64 numbers"),
+    ({"inputs": [GOOD[0], {"name": "targets", "shape": [6], "datatype": "UINT8",
+                           "data": [-1, *[1] * 5]}]}, 422, "UINT8 numbers"),
+    ({"inputs": [{"name": "inputs", "shape": [4294967296, 4294967296, 4], "datatype": "FP32",
+                  "data": []}, GOOD[1]]}, 413, "elements; the limit is"),
+])
+def test_a_bad_request_is_a_protocol_error_naming_what_to_fix(
+        url: str, doc: dict[str, Any], status: int, word: str) -> None:
+    """Parameters of the wrong type, an input clashing with a parameter or naming a field that
+    is no tensor, values past their datatype's range and a shape whose size passes every
+    integer: each a 4xx in the protocol's shape, and the next request is answered."""
+    body = {"inputs": GOOD, "parameters": {"loss": "mse"}, **doc}
+    body["parameters"] = {"loss": "mse", **body["parameters"]}
+    r = httpx.post(f"{url}/v2/models/{MODEL}/infer", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and word in r.json()["error"], r.text
+    ok = httpx.post(f"{url}/v2/models/{MODEL}/infer", timeout=30,
+                    json={"inputs": GOOD, "parameters": {"loss": "mse"}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_body_past_the_limit_is_413_and_an_answer_not_finite_is_null() -> None:
+    """The protocol's body is held to PSGRAD_MAX_BODY_BYTES as every body is; an answer's
+    value that is not finite is JSON's null, as POST /per-sample-grads answers it."""
+    with serving(create_app(settings(workers=1, batch_max_delay_ms=0.0,
+                                     max_body_bytes=20_000))) as u:
+        padded = b'{"inputs": []' + b" " * 30_000 + b"}"
+        r = httpx.post(f"{u}/v2/models/{MODEL}/infer", content=padded, timeout=30)
+        assert r.status_code == 413 and "PSGRAD_MAX_BODY_BYTES" in r.json()["error"], r.text
+        r = httpx.post(f"{u}/v2/models/{MODEL}/infer", timeout=30, json={
+            "inputs": [_tensor("inputs", X * 1e30), GOOD[1]], "parameters": {"loss": "mse"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == [None] * len(X)
+
+
 def test_keys_and_tenants_hold_as_everywhere() -> None:
     app = create_app(settings(api_keys="alice:k-alice", workers=1, batch_max_delay_ms=0.0))
     with serving(app) as u:

@@ -20,19 +20,20 @@ tenants); errors are the protocol's ``{"error": "<message>"}`` with psgrad's sta
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from psgrad import __version__
-from psgrad._contract import OUTPUTS, answer_fields
+from psgrad._contract import KNOWN, OUTPUTS, answer_fields
 from psgrad._errors import BadRequest, InvalidInput, TooLarge
 from psgrad._wire import widen_answers
-from service.api.body import loads
+from service.api.body import INLINE_BYTES, TENSORS, dumps, loads, read_body, tensors_where_taken
 from service.api.deps import StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.errors import schema_refusal
@@ -73,13 +74,24 @@ class InferTensor(BaseModel):
     datatype: Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "UINT16", "UINT32",
                       "UINT64", "FP16", "FP32", "FP64"]
     data: list[Any] | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: TensorParameters | None = None
+
+
+class TensorParameters(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    binary_data_size: StrictInt | None = Field(None, ge=0, description="the tensor's bytes "
+                                               "after the JSON header (binary-data extension)")
+
+
+class OutputParameters(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    binary_data: StrictBool | None = Field(None, description="true: answer it as bytes")
 
 
 class RequestedOutput(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(description="an output (norms, gns, ...) or <output>/<param>")
-    parameters: dict[str, Any] | None = Field(None, description="binary_data: true for bytes")
+    parameters: OutputParameters | None = None
 
 
 class InferRequest(BaseModel):
@@ -182,8 +194,11 @@ async def _model_ready(state: StateDep, name: str, version: str | None) -> JSONR
 
 async def _infer(name: str, version: str | None, request: Request, state: StateDep,
                  tenant: TenantDep) -> Response:
-    doc, binary = _split(await request.body(), request.headers.get(HEADER_LENGTH))
-    fields, asked = _fields(doc, binary, state.settings.max_elements)
+    body = await read_body(request, state.settings.max_body_bytes)
+    if len(body) > INLINE_BYTES:  # a large body is parsed off the event loop
+        doc, fields, asked = await run_in_threadpool(_read, body, request, state)
+    else:
+        doc, fields, asked = _read(body, request, state)
     fields["model"] = _ref(name, version)
     job, _ = await submit_fields(fields, state, tenant)
     result = await answer_of(state, job)
@@ -245,6 +260,14 @@ def _datatype(dtype: str) -> str:
     return NAMES.get(np.dtype(dtype), "FP32")
 
 
+def _read(body: bytes, request: Request, state: StateDep
+          ) -> tuple[dict[str, Any], dict[str, Any], dict[str, bool]]:
+    """The request's JSON header, the gradients request's fields and the outputs asked for
+    by name."""
+    doc, binary = _split(body, request.headers.get(HEADER_LENGTH))
+    return doc, *_fields(doc, binary, state.settings.max_elements)
+
+
 def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
     """The JSON header and the binary tensor data after it (Triton's extension)."""
     if header_length is None:
@@ -271,27 +294,40 @@ def _fields(doc: dict[str, Any], binary: bytes, max_elements: int
             ) -> tuple[dict[str, Any], dict[str, bool]]:
     """The gradients request's fields, and the outputs asked for by name (binary or not)."""
     params = dict(doc.get("parameters") or {})
-    binary_default = bool(params.pop("binary_data_output", False))
+    binary_default = params.pop("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise BadRequest(f"parameters.binary_data_output must be true or false; got "
+                         f"{binary_default!r}")
     fields: dict[str, Any] = {k: v for k, v in params.items() if k != "binary_data_size"}
     offset = 0
     for spec in doc["inputs"]:
         arr, used = _tensor(spec, binary, offset, max_elements)
         offset += used
         field, _, param = spec["name"].partition("/")
+        twice = not isinstance(fields.setdefault(field, {}), dict) if param else field in fields
+        if twice:
+            raise BadRequest(f"input '{spec['name']}': '{field}' is sent twice (as a parameter "
+                             "or another input)")
         if param:
-            fields.setdefault(field, {})[param] = arr
+            fields[field][param] = arr
         else:
             fields[field] = arr
+    tensors_where_taken(fields, KNOWN, TENSORS)  # 'seed' as an input: a parameter
     if offset != len(binary):
         raise BadRequest(f"the inputs' binary_data_size add up to {offset} bytes; the body has "
                          f"{len(binary)} after the JSON header")
     asked: dict[str, bool] = {}
     for spec in doc.get("outputs") or []:
         out_params = spec.get("parameters") or {}
-        asked[spec["name"]] = bool(out_params.get("binary_data", binary_default))
+        binary_data = out_params.get("binary_data")
+        asked[spec["name"]] = binary_default if binary_data is None else binary_data
     outputs = fields.get("outputs")
     if isinstance(outputs, str):
         outputs = [o.strip() for o in outputs.split(",") if o.strip()]
+    if outputs is not None and not (isinstance(outputs, list)
+                                    and all(isinstance(o, str) for o in outputs)):
+        raise BadRequest(f"parameters.outputs must be a list of output names or a "
+                         f"comma-separated string of them; got {outputs!r}"[:300])
     named = list(dict.fromkeys(_output_of(n) for n in asked))
     fields["outputs"] = list(dict.fromkeys([*(outputs or []), *named])) or DEFAULT_OUTPUTS
     if not asked and binary_default:
@@ -314,7 +350,7 @@ def _tensor(spec: Any, binary: bytes, offset: int, max_elements: int
             ) -> tuple[np.ndarray, int]:
     """One input tensor from its JSON ``data`` or its bytes at ``offset``; the bytes used."""
     name, shape, datatype = spec["name"], spec["shape"], spec["datatype"]
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python's integers: a huge shape does not wrap around
     if count > max_elements:
         raise TooLarge(f"input '{name}' has {count} elements; the limit is {max_elements}: "
                        f"{raise_setting('max_elements', max_elements)}", limit=max_elements)
@@ -327,8 +363,9 @@ def _tensor(spec: Any, binary: bytes, offset: int, max_elements: int
         return np.frombuffer(binary, dtype.newbyteorder("<"), count, offset).reshape(shape), size
     try:
         arr = np.asarray(spec.get("data"), dtype=dtype)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"input '{name}': its data are not {datatype} numbers") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidInput(f"input '{name}': its data are not {datatype} numbers (each within "
+                           f"{datatype}'s range)") from exc
     if arr.size != count:
         raise InvalidInput(f"input '{name}': {arr.size} values for shape {shape}")
     return arr.reshape(shape), 0
@@ -371,8 +408,8 @@ def _response(name: str, doc: dict[str, Any], result: dict[str, Any], asked: dic
                             "parameters": parameters, "outputs": described}
     if "id" in doc:
         body["id"] = doc["id"]
+    header = dumps(body)  # a value that is not finite as null, as POST /per-sample-grads does
     if not blobs:
-        return JSONResponse(body)
-    header = orjson.dumps(body)
+        return Response(header, media_type="application/json")
     return Response(header + b"".join(blobs), media_type="application/octet-stream",
                     headers={HEADER_LENGTH: str(len(header))})
