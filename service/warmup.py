@@ -16,6 +16,7 @@ with the plans already shared that is loading the model and one call per shape.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from models.examples import example
 from psgrad._errors import InvalidInput, PsgradError, UnknownJob
-from service.config import Settings
+from service.config import Settings, raise_setting
 from service.jobs import Broker, Job, JobStatus, new_job_id
 from service.losses import LOSSES
 from service.model_store import ModelStore
@@ -38,8 +39,9 @@ Shape = tuple[int, int | None]  # batch size, sequence length (None: the samples
 _FLOATS = {torch.float64: np.float64, torch.float16: np.float16}
 
 
-def parse_shapes(text: str) -> list[Shape]:
-    """``"4x64,32x512"`` or ``"4,32"``, each shape once; refuses anything else (422)."""
+def parse_shapes(text: str, max_batch_size: int) -> list[Shape]:
+    """``"4x64,32x512"`` or ``"4,32"``, each shape once, no batch past ``max_batch_size``
+    (what a request may send); refuses anything else (422)."""
     shapes: list[Shape] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         batch, sep, length = part.partition("x")
@@ -48,6 +50,11 @@ def parse_shapes(text: str) -> list[Shape]:
             raise InvalidInput(f"'warmup' has '{part[:40]}': give shapes as batch size x length "
                                "(warmup=4x64,32x512), or batch sizes alone for samples of one "
                                "fixed shape (warmup=4,32)", warmup=text[:200])
+        if int(batch) > max_batch_size:
+            raise InvalidInput(f"'warmup' has batch size {int(batch)}; a request takes at most "
+                               f"{max_batch_size}: warm up at the sizes clients send, or "
+                               f"{raise_setting('max_batch_size', max_batch_size)}",
+                               warmup=text[:200], limit=max_batch_size)
         shapes.append((int(batch), int(length) if length else None))
     shapes = list(dict.fromkeys(shapes))
     if len(shapes) > MAX_SHAPES:
@@ -56,8 +63,9 @@ def parse_shapes(text: str) -> list[Shape]:
     return shapes
 
 
-def example_fields(model: LoadedModel, shape: Shape) -> dict[str, Any]:
-    """A ``norms`` request of random samples of ``shape`` under the model's default loss."""
+def example_fields(model: LoadedModel, shape: Shape, max_elements: int) -> dict[str, Any]:
+    """A ``norms`` request of random samples of ``shape`` under the model's default loss; a
+    422 where a tensor would pass ``max_elements``, as a request's would (nothing made)."""
     batch, length = shape
     specs = model.inputs or (model.input,)
     if length is not None and not any(s.dynamic for s in specs):
@@ -77,6 +85,10 @@ def example_fields(model: LoadedModel, shape: Shape) -> dict[str, Any]:
             if length is not None and not low <= length <= high:
                 raise InvalidInput(f"'{model.id}' takes lengths {low} to {high}, not {length}")
             size[dim] = size[dim] if length is None else length
+        if batch * math.prod(size) > max_elements:
+            raise InvalidInput(f"a batch of {batch} of '{spec.name}' {size} has "
+                               f"{batch * math.prod(size)} elements; a request takes at most "
+                               f"{max_elements}: {raise_setting('max_elements', max_elements)}")
         x = example(size, getattr(torch, spec.dtype), spec.high, batch, gen)
         if not x.is_floating_point():
             arrays[spec.name] = x.numpy()
@@ -104,7 +116,9 @@ async def ask(broker: Broker, store: ModelStore, model: LoadedModel, shapes: lis
         entry: dict[str, Any] = {"batch_size": batch, "length": length, "job": None,
                                  "status": JobStatus.QUEUED.value, "error": None}
         try:
-            job = Job(new_job_id(), example_fields(model, (batch, length)),
+            fields = await asyncio.to_thread(example_fields, model, (batch, length),
+                                             settings.max_elements)  # off the event loop
+            job = Job(new_job_id(), fields,
                       deadline=time.time() + settings.warmup_timeout_s, tenant=tenant)
             await broker.submit(job)
             entry["job"] = job.id

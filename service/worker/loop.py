@@ -153,7 +153,8 @@ class Worker:
                 return
             started = time.perf_counter()
             try:
-                parsed = self._request(warmup.example_fields(self.registry.get(ref), shape))
+                parsed = self._request(warmup.example_fields(
+                    self.registry.get(ref), shape, self.settings.max_elements))
                 _compute([parsed], self.settings, self.compiled, plans=self.storage.plans)
             except Exception:  # a model deleted or changed since: its first request will say
                 log.exception("warming up %s at %s failed", ref, shape)

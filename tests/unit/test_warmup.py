@@ -92,7 +92,8 @@ async def test_a_bfloat16_program_warms_up(tmp_path: Path, fresh: None) -> None:
         assert doc["warmup"]["status"] == "succeeded" and doc["warmup"]["done"] == 1, doc
 
 
-@pytest.mark.parametrize("asked", ["4x", "0", "x8", "4;8", ",".join(map(str, range(1, 19)))])
+@pytest.mark.parametrize("asked", ["4x", "0", "x8", "4;8", ",".join(map(str, range(1, 19))),
+                                   "99999999999"])
 async def test_a_malformed_warmup_registers_nothing(tmp_path: Path, asked: str) -> None:
     async with open_client(**dirs(tmp_path)) as client:
         r = await client.put(f"/models/tiny?warmup={asked}", json=SPEC, headers=ADMIN)
@@ -111,6 +112,23 @@ async def test_a_shape_the_model_cannot_take_fails_that_shape_alone(tmp_path: Pa
         doc = await finished(client, "tiny")
     assert doc["warmup"]["status"] == "failed" and doc["warmup"]["done"] == 1
     assert doc["warmup"]["shapes"][1]["status"] == "succeeded"
+
+
+async def test_a_shape_past_what_a_request_may_send_fails_before_it_is_made(
+        tmp_path: Path) -> None:
+    """A warm-up's batch is held to the limits a request's is: past max_batch_size the
+    registration is refused (nothing registered); past max_elements that shape fails, saying
+    which setting to raise, and the others run."""
+    async with open_client(**dirs(tmp_path), max_batch_size=64, max_elements=100) as client:
+        r = await client.put("/models/tiny?warmup=65", json=SPEC, headers=ADMIN)
+        assert r.status_code == 422 and "PSGRAD_MAX_BATCH_SIZE (now 64)" in r.text, r.text
+        r = await client.put("/models/tiny?warmup=2,26", json=SPEC, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        small, large = r.json()["warmup"]["shapes"]
+        assert small["job"] and large["status"] == "failed" and large["job"] is None
+        assert "104 elements" in large["error"] and "PSGRAD_MAX_ELEMENTS" in large["error"]
+        doc = await finished(client, "tiny")
+    assert [s["status"] for s in doc["warmup"]["shapes"]] == ["succeeded", "failed"]
 
 
 async def test_readyz_waits_for_the_start_up_warm_up(

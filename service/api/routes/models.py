@@ -162,7 +162,7 @@ async def put_model(
     and time limits; only ops on psgrad's allow-list of pure aten overloads are accepted.
     """
     registry, settings = state.registry, state.settings
-    shapes = warmup.parse_shapes(warmup_at)  # 422 before anything is registered
+    shapes = warmup.parse_shapes(warmup_at, settings.max_batch_size)  # 422 before registering
     doc = await _register(model_id, request, registry, settings, default_loss, losses,
                           description)
     if shapes:
