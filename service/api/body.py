@@ -58,6 +58,15 @@ async def read_body(request: Request, limit: int,
     return b"".join([chunk async for chunk in body_chunks(request, limit, setting)])
 
 
+async def read_json(request: Request, limit: int) -> Any:
+    """A JSON body, parsed: a 415 for another media type (or none), a 413 past ``limit``
+    bytes, a 400 for JSON that is not valid."""
+    ctype = media_type(request.headers.get("content-type"))
+    if ctype != JSON:
+        raise unsupported_type(ctype, [JSON])
+    return loads(await read_body(request, limit))
+
+
 def body_chunks(request: Request, limit: int, setting: tuple[str, int] | None = None
                 ) -> AsyncIterator[bytes]:
     """The body's chunks as they arrive: refused with 413 at once where its declared length

@@ -7,6 +7,7 @@ import base64
 import json
 import struct
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -521,6 +522,30 @@ async def test_a_body_fastapi_parses_in_another_media_type_is_415(ctype: str | N
                      415, "unsupported_media_type")
         assert (await c.post("/dp-runs", content=json.dumps(DP_RUN).encode(), headers={
             "content-type": "application/json; charset=utf-8"})).status_code == 201
+    assert err["message"] == (f"unsupported Content-Type {ctype or '(none)'!r}: send "
+                              "application/json")
+
+
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-safetensors"])
+@pytest.mark.parametrize("method, path, doc, status", [
+    ("PUT", "/stores/s", {"model": "mlp", "projection_dim": 8}, 201),
+    ("POST", "/stores/s/lookup", {"ids": [1]}, 200),
+])
+async def test_a_json_only_body_in_another_media_type_is_415(
+        ctype: str | None, method: str, path: str, doc: dict[str, Any], status: int,
+        tmp_path: Path) -> None:
+    """A store's definition and a lookup are JSON only: another media type (or none) is a
+    415 naming JSON, and nothing is made; sent as JSON, the same bytes are answered."""
+    raw = json.dumps(doc).encode()
+    async with open_client(data_dir=str(tmp_path)) as c:
+        err = _error(await c.request(method, path, content=raw,
+                                     headers={"content-type": ctype} if ctype else {}),
+                     415, "unsupported_media_type")
+        assert (await c.get("/stores")).json()["stores"] == []
+        if method == "POST":
+            await c.put("/stores/s", json={"model": "mlp", "projection_dim": 8})
+        assert (await c.request(method, path, content=raw, headers={
+            "content-type": "application/json; charset=utf-8"})).status_code == status
     assert err["message"] == (f"unsupported Content-Type {ctype or '(none)'!r}: send "
                               "application/json")
 

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from psgrad._contract import SAMPLE_FIELDS, shown
 from psgrad._errors import BadRequest, Conflict, InvalidInput, NotFound
 from psgrad._wire import array_from_json
-from service.api.body import conform, decode_request, fields_of, loads, read_body
+from service.api.body import conform, decode_request, fields_of, read_json
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
 from service.api.docs import request_body
 from service.api.routes.reference_sets import split_answer
@@ -189,11 +189,11 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
 
 @router.put("/{store_id}",
             openapi_extra=request_body(StoreBody, "the store's definition", binary=False),
-            responses=errors(400, 401, 403, 404, 409, 422, 507),
+            responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 507),
             summary="Define a gradient store (201; the same definition again: 200)")
 async def put_store(store_id: StoreId, request: Request, state: StateDep,
                     scope: ScopeDep) -> JSONResponse:
-    body = loads(await read_body(request, state.settings.max_body_bytes))
+    body = await read_json(request, state.settings.max_body_bytes)
     await conform(StoreBody, body, partial(make_spec, store_id, body, state.registry,
                                            scope.owner))  # its own error for nearly all
 
@@ -421,13 +421,13 @@ def _lookup_ids(body: Any) -> list[int | str]:
 
 @router.post("/{store_id}/lookup",
              openapi_extra=request_body(LookupBody, "sample ids", binary=False),
-             responses=errors(400, 401, 403, 404, 413, 422),
+             responses=errors(400, 401, 403, 404, 413, 415, 422),
              summary="Which of these sample ids the store holds (to resume an upload)")
 async def lookup(store_id: StoreId, request: Request, state: StateDep,
                  scope: ScopeDep) -> dict[str, Any]:
     """Answers ``present``, one boolean per id, over what is committed now, and ``samples``:
     a client resuming an upload sends only the ids that are not present."""
-    body = loads(await read_body(request, state.settings.max_body_bytes))
+    body = await read_json(request, state.settings.max_body_bytes)
     await conform(LookupBody, body, partial(_lookup_ids, body))
     wanted = _lookup_ids(body)
     key = _key(scope, store_id)
