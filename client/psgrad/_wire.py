@@ -191,9 +191,26 @@ def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
     return (bits.view("<u2").astype("<u4") << 16).view(np.float32)
 
 
+READABLE = ("F64", "F32", "F16", "BF16", "I64", "U64", "I32", "U32", "I16", "U16", "I8", "U8",
+            "BOOL")  # the safetensors dtypes read (numpy's, and bfloat16 widened)
+
+
 def _header(body: bytes) -> dict[str, Any]:
-    """A safetensors file's JSON header."""
-    return dict(json.loads(body[8:8 + int.from_bytes(body[:8], "little")]))
+    """A safetensors file's JSON header; a ValueError saying what is wrong where it is no
+    object of tensors described by objects of a dtype psgrad reads."""
+    header = json.loads(body[8:8 + int.from_bytes(body[:8], "little")])
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"tensor '{name}' is not described by an object (dtype, shape, "
+                             "data_offsets)")
+        if entry.get("dtype") not in READABLE:
+            raise ValueError(f"tensor '{name}' has dtype {entry.get('dtype')!r}; psgrad reads "
+                             f"{', '.join(READABLE)}")
+    return header
 
 
 def _bfloat16_as_bits(body: bytes, header: Mapping[str, Any]) -> tuple[bytes, list[str]] | None:

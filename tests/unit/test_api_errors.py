@@ -146,7 +146,7 @@ async def test_bad_json_requests(body: bytes | dict[str, Any], status: int, code
             _error(r, status, code)
 
 
-def _st_header(header: dict[str, Any], data: bytes = b"") -> bytes:
+def _st_header(header: Any, data: bytes = b"") -> bytes:
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw + data
 
@@ -167,16 +167,28 @@ BAD_SAFETENSORS: list[tuple[str, bytes]] = [
     ("metadata not json", _st_header({"__metadata__": {"request": "{nope"}})),
     ("metadata not an object", _st_header({"__metadata__": {"request": "[1]"}})),
     ("a pickle", b"\x80\x04\x95" + b"\0" * 40),
+    ("header not an object", _st_header([1, 2, 3])),
+    ("entry not an object", _st_header({"targets": 5})),
+    ("float8", _st_header({"inputs": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}},
+                          b"\0")),
+    ("complex", _st_header({"inputs": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}},
+                           b"\0" * 8)),
 ]
+BAD_SAFETENSORS_SAID = {  # what the 400 says, where a reader would otherwise see Python's words
+    "header not an object": "its header is not a JSON object",
+    "entry not an object": "tensor 'targets' is not described by an object",
+    "float8": "tensor 'inputs' has dtype 'F8_E4M3'; psgrad reads F64, F32",
+    "complex": "tensor 'inputs' has dtype 'C64'",
+    "unknown dtype": "tensor 'inputs' has dtype 'Q99'",
+}
 
 
-@pytest.mark.parametrize(
-    "body", [c[1] for c in BAD_SAFETENSORS], ids=[c[0] for c in BAD_SAFETENSORS]
-)
-async def test_bad_safetensors_requests(body: bytes) -> None:
+@pytest.mark.parametrize("case, body", BAD_SAFETENSORS, ids=[c[0] for c in BAD_SAFETENSORS])
+async def test_bad_safetensors_requests(case: str, body: bytes) -> None:
     async with open_client() as c:
         r = await c.post("/per-sample-grads", content=body, headers={"content-type": SAFETENSORS})
-    _error(r, 400, "bad_request")
+    message = _error(r, 400, "bad_request")["message"]
+    assert BAD_SAFETENSORS_SAID.get(case, "") in message, message
 
 
 def _with_tensors(doc: dict[str, Any], **tensors: np.ndarray) -> bytes:
