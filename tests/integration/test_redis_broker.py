@@ -30,7 +30,14 @@ from service.storage import open_storage
 from service.worker.events import Events
 from service.worker.loop import Worker
 from service.worker.series import WorkerMetrics
-from tests.support.redis import OwnRedis, prefix_on, queue, redis_or_skip, result_of
+from tests.support.redis import (
+    OwnRedis,
+    prefix_on,
+    queue,
+    redis_or_skip,
+    result_of,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -342,6 +349,42 @@ async def test_a_stalled_redis_gives_503_in_seconds_then_recovers(tmp_path: Path
     finally:
         source.close()
         await broker.close()
+        own.kill()
+
+
+def test_a_worker_notices_a_stalled_redis_in_seconds_and_leaves_in_seconds(
+        tmp_path: Path) -> None:
+    """With Redis paused (connections open, no replies), a worker's heartbeat, its take and
+    its leaving each fail after PSGRAD_REDIS_TIMEOUT_S, not the transfer timeout (60 s) that
+    payloads may need: ``psgrad worker`` exits PSGRAD_WORKER_REDIS_GRACE_S after Redis stopped
+    answering (it took about 3 minutes with the 30 s grace). Resumed, it is served again."""
+    own = OwnRedis(tmp_path)
+    own.start()
+    settings = Settings(redis_url=own.url, redis_prefix="stall", redis_timeout_s=0.5,
+                        redis_transfer_timeout_s=60.0, heartbeat_s=0.2)
+    source = RedisJobSource(settings, name="w")
+    try:
+        source.start()
+        assert take_all(source) == [] and source.unreachable_for() == 0
+        assert own.proc is not None
+        own.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert take_all(source) == []  # Redis down: nothing, after its timeout
+            wait_for(lambda: source.unreachable_for() > 0, 5, "the stall to be noticed")
+            assert time.monotonic() - started < 5
+        finally:
+            own.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: source.unreachable_for() == 0, 5, "Redis to be back")
+        own.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            source.close()
+            assert time.monotonic() - started < 10  # keeper, heartbeat key, name: seconds
+        finally:
+            own.proc.send_signal(signal.SIGCONT)
+    finally:
+        source.close(deregister=False)
         own.kill()
 
 

@@ -129,7 +129,10 @@ class StreamIntake:
                                                              strict=True)], full == "1", last
 
     def _wait(self, last: str, block_s: float) -> bool:
-        """Block up to ``block_s`` until a ticket newer than ``last`` arrives (a job queued)."""
+        """Block up to ``block_s`` until a ticket newer than ``last`` arrives (a job queued),
+        and at most half the control connection's socket timeout (PSGRAD_REDIS_TIMEOUT_S), so
+        that a wait ends before its read times out."""
+        block_s = min(block_s, self.settings.redis_timeout_s / 2)
         reply: Any = self.r.xread({self.stream: last}, count=1, block=max(1, int(block_s * 1000)))
         return bool(reply)
 

@@ -92,6 +92,11 @@ class RedisJobSource:
         # bulk: the worker reads payloads and stores results (hundreds of MB take seconds)
         self.r = redis.Redis.from_url(settings.redis_url,
                                       **connection_kwargs(settings, bulk=True))
+        # control: the heartbeat, the queue's tickets, handing jobs back, leaving; small
+        # replies on short timeouts, so a Redis that stops answering is noticed in seconds
+        # (PSGRAD_REDIS_TIMEOUT_S) and the worker exits after PSGRAD_WORKER_REDIS_GRACE_S, not
+        # after a transfer's timeout per call
+        self.c = redis.Redis.from_url(settings.redis_url, **connection_kwargs(settings))
         # large answers' pieces and the requests' payloads: in a Redis of their own where one
         # is configured
         self.pr = (redis.Redis.from_url(settings.answer_redis_url,
@@ -101,7 +106,7 @@ class RedisJobSource:
         self.max_value_bytes: int | None = None
         self.piece_bytes = min(keyspace.ANSWER_PIECE_BYTES, self._value_limit(self.pr) // 2)
         self._retry = self.r.register_script(RETRY_LUA)
-        self.intake = StreamIntake(self.r, settings, self.queue, self.name)
+        self.intake = StreamIntake(self.c, settings, self.queue, self.name)
         self._taken: dict[str, Taken] = {}  # job id -> its ticket and keys, while held here
         self._failing_since: float | None = None
         self._stop = threading.Event()
@@ -123,11 +128,12 @@ class RedisJobSource:
             self._keeper.join(timeout=5)
         if deregister:
             try:
-                self.r.delete(keyspace.worker_heartbeat(self.prefix, self.name),
+                self.c.delete(keyspace.worker_heartbeat(self.prefix, self.name),
                               keyspace.worker_status(self.prefix, self.name))
-                self.r.srem(keyspace.worker_names(self.prefix), self.name)
+                self.c.srem(keyspace.worker_names(self.prefix), self.name)
             except RedisError:
                 pass
+        self.c.close()
         self.r.close()
         self.pr.close()
 
@@ -135,7 +141,8 @@ class RedisJobSource:
         """Hand back jobs read but not started (on shutdown): queued again at once, not after
         the visibility timeout. Their delivery was not counted as an attempt."""
         for entry_id, job_id, _ in self.intake.take_buffered():
-            self._call(self._retry, **self._retry_args(self._keys(job_id), entry_id, ""))
+            self._call(self._retry, **self._retry_args(self._keys(job_id), entry_id, ""),
+                       client=self.c)
             self.intake.release([entry_id])
 
     def unreachable_for(self) -> float:
@@ -148,7 +155,7 @@ class RedisJobSource:
         refresh the claim on held jobs."""
         ttl = keyspace.heartbeat_ttl_s(self.settings.heartbeat_s)
         held: list[Any] = self.intake.held()
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.c.pipeline(transaction=False)
         if self.ready():
             pipe.set(keyspace.worker_heartbeat(self.prefix, self.name), repr(time.time()), ex=ttl)
         pipe.sadd(keyspace.worker_names(self.prefix), self.name)
@@ -198,7 +205,7 @@ class RedisJobSource:
     def waiting_tenants(self) -> set[str]:
         """The tenants whose queues hold jobs (the fair scheduler's active set); none while
         Redis does not answer."""
-        found = self._call(lambda: self.r.zrange(self.queue.fair_active, 0, -1))
+        found = self._call(lambda: self.c.zrange(self.queue.fair_active, 0, -1))
         return {text(t) for t in found or ()}
 
     def take(self, max_jobs: int, max_samples: int, max_delay_s: float,
