@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from psgrad._errors import Overloaded, UnknownJob
+from psgrad._errors import Overloaded, TooLarge, UnknownJob
 from service.broker.redis import keyspace
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource, Taken
@@ -385,6 +385,33 @@ def test_a_worker_notices_a_stalled_redis_in_seconds_and_leaves_in_seconds(
             own.proc.send_signal(signal.SIGCONT)
     finally:
         source.close(deregister=False)
+        own.kill()
+
+
+async def test_an_api_started_before_redis_learns_its_value_limit(tmp_path: Path) -> None:
+    """An api started while Redis is down learns Redis's proto-max-bulk-len (2 MiB here) once
+    Redis answers, and again when Redis refuses a payload (its limit lowered to 1 MiB since):
+    a request past it is a 413 that names the limit, not a 503 "retry shortly" or a 500
+    ("invalid bulk length"), and the connection Redis cut is not handed to the next request."""
+    own = OwnRedis(tmp_path, "--proto-max-bulk-len", "2mb")
+    broker = RedisBroker(Settings(redis_url=own.url, redis_prefix="late", redis_timeout_s=0.5))
+    try:
+        await broker.start()  # Redis is not up: the api starts all the same, and says so
+        own.start()
+        fits = job(120_000)  # 1.4 MB of inputs
+        assert await broker.submit(fits) and (await broker.state(fits.id)).status is \
+            JobStatus.QUEUED
+        with redis.Redis.from_url(own.url) as admin:
+            admin.config_set("proto-max-bulk-len", "1mb")
+        for _ in range(2):  # the same refusal each time
+            with pytest.raises(TooLarge) as caught:
+                await broker.submit(job(120_000))  # 1.4 MB of inputs
+            assert "at most 1048576 bytes in one value" in caught.value.message
+            after = job()
+            assert await broker.submit(after)
+            assert (await broker.state(after.id)).status is JobStatus.QUEUED
+    finally:
+        await broker.close()
         own.kill()
 
 

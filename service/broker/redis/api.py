@@ -120,6 +120,7 @@ class RedisBroker:
         self.bulk = aioredis.Redis.from_url(
             settings.redis_url, **connection_kwargs(settings, bulk=True), max_connections=room)
         self.max_value_bytes = DEFAULT_MAX_VALUE_BYTES
+        self._learnt = False  # max_value_bytes read from Redis (at start, or once it answers)
         # BLPOP blocks longer than any socket timeout: its own pool, bounded by asyncio instead
         self.blocking = aioredis.Redis.from_url(
             settings.redis_url, **{**kwargs, "socket_timeout": None, "max_connections": 2 * room})
@@ -157,18 +158,27 @@ class RedisBroker:
                 for client in self._clients():
                     await client.connection_pool.disconnect(inuse_connections=False)
             except RedisError as exc:
+                if "Protocol error" in str(exc):  # Redis cut that connection: none kept
+                    for client in self._clients():
+                        await client.connection_pool.disconnect(inuse_connections=False)
                 raise self._translate(exc) from exc
         raise AssertionError("unreachable")
 
     async def start(self) -> None:
         try:
+            await self._learn()
+        except Overloaded as exc:  # the api still starts; it answers 503 until Redis is back
+            log.warning("Redis is not reachable at start-up: %s", exc.message)
+
+    async def _learn(self) -> None:
+        """What the api reads from Redis once it answers (at start, else at the first submit
+        that reaches it): the longest value it takes, and the workers' consumer group."""
+        try:
             config = await self._call(lambda: self.r.config_get("proto-max-bulk-len"))
             self.max_value_bytes = value_limit(config)
         except InternalError:  # CONFIG disabled: the default
             pass
-        except Overloaded as exc:  # the api still starts; it answers 503 until Redis is back
-            log.warning("Redis is not reachable at start-up: %s", exc.message)
-            return
+        self._learnt = True
         # The consumer group exists before any worker does (workers create it too): its lag,
         # the jobs queued, is what an autoscaler reads to start the first worker.
         stream = self.queue.stream
@@ -183,8 +193,8 @@ class RedisBroker:
         for client in self._clients():
             await client.aclose()
 
-    async def submit(self, job: Job, quotas: Quotas | None = None) -> bool:
-        payload, n = encode_payload(job)
+    def _fits(self, payload: bytes) -> None:
+        """A 413 for a payload past the longest value Redis takes."""
         if len(payload) > self.max_value_bytes:
             raise TooLarge(
                 f"the request takes {len(payload)} bytes in the job queue; Redis keeps at most "
@@ -192,6 +202,12 @@ class RedisBroker:
                 "splits a large batch for you), or raise Redis's proto-max-bulk-len (now "
                 f"{self.max_value_bytes})",
                 limit=self.max_value_bytes, size=len(payload))
+
+    async def submit(self, job: Job, quotas: Quotas | None = None) -> bool:
+        payload, n = encode_payload(job)
+        if not self._learnt:
+            await self._learn()
+        self._fits(payload)
         lim = limits(quotas, self.settings)
         if lim.queued_samples is not None and n > lim.queued_samples:
             raise too_large_for_quota(job.tenant, n, lim.queued_samples)
@@ -210,11 +226,11 @@ class RedisBroker:
             held = await self._call(lambda: self.r.hget(keys.state, "digest"))
             if held is not None:
                 return replayed(job, text(held))
-        if apart:  # first: a worker reads the payload once it finds the job in the stream
-            await self._call(lambda: asyncio.wait_for(
-                self.pieces_bulk.set(keys.payload, payload, ex=ttl), within))
         refused = ""
         try:
+            if apart:  # first: a worker reads the payload once it finds the job in the stream
+                await self._call(lambda: asyncio.wait_for(
+                    self.pieces_bulk.set(keys.payload, payload, ex=ttl), within))
             reply = await self._call(lambda: asyncio.wait_for(self._submit(
                 keys=[q.stream, keys.state, keys.payload, tenant_queue, q.fair_active,
                       q.fair_passes, q.fair_weights, q.fair_vtime, tenant_jobs, tenant_rate],
@@ -224,6 +240,11 @@ class RedisBroker:
                       lim.requests_per_s or 0, repr(lim.burst), job.digest or ""],
             ), within))
             refused, *detail = texts(reply)
+        except (InternalError, Overloaded):  # a 413 where Redis's limit was lowered since read
+            with contextlib.suppress(PsgradError):
+                await self._learn()
+            self._fits(payload)
+            raise
         finally:
             if apart and refused not in ("ok", "held"):  # no job names it (else it expires)
                 with contextlib.suppress(PsgradError):
