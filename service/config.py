@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     max_reference_set_bytes: int = 256 * 1024 * 1024  # one stored reference set's tensors
     max_elements: int = 256 * 1024 * 1024
     request_timeout_s: float = 120.0
+    # a job queued with POST /jobs: its deadline from when it is queued, long enough for the
+    # first worker to start where workers scale to zero (docs/kubernetes.md)
+    job_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 3600.0
     # the most a request waits past request_timeout_s while its worker plans its model: time
     # the server chose to spend, not the request's (docs/operations.md, cold starts)
     planning_grace_s: float = 900.0
@@ -163,6 +166,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "max_reference_set_bytes": BOTH,  # a set made (api); a store read by influence (worker)
     "max_elements": frozenset({API}),
     "request_timeout_s": frozenset({API}),
+    "job_timeout_s": frozenset({API}),
     "planning_grace_s": frozenset({API}),
     "warmup_timeout_s": BOTH,  # the warm-up jobs' deadline (api); the start-up bound (worker)
     "max_queue_depth": frozenset({API}),

@@ -399,7 +399,7 @@ async def test_deadline_gives_504_and_cancels_the_job() -> None:
 
 
 async def test_deadline_passed_in_the_queue_fails_the_job() -> None:
-    async with open_client(request_timeout_s=0.0) as c:
+    async with open_client(job_timeout_s=1e-9) as c:
         job = (await c.post("/jobs", json=TD0)).json()["job_id"]
         body = await finished_job(c, job)
     assert body["status"] == "failed" and body["error"]["code"] == "deadline_exceeded"

@@ -62,13 +62,15 @@ async def new_job(
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
     key: str | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[Job, bool]:
     """Decode the body, hold it to :class:`GradsRequest`, ``check`` it, enqueue it as
-    ``tenant``'s; the deadline is ``PSGRAD_REQUEST_TIMEOUT_S``. With an ``Idempotency-Key``
-    (``key``), every try of the request names one job, queued once. Answers the job and
-    whether this try queued it (:func:`submit_fields`)."""
+    ``tenant``'s; the deadline is ``timeout_s`` from now (default:
+    ``PSGRAD_REQUEST_TIMEOUT_S``). With an ``Idempotency-Key`` (``key``), every try of the
+    request names one job, queued once. Answers the job and whether this try queued it
+    (:func:`submit_fields`)."""
     fields = await decode_request(request, state.settings)
-    return await submit_fields(fields, state, tenant, check, key)
+    return await submit_fields(fields, state, tenant, check, key, timeout_s)
 
 
 async def submit_fields(
@@ -77,6 +79,7 @@ async def submit_fields(
     tenant: Tenant,
     check: Callable[[dict[str, Any], StateDep], Awaitable[None]] | None = None,
     key: str | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[Job, bool]:
     """A decoded body held to :class:`GradsRequest`, ``check``-ed and enqueued as
     ``tenant``'s (every route that takes a gradients request, whatever its wire form); a
@@ -97,7 +100,8 @@ async def submit_fields(
     if check is not None:
         await check(fields, state)
     job = Job(job_id, fields,
-              deadline=time.time() + state.settings.request_timeout_s, tenant=tenant.name,
+              deadline=time.time() + (timeout_s or state.settings.request_timeout_s),
+              tenant=tenant.name,
               digest=None if key is None else await run_in_threadpool(request_digest, fields))
     # Yield once before the broker call: requests that arrive together then decode in one turn
     # of the event loop and only afterwards arm their Redis timeouts, which a whole burst's
@@ -150,12 +154,7 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None, *
         done = st.status.done or st.answer is not None  # an answer landing: relay it
         if not done:
             expired = True
-            raise DeadlineExceeded(
-                f"no answer within {state.settings.request_timeout_s:g} s "
-                "(PSGRAD_REQUEST_TIMEOUT_S); the job was canceled: send smaller batches, or use "
-                "POST /jobs and poll GET /jobs/{id}",
-                timeout_s=state.settings.request_timeout_s,
-            )
+            raise await _expired(state)
         if st.status is JobStatus.FAILED:
             raise error_from_body(st.error, 500)
         # a kept answer names where it is kept, for its caller to DELETE once in hand
@@ -176,6 +175,18 @@ async def answer_of(state: StateDep, job: Job, request: Request | None = None, *
             await asyncio.shield(_cancel_quietly(state, job.id))
         if not relayed and not kept:
             await asyncio.shield(broker.forget(job.id))
+
+
+async def _expired(state: StateDep) -> DeadlineExceeded:
+    """The 504 of a request past its deadline: what to do, and whether any worker serves the
+    queue (none: a worker is down, or workers scaled to zero are starting)."""
+    timeout_s, job_timeout_s = state.settings.request_timeout_s, state.settings.job_timeout_s
+    why = ("no worker serves the queue now (GET /readyz); start one, or " if not await state.ready()
+           else "send smaller batches, or ")
+    return DeadlineExceeded(
+        f"no answer within {timeout_s:g} s (PSGRAD_REQUEST_TIMEOUT_S); the job was canceled: "
+        f"{why}use POST /jobs (a job waits up to {job_timeout_s:g} s, PSGRAD_JOB_TIMEOUT_S) "
+        "and poll GET /jobs/{id}", timeout_s=timeout_s)
 
 
 async def _wait(state: StateDep, job: Job, *, fresh: bool) -> JobState:

@@ -51,12 +51,15 @@ async def create_job(request: Request, state: StateDep, tenant: TenantDep,
                      key: IdempotencyKey = None) -> JSONResponse:
     """Queue the same body as ``POST /per-sample-grads``; poll ``GET /jobs/{job_id}``.
 
-    What the schema forbids, and a model or version that does not exist, is refused at once
+    The job waits for a worker up to ``PSGRAD_JOB_TIMEOUT_S`` (an hour) from now, past
+    ``PSGRAD_REQUEST_TIMEOUT_S``: long enough for a worker to start where none runs. What the
+    schema forbids, and a model or version that does not exist, is refused at once
     (4xx); what needs the model (shapes, names) fails the job. With an ``Idempotency-Key``,
     the request sent again (its answer lost) names the same job, queued once, while that job
     is kept (its result ``PSGRAD_RESULT_TTL_S``); the key sent with another body is a 422.
     """
-    job, queued = await new_job(request, state, tenant, check=_exists, key=key)
+    job, queued = await new_job(request, state, tenant, check=_exists, key=key,
+                                timeout_s=state.settings.job_timeout_s)
     status = JobStatus.QUEUED if queued else (await state.broker.state(job.id)).status
     return JSONResponse(
         {"job_id": job.id, "status": status.value},
