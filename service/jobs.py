@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from psgrad._answer_reader import AnswerReader
-from psgrad._errors import Overloaded, TooLarge
+from psgrad._errors import DeadlineExceeded, Overloaded, TooLarge
 from psgrad._types import JobStatus as JobStatus  # one status enum, server and client
 from psgrad._wire import RESPONSE_KEY
 from service.tenants import DEFAULT_TENANT, Quotas, key_reused, keyed_id
@@ -288,6 +288,18 @@ def batch_until(busy: bool, oldest_enqueued_at: float, max_delay_s: float) -> fl
 SMALLER_ANSWER = ("ask for summary outputs (norms, layer_norms, mean, variance, clipped_mean, dot) "
                   "instead of full per-sample grads, select fewer 'params', or send smaller "
                   "batches (psgrad.Client splits a large batch for you)")
+
+
+def missed_deadline(job_id: str, waited_s: float, *, retaken: bool = False) -> DeadlineExceeded:
+    """The failure of a job whose deadline passed before a worker could start it, after
+    ``waited_s`` seconds in the queue; ``retaken``: a worker took it before and stopped."""
+    return DeadlineExceeded(
+        f"job {job_id} waited {waited_s:.1f} s in the queue and its deadline passed before a "
+        + ("worker could start it again (the worker that took it first stopped)" if retaken
+           else "worker could start it")
+        + "; it was not computed: send it again when a worker serves the queue (GET /readyz), "
+        "or as POST /jobs, whose jobs wait up to PSGRAD_JOB_TIMEOUT_S",
+        waited_s=round(waited_s, 3))
 
 
 def answer_too_large(size: int, limit: int, what: str, setting: str) -> TooLarge:

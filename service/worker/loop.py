@@ -33,7 +33,6 @@ import torch
 
 from psgrad._contract import output
 from psgrad._errors import (
-    DeadlineExceeded,
     InternalError,
     Overloaded,
     PsgradError,
@@ -45,7 +44,7 @@ from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
 from service.dp.steps import on_result as count_dp_step
 from service.fast_stats import SharedPlans, warm_kernels
-from service.jobs import Job, JobSource, answer_too_large
+from service.jobs import Job, JobSource, answer_too_large, missed_deadline
 from service.registry import ModelRegistry, set_tf32
 from service.storage import Storage
 from service.strategies import per_sample
@@ -169,15 +168,8 @@ class Worker:
             # the monotonic deadline its source set: this host's wall clock may have stepped
             if (overdue := job.overdue_s()) > 0:
                 waited = job.deadline - job.enqueued_at + overdue
-                self._fail(
-                    job,
-                    DeadlineExceeded(
-                        f"job {job.id} waited {waited:.1f} s in the queue and its "
-                        "deadline passed before it could start: retry later, or use POST /jobs and "
-                        "poll for the result"
-                    ),
-                    retry=False,
-                )
+                self._fail(job, missed_deadline(job.id, waited, retaken=job.attempts > 1),
+                           retry=False)
             else:
                 live.append(job)
         if not live:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import redis
 from redis.exceptions import RedisError
 
-from psgrad._errors import BadRequest, DeadlineExceeded, JobFailed, PsgradError
+from psgrad._errors import BadRequest, JobFailed, PsgradError
 from psgrad._wire import RESPONSE_KEY, fields_from_safetensors, parts_size, safetensors_parts
 from service.broker.redis import keyspace
 from service.broker.redis.common import (
@@ -40,7 +40,7 @@ from service.broker.redis.lua import ATTEMPT_LUA, FINISH_LUA, PLANNING_LUA, RETR
 from service.broker.redis.writer import AnswerWriter
 from service.config import Settings
 from service.connections import connection_kwargs
-from service.jobs import Job, JobStatus
+from service.jobs import Job, JobStatus, missed_deadline
 from service.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
@@ -346,9 +346,9 @@ class RedisJobSource:
                 self._end_entry(job_id, JobStatus.FAILED, self._poison(state, attempts))
                 continue
             deadline = float(state.get("deadline", "inf"))
-            if deadline < now:
-                err = DeadlineExceeded("the job's deadline passed before a worker could take "
-                                       "it; it was not computed", waited_s=now - deadline)
+            if deadline < now:  # in the queue since it was queued (waited_s: Redis's clock)
+                err = missed_deadline(job_id, now - float(state.get("enqueued_at", deadline)),
+                                      retaken=int(attempts) > 1)
                 self._end_entry(job_id, JobStatus.FAILED, json.dumps(err.to_dict()))
                 continue
             try:
