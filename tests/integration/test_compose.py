@@ -186,6 +186,12 @@ def test_services_restart_and_workers_get_time_to_drain(gpu_config: dict[str, An
         assert seconds(service["stop_grace_period"]) >= 60, name
         assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert service["depends_on"]["redis-answers"]["condition"] == "service_healthy", name
+    # The api lets the synchronous requests in flight end after SIGTERM: their deadline and the
+    # planning grace, before compose kills it (it once did at 30 s, cutting them off).
+    api = gpu_config["services"]["api"]
+    env = {k: float(v) for k, v in api["environment"].items()
+           if k in ("PSGRAD_REQUEST_TIMEOUT_S", "PSGRAD_PLANNING_GRACE_S")}
+    assert seconds(api["stop_grace_period"]) >= sum(env.values()) and len(env) == 2
 
 
 def test_redis_keeps_the_queue(gpu_config: dict[str, Any]) -> None:
