@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -220,6 +221,30 @@ async def test_canceled_job_is_acknowledged_and_stays_canceled(
         assert state.status is JobStatus.CANCELED and state.error is None
         time.sleep(settings.visibility_timeout_s + 0.2)
         assert take_all(source) == []  # acknowledged: no other worker takes it over
+    finally:
+        source.close()
+        await broker.close()
+
+
+async def test_a_job_canceled_while_running_drops_its_end_as_info(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """A job canceled while its worker computes it (``DELETE /jobs/{id}``, a synchronous
+    request's 504): the worker's end is dropped, logged at INFO as a job that ended meanwhile,
+    not as a takeover by a later delivery (a WARNING, which it was, on every 504)."""
+    broker = RedisBroker(settings)
+    source = RedisJobSource(settings, name="w")
+    try:
+        j = job()
+        await broker.submit(j)
+        taken = take_all(source)
+        assert [t.id for t in source.started(taken)] == [j.id]
+        assert (await broker.cancel(j.id)).status is JobStatus.CANCELED
+        with caplog.at_level(logging.INFO, logger="service.broker.redis.worker"):
+            source.succeed(taken[0], {"norms": np.ones(2, dtype=np.float32)})
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if "dropped" in r.getMessage()]
+        assert said == [(logging.INFO, f"jobs {j.id}: ended meanwhile (canceled, deleted or "
+                                       "expired); this delivery's end is dropped")]
+        assert (await broker.state(j.id)).status is JobStatus.CANCELED
     finally:
         source.close()
         await broker.close()

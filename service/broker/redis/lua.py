@@ -226,12 +226,18 @@ return st
 # stale delivery (its job taken over: a later attempt counted) neither ends nor acknowledges the
 # job, whatever its status (a worker cut off, then back, must not fail the job its new owner is
 # answering): the owner does. Attempt 0: ends decided as the job is read (poison, expired).
+# Returns 1 where it ended the job, -1 for a stale delivery (a later attempt counted, the job
+# ended by it or not), 0 where the job ended otherwise meanwhile (canceled, deleted, expired).
 FINISH_LUA = UNCOUNT + """
 local st = redis.call('HGET', KEYS[1], 'status')
 local stored = 0
+local attempts = redis.call('HGET', KEYS[1], 'attempts')
+if ARGV[4] ~= '0' and attempts and attempts ~= ARGV[4] then
+  stored = -1
+end
 if st == 'queued' or st == 'running' then
-  if ARGV[4] ~= '0' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[4] then
-    return 0
+  if stored == -1 then
+    return -1
   end
   redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
   if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end

@@ -408,13 +408,16 @@ class RedisJobSource:
         if ok:
             for job_id, *_ in ends:
                 self._forget(job_id)
-            stale = [end[0] for end, done in zip(ends, stored, strict=True)
-                     if not done and end[3] and end[1] is not JobStatus.CANCELED]
-            if stale:  # or ended meanwhile (canceled, expired): either way not this answer
-                log.warning("jobs %s: taken over by a later delivery or ended meanwhile; this "
-                            "delivery's end is dropped", ", ".join(stale))
+            for code, what, say in ((-1, "taken over by a later delivery", log.warning),
+                                    (0, "ended meanwhile (canceled, deleted or expired)",
+                                     log.info)):
+                dropped = [end[0] for end, done in zip(ends, stored, strict=True)
+                           if done == code and end[3] and end[1] is not JobStatus.CANCELED]
+                if dropped:
+                    say("jobs %s: %s; this delivery's end is dropped", ", ".join(dropped), what)
             # payloads in the answers' Redis: the end script dropped only the queue's copy
-            ended = [keys[end[0]].payload for end, done in zip(ends, stored, strict=True) if done]
+            ended = [keys[end[0]].payload for end, done in zip(ends, stored, strict=True)
+                     if done == 1]
             if ended and self.pr is not self.r:
                 self._call(self.pr.delete, *ended)  # else they expire with their TTL
         return ok
