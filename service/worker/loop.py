@@ -98,7 +98,7 @@ class Worker:
         self.events = events or Events()  # what the loop reports: metrics, the status page
         self.result_limit = _result_limit(settings, source)
         self.warmed = threading.Event()  # set once :meth:`run`'s warm-ups ended: ready for jobs
-        self._to_warm: list[tuple[str, warmup.Shape]] = []
+        self._warm = True  # whether :meth:`run` warms the registered models up
         self._nested = 0  # jobs run between two chunks of another's (:meth:`_interleave`)
 
     def plan_warmup(self, warm: bool = True) -> None:
@@ -106,11 +106,25 @@ class Worker:
         warm-ups). Called before the loop's thread starts: not ready until :meth:`run` is
         through them."""
         self.warmed.clear()
-        try:
-            self._to_warm = warmup.wanted(self.registry.store) if warm else []
-        except Exception:
-            log.exception("listing the models to warm up failed; serving without")
-            self._to_warm = []
+        self._warm = warm
+
+    def _warmups(self, stop: threading.Event) -> list[tuple[str, warmup.Shape]]:
+        """The registered warm-ups, read from the model store: tried again each second while
+        it cannot be read (a worker started before its Redis), until ``stop`` or
+        ``PSGRAD_WARMUP_TIMEOUT_S``; then none, said in the log."""
+        end, failed = time.monotonic() + self.settings.warmup_timeout_s, False
+        while self._warm:
+            try:
+                return warmup.wanted(self.registry.store)
+            except Exception as exc:
+                if not failed:
+                    log.warning("listing the models to warm up failed (%s); trying again each "
+                                "second for up to PSGRAD_WARMUP_TIMEOUT_S", exc)
+                failed = True
+                if stop.wait(1.0) or time.monotonic() > end:
+                    log.error("could not list the models to warm up; serving without them")
+                    break
+        return []
 
     def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
         """Take and process batches until ``stop`` is set. First the warm-ups, and only then
@@ -127,7 +141,7 @@ class Worker:
         per_sample.warm_up()  # torch.func's one-time import, before the first job rather than in it
         if self.registry.device.type == "cpu":  # an accelerator's tensors never take them
             warm_kernels()  # the CPU's compiled loops (numba), likewise
-        self.warm(stop, self._to_warm)
+        self.warm(stop, self._warmups(stop))
         self.warmed.set()
         while not stop.is_set():
             try:
