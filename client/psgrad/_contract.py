@@ -82,10 +82,11 @@ class Field:
     def integer(self, value: Any) -> int | None:
         """``value`` as an integer in this field's range, None when unset; else 400 for what is
         no integer, 422 for one outside the range (numpy integers count, and whole numbers such
-        as ``3.0`` as JSON Schema's integers do; booleans do not)."""
+        as ``3.0`` as JSON Schema's integers do, however large: a JSON integer past 64 bits,
+        which orjson reads as a float, is refused as the integer it was; booleans do not)."""
         if value is None:
             return None
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        if isinstance(value, float) and value.is_integer():
             value = int(value)
         wrong = BadRequest if isinstance(value, bool) or not isinstance(
             value, numbers.Integral) else InvalidInput if not self._within(int(value)) else None

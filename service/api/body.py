@@ -250,8 +250,10 @@ def _decode_json(body: bytes, settings: Settings) -> dict[str, Any]:
 def loads(body: bytes) -> Any:
     """orjson's parse; the standard library's only for what orjson refuses.
 
-    The fallback keeps the extensions JSON clients commonly write (``NaN``, ``Infinity``,
-    integers past 64 bits) meaning what they did, so validation answers them as before.
+    The fallback keeps the extensions JSON clients commonly write (``NaN``, ``Infinity``, numbers
+    past float's range) meaning what they did, so validation answers them as before. orjson
+    reads an integer past 64 bits as a float: an integer field holds a whole float to its range
+    as the integer (:meth:`psgrad._contract.Field.integer`).
     """
     try:
         return orjson.loads(body)

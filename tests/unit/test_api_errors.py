@@ -322,6 +322,8 @@ async def test_gamma_outside_0_1_is_422_in_both_wire_forms() -> None:
     ({"noise_multiplier": "1"}, 400, "bad_request", "'noise_multiplier' must be a finite number"),
     ({"gamma": 10**400}, 422, "invalid_input", "'gamma' must be a finite number in [0, 1]"),
     ({"seed": 1.5}, 400, "bad_request", "'seed' must be an integer"),
+    ({"seed": 2**70}, 422, "invalid_input", "'seed' must be an integer in [0, 2**63); "
+     "got 1180591620717411303424"),  # orjson reads it as a float
     ({"outputs": ["norms", "nrms"]}, 422, "unknown_output", "nrms"),
     ({"outputs": [3]}, 400, "bad_request", "'outputs'"),
     ({"loss": "l7"}, 422, "unknown_loss", "l7"),
