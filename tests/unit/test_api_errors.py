@@ -528,6 +528,15 @@ DP_RUN = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0, "expected_b
           "dataset_size": 200, "delta": 1e-5, "max_epsilon": 0.45}
 
 
+async def test_a_dp_run_takes_numbers_as_the_gradients_request_does() -> None:
+    """An integer where a number goes, and a whole float where an integer goes."""
+    async with open_client() as c:
+        r = await c.post("/dp-runs", json={**DP_RUN, "clip_norm": 1, "dataset_size": 200.0,
+                                           "steps": 10.0})
+    assert r.status_code == 201, r.text
+    assert r.json()["clip_norm"] == 1.0 and r.json()["max_steps"] >= 1
+
+
 @pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-safetensors"])
 async def test_a_body_fastapi_parses_in_another_media_type_is_415(ctype: str | None) -> None:
     async with open_client() as c:
@@ -574,6 +583,10 @@ async def test_a_json_only_body_in_another_media_type_is_415(
     ({**DP_RUN, "clip_norm": "abc"}, 400, "bad_request", ["'clip_norm' should be a valid number",
                                                           "got 'abc'"]),
     ({**DP_RUN, "steps": 1.5}, 400, "bad_request", ["'steps'", "got 1.5"]),
+    ({**DP_RUN, "clip_norm": "1"}, 400, "bad_request", ["'clip_norm' should be a valid number",
+                                                       "got '1'"]),
+    ({**DP_RUN, "delta": True}, 400, "bad_request", ["'delta' should be a valid number"]),
+    ({**DP_RUN, "steps": "10"}, 400, "bad_request", ["'steps' should be a valid integer"]),
     ({**DP_RUN, "delta": 2.0}, 422, "invalid_input", ["'delta' should be less than 1", "got 2.0"]),
     ({**DP_RUN, "accountant": "gdp"}, 422, "invalid_input", ["'accountant'", "got 'gdp'"]),
     ({**DP_RUN, "delta": 2.0, "epsilon": 1.0}, 400, "bad_request", ["'delta'", "'epsilon'"]),

@@ -12,10 +12,10 @@ tenant's runs (``?tenant=`` narrows the list to one tenant).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
@@ -42,9 +42,18 @@ SAMPLING = ("The accounting assumes Poisson sampling: each record joins each bat
             "batches are not covered by this analysis (it then understates epsilon).")
 
 
+def _whole(value: Any) -> Any:
+    """A whole float (``1000.0``) as its integer, as the request contract reads one."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Whole = Annotated[int, BeforeValidator(_whole)]
+
+
 class DPRunCreate(BaseModel):
-    # JSON bodies may carry Infinity and NaN literals: every float must be finite
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # JSON bodies may carry Infinity and NaN literals: every float must be finite; strict as
+    # the gradients request is (no "1" for 1, no true for 1), a whole float an integer
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     model: str = Field(description="the model the run trains: an id, or 'id@version'",
                        examples=["mlp"])
     clip_norm: float = Field(gt=0, description="C: each sample's whole gradient is scaled by "
@@ -61,14 +70,14 @@ class DPRunCreate(BaseModel):
     expected_batch_size: float | None = Field(
         None, gt=0, le=1e9, description="q * N: the noisy sum is divided by this, not by the "
         "batch's actual size (Opacus's convention)")
-    dataset_size: int | None = Field(None, gt=0, le=10**12, description="N, records in the "
+    dataset_size: Whole | None = Field(None, gt=0, le=10**12, description="N, records in the "
                                      "training set")
     delta: float = Field(ge=1e-30, lt=1, description="the delta of (epsilon, delta)-DP, e.g. 1e-5 "
                          "(below 1 / dataset_size)")
     max_epsilon: float | None = Field(
         None, gt=0, le=1e3, description="the budget: a step that would pass it answers 409 "
         "privacy_budget_exhausted (default: target_epsilon)")
-    steps: int | None = Field(None, gt=0, le=10**6, description="planned steps")
+    steps: Whole | None = Field(None, gt=0, le=10**6, description="planned steps")
     epochs: float | None = Field(None, gt=0, le=1e4, description="planned epochs: "
                                  "int(epochs / sample_rate) steps")
     accountant: Literal["rdp", "prv"] = Field(
