@@ -250,7 +250,8 @@ def build_layer(index: int, layer: dict[str, Any]) -> nn.Module:
     try:
         return LAYERS[kind].make(**{k: _tuples(v) for k, v in named.items()})
     except (TypeError, ValueError, RuntimeError, AssertionError, ZeroDivisionError) as exc:
-        raise _refuse(index, kind, f"cannot be built from these arguments: {exc}") from exc
+        reason = str(exc).strip().split("\n")[0][:300]  # not torch's C++ stack after it
+        raise _refuse(index, kind, f"cannot be built from these arguments: {reason}") from exc
 
 
 def _input(spec: Any, layers: list[dict[str, Any]]) -> dict[str, Any]:

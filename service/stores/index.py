@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 from typing import Any
 
@@ -58,7 +59,8 @@ def check_factory(factory: object, width: int) -> str:
     try:
         _faiss().index_factory(width, factory, _faiss().METRIC_INNER_PRODUCT)
     except RuntimeError as exc:
-        reason = str(exc).strip().splitlines()[-1][:300]
+        # FAISS's own words, without the C++ function and source line it prefixes them with
+        reason = re.sub(r"^Error in .* at \S+:\d+: ", "", str(exc).strip().splitlines()[-1])[:300]
         raise InvalidInput(f"'index' {factory!r} is not a FAISS index of rows {width} wide: "
                            f"{reason}", index=factory) from None
     return factory

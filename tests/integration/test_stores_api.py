@@ -563,7 +563,8 @@ async def test_a_store_with_an_index_answers_through_it_and_says_so(
     c, _ = service
     bad = await c.put("/stores/ix", headers=ALICE, json={"model": "att", "projection_dim": DIM,
                                                          "index": "IVF,Nope"})
-    error(bad, 422, "invalid_input", "FAISS")
+    error(bad, 422, "invalid_input", "FAISS", "could not parse index string IVF,Nope")
+    assert ".cpp" not in bad.text and "faiss::" not in bad.text, bad.text  # not FAISS's C++
     r = await c.put("/stores/ix", headers=ALICE, json={
         "model": "att", "projection_dim": DIM, "projection_seed": SEED, "index": "IVF2,Flat"})
     assert r.status_code == 201 and r.json()["index"] == "IVF2,Flat", r.text

@@ -76,6 +76,7 @@ def test_new_weights_reuse_the_transformed_function(registry: ModelRegistry) -> 
     ([{"type": "Linear", "args": [4, {"x": 1}]}], "must be a number"),
     ([{"type": "Linear", "args": [4, 2, True, 1]}], "at most 3 positional"),
     ([{"type": "Linear", "args": [4, -2]}], "cannot be built"),
+    ([{"type": "Linear", "args": [4, 2**70]}], r"cannot be built from these arguments: [^\n]*$"),
     ([{"type": "Linear", "args": [4, 2], "extra": 1}], "unknown keys"),
     ([{"type": "GRU", "args": [4, 2], "kwargs": {"batch_first": False}}], "batch_first"),
     ([{"type": "TransformerEncoderLayer", "args": [4, 2],
