@@ -24,7 +24,7 @@ from psgrad._errors import InvalidInput, LossNotSupported, ShapeMismatch, TooLar
 from service.config import raise_setting
 from service.dp.steps import bind
 from service.engine import Batch, Options
-from service.losses import LOSSES
+from service.losses import LOSSES, Loss
 from service.outputs import OUTPUTS
 from service.registry import LoadedModel, ModelRegistry
 from service.validate.attribution import ReferenceSets, projection_of, references
@@ -120,12 +120,11 @@ def check_request(fields: dict[str, Any], model: LoadedModel, *,
         if numel != model.activation_numel:  # chunks are sized for what these sizes take
             model = replace(model, activation_numel=numel)
     batch = Batch(inputs=inputs, named=named)
+    _unread(fields, loss)
     if "targets" in loss.needs:
         batch.targets = (token_targets(fields.get("targets"), model, batch) if loss.tokens
                          else targets_of(fields.get("targets"), model, loss.classification, size))
     if fields.get("mask") is not None:
-        if "mask" not in loss.needs:
-            raise InvalidInput(f"'mask' is read by the token losses only, not by '{opts.loss}'")
         batch.mask = mask_of(fields["mask"], batch, model)
     if opts.loss == "td0":
         if named:
@@ -161,6 +160,20 @@ def check_request(fields: dict[str, Any], model: LoadedModel, *,
     return ParsedRequest(model, opts, batch, fields.get("answer_dtype") or ANSWER_DTYPES[0],
                          verify=_whole(fields.get("verify")) or 0,
                          verify_seed=_whole(fields.get("verify_seed")))
+
+
+LOSS_FIELDS = {"targets": "targets", "mask": "mask", "next_inputs": "next_inputs",
+               "rewards": "rewards", "dones": "dones", "gamma": "next_inputs"}  # read with
+
+
+def _unread(fields: dict[str, Any], loss: Loss) -> None:
+    """A 422 for a field that only some losses read, sent to another (``rewards`` with
+    ``cross_entropy``): refused, not ignored, so that a mistaken loss or field is said."""
+    for name, need in LOSS_FIELDS.items():
+        if fields.get(name) is not None and need not in loss.needs:
+            readers = [n for n, other in LOSSES.items() if need in other.needs]
+            raise InvalidInput(f"'{name}' is read by the loss {' or '.join(readers)} only, not "
+                               f"by '{loss.name}': leave it out, or ask for that loss")
 
 
 def check_options(fields: dict[str, Any], model: LoadedModel) -> Options:

@@ -277,6 +277,26 @@ def test_dones_must_be_zero_or_one(registry: ModelRegistry) -> None:
 # ------------------------------------------------------------------ non-finite values
 
 
+@pytest.mark.parametrize("extra, loss", [
+    ({"rewards": [1.0, 0.0]}, "cross_entropy"), ({"next_inputs": np.ones((2, 784))}, "margin"),
+    ({"dones": [0, 1]}, "mse"), ({"gamma": 0.9}, "cross_entropy"),
+    ({"mask": np.ones((2, 3))}, "cross_entropy"),
+])
+def test_a_field_its_loss_does_not_read_is_refused(
+        registry: ModelRegistry, extra: dict[str, Any], loss: str) -> None:
+    """A field only some losses read (td0's, the token losses' mask), sent with another loss,
+    is a 422 naming the field and the losses that read it: refused, not ignored."""
+    name = next(iter(extra))
+    readers = "td0" if name != "mask" else "token_cross_entropy or next_token"
+    refused(registry, {**mlp_body(), "loss": loss, **extra}, InvalidInput,
+            f"'{name}' is read by the loss {readers} only, not by '{loss}'")
+
+
+def test_a_td0_request_refuses_targets(registry: ModelRegistry) -> None:
+    refused(registry, {**TD0, "targets": [0, 1]}, InvalidInput,
+            "'targets' is read by the loss cross_entropy or nll or margin or mse")
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_inputs_and_weights(registry: ModelRegistry, bad: float) -> None:
     body = mlp_body()
@@ -294,7 +314,8 @@ def test_non_finite_inputs_and_weights(registry: ModelRegistry, bad: float) -> N
     )
     refused(
         registry,
-        {**TD0, "loss": "mse", "targets": np.array([1, bad], np.float32)},
+        {"model": "linear-value", "loss": "mse", "inputs": TD0["inputs"],
+         "targets": np.array([1, bad], np.float32)},
         NonFinite,
         "targets",
     )
