@@ -33,8 +33,8 @@ from typing import Any, Literal, get_args
 import numpy as np
 from scipy.linalg import cho_factor, cho_solve
 
-from psgrad._contract import Field
-from psgrad._errors import Conflict, InvalidInput
+from psgrad._contract import Field, shown
+from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.stores.files import Manifest, StoreFiles, widened
 from service.stores.index import INDEXED, PROBES
 from service.stores.spec import MAX_EXACT_WIDTH
@@ -72,6 +72,11 @@ class Found:
 
 
 def check_score(score: object) -> str:
+    """``score`` as one of :data:`SCORES`: 400 for what is no string (``null``, ``5``), 422 for a
+    string that names none, as the request contract answers a choice."""
+    if not isinstance(score, str):
+        raise BadRequest(f"'score' must be a string, one of {', '.join(SCORES)}; got "
+                         f"{shown(score)}", known=list(SCORES))
     if score not in SCORES:
         raise InvalidInput(f"unknown score {score!r}; known: {', '.join(SCORES)}",
                            known=list(SCORES))

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psgrad._errors import Conflict, InvalidInput, NonFinite, NotFound, TooLarge
+from psgrad._errors import BadRequest, Conflict, InvalidInput, NonFinite, NotFound, TooLarge
 from service import redis_keys
 from service.api.routes.stores import _doc as described
 from service.stores import files as files_module
@@ -381,6 +381,11 @@ def test_definitions_and_deletion(tmp_path: Path) -> None:
     assert not store.delete("s") and store.spec("s") is None
     with pytest.raises(InvalidInput, match="unknown score"):
         check_score("influence")
+    for sent in (None, 5, ["dot"]):  # no string: the wrong type, a 400 as the contract's
+        with pytest.raises(BadRequest, match="'score' must be a string, one of dot, cosine"
+                           ) as caught:
+            check_score(sent)
+        assert caught.value.status == 400
 
 
 def test_an_append_to_a_deleted_store_is_refused(tmp_path: Path) -> None:
