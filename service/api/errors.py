@@ -96,7 +96,9 @@ def schema_refusal(errors: Sequence[Any], known: Collection[str] = (),
     for e in errors:
         kind, loc = str(e.get("type", "")), [str(x) for x in e.get("loc", ())]
         name = ".".join(loc)
-        said = str(e.get("msg", "")).removeprefix("Input ")
+        # pydantic's "Input should be ...", "String should have ...": the field is named before
+        said = re.sub(r"^(Input|String|List|Dictionary|Tuple|Set) should", "should",
+                      str(e.get("msg", "")))
         unreadable |= kind in _UNREADABLE or kind.endswith(("_type", "_parsing")) or not loc
         if kind == "json_invalid":
             problems.append(f"the body is not valid JSON: {e.get('ctx', {}).get('error', said)}")
@@ -138,7 +140,7 @@ async def _validation(request: Request, exc: Exception) -> JSONResponse:
         known = list(schema.model_fields) if isinstance(schema, type) and issubclass(
             schema, BaseModel) else []
     place = places.pop() if len(places) == 1 else ()
-    what = {("query",): "the query", ("path",): "the path", ("header",): "the headers"}.get(
+    what = {("query",): "the query", ("path",): "the path", ("header",): "a header"}.get(
         place, "the request")
     inside = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in errors]
     return _shaped(request, error_response(schema_refusal(inside, known, what)))

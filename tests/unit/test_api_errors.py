@@ -407,6 +407,16 @@ async def test_deadline_passed_in_the_queue_fails_the_job() -> None:
     assert body["status"] == "failed" and body["error"]["code"] == "deadline_exceeded"
 
 
+@pytest.mark.parametrize("key, said", [("k" * 129, "should have at most 128 characters"),
+                                       ("two\tkeys", "should match pattern")])
+async def test_a_malformed_idempotency_key_is_refused_naming_the_header(
+        key: str, said: str) -> None:
+    async with open_client() as c:
+        r = await c.post("/jobs", json=TD0, headers={"Idempotency-Key": key})
+    err = _error(r, 422, "invalid_input")
+    assert err["message"].startswith(f"a header is invalid: 'Idempotency-Key' {said}"), err
+
+
 async def test_queue_full_gives_503_with_retry_after() -> None:
     async with open_client(workers=0, max_queue_depth=1) as c:
         assert (await c.post("/jobs", json=TD0)).status_code == 202
