@@ -27,6 +27,7 @@ from safetensors.torch import save as st_save
 
 from models import ZOO, get_family
 from models.sequential import trace
+from psgrad._contract import shown
 from psgrad._errors import (
     BadRequest,
     Conflict,
@@ -106,7 +107,7 @@ def register(registry: ModelRegistry, model_id: str, body: Any, limits: Limits) 
     if not isinstance(architecture, str) or architecture not in ZOO:
         known = ZOO.names()
         raise InvalidModelSpec(f"'architecture' must be one of {', '.join(known)}; got "
-                               f"{str(architecture)[:80]!r}", known=known)
+                               f"{shown(architecture)}", known=known)
     sequential = architecture == "sequential"
     allowed = {"architecture", "weights", *(SPEC_KEYS if sequential else ("config",))}
     unknown = sorted(set(body) - allowed)

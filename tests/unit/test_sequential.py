@@ -103,6 +103,13 @@ def test_bad_specs_are_refused_naming_the_layer(layers: list, match: str,
     assert registry.store.ids() == []
 
 
+@pytest.mark.parametrize("sent, said", [(5, "got 5$"), ("5", "got '5'$"), (None, "got None$")])
+def test_an_unknown_architecture_is_refused_showing_what_was_sent(
+        sent: object, said: str, registry: ModelRegistry) -> None:
+    with pytest.raises(InvalidModelSpec, match="'architecture' must be one of .*mlp.*" + said):
+        registration.register(registry, "bad", {**MLP, "architecture": sent}, LIMITS)
+
+
 def test_mean_over_several_dims(registry: ModelRegistry) -> None:
     spec = {**MLP, "layers": [{"type": "Mean", "kwargs": {"dim": [1, 2]}},
                               {"type": "Linear", "args": [2, 2]}], "input": {"shape": [4, 3, 2]}}
