@@ -208,8 +208,9 @@ def mask_of(value: Any, batch: Batch, model: LoadedModel) -> torch.Tensor:
 def targets_of(value: Any, model: LoadedModel, classification: bool, size: int) -> torch.Tensor:
     arr = _array(value, "targets")
     if arr.shape[:1] != (size,):
-        raise ShapeMismatch(f"'targets' has {arr.shape[0] if arr.ndim else 0} entries for "
-                            f"{size} samples: send one target per sample")
+        raise ShapeMismatch(f"'targets' has {arr.shape[0]} entries for {size} samples: send "
+                            "one target per sample" if arr.ndim else f"'targets' is one number for "
+                            f"{size} samples: send a list, one target per sample")
     if classification:
         n_classes = model.output_shape[-1] if model.output_shape else 1
         if arr.ndim != 1:

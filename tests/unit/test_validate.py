@@ -243,6 +243,8 @@ def test_batch_over_the_limit(registry: ModelRegistry) -> None:
 
 def test_targets_of_the_wrong_length(registry: ModelRegistry) -> None:
     refused(registry, mlp_body(3, targets=[1, 2]), ShapeMismatch, "2 entries", "3 samples")
+    refused(registry, mlp_body(3, targets=1), ShapeMismatch, "'targets' is one number for 3 "
+            "samples: send a list")
     refused(registry, mlp_body(2, targets=[[1], [2]]), ShapeMismatch, "[B]")
     mse = mlp_body(2, loss="mse")
     refused(registry, {**mse, "targets": np.zeros((2, 9), np.float32)}, ShapeMismatch, "[2, 10]")
