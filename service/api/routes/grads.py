@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from psgrad._errors import (
     DeadlineExceeded,
     JobCanceled,
+    Overloaded,
     PrivacyBudgetExhausted,
     UnknownJob,
     error_from_body,
@@ -41,6 +42,11 @@ from service.tenants import Tenant, owned_name
 from service.validate import parse_request
 
 router = APIRouter(tags=["per-sample gradients"])
+
+# a waiting request rides out an outage of the queue this long (a Redis restarted, failed over):
+# its job is kept there and its worker goes on, so the answer may still come
+OUTAGE_S = 10.0
+OUTAGE_POLL_S = 0.25
 
 REQUEST_BODY = request_body(GradsRequest, "JSON, or a safetensors file with the tensor fields "
                             "as tensors and the other fields as JSON in the metadata key "
@@ -192,12 +198,21 @@ async def _expired(state: StateDep) -> DeadlineExceeded:
 async def _wait(state: StateDep, job: Job, *, fresh: bool) -> JobState:
     """The job's state once done, or once its deadline passed; the time its worker spent
     planning the model (up to ``PSGRAD_PLANNING_GRACE_S``) moves the deadline on. ``fresh``:
-    the job was queued just now, for this waiter alone (:meth:`service.jobs.Broker.wait`)."""
-    granted = 0.0
+    the job was queued just now, for this waiter alone (:meth:`service.jobs.Broker.wait`).
+    The queue unreachable (503) is waited through for up to ``OUTAGE_S``, within the deadline."""
+    granted, lost = 0.0, None
     while True:
-        st = await state.broker.wait(job.id, max(0.0, job.deadline + granted - time.time()),
-                                     fresh=fresh)
-        fresh = False
+        try:
+            st = await state.broker.wait(job.id, max(0.0, job.deadline + granted - time.time()),
+                                         fresh=fresh)
+        except Overloaded:
+            lost = lost or time.monotonic()
+            if time.monotonic() - lost > OUTAGE_S or time.time() > job.deadline + granted:
+                raise
+            await asyncio.sleep(OUTAGE_POLL_S)
+            fresh = False  # its end may have come meanwhile: read the state first
+            continue
+        lost, fresh = None, False
         if st.status.done or st.answer is not None:
             return st
         more = min(st.planning_s, state.settings.planning_grace_s)
