@@ -167,6 +167,9 @@ HUGE = 1180591620717411303424  # 2**70
                            "data": [-1, *[1] * 5]}]}, 422, "UINT8 numbers"),
     ({"inputs": [{"name": "inputs", "shape": [4294967296, 4294967296, 4], "datatype": "FP32",
                   "data": []}, GOOD[1]]}, 413, "elements; the limit is"),
+    ({"inputs": [{"name": "inputs", "shape": [6, 8], "datatype": "FP32",
+                  "parameters": {"binary_data_size": 192}}, GOOD[1]]}, 422,
+     "binary_data_size 192 does not hold [6, 8] FP32 (192 bytes) in the 0 bytes left"),
 ])
 def test_a_bad_request_is_a_protocol_error_naming_what_to_fix(
         url: str, doc: dict[str, Any], status: int, word: str) -> None:

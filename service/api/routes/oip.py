@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from psgrad import __version__
@@ -70,7 +70,7 @@ class InferTensor(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(description="a gradients request's tensor field: inputs, targets, mask, "
                       "a named input, weights/<param>, reference/<param>, ...")
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
     datatype: Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "UINT16", "UINT32",
                       "UINT64", "FP16", "FP32", "FP64"]
     data: list[Any] | None = None
@@ -79,8 +79,8 @@ class InferTensor(BaseModel):
 
 class TensorParameters(BaseModel):
     model_config = ConfigDict(extra="allow")
-    binary_data_size: StrictInt | None = Field(None, ge=0, description="the tensor's bytes "
-                                               "after the JSON header (binary-data extension)")
+    binary_data_size: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = Field(
+        None, description="the tensor's bytes after the JSON header (binary-data extension)")
 
 
 class OutputParameters(BaseModel):
@@ -281,9 +281,8 @@ def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byte
         if not 0 <= n <= len(body):
             raise BadRequest(f"{HEADER_LENGTH} is {n} but the body has {len(body)} bytes")
         header, binary = body[:n], body[n:]
-    doc = loads(header)
-    try:  # what is read below has the shapes and types InferRequest states
-        InferRequest.model_validate(doc)
+    try:  # what is read below is as InferRequest reads it (a shape's 8.0 as 8), what was set
+        doc = InferRequest.model_validate(loads(header)).model_dump(exclude_unset=True)
     except ValidationError as exc:
         raise schema_refusal(exc.errors(), InferRequest.model_fields, "the inference request"
                              ) from None
@@ -314,8 +313,8 @@ def _fields(doc: dict[str, Any], binary: bytes, max_elements: int
             fields[field] = arr
     tensors_where_taken(fields, KNOWN, TENSORS)  # 'seed' as an input: a parameter
     if offset != len(binary):
-        raise BadRequest(f"the inputs' binary_data_size add up to {offset} bytes; the body has "
-                         f"{len(binary)} after the JSON header")
+        raise InvalidInput(f"the inputs' binary_data_size add up to {offset} bytes; the body has "
+                           f"{len(binary)} after the JSON header")
     asked: dict[str, bool] = {}
     for spec in doc.get("outputs") or []:
         out_params = spec.get("parameters") or {}
@@ -358,8 +357,9 @@ def _tensor(spec: Any, binary: bytes, offset: int, max_elements: int
     size = (spec.get("parameters") or {}).get("binary_data_size")
     if size is not None:
         if size != count * dtype.itemsize or offset + size > len(binary):
-            raise BadRequest(f"input '{name}': binary_data_size {size} does not hold {shape} "
-                             f"{datatype} ({count * dtype.itemsize} bytes) in what is left")
+            raise InvalidInput(f"input '{name}': binary_data_size {size} does not hold {shape} "
+                               f"{datatype} ({count * dtype.itemsize} bytes) in the "
+                               f"{len(binary) - offset} bytes left after the JSON header")
         return np.frombuffer(binary, dtype.newbyteorder("<"), count, offset).reshape(shape), size
     try:
         arr = np.asarray(spec.get("data"), dtype=dtype)
