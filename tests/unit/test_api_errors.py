@@ -597,6 +597,7 @@ async def test_a_json_only_body_in_another_media_type_is_415(
                                                        "got '1'"]),
     ({**DP_RUN, "delta": True}, 400, "bad_request", ["'delta' should be a valid number"]),
     ({**DP_RUN, "steps": "10"}, 400, "bad_request", ["'steps' should be a valid integer"]),
+    ({**DP_RUN, "model": ""}, 422, "invalid_input", ["'model' should have at least 1 character"]),
     ({**DP_RUN, "delta": 2.0}, 422, "invalid_input", ["'delta' should be less than 1", "got 2.0"]),
     ({**DP_RUN, "accountant": "gdp"}, 422, "invalid_input", ["'accountant'", "got 'gdp'"]),
     ({**DP_RUN, "delta": 2.0, "epsilon": 1.0}, 400, "bad_request", ["'delta'", "'epsilon'"]),

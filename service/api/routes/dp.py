@@ -54,7 +54,8 @@ class DPRunCreate(BaseModel):
     # JSON bodies may carry Infinity and NaN literals: every float must be finite; strict as
     # the gradients request is (no "1" for 1, no true for 1), a whole float an integer
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    model: str = Field(description="the model the run trains: an id, or 'id@version'",
+    model: str = Field(min_length=1, description="the model the run trains: an id, or "
+                       "'id@version'",
                        examples=["mlp"])
     clip_norm: float = Field(gt=0, description="C: each sample's whole gradient is scaled by "
                              "min(1, C / |g|) (clip_form 'opacus': C / (|g| + 1e-6))")
