@@ -38,7 +38,7 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
     for JSON lists); numpy arrays and tensors keep theirs.
     """
     if isinstance(value, np.ndarray):
-        return value
+        return numbers(value, name)
     torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
     if torch is not None and isinstance(value, torch.Tensor):
         tensor = value.detach().cpu()
@@ -49,10 +49,17 @@ def to_numpy(value: Any, name: str) -> np.ndarray:
         arr = np.asarray(value)
     except (ValueError, TypeError) as exc:
         raise BadRequest(f"'{name}' is not a rectangular array of numbers: {exc}") from exc
-    if arr.dtype.kind not in "biuf":
-        raise BadRequest(f"'{name}' must hold numbers or booleans; got {arr.dtype}")
+    numbers(arr, name)
     if arr.dtype == np.float64 and not isinstance(value, np.generic):
         arr = arr.astype(np.float32)
+    return arr
+
+
+def numbers(arr: np.ndarray, name: str) -> np.ndarray:
+    """``arr``, where it holds numbers or booleans; else a 400 naming it (strings, objects,
+    complex numbers: no request field holds them)."""
+    if arr.dtype.kind not in "biuf":
+        raise BadRequest(f"'{name}' must hold numbers or booleans; got {arr.dtype}")
     return arr
 
 

@@ -141,6 +141,23 @@ def test_floating_arrays_take_the_models_dtype_and_integers_stay_integers() -> N
         assert _asked(seen) == ["/models/m"]  # once per model, not once per request
 
 
+@pytest.mark.parametrize("bad", [np.array([["a"] * 3] * 2), np.array([[None] * 3] * 2),
+                                 np.ones((2, 3), np.complex64)],
+                         ids=["strings", "objects", "complex"])
+async def test_a_numpy_array_of_what_is_no_number_is_refused_before_sending(
+        bad: np.ndarray) -> None:
+    """As a list of such values is: a 400 naming the field, from either client, nothing sent
+    (it reached the encoder, which raised safetensors' own error)."""
+    transport, seen = recorder()
+    with psgrad.Client("http://fake", transport=transport) as client, pytest.raises(
+            psgrad.BadRequest, match="'inputs' must hold numbers or booleans"):
+        client.per_sample_grads("m", bad, np.array([0, 2]), outputs=["norms"])
+    async with psgrad.AsyncClient("http://fake", transport=transport) as aclient:
+        with pytest.raises(psgrad.BadRequest, match="'targets' must hold numbers"):
+            await aclient.per_sample_grads("m", np.ones((2, 3)), bad[:, 0], outputs=["norms"])
+    assert not [r for r in seen if r.method == "POST"]
+
+
 def test_float32_and_integer_requests_ask_nothing() -> None:
     transport, seen = recorder()
     with psgrad.Client("http://fake", transport=transport) as client:
