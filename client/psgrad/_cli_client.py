@@ -122,9 +122,12 @@ def add_commands(sub: Any) -> None:
 
 
 def _json_arg(text: str) -> Any:
-    raw = Path(text[1:]).read_text() if text.startswith("@") else text
+    """JSON, or ``@file`` holding it: else a usage error saying which."""
     try:
+        raw = Path(text[1:]).read_text() if text.startswith("@") else text
         return json.loads(raw)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {exc.strerror}") from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
 
@@ -199,11 +202,15 @@ def cmd_models_upload(args: argparse.Namespace) -> int:
 
 
 def cmd_models_download(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     with _client(args) as client:
         weights = client.models.download_weights(args.model)
-    save_file(weights, str(args.output))
+    try:
+        save_file(weights, str(args.output))
+    except SafetensorError as exc:  # the Rust writer's words for a path it cannot write
+        raise OSError(f"cannot write {args.output}: {exc}") from None
     print(f"{len(weights)} tensors -> {args.output}", file=sys.stderr)
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from psgrad._client import Client
@@ -79,7 +80,10 @@ def load_array(spec: str, *, default_name: str | None = None) -> np.ndarray:
         except ValueError as exc:  # object arrays need pickle: refused
             raise BadRequest(f"{path}: {exc}; save plain numeric arrays (no pickles)") from None
     if suffix == ".safetensors":
-        tensors = load_file(path)
+        try:
+            tensors = load_file(path)
+        except SafetensorError as exc:  # not a safetensors file, or one of a dtype numpy lacks
+            raise BadRequest(f"{path} is not a safetensors file numpy can read: {exc}") from None
         if name:
             if name not in tensors:
                 raise BadRequest(f"{path} has no tensor {name!r}; it has: {', '.join(tensors)}")

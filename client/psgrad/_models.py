@@ -16,6 +16,7 @@ import httpx
 
 from psgrad._arrays import param_arrays, state_dict_bytes, weights_from_bytes
 from psgrad._base import BaseClient, Call
+from psgrad._contract import shown
 from psgrad._errors import BadRequest
 from psgrad._types import ModelInfo
 from psgrad._wire import SAFETENSORS, fields_to_json
@@ -35,6 +36,19 @@ def model_path(model_id: str, suffix: str = "") -> str:
     return f"/models/{quote(model_id, safe='@')}{suffix}"
 
 
+def _object(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise BadRequest(f"{name} must be a JSON object ({{...}}); got {shown(value)}")
+    return dict(value)
+
+
+def _sequence(value: Any, name: str) -> list[Any]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise BadRequest(f"'{name}' must be a list of layers ([{{...}}, ...]); got "
+                         f"{shown(value)}")
+    return list(value)
+
+
 def register_body(
     architecture: str,
     config: Mapping[str, Any] | None,
@@ -47,9 +61,10 @@ def register_body(
     """The JSON of ``PUT /models/{id}``; weights keep their dtypes (they define the model)."""
     body: dict[str, Any] = {"architecture": architecture}
     extra = {
-        "config": None if config is None else dict(config),
-        "layers": None if layers is None else [dict(x) for x in layers],
-        "input": None if input is None else dict(input),
+        "config": None if config is None else _object(config, "'config'"),
+        "layers": None if layers is None else [_object(x, "each layer")
+                                               for x in _sequence(layers, "layers")],
+        "input": None if input is None else _object(input, "'input'"),
         "default_loss": default_loss,
         "losses": None if losses is None else list(losses),
     }

@@ -10,6 +10,8 @@ import torch
 
 import service.cli
 from psgrad import _cli
+from service.api import create_app
+from tests.support.api import serving, settings
 
 
 def test_the_server_adds_its_commands_through_the_entry_point() -> None:
@@ -59,3 +61,38 @@ def test_a_weights_path_that_is_no_file_is_named_in_one_line(tmp_path: Path, giv
     message = str(stopped.value)
     assert message.startswith(f"psgrad: error: {path} is ") and "\n" not in message
     assert ("a directory" if given == "directory" else "not found") in message
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], code: int, *words: str) -> None:
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("psgrad: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_a_file_that_is_no_safetensors_or_json_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What a user points the commands at, read wrongly, is one line and exit 1: a corrupt
+    .safetensors input, a --config that is JSON but no object; an @file that does not exist
+    is argparse's usage error. Nothing reaches the (absent) server."""
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    off = ["--url", "http://127.0.0.1:9"]
+    _one_line(capsys, _cli.main(["grads", "m", "--inputs", str(bad), "-o",
+                                 str(tmp_path / "o.safetensors"), *off]),
+              f"{bad} is not a safetensors file numpy can read")
+    for flag, value, said in (("--config", "[1, 2]", "'config' must be a JSON object"),
+                              ("--input", "[4]", "'input' must be a JSON object")):
+        args = ["models", "register", "m", "--architecture", "mlp", flag, value, *off]
+        _one_line(capsys, _cli.main(args), said)
+    with pytest.raises(SystemExit) as stopped:
+        _cli.main(["models", "register", "m", "--architecture", "mlp", "--config",
+                   f"@{tmp_path / 'missing.json'}", *off])
+    assert stopped.value.code == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_a_download_to_a_path_it_cannot_write_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with serving(create_app(settings(workers=1))) as url:
+        code = _cli.main(["models", "download", "mlp", str(tmp_path / "no" / "w.safetensors"),
+                          "--url", url])
+    _one_line(capsys, code, "cannot write", str(tmp_path / "no" / "w.safetensors"))
