@@ -16,6 +16,7 @@ import contextlib
 import email.utils
 import itertools
 import json
+import math
 import os
 import random
 import time
@@ -123,6 +124,31 @@ class Stepping(Generic[T]):
         return step
 
 
+def _url(url: object) -> str:
+    """The server's URL, without its trailing slash; a ValueError saying what is wrong with
+    one that is no http(s) URL (``127.0.0.1:8000``, a port that is no number), at once rather
+    than as a connection that failed after the retries."""
+    try:
+        parsed = httpx.URL(url) if isinstance(url, str) else None
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"the server's URL {url!r} is invalid: {exc}") from None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"the server's URL must be http://host:port or https://host:port; got "
+                         f"{url!r}")
+    return str(url).rstrip("/")
+
+
+def _key(key: str | None) -> str | None:
+    """The API key as sent in a header: printable ASCII without spaces at its ends (a key
+    read from a file keeps its newline); else a ValueError that says so."""
+    if not key:
+        return None
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise ValueError("the API key must be printable ASCII without spaces or a newline at "
+                         "its ends (strip a key read from a file)")
+    return key
+
+
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One HTTP exchange, described: what to send, and how to read its 2xx answer.
@@ -208,8 +234,12 @@ class BaseClient:
         binary: bool = True,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.base_url = (base_url or os.environ.get(ENV_URL) or DEFAULT_BASE_URL).rstrip("/")
-        self.api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY) or None
+        self.base_url = _url(base_url or os.environ.get(ENV_URL) or DEFAULT_BASE_URL)
+        self.api_key = _key(api_key if api_key is not None else os.environ.get(ENV_API_KEY))
+        if not isinstance(timeout, httpx.Timeout) and timeout is not None and not (
+                isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+            raise ValueError(f"timeout must be a number of seconds > 0 (or None: no limit); "
+                             f"got {timeout!r}")
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")

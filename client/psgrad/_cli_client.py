@@ -251,7 +251,8 @@ def write_result(result: GradsResult, path: Path) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
-    """Run a client command, printing a psgrad error as one line (exit status 1)."""
+    """Run a client command, printing a psgrad error, a file's or an argument's as one line
+    (exit status 1)."""
     from psgrad._errors import PsgradError
 
     try:
@@ -260,6 +261,6 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         rid = f" (request {exc.request_id})" if exc.request_id else ""
         print(f"psgrad: error: {type(exc).__name__}: {exc.message}{rid}", file=sys.stderr)
         return 1
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # a file, or an argument the client refuses
         print(f"psgrad: error: {exc}", file=sys.stderr)
         return 1

@@ -88,6 +88,10 @@ def test_a_file_that_is_no_safetensors_or_json_is_one_line(
         _cli.main(["models", "register", "m", "--architecture", "mlp", "--config",
                    f"@{tmp_path / 'missing.json'}", *off])
     assert stopped.value.code == 2 and "cannot read" in capsys.readouterr().err
+    for args, said in ((["models", "list", "--url", "127.0.0.1:9"], "must be http://host"),
+                       (["models", "list", "--api-key", "k1\n", *off], "strip a key"),
+                       (["models", "list", "--timeout", "-5", *off], "timeout must be")):
+        _one_line(capsys, _cli.main(args), said)
 
 
 def test_a_download_to_a_path_it_cannot_write_is_one_line(

@@ -97,6 +97,28 @@ async def test_the_async_client_takes_the_url_positionally() -> None:
         assert client.base_url == "http://other:1"
 
 
+@pytest.mark.parametrize("kwargs, said", [
+    ({"base_url": "127.0.0.1:8000"}, "must be http://host:port"),
+    ({"base_url": "ftp://host"}, "must be http://host:port"),
+    ({"base_url": "http://127.0.0.1:notaport"}, "is invalid"),
+    ({"base_url": 18555}, "must be http://host:port"),
+    ({"api_key": "k1\n"}, "strip a key read from a file"),
+    ({"api_key": "caf\u00e9"}, "printable ASCII"),
+    ({"timeout": -5}, "timeout must be a number of seconds > 0"),
+    ({"timeout": float("nan")}, "timeout must be"),
+    ({"timeout": float("inf")}, "timeout must be"),
+])
+async def test_a_client_refuses_a_setting_it_cannot_use_at_once(
+        kwargs: dict[str, Any], said: str) -> None:
+    """A URL that is no http(s) URL, an API key no header can carry and a timeout that is
+    no positive number are refused as the client is made, saying what is wrong, rather than
+    as a connection that failed after its retries ("is the server running?") or httpx's own
+    words."""
+    for make in (psgrad.Client, psgrad.AsyncClient):
+        with pytest.raises(ValueError, match=said):
+            make(**{"base_url": "http://127.0.0.1:9", **kwargs})
+
+
 def test_without_a_url_the_environment_still_decides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSGRAD_URL", "http://from-env:9000")
     with psgrad.Client() as client, psgrad.Client(None) as none:
