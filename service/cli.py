@@ -111,7 +111,7 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("--host", default=None,
                    help="interface to bind (default: PSGRAD_LISTEN_HOST, else 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=_port, default=None,
                    help="port (default: PSGRAD_LISTEN_PORT, else 8000)")
     p.add_argument("--workers", type=int, default=None,
                    help="embedded worker threads (default: PSGRAD_WORKERS, 1)")
@@ -125,10 +125,28 @@ def add_commands(sub: Any) -> None:
                    help="cuda:0, cuda, cpu or auto (CUDA when available); one per process")
 
 
+def _port(text: str) -> int:
+    """A TCP port, 1 to 65535 (a larger number wrapped around to another port)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535; got {text!r}")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``serve`` or ``worker``, parsed by :func:`add_commands`."""
+    """Run ``serve`` or ``worker``, parsed by :func:`add_commands`; a setting that cannot be
+    read is one line per setting (exit 2), not pydantic's report."""
+    from pydantic import ValidationError
+
+    from service.config import get_settings
     from service.process_env import configure
 
+    try:
+        get_settings()
+    except ValidationError as exc:
+        for e in exc.errors():
+            name = "PSGRAD_" + "_".join(str(x) for x in e["loc"]).upper()
+            print(f"psgrad: error: {name}: {e['msg']}; got {e.get('input')!r}", file=sys.stderr)
+        return 2
     configure()  # huge pages, idle BLAS threads asleep, freed memory kept: before any work
     if args.command == "worker":
         return worker(args.device)

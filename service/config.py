@@ -83,10 +83,12 @@ class Settings(BaseSettings):
     redis_timeout_s: float = 2.0  # socket timeouts: a dead Redis answers 503 fast, never hangs
     redis_transfer_timeout_s: float = 60.0  # commands that move payloads and results (MBs-GBs)
     worker_redis_grace_s: float = 30.0  # a worker that cannot reach Redis this long exits 1
-    worker_metrics_port: int = 0  # psgrad worker serves Prometheus /metrics here (0: off)
+    # psgrad worker serves Prometheus /metrics here (0: off)
+    worker_metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     # where processes listen: loopback unless set (compose and deploy/kubernetes/ set them)
     listen_host: str = "127.0.0.1"  # psgrad serve's interface when --host is not given
-    listen_port: int = 8000  # psgrad serve's port when --port is not given
+    # psgrad serve's port when --port is not given
+    listen_port: Annotated[int, Field(ge=1, le=65535)] = 8000
     worker_metrics_host: str = "127.0.0.1"  # the interface of a worker's metrics
     # the fraction of jobs that did not ask for `verify` verified anyway, on this many samples
     verify_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0

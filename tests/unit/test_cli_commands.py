@@ -100,3 +100,26 @@ def test_a_download_to_a_path_it_cannot_write_is_one_line(
         code = _cli.main(["models", "download", "mlp", str(tmp_path / "no" / "w.safetensors"),
                           "--url", url])
     _one_line(capsys, code, "cannot write", str(tmp_path / "no" / "w.safetensors"))
+
+
+def test_serve_refuses_a_port_or_setting_it_cannot_use_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--port 99999 was served on 99999 mod 65536; PSGRAD_WORKERS=abc was pydantic's report
+    as a traceback. Both are refused before anything starts, each setting on a line."""
+    with pytest.raises(SystemExit) as stopped:
+        _cli.main(["serve", "--port", "99999"])
+    assert stopped.value.code == 2
+    assert "a port is a number from 1 to 65535; got '99999'" in capsys.readouterr().err
+    from service.config import get_settings
+
+    monkeypatch.setenv("PSGRAD_WORKERS", "abc")
+    monkeypatch.setenv("PSGRAD_LISTEN_PORT", "70000")
+    get_settings.cache_clear()
+    try:
+        assert service.cli.main(["serve"]) == 2
+    finally:
+        get_settings.cache_clear()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[2].strip() for line in lines] == ["PSGRAD_WORKERS",
+                                                              "PSGRAD_LISTEN_PORT"], lines
+    assert all(line.startswith("psgrad: error: PSGRAD_") for line in lines), lines
