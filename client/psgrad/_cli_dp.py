@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from psgrad._base import resource_path
 from psgrad._cli_io import client_of
 
 
@@ -23,7 +24,8 @@ def add_dp_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
 
 def cmd_dp_show(args: argparse.Namespace) -> int:
     with client_of(args) as client:
-        print(json.dumps(client._send("GET", f"/dp-runs/{args.run}").json(), indent=2))
+        doc = client._send("GET", resource_path("dp-runs", "DP run", args.run)).json()
+        print(json.dumps(doc, indent=2))
     return 0
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from psgrad._base import resource_path
 from psgrad._client import Client
 from psgrad._constants import IDEMPOTENCY_KEY
 from psgrad._types import GradsResult
@@ -80,7 +81,7 @@ class Run:
 
     def refresh(self) -> dict[str, Any]:
         """Fetch the run again: steps, epsilon under each accountant, budget left."""
-        self.doc = self.client._send("GET", f"/dp-runs/{self.id}").json()
+        self.doc = self.client._send("GET", resource_path("dp-runs", "DP run", self.id)).json()
         return self.doc
 
     def step(self, inputs: Any, targets: Any = None, *, weights: Mapping[str, Any] | None = None,
@@ -133,7 +134,7 @@ def create_run(client: Client, model: str, *, clip_norm: float, delta: float,
 
 def get_run(client: Client, run_id: str) -> Run:
     """An existing run (``GET /dp-runs/{id}``)."""
-    return Run(client, client._send("GET", f"/dp-runs/{run_id}").json())
+    return Run(client, client._send("GET", resource_path("dp-runs", "DP run", run_id)).json())
 
 
 def poisson_batches(n: int, sample_rate: float, steps: int | None = None, *,

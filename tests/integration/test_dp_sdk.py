@@ -151,6 +151,13 @@ def test_torch_optimizer_wrapper_moves_the_weights(client: psgrad.Client) -> Non
         assert not torch.equal(v, before[k]), k
 
 
+def test_a_run_id_is_sent_quoted(client: psgrad.Client) -> None:
+    """``get_run`` quotes the id into its path, as the other namespaces do: an id with a '?'
+    is an unknown run (it was sent as the id 'dp-a' and a query parameter 'b': a 422)."""
+    with pytest.raises(psgrad.UnknownDPRun, match="dp-a"):
+        dp.get_run(client, "dp-a?b")
+
+
 def test_poisson_batches_sample_each_record_at_the_rate() -> None:
     rng = np.random.default_rng(0)
     batches = list(dp.poisson_batches(1000, 0.05, rng=rng))
