@@ -19,7 +19,13 @@ from safetensors.numpy import load_file
 
 from psgrad._cli_dp import add_dp_commands
 from psgrad._cli_io import client_of as _client
-from psgrad._cli_io import connection_options, load_array, projection_of, projection_options
+from psgrad._cli_io import (
+    companion,
+    connection_options,
+    load_array,
+    projection_of,
+    projection_options,
+)
 from psgrad._cli_io import names as _names
 from psgrad._cli_refsets import add_reference_set_commands
 from psgrad._cli_stores import add_store_commands
@@ -225,10 +231,8 @@ def cmd_grads(args: argparse.Namespace) -> int:
     inputs = load_array(args.inputs, default_name="inputs")
     if args.targets:
         targets: np.ndarray | None = load_array(args.targets, default_name="targets")
-    elif args.inputs.lower().endswith(".safetensors") and Path(args.inputs).exists():
-        targets = load_file(args.inputs).get("targets")
-    else:
-        targets = None
+    else:  # the file's own 'targets', where inputs come from a safetensors file
+        targets = companion(args.inputs, "targets")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     with _client(args) as client:
         result = client.per_sample_grads(

@@ -70,20 +70,44 @@ def names(text: str | None) -> list[str] | None:
     return [s.strip() for s in text.split(",") if s.strip()] if text else None
 
 
+def file_of(spec: str) -> tuple[str, str]:
+    """The file and the tensor name of ``file.npy`` or ``file.safetensors[:name]``."""
+    path, _, name = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+    return path, name
+
+
+def companion(spec: str, name: str) -> np.ndarray | None:
+    """The tensor ``name`` of the safetensors file ``spec`` names (with or without its own
+    ``:name``), or None where it is no such file or holds none (``targets`` beside
+    ``inputs``)."""
+    path, _ = file_of(spec)
+    if Path(path).suffix.lower() != ".safetensors" or not Path(path).is_file():
+        return None
+    return _tensors(path).get(name)
+
+
+def _tensors(path: str) -> dict[str, np.ndarray]:
+    try:
+        return load_file(path)
+    except SafetensorError as exc:  # not a safetensors file, or one of a dtype numpy lacks
+        raise BadRequest(f"{path} is not a safetensors file numpy can read: {exc}") from None
+
+
 def load_array(spec: str, *, default_name: str | None = None) -> np.ndarray:
     """An array from ``file.npy`` or ``file.safetensors[:name]``; nothing is ever unpickled."""
-    path, _, name = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+    path, name = file_of(spec)
     suffix = Path(path).suffix.lower()
     if suffix == ".npy":
+        if name:
+            raise BadRequest(f"{path} holds one array: name it without ':{name}'")
         try:
             return np.asarray(np.load(path, allow_pickle=False))
-        except ValueError as exc:  # object arrays need pickle: refused
-            raise BadRequest(f"{path}: {exc}; save plain numeric arrays (no pickles)") from None
+        except ValueError:  # not an .npy of numbers: numpy would have to unpickle it
+            raise BadRequest(f"{path} is not a .npy file of numbers (reading it would take "
+                             "unpickling it, and psgrad never reads pickles): write it with "
+                             "np.save(path, array) from a numeric array") from None
     if suffix == ".safetensors":
-        try:
-            tensors = load_file(path)
-        except SafetensorError as exc:  # not a safetensors file, or one of a dtype numpy lacks
-            raise BadRequest(f"{path} is not a safetensors file numpy can read: {exc}") from None
+        tensors = _tensors(path)
         if name:
             if name not in tensors:
                 raise BadRequest(f"{path} has no tensor {name!r}; it has: {', '.join(tensors)}")

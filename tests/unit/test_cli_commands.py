@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,3 +124,29 @@ def test_serve_refuses_a_port_or_setting_it_cannot_use_in_one_line(
     assert [line.split(":")[2].strip() for line in lines] == ["PSGRAD_WORKERS",
                                                               "PSGRAD_LISTEN_PORT"], lines
     assert all(line.startswith("psgrad: error: PSGRAD_") for line in lines), lines
+
+
+def test_grads_reads_its_files_as_its_help_says(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The targets default to the tensor 'targets' of a safetensors inputs file, named with
+    ':inputs' or not (with it they were lost: 'targets' is required); a .npy file holds one
+    array, so ':NAME' after it is refused, not dropped; a file that is no .npy of numbers
+    says so (it read as a pickle refused)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 784)).astype(np.float32)
+    save_file({"inputs": x, "targets": np.array([1, 2])}, str(tmp_path / "xy.safetensors"))
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "junk.npy").write_bytes(b"\x00junk" * 20)
+    out = tmp_path / "o.safetensors"
+    with serving(create_app(settings(workers=1))) as url:
+        for spec in ("xy.safetensors", "xy.safetensors:inputs"):
+            code = _cli.main(["grads", "mlp", "--inputs", str(tmp_path / spec), "--outputs",
+                              "norms", "-o", str(out), "--url", url])
+            assert code == 0 and "2 samples, norms" in capsys.readouterr().err
+        off = ["-o", str(out), "--url", url]
+        _one_line(capsys, _cli.main(["grads", "mlp", "--inputs", f"{tmp_path / 'x.npy'}:x",
+                                     *off]), "holds one array: name it without ':x'")
+        _one_line(capsys, _cli.main(["grads", "mlp", "--inputs", str(tmp_path / "junk.npy"),
+                                     *off]), "is not a .npy file of numbers")
