@@ -116,14 +116,16 @@ def _add(args: argparse.Namespace) -> int:
         if args.ids is None and first is None and held:
             raise SystemExit(
                 f"psgrad: error: store {args.id} holds {held} samples, numbered by their ids: "
-                f"give --first-id {held} to number these after them, --ids for ids of your "
-                "own, or the --first-id of an interrupted add to resume it")
+                f"give --first-id past the ids it holds to number these after them (--first-id "
+                f"{held} where they are 0 to {held - 1}), --ids for ids of your own, or the "
+                "--first-id of an interrupted add to resume it")
         ids = (load_array(args.ids) if args.ids
                else np.arange(first or 0, (first or 0) + len(inputs)))
         progress = not args.no_progress
-        info = (store.add_rows(inputs, ids=ids, batch_size=args.batch_size or 16384,
+        size = args.batch_size  # 0 and below are the store's to refuse, not the default
+        info = (store.add_rows(inputs, ids=ids, batch_size=16384 if size is None else size,
                                progress=progress) if rows else
-                store.add(inputs, targets, ids=ids, batch_size=args.batch_size or 256,
+                store.add(inputs, targets, ids=ids, batch_size=256 if size is None else size,
                           progress=progress))
     print(json.dumps(info))
     if info["skipped"]:

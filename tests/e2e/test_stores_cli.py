@@ -63,6 +63,11 @@ def test_stores_commands(url: str, tmp_path: Path) -> None:
     refused = cli(url, "stores", "add", "train", "--inputs", str(tmp_path / "x_half.npy"),
                   "--targets", str(tmp_path / "y_half.npy"), code=1)
     assert "holds 40 samples" in refused and "--first-id 40" in refused
+    assert "past the ids it holds" in refused  # they need not be 0 to 39 (these are strings)
+    zero = cli(url, "stores", "add", "train", "--inputs", str(tmp_path / "x_half.npy"),
+               "--targets", str(tmp_path / "y_half.npy"), "--first-id", "100", "--batch-size",
+               "0", code=1)  # refused as -1 is, not read as the default
+    assert "'batch_size' must be a positive integer" in zero, zero
     assert json.loads(cli(url, "stores", "show", "train"))["samples"] == 40
     assert [s["id"] for s in json.loads(cli(url, "stores", "list"))] == ["train"]
 
