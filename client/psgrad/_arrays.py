@@ -154,6 +154,9 @@ def weights_from_bytes(body: bytes, as_torch: bool = False) -> dict[str, Any]:
 def state_dict_bytes(state_dict: Mapping[str, Any]) -> bytes:
     """A state dict (numpy arrays or torch tensors) as a safetensors file; a bfloat16 tensor
     stays bfloat16 (safetensors' own BF16, which numpy cannot hold)."""
+    if not isinstance(state_dict, Mapping):
+        raise BadRequest(f"the weights are a mapping {{name: array}} (a file's: "
+                         f"safetensors.numpy.load_file(path)); got {type(state_dict).__name__}")
     torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
     if torch is not None and any(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16
                                  for v in state_dict.values()):

@@ -449,8 +449,8 @@ class BaseClient:
         self, fields: Fields, progress: ProgressArg, chunk_size: int | None
     ) -> Iterator[Plan]:
         """The chunking plan of a request, with its progress bar (if asked for) closed after."""
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError("chunk_size must be >= 1")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
         bar = Progress(f"psgrad {fields['model']}") if progress is True else None
         callback = bar or (progress if callable(progress) else None)
         try:

@@ -142,6 +142,8 @@ def poisson_batches(n: int, sample_rate: float, steps: int | None = None, *,
     """Index batches of Poisson sampling: each of ``n`` records joins each batch independently
     with probability ``sample_rate`` (what the accounting assumes). ``steps`` defaults to one
     epoch, ``round(1 / sample_rate)`` batches. Batch sizes vary; one may be empty."""
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate is a probability in (0, 1]; got {sample_rate!r}")
     rng = rng or np.random.default_rng()
     for _ in range(round(1 / sample_rate) if steps is None else steps):
         yield np.flatnonzero(rng.random(n) < sample_rate)

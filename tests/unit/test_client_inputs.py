@@ -119,6 +119,23 @@ async def test_a_client_refuses_a_setting_it_cannot_use_at_once(
             make(**{"base_url": "http://127.0.0.1:9", **kwargs})
 
 
+def test_an_argument_of_the_wrong_kind_is_refused_in_the_sdks_words() -> None:
+    """A weights path where a mapping goes, a chunk size that is no integer and a sampling
+    rate of 0 raised AttributeError, TypeError and ZeroDivisionError from inside the SDK."""
+    from psgrad import dp
+
+    transport, seen = recorder()
+    with psgrad.Client("http://fake", transport=transport) as client:
+        with pytest.raises(psgrad.BadRequest, match=r"mapping \{name: array\}.*got str"):
+            client.models.upload_weights("m", "w.safetensors")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"chunk_size must be an integer >= 1; got 2\.5"):
+            client.per_sample_grads("m", np.ones((2, 3)), np.ones(2),
+                                    chunk_size=2.5)  # type: ignore[arg-type]
+    assert not [r for r in seen if r.method in ("PUT", "POST")]
+    with pytest.raises(ValueError, match=r"sample_rate is a probability in \(0, 1\]; got 0.0"):
+        next(dp.poisson_batches(10, 0.0))
+
+
 def test_without_a_url_the_environment_still_decides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSGRAD_URL", "http://from-env:9000")
     with psgrad.Client() as client, psgrad.Client(None) as none:
