@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,12 +97,24 @@ def test_a_file_that_is_no_safetensors_or_json_is_one_line(
         _one_line(capsys, _cli.main(args), said)
 
 
-def test_a_download_to_a_path_it_cannot_write_is_one_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _cli_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``psgrad`` as its own process: a command that talks to a server in this process runs
+    apart from pytest's captured streams (a server's logging must not hold those)."""
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True,
+                          text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
+
+
+def _one_line_of(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    err = done.stderr
+    assert done.returncode == 1 and err.startswith("psgrad: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_a_download_to_a_path_it_cannot_write_is_one_line(tmp_path: Path) -> None:
+    target = tmp_path / "no" / "w.safetensors"
     with serving(create_app(settings(workers=1))) as url:
-        code = _cli.main(["models", "download", "mlp", str(tmp_path / "no" / "w.safetensors"),
-                          "--url", url])
-    _one_line(capsys, code, "cannot write", str(tmp_path / "no" / "w.safetensors"))
+        done = _cli_process("models", "download", "mlp", str(target), "--url", url)
+    _one_line_of(done, "cannot write", str(target))
 
 
 def test_serve_refuses_a_port_or_setting_it_cannot_use_in_one_line(
@@ -126,8 +140,7 @@ def test_serve_refuses_a_port_or_setting_it_cannot_use_in_one_line(
     assert all(line.startswith("psgrad: error: PSGRAD_") for line in lines), lines
 
 
-def test_grads_reads_its_files_as_its_help_says(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_grads_reads_its_files_as_its_help_says(tmp_path: Path) -> None:
     """The targets default to the tensor 'targets' of a safetensors inputs file, named with
     ':inputs' or not (with it they were lost: 'targets' is required); a .npy file holds one
     array, so ':NAME' after it is refused, not dropped; a file that is no .npy of numbers
@@ -142,11 +155,11 @@ def test_grads_reads_its_files_as_its_help_says(
     out = tmp_path / "o.safetensors"
     with serving(create_app(settings(workers=1))) as url:
         for spec in ("xy.safetensors", "xy.safetensors:inputs"):
-            code = _cli.main(["grads", "mlp", "--inputs", str(tmp_path / spec), "--outputs",
-                              "norms", "-o", str(out), "--url", url])
-            assert code == 0 and "2 samples, norms" in capsys.readouterr().err
+            done = _cli_process("grads", "mlp", "--inputs", str(tmp_path / spec), "--outputs",
+                                "norms", "-o", str(out), "--url", url)
+            assert done.returncode == 0 and "2 samples, norms" in done.stderr, done.stderr
         off = ["-o", str(out), "--url", url]
-        _one_line(capsys, _cli.main(["grads", "mlp", "--inputs", f"{tmp_path / 'x.npy'}:x",
-                                     *off]), "holds one array: name it without ':x'")
-        _one_line(capsys, _cli.main(["grads", "mlp", "--inputs", str(tmp_path / "junk.npy"),
-                                     *off]), "is not a .npy file of numbers")
+        _one_line_of(_cli_process("grads", "mlp", "--inputs", f"{tmp_path / 'x.npy'}:x", *off),
+                     "holds one array: name it without ':x'")
+        _one_line_of(_cli_process("grads", "mlp", "--inputs", str(tmp_path / "junk.npy"), *off),
+                     "is not a .npy file of numbers")
