@@ -86,8 +86,7 @@ class Field:
         which orjson reads as a float, is refused as the integer it was; booleans do not)."""
         if value is None:
             return None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
+        value = whole(value)
         wrong = BadRequest if isinstance(value, bool) or not isinstance(
             value, numbers.Integral) else InvalidInput if not self._within(int(value)) else None
         if wrong is not None:
@@ -148,6 +147,12 @@ class Field:
         if self.lt is not None:
             return f"{lo}{'2**63' if self.lt == MAX_SEED else f'{self.lt:g}'})"
         return f"{lo}{self.le:g}]" if self.le is not None else f">= {self.ge:g}"
+
+
+def whole(value: Any) -> Any:
+    """``value``, or its integer where it is a whole float: JSON Schema's integers include
+    ``3.0``, and orjson reads a JSON integer past 64 bits as the nearest (whole) float."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def shown(value: Any) -> str:

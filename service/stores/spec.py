@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from psgrad._contract import MAX_PROJECTION_DIM, shown
+from psgrad._contract import MAX_PROJECTION_DIM, shown, whole
 from psgrad._errors import BadRequest, Conflict, InvalidInput
 from service.strategies.projection import VERSIONS
 from service.tenants import DEFAULT_TENANT
@@ -138,18 +138,12 @@ def sample_ids(raw: list[Any]) -> tuple[list[int | str], list[str]]:
     if not bad:
         return [int(v) if k == "int" else str(v) for v, k in zip(raw, kinds, strict=True)], [
             str(k) for k in kinds]
-    typed = [i for i in bad if isinstance(raw[i], bool) or not (
-        isinstance(raw[i], (int, np.integer, str)) or _whole(raw[i]))]
+    typed = [i for i in bad if isinstance(raw[i], bool) or not isinstance(
+        whole(raw[i]), (int, np.integer, str))]
     first = (typed or bad)[0]
     raise (BadRequest if typed else InvalidInput)(
         f"'ids' entry {first} ({shown(raw[first])}) is not a sample id: send 64-bit integers "
         f"or strings of 1 to {MAX_ID_CHARS} printable characters", positions=(typed or bad)[:20])
-
-
-def _whole(value: Any) -> bool:
-    """A float that JSON Schema takes for an integer: ``2.0``, or an integer past 64 bits as
-    orjson reads it (the nearest float)."""
-    return isinstance(value, float) and value.is_integer()
 
 
 def checked_ids(raw: Any, count: int) -> tuple[list[int | str], str]:

@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from psgrad._contract import whole
 from service.api.deps import (
     AdminDep,
     ApiKey,
@@ -42,12 +43,7 @@ SAMPLING = ("The accounting assumes Poisson sampling: each record joins each bat
             "batches are not covered by this analysis (it then understates epsilon).")
 
 
-def _whole(value: Any) -> Any:
-    """A whole float (``1000.0``) as its integer, as the request contract reads one."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-Whole = Annotated[int, BeforeValidator(_whole)]
+Whole = Annotated[int, BeforeValidator(whole)]
 
 
 class DPRunCreate(BaseModel):
