@@ -153,7 +153,8 @@ HUGE = 1180591620717411303424  # 2**70
 @pytest.mark.parametrize("doc, status, word", [
     ({"parameters": {"outputs": 5}}, 400, "parameters.outputs must be a list"),
     ({"parameters": {"outputs": [["norms"]]}}, 400, "parameters.outputs must be a list"),
-    ({"parameters": {"binary_data_output": "false"}}, 400, "binary_data_output must be true"),
+    ({"parameters": {"binary_data_output": "false"}}, 400,
+     "parameters.binary_data_output' should be a valid boolean"),
     ({"outputs": [{"name": "norms", "parameters": {"binary_data": "false"}}]}, 400,
      "binary_data"),
     ({"parameters": {"weights": 5},

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from psgrad import __version__
-from psgrad._contract import KNOWN, OUTPUTS, answer_fields
+from psgrad._contract import KNOWN, OUTPUTS, answer_fields, shown
 from psgrad._errors import BadRequest, InvalidInput, TooLarge
 from psgrad._wire import widen_answers
 from service.api.body import INLINE_BYTES, TENSORS, dumps, loads, read_body, tensors_where_taken
@@ -88,6 +88,14 @@ class OutputParameters(BaseModel):
     binary_data: StrictBool | None = Field(None, description="true: answer it as bytes")
 
 
+class RequestParameters(BaseModel):
+    """A gradients request's fields (checked as that request's), and the protocol's own."""
+
+    model_config = ConfigDict(extra="allow")
+    binary_data_output: StrictBool = Field(False, description="true: answer every output as "
+                                           "bytes unless it says otherwise")
+
+
 class RequestedOutput(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(description="an output (norms, gns, ...) or <output>/<param>")
@@ -102,7 +110,7 @@ class InferRequest(BaseModel):
     id: str | None = None
     inputs: list[InferTensor]
     outputs: list[RequestedOutput] | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: RequestParameters | None = None
 
 
 INFER: dict[str, Any] = {
@@ -276,7 +284,7 @@ def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byte
         try:
             n = int(header_length)
         except ValueError:
-            raise BadRequest(f"{HEADER_LENGTH} must be a byte count; got {header_length!r}"
+            raise BadRequest(f"{HEADER_LENGTH} must be a byte count; got {shown(header_length)}"
                              ) from None
         if not 0 <= n <= len(body):
             raise BadRequest(f"{HEADER_LENGTH} is {n} but the body has {len(body)} bytes")
@@ -294,9 +302,6 @@ def _fields(doc: dict[str, Any], binary: bytes, max_elements: int
     """The gradients request's fields, and the outputs asked for by name (binary or not)."""
     params = dict(doc.get("parameters") or {})
     binary_default = params.pop("binary_data_output", False)
-    if not isinstance(binary_default, bool):
-        raise BadRequest(f"parameters.binary_data_output must be true or false; got "
-                         f"{binary_default!r}")
     fields: dict[str, Any] = {k: v for k, v in params.items() if k != "binary_data_size"}
     offset = 0
     for spec in doc["inputs"]:
@@ -326,7 +331,7 @@ def _fields(doc: dict[str, Any], binary: bytes, max_elements: int
     if outputs is not None and not (isinstance(outputs, list)
                                     and all(isinstance(o, str) for o in outputs)):
         raise BadRequest(f"parameters.outputs must be a list of output names or a "
-                         f"comma-separated string of them; got {outputs!r}"[:300])
+                         f"comma-separated string of them; got {shown(outputs)}")
     named = list(dict.fromkeys(_output_of(n) for n in asked))
     fields["outputs"] = list(dict.fromkeys([*(outputs or []), *named])) or DEFAULT_OUTPUTS
     if not asked and binary_default:
