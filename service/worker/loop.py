@@ -112,19 +112,20 @@ class Worker:
         """The registered warm-ups, read from the model store: tried again each second while
         it cannot be read (a worker started before its Redis), until ``stop`` or
         ``PSGRAD_WARMUP_TIMEOUT_S``; then none, said in the log."""
-        end, failed = time.monotonic() + self.settings.warmup_timeout_s, False
-        while self._warm:
+        if not self._warm:
+            return []
+        end, said = time.monotonic() + self.settings.warmup_timeout_s, False
+        while True:
             try:
                 return warmup.wanted(self.registry.store)
             except Exception as exc:
-                if not failed:
+                if not said:
                     log.warning("listing the models to warm up failed (%s); trying again each "
                                 "second for up to PSGRAD_WARMUP_TIMEOUT_S", exc)
-                failed = True
+                    said = True
                 if stop.wait(1.0) or time.monotonic() > end:
                     log.error("could not list the models to warm up; serving without them")
-                    break
-        return []
+                    return []
 
     def run(self, stop: threading.Event, *, block_s: float = 0.5) -> None:
         """Take and process batches until ``stop`` is set. First the warm-ups, and only then
