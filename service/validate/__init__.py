@@ -146,8 +146,8 @@ def check_request(fields: dict[str, Any], model: LoadedModel, *,
         sketches = None if raw is None else tensor_of(raw, "reference_sketches", model.dtype)
         opts = references(model, opts, batch, reference, sketches, fields.get("reference_set"),
                           reference_sets)
-        return ParsedRequest(model, opts, batch, verify=_whole(fields.get("verify")) or 0,
-                             verify_seed=_whole(fields.get("verify_seed")))
+        return ParsedRequest(model, opts, batch, verify=_as_int(fields.get("verify")) or 0,
+                             verify_seed=_as_int(fields.get("verify_seed")))
     batch.reference = param_tensors(fields.get("reference"), model, "reference")
     if "dot" in opts.outputs:
         missing = [p for p in opts.params if p not in batch.reference]
@@ -158,8 +158,8 @@ def check_request(fields: dict[str, Any], model: LoadedModel, *,
             )
     batch.reference = {k: v for k, v in batch.reference.items() if k in opts.params}
     return ParsedRequest(model, opts, batch, fields.get("answer_dtype") or ANSWER_DTYPES[0],
-                         verify=_whole(fields.get("verify")) or 0,
-                         verify_seed=_whole(fields.get("verify_seed")))
+                         verify=_as_int(fields.get("verify")) or 0,
+                         verify_seed=_as_int(fields.get("verify_seed")))
 
 
 LOSS_FIELDS = {"targets": "targets", "mask": "mask", "next_inputs": "next_inputs",
@@ -217,7 +217,7 @@ def _options(fields: dict[str, Any], model: LoadedModel,
         loss=loss_name, outputs=tuple(dict.fromkeys(outputs)), params=selected,
         clip_norm=None if clip_norm is None else float(clip_norm),
         noise_multiplier=float(fields.get("noise_multiplier") or 0.0),
-        seed=_whole(fields.get("seed")), gamma=gamma, projection=projection_of(fields, outputs),
+        seed=_as_int(fields.get("seed")), gamma=gamma, projection=projection_of(fields, outputs),
         reference_count=-1 if {"dots", "influence"} & set(outputs) else 0, autocast=autocast,
     )
 
@@ -232,6 +232,6 @@ def _autocast(value: Any, model: LoadedModel) -> str:
     return str(value)
 
 
-def _whole(value: Any) -> int | None:
+def _as_int(value: Any) -> int | None:
     """An integer field as an int (the door took ``3.0`` for 3, as JSON Schema's integers)."""
     return None if value is None else int(value)
