@@ -279,6 +279,13 @@ class InternalError(PsgradError):
     status = 500
 
 
+class StoreDamaged(InternalError):
+    """A gradient store's files on the server do not agree (a file changed or lost outside
+    psgrad, or an ensemble's checkpoints apart): the message names what, and what to do."""
+
+    code = "store_damaged"
+
+
 class VerificationFailed(InternalError):
     """A verified answer (``verify``) differed from the per-sample loop beyond the tolerance.
 

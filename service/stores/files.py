@@ -23,7 +23,9 @@ the batch's shards, then the new manifest:
 a whole file written beside it and renamed over it (one object PUT on an object store), the one
 step that makes the batch visible. A process that dies before the rename leaves only files no
 manifest names (ignored, removed with the store); a reader holding the previous manifest keeps
-reading exactly what it committed, because committed shards are never rewritten.
+reading exactly what it committed, because committed shards are never rewritten. An
+ensemble's batch goes to each checkpoint's store (``checkpoint-<i>/``), the first's manifest
+last: that rename is the ensemble's commit (:func:`commit_all`, :meth:`StoreFiles.states`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -49,7 +51,14 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from psgrad._errors import Conflict, InsufficientStorage, InvalidInput, NonFinite, NotFound
+from psgrad._errors import (
+    Conflict,
+    InsufficientStorage,
+    InvalidInput,
+    NonFinite,
+    NotFound,
+    StoreDamaged,
+)
 from service.disk import unwritable
 from service.lru import LockedLRU
 from service.stores import index as index_file
@@ -212,6 +221,31 @@ class StoreFiles:
         raw = self._read(self.path(key, MANIFEST))
         return Manifest.from_json(raw) if raw is not None else Manifest()
 
+    def states(self, keys: Sequence[str]) -> list[Manifest]:
+        """The committed state of one store's rows (:meth:`StoreSpec.members`' keys: the store,
+        or an ensemble's checkpoints), each checkpoint's manifest as of one commit: an
+        ensemble's append writes the first checkpoint's manifest last (:func:`commit_all`),
+        so a checkpoint ahead of the others holds a batch that failed or died before that, and
+        is read as the others hold it (its shards up to theirs, its Gram file of then)."""
+        found = [self.manifest(key) for key in keys]
+        low = min(found, key=lambda m: m.seq)
+        out = [m if m.seq == low.seq else self._rewound(key, m, low)
+               for key, m in zip(keys, found, strict=True)]
+        if len({tuple(s.rows for s in m.shards) for m in out}) > 1:
+            raise _damaged(keys[0], "its checkpoints hold different batches")
+        return out
+
+    def _rewound(self, key: str, ahead: Manifest, low: Manifest) -> Manifest:
+        """``ahead`` as it was at commit ``low.seq``: its first shards, as many rows as
+        ``low`` holds (every checkpoint adds the same batches, in the same shards)."""
+        counts = np.cumsum([0] + [s.rows for s in ahead.shards]).tolist()
+        gram = f"gram-{low.seq}.safetensors" if low.seq and ahead.gram else None
+        if (low.count not in counts or ahead.trained is not None
+                or (gram is not None and not self.fs.exists(self.path(key, gram)))):
+            raise _damaged(key, f"its checkpoints hold {low.seq} and {ahead.seq} commits")
+        return replace(ahead, seq=low.seq, shards=ahead.shards[:counts.index(low.count)],
+                       gram=gram, id_kind=low.id_kind, index=None)
+
     def create(self, key: str, spec: StoreSpec) -> tuple[StoreSpec, bool]:
         """Make the store (True), or find the same one already made (False); another store
         of that id is a conflict."""
@@ -282,15 +316,17 @@ class StoreFiles:
                 log.warning("staged shard %s of store %s not removed: %s", shard.file,
                             staged.key, exc)
 
-    def commit(self, staged: Staged) -> Manifest:
-        """Make a staged batch part of the store, all of it or (refused) none of it."""
+    def commit(self, staged: Staged, old: Manifest | None = None) -> Manifest:
+        """Make a staged batch part of the store, all of it or (refused) none of it; ``old``:
+        the committed state to add it to, read under a lock the caller holds (an ensemble's
+        checkpoint, :func:`commit_all`), else the store's manifest."""
         key = staged.key
         try:
             with self.locks.hold(key):
                 spec = self.spec(key)
                 if spec is None:
                     raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted")
-                old = self.manifest(key)
+                old = self.manifest(key) if old is None else old
                 if old.id_kind not in (None, staged.id_kind):
                     raise InvalidInput(f"store '{spec.id}' holds {old.id_kind} ids; this batch "
                                        f"sends {staged.id_kind} ids: use one kind per store")
@@ -649,7 +685,10 @@ def commit_all(files: StoreFiles, parts: Sequence[tuple[str, StoreSpec, np.ndarr
                ids: list[int | str], id_kind: str) -> Manifest:
     """Append one batch's rows to each store of ``parts`` (an ensemble's checkpoints: key,
     definition, rows), all staged before any is committed, so that a batch refused by one
-    (its ids, its rows) is committed by none; answers the first's manifest."""
+    (its ids, its rows) is committed by none; answers the first's manifest. An ensemble's
+    checkpoints are committed under the store's own lock (two appends never interleave their
+    rows), the first one last: its manifest is the commit, and one that fails or dies before
+    it leaves the others ahead, read as they were (:meth:`StoreFiles.states`)."""
     staged: list[Staged] = []
     try:
         for key, spec, rows in parts:
@@ -658,15 +697,24 @@ def commit_all(files: StoreFiles, parts: Sequence[tuple[str, StoreSpec, np.ndarr
         for one in staged:
             files.discard(one)
         raise
-    done = []
-    for i, one in enumerate(staged):
+    if len(staged) == 1:
+        return files.commit(staged[0])
+    order = [*range(1, len(staged)), 0]
+    with files.locks.hold(parts[0][0].rpartition("/")[0]):
         try:
-            done.append(files.commit(one))
+            olds = files.states([key for key, _, _ in parts])
         except BaseException:
-            for rest in staged[i + 1:]:
-                files.discard(rest)
+            for one in staged:
+                files.discard(one)
             raise
-    return done[0]
+        for n, i in enumerate(order):
+            try:
+                done = files.commit(staged[i], olds[i])
+            except BaseException:
+                for rest in order[n + 1:]:
+                    files.discard(staged[rest])
+                raise
+    return done
 
 
 def refuse_duplicates(store_id: str, committed: set[int | str],
@@ -728,6 +776,13 @@ def _details(ids: Sequence[int | str], which: np.ndarray) -> dict[str, Any]:
 __all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "commit_all",
            "refuse_duplicates",
            "stored_rows"]
+
+
+def _damaged(key: str, what: str) -> StoreDamaged:
+    """A store whose files disagree: what is wrong, and the way out."""
+    name = key.partition("/")[0].rpartition("~")[2]
+    return StoreDamaged(f"store '{name}' is damaged: {what}; DELETE it and add its samples "
+                        "again", store=name)
 
 
 def _unwritable(exc: OSError) -> InsufficientStorage | None:

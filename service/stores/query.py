@@ -296,16 +296,7 @@ def search(files: StoreFiles, key: str, store_id: str, sketches: np.ndarray | No
     """The best ``k`` rows of each query over what the store has committed now: through its
     index where it has one and the score allows (searching ``probes`` of an IVF index's
     lists), unless ``exact``."""
-    for attempt in range(3):
-        manifest = files.manifest(key)
-        check_k(manifest, k, store_id)
-        try:
-            return _search(files, key, manifest, sketches, k, score, lam, exact is not True,
-                           probes)
-        except FileNotFoundError:  # its Gram file was replaced meanwhile: read the new state
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    return search_all(files, [key], store_id, [sketches], k, score, lam, exact, probes)
 
 
 def search_all(files: StoreFiles, keys: list[str], store_id: str,
@@ -313,24 +304,34 @@ def search_all(files: StoreFiles, keys: list[str], store_id: str,
                exact: bool | None = None, probes: int | None = None) -> Found:
     """:func:`search` of one store (``keys`` of one), or of an ensemble: each checkpoint's
     store scored with that checkpoint's rows of the queries (``queries``, one per key), every
-    row, and the best ``k`` of the sums (TRAK's ensemble: the scores summed over models).
-    Rows beyond the shortest checkpoint's (an append committed to some but not yet all) are
-    left out; the answer is exact, its ``lam`` one per checkpoint for ``trak``."""
-    if len(keys) == 1:
-        return search(files, keys[0], store_id, queries[0], k, score, lam, exact, probes)
+    row, and the best ``k`` of the sums (TRAK's ensemble: the scores summed over models),
+    over one commit of every checkpoint (:meth:`StoreFiles.states`); the answer is exact, its
+    ``lam`` one per checkpoint for ``trak``."""
+    for attempt in range(3):
+        manifests = files.states(keys)
+        check_k(manifests[0], k, store_id)
+        try:
+            if len(keys) == 1:
+                return _search(files, keys[0], manifests[0], queries[0], k, score, lam,
+                               exact is not True, probes)
+            return _summed(files, keys, manifests, queries, k, score, lam)
+        except FileNotFoundError:  # its Gram file was replaced meanwhile: read the new state
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _summed(files: StoreFiles, keys: list[str], manifests: list[Manifest],
+            queries: list[np.ndarray | None], k: int, score: str, lam: float | None) -> Found:
+    """An ensemble's best ``k`` rows: each checkpoint scored exactly, the scores summed."""
     parts = []
-    for key, q in zip(keys, queries, strict=True):
-        count = files.manifest(key).count
-        found = search(files, key, store_id, q, count, score, lam, exact=True)
+    for key, manifest, q in zip(keys, manifests, queries, strict=True):
+        found = _search(files, key, manifest, q, manifest.count, score, lam, False, None)
         full = np.empty(found.rows.shape)  # [queries, rows] in row order
         np.put_along_axis(full, found.rows, found.scores, 1)
         parts.append(replace(found, scores=full))
-    common = min(p.scores.shape[1] for p in parts)
-    if k > common:
-        raise InvalidInput(f"k={k} but store '{store_id}' holds {common} samples in every "
-                           f"checkpoint: ask for k <= {common}", k=k, samples=common)
     best = Best(len(parts[0].scores), k)
-    best.add(np.add.reduce([p.scores[:, :common] for p in parts]), 0)
+    best.add(np.add.reduce([p.scores for p in parts]), 0)
     lams = [p.lam for p in parts]
     return Found(parts[0].manifest, *best.result(),
                  lam=[float(x) for x in lams if isinstance(x, float)] or None)

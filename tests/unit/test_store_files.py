@@ -420,6 +420,126 @@ def test_concurrent_commits_lose_nothing(tmp_path: Path) -> None:
     assert store.ids("s", manifest) == {i * 100 + j for i in range(4) for j in range(6)}
 
 
+def ensemble(tmp_path: Path) -> tuple[StoreFiles, StoreSpec, list[tuple[str, StoreSpec]]]:
+    """An ensemble of two checkpoints (each its own rows, a store inside the store)."""
+    store = files(tmp_path)
+    whole = replace(spec(), checkpoints=("mlp@a", "mlp@b"))
+    store.create("e", whole)
+    members = whole.members("e")
+    for key, member in members:
+        store.create(key, member)
+    return store, whole, members
+
+
+def _append_all(store: StoreFiles, members: list[tuple[str, StoreSpec]], ids: list[int],
+                ) -> list[np.ndarray]:
+    """One batch appended to every checkpoint (rows of its own each); the rows."""
+    rows = [np.random.default_rng([c, *ids]).standard_normal((len(ids), K)).astype(np.float32)
+            for c in range(len(members))]
+    files_module.commit_all(store, [(key, member, r) for (key, member), r in zip(
+        members, rows, strict=True)], list(ids), "int")
+    return rows
+
+
+def _summed_reference(rows: list[list[np.ndarray]], queries: list[np.ndarray], k: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """An ensemble's top-k dot scores in float64: each checkpoint's, summed by row."""
+    scores = sum(q.astype(np.float64) @ np.concatenate(r).astype(np.float64).T
+                 for r, q in zip(rows, queries, strict=True))
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(scores, order, 1)
+
+
+def test_an_ensemble_append_that_fails_at_its_last_checkpoint_commits_nowhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first checkpoint's manifest is written last: a disk that fills (or a process that
+    dies) before it leaves the other checkpoint ahead, and that checkpoint is read as it was.
+    Before, the checkpoints committed in order: the first kept the batch, the other refused
+    it (507 "nothing was written"), a retry was 409 for good, and queries summed the scores of
+    different samples."""
+    store, _, members = ensemble(tmp_path)
+    keys = [key for key, _ in members]
+    held = [[r] for r in _append_all(store, members, [0, 1, 2])]
+    real = StoreFiles._write
+
+    def full(self: StoreFiles, path: str, *data: bytes | memoryview) -> None:
+        if path.endswith(f"{keys[0]}/{MANIFEST}"):
+            raise OSError(28, "No space left on device")
+        real(self, path, *data)
+
+    monkeypatch.setattr(StoreFiles, "_write", full)
+    with pytest.raises(OSError, match="No space left"):
+        _append_all(store, members, [3, 4])
+    monkeypatch.setattr(StoreFiles, "_write", real)
+    assert store.manifest(keys[1]).count == 5  # written ahead, read as it was
+    assert [m.count for m in store.states(keys)] == [3, 3]
+    assert [m.seq for m in store.states(keys)] == [1, 1]
+    q = [np.random.default_rng(9).standard_normal((2, K)) for _ in keys]
+    found = query.search_all(store, keys, "e", q, 3, "dot")
+    want = _summed_reference(held, q, 3)
+    np.testing.assert_array_equal(found.rows, want[0])
+    np.testing.assert_allclose(found.scores, want[1], rtol=1e-5)
+
+    # the batch sent again is added whole, to both; queries sum each sample's own scores
+    for c, r in enumerate(_append_all(store, members, [3, 4])):
+        held[c].append(r)
+    for c, r in enumerate(_append_all(store, members, [5])):
+        held[c].append(r)
+    assert [(m.count, m.seq) for m in store.states(keys)] == [(6, 3), (6, 3)]
+    assert [store.ids(key, m) for key, m in zip(keys, store.states(keys), strict=True)] == [
+        set(range(6))] * 2
+    found = query.search_all(store, keys, "e", q, 6, "dot")
+    want = _summed_reference(held, q, 6)
+    np.testing.assert_array_equal(found.rows, want[0])
+    np.testing.assert_allclose(found.scores, want[1], rtol=1e-5)
+    for c, (key, m) in enumerate(zip(keys, store.states(keys), strict=True)):
+        phi = np.concatenate(held[c]).astype(np.float64)  # trak's Gram: its own rows'
+        np.testing.assert_allclose(store.gram(key, m), phi.T @ phi, rtol=1e-12)
+
+
+def test_an_ensemble_whose_first_checkpoint_ran_ahead_is_read_at_the_others_commit(
+        tmp_path: Path) -> None:
+    """A store written before the first checkpoint was committed last can hold it ahead (one
+    commit, or two): read at the others'. Further apart than the Gram files kept, it is a
+    StoreDamaged that says to rebuild it, never scores summed across different samples."""
+    store, _, members = ensemble(tmp_path)
+    keys = [key for key, _ in members]
+    _append_all(store, members, [0, 1])
+    for ids in ([2], [3, 4]):  # the old order's failure: the first took it, the other not
+        store.append(keys[0], members[0][1], ids, "int", np.ones((len(ids), K), np.float32))
+        assert [m.count for m in store.states(keys)] == [2, 2]
+    for ids in ([5], [6], [7]):  # the old Gram files are gone: nothing to read it at
+        store.append(keys[0], members[0][1], ids, "int", np.ones((1, K), np.float32))
+    with pytest.raises(files_module.StoreDamaged, match="'e' is damaged: its checkpoints hold "
+                       r"1 and 6 commits; DELETE it and add its samples again") as caught:
+        store.states(keys)
+    assert caught.value.status == 500
+
+
+def test_concurrent_ensemble_appends_keep_the_checkpoints_rows_in_one_order(
+        tmp_path: Path) -> None:
+    """Two appends to one ensemble at once commit one after the other in every checkpoint:
+    row i is the same sample in each (before, each checkpoint took its own lock in turn, and
+    two appends could land in one order here and in the other there)."""
+    store, _, members = ensemble(tmp_path)
+    keys = [key for key, _ in members]
+
+    def run(i: int) -> None:
+        for j in range(5):
+            _append_all(store, members, [i * 100 + j])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    states = store.states(keys)
+    orders = [[int(i) for shard in m.shards for i in store.ids_of(key, shard)]
+              for key, m in zip(keys, states, strict=True)]
+    assert orders[0] == orders[1] and sorted(orders[0]) == sorted(
+        i * 100 + j for i in range(4) for j in range(5))
+
+
 def test_api_replicas_share_a_redis_lease(tmp_path: Path) -> None:
     client = redis_or_skip()
     with prefix_on(client) as prefix:

@@ -147,7 +147,13 @@ def _spec(state: AppState, key: str, store_id: str) -> StoreSpec:
 def _shown(state: AppState, key: str, spec: StoreSpec) -> Manifest:
     """The committed state a store's description shows: its own, or an ensemble's first
     checkpoint's (every checkpoint holds the same samples)."""
-    return state.storage.gradients.manifest(spec.members(key)[0][0])
+    return _states(state, key, spec)[0]
+
+
+def _states(state: AppState, key: str, spec: StoreSpec) -> list[Manifest]:
+    """The committed state of each checkpoint's rows (one for a store of one model), as of
+    one commit (:meth:`StoreFiles.states`)."""
+    return state.storage.gradients.states([k for k, _ in spec.members(key)])
 
 
 async def _rows(state: AppState, tenant: Tenant, spec: StoreSpec, job: dict[str, Any],
@@ -253,8 +259,8 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
         parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         ids, kind = checked_ids(raw_ids, parsed.batch.size)
         files = state.storage.gradients
-        for member_key, _ in spec.members(key):
-            refuse_duplicates(spec.id, files.ids(member_key, files.manifest(member_key)), ids)
+        first, manifest = spec.members(key)[0][0], _states(state, key, spec)[0]
+        refuse_duplicates(spec.id, files.ids(first, manifest), ids)  # every checkpoint's
         return spec, jobs, ids, kind
 
     listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids  # safetensors'
@@ -433,8 +439,8 @@ async def lookup(store_id: StoreId, request: Request, state: StateDep,
     key = _key(scope, store_id)
 
     def run() -> dict[str, Any]:
-        first = _spec(state, key, store_id).members(key)[0][0]
-        manifest = state.storage.gradients.manifest(first)
+        spec = _spec(state, key, store_id)
+        first, manifest = spec.members(key)[0][0], _shown(state, key, spec)
         held = state.storage.gradients.ids(first, manifest)
         return {"present": [v in held for v in wanted], "samples": manifest.count}
 
