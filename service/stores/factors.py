@@ -189,35 +189,39 @@ def check_fits(spec: StoreSpec, store_id: str) -> None:
 
 
 def add(files: StoreFiles, parts: list[tuple[str, StoreSpec, dict[str, Any]]],
-        max_bytes: int, batch_id: str | None = None) -> Fitted:
+        max_bytes: int, batch_id: str | None = None,
+        epochs: Sequence[str | None] | None = None) -> Fitted:
     """Add one batch's factors to each store of ``parts`` (an ensemble's checkpoints: key,
     definition, and the workers' answer of :data:`FIRST_OUTPUTS`), all of them or none: the
     first pass (the eigenvalues fitted before are dropped); none for a ``batch_id`` it
-    counted. Answers the first's :class:`Fitted`."""
+    counted. Answers the first's :class:`Fitted`; ``epochs``: as :func:`_written`'s."""
     return _written(files, [(key, functools.partial(_merged, files, key, spec, answer,
                                                     batch_id))
-                            for key, spec, answer in parts], max_bytes)
+                            for key, spec, answer in parts], max_bytes, epochs)
 
 
 def add_eigenvalues(files: StoreFiles, parts: list[tuple[str, StoreSpec, np.ndarray]],
-                    store_id: str, max_bytes: int, batch_id: str | None = None) -> Fitted:
+                    store_id: str, max_bytes: int, batch_id: str | None = None,
+                    epochs: Sequence[str | None] | None = None) -> Fitted:
     """Add one batch's gradient ``rows`` to each store's EK-FAC eigenvalues (``parts``: key,
     definition, rows), in the bases of its factors as they are now: the second pass, all of
     them or none (409 for a store without factors, or a ``batch_id`` it counted). Answers the
-    first's :class:`Fitted`."""
+    first's :class:`Fitted`; ``epochs``: as :func:`_written`'s."""
     return _written(files, [(key, functools.partial(_corrected, files, key, spec, rows,
                                                     store_id, batch_id))
-                            for key, spec, rows in parts], max_bytes)
+                            for key, spec, rows in parts], max_bytes, epochs)
 
 
 def _written(files: StoreFiles, parts: list[tuple[str, Callable[[], tuple[bytes, Fitted]]]],
-             max_bytes: int) -> Fitted:
+             max_bytes: int, epochs: Sequence[str | None] | None = None) -> Fitted:
     """Each store's factors file as ``make()`` makes it, all written or none: every store's
-    lock held, every new file made and checked (at most ``max_bytes``, else 413) before the
-    first is written. Answers the first's :class:`Fitted`."""
+    lock held, each the store of its ``epoch`` still (:meth:`StoreFiles.still`), every new
+    file made and checked (at most ``max_bytes``, else 413) before the first is written.
+    Answers the first's :class:`Fitted`."""
     with contextlib.ExitStack() as held:
-        for key, _ in parts:
+        for (key, _), epoch in zip(parts, epochs or [None] * len(parts), strict=True):
             held.enter_context(files.locks.hold(key))
+            files.still(key, epoch)
         made = [make() for _, make in parts]
         for raw, _ in made:
             _within(len(raw), max_bytes)

@@ -137,6 +137,7 @@ class Staged:
     id_kind: str
     gram: np.ndarray | None = field(repr=False)  # None: a store of full gradients keeps none
     rows: np.ndarray | None = field(default=None, repr=False)  # for a store with an index
+    epoch: str | None = None  # the store it was checked against (None: any of that key)
 
 
 class StoreFiles:
@@ -282,8 +283,9 @@ class StoreFiles:
     # --- appending ---------------------------------------------------------------------------
 
     def stage(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
-              sketches: np.ndarray) -> Staged:
-        """Write a batch's rows as new shards (listed by no manifest yet)."""
+              sketches: np.ndarray, epoch: str | None = None) -> Staged:
+        """Write a batch's rows as new shards (listed by no manifest yet), for the store of
+        ``epoch`` (:meth:`still`)."""
         rows = stored_rows(spec, sketches, ids)
         wide = rows.astype(np.float64)
         gram = None if spec.exact else wide.T @ wide  # [D, D] of full gradients: never
@@ -302,7 +304,7 @@ class StoreFiles:
             self.discard(Staged(key, tuple(shards), (), id_kind, gram))
             raise
         return Staged(key, tuple(shards), tuple(ids), id_kind, gram,
-                      rows if spec.index is not None else None)
+                      rows if spec.index is not None else None, epoch)
 
     def discard(self, staged: Staged) -> None:
         """Remove a staged batch's shards, best effort: on a disk that just turned read-only
@@ -323,9 +325,7 @@ class StoreFiles:
         key = staged.key
         try:
             with self.locks.hold(key):
-                spec = self.spec(key)
-                if spec is None:
-                    raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted")
+                spec = self.still(key, staged.epoch)
                 old = self.manifest(key) if old is None else old
                 if old.id_kind not in (None, staged.id_kind):
                     raise InvalidInput(f"store '{spec.id}' holds {old.id_kind} ids; this batch "
@@ -396,8 +396,22 @@ class StoreFiles:
         return index_file.from_bytes(raw)
 
     def append(self, key: str, spec: StoreSpec, ids: list[int | str], id_kind: str,
-               sketches: np.ndarray) -> Manifest:
-        return self.commit(self.stage(key, spec, ids, id_kind, sketches))
+               sketches: np.ndarray, epoch: str | None = None) -> Manifest:
+        return self.commit(self.stage(key, spec, ids, id_kind, sketches, epoch))
+
+    def still(self, key: str, epoch: str | None) -> StoreSpec:
+        """The store's definition, while it is the store of ``epoch`` (its manifest's, read
+        when a request was checked; None: whichever): a write computed for a store that was
+        deleted meanwhile is a 404, for one deleted and made again under its id a 409, never
+        added to the new one. Hold its lock."""
+        name = key.partition("/")[0].rpartition("~")[2]
+        spec = self.spec(key)
+        if spec is None:
+            raise NotFound(f"store '{name}' was deleted")
+        if epoch is not None and self.manifest(key).epoch != epoch:
+            raise Conflict(f"store '{name}' was deleted and made again while this request was "
+                           "computed: nothing of it was written; send it again")
+        return spec
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -682,17 +696,19 @@ def raw_safetensors(name: str, array: np.ndarray) -> tuple[bytes, memoryview]:
 
 
 def commit_all(files: StoreFiles, parts: Sequence[tuple[str, StoreSpec, np.ndarray]],
-               ids: list[int | str], id_kind: str) -> Manifest:
+               ids: list[int | str], id_kind: str,
+               epochs: Sequence[str | None] | None = None) -> Manifest:
     """Append one batch's rows to each store of ``parts`` (an ensemble's checkpoints: key,
     definition, rows), all staged before any is committed, so that a batch refused by one
     (its ids, its rows) is committed by none; answers the first's manifest. An ensemble's
     checkpoints are committed under the store's own lock (two appends never interleave their
     rows), the first one last: its manifest is the commit, and one that fails or dies before
-    it leaves the others ahead, read as they were (:meth:`StoreFiles.states`)."""
+    it leaves the others ahead, read as they were (:meth:`StoreFiles.states`). ``epochs``:
+    each checkpoint's when the batch was checked (:meth:`StoreFiles.still`)."""
     staged: list[Staged] = []
     try:
-        for key, spec, rows in parts:
-            staged.append(files.stage(key, spec, ids, id_kind, rows))
+        for (key, spec, rows), epoch in zip(parts, epochs or [None] * len(parts), strict=True):
+            staged.append(files.stage(key, spec, ids, id_kind, rows, epoch))
     except BaseException:
         for one in staged:
             files.discard(one)

@@ -23,6 +23,7 @@ import torch
 from psgrad._errors import Conflict
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 from service import curvature
+from service.api.routes import stores as store_routes
 from service.api.routes.stores import _same_model
 from service.broker.redis import keyspace
 from service.broker.redis.common import text
@@ -947,3 +948,39 @@ async def test_a_model_version_a_store_pins_is_not_deleted(
     assert (await c.delete("/stores/train", headers=ALICE)).status_code == 200
     r = await c.delete("/models/att", headers=OPS)
     assert r.status_code == 200 and r.json()["deleted"] == [version], r.text
+
+
+async def test_an_append_computed_while_its_store_was_made_again_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store deleted and made again (another projection_dim) while an append's rows were
+    computed: the append is a 409, the new store holds none of its rows and works (before,
+    the old definition's rows were committed into it, and every query and append after was
+    a 500)."""
+    computing, go = asyncio.Event(), asyncio.Event()
+    real = store_routes._rows
+
+    async def held(*args: Any, **kwargs: Any) -> np.ndarray:
+        computing.set()
+        await go.wait()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(store_routes, "_rows", held)
+    async with open_client(data_dir=str(tmp_path / "data"), **KEYS) as c:
+        await _register(c)
+        r = await c.put("/stores/r", headers=ALICE, json={"model": "att", "projection_dim": DIM})
+        assert r.status_code == 201, r.text
+        append = asyncio.create_task(c.post("/stores/r/samples", headers=ALICE,
+                                            json={**batch(4, 1), "ids": [0, 1, 2, 3]}))
+        await computing.wait()
+        assert (await c.delete("/stores/r", headers=ALICE)).status_code == 200
+        r = await c.put("/stores/r", headers=ALICE, json={"model": "att", "projection_dim": 16})
+        assert r.status_code == 201, r.text
+        go.set()
+        error(await append, 409, "conflict", "'r' was deleted and made again", "send it again")
+        assert (await c.get("/stores/r", headers=ALICE)).json()["samples"] == 0
+        r = await c.post("/stores/r/samples", headers=ALICE,
+                         json={**batch(4, 1), "ids": [0, 1, 2, 3]})
+        assert r.status_code == 200 and r.json()["samples"] == 4, r.text
+        r = await c.post("/stores/r/query", headers=ALICE, json={
+            "model": "att", **batch(1, 2), "k": 2, "score": "trak"})
+        assert r.status_code == 200 and len(r.json()["ids"][0]) == 2, r.text

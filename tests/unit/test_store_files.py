@@ -397,6 +397,35 @@ def test_an_append_to_a_deleted_store_is_refused(tmp_path: Path) -> None:
         store.commit(staged)
 
 
+def test_a_write_checked_against_a_store_made_again_since_is_refused(tmp_path: Path) -> None:
+    """A batch (or a fit) checked against one store and written after that store was deleted
+    and made again under its id is a 409, the new store left as it was and the batch's
+    shards removed (before, the old definition's rows went into the new store)."""
+    from service.stores import factors
+
+    store = files(tmp_path)
+    store.create("s", spec())
+    epoch = store.manifest("s").epoch
+    staged = store.stage("s", spec(), [1], "int", np.ones((1, K), np.float32), epoch)
+    store.delete("s")
+    store.create("s", spec(dim=8))
+    with pytest.raises(Conflict, match="'s' was deleted and made again while this request "
+                       "was computed: nothing of it was written; send it again"):
+        store.commit(staged)
+    assert store.manifest("s").count == 0
+    assert sorted(p.name for p in (tmp_path / "data/stores/s").iterdir()) == [MANIFEST,
+                                                                               "spec.json"]
+    with pytest.raises(Conflict, match="made again"):
+        store.append("s", spec(dim=8), [1], "int", np.ones((1, 8), np.float32), epoch)
+    store.append("s", spec(dim=8), [1], "int", np.ones((1, 8), np.float32),
+                 store.manifest("s").epoch)  # the store's own epoch: added
+    assert store.manifest("s").count == 1
+    with pytest.raises(Conflict, match="made again"):
+        factors.add(store, [("s", fitting_spec(), fitting_answer(np.ones((2, 10))))], LIMIT,
+                    epochs=[epoch])
+    assert factors.fitted(store, "s") is None
+
+
 def _hammer(stores: list[StoreFiles], per: int = 6) -> None:
     """Threads appending to one store through ``stores`` (one each) at once."""
     def run(i: int) -> None:

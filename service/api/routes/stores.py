@@ -251,21 +251,20 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
                                   tensors=("ids",))
     key, raw_ids = _key(scope, store_id), fields.pop("ids", None)
 
-    def check() -> tuple[StoreSpec, list[dict[str, Any]], list[int | str], str]:
+    def check() -> tuple[StoreSpec, list[dict[str, Any]], list[int | str], str, list[str]]:
         spec = _spec(state, key, store_id)
         spec.check_version()
         what = f"POST /stores/{store_id}/samples"
         jobs = rows_requests(spec, key, fields, what)
         parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         ids, kind = checked_ids(raw_ids, parsed.batch.size)
-        files = state.storage.gradients
-        first, manifest = spec.members(key)[0][0], _states(state, key, spec)[0]
-        refuse_duplicates(spec.id, files.ids(first, manifest), ids)  # every checkpoint's
-        return spec, jobs, ids, kind
+        files, states = state.storage.gradients, _states(state, key, spec)
+        refuse_duplicates(spec.id, files.ids(spec.members(key)[0][0], states[0]), ids)
+        return spec, jobs, ids, kind, [m.epoch for m in states]
 
     listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids  # safetensors'
     await conform(SamplesBody, {**fields, "ids": listed}, check)
-    spec, jobs, ids, kind = await run_in_threadpool(check)
+    spec, jobs, ids, kind, epochs = await run_in_threadpool(check)
     members = spec.members(key)
     rows = await asyncio.gather(*(_rows(state, tenant, member, job)
                                   for (_, member), job in zip(members, jobs, strict=True)))
@@ -274,7 +273,7 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
         manifest = commit_all(state.storage.gradients, [
             (member_key, member, part) for (member_key, member), part in zip(members, rows,
                                                                               strict=True)],
-            ids, kind)
+            ids, kind, epochs)
         return {**_doc(spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
@@ -297,7 +296,7 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
     key, what = _key(scope, store_id), f"POST /stores/{store_id}/rows"
     raw_rows, raw_ids = fields.pop("rows", None), fields.pop("ids", None)
 
-    def check() -> tuple[StoreSpec, np.ndarray, list[int | str], str]:
+    def check() -> tuple[StoreSpec, np.ndarray, list[int | str], str, str]:
         spec = _spec(state, key, store_id)
         spec.check_version()
         if spec.checkpoints:
@@ -319,15 +318,16 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
         rows = _given_rows(raw_rows, spec, state.settings.max_elements, "rows")
         ids, kind = checked_ids(raw_ids, len(rows))
         files = state.storage.gradients
-        refuse_duplicates(spec.id, files.ids(key, files.manifest(key)), ids)
-        return spec, rows, ids, kind
+        manifest = files.manifest(key)
+        refuse_duplicates(spec.id, files.ids(key, manifest), ids)
+        return spec, rows, ids, kind, manifest.epoch
 
     listed = raw_ids.tolist() if isinstance(raw_ids, np.ndarray) else raw_ids
     await conform(RowsBody, {**fields, "rows": raw_rows, "ids": listed}, check)
-    spec, rows, ids, kind = await run_in_threadpool(check)
+    spec, rows, ids, kind, epoch = await run_in_threadpool(check)
 
     def keep() -> dict[str, Any]:
-        manifest = state.storage.gradients.append(key, spec, ids, kind, rows)
+        manifest = state.storage.gradients.append(key, spec, ids, kind, rows, epoch)
         return {**_doc(spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
@@ -376,7 +376,7 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
     what = f"POST /stores/{store_id}/factors{'/eigenvalues' if second else ''}"
     files, max_bytes = state.storage.gradients, state.settings.max_factors_bytes
 
-    def check() -> tuple[StoreSpec, list[dict[str, Any]], str | None]:
+    def check() -> tuple[StoreSpec, list[dict[str, Any]], str | None, list[str]]:
         spec = _spec(state, key, store_id)
         spec.check_version()
         factors.check_fits(spec, store_id)
@@ -389,10 +389,10 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
                 for job in rows_requests(spec, key, fields, what, full=True)]
         parsed = parse_request(jobs[0], state.registry)  # the whole batch, before any job runs
         factors.check_room(parsed.model, spec.params, max_bytes)
-        return spec, jobs, checked
+        return spec, jobs, checked, [m.epoch for m in _states(state, key, spec)]
 
     await conform(FitBody, {**fields, "batch_id": batch_id}, check)
-    spec, jobs, batch_id = await run_in_threadpool(check)
+    spec, jobs, batch_id, epochs = await run_in_threadpool(check)
     members = spec.members(key)
     answers = await asyncio.gather(*(split_answer(state, tenant, job) for job in jobs))
     for (_, member), answer in zip(members, answers, strict=True):
@@ -403,8 +403,8 @@ async def _fitting(store_id: str, request: Request, state: AppState, tenant: Ten
                  for (member_key, member), answer in zip(members, answers, strict=True)]
         done = (factors.add_eigenvalues(files, [(k, m, set_rows(m, answer, full=True))
                                                 for k, m, answer in parts], store_id, max_bytes,
-                                               batch_id)
-                if second else factors.add(files, parts, max_bytes, batch_id))
+                                               batch_id, epochs)
+                if second else factors.add(files, parts, max_bytes, batch_id, epochs))
         return {**_doc(spec, _shown(state, key, spec), done),
                 "fitted": int(answers[0]["batch_size"])}
 
