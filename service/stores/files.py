@@ -275,10 +275,23 @@ class StoreFiles:
             self._maps.drop(lambda path: not path.startswith(self.path(key) + "/"))
             try:
                 self._rm(self.path(key, SPEC))  # gone at once; then its files
-                self.fs.rm(self.path(key), recursive=True)
+                self._rm_tree(self.path(key))
             except OSError as exc:
                 raise _unwritable(exc) or exc from None
             return True
+
+    def _rm_tree(self, path: str) -> None:
+        """``path`` and what is under it, while an append that read the store before it went
+        may still stage a shard there (its temporary file renamed, or gone, as the walk
+        passes): walked again until nothing is left."""
+        for _ in range(5):
+            try:
+                self.fs.rm(path, recursive=True)
+                return
+            except FileNotFoundError:
+                if not self.fs.exists(path):
+                    return
+        log.warning("files of a deleted store are left under %s: writes raced its removal", path)
 
     # --- appending ---------------------------------------------------------------------------
 

@@ -388,6 +388,28 @@ def test_definitions_and_deletion(tmp_path: Path) -> None:
         assert caught.value.status == 400
 
 
+def test_a_delete_racing_a_staged_shard_removes_the_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that goes while the folder is walked (an append staging a shard: its temporary
+    file renamed) does not fail the delete, which walks again (before: a 500, the store half
+    removed and a retried DELETE a 404)."""
+    store = files(tmp_path)
+    store.create("s", spec())
+    store.append("s", spec(), [1, 2], "int", np.ones((2, K), np.float32))
+    real, calls = store.fs.rm, []
+
+    def racing(path: str, recursive: bool = False, **kwargs: Any) -> None:
+        calls.append(path)
+        if len(calls) == 1:  # the walk found a temporary file that was renamed meanwhile
+            real(str(next((tmp_path / "data/stores/s").glob("shard-*"))))
+            raise FileNotFoundError(2, "No such file or directory", ".tmp-0")
+        real(path, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(store.fs, "rm", racing)  # fsspec shares the instance: undone after
+    assert store.delete("s") and len(calls) == 2
+    assert not (tmp_path / "data/stores/s").exists() and store.spec("s") is None
+
+
 def test_an_append_to_a_deleted_store_is_refused(tmp_path: Path) -> None:
     store = files(tmp_path)
     store.create("s", spec())
