@@ -34,6 +34,11 @@ def owned_name(key: str) -> str:
     return key.rpartition("~")[2]
 
 
+def key_owner(key: str) -> str:
+    """The tenant that keeps what is under ``key`` (:func:`owned_key`'s ``tenant``)."""
+    return key.rpartition("~")[0] or DEFAULT_TENANT
+
+
 def keyed_id(tenant: str, key: str, hex_digits: int) -> str:
     """The id of what ``tenant`` made under the ``Idempotency-Key`` ``key`` (a job, a DP run):
     every try of that request names the same one, and no other tenant's."""

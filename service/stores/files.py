@@ -48,6 +48,7 @@ import fsspec
 import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -201,8 +202,12 @@ class StoreFiles:
     # --- the store's records ---------------------------------------------------------------
 
     def spec(self, key: str) -> StoreSpec | None:
+        """The store's definition (None: there is no such store)."""
         raw = self._read(self.path(key, SPEC))
-        return StoreSpec.from_json(raw) if raw is not None else None
+        if raw is None:
+            return None
+        with _parsing(key, SPEC):
+            return StoreSpec.from_json(raw)
 
     def store_keys(self) -> list[str]:
         """Every store's key (``<tenant>~<id>``, or the id of a default tenant's store)."""
@@ -213,14 +218,28 @@ class StoreFiles:
         return sorted(posixpath.basename(str(p).rstrip("/")) for p in found)
 
     def pinning(self, refs: set[str]) -> list[str]:
-        """The stores (``<tenant>~<id>`` keys) whose pinned model version is one of ``refs``."""
-        return [key for key in self.store_keys()
-                if (spec := self.spec(key)) is not None
-                and (spec.model in refs or refs & set(spec.checkpoints))]
+        """The stores (``<tenant>~<id>`` keys) whose pinned model version is one of ``refs``
+        (a store whose definition cannot be read pins nothing: logged)."""
+        found = []
+        for key in self.store_keys():
+            try:
+                spec = self.spec(key)
+            except StoreDamaged as exc:
+                log.warning("%s", exc)
+                continue
+            if spec is not None and (spec.model in refs or refs & set(spec.checkpoints)):
+                found.append(key)
+        return found
 
     def manifest(self, key: str) -> Manifest:
+        """The store's committed state (empty where there is no store: deleted meanwhile)."""
         raw = self._read(self.path(key, MANIFEST))
-        return Manifest.from_json(raw) if raw is not None else Manifest()
+        if raw is None:
+            if self._read(self.path(key, SPEC)) is not None:  # made with it: lost since
+                raise _damaged(key, f"its file {MANIFEST} is missing")
+            return Manifest()
+        with _parsing(key, MANIFEST):
+            return Manifest.from_json(raw)
 
     def states(self, keys: Sequence[str]) -> list[Manifest]:
         """The committed state of one store's rows (:meth:`StoreSpec.members`' keys: the store,
@@ -268,8 +287,9 @@ class StoreFiles:
             return spec, True
 
     def delete(self, key: str) -> bool:
+        """Remove the store and its files (False: there is none); a damaged one too."""
         with self.locks.hold(key):
-            if self.spec(key) is None:
+            if not self.fs.exists(self.path(key, SPEC)):
                 return False
             self._live.drop(lambda held: held != key)
             self._maps.drop(lambda path: not path.startswith(self.path(key) + "/"))
@@ -431,12 +451,11 @@ class StoreFiles:
     def ids_of(self, key: str, shard: Shard) -> ListedIds:
         """A committed shard's ids, from its header alone (cached: shards never change)."""
         def read() -> ListedIds:
-            with self.fs.open(self.path(key, shard.file), "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            ids = json.loads(header["__metadata__"]["ids"])
-            return (np.asarray(ids, dtype=np.int64) if ids and isinstance(ids[0], int)
-                    else tuple(ids))
+            with self._opened(key, shard.file) as f, _parsing(key, shard.file):
+                header = json.loads(f.read(_header_size(f.read(8))))
+                ids = json.loads(header["__metadata__"]["ids"])
+                return (np.asarray(ids, dtype=np.int64) if ids and isinstance(ids[0], int)
+                        else tuple(ids))
 
         return self._ids.get_or_make(self.path(key, shard.file), read)
 
@@ -505,7 +524,8 @@ class StoreFiles:
             raw = self._read(self.path(key, name))
             if raw is None:
                 raise FileNotFoundError(name)  # replaced since: the caller reads again
-            gram: np.ndarray = st_load(raw)["gram"]
+            with _parsing(key, name):
+                gram: np.ndarray = st_load(raw)["gram"]
             return gram
 
         found: np.ndarray = self.kept("gram", key, manifest, read)
@@ -533,7 +553,13 @@ class StoreFiles:
         with self._guard:  # one live index per store, even when queries race to make it
             live = self._live.find(key)
             if live is None or (live.epoch, live.name) != (manifest.epoch, name):
-                live = index_file.Live(manifest.epoch, name, self._trained(key, name))
+                try:
+                    trained = self._trained(key, name)
+                except (OSError, RuntimeError, ValueError) as exc:  # FAISS's: RuntimeError
+                    log.warning("store %s: its index %s cannot be read (%s); scanning every "
+                                "row instead", key, name, str(exc).splitlines()[0][:200])
+                    return None
+                live = index_file.Live(manifest.epoch, name, trained)
                 self._keep(key, live)
         with live.lock:
             first = live.rows
@@ -581,13 +607,25 @@ class StoreFiles:
             yield number, self._maps.get_or_make(path, functools.partial(self._map, key, path))
 
     def _map(self, key: str, path: str) -> np.ndarray:
+        name = posixpath.basename(path)
+        with self._opened(key, name) as f, _parsing(key, name):
+            raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            return views(raw, self._layouts.get_or_make(path, functools.partial(layout, raw)))[
+                "sketches"]
+
+    @contextlib.contextmanager
+    def _opened(self, key: str, name: str) -> Iterator[Any]:
+        """A store's file open for reading; missing, it is a 404 where the store was deleted
+        meanwhile, and the store is damaged where it was not."""
         try:
-            with self.fs.open(path, "rb") as f:
-                raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            f = self.fs.open(self.path(key, name), "rb")
         except FileNotFoundError:
-            raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted") from None
-        return views(raw, self._layouts.get_or_make(path, functools.partial(layout, raw)))[
-            "sketches"]
+            if self.fs.exists(self.path(key, SPEC)):
+                raise _damaged(key, f"its file {name} is missing") from None
+            raise NotFound(f"store '{key.partition('/')[0].rpartition('~')[2]}' was deleted"
+                           ) from None
+        with f:
+            yield f
 
     def rows(self, key: str, manifest: Manifest, only: np.ndarray | None = None
              ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
@@ -602,17 +640,17 @@ class StoreFiles:
                 offset += shard.rows
                 continue
             path = self.path(key, shard.file)
-            try:
-                with self.fs.open(path, "rb") as f:
-                    if isinstance(self.fs, LocalFileSystem):
-                        raw: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                    else:
-                        if len(buffer) < shard.bytes:
-                            buffer = bytearray(shard.bytes)
-                        raw = memoryview(buffer)[:f.readinto(buffer)]
-            except FileNotFoundError:
-                raise NotFound(f"store '{key.rpartition('~')[2]}' was deleted") from None
-            tensors = views(raw, self._layouts.get_or_make(path, functools.partial(layout, raw)))
+            with self._opened(key, shard.file) as f, _parsing(key, shard.file):
+                if isinstance(self.fs, LocalFileSystem):
+                    raw: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                else:
+                    if len(buffer) < shard.bytes:
+                        buffer = bytearray(shard.bytes)
+                    raw = memoryview(buffer)[:f.readinto(buffer)]
+                tensors = views(raw, self._layouts.get_or_make(path, functools.partial(layout,
+                                                                                      raw)))
+                if len(tensors["sketches"]) != shard.rows or len(tensors["norms"]) != shard.rows:
+                    raise ValueError(f"{shard.rows} rows listed")
             yield offset, tensors["sketches"], tensors["norms"]
             del tensors
             offset += shard.rows
@@ -622,14 +660,16 @@ class StoreFiles:
         offset = 0
         for shard in manifest.shards:
             path = self.path(key, shard.file)
-            with self.fs.open(path, "rb") as f:
+            with self._opened(key, shard.file) as f, _parsing(key, shard.file):
                 def header(f: Any = f) -> Layout:
                     size = f.read(8)
-                    return layout(size + f.read(int.from_bytes(size, "little")))
+                    return layout(size + f.read(_header_size(size)))
 
                 dtype, shape, start = self._layouts.get_or_make(path, header)["norms"]
                 f.seek(start)
                 norms = np.frombuffer(f.read(int(np.prod(shape)) * dtype.itemsize), dtype)
+                if len(norms) != shard.rows:
+                    raise ValueError(f"{shard.rows} rows listed")
             yield offset, norms
             offset += shard.rows
 
@@ -668,9 +708,18 @@ def widened(rows: np.ndarray) -> np.ndarray:
 Layout = dict[str, tuple[np.dtype, tuple[int, ...], int]]  # name: dtype, shape, byte offset
 
 
+def _header_size(raw: bytes | memoryview | mmap.mmap) -> int:
+    """A safetensors file's header length, from its first 8 bytes (ValueError past the
+    format's 100 MB: no file psgrad wrote)."""
+    size = int.from_bytes(raw[:8], "little")
+    if size > 100_000_000:
+        raise ValueError(f"a header of {size} bytes")
+    return size
+
+
 def layout(raw: bytes | memoryview | mmap.mmap) -> Layout:
     """Where a shard's tensors lie in its bytes, from its safetensors header."""
-    size = int.from_bytes(raw[:8], "little")
+    size = _header_size(raw)
     header = json.loads(bytes(raw[8:8 + size]))
     return {name: (np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<"), tuple(entry["shape"]),
                    8 + size + entry["data_offsets"][0])
@@ -805,6 +854,18 @@ def _details(ids: Sequence[int | str], which: np.ndarray) -> dict[str, Any]:
 __all__ = ["MAX_SELF_INFLUENCE", "Manifest", "Shard", "Staged", "StoreFiles", "commit_all",
            "refuse_duplicates",
            "stored_rows"]
+
+
+@contextlib.contextmanager
+def _parsing(key: str, name: str) -> Iterator[None]:
+    """A store's file read: one that does not parse as psgrad wrote it (cut short, changed
+    outside psgrad) is :class:`StoreDamaged`, naming it."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, SafetensorError) as exc:
+        log.warning("store %s: its file %s cannot be read: %s: %s", key, name,
+                    type(exc).__name__, str(exc)[:200])
+        raise _damaged(key, f"its file {name} cannot be read") from None
 
 
 def _damaged(key: str, what: str) -> StoreDamaged:

@@ -984,3 +984,32 @@ async def test_an_append_computed_while_its_store_was_made_again_is_refused(
         r = await c.post("/stores/r/query", headers=ALICE, json={
             "model": "att", **batch(1, 2), "k": 2, "score": "trak"})
         assert r.status_code == 200 and len(r.json()["ids"][0]) == 2, r.text
+
+
+async def test_a_damaged_store_is_named_and_does_not_break_another_tenants_list(
+        tmp_path: Path) -> None:
+    """Bob's spec.json cut short: alice's GET /stores is hers as before (it was a 500, every
+    tenant's spec read before filtering); bob's lists the store as damaged, GET answers 500
+    store_damaged naming the file and no traceback, and DELETE removes it (it was a 500)."""
+    data = tmp_path / "data"
+    async with open_client(data_dir=str(data), **KEYS) as c:
+        await _register(c)
+        for who, name in ((ALICE, "a"), (BOB, "b")):
+            r = await c.put(f"/stores/{name}", headers=who, json={"model": "att",
+                                                                  "projection_dim": DIM})
+            assert r.status_code == 201, r.text
+        spec = data / "stores" / "bob~b" / "spec.json"
+        spec.write_bytes(spec.read_bytes()[:20])
+        r = await c.get("/stores", headers=ALICE)
+        assert r.status_code == 200 and [s["id"] for s in r.json()["stores"]] == ["a"], r.text
+        r = await c.get("/stores", headers=BOB)
+        assert r.json()["stores"] == [{
+            "id": "b", "tenant": "bob", "state": "damaged",
+            "error": "store 'b' is damaged: its file spec.json cannot be read; DELETE it and "
+                     "add its samples again"}], r.text
+        got = await c.get("/stores/b", headers=BOB)
+        error(got, 500, "store_damaged", "spec.json", "DELETE it")
+        assert "Traceback" not in got.text and "JSONDecodeError" not in got.text
+        assert (await c.delete("/stores/b", headers=BOB)).status_code == 200
+        assert (await c.get("/stores", headers=BOB)).json()["stores"] == []
+        assert (await c.get("/stores/b", headers=BOB)).status_code == 404

@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psgrad._errors import BadRequest, Conflict, InvalidInput, NonFinite, NotFound, TooLarge
+from psgrad._errors import (
+    BadRequest,
+    Conflict,
+    InvalidInput,
+    NonFinite,
+    NotFound,
+    StoreDamaged,
+    TooLarge,
+)
 from service import redis_keys
 from service.api.routes.stores import _doc as described
 from service.stores import files as files_module
@@ -408,6 +416,77 @@ def test_a_delete_racing_a_staged_shard_removes_the_store(
     monkeypatch.setattr(store.fs, "rm", racing)  # fsspec shares the instance: undone after
     assert store.delete("s") and len(calls) == 2
     assert not (tmp_path / "data/stores/s").exists() and store.spec("s") is None
+
+
+def _cut(path: Path, keep: int | None = None) -> None:
+    """``path`` cut to ``keep`` bytes (None: half of them), as a file damaged on the disk."""
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 2 if keep is None else keep])
+
+
+@pytest.mark.parametrize("name, damage, says", [
+    (MANIFEST, _cut, "cannot be read"),
+    (MANIFEST, lambda p: p.write_text('{"seq": 1}'), "cannot be read"),
+    (MANIFEST, Path.unlink, "is missing"),
+    ("shard", lambda p: _cut(p, 12 + int.from_bytes(p.read_bytes()[:8], "little")),
+     "cannot be read"),  # its header whole, its rows cut
+    ("shard", lambda p: _cut(p, 40), "cannot be read"),  # its header cut
+    ("shard", lambda p: _cut(p, 0), "cannot be read"),
+    ("shard", lambda p: p.write_bytes(b"\xff" * 64), "cannot be read"),  # a header size of 2**64
+    ("shard", Path.unlink, "is missing"),
+])
+def test_a_damaged_file_is_a_store_damaged_naming_it(
+        tmp_path: Path, name: str, damage: Any, says: str) -> None:
+    """A store file cut short, changed or lost outside psgrad is StoreDamaged (500
+    store_damaged) naming the file, for every score: before, Python's own error (a 500 with
+    'buffer is smaller than requested size'), a lost shard called a deleted store (404), and
+    a lost manifest read as an empty store, whose next append orphaned every shard."""
+    store, _, _ = filled(tmp_path)
+    folder = tmp_path / "data/stores/s"
+    target = folder / (store.manifest("s").shards[1].file if name == "shard" else name)
+    damage(target)
+    again = StoreFiles(str(tmp_path / "data"), ThreadLocks(), store.shard_bytes)  # restarted
+    q = np.ones((1, K))
+    for score in ("dot", "trak", "self_influence"):
+        with pytest.raises(StoreDamaged) as caught:
+            search(again, "s", "s", q, 3, score)
+        assert str(caught.value) == (f"store 's' is damaged: its file {target.name} {says}; "
+                                     "DELETE it and add its samples again")
+        assert caught.value.status == 500 and caught.value.code == "store_damaged"
+    assert again.delete("s") and not folder.exists()
+
+
+def test_a_damaged_definition_is_named_and_the_store_can_be_deleted(tmp_path: Path) -> None:
+    """A spec.json that does not parse is StoreDamaged where the store is read, a store that
+    pins nothing (a model version can be deleted), and DELETE removes it (before: every
+    route a 500, DELETE too, so that only an operator could remove it)."""
+    store, _, _ = filled(tmp_path)
+    _cut(tmp_path / "data/stores/s/spec.json")
+    with pytest.raises(StoreDamaged, match=r"its file spec.json cannot be read"):
+        store.spec("s")
+    assert store.pinning({"mlp@abc"}) == []
+    assert store.delete("s") and store.spec("s") is None
+    assert not store.delete("s")
+
+
+def test_an_index_that_cannot_be_read_is_scanned_past(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A trained index cut short: the query scans every row (exact, as the scan ranks) and
+    says so in the log (before: FAISS's RuntimeError, a 500)."""
+    indexed = indexed_spec()
+    store = files(tmp_path)
+    store.create("s", indexed)
+    phi = np.random.default_rng(9).standard_normal((100, K)).astype(np.float32)
+    store.append("s", indexed, list(range(100)), "int", phi)
+    trained = store.manifest("s").trained
+    assert trained is not None
+    _cut(tmp_path / "data/stores/s" / trained)
+    again = StoreFiles(str(tmp_path / "data"), ThreadLocks(), store.shard_bytes)
+    q = np.random.default_rng(1).standard_normal((2, K))
+    with caplog.at_level(logging.WARNING, logger="service.stores.files"):
+        found = search(again, "s", "s", q, 5, "dot")
+    assert found.exact and f"its index {trained} cannot be read" in caplog.text
+    np.testing.assert_array_equal(found.rows, reference(phi.astype(np.float64), q, "dot", 5)[0])
 
 
 def test_an_append_to_a_deleted_store_is_refused(tmp_path: Path) -> None:

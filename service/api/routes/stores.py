@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.concurrency import run_in_threadpool
 
 from psgrad._contract import SAMPLE_FIELDS, shown
-from psgrad._errors import BadRequest, Conflict, InvalidInput, NotFound
+from psgrad._errors import BadRequest, Conflict, InvalidInput, NotFound, StoreDamaged
 from psgrad._wire import array_from_json
 from service.api.body import conform, decode_request, fields_of, read_json
 from service.api.deps import ApiKey, AppState, Scope, ScopeDep, StateDep, TenantDep
@@ -55,7 +55,7 @@ from service.stores.spec import (
     checked_ids,
     sample_ids,
 )
-from service.tenants import Tenant, owned_key
+from service.tenants import Tenant, key_owner, owned_key, owned_name
 from service.validate import parse_request
 
 StoreId = Annotated[str, Path(description="a store id", json_schema_extra={"pattern": MODEL_ID})]
@@ -185,9 +185,15 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
     def read() -> list[dict[str, Any]]:
         out = []
         for key in state.storage.gradients.store_keys():
-            spec = state.storage.gradients.spec(key)
-            if spec is not None and scope.sees(spec.tenant):
-                out.append(_doc(spec, _shown(state, key, spec)))
+            if not scope.sees(key_owner(key)):  # another tenant's, even damaged, is not read
+                continue
+            try:
+                spec = state.storage.gradients.spec(key)
+                if spec is not None:
+                    out.append(_doc(spec, _shown(state, key, spec)))
+            except StoreDamaged as exc:
+                out.append({"id": owned_name(key), "tenant": key_owner(key), "state": "damaged",
+                            "error": exc.message})
         return out
 
     return {"stores": await run_in_threadpool(read)}
