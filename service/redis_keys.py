@@ -78,6 +78,12 @@ def dp_run_jobs(prefix: str, run_id: str) -> str:
     return f"{prefix}:dp-run:{run_id}:jobs"
 
 
+def dp_run_released(prefix: str, run_id: str) -> str:
+    """Set of the job ids of a run whose noisy answers went out, or began to: a step releases
+    one answer at most (:meth:`service.dp.runs.RunStore.released`)."""
+    return f"{prefix}:dp-run:{run_id}:released"
+
+
 def dp_ledger_sync(prefix: str) -> str:
     """Counter a worker increments right before ``WAITAOF``: a write of that connection after
     every step it counted, so that the wait covers them all (``WAITAOF`` waits for the writes

@@ -5,6 +5,10 @@ Three stores behind one interface, chosen like the model store (:func:`make_run_
 restart), Redis (distributed; shared by the api and every worker). Each counts a step in one
 atomic operation that also checks the budget and remembers the job id, so a job delivered twice
 (a retry, a redelivery after a worker died) counts once, and no step is counted past the budget.
+Each also marks a step's answer as going out before any of it does (:meth:`RunStore.released`),
+so that one step never releases two noisy answers: a job delivered again after its answer began
+to go out, or a job made again under a counted id (a key sent again once its job was deleted or
+expired), is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from psgrad._contract import RUN_ID_PATTERN
 from psgrad._errors import (
+    Conflict,
     InsufficientStorage,
     Overloaded,
     PrivacyBudgetExhausted,
@@ -42,6 +47,12 @@ CLIP_FORMS = {"exact": 0.0, "opacus": 1e-6}  # the norm offset of each clip-fact
 COUNTED, REPEATED, EXHAUSTED, MISSING = 1, 0, -1, -2
 LEDGER_FSYNC_TIMEOUT_MS = 2000  # WAITAOF for a counted step: everysec fsyncs every second
 log = logging.getLogger(__name__)
+
+# KEYS: run hash, released job ids. ARGV: job id. -> 1 marked now, 0 marked before, -2 no run
+RELEASE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
+return redis.call('SADD', KEYS[2], ARGV[1])
+"""
 
 # KEYS: run hash, counted job ids. ARGV: job id, max steps. -> {code, steps}
 COUNT_LUA = """
@@ -106,6 +117,26 @@ def exhausted(run: DPRun, steps: int) -> PrivacyBudgetExhausted:
         max_steps=run.max_steps, max_epsilon=run.max_epsilon)
 
 
+def released_before(run_id: str, job_id: str) -> Conflict:
+    """A counted step whose answer went out before, or may have: it is not released again."""
+    return Conflict(
+        f"DP run '{run_id}': this step (job {job_id}) was counted and its noisy answer released "
+        "before, or it may have been (an answer cut off, or an Idempotency-Key sent again after "
+        "its job was deleted or expired); one step never releases a second answer: send the "
+        "step again under a new Idempotency-Key (psgrad's run.step does), as a new step",
+        run=run_id, job=job_id)
+
+
+def withheld(run_id: str, job_id: str) -> Conflict:
+    """A counted step whose answer the ledger's disk did not confirm: kept back (the step
+    stays counted), and the same key can only replay this."""
+    return Conflict(
+        f"DP run '{run_id}': this step (job {job_id}) was counted, but the ledger did not "
+        "confirm it on disk, so its noisy answer was not released: send the step again under a "
+        "new Idempotency-Key (psgrad's run.step does), as a new step; this one stays counted",
+        run=run_id, job=job_id)
+
+
 def unknown(run_id: str) -> UnknownDPRun:
     return UnknownDPRun(f"unknown DP run '{run_id[:80]}': create one with POST /dp-runs",
                         run=run_id[:80])
@@ -150,6 +181,17 @@ class RunStore:
             raise exhausted(found[0], steps)
         return found[0], steps
 
+    def released(self, run_id: str, job_id: str) -> bool:
+        """Mark counted job ``job_id``'s answer as going out: True the first time, False once
+        marked before (by this process or another, or counted before this process read the
+        run from its files: its answer may have gone out). Called before any of the answer
+        is stored.
+
+        Raises:
+            UnknownDPRun: no such run (deleted meanwhile).
+        """
+        raise NotImplementedError
+
     def sync(self) -> None:
         """Return once every step counted so far is on disk, or raise: called by the worker
         before it releases the answers of the steps it counted (one wait for a whole batch).
@@ -165,6 +207,7 @@ class MemoryRunStore(RunStore):
         self._runs: dict[str, DPRun] = {}
         self._jobs: dict[str, list[str]] = {}  # counted job ids in order: len() is the steps
         self._seen: dict[str, set[str]] = {}
+        self._released: dict[str, set[str]] = {}
 
     def create(self, run: DPRun) -> DPRun:
         with self._lock:
@@ -172,7 +215,7 @@ class MemoryRunStore(RunStore):
             if held is not None:
                 return held
             self._runs[run.id] = run
-            self._jobs[run.id], self._seen[run.id] = [], set()
+            self._jobs[run.id], self._seen[run.id], self._released[run.id] = [], set(), set()
             return run
 
     def get(self, run_id: str) -> tuple[DPRun, int] | None:
@@ -189,7 +232,19 @@ class MemoryRunStore(RunStore):
         with self._lock:
             self._jobs.pop(run_id, None)
             self._seen.pop(run_id, None)
+            self._released.pop(run_id, None)
             return self._runs.pop(run_id, None) is not None
+
+    def released(self, run_id: str, job_id: str) -> bool:
+        with self._lock:
+            self._load(run_id)
+            marked = self._released.get(run_id)
+            if marked is None:
+                raise unknown(run_id)
+            if job_id in marked:
+                return False
+            marked.add(job_id)
+            return True
 
     def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
         with self._lock:
@@ -260,7 +315,9 @@ class FileRunStore(MemoryRunStore):
             lines = (folder / "steps.log").read_text().split()
         except (FileNotFoundError, NotADirectoryError):
             return
+        # a step counted before this process read the run may have released its answer
         self._runs[run_id], self._jobs[run_id], self._seen[run_id] = run, lines, set(lines)
+        self._released[run_id] = set(lines)
 
     def _persist(self, run_id: str, job_id: str) -> None:
         """The step on disk before it counts; a folder that takes no write (read-only, full)
@@ -292,6 +349,7 @@ class RedisRunStore(RunStore):
         self.r = client
         self.prefix = prefix
         self._count_script = client.register_script(COUNT_LUA)
+        self._release_script = client.register_script(RELEASE_LUA)
         self._durability: str | None = None
 
     def durability(self) -> str:
@@ -367,7 +425,8 @@ class RedisRunStore(RunStore):
     def delete(self, run_id: str) -> bool:
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(redis_keys.dp_run(self.prefix, run_id),
-                    redis_keys.dp_run_jobs(self.prefix, run_id))
+                    redis_keys.dp_run_jobs(self.prefix, run_id),
+                    redis_keys.dp_run_released(self.prefix, run_id))
         pipe.srem(redis_keys.dp_run_ids(self.prefix), run_id)
         return bool(pipe.execute()[0])
 
@@ -377,6 +436,14 @@ class RedisRunStore(RunStore):
                   redis_keys.dp_run_jobs(self.prefix, run.id)],
             args=[job_id, run.max_steps])
         return int(code), int(steps)
+
+    def released(self, run_id: str, job_id: str) -> bool:
+        marked = int(self._release_script(
+            keys=[redis_keys.dp_run(self.prefix, run_id),
+                  redis_keys.dp_run_released(self.prefix, run_id)], args=[job_id]))
+        if marked == MISSING:
+            raise unknown(run_id)
+        return marked == 1
 
     def close(self) -> None:
         self.r.close()

@@ -34,7 +34,6 @@ import torch
 from psgrad._contract import output
 from psgrad._errors import (
     InternalError,
-    Overloaded,
     PsgradError,
     VerificationFailed,
 )
@@ -42,6 +41,7 @@ from service import engine, verify, warmup
 from service.answer_fields import HALF, result_fields
 from service.compile_cache import CompiledFunctions
 from service.config import Settings, raise_setting
+from service.dp.runs import released_before, withheld
 from service.dp.steps import on_result as count_dp_step
 from service.fast_stats import SharedPlans, warm_kernels
 from service.jobs import Job, JobSource, answer_too_large, missed_deadline
@@ -280,25 +280,34 @@ class Worker:
         """``done`` once the DP steps among them are on the ledger's disk (one wait for the
         batch, :meth:`RunStore.sync`), so that a crash of its host never loses a step whose
         noisy answer went out; where that fails, those jobs fail and release nothing (their
-        steps stay counted: an over-count is safe, an under-count is not)."""
+        steps stay counted: an over-count is safe, an under-count is not). Then each step's
+        answer is marked as going out (:meth:`_first_release`)."""
         steps = {j.id for j, _ in done if isinstance(j.fields.get("dp_run"), str)}
         if not steps:
             return done
         try:
             self.storage.runs.sync()
-            return done
-        except PsgradError as exc:
-            failure = exc
-        except Exception as exc:  # the ledger's Redis unreachable
+        except Exception as exc:  # not confirmed in time, or the ledger's Redis unreachable
             log.warning("the DP steps of jobs %s are not confirmed on disk: %s",
                         ", ".join(sorted(steps)), exc)
-            failure = Overloaded("the DP ledger did not confirm these steps on disk, so their "
-                                 "answers were not released; retry (the steps stay counted)",
-                                 retry_after=1)
-        for job, _ in done:
-            if job.id in steps:
-                self._fail(job, failure, retry=False)
-        return [(j, r) for j, r in done if j.id not in steps]
+            for job, _ in done:
+                if job.id in steps:  # a 409: the same key can only replay it
+                    self._fail(job, withheld(job.fields["dp_run"], job.id), retry=False)
+            return [(j, r) for j, r in done if j.id not in steps]
+        return [(j, r) for j, r in done if j.id not in steps or self._first_release(j)]
+
+    def _first_release(self, job: Job) -> bool:
+        """Whether DP step ``job``'s answer may go out: marked as going out now, before any of
+        it is stored (:meth:`RunStore.released`); else the job fails and releases nothing (its
+        answer went out before, or began to: one step never releases a second)."""
+        run_id = job.fields["dp_run"]
+        first = self._attempt(job, "marking the DP step's answer",
+                              partial(self.storage.runs.released, run_id, job.id), retry=True)
+        if first is _FAILED:
+            return False
+        if not first:
+            self._fail(job, released_before(run_id, job.id), retry=False)
+        return bool(first)
 
     def _computed(self, items: list[tuple[Job, ParsedRequest]], norms: list[torch.Tensor]
                   ) -> tuple[list[dict[str, Any]], float]:

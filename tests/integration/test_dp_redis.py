@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from psgrad._errors import PrivacyBudgetExhausted
+from psgrad._errors import PrivacyBudgetExhausted, UnknownDPRun
 from service.api import create_app
 from service.broker.redis.api import RedisBroker
 from service.broker.redis.worker import RedisJobSource
@@ -66,9 +66,12 @@ def _fields(run_id: str) -> dict[str, Any]:
             "outputs": ["clipped_mean"], "dp_run": run_id}
 
 
-async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
-    """A worker counted the job's step and died before storing its answer; the job comes back
-    to another worker, which releases the answer without counting a second step."""
+@contextlib.asynccontextmanager
+async def redelivered(settings: Settings, *, released: bool
+                      ) -> AsyncIterator[tuple[Any, DPRun, Any]]:
+    """A DP step's job that a first worker counted (and, ``released``, began to store the
+    answer of) before it died, taken and processed by another worker: the run store, the run
+    and the job's final state."""
     run = record(max_steps=5)
     storage = open_storage(settings)
     storage.runs.create(run)
@@ -78,17 +81,41 @@ async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
         job = Job(id="redelivered-job", fields=_fields(run.id), deadline=time.time() + 60)
         await broker.submit(job)
         storage.runs.count(run.id, job.id)  # the first worker's count
+        if released:
+            assert storage.runs.released(run.id, job.id)
         taken = source.take(max_jobs=1, max_samples=100, max_delay_s=0.0, block_s=2.0)
         Worker(source, ModelRegistry(), settings, storage=open_storage(settings)).process(taken)
-        state = await broker.wait(job.id, 10)
-        assert state.status is JobStatus.SUCCEEDED, state.error
-        result = await result_of(state)
-        assert result is not None and result["dp"]["steps"] == 1
-        assert storage.runs.get(run.id) == (run, 1)
+        yield storage.runs, run, await broker.wait(job.id, 10)
     finally:
         source.close()
         storage.close()
         await broker.close()
+
+
+async def test_a_redelivered_job_is_counted_once(settings: Settings) -> None:
+    """A worker counted the job's step and died before storing its answer; the job comes back
+    to another worker, which releases the answer without counting a second step."""
+    async with redelivered(settings, released=False) as (runs, run, state):
+        assert state.status is JobStatus.SUCCEEDED, state.error
+        result = await result_of(state)
+        assert result is not None and result["dp"]["steps"] == 1
+        assert runs.get(run.id) == (run, 1)
+
+
+async def test_a_job_redelivered_after_its_answer_began_to_go_out_releases_none(
+        settings: Settings) -> None:
+    """A worker counted the step and began to store its answer (the api relays its pieces as
+    they land), then died; the job comes back to another worker, which fails it with a 409
+    rather than release a second noisy answer (before: a second, independent draw, the step
+    counted once)."""
+    async with redelivered(settings, released=True) as (runs, run, state):
+        assert state.status is JobStatus.FAILED and state.error is not None
+        assert state.error["error"]["code"] == "conflict", state.error
+        assert "never releases a second answer" in state.error["error"]["message"]
+        assert runs.get(run.id) == (run, 1)
+        assert runs.delete(run.id)
+        with pytest.raises(UnknownDPRun):
+            runs.released(run.id, "redelivered-job")
 
 
 RUN = {"model": "mlp", "clip_norm": 1.0, "noise_multiplier": 2.0, "sample_rate": 0.04,

@@ -229,6 +229,73 @@ async def test_a_keyed_step_sent_again_after_the_last_answers_its_job() -> None:
         assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == run["max_steps"]
 
 
+@pytest.mark.parametrize("kind", ["memory", "files"])
+def test_a_steps_answer_is_marked_as_going_out_once(kind: str, tmp_path: Path) -> None:
+    """The first mark of a counted step's answer is True, every later one False; a store
+    that reads a run from its files takes every step counted before as released (its answer
+    may have gone out before a restart)."""
+    store: RunStore = MemoryRunStore() if kind == "memory" else FileRunStore(tmp_path)
+    run = record(max_steps=5)
+    store.create(run)
+    store.count(run.id, "job-a")
+    assert store.released(run.id, "job-a") and not store.released(run.id, "job-a")
+    store.count(run.id, "job-b")
+    if kind == "files":
+        again = FileRunStore(tmp_path)
+        assert not again.released(run.id, "job-b")  # counted before the restart
+        again.count(run.id, "job-c")
+        assert again.released(run.id, "job-c")
+    with pytest.raises(UnknownDPRun):
+        store.released("dp-" + "0" * 24, "job-a")
+
+
+async def test_a_key_sent_again_after_its_job_went_releases_no_second_answer() -> None:
+    """A keyed step answered, its job deleted (as the SDK does) or expired, then the key sent
+    again, with another batch: a 409 that says to send a new step under a new key, and one
+    step counted. Before, each such try released a fresh noisy mean (30 tries, 30 answers,
+    one step on the ledger: their average strips the noise)."""
+    async with open_client() as c:
+        run = (await c.post("/dp-runs", json=_run_body())).json()
+        body, key = {**(await _step_body(c)), "dp_run": run["id"]}, {"Idempotency-Key": "k"}
+        first = await c.post("/per-sample-grads", json=body, headers=key)
+        assert first.status_code == 200 and first.json()["dp"]["steps"] == 1, first.text
+        job = first.headers["content-location"]
+        assert (await c.delete(job)).status_code == 200
+        for inputs in (body["inputs"], (np.asarray(body["inputs"]) + 1).tolist()):
+            again = await c.post("/per-sample-grads", json={**body, "inputs": inputs},
+                                 headers=key)
+            assert again.status_code == 409, again.text
+            error = again.json()["error"]
+            assert error["code"] == "conflict" and "never releases a second answer" in error[
+                "message"] and "new Idempotency-Key" in error["message"]
+            assert (await c.delete(job)).status_code == 200
+        assert (await c.get(f"/dp-runs/{run['id']}")).json()["steps"] == 1
+        new = await c.post("/per-sample-grads", json=body, headers={"Idempotency-Key": "k2"})
+        assert new.status_code == 200 and new.json()["dp"]["steps"] == 2, new.text
+
+
+async def test_a_step_the_ledger_does_not_confirm_is_a_409_to_send_anew(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger's disk does not confirm a counted step: its answer is withheld with a 409
+    saying to send the step under a new key (it was a 503 'retry', replayed to every try of
+    the same key until the job expired), and a new key's step is answered."""
+    def unconfirmed(self: RunStore) -> None:
+        raise RuntimeError("WAITAOF timed out")
+
+    async with open_client() as c:
+        run = (await c.post("/dp-runs", json=_run_body())).json()
+        body = {**(await _step_body(c)), "dp_run": run["id"]}
+        monkeypatch.setattr(MemoryRunStore, "sync", unconfirmed)
+        for _ in range(2):
+            r = await c.post("/per-sample-grads", json=body, headers={"Idempotency-Key": "k"})
+            assert r.status_code == 409, r.text
+            assert "did not confirm it on disk" in r.json()["error"]["message"]
+            assert "new Idempotency-Key" in r.json()["error"]["message"]
+        monkeypatch.undo()
+        r = await c.post("/per-sample-grads", json=body, headers={"Idempotency-Key": "k2"})
+        assert r.status_code == 200 and r.json()["dp"]["steps"] == 2, r.text
+
+
 async def test_creating_a_run_checks_its_fields() -> None:
     # the PRV solve below takes about the default 5 s of CPU on the project's 2-core hosts (on
     # one it went past): a limit of its own, so the test checks the fields, not the host's
