@@ -13,7 +13,9 @@ expired), is refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -270,13 +272,15 @@ class MemoryRunStore(RunStore):
 
 class FileRunStore(MemoryRunStore):
     """Runs under ``<PSGRAD_MODEL_DIR>/.dp-runs/<id>/``: ``run.json`` and ``steps.log`` (one
-    counted job id per line, appended and flushed to disk before the step counts). One process
-    writes a directory at a time, as for models."""
+    counted job id per line, appended and flushed to disk before the step counts). Servers
+    sharing the folder share each run's budget: a step is counted under an exclusive lock on
+    its ``steps.log`` (``flock``), after reading the lines the others appended."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__()
         self.root = Path(root) / ".dp-runs"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._read_to: dict[str, int] = {}  # the bytes of each run's steps.log read so far
 
     def _folder(self, run_id: str) -> Path:
         return self.root / (run_id if RUN_ID_RE.fullmatch(run_id) else "_")
@@ -291,6 +295,7 @@ class FileRunStore(MemoryRunStore):
             if not _write_atomic(folder / "run.json", run.to_json().encode(), exclusive=True):
                 self._load(run.id)
                 return self._runs[run.id]
+            self._read_to[run.id] = 0
         return super().create(run)
 
     def ids(self) -> list[str]:
@@ -304,7 +309,21 @@ class FileRunStore(MemoryRunStore):
                 (folder / name).unlink(missing_ok=True)
             if folder.is_dir() and RUN_ID_RE.fullmatch(run_id):
                 folder.rmdir()
+            self._read_to.pop(run_id, None)
         return super().delete(run_id) or found
+
+    def get(self, run_id: str) -> tuple[DPRun, int] | None:
+        with self._lock:
+            self._load(run_id)
+            if run_id in self._runs:
+                self._read_steps(run_id)
+        return super().get(run_id)
+
+    def _read_steps(self, run_id: str) -> None:
+        """:meth:`_catch_up` from the run's ``steps.log`` (gone: deleted meanwhile)."""
+        with contextlib.suppress(FileNotFoundError), open(
+                self._folder(run_id) / "steps.log", "rb") as f:
+            self._catch_up(run_id, f)
 
     def _load(self, run_id: str) -> None:
         if run_id in self._runs:
@@ -312,29 +331,79 @@ class FileRunStore(MemoryRunStore):
         folder = self._folder(run_id)
         try:
             run = DPRun.from_json((folder / "run.json").read_bytes())
-            lines = (folder / "steps.log").read_text().split()
+            (folder / "steps.log").stat()
         except (FileNotFoundError, NotADirectoryError):
             return
-        # a step counted before this process read the run may have released its answer
-        self._runs[run_id], self._jobs[run_id], self._seen[run_id] = run, lines, set(lines)
-        self._released[run_id] = set(lines)
+        self._runs[run_id], self._jobs[run_id], self._seen[run_id] = run, [], set()
+        self._released[run_id], self._read_to[run_id] = set(), 0
+        self._read_steps(run_id)
 
-    def _persist(self, run_id: str, job_id: str) -> None:
-        """The step on disk before it counts; a folder that takes no write (read-only, full)
-        refuses the step (507): nothing is released that the ledger does not hold."""
+    def _catch_up(self, run_id: str, f: Any) -> None:
+        """Read the steps appended to the run's ``steps.log`` (``f``, open) since last read,
+        by another process or before this one read the run: a step counted elsewhere may have
+        released its answer. Call with the lock held."""
+        f.seek(self._read_to[run_id])
+        raw = f.read()
+        whole = raw[:raw.rfind(b"\n") + 1]  # a line being written is read when it is whole
+        self._read_to[run_id] += len(whole)
+        for job_id in whole.decode().split():
+            if job_id not in self._seen[run_id]:
+                self._jobs[run_id].append(job_id)
+                self._seen[run_id].add(job_id)
+                self._released[run_id].add(job_id)
+
+    def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
+        with self._lock:
+            self._load(run.id)
+            if run.id not in self._jobs:
+                return MISSING, 0
+            try:
+                with open(self._folder(run.id) / "steps.log", "rb+") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX)  # every process on the folder; freed on close
+                    return self._counted(f, run, job_id)
+            except FileNotFoundError:  # deleted meanwhile
+                return MISSING, 0
+            except OSError as exc:  # opened for writing: a read-only folder refuses here
+                raise _unrecorded(run.id, exc) from None
+
+    def _counted(self, f: Any, run: DPRun, job_id: str) -> tuple[int, int]:
+        """:meth:`_count` with ``f``, the run's ``steps.log``, open and locked."""
+        self._catch_up(run.id, f)
+        jobs = self._jobs[run.id]
+        if job_id in self._seen[run.id]:
+            return REPEATED, len(jobs)
+        if len(jobs) >= run.max_steps:
+            return EXHAUSTED, len(jobs)
+        self._read_to[run.id] = self._append(f, run.id, job_id)
+        jobs.append(job_id)
+        self._seen[run.id].add(job_id)
+        return COUNTED, len(jobs)
+
+    def _append(self, f: Any, run_id: str, job_id: str) -> int:
+        """The step on disk before it counts, at the end of ``f`` (its ``steps.log``, open and
+        locked), and the file's length after it; a folder that takes no write (read-only,
+        full) refuses the step (507), its line cut off again: nothing is released that the
+        ledger does not hold."""
+        end = f.seek(0, os.SEEK_END)
         try:
-            with open(self._folder(run_id) / "steps.log", "a") as f:
-                f.write(job_id + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            f.write(job_id.encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+            return int(f.tell())
         except OSError as exc:
-            refused = unwritable(exc, "the DP runs' folder under PSGRAD_MODEL_DIR",
-                                 "PSGRAD_MODEL_DIR")
-            raise InsufficientStorage(
-                f"DP run '{run_id}': its step was not taken and nothing was released: "
-                + (refused.message if refused else f"it could not be recorded ({exc.strerror})"),
-                run=run_id, reason=refused.details["reason"] if refused else "not_written",
-            ) from None
+            with contextlib.suppress(OSError):
+                f.truncate(end)
+            raise _unrecorded(run_id, exc) from None
+
+
+def _unrecorded(run_id: str, exc: OSError) -> InsufficientStorage:
+    """A step its ``steps.log`` could not take (a folder read-only, full, not writable): not
+    counted, nothing released (507)."""
+    refused = unwritable(exc, "the DP runs' folder under PSGRAD_MODEL_DIR", "PSGRAD_MODEL_DIR")
+    return InsufficientStorage(
+        f"DP run '{run_id}': its step was not taken and nothing was released: "
+        + (refused.message if refused else f"it could not be recorded ({exc.strerror})"),
+        run=run_id, reason=refused.details["reason"] if refused else "not_written")
 
 
 class RedisRunStore(RunStore):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,37 @@ def test_a_steps_answer_is_marked_as_going_out_once(kind: str, tmp_path: Path) -
         assert again.released(run.id, "job-c")
     with pytest.raises(UnknownDPRun):
         store.released("dp-" + "0" * 24, "job-a")
+
+
+def test_servers_sharing_a_folder_share_each_runs_budget(tmp_path: Path) -> None:
+    """Two stores on one PSGRAD_MODEL_DIR (two servers: no memory shared, each its own lock)
+    counting 20 steps of a 7-step run at once: 7 counted in all, one line each in steps.log,
+    and each store sees the other's steps, counted once and their answers taken as released.
+    Before, each counted 7 from its own memory: 14 answers released, 14 lines."""
+    stores = (FileRunStore(tmp_path), FileRunStore(tmp_path))
+    run = record(max_steps=7)
+    stores[0].create(run)
+    counted: dict[str, int] = {}
+    refused: list[str] = []
+
+    def step(i: int) -> None:
+        try:
+            counted[f"job-{i}"] = stores[i % 2].count(run.id, f"job-{i}")[1]
+        except PrivacyBudgetExhausted:
+            refused.append(f"job-{i}")
+
+    threads = [threading.Thread(target=step, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(counted.values()) == list(range(1, 8)) and len(refused) == 13
+    log = (tmp_path / ".dp-runs" / run.id / "steps.log").read_text().split()
+    assert sorted(log) == sorted(counted)
+    assert stores[0].get(run.id) == stores[1].get(run.id) == (run, 7)
+    theirs = next(j for j in counted if int(j.split("-")[1]) % 2 == 0)  # counted by stores[0]
+    assert stores[1].count(run.id, theirs) == (run, 7)  # the same job: not a new step
+    assert not stores[1].released(run.id, theirs) and stores[0].released(run.id, theirs)
 
 
 async def test_a_key_sent_again_after_its_job_went_releases_no_second_answer() -> None:
