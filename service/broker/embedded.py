@@ -80,7 +80,8 @@ class EmbeddedBroker:
                     retry_after=1.0,
                     queue_depth=depth,
                 )
-            self._usage.admit(job.tenant, job.size, lim)
+            self._usage.admit(job.tenant, job.size, lim,
+                              dp_step=isinstance(job.fields.get("dp_run"), str))
             self._held[job.id] = (job.tenant, job.size)
             self._states[job.id] = JobState(job.id, JobStatus.QUEUED, enqueued_at=job.enqueued_at,
                                             tenant=job.tenant, digest=job.digest)

@@ -88,12 +88,17 @@ def over_quota(tenant: str, quota: str, value: float, used: str, *,
         retry_after=retry_after, quota=quota, limit=value, tenant=tenant)
 
 
-def too_large_for_quota(tenant: str, samples: int, value: int) -> TooLarge:
-    """The 413 for one request with more samples than the tenant may ever have queued."""
+def too_large_for_quota(tenant: str, samples: int, value: int, *, dp_step: bool = False
+                        ) -> TooLarge:
+    """The 413 for one request with more samples than the tenant may ever have queued; a DP
+    run's step is never split (its Poisson batch is the mechanism's), so it can only shrink
+    by sampling at a lower rate."""
+    smaller = ("make the run's batches smaller (a lower sample_rate: a step's batch is never "
+               "split)" if dp_step else
+               "send smaller batches (psgrad.Client splits a large batch for you)")
     return TooLarge(
         f"the request has {samples} samples and tenant '{tenant}' may have at most {value} "
-        f"queued (its quota queued_samples): send smaller batches (psgrad.Client splits a "
-        f"large batch for you), or ask the operator to raise the quota "
+        f"queued (its quota queued_samples): {smaller}, or ask the operator to raise the quota "
         f"({_HOW_TO_RAISE['queued_samples']} or the keys file's quotas)",
         quota="queued_samples", limit=value, size=samples, tenant=tenant)
 
@@ -109,10 +114,11 @@ class TenantUsage:
         self._samples: dict[str, int] = {}
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
 
-    def admit(self, tenant: str, samples: int, lim: Limits) -> None:
-        """Count one more job of ``samples`` for ``tenant``, or raise the refusal."""
+    def admit(self, tenant: str, samples: int, lim: Limits, *, dp_step: bool = False) -> None:
+        """Count one more job of ``samples`` for ``tenant`` (``dp_step``: a DP run's), or
+        raise the refusal."""
         if lim.queued_samples is not None and samples > lim.queued_samples:
-            raise too_large_for_quota(tenant, samples, lim.queued_samples)
+            raise too_large_for_quota(tenant, samples, lim.queued_samples, dp_step=dp_step)
         jobs, held = self._jobs.get(tenant, 0), self._samples.get(tenant, 0)
         if lim.concurrent_jobs is not None and jobs >= lim.concurrent_jobs:
             raise refusal(tenant, lim, "concurrent_jobs", jobs, samples)

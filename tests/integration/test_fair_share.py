@@ -263,6 +263,13 @@ async def test_queued_samples_quota(queue: tuple[Any, Any]) -> None:
     with pytest.raises(TooLarge) as alone:  # never admissible: 413, not a retry
         await api.submit(job("a", n=6), quotas)
     assert "queued_samples" in alone.value.message and alone.value.status == 413
+    assert "psgrad.Client splits a large batch" in alone.value.message
+    step = job("a", n=6)  # a DP run's step is never split: the SDK would not help
+    step.fields["dp_run"] = "dp-" + "0" * 24
+    with pytest.raises(TooLarge) as alone:
+        await api.submit(step, quotas)
+    assert "a lower sample_rate: a step's batch is never split" in alone.value.message
+    assert "splits a large batch" not in alone.value.message
 
 
 async def test_requests_per_s_quota(queue: tuple[Any, Any]) -> None:

@@ -210,7 +210,8 @@ class RedisBroker:
         self._fits(payload)
         lim = limits(quotas, self.settings)
         if lim.queued_samples is not None and n > lim.queued_samples:
-            raise too_large_for_quota(job.tenant, n, lim.queued_samples)
+            raise too_large_for_quota(job.tenant, n, lim.queued_samples,
+                                      dp_step=isinstance(job.fields.get("dp_run"), str))
         p, t, q = self.prefix, job.tenant, self.queue
         keys = keyspace.job_keys(p, job.id)
         tenant_queue, tenant_jobs, tenant_rate = (keyspace.tenant_queue(p, t),
