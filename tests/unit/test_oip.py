@@ -213,3 +213,28 @@ def test_keys_and_tenants_hold_as_everywhere() -> None:
                          headers={"Authorization": "Bearer k-alice"})
         np.testing.assert_allclose(result.as_numpy("norms"), loop_summary()["norms"].numpy(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_dp_step_answers_its_epsilon_and_takes_an_idempotency_key(url: str) -> None:
+    """A DP run's step through the protocol answers the privacy spent so far in its
+    parameters (it answered none: a step counted, its epsilon unsaid), and under an
+    Idempotency-Key a try sent again answers the first's noisy mean, one step counted."""
+    run = httpx.post(f"{url}/dp-runs", timeout=30, json={
+        "model": MODEL, "clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 0.01,
+        "dataset_size": 600, "delta": 1e-5, "max_epsilon": 10}).json()
+    body = {"inputs": GOOD, "parameters": {"loss": "mse", "outputs": ["clipped_mean"],
+                                           "dp_run": run["id"]}}
+    key = {"Idempotency-Key": "oip-step-1"}
+    first = httpx.post(f"{url}/v2/models/{MODEL}/infer", json=body, headers=key, timeout=30)
+    assert first.status_code == 200, first.text
+    params = first.json()["parameters"]
+    assert (params["dp_run"], params["dp_steps"], params["dp_accountant"]) == (
+        run["id"], 1, "rdp")
+    assert 0 < params["dp_epsilon"] <= 10 and params["dp_delta"] == 1e-5
+    again = httpx.post(f"{url}/v2/models/{MODEL}/infer", json=body, headers=key, timeout=30)
+    assert again.json()["outputs"] == first.json()["outputs"]
+    assert httpx.delete(url + first.headers["content-location"], timeout=30).status_code == 200
+    new = httpx.post(f"{url}/v2/models/{MODEL}/infer", json=body, timeout=30,
+                     headers={"Idempotency-Key": "oip-step-2"})
+    assert new.json()["parameters"]["dp_steps"] == 2
+    assert httpx.get(f"{url}/dp-runs/{run['id']}", timeout=30).json()["steps"] == 2

@@ -34,7 +34,7 @@ from psgrad._contract import KNOWN, OUTPUTS, answer_fields, shown
 from psgrad._errors import BadRequest, InvalidInput, TooLarge
 from psgrad._wire import widen_answers
 from service.api.body import INLINE_BYTES, TENSORS, dumps, loads, read_body, tensors_where_taken
-from service.api.deps import StateDep, TenantDep
+from service.api.deps import IdempotencyKey, StateDep, TenantDep
 from service.api.docs import schema_ref
 from service.api.errors import schema_refusal
 from service.api.routes.grads import answer_of, submit_fields
@@ -177,15 +177,19 @@ async def version_ready(name: str, version: str, state: StateDep, _tenant: Tenan
                        "content": {"application/octet-stream": {
                            "schema": {"type": "string", "format": "binary"}}}},
                  **_errors(400, 401, 403, 404, 409, 413, 415, 422, 500, 503, 504)})
-async def infer(name: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
-    """One gradients request in the protocol's form; see the module's description."""
-    return await _infer(name, None, request, state, tenant)
+async def infer(name: str, request: Request, state: StateDep, tenant: TenantDep,
+                key: IdempotencyKey = None) -> Response:
+    """One gradients request in the protocol's form; see the module's description. With an
+    ``Idempotency-Key`` (a DP step's, whose answer cannot be computed again), as for
+    ``POST /per-sample-grads``: a try sent again answers the first's job, kept until ``DELETE``
+    of the ``Content-Location`` it names."""
+    return await _infer(name, None, request, state, tenant, key)
 
 
 @router.post("/models/{name}/versions/{version}/infer", include_in_schema=False)
 async def version_infer(name: str, version: str, request: Request, state: StateDep,
-                        tenant: TenantDep) -> Response:
-    return await _infer(name, version, request, state, tenant)
+                        tenant: TenantDep, key: IdempotencyKey = None) -> Response:
+    return await _infer(name, version, request, state, tenant, key)
 
 
 def _metadata(state: StateDep, name: str, version: str | None) -> dict[str, Any]:
@@ -201,16 +205,19 @@ async def _model_ready(state: StateDep, name: str, version: str | None) -> JSONR
 
 
 async def _infer(name: str, version: str | None, request: Request, state: StateDep,
-                 tenant: TenantDep) -> Response:
+                 tenant: TenantDep, key: str | None) -> Response:
     body = await read_body(request, state.settings.max_body_bytes)
     if len(body) > INLINE_BYTES:  # a large body is parsed off the event loop
         doc, fields, asked = await run_in_threadpool(_read, body, request, state)
     else:
         doc, fields, asked = _read(body, request, state)
     fields["model"] = _ref(name, version)
-    job, _ = await submit_fields(fields, state, tenant)
-    result = await answer_of(state, job)
-    return _response(name, doc, result, asked, fields["outputs"])
+    job, queued = await submit_fields(fields, state, tenant, key=key)
+    result = await answer_of(state, job, kept=key is not None, fresh=queued and key is None)
+    response = _response(name, doc, result, asked, fields["outputs"])
+    if key is not None:  # kept: its caller DELETEs it once the answer is in hand
+        response.headers["Content-Location"] = f"/jobs/{job.id}"
+    return response
 
 
 async def _ready(state: StateDep) -> bool:
@@ -409,6 +416,8 @@ def _response(name: str, doc: dict[str, Any], result: dict[str, Any], asked: dic
     seed = (result.get("meta") or {}).get("seed")
     if seed is not None:  # the clipped mean's noise seed
         parameters["seed"] = seed
+    for k, v in (result.get("dp") or {}).items():  # a DP step's: the privacy spent so far
+        parameters[f"dp_{k}"] = v
     body: dict[str, Any] = {"model_name": name, "model_version": model.partition("@")[2],
                             "parameters": parameters, "outputs": described}
     if "id" in doc:
