@@ -25,7 +25,9 @@ from service import redis_keys
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 60_000  # a commit writes one manifest and one Gram matrix: well under this
+# a commit writes one manifest and one Gram matrix, well under this, and renews it each third:
+# the lease of an api that died while it held one frees inside a waiting commit's WAIT_S
+LEASE_MS = 20_000
 WAIT_S = 30.0
 
 _RELEASE = """
@@ -54,7 +56,7 @@ class ThreadLocks:
         with self._guard:
             lock = self._locks.setdefault(name, threading.Lock())
         if not lock.acquire(timeout=WAIT_S):
-            raise _busy(name)
+            raise _busy(name, 1.0)
         try:
             yield
         finally:
@@ -77,7 +79,7 @@ class RedisLocks:
         until = time.monotonic() + WAIT_S
         while not self.r.set(key, token, nx=True, px=self.lease_ms):
             if time.monotonic() > until:
-                raise _busy(name)
+                raise _busy(name, max(1.0, self.r.pttl(key) / 1000))
             time.sleep(0.01)
         done = threading.Event()
         keeper = threading.Thread(target=self._keep, args=(key, token, done), daemon=True,
@@ -102,6 +104,9 @@ class RedisLocks:
                 log.warning("renewing the commit lease %s failed: %s", key, exc)
 
 
-def _busy(name: str) -> Overloaded:
-    return Overloaded(f"store '{name.rpartition('~')[2]}' is being written by another request "
-                      f"for more than {WAIT_S:g} s; retry later", retry_after=1)
+def _busy(name: str, retry_after: float) -> Overloaded:
+    """The 503 for a store whose lock stayed held past :data:`WAIT_S`; ``retry_after``: when
+    it may be free (a lease's time left: its holder may be writing still, or have died)."""
+    return Overloaded(f"store '{name.partition('/')[0].rpartition('~')[2]}' has been written "
+                      f"by another request for more than {WAIT_S:g} s; retry in "
+                      f"{retry_after:.0f} s", retry_after=retry_after)

@@ -25,6 +25,7 @@ from psgrad._errors import (
     InvalidInput,
     NonFinite,
     NotFound,
+    Overloaded,
     StoreDamaged,
     TooLarge,
 )
@@ -700,6 +701,31 @@ def test_a_commit_longer_than_its_lease_keeps_it() -> None:
         assert client.get(key) is None
         with other.hold("s"):
             assert client.get(key) is not None
+    client.close()
+
+
+def test_a_lease_left_by_a_dead_api_says_when_it_frees(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """An api that died holding a store's lease: a commit waits for the lease to run out and
+    goes on; past its wait, the 503's Retry-After is the lease's time left (it was 1 s, for a
+    lease of 60 s that each try waited 30 s of), and the message names the store."""
+    from service.stores import locks
+
+    client = redis_or_skip()
+    with prefix_on(client) as prefix:
+        key = redis_keys.store_lock(prefix, "alice~s")
+        assert locks.LEASE_MS < locks.WAIT_S * 1000  # a dead holder's lease frees in a wait
+        client.set(key, b"dead-holder", px=400)
+        started = time.monotonic()
+        with RedisLocks(client, prefix).hold("alice~s"):
+            assert 0.2 < time.monotonic() - started < 5
+        client.set(key, b"dead-holder", px=8000)
+        monkeypatch.setattr(locks, "WAIT_S", 0.2)
+        with pytest.raises(Overloaded) as busy, RedisLocks(client, prefix).hold("alice~s"):
+            pass
+        assert 6 < busy.value.retry_after <= 8
+        assert "store 's' has been written by another request" in str(busy.value)
+        assert f"retry in {busy.value.retry_after:.0f} s" in str(busy.value)
     client.close()
 
 
