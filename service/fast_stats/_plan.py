@@ -89,7 +89,7 @@ def _plan(setup: Setup, shared: SharedPlans | None) -> Plan | None:
                    model.device, get_settings().fast_stats_form)
     stored = shared.load(key, model.module)
     if stored is not None:
-        if stored.unsupported is not None:
+        if stored.unsupported is not None and stored.trusted:  # else the probe says anew
             shared.stats.loaded += 1
             return None
         plan = _adopt(probe, stored, shared)
@@ -109,11 +109,16 @@ def _adopt(probe: Setup, stored: Stored, shared: SharedPlans) -> Plan | None:
     for replays in dict.fromkeys(stored.classes.values()):
         try:
             plan = _finish(probe, dict(replays))
+            if stored.classes.get(signature_digest(plan.signature) or "") != replays:
+                continue
+            wrong = [] if stored.trusted else _check(probe, plan, shared)
         except Unsupported:
             continue
-        if stored.classes.get(signature_digest(plan.signature) or "") != replays:
-            continue
-        if not stored.trusted and (wrong := _check(probe, plan, shared)):
+        except Exception as exc:  # a replay this model cannot run (an entry made by hand)
+            shared.refused(f"a stored plan of {probe.model.ref} could not run "
+                           f"({type(exc).__name__}: {str(exc)[:200]}): planning afresh")
+            return None
+        if wrong:
             shared.refused(f"a stored plan of {probe.model.ref} failed its check on "
                            f"{', '.join(wrong[:5])}: planning afresh")
             return None

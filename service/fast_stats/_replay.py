@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from service.fast_stats._records import DirectCall, ModuleCall, Use
+from service.fast_stats._records import DirectCall, ModuleCall, Unsupported, Use
 from service.fast_stats._source import Materialised, SourceContext
 from service.strategies.base import Tensors
 
@@ -124,5 +124,6 @@ class ModuleReplay(Materialised):
             xs = tuple(x[lo:hi].detach() for x in call.xs)
             part = list(vmap(one)(xs, call.g[lo:hi]))
             total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-        assert total is not None
+        if total is None:  # a plan names a module this model never calls (a stored entry's)
+            raise Unsupported("a replayed module that was not called")
         return dict(zip(self.names, total, strict=True))

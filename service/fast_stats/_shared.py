@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,13 +136,18 @@ class FileBackend:
         self.root = Path(root)
 
     def read(self, name: str) -> bytes | None:
+        """The entry's bytes (at most one past :data:`MAX_ENTRY_BYTES`: refused as too large
+        below), or None; a link or anything but a plain file is refused (a FIFO would block
+        its reader)."""
         path = self.root / f"{name}.json"
         try:
-            if path.stat().st_size > MAX_ENTRY_BYTES:
-                return b""  # refused as corrupt below
-            return path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path} is not a plain file")
+            return f.read(MAX_ENTRY_BYTES + 1)
 
     def write(self, name: str, data: bytes) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -157,17 +163,32 @@ class FileBackend:
         first use: an embedded server trusts what it signed itself before a restart."""
         path = self.root / ".secret"
         try:
-            return path.read_text().strip()
+            return _owned_secret(path)
         except FileNotFoundError:
             pass
         self.root.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:  # another process made it first
-            return path.read_text().strip()
+            return _owned_secret(path)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
         return path.read_text().strip()
+
+
+def _owned_secret(path: Path) -> str:
+    """The signing key in ``path`` where only this user could have written it (a plain file,
+    this user's, readable by no one else); else none, said in the log: the plans are then
+    checked before their first use, as a worker's without PSGRAD_COMPILE_SECRET are."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            log.warning("plans' signing key %s is not a file of this user's that no one else "
+                        "may read (mode %o): not trusted; stored plans are checked before "
+                        "their first use", path, stat.S_IMODE(st.st_mode))
+            return ""
+        return f.read(256).strip()
 
 
 class SharedPlans:
@@ -190,8 +211,8 @@ class SharedPlans:
             return None
         try:
             return _parse(data, key, module, self.secret)
-        except (ValueError, KeyError, TypeError) as exc:
-            self.refused(f"stored plan {name} ignored: {exc}")
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            self.refused(f"stored plan {name} ignored: {str(exc)[:300]}")
             return None
 
     def save(self, key: Mapping[str, Any], signature: str | None,
@@ -215,7 +236,7 @@ class SharedPlans:
         try:
             old = self.backend.read(name)
             previous = json.loads(old) if old else {}
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return {}
         if not isinstance(previous, dict) or previous.get("key") != key:
             return {}
@@ -286,6 +307,9 @@ def _parse(data: bytes, key: Mapping[str, Any], module: torch.nn.Module,
         raise ValueError("not a plan of this format")
     sealed = _signed_ok(entry, secret)
     if sealed is None:
+        if str(entry.get("seal", "")).startswith("hmac:"):
+            raise ValueError("it is signed under a PSGRAD_COMPILE_SECRET this worker does not "
+                             "hold (set the same one on every worker), or was changed since")
         raise ValueError("its seal does not match its content")
     if entry.get("key") != dict(key):
         raise ValueError("it is another model's or another setting's (foreign)")

@@ -10,6 +10,7 @@ Probes are counted (``SharedPlans.stats``), never timed.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,42 @@ def test_a_damaged_or_foreign_entry_is_ignored(
     assert (again.stats.ignored, again.stats.probes, again.stats.loaded) == (1, 1, 0)
 
 
+@pytest.mark.parametrize("damage", ["nested", "replays a module never called", "unsupported",
+                                    "fifo", "link"])
+def test_an_entry_made_by_hand_costs_a_probe_never_a_failure(
+        model: LoadedModel, tmp_path: Path, damage: str) -> None:
+    """Entries anyone who can write the store could leave, unsigned: JSON nested past Python's
+    recursion limit (a RecursionError, every request a 500), a replay of a module the model
+    never calls under its true digest (an AssertionError in the check, every request a 500),
+    'unsupported' (taken unchecked: every request sent to vmap), a FIFO or a link where the
+    file was (a FIFO blocked its reader for good). Each is planned afresh, and the answer is
+    the loop's."""
+    answered(model, batch_of(4, 5), store(tmp_path))
+    path = entry_path(tmp_path)
+    entry = json.loads(path.read_bytes())
+    if damage == "nested":
+        path.write_bytes(b"[" * 100_000)
+    elif damage == "replays a module never called":
+        replays = {"extra": ["extra.weight", "extra.bias"]}
+        opts = Options(loss="cross_entropy", outputs=OUTPUTS, params=tuple(model.params))
+        entry["classes"] = {_digest_of(model, batch_of(4, 5), opts, replays): [
+            [m, p] for m, p in replays.items()]}
+        path.write_bytes(_resealed(entry))
+    elif damage == "unsupported":
+        entry["classes"], entry["unsupported"] = {}, "poisoned"
+        path.write_bytes(_resealed(entry))
+    elif damage == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    restart(model)
+    again = store(tmp_path)
+    answered(model, batch_of(4, 5), again)  # fast_stats, the loop's answer
+    assert (again.stats.probes, again.stats.loaded) == (1, 0)
+
+
 @pytest.mark.parametrize("length", [5, 16])  # 16: checked at 8 positions (_plan.SHORT)
 def test_a_tampered_plan_never_changes_an_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, length: int) -> None:
@@ -251,10 +288,16 @@ def test_the_key_holds_no_batch_size_or_length() -> None:
 
 
 def _digest_of_tracking_all(model: LoadedModel, batch: Batch, opts: Options) -> str:
+    return _digest_of(model, batch, opts, {})
+
+
+def _digest_of(model: LoadedModel, batch: Batch, opts: Options,
+               replays: dict[str, list[str]]) -> str:
+    """The digest of the ops a plan with these module ``replays`` sees on the probe."""
     call = engine.prepare(model, batch, opts, [batch.size])
     probe = Setup(model, call.params, {k: v[:PROBE] for k, v in call.samples.items()},
                   opts.loss, opts.gamma, call.selected)
-    digest = signature_digest(_finish(probe, {}).signature)
+    digest = signature_digest(_finish(probe, replays).signature)
     assert digest is not None
     return digest
 
