@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from typing import Any
 
@@ -37,6 +38,7 @@ MAX_SHAPES = 16
 OUTPUTS = ["norms"]  # any statistic makes the same plan; norms answer smallest
 Shape = tuple[int, int | None]  # batch size, sequence length (None: the samples' one shape)
 _FLOATS = {torch.float64: np.float64, torch.float16: np.float16}
+_DIGITS = re.compile(r"[0-9]{1,18}")  # str.isdigit takes '²' and '①', which int() refuses
 
 
 def parse_shapes(text: str, max_batch_size: int) -> list[Shape]:
@@ -45,8 +47,8 @@ def parse_shapes(text: str, max_batch_size: int) -> list[Shape]:
     shapes: list[Shape] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         batch, sep, length = part.partition("x")
-        if not batch.isdigit() or int(batch) < 1 or (
-                sep and not (length.isdigit() and int(length) >= 1)):
+        if not _DIGITS.fullmatch(batch) or int(batch) < 1 or (
+                sep and not (_DIGITS.fullmatch(length) and int(length) >= 1)):
             raise InvalidInput(f"'warmup' has '{part[:40]}': give shapes as batch size x length "
                                "(warmup=4x64,32x512), or batch sizes alone for samples of one "
                                "fixed shape (warmup=4,32)", warmup=text[:200])

@@ -93,7 +93,7 @@ async def test_a_bfloat16_program_warms_up(tmp_path: Path, fresh: None) -> None:
 
 
 @pytest.mark.parametrize("asked", ["4x", "0", "x8", "4;8", ",".join(map(str, range(1, 19))),
-                                   "99999999999"])
+                                   "99999999999", "²", "4x²", "①", "٣"])  # '²': was a 500
 async def test_a_malformed_warmup_registers_nothing(tmp_path: Path, asked: str) -> None:
     async with open_client(**dirs(tmp_path)) as client:
         r = await client.put(f"/models/tiny?warmup={asked}", json=SPEC, headers=ADMIN)
