@@ -515,7 +515,10 @@ async def test_a_gathered_batch_ends_with_its_window_not_at_a_redis_timer_tick(
 async def test_planning_time_is_recorded_and_keeps_the_state(
         settings: Settings, shared: redis.Redis) -> None:
     """A worker's planning shows in the job's state (while it runs, and summed after) and the
-    state outlives the deadline by as much; a job not running records nothing."""
+    state outlives the deadline by as much; a job not running records nothing. Planning whose
+    worker died counts no more (it grew without end, and a request's wait with it, up to
+    PSGRAD_PLANNING_GRACE_S: 903 s for a 3 s deadline), nor once another worker takes the job
+    or it ends."""
     async with queue(settings) as (broker, source):
         running, queued = job(deadline_in=5.0), job()
         for j in (running, queued):
@@ -523,6 +526,7 @@ async def test_planning_time_is_recorded_and_keeps_the_state(
         taken = await asyncio.to_thread(take_all, source, 1)
         assert [t.id for t in taken] == [running.id]
         source.started(taken)
+        source.beat()  # the worker lives
         state_key = keyspace.job_state(settings.redis_prefix, running.id)
         ttl = shared.ttl(state_key)
         source.planning([taken[0], queued], time.time() - 2.0)
@@ -534,6 +538,15 @@ async def test_planning_time_is_recorded_and_keeps_the_state(
         source.planning([taken[0]], time.time() - 1.0)
         assert 41.0 <= (await broker.state(running.id)).planning_s < 50.0
         assert (await broker.state(queued.id)).planning_s == 0.0
+        shared.delete(keyspace.worker_heartbeat(settings.redis_prefix, source.name))
+        assert (await broker.state(running.id)).planning_s == 40.0  # died planning
+        source.beat()
+        source.started(taken)  # delivered again: the dead attempt's planning is dropped
+        assert shared.hget(state_key, "planning_since") is None
+        source.planning([taken[0]], time.time() - 1.0)
+        source.succeed(taken[0], {"norms": np.ones(1, np.float32)})
+        assert shared.hget(state_key, "planning_since") is None
+        assert (await broker.state(running.id)).planning_s == 40.0
 
 
 async def test_a_warming_worker_is_not_ready(settings: Settings) -> None:

@@ -83,7 +83,7 @@ def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> Jo
     if "error" in h:
         state.error = json.loads(h["error"])
     state.planning_s = float(h.get("planned_s", 0.0))
-    if "planning_since" in h:
+    if "planning_since" in h and status is JobStatus.RUNNING:  # its worker plans now
         state.planning_s += max(0.0, time.time() - float(h["planning_since"]))
     if status is JobStatus.SUCCEEDED and answer is None:  # expired a moment before its state
         raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
@@ -295,8 +295,15 @@ class RedisBroker:
             raise UnknownJob(f"unknown job '{keys.id}' (never submitted, or its result expired "
                              f"after {self.settings.result_ttl_s} s)", id=keys.id)
         h = text_hash(raw)
+        if "planning_since" in h and not await self._alive(h.get("worker")):
+            del h["planning_since"]  # its worker died planning: no planning goes on
         return decode_state(keys.id, h, RedisAnswer.found(self.blocking, self.pieces_blocking,
                                                           keys, h, first))
+
+    async def _alive(self, worker: str | None) -> bool:
+        """Whether ``worker``'s heartbeat is current."""
+        key = keyspace.worker_heartbeat(self.prefix, worker or "")
+        return worker is not None and bool(await self._call(lambda: self.r.exists(key)))
 
     async def cancel(self, job_id: str) -> JobState:
         keys = keyspace.job_keys(self.prefix, job_id)

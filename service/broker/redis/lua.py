@@ -240,6 +240,7 @@ if st == 'queued' or st == 'running' then
     return -1
   end
   redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finished_at', ARGV[6])
+  redis.call('HDEL', KEYS[1], 'planning_since')
   if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
   if ARGV[3] == 'succeeded' then
     if ARGV[9] ~= '' then
@@ -269,11 +270,13 @@ end
 return stored
 """
 
-# KEYS: state. ARGV: started_at, worker
+# KEYS: state. ARGV: started_at, worker. A delivery again drops the planning its earlier
+# worker began (that worker died: it plans no more).
 START_LUA = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'queued' or st == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'planning_since')
 end
 return st
 """
