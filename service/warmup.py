@@ -162,11 +162,14 @@ async def progress(broker: Broker, store: ModelStore, model_id: str, version: st
 
 
 def wanted(store: ModelStore) -> list[tuple[str, Shape]]:
-    """Every shape of every registered model's newest version that asked for a warm-up."""
+    """Every shape of every registered model that asked for a warm-up, at its newest version:
+    the shapes its newest version asked for, or its latest earlier version did (new weights,
+    ``PUT /models/{id}/weights``, ask for none of their own)."""
     found = []
     for model_id in store.ids():
-        version = store.latest(model_id)
-        record = store.warmup(model_id, version) if version else None
+        versions = store.versions(model_id)
+        record = next(filter(None, (store.warmup(model_id, v) for v in reversed(versions))),
+                      None)
         for entry in (record or {}).get("shapes", []):
-            found.append((f"{model_id}@{version}", (entry["batch_size"], entry["length"])))
+            found.append((f"{model_id}@{versions[-1]}", (entry["batch_size"], entry["length"])))
     return found

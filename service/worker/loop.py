@@ -170,7 +170,10 @@ class Worker:
                 parsed = self._request(warmup.example_fields(
                     self.registry.get(ref), shape, self.settings.max_elements))
                 _compute([parsed], self.settings, self.compiled, plans=self.storage.plans)
-            except Exception:  # a model deleted or changed since: its first request will say
+            except PsgradError as exc:  # deleted since, or a shape it cannot take: as a request
+                log.warning("warming up %s at %s skipped: %s", ref, shape, exc.message)
+                continue
+            except Exception:
                 log.exception("warming up %s at %s failed", ref, shape)
                 continue
             log.info("warmed up %s at %s in %.1f s (%d of %d)", ref, shape,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +158,40 @@ async def test_readyz_waits_for_the_start_up_warm_up(
         assert (await until_ready(client)).status_code == 200
         stats = app_of(client).state.psgrad.storage.plans.stats
         assert (stats.probes, stats.loaded) == (0, 1)
+
+
+async def test_new_weights_keep_the_warm_up_and_a_refused_shape_is_one_line(
+        tmp_path: Path, fresh: None, caplog: pytest.LogCaptureFixture) -> None:
+    """New weights (a new version, which asks for no warm-up of its own) are warmed at start-up
+    at the shapes the model asked for (they were not: only the newest version's record was
+    read); a shape the model cannot take is skipped with one line, not an ERROR and a
+    traceback at every start."""
+    from safetensors.numpy import load, save
+
+    from service import warmup
+
+    async with open_client(**dirs(tmp_path)) as client:
+        r = await client.put("/models/tiny?warmup=4,4x16", json=SPEC, headers=ADMIN)
+        assert r.is_success, r.text
+        await finished(client, "tiny")
+        weights = load((await client.get("/models/tiny/weights", headers=ADMIN)).content)
+        r = await client.put("/models/tiny/weights", headers={
+            **ADMIN, "content-type": "application/x-safetensors"},
+            content=save({k: v + 1 for k, v in weights.items()}))
+        assert r.is_success and r.json()["warmup"] is None, r.text
+        store = app_of(client).state.psgrad.registry.store
+        newest = r.json()["version"]
+        assert warmup.wanted(store) == [(f"tiny@{newest}", (4, None)),
+                                        (f"tiny@{newest}", (4, 16))]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="psgrad.worker"):
+        async with open_client(**dirs(tmp_path)) as client:
+            assert (await until_ready(client)).status_code == 200
+    warmed = [r.getMessage() for r in caplog.records if "warm" in r.getMessage()]
+    assert any(f"warmed up tiny@{newest} at (4, None)" in m for m in warmed), warmed
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "takes samples of one shape" in skipped[0].getMessage()
+    assert skipped[0].levelname == "WARNING" and skipped[0].exc_info is None
 
 
 async def test_readyz_waits_for_what_a_process_pays_once(
