@@ -20,7 +20,7 @@ from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from psgrad._errors import Forbidden, InvalidInput, Unauthorized
+from psgrad._errors import BadRequest, Forbidden, InvalidInput, Unauthorized
 from service.api.metrics import Metrics
 from service.api.status_data import note_tenant
 from service.config import Settings
@@ -138,11 +138,21 @@ TenantParam = Annotated[
 
 # What a client names one request by (POST /jobs, POST /per-sample-grads, POST /dp-runs): every
 # try of it under the key makes one thing (service.tenants.keyed_id)
-IdempotencyKey = Annotated[str | None, Header(
-    alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$",
-    description="your name for this request (a UUID, say: printable ASCII, up to 128 "
-    "characters): sent again with the same body, it answers what its first try made, made "
-    "once; with another body, 422")]
+def _one_key(request: Request, key: Annotated[str | None, Header(
+        alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$",
+        description="your name for this request (a UUID, say: printable ASCII, up to 128 "
+        "characters): sent again with the same body, it answers what its first try made, "
+        "made once; with another body, 422")] = None) -> str | None:
+    """The request's ``Idempotency-Key``: one header, or none (two name two requests: which
+    one this try is cannot be told, 400)."""
+    sent = len(request.headers.getlist("idempotency-key"))
+    if sent > 1:
+        raise BadRequest(f"the request has {sent} Idempotency-Key headers: send one, your name "
+                         "for this request")
+    return key
+
+
+IdempotencyKey = Annotated[str | None, Depends(_one_key)]
 
 
 @dataclass(frozen=True)

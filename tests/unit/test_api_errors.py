@@ -417,6 +417,19 @@ async def test_a_malformed_idempotency_key_is_refused_naming_the_header(
     assert err["message"].startswith(f"a header is invalid: 'Idempotency-Key' {said}"), err
 
 
+async def test_two_idempotency_keys_are_refused() -> None:
+    """Two Idempotency-Key headers name two requests: a 400, nothing queued (the first was
+    taken silently, though the docs say one per request)."""
+    async with open_client() as c:
+        r = await c.post("/jobs", json=TD0, headers=[("Idempotency-Key", "a"),
+                                                     ("Idempotency-Key", "b")])
+        err = _error(r, 400, "bad_request")
+        assert err["message"] == ("the request has 2 Idempotency-Key headers: send one, your "
+                                  "name for this request")
+        r = await c.post("/jobs", json=TD0, headers={"Idempotency-Key": "a"})
+        assert r.status_code == 202, r.text
+
+
 async def test_queue_full_gives_503_with_retry_after() -> None:
     async with open_client(workers=0, max_queue_depth=1) as c:
         assert (await c.post("/jobs", json=TD0)).status_code == 202
