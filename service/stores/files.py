@@ -333,6 +333,9 @@ class StoreFiles:
                                metadata={"ids": json.dumps(ids[a:a + per])})
                 self._write(self.path(key, name), data)
                 shards.append(Shard(name, len(rows[a:a + per]), len(data)))
+        except FileNotFoundError:  # its folder went: the store was deleted meanwhile
+            self.discard(Staged(key, tuple(shards), (), id_kind, gram))
+            raise _deleted(key) from None
         except BaseException:
             self.discard(Staged(key, tuple(shards), (), id_kind, gram))
             raise
@@ -440,7 +443,7 @@ class StoreFiles:
         name = key.partition("/")[0].rpartition("~")[2]
         spec = self.spec(key)
         if spec is None:
-            raise NotFound(f"store '{name}' was deleted")
+            raise _deleted(key)
         if epoch is not None and self.manifest(key).epoch != epoch:
             raise Conflict(f"store '{name}' was deleted and made again while this request was "
                            "computed: nothing of it was written; send it again")
@@ -622,8 +625,7 @@ class StoreFiles:
         except FileNotFoundError:
             if self.fs.exists(self.path(key, SPEC)):
                 raise _damaged(key, f"its file {name} is missing") from None
-            raise NotFound(f"store '{key.partition('/')[0].rpartition('~')[2]}' was deleted"
-                           ) from None
+            raise _deleted(key) from None
         with f:
             yield f
 
@@ -866,6 +868,11 @@ def _parsing(key: str, name: str) -> Iterator[None]:
         log.warning("store %s: its file %s cannot be read: %s: %s", key, name,
                     type(exc).__name__, str(exc)[:200])
         raise _damaged(key, f"its file {name} cannot be read") from None
+
+
+def _deleted(key: str) -> NotFound:
+    """A store that went while a request read or wrote it."""
+    return NotFound(f"store '{key.partition('/')[0].rpartition('~')[2]}' was deleted")
 
 
 def _damaged(key: str, what: str) -> StoreDamaged:

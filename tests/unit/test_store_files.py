@@ -491,12 +491,17 @@ def test_an_index_that_cannot_be_read_is_scanned_past(tmp_path: Path,
 
 
 def test_an_append_to_a_deleted_store_is_refused(tmp_path: Path) -> None:
+    """Deleted before its commit, or before its shards are written (its folder gone: that
+    was a FileNotFoundError, a 500): a 404, and nothing of it left behind."""
     store = files(tmp_path)
     store.create("s", spec())
     staged = store.stage("s", spec(), [1], "int", np.ones((1, K), np.float32))
     store.delete("s")
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound, match="store 's' was deleted"):
         store.commit(staged)
+    with pytest.raises(NotFound, match="store 's' was deleted"):
+        store.stage("s", spec(), [1], "int", np.ones((1, K), np.float32))
+    assert not (tmp_path / "data/stores/s").exists()
 
 
 def test_a_write_checked_against_a_store_made_again_since_is_refused(tmp_path: Path) -> None:
