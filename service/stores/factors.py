@@ -53,7 +53,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from psgrad._contract import shown
-from psgrad._errors import BadRequest, Conflict, InvalidInput, TooLarge
+from psgrad._errors import BadRequest, Conflict, InvalidInput, NonFinite, TooLarge
 from service import curvature
 from service.config import raise_setting
 from service.curvature import Basis, Covariances, Curvature, Kind, Linear
@@ -285,7 +285,7 @@ def _merged(files: StoreFiles, key: str, spec: StoreSpec, answer: dict[str, Any]
                            "batches of the same inputs' shapes")
         tensors = {k: kept[k] + v for k, v in sums.items()}
         samples, writes = old.samples + n, old.writes + 1
-    return _saved(tensors, Fitted(samples, writes, sorted(layers), 0, writes, batches))
+    return _saved(spec.id, tensors, Fitted(samples, writes, sorted(layers), 0, writes, batches))
 
 
 def _corrected(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray, store_id: str,
@@ -297,11 +297,22 @@ def _corrected(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray, s
     squares = curvature.rotated_squares(layers, found, as_grads(spec, rows))
     for w, v in squares.items():
         kept[f"eigen/{w}"] = kept.get(f"eigen/{w}", 0) + v.numpy()
-    return _saved(kept, replace(old, writes=old.writes + 1,
-                                eigenvalues=old.eigenvalues + len(rows), eigen_batches=batches))
+    return _saved(store_id, kept, replace(old, writes=old.writes + 1,
+                                          eigenvalues=old.eigenvalues + len(rows),
+                                          eigen_batches=batches))
 
 
-def _saved(tensors: dict[str, np.ndarray], done: Fitted) -> tuple[bytes, Fitted]:
+def _saved(store_id: str, tensors: dict[str, np.ndarray], done: Fitted
+           ) -> tuple[bytes, Fitted]:
+    """The factors file of ``tensors``; refused (422, nothing written) where a sum is not
+    finite: a file that holds one makes every kfac and ekfac query of the store fail."""
+    for name, v in tensors.items():
+        if not np.isfinite(v).all():
+            raise NonFinite(
+                f"store '{store_id}': this batch's factors are not finite ({name}: a sample's "
+                "inputs or gradients overflowed their dtype, such as an input of 1e19 whose "
+                "square passes float32): nothing of it was added; rescale or leave out those "
+                "samples", factor=name)
     return st_save(tensors, metadata={"samples": str(done.samples), "writes": str(done.writes),
                                       "eigenvalues": str(done.eigenvalues),
                                       "basis": str(done.basis),
@@ -389,6 +400,17 @@ def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kin
     if not used > 0:
         raise InvalidInput("'damping' must be > 0 (leave it out for the default, a tenth of "
                            "the Fisher's mean eigenvalue)")
+    out = _preconditioned(spec, curv, rows, kind, used)
+    if not np.isfinite(out).all():
+        raise InvalidInput(f"'damping' {used:g} is too small for store '{spec.id}''s factors: "
+                           "the preconditioned query is not finite; raise it, or leave it out "
+                           f"for the default ({curv.default_damping(kind):g})", damping=used)
+    return out, used
+
+
+def _preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kind,
+                    used: float) -> np.ndarray:
+    """:func:`preconditioned`'s rows at damping ``used``."""
     sketch = None if spec.exact else Projection(spec.projection_dim, spec.projection_seed,
                                                 spec.projection_kind)
     step = max(1, CHUNK_BYTES // (8 * max(rows.shape[1], 1)))
@@ -403,4 +425,4 @@ def preconditioned(spec: StoreSpec, curv: Curvature, rows: np.ndarray, kind: Kin
             out = torch.zeros(n, spec.projection_dim, dtype=torch.float64)
             sketch.project_many({p: pre[p] for p in spec.params}, out)
             parts.append(out.numpy())
-    return np.concatenate(parts) if parts else np.zeros((0, spec.projection_dim)), used
+    return np.concatenate(parts) if parts else np.zeros((0, spec.projection_dim))

@@ -1022,6 +1022,38 @@ def test_a_querys_gradients_are_preconditioned_a_few_rows_at_a_time(
         np.testing.assert_allclose(parts, whole, rtol=1e-12, atol=0)
 
 
+def test_factors_not_finite_are_refused_and_a_damping_too_small_is_a_422(
+        tmp_path: Path) -> None:
+    """A batch whose factors overflowed (an input of 2e19: its a a^T passes float32) is
+    refused, the file as it was (it was kept: every kfac query after answered null scores or
+    a 500); a damping so small that the preconditioned query is not finite is a 422 (it was a
+    500 from the ranking of NaN scores), and NaN scores rank last rather than fail."""
+    from service.stores import factors
+
+    store, exact = files(tmp_path), fitting_spec()
+    store.create("f", exact)
+    rows = np.random.default_rng(6).standard_normal((2, 10)).astype(np.float32)
+    flat = fitting_answer(rows)  # factors of rank one: zero eigenvalues
+    flat["kfac_inputs"]["fc1.weight"] = np.outer(np.arange(1.0, 5.0), np.arange(1.0, 5.0))
+    flat["kfac_grads"]["fc1.weight"] = np.outer([1.0, 2.0], [1.0, 2.0])
+    factors.add(store, [("f", exact, flat)], LIMIT)
+    before = store.read_file("f", factors.FILE)
+    bad = fitting_answer(rows)
+    bad["kfac_inputs"]["fc1.weight"] = np.full((4, 4), np.inf)
+    with pytest.raises(NonFinite, match="store 'f': this batch's factors are not finite "
+                       r"\(inputs/fc1.weight"):
+        factors.add(store, [("f", exact, bad)], LIMIT)
+    assert store.read_file("f", factors.FILE) == before
+    curv = factors.curvature_of(store, "f", exact, "f")
+    with pytest.raises(InvalidInput, match=r"'damping' 9\.99989e-321 is too small for store "
+                       r"'f''s factors"):
+        factors.preconditioned(exact, curv, rows, "kfac", 1e-320)
+    assert np.isfinite(factors.preconditioned(exact, curv, rows, "kfac", None)[0]).all()
+    scores = np.array([[1.0, np.nan, 3.0, np.nan, 2.0]])
+    found = query._best(scores, np.arange(5)[None, :], 2)
+    assert sorted(found[1][0].tolist()) == [2, 4]
+
+
 @pytest.mark.parametrize("budget", [1, 1 << 30])
 def test_indexes_past_the_memory_budget_go_least_recently_queried_first(
         tmp_path: Path, budget: int, caplog: pytest.LogCaptureFixture) -> None:
