@@ -15,7 +15,7 @@ import numpy as np
 from psgrad._errors import BadRequest
 from psgrad._merge import Fields
 from psgrad._types import ModelInfo
-from psgrad._wire import widened_load
+from psgrad._wire import bfloat16_values, widened_load
 
 __all__ = [
     "cast_floats",
@@ -75,15 +75,6 @@ def float_dtype(info: ModelInfo) -> np.dtype | str | None:
             return BFLOAT16_MODEL
         return np.dtype(name) if name in ("float16", "float32", "float64") else None
     return None
-
-
-def bfloat16_values(arr: np.ndarray) -> np.ndarray:
-    """``arr`` rounded to the nearest bfloat16 values (ties to even, as torch rounds), held in
-    float32, which holds every one of them exactly: what a bfloat16 model takes."""
-    wide = np.ascontiguousarray(arr, dtype=np.float32)
-    bits = wide.view(np.uint32).astype(np.uint64)
-    kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
-    return np.where(np.isnan(wide), wide, kept)
 
 
 def _arrays(fields: Fields) -> Iterator[tuple[str, str | None, np.ndarray]]:

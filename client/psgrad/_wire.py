@@ -186,6 +186,15 @@ def _st_name(dtype: np.dtype[Any]) -> str:  # once per dtype: comparing and nami
     return _ST_DTYPES[name]
 
 
+def bfloat16_values(arr: np.ndarray) -> np.ndarray:
+    """``arr`` rounded to the nearest bfloat16 values (ties to even, as torch rounds), held in
+    float32, which holds every one of them exactly: what a bfloat16 model takes."""
+    wide = np.ascontiguousarray(arr, dtype=np.float32)
+    bits = wide.view(np.uint32).astype(np.uint64)
+    kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(wide), wide, kept)
+
+
 def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits as float32: the same numbers (bfloat16 is float32's upper half)."""
     return (bits.view("<u2").astype("<u4") << 16).view(np.float32)
