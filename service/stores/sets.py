@@ -25,6 +25,7 @@ from psgrad._errors import Conflict, TooLarge
 from service.config import raise_setting
 from service.lru import LockedLRU
 from service.registry import LoadedModel
+from service.stores import factors
 from service.stores.files import Manifest, StoreFiles
 from service.stores.spec import EXACT, StoreSpec
 from service.strategies.projection import KINDS, VERSIONS, Projection
@@ -69,13 +70,19 @@ def set_bytes(spec: StoreSpec, manifest: Manifest) -> int:
 
 def keep_set(files: StoreFiles, key: str, spec: StoreSpec, rows: np.ndarray,
              max_bytes: int) -> Manifest:
-    """Keep the set as the store ``key``, replacing a set of that id; a store larger than a
-    set may be is refused (409), never replaced."""
+    """Keep the set as the store ``key``, replacing a set of that id; a store no set could be
+    (larger than a set may be, an ensemble, one with an index or fitted factors) is refused
+    (409), never replaced."""
     old = files.spec(key)
-    if old is not None and set_bytes(old, files.manifest(key)) > max_bytes:
-        raise Conflict(f"'{spec.id}' is a gradient store larger than a reference set "
-                       f"(PSGRAD_MAX_REFERENCE_SET_BYTES, {max_bytes}); a reference set does "
-                       f"not replace it: DELETE /stores/{spec.id} first, or use another id")
+    if old is not None:
+        kept = ("larger than a reference set (PSGRAD_MAX_REFERENCE_SET_BYTES, "
+                f"{max_bytes})" if set_bytes(old, files.manifest(key)) > max_bytes else
+                f"an ensemble of {len(old.checkpoints)} checkpoints" if old.checkpoints else
+                "one with an index" if old.index is not None else
+                "one with fitted factors" if factors.fitted(files, key) is not None else None)
+        if kept is not None:
+            raise Conflict(f"'{spec.id}' is a gradient store {kept}; a reference set does not "
+                           f"replace it: DELETE /stores/{spec.id} first, or use another id")
     files.delete(key)
     files.create(key, spec)
     return files.append(key, spec, list(range(len(rows))), "int", rows)

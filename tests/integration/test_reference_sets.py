@@ -235,6 +235,21 @@ async def test_a_reference_set_is_a_small_gradient_store(tmp_path: Path) -> None
         assert r.status_code == 409 and "DELETE /stores/made" in r.text, r.text
         assert (await c.get("/stores/made")).json()["samples"] == 7  # untouched
 
+        # nor does it replace a store no set could be (it did: an ensemble, a store's index
+        # or fitted factors, gone with a 200)
+        r = await c.put("/stores/ix", json={"model": "att", "projection_dim": 32,
+                                            "index": "Flat"})
+        assert r.status_code == 201, r.text
+        r = await c.put("/stores/fac", json={"model": "att", "projection_dim": 32})
+        assert r.status_code == 201, r.text
+        r = await c.post("/stores/fac/factors", json=refs)
+        assert r.status_code == 200, r.text
+        for name, kept in (("ix", "one with an index"), ("fac", "one with fitted factors")):
+            r = await c.put(f"/reference-sets/{name}", json={"model": "att", **refs,
+                                                             "projection_dim": 32})
+            assert r.status_code == 409 and kept in r.text, r.text
+        assert (await c.get("/stores/fac")).json()["factors"]["samples"] == 5
+
         # full gradients: a store of kind exact, queried by sketches of its own length only
         full = batch(2, 4)
         r = await c.put("/reference-sets/full", json={"model": "att", **full})
