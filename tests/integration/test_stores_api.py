@@ -280,8 +280,11 @@ async def test_kfac_and_ekfac_scores_precondition_the_query_by_the_fitted_factor
           409, "conflict", "POST /stores/fk/factors")
     await _fit(c, "fk", halves)
     r = await c.get("/stores/fk", headers=ALICE)
-    assert r.json()["factors"] == {"samples": 40, "eigenvalues": 40,
-                                   "layers": ["fc1.weight", "fc2.weight"]}
+    fitted_doc = {"samples": 40, "eigenvalues": 40, "layers": ["fc1.weight", "fc2.weight"]}
+    assert r.json()["factors"] == fitted_doc
+    # the list shows them as GET does (it showed null), and so does an append's answer
+    listed = (await c.get("/stores", headers=ALICE)).json()["stores"]
+    assert [s["factors"] for s in listed if s["id"] == "fk"] == [fitted_doc]
 
     model = load_model("att", "mlp", MLP, device=torch.device("cpu"), dtype=torch.float64)
     params = list(model.params)
@@ -374,6 +377,10 @@ async def _fit(c: httpx.AsyncClient, store: str, batches: list[dict[str, Any]]) 
         assert r.status_code == 200 and r.json()["fitted"] == len(part["inputs"]), r.text
     assert r.json()["factors"]["samples"] == r.json()["factors"]["eigenvalues"] == sum(
         len(part["inputs"]) for part in batches)
+    fitted = r.json()["factors"]
+    r = await c.post(f"/stores/{store}/samples", headers=ALICE,
+                     json={**batch(1, 9), "ids": [999]})
+    assert r.status_code == 200 and r.json()["factors"] == fitted, r.text  # it showed null
 
 
 async def test_factors_past_the_size_limit_are_refused_before_the_workers_run(

@@ -150,6 +150,15 @@ def _shown(state: AppState, key: str, spec: StoreSpec) -> Manifest:
     return _states(state, key, spec)[0]
 
 
+def _described(state: AppState, key: str, spec: StoreSpec, manifest: Manifest | None = None
+               ) -> dict[str, Any]:
+    """``GET /stores/{id}``'s document of the store (as ``manifest`` commits it, else as it
+    is now), its factors as fitted now."""
+    first = spec.members(key)[0][0]
+    return _doc(spec, manifest or _shown(state, key, spec),
+                factors.fitted(state.storage.gradients, first))
+
+
 def _states(state: AppState, key: str, spec: StoreSpec) -> list[Manifest]:
     """The committed state of each checkpoint's rows (one for a store of one model), as of
     one commit (:meth:`StoreFiles.states`)."""
@@ -190,7 +199,7 @@ async def list_stores(state: StateDep, scope: ScopeDep) -> dict[str, Any]:
             try:
                 spec = state.storage.gradients.spec(key)
                 if spec is not None:
-                    out.append(_doc(spec, _shown(state, key, spec)))
+                    out.append(_described(state, key, spec))
             except StoreDamaged as exc:
                 out.append({"id": owned_name(key), "tenant": key_owner(key), "state": "damaged",
                             "error": exc.message})
@@ -225,13 +234,7 @@ async def put_store(store_id: StoreId, request: Request, state: StateDep,
 async def get_store(store_id: StoreId, state: StateDep, scope: ScopeDep) -> dict[str, Any]:
     key = _key(scope, store_id)
 
-    def read() -> dict[str, Any]:
-        spec = _spec(state, key, store_id)
-        first = spec.members(key)[0][0]
-        return _doc(spec, _shown(state, key, spec), factors.fitted(state.storage.gradients,
-                                                                   first))
-
-    return await run_in_threadpool(read)
+    return await run_in_threadpool(lambda: _described(state, key, _spec(state, key, store_id)))
 
 
 @router.delete("/{store_id}", responses=errors(400, 401, 403, 404), summary="Delete a store")
@@ -280,7 +283,7 @@ async def add_samples(store_id: StoreId, request: Request, state: StateDep, tena
             (member_key, member, part) for (member_key, member), part in zip(members, rows,
                                                                               strict=True)],
             ids, kind, epochs)
-        return {**_doc(spec, manifest), "added": len(ids)}
+        return {**_described(state, key, spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
 
@@ -334,7 +337,7 @@ async def import_rows(store_id: StoreId, request: Request, state: StateDep,
 
     def keep() -> dict[str, Any]:
         manifest = state.storage.gradients.append(key, spec, ids, kind, rows, epoch)
-        return {**_doc(spec, manifest), "added": len(ids)}
+        return {**_described(state, key, spec, manifest), "added": len(ids)}
 
     return await run_in_threadpool(keep)
 
