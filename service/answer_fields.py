@@ -41,5 +41,7 @@ def result_fields(parsed: ParsedRequest, out: dict[str, Any]) -> dict[str, Any]:
     }
     for name in answer_fields(parsed.opts.outputs):
         result[name] = to_wire(out[name], parsed.answer_dtype)
-    result["meta"] = dict(out.get("meta", {}))
+    # what the floating tensors are in: JSON numbers carry no dtype, and a reader casts them
+    held = parsed.answer_dtype if parsed.answer_dtype in HALF else str(parsed.model.dtype)
+    result["meta"] = {**out.get("meta", {}), "dtype": held.removeprefix("torch.")}
     return result

@@ -586,22 +586,46 @@ class BaseClient:
 
 
 def decode_json_result(doc: Any) -> Fields:
-    """A JSON result: the tensors of each output (nested lists or base64) become numpy arrays."""
+    """A JSON result: the tensors of each output (nested lists or base64) become numpy arrays,
+    floating ones in the dtype the answer says it holds (``meta.dtype``; float32 from a server
+    that does not say), as a safetensors answer's are; ``null`` (a value that is not finite)
+    is NaN."""
     if not isinstance(doc, dict):
         raise BadRequest("the server answered something that is not a JSON object")
     fields = dict(doc)
+    meta = fields.get("meta")
+    held = meta.get("dtype") if isinstance(meta, dict) else None
+    dtype = np.dtype(held if held in ("float16", "float64") else "float32")
     for name in ANSWER_NAMES:
         value = fields.get(name)
         if value is None:
             continue
         if isinstance(value, dict) and not {"dtype", "shape", "data"} <= set(value):
-            fields[name] = {
-                k: array_from_json(v, name=f"{name}.{k}", max_elements=_MAX_DECODE_ELEMENTS)
-                for k, v in value.items()
-            }
+            fields[name] = {k: _answer_array(v, f"{name}.{k}", dtype) for k, v in value.items()}
         else:
-            fields[name] = array_from_json(value, name=name, max_elements=_MAX_DECODE_ELEMENTS)
+            fields[name] = _answer_array(value, name, dtype)
     return fields
+
+
+def _answer_array(value: Any, name: str, dtype: np.dtype) -> np.ndarray:
+    """One answer tensor of a JSON result, floating in ``dtype``."""
+    if isinstance(value, dict):
+        return array_from_json(value, name=name, max_elements=_MAX_DECODE_ELEMENTS)
+    if value is None:
+        return np.asarray(np.nan, dtype)
+    try:
+        arr = array_from_json(value, name=name, max_elements=_MAX_DECODE_ELEMENTS, wide=True)
+    except BadRequest:  # a null among the numbers (or no tensor: refused again below)
+        arr = array_from_json(_finite_or_nan(value), name=name,
+                              max_elements=_MAX_DECODE_ELEMENTS, wide=True)
+    return arr.astype(dtype) if arr.dtype.kind == "f" else arr
+
+
+def _finite_or_nan(value: Any) -> Any:
+    """JSON's ``null`` for a value that is not finite, as NaN, in nested lists."""
+    if isinstance(value, list):
+        return [_finite_or_nan(v) for v in value]
+    return math.nan if value is None else value
 
 
 def repeatable(method: str, path: str, fields: Mapping[str, Any] | None = None,

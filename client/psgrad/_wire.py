@@ -45,8 +45,10 @@ def media_type(value: str | None) -> str:
     return (value or "").split(";", 1)[0].strip().lower()
 
 
-def array_from_json(value: Any, *, name: str, max_elements: int) -> np.ndarray:
-    """Decode one JSON tensor (nested lists or the base64 form), refusing anything malformed."""
+def array_from_json(value: Any, *, name: str, max_elements: int, wide: bool = False
+                    ) -> np.ndarray:
+    """Decode one JSON tensor (nested lists or the base64 form), refusing anything malformed;
+    nested lists' floats in float32, the models' own (``wide``: float64, as JSON has them)."""
     if isinstance(value, dict):
         return _array_from_b64(value, name=name, max_elements=max_elements)
     if isinstance(value, (bool, int, float)):
@@ -69,7 +71,7 @@ def array_from_json(value: Any, *, name: str, max_elements: int) -> np.ndarray:
         raise BadRequest(f"'{name}' is not a rectangular array of numbers", field=name) from exc
     if arr.dtype.kind not in "biuf":
         raise BadRequest(f"'{name}' must contain only numbers or booleans", field=name)
-    if arr.dtype == np.float64:
+    if arr.dtype == np.float64 and not wide:
         arr = arr.astype(np.float32)  # JSON numbers carry no dtype; float32 is the models' own
     return arr
 

@@ -36,9 +36,9 @@ def doc(answer_dtype: str | None = None) -> dict[str, Any]:
     return body
 
 
-def flat(result: dict[str, Any]) -> dict[str, np.ndarray]:
+def flat(result: Any, names: Any = OUTPUTS) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    for name in OUTPUTS:
+    for name in names:
         value = result[name]
         for key, arr in (value.items() if isinstance(value, dict) else [("", value)]):
             out[f"{name}.{key}"] = np.asarray(arr)
@@ -110,9 +110,34 @@ def test_the_sdk_returns_float16_and_widened_bfloat16_arrays(
     full = flat({n: answers["float32"][n] for n in OUTPUTS})
     for dtype, want in (("float16", np.float16), ("bfloat16", np.float32)):
         half = flat({n: answers[dtype][n] for n in OUTPUTS})
-        if binary:
-            assert all(a.dtype == want for a in half.values()), dtype
+        assert all(a.dtype == want for a in half.values()), dtype  # JSON's were float32
         assert_rounded(half, full, dtype)
+
+
+def test_json_answers_are_the_binary_ones(transport: httpx.BaseTransport) -> None:
+    """Through JSON (binary=False) the SDK returns the arrays safetensors gives, dtype and
+    value: a float64 model's in float64 (they were rounded to float32), and a value that is
+    not finite (JSON's null) as NaN where it was a BadRequest on a 200 answer."""
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(6, 3)).double().eval()
+    program = torch.export.export(net, (torch.randn(1, 6, dtype=torch.float64),))
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(4, 6)), np.array([0, 1, 2, 0])
+    far = rng.normal(size=(5, 8)).astype(np.float32), np.full(5, 3e38, np.float32)
+    with psgrad.Client("http://app", transport=transport) as binary, psgrad.Client(
+            "http://app", transport=transport, binary=False) as text:
+        binary.models.register_exported("f64-lin", program, default_loss="cross_entropy")
+        names = ["norms", "grads", "losses", "gns", "mean"]
+        a, b = (c.per_sample_grads("f64-lin", x, y, outputs=names) for c in (binary, text))
+        for name in a.outputs:
+            for got, want in zip(flat(b, [name]).values(), flat(a, [name]).values(),
+                                 strict=True):
+                assert got.dtype == want.dtype == np.float64, name
+                np.testing.assert_array_equal(got, want, err_msg=name)
+        a, b = (c.per_sample_grads(MODEL, *far, loss="mse", outputs=["losses", "norms"])
+                for c in (binary, text))
+    assert not np.isfinite(a.losses).any() and np.isnan(b.losses).all()
+    np.testing.assert_array_equal(np.isfinite(b.norms), np.isfinite(a.norms))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
