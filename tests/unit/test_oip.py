@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import psgrad
 from service.api import create_app
 from service.config import Settings
 from service.registry import ModelRegistry
@@ -238,3 +239,20 @@ def test_a_dp_step_answers_its_epsilon_and_takes_an_idempotency_key(url: str) ->
                      headers={"Idempotency-Key": "oip-step-2"})
     assert new.json()["parameters"]["dp_steps"] == 2
     assert httpx.get(f"{url}/dp-runs/{run['id']}", timeout=30).json()["steps"] == 2
+
+
+def test_a_float64_models_metadata_says_the_outputs_are_fp64(url: str) -> None:
+    """A float64 model answers FP64 tensors, and its metadata says so (it said FP32 for every
+    output: a client that sizes its buffers from it read them wrong)."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 3)).double().eval()
+    program = torch.export.export(net, (torch.randn(1, 6, dtype=torch.float64),))
+    with psgrad.Client(url) as sdk:
+        sdk.models.register_exported("f64-oip", program, default_loss="cross_entropy")
+    meta = client(url).get_model_metadata("f64-oip")
+    assert {o["datatype"] for o in meta["outputs"]} == {"FP64"}
+    assert meta["inputs"][0]["datatype"] == "FP64"
+    r = httpx.post(f"{url}/v2/models/f64-oip/infer", timeout=30, json={
+        "inputs": [_tensor("inputs", np.ones((2, 6)), "FP64"),
+                   _tensor("targets", np.array([0, 2]), "INT64")],
+        "parameters": {"outputs": "norms"}})
+    assert r.status_code == 200 and r.json()["outputs"][0]["datatype"] == "FP64", r.text

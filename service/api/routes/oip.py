@@ -255,6 +255,8 @@ def _inputs(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _outputs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     params = {k: v["shape"] for k, v in doc["parameters"].items()}
+    held = str(next(iter(doc["parameters"].values()), {"dtype": "float32"})["dtype"])
+    kind = "FP32" if held == "bfloat16" else _datatype(held)  # bfloat16's: widened, exactly
     out = []
     for o in OUTPUTS:
         if o.td0_only and "td0" not in doc["losses"]:
@@ -263,10 +265,10 @@ def _outputs(doc: dict[str, Any]) -> list[dict[str, Any]]:
         for field in answer_fields([o.name]):
             batch = [-1] if o.per_sample else []
             if not o.per_param:
-                out.append({"name": field, "datatype": "FP32", "shape": [*batch, *wide]})
+                out.append({"name": field, "datatype": kind, "shape": [*batch, *wide]})
                 continue
             for param, shape in params.items():
-                out.append({"name": f"{field}/{param}", "datatype": "FP32",
+                out.append({"name": f"{field}/{param}", "datatype": kind,
                             "shape": [*batch, *(shape if o.per_param_tensor else [])]})
     return out
 
