@@ -198,10 +198,13 @@ def _sequence_length(model: LoadedModel, batch: Batch) -> int:
 def mask_of(value: Any, batch: Batch, model: LoadedModel) -> torch.Tensor:
     arr = _array(value, "mask")
     want = tuple(batch.targets.shape) if batch.targets is not None else None
-    if want is None or arr.shape != want or arr.dtype.kind not in "biuf" or \
-            not np.isin(arr, (0, 1)).all():
+    wrong = arr[~np.isin(arr, (0, 1))] if arr.dtype.kind in "biuf" else arr.ravel()
+    if want is None or arr.shape != want or wrong.size:
+        got = (f"shape {list(arr.shape)}" if want is None or arr.shape != want else
+               f"{wrong.size} other value{'s' if wrong.size > 1 else ''} (first: "
+               f"{wrong.ravel()[0]!s})")
         raise InvalidInput(f"'mask' must hold 0 or 1 per target token, shape "
-                           f"{list(want or ())}; got {list(arr.shape)}")
+                           f"{list(want or ())}; got {got}")
     return _to_tensor(arr, model.dtype, "mask")
 
 

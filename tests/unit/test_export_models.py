@@ -146,6 +146,15 @@ async def test_bad_token_requests_are_4xx_naming_what_to_change() -> None:
                        **change}
             r = await c.post("/per-sample-grads", json=request)
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), (change, r.text)
+        # the mask's message says what is wrong with it: its shape, or its values (it showed
+        # the right shape as what was sent)
+        for mask, said in (([[1, 0.5, 2]], "got 2 other values (first: 0.5)"),
+                           ([[1, 1]], "got shape [1, 2]")):
+            r = await c.post("/per-sample-grads", json={
+                "model": "gpt", "targets": [[1, 2, 3]], "outputs": ["norms"], "mask": mask,
+                "loss": "next_token",
+                "inputs": {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]]}})
+            assert r.status_code == 422 and said in r.json()["error"]["message"], r.text
 
 
 def test_the_sdk_and_the_cli_register_a_program_path_or_object(tmp_path: Any,
