@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from psgrad._base import BaseClient, Call, json_doc, resource_path
+from psgrad._base import BaseClient, Call, Steps, json_doc, resource_path
 from psgrad._request import grads_fields
 from psgrad._wire import REQUEST_KEY, SAFETENSORS, fields_to_safetensors
 
@@ -36,17 +36,21 @@ class _Sets:
     def __init__(self, client: BaseClient) -> None:
         self._client = client
 
-    @staticmethod
-    def _put(set_id: str, model: str, inputs: Any, targets: Any, loss: str | None,
+    def _put(self, set_id: str, model: str, inputs: Any, targets: Any, loss: str | None,
              params: Sequence[str] | None, projection_dim: int | None,
              projection_seed: int | None, projection_kind: str | None
-             ) -> Call[dict[str, Any]]:
+             ) -> Steps[dict[str, Any]]:
+        """The batch's arrays in the model's dtype (asked once a model, as for a gradients
+        request), then sent."""
         fields = grads_fields(model, inputs, targets, loss=loss, params=params,
                               projection_dim=projection_dim, projection_seed=projection_seed,
                               projection_kind=projection_kind)
         del fields["outputs"]  # the server asks for sketches or gradients itself
-        return Call("PUT", _path(set_id), _doc, content=fields_to_safetensors(fields, REQUEST_KEY),
-                    headers={"Content-Type": SAFETENSORS})
+        fields = yield from self._client._preparing(fields)
+        done: dict[str, Any] = yield from self._client._calling(Call(
+            "PUT", _path(set_id), _doc, content=fields_to_safetensors(fields, REQUEST_KEY),
+            headers={"Content-Type": SAFETENSORS}))
+        return done
 
     @staticmethod
     def _get(set_id: str) -> Call[dict[str, Any]]:
@@ -69,8 +73,8 @@ class ReferenceSets(_Sets):
         """Compute and keep the batch's sketches (with ``projection_dim``) or full gradients
         as the store ``set_id`` (replacing a set of that id; a larger store of that id is
         refused with 409); returns its description."""
-        return self._client._call(self._put(set_id, model, inputs, targets, loss, params,
-                                            projection_dim, projection_seed, projection_kind))
+        return self._client._drive(self._put(set_id, model, inputs, targets, loss, params,
+                                             projection_dim, projection_seed, projection_kind))
 
     def get(self, set_id: str) -> dict[str, Any]:
         """How the set was made: model version, loss, parameters, projection, count, bytes."""
@@ -90,9 +94,9 @@ class AsyncReferenceSets(_Sets):
                   projection_dim: int | None = None, projection_seed: int | None = None,
                   projection_kind: str | None = None) -> dict[str, Any]:
         """See ``ReferenceSets.put``."""
-        return await self._client._call(self._put(set_id, model, inputs, targets, loss, params,
-                                                  projection_dim, projection_seed,
-                                                  projection_kind))
+        return await self._client._drive(self._put(set_id, model, inputs, targets, loss, params,
+                                                   projection_dim, projection_seed,
+                                                   projection_kind))
 
     async def get(self, set_id: str) -> dict[str, Any]:
         return await self._client._call(self._get(set_id))

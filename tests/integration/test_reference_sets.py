@@ -163,7 +163,9 @@ def test_sdk_reference_sets_and_chunked_influence(tmp_path: Path) -> None:
     test = {"inputs": rng.standard_normal((10, 784)), "targets": rng.integers(0, 10, 10)}
     with running_app(app) as transport, psgrad.Client(base_url="http://app",
                                                       transport=transport) as client:
-        doc = client.reference_sets.put("sdk", "mlp", np.asarray(refs["inputs"], np.float32),
+        # float64 inputs are cast to the model's dtype, as for per_sample_grads (they were
+        # refused: DtypeMismatch)
+        doc = client.reference_sets.put("sdk", "mlp", refs["inputs"],
                                         np.asarray(refs["targets"]), projection_dim=64,
                                         projection_seed=3)
         assert doc["count"] == 6 and client.reference_sets.get("sdk") == doc  # 2 jobs
