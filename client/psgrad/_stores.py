@@ -195,8 +195,8 @@ def _adding(store: _Handle, inputs: Any, targets: Any, ids: Any, batch_size: int
         keep = [not p for p in present]
         new = [n for n, k in zip(names, keep, strict=True) if k]
         if rows and new:
-            fields = {"rows": np.ascontiguousarray(x[np.flatnonzero(keep)],
-                                                   dtype=store.info["dtype"]), "ids": new}
+            fields = {"rows": _in_dtype(x[np.flatnonzero(keep)], store.info["dtype"]),
+                      "ids": new}
             store.info = yield from _once(store, _Calls.rows(store.id, fields), new)
         elif new:
             fields = yield from store._client._preparing(
@@ -292,6 +292,16 @@ def _querying(store: _Handle, inputs: Any, targets: Any, sketches: Any, k: int, 
         fields = yield from store._client._preparing(fields, float32=True)
     result: QueryResult = yield from store._client._calling(_Calls.query(store.id, fields))
     return result
+
+
+def _in_dtype(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """``rows`` in the store's ``dtype``; refused as the server refuses them where a value is
+    past its range (a cast would make it infinite, refused as 'not finite')."""
+    top = float(np.abs(rows).max(initial=0.0)) if rows.dtype.kind in "iuf" else 0.0
+    if np.isfinite(top) and top > float(np.finfo(dtype).max):
+        raise InvalidInput(f"the rows reach {top:.3g}, past {dtype}'s range: make the store "
+                           "with dtype float32")
+    return np.ascontiguousarray(rows, dtype=dtype)
 
 
 class _Handle:

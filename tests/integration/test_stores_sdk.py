@@ -156,6 +156,9 @@ def test_rows_imported_from_the_sdk_resume_and_rank_as_samples(
         assert (first["added"], first["samples"]) == (20, 20)
         again = kept.add_rows(phi, ids=np.arange(30), batch_size=8, progress=True)
         assert (again["added"], again["skipped"], again["samples"]) == (10, 20, 30)
+        with pytest.raises(psgrad.InvalidInput, match="the rows reach 7e\\+04, past float16's "
+                           "range: make the store with dtype float32"):  # was 'not finite'
+            kept.add_rows(np.full((1, DIM), 70000.0, np.float32), ids=[99])
         tx, ty = data(3, 7)
         indexed = client.stores.create("indexed", "mlp", projection_dim=DIM, dtype="float16",
                                        index="IVF2,Flat")
