@@ -251,6 +251,22 @@ async def test_concurrent_jobs_quota(queue: tuple[Any, Any]) -> None:
     await api.submit(job("a"), Quotas(concurrent_jobs=3))
 
 
+@pytest.mark.parametrize("overrides", [{"tenant_max_jobs": 1}])
+async def test_a_job_forgotten_before_it_ended_no_longer_counts(queue: tuple[Any, Any]
+                                                                ) -> None:
+    """The api forgets a job once its answer is relayed, and also when the client hung up
+    while the worker still wrote it: that job, not ended, left its tenant's count in Redis
+    mode until the result TTL (a 429 for an hour, nothing queued or running)."""
+    api, source = queue
+    first = job("a")
+    await api.submit(first)
+    assert [j.id for j in await taken(source)] == [first.id]  # running
+    with pytest.raises(RateLimited):
+        await api.submit(job("a"))
+    await api.forget(first.id)
+    await api.submit(job("a"))
+
+
 async def test_queued_samples_quota(queue: tuple[Any, Any]) -> None:
     api, _ = queue
     quotas = Quotas(queued_samples=5)

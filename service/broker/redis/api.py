@@ -39,7 +39,7 @@ from service.broker.redis.common import (
     texts,
     value_limit,
 )
-from service.broker.redis.lua import CANCEL_LUA, SUBMIT_LUA
+from service.broker.redis.lua import CANCEL_LUA, FORGET_LUA, SUBMIT_LUA
 from service.broker.redis.reader import RedisAnswer
 from service.config import Settings
 from service.connections import connection_kwargs
@@ -137,6 +137,7 @@ class RedisBroker:
                 max_connections=room)
         self._submit = self.bulk.register_script(SUBMIT_LUA)
         self._cancel = self.r.register_script(CANCEL_LUA)
+        self._forget = self.r.register_script(FORGET_LUA)
 
     def _clients(self) -> list[aioredis.Redis]:
         return list({id(c): c for c in (self.r, self.bulk, self.blocking, self.pieces,
@@ -323,7 +324,10 @@ class RedisBroker:
         keys = keyspace.job_keys(self.prefix, job_id)
         bulk = keyspace.job_bulk_keys(self.prefix, job_id, self.settings.max_attempts)
         try:
-            await self._delete([keys.state, keys.answer, keys.notify], bulk)
+            await self._call(lambda: self._forget(
+                keys=[keys.state, keys.answer, keys.notify],
+                args=[self.queue.tenant_jobs_base, job_id]))
+            await self._delete([], bulk)
         except Overloaded as exc:  # the keys expire by themselves
             log.warning("could not drop job %s now: %s", job_id, exc.message)
 

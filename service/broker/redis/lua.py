@@ -326,6 +326,15 @@ return st
 """
 
 
+# KEYS: state, answer, notify. ARGV: tenant jobs key for an empty name, job id. The api's
+# forget of a job whose answer it relayed: a job not yet ended (a client that hung up while
+# the worker wrote its answer) leaves its tenant's count too, whose ZREM no end runs after.
+FORGET_LUA = UNCOUNT + """
+uncount(KEYS[1], ARGV[1], ARGV[2])
+return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+"""
+
+
 # --- an answer's header (the writer's) ---
 
 # KEYS: state, answer, notify. ARGV: attempt, header bytes, ttl. Only the delivery that owns an
