@@ -92,7 +92,7 @@ def _too_large(size: int, limit: int, field: str, value: int, *,
     advice = ("send smaller batches, or the binary safetensors form instead of JSON lists, or "
               if field == "max_body_bytes" else "")
     return TooLarge(
-        f"the body is {'more than ' if at_least else ''}{size} bytes; the limit is {limit}: "
+        f"the body is {'at least ' if at_least else ''}{size} bytes; the limit is {limit}: "
         f"{advice}{raise_setting(field, value)}",
         limit=limit,
         size=size,

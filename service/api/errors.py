@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -205,7 +206,8 @@ _VERSION = (VERSION_HEADER.encode(), __version__.encode())
 class CatchAllMiddleware:
     """Gives every request an id, answered in ``X-Request-ID`` (the client's own, if it sent
     one) and logged with any unexpected exception, which it answers with ``internal_error``
-    (the traceback stays in the log, the id ties the two together). Every answer also names
+    (the traceback stays in the log, the id ties the two together); a client that left before
+    its body was read is logged as such and counted as 499, not 500. Every answer also names
     the server's version in ``psgrad-version`` (the client warns when it is older)."""
 
     def __init__(self, app: ASGIApp) -> None:
@@ -229,6 +231,12 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tagged_send)
+        except ClientDisconnect:  # its client left before its body was read: not a failure
+            log.info("the client of %s %s left before its body was read (request %s)",
+                     scope.get("method"), scope.get("path"), rid)
+            if not started:  # nobody reads it; the metrics count it as nginx's 499
+                await JSONResponse(body("client_closed", "the client closed the request"),
+                                   status_code=499)(scope, receive, tagged_send)
         except Exception:
             method, path = scope.get("method"), scope.get("path")
             log.exception("unexpected error on %s %s (request %s)", method, path, rid)

@@ -102,3 +102,28 @@ async def test_finding_8_released_when_the_hang_up_lands_in_a_write(
     await response(scope, receive, send)
     del response
     assert answer() is None, "the answer outlived its client"
+
+
+def test_a_client_that_leaves_mid_upload_is_a_499_not_a_500(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sends half its body and hangs up: one info line, counted as 499 (it was
+    an ERROR with ClientDisconnect's traceback and a 500 in psgrad_requests_total, which the
+    documented 'server errors' alert reads as a bug)."""
+    import httpx
+
+    with serving(create_app(settings(workers=1))) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(b"POST /per-sample-grads HTTP/1.1\r\nhost: psgrad.test\r\n"
+                      b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                      b'{"model": "mlp", "inputs": [[0.5')
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        metrics = ""
+        while 'status="499"' not in metrics and time.monotonic() < deadline:
+            time.sleep(0.1)
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'route="/per-sample-grads",status="499"' in metrics.replace('method="POST",', ""), (
+        [line for line in metrics.splitlines() if "requests_total" in line])
+    assert 'route="/per-sample-grads",status="500"' not in metrics.replace('method="POST",', "")
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
