@@ -560,3 +560,23 @@ async def test_a_warming_worker_is_not_ready(settings: Settings) -> None:
         warmed = True
         source.beat()
         assert await broker.live_workers() == 1 and await broker.ready()
+
+
+async def test_a_pool_at_its_cap_is_not_called_redis_down(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """Every connection of the api's pool in use (a burst past its room): the 503 says it is
+    this api's limit (it said "the job queue (Redis) is unavailable (MaxConnectionsError)",
+    which sent an operator to a healthy Redis)."""
+    broker = RedisBroker(settings)
+    pool = broker.r.connection_pool
+    try:
+        pool.max_connections = 1
+        held = await pool.get_connection()  # the one connection, in use
+        with pytest.raises(Overloaded) as refused:
+            await broker.state(new_job_id())
+        assert refused.value.message == ("this api has more requests in flight than "
+                                         "connections to its job queue; retry shortly")
+        assert "every connection of this api to Redis is in use" in caplog.text
+        await pool.release(held)
+    finally:
+        await broker.close()

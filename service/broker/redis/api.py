@@ -20,6 +20,7 @@ from redis.exceptions import (
     ConnectionError as RedisConnectionError,
 )
 from redis.exceptions import (
+    MaxConnectionsError,
     RedisError,
 )
 from redis.exceptions import (
@@ -56,7 +57,14 @@ MIN_TRANSFER_BYTES_PER_S = 8 << 20
 
 def overloaded_from(exc: BaseException) -> Overloaded:
     """The 503 of a queue that cannot answer now. What Redis said (its address among it) goes
-    to the log, not to the client."""
+    to the log, not to the client. Every connection of this api's pools in use is this api's
+    limit, not Redis down: said as such."""
+    if isinstance(exc, MaxConnectionsError):
+        log.warning("every connection of this api to Redis is in use (%s): a burst of more "
+                    "requests at once than its pools hold (max(PSGRAD_MAX_QUEUE_DEPTH, 100))",
+                    exc)
+        return Overloaded("this api has more requests in flight than connections to its job "
+                          "queue; retry shortly", retry_after=RETRY_AFTER_DOWN_S)
     log.warning("the job queue (Redis) is unavailable: %s: %s", type(exc).__name__, exc)
     return Overloaded(
         f"the job queue (Redis) is unavailable ({type(exc).__name__}); retry shortly",
