@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from psgrad._contract import FIELDS, KNOWN, TENSOR_DICT_FIELDS, TENSOR_FIELDS, model_of
-from psgrad._errors import BadRequest, InvalidInput, TooLarge
+from psgrad._errors import BadRequest, InvalidInput, TooLarge, UnsupportedMediaType
 from psgrad._wire import (
     JSON,
     REQUEST_KEY,
@@ -72,6 +72,10 @@ def body_chunks(request: Request, limit: int, setting: tuple[str, int] | None = 
     """The body's chunks as they arrive: refused with 413 at once where its declared length
     passes ``limit``, else as soon as the chunks do (``setting``: :func:`read_body`'s)."""
     field, value = setting or ("max_body_bytes", limit)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # read as it is, a compressed body is no JSON
+        raise UnsupportedMediaType(f"the body is sent with Content-Encoding {encoding[:40]}, "
+                                   "which the server does not take: send it uncompressed")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit, field, value)

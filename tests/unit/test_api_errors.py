@@ -430,6 +430,21 @@ async def test_two_idempotency_keys_are_refused() -> None:
         assert r.status_code == 202, r.text
 
 
+async def test_a_compressed_body_is_a_415_naming_its_encoding() -> None:
+    """A body sent with Content-Encoding gzip was read as it is: a 400 "the body is not
+    valid JSON: 'utf-8' codec can't decode byte 0x8b"."""
+    import gzip
+
+    async with open_client() as c:
+        r = await c.post("/jobs", content=gzip.compress(json.dumps(TD0).encode()), headers={
+            "content-type": "application/json", "content-encoding": "gzip"})
+        err = _error(r, 415, "unsupported_media_type")
+        assert err["message"] == ("the body is sent with Content-Encoding gzip, which the "
+                                  "server does not take: send it uncompressed")
+        r = await c.post("/jobs", json=TD0, headers={"content-encoding": "identity"})
+        assert r.status_code == 202, r.text
+
+
 async def test_queue_full_gives_503_with_retry_after() -> None:
     async with open_client(workers=0, max_queue_depth=1) as c:
         assert (await c.post("/jobs", json=TD0)).status_code == 202
