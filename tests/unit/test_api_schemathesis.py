@@ -19,9 +19,11 @@ row give one result; it takes 1-2 minutes here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import hypothesis
 import pytest
 import schemathesis
@@ -73,6 +75,14 @@ def _raw_archive(_ctx: object, value: object) -> bytes:
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     with serving(create_app(SETTINGS)) as url:
+        # the worker's start-up warm-ups (torch.func's first jvp compiles TorchScript, which
+        # parses source) end before hypothesis runs: it sets the recursion limit as it
+        # generates, and CPython 3.11 fails an AST parse running meanwhile in another thread
+        # ("SystemError: AST constructor recursion depth mismatch")
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the app never said ready"
+            time.sleep(0.05)
         yield url
 
 
