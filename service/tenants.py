@@ -30,8 +30,9 @@ def owned_key(tenant: str, name: str) -> str:
 
 
 def owned_name(key: str) -> str:
-    """The name a tenant gave what is kept under ``key``."""
-    return key.rpartition("~")[2]
+    """The name a tenant gave what is kept under ``key`` (an ensemble's, for the key of one
+    of its checkpoints: ``<key>/checkpoint-<i>``)."""
+    return key.partition("/")[0].rpartition("~")[2]
 
 
 def key_owner(key: str) -> str:

@@ -65,6 +65,7 @@ from service.lru import LockedLRU
 from service.stores import index as index_file
 from service.stores.locks import Locks
 from service.stores.spec import StoreSpec
+from service.tenants import owned_name
 
 SPEC, MANIFEST = "spec.json", "manifest.json"
 GRAM_KEEP = 3  # Gram files kept: a reader of an older manifest still finds its own
@@ -235,7 +236,7 @@ class StoreFiles:
         """The store's committed state (empty where there is no store: deleted meanwhile)."""
         raw = self._read(self.path(key, MANIFEST))
         if raw is None:
-            if self._read(self.path(key, SPEC)) is not None:  # made with it: lost since
+            if self.fs.exists(self.path(key, SPEC)):  # made with it: lost since
                 raise _damaged(key, f"its file {MANIFEST} is missing")
             return Manifest()
         with _parsing(key, MANIFEST):
@@ -333,11 +334,10 @@ class StoreFiles:
                                metadata={"ids": json.dumps(ids[a:a + per])})
                 self._write(self.path(key, name), data)
                 shards.append(Shard(name, len(rows[a:a + per]), len(data)))
-        except FileNotFoundError:  # its folder went: the store was deleted meanwhile
+        except BaseException as exc:
             self.discard(Staged(key, tuple(shards), (), id_kind, gram))
-            raise _deleted(key) from None
-        except BaseException:
-            self.discard(Staged(key, tuple(shards), (), id_kind, gram))
+            if isinstance(exc, FileNotFoundError):  # its folder went: deleted meanwhile
+                raise _deleted(key) from None
             raise
         return Staged(key, tuple(shards), tuple(ids), id_kind, gram,
                       rows if spec.index is not None else None, epoch)
@@ -440,13 +440,12 @@ class StoreFiles:
         when a request was checked; None: whichever): a write computed for a store that was
         deleted meanwhile is a 404, for one deleted and made again under its id a 409, never
         added to the new one. Hold its lock."""
-        name = key.partition("/")[0].rpartition("~")[2]
         spec = self.spec(key)
         if spec is None:
             raise _deleted(key)
         if epoch is not None and self.manifest(key).epoch != epoch:
-            raise Conflict(f"store '{name}' was deleted and made again while this request was "
-                           "computed: nothing of it was written; send it again")
+            raise Conflict(f"store '{owned_name(key)}' was deleted and made again while this "
+                           "request was computed: nothing of it was written; send it again")
         return spec
 
     # --- reading -----------------------------------------------------------------------------
@@ -651,8 +650,7 @@ class StoreFiles:
                     raw = memoryview(buffer)[:f.readinto(buffer)]
                 tensors = views(raw, self._layouts.get_or_make(path, functools.partial(layout,
                                                                                       raw)))
-                if len(tensors["sketches"]) != shard.rows or len(tensors["norms"]) != shard.rows:
-                    raise ValueError(f"{shard.rows} rows listed")
+                _as_listed(shard, tensors["sketches"], tensors["norms"])
             yield offset, tensors["sketches"], tensors["norms"]
             del tensors
             offset += shard.rows
@@ -670,8 +668,7 @@ class StoreFiles:
                 dtype, shape, start = self._layouts.get_or_make(path, header)["norms"]
                 f.seek(start)
                 norms = np.frombuffer(f.read(int(np.prod(shape)) * dtype.itemsize), dtype)
-                if len(norms) != shard.rows:
-                    raise ValueError(f"{shard.rows} rows listed")
+                _as_listed(shard, norms)
             yield offset, norms
             offset += shard.rows
 
@@ -708,6 +705,13 @@ def widened(rows: np.ndarray) -> np.ndarray:
 
 
 Layout = dict[str, tuple[np.dtype, tuple[int, ...], int]]  # name: dtype, shape, byte offset
+
+
+def _as_listed(shard: Shard, *tensors: np.ndarray) -> None:
+    """A ValueError (read as damage) where a shard's tensors hold other rows than its manifest
+    lists: a file cut short."""
+    if any(len(t) != shard.rows for t in tensors):
+        raise ValueError(f"{shard.rows} rows listed")
 
 
 def _header_size(raw: bytes | memoryview | mmap.mmap) -> int:
@@ -872,12 +876,12 @@ def _parsing(key: str, name: str) -> Iterator[None]:
 
 def _deleted(key: str) -> NotFound:
     """A store that went while a request read or wrote it."""
-    return NotFound(f"store '{key.partition('/')[0].rpartition('~')[2]}' was deleted")
+    return NotFound(f"store '{owned_name(key)}' was deleted")
 
 
 def _damaged(key: str, what: str) -> StoreDamaged:
     """A store whose files disagree: what is wrong, and the way out."""
-    name = key.partition("/")[0].rpartition("~")[2]
+    name = owned_name(key)
     return StoreDamaged(f"store '{name}' is damaged: {what}; DELETE it and add its samples "
                         "again", store=name)
 

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from psgrad._errors import Overloaded
 from service import redis_keys
+from service.tenants import owned_name
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,6 @@ class RedisLocks:
 def _busy(name: str, retry_after: float) -> Overloaded:
     """The 503 for a store whose lock stayed held past :data:`WAIT_S`; ``retry_after``: when
     it may be free (a lease's time left: its holder may be writing still, or have died)."""
-    return Overloaded(f"store '{name.partition('/')[0].rpartition('~')[2]}' has been written "
-                      f"by another request for more than {WAIT_S:g} s; retry in "
-                      f"{retry_after:.0f} s", retry_after=retry_after)
+    return Overloaded(f"store '{owned_name(name)}' has been written by another request for "
+                      f"more than {WAIT_S:g} s; retry in {retry_after:.0f} s",
+                      retry_after=retry_after)

@@ -422,7 +422,8 @@ class Best:
 def _best(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` highest of each row of ``scores`` (ties: the lower row number), unordered; a
     score that is not a number ranks last."""
-    scores = np.where(np.isnan(scores), -np.inf, scores)
+    if np.isnan(scores.max(initial=-np.inf)):  # one reduction; a copy only where one is NaN
+        scores = np.where(np.isnan(scores), -np.inf, scores)
     n = scores.shape[1]
     if n <= k:
         return scores, rows
