@@ -22,7 +22,9 @@ import os
 import re
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -251,23 +253,27 @@ class MemoryRunStore(RunStore):
     def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
         with self._lock:
             self._load(run.id)
-            jobs = self._jobs.get(run.id)
-            if jobs is None:
+            if run.id not in self._jobs:
                 return MISSING, 0
-            if job_id in self._seen[run.id]:
-                return REPEATED, len(jobs)
-            if len(jobs) >= run.max_steps:
-                return EXHAUSTED, len(jobs)
-            self._persist(run.id, job_id)
-            jobs.append(job_id)
-            self._seen[run.id].add(job_id)
-            return COUNTED, len(jobs)
+            return self._tally(run, job_id)
+
+    def _tally(self, run: DPRun, job_id: str, record: Callable[[], None] | None = None
+               ) -> tuple[int, int]:
+        """(code, steps) of job ``job_id`` counted against the run as held in memory;
+        ``record``: puts the step on disk before it counts. Hold the lock."""
+        jobs, seen = self._jobs[run.id], self._seen[run.id]
+        if job_id in seen:
+            return REPEATED, len(jobs)
+        if len(jobs) >= run.max_steps:
+            return EXHAUSTED, len(jobs)
+        if record is not None:
+            record()
+        jobs.append(job_id)
+        seen.add(job_id)
+        return COUNTED, len(jobs)
 
     def _load(self, run_id: str) -> None:
         """Files: read a run into memory on first use (call with the lock held)."""
-
-    def _persist(self, run_id: str, job_id: str) -> None:
-        """Files: record a counted job before it counts (call with the lock held)."""
 
 
 class FileRunStore(MemoryRunStore):
@@ -352,44 +358,31 @@ class FileRunStore(MemoryRunStore):
                 self._seen[run_id].add(job_id)
                 self._released[run_id].add(job_id)
 
-    def _count(self, run: DPRun, job_id: str) -> tuple[int, int]:
-        with self._lock:
-            self._load(run.id)
-            if run.id not in self._jobs:
-                return MISSING, 0
-            try:
-                with open(self._folder(run.id) / "steps.log", "rb+") as f:
-                    fcntl.flock(f, fcntl.LOCK_EX)  # every process on the folder; freed on close
-                    return self._counted(f, run, job_id)
-            except FileNotFoundError:  # deleted meanwhile
-                return MISSING, 0
-            except OSError as exc:  # opened for writing: a read-only folder refuses here
-                raise _unrecorded(run.id, exc) from None
+    def _tally(self, run: DPRun, job_id: str, record: Callable[[], None] | None = None
+               ) -> tuple[int, int]:
+        """Memory's count, under an exclusive lock on the run's ``steps.log`` that every
+        process on the folder takes, after reading the lines the others appended; the step
+        appended to it before it counts."""
+        try:
+            with open(self._folder(run.id) / "steps.log", "rb+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # freed on close
+                self._catch_up(run.id, f)
+                return super()._tally(run, job_id, partial(self._append, f, run.id, job_id))
+        except FileNotFoundError:  # deleted meanwhile
+            return MISSING, 0
+        except OSError as exc:  # opened for writing: a read-only folder refuses here
+            raise _unrecorded(run.id, exc) from None
 
-    def _counted(self, f: Any, run: DPRun, job_id: str) -> tuple[int, int]:
-        """:meth:`_count` with ``f``, the run's ``steps.log``, open and locked."""
-        self._catch_up(run.id, f)
-        jobs = self._jobs[run.id]
-        if job_id in self._seen[run.id]:
-            return REPEATED, len(jobs)
-        if len(jobs) >= run.max_steps:
-            return EXHAUSTED, len(jobs)
-        self._read_to[run.id] = self._append(f, run.id, job_id)
-        jobs.append(job_id)
-        self._seen[run.id].add(job_id)
-        return COUNTED, len(jobs)
-
-    def _append(self, f: Any, run_id: str, job_id: str) -> int:
-        """The step on disk before it counts, at the end of ``f`` (its ``steps.log``, open and
-        locked), and the file's length after it; a folder that takes no write (read-only,
-        full) refuses the step (507), its line cut off again: nothing is released that the
-        ledger does not hold."""
+    def _append(self, f: Any, run_id: str, job_id: str) -> None:
+        """The step at the end of ``f`` (its ``steps.log``, open and locked), on disk, and read
+        up to there; a folder that takes no write (read-only, full) refuses the step (507),
+        its line cut off again: nothing is released that the ledger does not hold."""
         end = f.seek(0, os.SEEK_END)
         try:
             f.write(job_id.encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
-            return int(f.tell())
+            self._read_to[run_id] = f.tell()
         except OSError as exc:
             with contextlib.suppress(OSError):
                 f.truncate(end)
