@@ -91,7 +91,7 @@ def decode_state(job_id: str, h: Mapping[str, str], answer: Answer | None) -> Jo
     if "error" in h:
         state.error = json.loads(h["error"])
     state.planning_s = float(h.get("planned_s", 0.0))
-    if "planning_since" in h and status is JobStatus.RUNNING:  # its worker plans now
+    if "planning_since" in h:  # its worker plans now (RedisBroker._state)
         state.planning_s += max(0.0, time.time() - float(h["planning_since"]))
     if status is JobStatus.SUCCEEDED and answer is None:  # expired a moment before its state
         raise UnknownJob(f"job '{job_id}' has expired", id=job_id)
@@ -304,8 +304,9 @@ class RedisBroker:
             raise UnknownJob(f"unknown job '{keys.id}' (never submitted, or its result expired "
                              f"after {self.settings.result_ttl_s} s)", id=keys.id)
         h = text_hash(raw)
-        if "planning_since" in h and not await self._alive(h.get("worker")):
-            del h["planning_since"]  # its worker died planning: no planning goes on
+        if "planning_since" in h and (h.get("status") != JobStatus.RUNNING.value
+                                      or not await self._alive(h.get("worker"))):
+            del h["planning_since"]  # the job ended, or its worker died planning
         return decode_state(keys.id, h, RedisAnswer.found(self.blocking, self.pieces_blocking,
                                                           keys, h, first))
 
