@@ -24,6 +24,7 @@ An entry is trusted only as far as it is proven:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -34,7 +35,7 @@ import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -141,13 +142,12 @@ class FileBackend:
         its reader)."""
         path = self.root / f"{name}.json"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with _opened(path) as (f, st):
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(f"{path} is not a plain file")
+                return f.read(MAX_ENTRY_BYTES + 1)
         except FileNotFoundError:
             return None
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(f"{path} is not a plain file")
-            return f.read(MAX_ENTRY_BYTES + 1)
 
     def write(self, name: str, data: bytes) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -180,15 +180,22 @@ def _owned_secret(path: Path) -> str:
     """The signing key in ``path`` where only this user could have written it (a plain file,
     this user's, readable by no one else); else none, said in the log: the plans are then
     checked before their first use, as a worker's without PSGRAD_COMPILE_SECRET are."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd) as f:
-        st = os.fstat(fd)
+    with _opened(path) as (f, st):
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             log.warning("plans' signing key %s is not a file of this user's that no one else "
                         "may read (mode %o): not trusted; stored plans are checked before "
                         "their first use", path, stat.S_IMODE(st.st_mode))
             return ""
-        return f.read(256).strip()
+        return f.read(256).decode().strip()
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """``path`` open for reading, never through a link nor blocking on a FIFO, and what it is
+    (its ``fstat``, for the caller to refuse anything but a plain file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        yield f, os.fstat(fd)
 
 
 class SharedPlans:
