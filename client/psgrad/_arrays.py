@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from psgrad._errors import BadRequest
-from psgrad._merge import Fields
 from psgrad._types import ModelInfo
 from psgrad._wire import bfloat16_values, widened_load
 
@@ -28,6 +27,7 @@ __all__ = [
     "weights_from_bytes",
 ]
 
+Fields = dict[str, Any]  # a request's or an answer's fields (psgrad._merge's too)
 _SENT_AS_IS = np.dtype(np.float32)  # the models' usual dtype: sending it needs no question
 
 

@@ -53,11 +53,10 @@ from typing import Any
 
 import numpy as np
 
+from psgrad._arrays import Fields, cast_floats
 from psgrad._contract import OUTPUTS, SAMPLE_FIELDS, answer_fields
 from psgrad._errors import TooLarge
-from psgrad._wire import bfloat16_values
 
-Fields = dict[str, Any]
 Plan = Generator[Fields, Fields, "PlanResult"]
 Steps = Generator[Fields, Fields, Fields]
 
@@ -240,19 +239,11 @@ def grads_plan(
         )
         result["meta"]["seed"] = seed
     narrow = fields.get("answer_dtype")
-    if chunk < size and narrow in ("float16", "bfloat16"):  # merged from float32 chunks
-        result = {k: v if k in NOT_OUTPUTS else _narrowed(v, narrow) for k, v in result.items()}
+    if chunk < size and narrow in ("float16", "bfloat16"):  # merged from float32 chunks: the
+        # outputs rounded once (bfloat16's values held in float32, as its answers are read)
+        result.update(cast_floats({k: v for k, v in result.items() if k not in NOT_OUTPUTS},
+                                  narrow))
     return PlanResult(result, learned)
-
-
-def _narrowed(value: Any, dtype: str) -> Any:
-    """An output's arrays rounded once to ``answer_dtype`` (bfloat16's values held in float32,
-    as the server's bfloat16 answers are read)."""
-    if isinstance(value, Mapping):
-        return {k: _narrowed(v, dtype) for k, v in value.items()}
-    if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
-        return value
-    return bfloat16_values(value) if dtype == "bfloat16" else value.astype(np.float16)
 
 
 def _run(
